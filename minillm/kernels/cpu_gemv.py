@@ -1,0 +1,130 @@
+"""A bandwidth-bound GEMV for CPU decode, compiled on first use and called through ctypes.
+
+``linear(x, weight, bias)`` has ``torch.nn.functional.linear``'s meaning (the reference) for
+x [..., K] with at most ``MAX_ROWS`` rows, weight [N, K], fp32 or bf16 on CPU. ``available()`` says
+whether the native library could be built here (it needs a C compiler; without one, callers use
+``F.linear``). The C source is ``csrc/cpu_gemv.c``; the built library is cached under
+``~/.cache/minillm/kernels`` keyed by the source and the CPU, so the compile (~1 s) happens once.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+
+MAX_ROWS = 8  # decode batches up to this use the GEMV; above it the GEMM in torch wins (compute per byte grows)
+_SRC = Path(__file__).parent / "csrc" / "cpu_gemv.c"
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("MINILLM_CACHE", Path.home() / ".cache" / "minillm")) / "kernels"
+
+
+def _cpu_key() -> str:
+    try:
+        flags = next(line for line in open("/proc/cpuinfo") if line.startswith("flags"))
+    except (OSError, StopIteration):
+        flags = platform.processor()
+    return hashlib.sha256((flags + platform.machine()).encode()).hexdigest()[:12]
+
+
+def _compile(out: Path) -> None:
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+    if cc is None:
+        raise RuntimeError("no C compiler found (set CC or install gcc)")
+    base = [cc, "-O3", "-ffast-math", "-shared", "-fPIC", str(_SRC)]
+    march = ["-march=native"] if platform.machine() in ("x86_64", "AMD64") else ["-mcpu=native"]
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+    os.close(fd)
+    errors = []
+    # OpenMP splits the rows across cores; fall back to one thread where the compiler lacks it (Apple clang).
+    for extra in (march + ["-fopenmp"], march, []):
+        r = subprocess.run(base + extra + ["-o", tmp], capture_output=True, text=True)
+        if r.returncode == 0:
+            os.replace(tmp, out)  # atomic: a concurrent process sees the old file or the new one
+            return
+        errors.append(r.stderr.strip()[-500:])
+    os.unlink(tmp)
+    raise RuntimeError("could not compile the CPU GEMV:\n" + "\n".join(errors))
+
+
+@lru_cache(maxsize=1)
+def _lib() -> ctypes.CDLL | None:
+    if os.environ.get("MINILLM_DISABLE_NATIVE"):
+        return None
+    digest = hashlib.sha256(_SRC.read_bytes()).hexdigest()[:12]
+    path = cache_dir() / f"cpu_gemv-{digest}-{_cpu_key()}.so"
+    try:
+        if not path.exists():
+            _compile(path)
+        # torch is imported first, so the library's libgomp resolves to the OpenMP runtime torch already
+        # loaded: one thread pool, not two fighting over the cores.
+        lib = ctypes.CDLL(str(path))
+    except (OSError, RuntimeError) as e:  # no compiler, or a broken cache entry: the torch path still works
+        import warnings
+
+        warnings.warn(f"minillm: native CPU GEMV unavailable ({e}); using torch.nn.functional.linear", stacklevel=2)
+        return None
+    i64, vp = ctypes.c_int64, ctypes.c_void_p
+    for name in ("gemv_f32", "gemv_bf16"):
+        getattr(lib, name).argtypes = [vp, vp, vp, vp, i64, i64, i64]
+        getattr(lib, name).restype = None
+    lib.read_sum_f32.argtypes = [vp, i64]
+    lib.read_sum_f32.restype = ctypes.c_double
+    return lib
+
+
+def available() -> bool:
+    """True when the native library is built and loadable on this machine."""
+    return _lib() is not None
+
+
+def supports(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether ``linear(x, weight)`` can take the native path (else use ``F.linear``)."""
+    return (
+        x.device.type == "cpu"
+        and weight.device.type == "cpu"
+        and x.dtype == weight.dtype
+        and x.dtype in (torch.float32, torch.bfloat16)
+        and x.numel() // x.shape[-1] <= MAX_ROWS
+        and not (x.requires_grad or weight.requires_grad)
+        and available()
+    )
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """y = x @ weight.T + bias.  x [..., K] (≤ MAX_ROWS rows), weight [N, K] -> y [..., N]. Same dtype throughout."""
+    N, K = weight.shape
+    if x.shape[-1] != K:
+        raise ValueError(f"x has {x.shape[-1]} features but weight expects K={K}")
+    if not supports(x, weight):
+        raise ValueError("cpu_gemv.linear needs CPU fp32/bf16 tensors of one dtype with at most "
+                         f"{MAX_ROWS} rows and a compiled native library; use F.linear instead")
+    if bias is not None and (bias.shape != (N,) or bias.dtype != weight.dtype):
+        raise ValueError(f"bias must be [{N}] of dtype {weight.dtype}")
+    x2 = x.reshape(-1, K).contiguous()
+    w = weight.contiguous()  # no-op for parameters; a copy would cost as much as the GEMV itself
+    y = torch.empty(x2.shape[0], N, dtype=x.dtype)
+    fn = _lib().gemv_f32 if x.dtype == torch.float32 else _lib().gemv_bf16
+    fn(w.data_ptr(), x2.data_ptr(), bias.contiguous().data_ptr() if bias is not None else None, y.data_ptr(),
+       x2.shape[0], N, K)
+    return y.view(*x.shape[:-1], N)
+
+
+def read_sum(a: torch.Tensor) -> float:
+    """Sum a contiguous fp32 CPU tensor with a streaming multi-threaded loop (a read-bandwidth probe)."""
+    if a.dtype != torch.float32 or a.device.type != "cpu" or not a.is_contiguous():
+        raise ValueError("read_sum needs a contiguous fp32 CPU tensor")
+    if not available():
+        return float(a.sum())
+    return _lib().read_sum_f32(a.data_ptr(), a.numel())

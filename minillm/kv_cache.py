@@ -1,0 +1,78 @@
+"""The contiguous KV cache: every sequence gets a preallocated [S_max] slab per layer.
+
+K and V are stored after RoPE, so a decode step computes K/V only for the new token and reads the rest:
+the step costs O(S) attention instead of recomputing O(S²).  Slot s of sequence b holds position s.
+Bytes per token = 2 (K and V) × layers × H_kv × D × bytes per element — see ``kv_bytes_per_token``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .config import ModelConfig
+
+
+def kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype = torch.float16) -> int:
+    """2 × n_layers × H_kv × D × bytes/elem.  Llama-2-7B fp16: 2×32×32×128×2 = 512 KiB."""
+    return 2 * config.num_layers * config.num_kv_heads * config.head_dim * torch.finfo(dtype).bits // 8
+
+
+class KVCache:
+    """Preallocated K/V for ``batch_size`` sequences of up to ``max_len`` tokens.
+
+    Call ``begin(positions)`` before each forward with the positions [B, L] of the tokens it feeds; each
+    attention layer then calls ``update(layer, k, v)``, which writes the new K/V at those positions and
+    returns the K/V to attend to and the mask.  The mask lets query position p see slots s ≤ p, which also
+    hides stale slots beyond a short sequence's end in a mixed-length batch.
+    """
+
+    def __init__(self, config: ModelConfig, batch_size: int, max_len: int, *, dtype: torch.dtype,
+                 device: torch.device | str):
+        if max_len > config.max_position_embeddings:
+            raise ValueError(f"KV cache length {max_len} exceeds the model's context "
+                             f"({config.max_position_embeddings} tokens)")
+        shape = (config.num_layers, batch_size, config.num_kv_heads, max_len, config.head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)  # (layers, B, H_kv, S_max, D)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.max_len = max_len
+        self._positions: Tensor | None = None
+        self._mask: Tensor | None = None
+        self._used = 0
+
+    @property
+    def nbytes(self) -> int:
+        return self.k.numel() * self.k.element_size() * 2
+
+    def begin(self, positions: Tensor) -> None:
+        """positions [B, L] (int64) of the tokens about to be fed; all must be < max_len."""
+        B = self.k.shape[1]
+        if positions.dim() != 2 or positions.shape[0] != B:
+            raise ValueError(f"positions must be [B={B}, L], got {tuple(positions.shape)}")
+        top = int(positions.max()) + 1
+        if top > self.max_len:
+            raise ValueError(f"position {top - 1} does not fit a KV cache of {self.max_len} tokens")
+        self._positions = positions
+        self._used = top
+        L = positions.shape[1]
+        if B == 1 and L == 1:
+            self._mask = None  # one query at the newest position sees every slot up to it: no mask needed
+        else:
+            slots = torch.arange(top, device=positions.device)
+            self._mask = (slots <= positions[:, None, :, None])  # (B, 1, L, S)
+
+    def update(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
+        """Write k, v [B, H_kv, L, D] at the current positions; return K, V [B, H_kv, S, D] and the mask."""
+        pos = self._positions
+        if pos is None:
+            raise RuntimeError("KVCache.begin(positions) must be called before the forward pass")
+        kc, vc = self.k[layer], self.v[layer]
+        if pos.shape[0] == 1:  # one sequence: its positions are a contiguous run, a slice write suffices
+            start = int(pos[0, 0])
+            kc[:, :, start : start + k.shape[2]] = k
+            vc[:, :, start : start + v.shape[2]] = v
+        else:
+            b = torch.arange(pos.shape[0], device=pos.device)[:, None]  # (B, 1)
+            kc[b, :, pos] = k.transpose(1, 2)  # indexed view is (B, L, H_kv, D)
+            vc[b, :, pos] = v.transpose(1, 2)
+        return kc[:, :, : self._used], vc[:, :, : self._used], self._mask

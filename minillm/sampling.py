@@ -1,0 +1,115 @@
+"""From logits to the next token: temperature, top-k, top-p, greedy, and seeded sampling.
+
+Meanings follow vLLM's ``SamplingParams``: temperature 0 is greedy; top_k 0 or -1 is off; top_p 1.0 is off.
+Filters apply in the order temperature → top-k → top-p, each on the result of the previous one.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one request is decoded. Invalid values raise ``ValueError`` naming the parameter and its range."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+    n: int = 1
+
+    def __post_init__(self):
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        elif isinstance(self.stop, list):
+            object.__setattr__(self, "stop", tuple(self.stop))
+        if not _is_int(self.max_tokens) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if not _is_real(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature!r}")
+        if not _is_int(self.top_k) or self.top_k < -1:
+            raise ValueError(f"top_k must be an integer >= 1, or 0 / -1 to disable it, got {self.top_k!r}")
+        if not _is_real(self.top_p) or not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1] (1 disables it), got {self.top_p!r}")
+        if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < 2**63):
+            raise ValueError(f"seed must be None or an integer in [0, 2**63), got {self.seed!r}")
+        if not all(isinstance(s, str) and s for s in self.stop):
+            raise ValueError(f"stop must be a string or a list of non-empty strings, got {self.stop!r}")
+        if not _is_int(self.n) or self.n < 1:
+            raise ValueError(f"n must be an integer >= 1, got {self.n!r}")
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_real(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def top_k_mask(logits: Tensor, k: int) -> Tensor:
+    """Keep the k largest logits (exactly k; ties broken by index), set the rest to -inf.  [..., V] -> [..., V]."""
+    if k <= 0 or k >= logits.shape[-1]:
+        return logits
+    keep = torch.zeros_like(logits, dtype=torch.bool).scatter_(-1, logits.topk(k, dim=-1).indices, True)
+    return logits.masked_fill(~keep, float("-inf"))
+
+
+def top_p_mask(logits: Tensor, p: float) -> Tensor:
+    """Keep the smallest set of most likely tokens whose probability sums to ≥ p (the nucleus), -inf the rest.
+
+    A token is kept when the mass strictly before it (in descending order) is < p, so the token that crosses
+    p is included and the most likely token always survives.  [..., V] -> [..., V].
+    """
+    if p >= 1.0:
+        return logits
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    probs = sorted_logits.softmax(dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs
+    keep_sorted = mass_before < p
+    keep_sorted[..., 0] = True
+    keep = torch.zeros_like(keep_sorted).scatter_(-1, order, keep_sorted)
+    return logits.masked_fill(~keep, float("-inf"))
+
+
+def probabilities(logits: Tensor, params: SamplingParams) -> Tensor:
+    """The distribution a non-greedy request samples from.  logits [V] or [B, V] -> probs, fp32."""
+    x = logits.float() / params.temperature
+    x = top_k_mask(x, params.top_k)
+    x = top_p_mask(x, params.top_p)
+    return x.softmax(dim=-1)
+
+
+def make_generator(params: SamplingParams, device: torch.device | str = "cpu") -> torch.Generator | None:
+    """A private RNG for a seeded request, so its samples do not depend on what else runs beside it."""
+    if params.seed is None or params.greedy:
+        return None
+    g = torch.Generator(device=device)
+    g.manual_seed(params.seed)
+    return g
+
+
+def sample(logits: Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]) -> list[int]:
+    """One token per row.  logits [B, V] -> B token ids.  Greedy rows take the argmax (first index on ties)."""
+    if logits.dim() != 2 or logits.shape[0] != len(params) or len(params) != len(generators):
+        raise ValueError(f"need logits [B, V] and B params/generators; got {tuple(logits.shape)}, "
+                         f"{len(params)}, {len(generators)}")
+    out = logits.argmax(dim=-1).tolist()  # one device sync for the whole batch
+    for i, (p, g) in enumerate(zip(params, generators)):
+        if not p.greedy:
+            out[i] = int(torch.multinomial(probabilities(logits[i], p), 1, generator=g))
+    return out
