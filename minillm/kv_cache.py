@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .attention import sdpa_attention
 from .config import ModelConfig
 
 
@@ -22,8 +23,8 @@ class KVCache:
     """Preallocated K/V for ``batch_size`` sequences of up to ``max_len`` tokens.
 
     Call ``begin(positions)`` before each forward with the positions [B, L] of the tokens it feeds; each
-    attention layer then calls ``update(layer, k, v)``, which writes the new K/V at those positions and
-    returns the K/V to attend to and the mask.  The mask lets query position p see slots s ≤ p, which also
+    attention layer then calls ``attention(layer, q, k, v, scale)``, which writes the new K/V at those
+    positions (``update``) and attends over the filled slots.  The mask lets query position p see slots s ≤ p, which also
     hides stale slots beyond a short sequence's end in a mixed-length batch.
     """
 
@@ -60,6 +61,11 @@ class KVCache:
         else:
             slots = torch.arange(top, device=positions.device)
             self._mask = (slots <= positions[:, None, :, None])  # (B, 1, L, S)
+
+    def attention(self, layer: int, q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
+        """Store k, v [B, H_kv, L, D] at the current positions, then attend q [B, H_q, L, D] -> [B, H_q, L, D]."""
+        k_all, v_all, mask = self.update(layer, k, v)
+        return sdpa_attention(q, k_all, v_all, mask, scale=scale)
 
     def update(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
         """Write k, v [B, H_kv, L, D] at the current positions; return K, V [B, H_kv, S, D] and the mask."""

@@ -164,6 +164,7 @@ def build_model(config: ModelConfig, hf_state: dict[str, Tensor], *, dtype: torc
     if config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     model.model.rotary_emb = RotaryEmbedding(config)  # a computed buffer, not in the checkpoint
+    model.requires_grad_(False)  # an inference engine: no autograd bookkeeping on the weights
     return model.to(device).eval().set_kernels(kernels)
 
 

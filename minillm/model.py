@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .attention import sdpa_attention
 from .config import ModelConfig
 from .kernels import cpu_gemv
 
@@ -90,8 +91,12 @@ class Attention(nn.Module):
         self.scale = config.head_dim**-0.5
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, layer: int, cache=None) -> Tensor:
-        """x [B, L, hidden] -> [B, L, hidden].  With ``cache``, the new K/V are written at their positions
-        and attention reads the cached ones; without it, plain causal attention over the L tokens."""
+        """x [B, L, hidden] -> [B, L, hidden].
+
+        ``cache`` is any KV store with ``attention(layer, q, k, v, scale) -> out [B, H_q, L, D]`` that first
+        writes the new k, v [B, H_kv, L, D] (after RoPE) and then attends over all it holds for these sequences
+        (``kv_cache.KVCache`` contiguous; the paged cache of the engine).  Without one: plain causal attention.
+        """
         c = self.config
         B, L, _ = x.shape
         qkv = self.qkv_proj(x)  # (B, L, (H_q + 2 H_kv) D)
@@ -102,12 +107,9 @@ class Attention(nn.Module):
         k = qk[:, :, c.num_heads :].transpose(1, 2)  # (B, H_kv, L, D)
         v = qkv[..., c.q_size + c.kv_size :].view(B, L, c.num_kv_heads, c.head_dim).transpose(1, 2)
         if cache is None:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=L > 1, scale=self.scale,
-                                                 enable_gqa=c.num_kv_heads != c.num_heads)
-        else:
-            k, v, mask = cache.update(layer, k, v)  # (B, H_kv, S, D) x2, mask (B, 1, L, S) or None
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale,
-                                                 enable_gqa=c.num_kv_heads != c.num_heads)
+            out = sdpa_attention(q, k, v, causal=True, scale=self.scale)
+        else:  # the cache stores the new K/V and attends over everything it holds for these sequences
+            out = cache.attention(layer, q, k, v, self.scale)  # (B, H_q, L, D)
         out = out.transpose(1, 2).reshape(B, L, c.q_size)  # (B, L, H_q D)
         return self.o_proj(out)
 
@@ -134,11 +136,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: Tensor) -> Tensor:
-        if x.dtype == torch.float32:
-            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)  # one fused op
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)  # one fused op; fp32 statistics
 
 
 class DecoderLayer(nn.Module):

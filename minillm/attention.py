@@ -1,0 +1,68 @@
+"""Reference attention: the answer key the kernels (``minillm.kernels``) are tested against.
+
+All functions take q [B, H_q, L, D] and k, v [B, H_kv, S, D] with H_q a multiple of H_kv, and share K/V
+heads across query groups by *viewing* q as [B, H_kv, G·L, D] (G = H_q / H_kv): no K/V copies, unlike
+``repeat_interleave``.  Query head h uses K/V head h // G, as in transformers' ``repeat_kv``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+
+def _check(q: Tensor, k: Tensor, v: Tensor) -> tuple[int, int, int, int, int, int]:
+    if q.dim() != 4 or k.dim() != 4 or k.shape != v.shape:
+        raise ValueError(f"need q [B, H_q, L, D] and k, v [B, H_kv, S, D]; got {tuple(q.shape)}, "
+                         f"{tuple(k.shape)}, {tuple(v.shape)}")
+    B, Hq, L, D = q.shape
+    Bk, Hkv, S, Dk = k.shape
+    if Bk != B or Dk != D or Hq % Hkv:
+        raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} disagree on B or D, or H_q % H_kv != 0")
+    return B, Hq, Hkv, L, S, D
+
+
+def grouped_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None, *, causal: bool = False,
+                      scale: float | None = None) -> Tensor:
+    """Softmax(q kᵀ · scale + mask) v, materialising the [L, S] scores (fp32 softmax).  -> [B, H_q, L, D].
+
+    ``mask``: bool, True = may attend, broadcastable to [B, 1, L, S].  ``causal``: query i (the i-th of the
+    last L positions) sees keys j ≤ S - L + i.  Cost: 4·B·H_q·L·S·D FLOPs and B·H_q·L·S score bytes in memory —
+    fine for decode (L = 1), the reason FlashAttention exists for long prefills.
+    """
+    B, Hq, Hkv, L, S, D = _check(q, k, v)
+    G = Hq // Hkv
+    scale = D**-0.5 if scale is None else scale
+    qg = q.reshape(B, Hkv, G * L, D)  # consecutive query heads share a K/V head
+    scores = (qg @ k.transpose(-1, -2)).float().view(B, Hkv, G, L, S) * scale
+    if causal:
+        allowed = torch.ones(L, S, dtype=torch.bool, device=q.device).tril(S - L)
+        scores = scores.masked_fill(~allowed, float("-inf"))
+    if mask is not None:
+        scores = scores.masked_fill(~mask[:, :, None], float("-inf"))  # (B, 1, 1, L, S)
+    probs = scores.softmax(dim=-1).to(v.dtype).view(B, Hkv, G * L, S)
+    return (probs @ v).view(B, Hq, L, D)
+
+
+def sdpa_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None, *, causal: bool = False,
+                   scale: float | None = None) -> Tensor:
+    """The same through ``F.scaled_dot_product_attention`` (fused on CPU and CUDA).  -> [B, H_q, L, D]."""
+    _, Hq, Hkv, L, S, _ = _check(q, k, v)
+    if causal and mask is None and L != S:
+        mask = torch.ones(L, S, dtype=torch.bool, device=q.device).tril(S - L)[None, None]
+        causal = False
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal and L > 1, scale=scale,
+                                          enable_gqa=Hq != Hkv)
+
+
+def decode_attention(q: Tensor, k: Tensor, v: Tensor, seq_lens: Tensor, *, scale: float | None = None) -> Tensor:
+    """One new query per sequence over its first ``seq_lens[b]`` cached keys.
+
+    q [B, H_q, D], k/v [B, H_kv, S_max, D], seq_lens [B] (1 ≤ len ≤ S_max) -> [B, H_q, D].
+    """
+    if q.dim() != 3 or seq_lens.shape != (q.shape[0],):
+        raise ValueError(f"need q [B, H_q, D] and seq_lens [B]; got {tuple(q.shape)}, {tuple(seq_lens.shape)}")
+    S = k.shape[2]
+    mask = (torch.arange(S, device=q.device) < seq_lens[:, None].to(q.device))[:, None, None, :]  # (B, 1, 1, S)
+    return grouped_attention(q[:, :, None], k, v, mask, scale=scale)[:, :, 0]

@@ -1,0 +1,156 @@
+"""The offline API, shaped like vLLM's: ``LLM(model).generate(prompts, SamplingParams(...))``."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from .generate import RequestMetrics, SequenceState, stream_cached, stream_naive
+from .loader import load_model, load_tokenizer
+from .sampling import SamplingParams
+
+Prompt = str | Sequence[int]
+
+
+@dataclass
+class RequestOutput:
+    """One finished request: the generated ``text`` and ``token_ids``, why it stopped, and its metrics."""
+
+    prompt: str | None
+    prompt_token_ids: list[int]
+    text: str
+    token_ids: list[int]
+    finish_reason: str  # "stop" (EOS or a stop string) | "length" (max_tokens or the context)
+    metrics: RequestMetrics = field(repr=False)
+
+
+@dataclass
+class StreamEvent:
+    """A piece of streamed output: the new text (``delta``) and token of request ``index``."""
+
+    index: int
+    token_id: int
+    delta: str
+    finish_reason: str | None
+
+
+class IncrementalDetokenizer:
+    """Turns a growing list of ids into text deltas, holding back bytes of a character split across tokens."""
+
+    def __init__(self, tokenizer, stop: Sequence[str] = ()):
+        self.tokenizer = tokenizer
+        self.stop = tuple(stop)
+        self.ids: list[int] = []
+        self.text = ""  # text emitted so far (never beyond a stop string)
+        self.stopped = False
+
+    def push(self, token_id: int, final: bool = False) -> str:
+        self.ids.append(token_id)
+        full = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        if full.endswith("\ufffd") and not final:
+            return ""  # an incomplete UTF-8 sequence: wait for the next token
+        for s in self.stop:  # stop strings are searched in the whole text; the output ends before them
+            at = full.find(s)
+            if at != -1:
+                full, self.stopped = full[:at], True
+        # hold back a tail that could be the start of a stop string, unless this is the end
+        hold = 0 if (final or self.stopped) else max((k for s in self.stop for k in range(1, len(s))
+                                                       if full.endswith(s[:k])), default=0)
+        visible = full[: len(full) - hold]
+        delta, self.text = visible[len(self.text):], visible
+        return delta
+
+
+class LLM:
+    """A model and its tokenizer, ready to generate.
+
+    ``model``: None (the embedded SmolLM2-135M-Instruct, offline), a hub id, a local directory or a ``.gguf``.
+    ``dtype``: "float32" | "float16" | "bfloat16" | None; ``device``: "cpu" | "cuda" | None (CUDA when present);
+    ``kernels``: "auto" | "torch" | "native"; ``cached=False`` uses the naive recompute loop (for teaching).
+    """
+
+    def __init__(self, model: str | os.PathLike | None = None, *, dtype=None, device=None, kernels: str = "auto",
+                 cached: bool = True):
+        self.model = load_model(model, dtype=dtype, device=device, kernels=kernels)
+        self.tokenizer = load_tokenizer(model)
+        self.cached = cached
+        eos = set(self.model.config.eos_token_ids)
+        if self.tokenizer.eos_token_id is not None:
+            eos.add(self.tokenizer.eos_token_id)
+        self.eos_token_ids = tuple(sorted(eos))
+
+    # --- prompts -----------------------------------------------------------------------------------------
+    def encode(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt is empty: pass a non-empty string or a list of token ids")
+            return self.tokenizer(prompt, add_special_tokens=True).input_ids
+        if isinstance(prompt, torch.Tensor):
+            prompt = prompt.tolist()
+        ids = list(prompt)
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            raise ValueError("a prompt must be a string or a list of int token ids")
+        return ids
+
+    def apply_chat_template(self, messages: list[dict]) -> list[int]:
+        """Messages [{"role": ..., "content": ...}] -> prompt ids ending with the assistant's turn."""
+        if not messages or not all(isinstance(m, dict) and "role" in m and "content" in m for m in messages):
+            raise ValueError('messages must be a non-empty list of {"role": ..., "content": ...} dicts')
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError("this model's tokenizer has no chat template: use generate() with a plain prompt")
+        out = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        return list(out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out)
+
+    # --- generation ----------------------------------------------------------------------------------------
+    def stream(self, prompts: Prompt | Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams] | None = None,
+               _states: list | None = None) -> Iterator[StreamEvent]:
+        """Yield text deltas as tokens are produced (all prompts decode together)."""
+        prompt_list = [prompts] if isinstance(prompts, str) or _is_ids(prompts) else list(prompts)
+        if not prompt_list:
+            raise ValueError("no prompts given")
+        params = params or SamplingParams()
+        param_list = [params] * len(prompt_list) if isinstance(params, SamplingParams) else list(params)
+        if len(param_list) != len(prompt_list):
+            raise ValueError(f"got {len(prompt_list)} prompts but {len(param_list)} SamplingParams")
+        if any(p.n != 1 for p in param_list):
+            raise ValueError("SamplingParams.n > 1 (parallel samples) needs the engine; use n=1 here")
+        ids = [self.encode(p) for p in prompt_list]
+        detoks = [IncrementalDetokenizer(self.tokenizer, p.stop) for p in param_list]
+
+        def stop_checker(i: int, output: list[int]) -> bool:
+            return detoks[i].stopped
+
+        loop = stream_cached if self.cached else stream_naive
+        states: list[SequenceState] = [] if _states is None else _states
+        for ev in loop(self.model, ids, param_list, self.eos_token_ids, stop_checker, states):
+            tok = ev.token_id
+            if ev.finish_reason == "stop" and not detoks[ev.index].stopped:  # EOS: not part of the text
+                delta = detoks[ev.index].push(tok, final=True) if tok not in self.eos_token_ids else ""
+            else:
+                delta = detoks[ev.index].push(tok, final=ev.finish_reason is not None)
+            yield StreamEvent(ev.index, tok, delta, ev.finish_reason)
+        self._last = (prompt_list, ids, detoks, states)
+
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
+        """Generate for each prompt (strings or token-id lists); outputs in prompt order."""
+        states: list[SequenceState] = []
+        for _ in self.stream(prompts, sampling_params, states):
+            pass
+        prompt_list, ids, detoks, _ = self._last
+        return [RequestOutput(prompt=p if isinstance(p, str) else None, prompt_token_ids=i, text=d.text,
+                              token_ids=s.output, finish_reason=s.finish_reason or "length", metrics=s.metrics)
+                for p, i, d, s in zip(prompt_list, ids, detoks, states)]
+
+    def chat(self, messages: list[dict] | list[list[dict]],
+             sampling_params: SamplingParams | None = None) -> list[RequestOutput]:
+        """One conversation (a list of messages) or several; the reply is generated with the chat template."""
+        convs = [messages] if messages and isinstance(messages[0], dict) else messages
+        return self.generate([self.apply_chat_template(c) for c in convs], sampling_params)
+
+
+def _is_ids(x) -> bool:
+    return isinstance(x, torch.Tensor) or (isinstance(x, (list, tuple)) and len(x) > 0 and isinstance(x[0], int))
