@@ -171,7 +171,8 @@ def stream_cached(model: Transformer, prompts: Sequence[Sequence[int]], params: 
         sequences.extend(seqs)
     eos, max_len = frozenset(eos_ids), model.config.max_position_embeddings
     cache_len = min(max_len, max(len(s.prompt) + s.params.max_tokens for s in seqs))
-    cache = KVCache(model.config, len(seqs), cache_len, dtype=model.dtype, device=model.device)
+    cache = KVCache(model.config, len(seqs), cache_len, dtype=model.dtype, device=model.device,
+                    kernels=model.kernels)
     B = len(seqs)
 
     ids, positions, last = _right_pad([s.prompt for s in seqs], model.device)

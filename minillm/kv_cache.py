@@ -12,11 +12,14 @@ from torch import Tensor
 
 from .attention import sdpa_attention
 from .config import ModelConfig
+from .kernels import cpu_gemv
 
 
 def kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype = torch.float16) -> int:
     """2 × n_layers × H_kv × D × bytes/elem.  Llama-2-7B fp16: 2×32×32×128×2 = 512 KiB."""
+    ### BEGIN SOLUTION
     return 2 * config.num_layers * config.num_kv_heads * config.head_dim * torch.finfo(dtype).bits // 8
+    ### END SOLUTION
 
 
 class KVCache:
@@ -29,7 +32,7 @@ class KVCache:
     """
 
     def __init__(self, config: ModelConfig, batch_size: int, max_len: int, *, dtype: torch.dtype,
-                 device: torch.device | str):
+                 device: torch.device | str, kernels: str = "auto"):
         if max_len > config.max_position_embeddings:
             raise ValueError(f"KV cache length {max_len} exceeds the model's context "
                              f"({config.max_position_embeddings} tokens)")
@@ -37,6 +40,7 @@ class KVCache:
         self.k = torch.zeros(shape, dtype=dtype, device=device)  # (layers, B, H_kv, S_max, D)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.max_len = max_len
+        self.kernels = kernels  # "torch" forces the reference attention; otherwise the native CPU decode path
         self._positions: Tensor | None = None
         self._mask: Tensor | None = None
         self._used = 0
@@ -65,6 +69,10 @@ class KVCache:
     def attention(self, layer: int, q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
         """Store k, v [B, H_kv, L, D] at the current positions, then attend q [B, H_q, L, D] -> [B, H_q, L, D]."""
         k_all, v_all, mask = self.update(layer, k, v)
+        if q.shape[2] == 1 and self.kernels != "torch" and q.device.type == "cpu" and cpu_gemv.available() \
+                and q.dtype in (torch.float32, torch.bfloat16):
+            # Decode on CPU: SDPA's fixed cost (~50 µs) is several times the work at these sizes.
+            return cpu_gemv.decode_attention(q[:, :, 0], k_all, v_all, self._positions[:, 0] + 1, scale)[:, :, None]
         return sdpa_attention(q, k_all, v_all, mask, scale=scale)
 
     def update(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
@@ -72,6 +80,7 @@ class KVCache:
         pos = self._positions
         if pos is None:
             raise RuntimeError("KVCache.begin(positions) must be called before the forward pass")
+        ### BEGIN SOLUTION
         kc, vc = self.k[layer], self.v[layer]
         if pos.shape[0] == 1:  # one sequence: its positions are a contiguous run, a slice write suffices
             start = int(pos[0, 0])
@@ -82,3 +91,4 @@ class KVCache:
             kc[b, :, pos] = k.transpose(1, 2)  # indexed view is (B, L, H_kv, D)
             vc[b, :, pos] = v.transpose(1, 2)
         return kc[:, :, : self._used], vc[:, :, : self._used], self._mask
+        ### END SOLUTION

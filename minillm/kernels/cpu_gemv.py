@@ -49,7 +49,7 @@ def _compile(out: Path) -> None:
     errors = []
     # OpenMP splits the rows across cores; fall back to one thread where the compiler lacks it (Apple clang).
     for extra in (march + ["-fopenmp"], march, []):
-        r = subprocess.run(base + extra + ["-o", tmp], capture_output=True, text=True)
+        r = subprocess.run(base + extra + ["-o", tmp, "-lm"], capture_output=True, text=True)
         if r.returncode == 0:
             os.replace(tmp, out)  # atomic: a concurrent process sees the old file or the new one
             return
@@ -78,6 +78,12 @@ def _lib() -> ctypes.CDLL | None:
     i64, vp = ctypes.c_int64, ctypes.c_void_p
     for name in ("gemv_f32", "gemv_bf16"):
         getattr(lib, name).argtypes = [vp, vp, vp, vp, i64, i64, i64]
+        getattr(lib, name).restype = None
+    for name in ("decode_attention_f32", "decode_attention_bf16"):
+        getattr(lib, name).argtypes = [vp, vp, vp, vp, vp] + [i64] * 6 + [ctypes.c_float]
+        getattr(lib, name).restype = None
+    for name in ("rms_norm_f32", "rms_norm_bf16"):
+        getattr(lib, name).argtypes = [vp, vp, vp, i64, i64, ctypes.c_float]
         getattr(lib, name).restype = None
     lib.read_sum_f32.argtypes = [vp, i64]
     lib.read_sum_f32.restype = ctypes.c_double
@@ -119,6 +125,45 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     fn(w.data_ptr(), x2.data_ptr(), bias.contiguous().data_ptr() if bias is not None else None, y.data_ptr(),
        x2.shape[0], N, K)
     return y.view(*x.shape[:-1], N)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [..., K] (≤ MAX_ROWS rows) -> x / rms(x) * weight, fp32 statistics; reference ``F.rms_norm``."""
+    K = x.shape[-1]
+    if not supports(x, weight) or weight.shape != (K,):
+        raise ValueError("cpu_gemv.rms_norm needs CPU fp32/bf16 tensors of one dtype, ≤ MAX_ROWS rows, weight [K]")
+    x2 = x.reshape(-1, K).contiguous()
+    y = torch.empty_like(x2)
+    fn = _lib().rms_norm_f32 if x.dtype == torch.float32 else _lib().rms_norm_bf16
+    fn(x2.data_ptr(), weight.data_ptr(), y.data_ptr(), x2.shape[0], K, eps)
+    return y.view(x.shape)
+
+
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_lens: torch.Tensor,
+                     scale: float) -> torch.Tensor:
+    """One query per sequence over its first ``seq_lens[b]`` cached keys, on CPU.
+
+    q [B, H_q, D]; k, v [B, H_kv, S_max, D] (views into a cache: the last two dims contiguous, any batch/head
+    strides); seq_lens [B] -> [B, H_q, D].  Reference: ``minillm.attention.decode_attention``.
+    """
+    B, Hq, D = q.shape
+    Hkv = k.shape[1]
+    if k.shape != v.shape or k.stride() != v.stride() or k.shape[0] != B or k.shape[3] != D or Hq % Hkv:
+        raise ValueError(f"need q [B, H_q, D] and k, v [B, H_kv, S, D] with equal strides; got {tuple(q.shape)}, "
+                         f"{tuple(k.shape)}, {tuple(v.shape)}")
+    if k.stride(3) != 1 or k.stride(2) != D:
+        raise ValueError("k and v rows must be contiguous ([..., S, D] with stride (D, 1))")
+    if q.dtype != k.dtype or q.dtype not in (torch.float32, torch.bfloat16) or not available():
+        raise ValueError("cpu_gemv.decode_attention needs fp32/bf16 CPU tensors and the native library")
+    lens = seq_lens.to(torch.int64).contiguous()
+    if lens.shape != (B,) or int(lens.min()) < 1 or int(lens.max()) > k.shape[2]:
+        raise ValueError(f"seq_lens must be [B={B}] with values in [1, {k.shape[2]}]")
+    q = q.contiguous()
+    out = torch.empty_like(q)
+    fn = _lib().decode_attention_f32 if q.dtype == torch.float32 else _lib().decode_attention_bf16
+    fn(q.data_ptr(), k.data_ptr(), v.data_ptr(), lens.data_ptr(), out.data_ptr(), B, Hq, Hkv, D,
+       k.stride(0), k.stride(1), scale)
+    return out
 
 
 def read_sum(a: torch.Tensor) -> float:

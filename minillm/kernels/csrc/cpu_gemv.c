@@ -12,6 +12,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <math.h>
 
 static inline float bf16_to_f32(uint16_t b) {
     uint32_t u = ((uint32_t)b) << 16;
@@ -74,4 +75,82 @@ double read_sum_f32(const float *restrict a, int64_t n) {
         total += acc;
     }
     return total;
+}
+
+/* Decode attention over a contiguous KV cache: one new query per sequence.
+ * q [B, H_q, D] (contiguous), k/v [B, H_kv, S_max, D] with strides (sb, sh, D, 1), lens [B] (int64),
+ * out [B, H_q, D].  Query head h reads K/V head h / G.  Reads each cached K and V row once per query
+ * head (the G heads of a group hit L1/L2 for the second and later reads); the cost is the KV bytes.
+ * Reference: minillm.attention.decode_attention.  T is float or uint16_t (bf16). */
+#define DECODE_ATTENTION(NAME, T, LOAD, STORE)                                                           \
+    void NAME(const T *restrict q, const T *restrict k, const T *restrict v, const int64_t *restrict lens, \
+              T *restrict out, int64_t B, int64_t Hq, int64_t Hkv, int64_t D, int64_t sb, int64_t sh,      \
+              float scale) {                                                                               \
+        int64_t G = Hq / Hkv;                                                                              \
+        _Pragma("omp parallel for collapse(2) schedule(static)")                                          \
+        for (int64_t b = 0; b < B; b++)                                                                    \
+            for (int64_t h = 0; h < Hq; h++) {                                                             \
+                int64_t S = lens[b];                                                                       \
+                const T *qh = q + (b * Hq + h) * D;                                                        \
+                const T *kh = k + b * sb + (h / G) * sh;                                                   \
+                const T *vh = v + b * sb + (h / G) * sh;                                                   \
+                float qf[D], acc[D], *p = (float *)malloc(sizeof(float) * (S > 0 ? S : 1));               \
+                for (int64_t d = 0; d < D; d++) { qf[d] = LOAD(qh[d]) * scale; acc[d] = 0.f; }            \
+                float m = -INFINITY;                                                                       \
+                for (int64_t s = 0; s < S; s++) {                                                          \
+                    const T *ks = kh + s * D;                                                              \
+                    float dot = 0.f;                                                                       \
+                    _Pragma("omp simd reduction(+ : dot)")                                                \
+                    for (int64_t d = 0; d < D; d++) dot += qf[d] * LOAD(ks[d]);                            \
+                    p[s] = dot;                                                                            \
+                    if (dot > m) m = dot;                                                                  \
+                }                                                                                          \
+                float l = 0.f;                                                                             \
+                for (int64_t s = 0; s < S; s++) { p[s] = expf(p[s] - m); l += p[s]; }                      \
+                for (int64_t s = 0; s < S; s++) {                                                          \
+                    const T *vs = vh + s * D;                                                              \
+                    float w = p[s];                                                                        \
+                    _Pragma("omp simd")                                                                    \
+                    for (int64_t d = 0; d < D; d++) acc[d] += w * LOAD(vs[d]);                             \
+                }                                                                                          \
+                T *o = out + (b * Hq + h) * D;                                                             \
+                for (int64_t d = 0; d < D; d++) o[d] = STORE(acc[d] / l);                                  \
+                free(p);                                                                                   \
+            }                                                                                              \
+    }
+
+static inline float load_f32(float x) { return x; }
+static inline float store_f32(float x) { return x; }
+DECODE_ATTENTION(decode_attention_f32, float, load_f32, store_f32)
+DECODE_ATTENTION(decode_attention_bf16, uint16_t, bf16_to_f32, f32_to_bf16)
+
+/* RMSNorm of M rows of K: y = x / sqrt(mean(x²) + eps) * w, statistics in fp32.  In bf16 the normalised value
+ * is rounded to bf16 before the weight multiply, exactly as transformers' LlamaRMSNorm does.
+ * Reference: torch.nn.functional.rms_norm / model.RMSNorm.  One pass to sum squares, one to scale. */
+void rms_norm_f32(const float *restrict x, const float *restrict w, float *restrict y, int64_t M, int64_t K,
+                  float eps) {
+    for (int64_t m = 0; m < M; m++) {
+        const float *xm = x + m * K;
+        float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+        for (int64_t k = 0; k < K; k++) ss += xm[k] * xm[k];
+        float r = 1.f / sqrtf(ss / (float)K + eps);
+#pragma omp simd
+        for (int64_t k = 0; k < K; k++) y[m * K + k] = xm[k] * r * w[k];
+    }
+}
+
+void rms_norm_bf16(const uint16_t *restrict x, const uint16_t *restrict w, uint16_t *restrict y, int64_t M,
+                   int64_t K, float eps) {
+    for (int64_t m = 0; m < M; m++) {
+        const uint16_t *xm = x + m * K;
+        float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+        for (int64_t k = 0; k < K; k++) { float f = bf16_to_f32(xm[k]); ss += f * f; }
+        float r = 1.f / sqrtf(ss / (float)K + eps);
+        for (int64_t k = 0; k < K; k++) {
+            float normed = bf16_to_f32(f32_to_bf16(bf16_to_f32(xm[k]) * r));
+            y[m * K + k] = f32_to_bf16(normed * bf16_to_f32(w[k]));
+        }
+    }
 }
