@@ -49,7 +49,7 @@ def _print_metrics(llm, state, out=sys.stderr) -> None:
             f"TPOT {m.tpot_s * 1e3:.1f} ms | decode {m.decode_tokens_per_s:.1f} tok/s")
     if m.output_tokens > 1:
         spec = measure_device(str(llm.model.device), quick=True)
-        bw = getattr(spec, "read_bandwidth", None) or spec.memory_bandwidth
+        bw = spec.memory_bandwidth
         step = decode_step_cost(llm.model.config, batch=1, kv_len=m.prompt_tokens + m.output_tokens // 2,
                                 dtype=llm.model.dtype)
         achieved = step.bytes * m.decode_tokens_per_s
