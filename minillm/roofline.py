@@ -618,7 +618,7 @@ def format_measurement(m: MeasuredSpec) -> str:
     lines += [f"  {label:36}{cell(t)}{cell(n)}" for label, t, n in rows]
     lines.append(f"{'matmul ' + str(p['matmul_n']) + '³, GFLOP/s':38}{'':>10}{'ridge':>10}")
     lines += [f"  {dt:36}{v / 1e9:10.1f}{ridge_point(m, dt):10.2f}" for dt, v in m.peak_flops.items()]
-    lines.append(f"roof: {m.memory_bandwidth / 1e9:.1f} GB/s (best read), ridge in FLOP/byte")
+    lines.append(f"roof: {m.memory_bandwidth / 1e9:.1f} GB/s (best of the read and GEMV probes); ridge in FLOP/byte")
     return "\n".join(lines)
 
 

@@ -128,6 +128,15 @@ def test_gqa_shrinks_kv_bytes_by_the_group_size():
     assert kv_mha == 3 * kv_gqa  # H_q / H_kv = 9 / 3
 
 
+def test_quantized_kv_and_weights_scale_their_bytes():
+    fp16 = decode_step_cost(LLAMA2_7B, 1, 4096, "float16")
+    int8_kv = decode_step_cost(LLAMA2_7B, 1, 4096, "float16", kv_dtype="int8")
+    assert int8_kv.breakdown["kv_cache"] * 2 == fp16.breakdown["kv_cache"]  # 256 KiB per token
+    w4 = decode_step_cost(LLAMA2_7B, 1, 4096, "float16", weight_dtype="int4").breakdown["weights"]
+    norms = (32 * 2 + 1) * 4096 * 2  # RMSNorm weights stay fp16; every linear (and the LM head) drops to 4 bits
+    assert w4 - norms == (fp16.breakdown["weights"] - norms) / 4
+
+
 # ------------------------------------------------------------------------------------------- intensity
 def test_linear_intensity_is_about_m_when_m_is_small():
     M, K, N = 4, 4096, 11008
