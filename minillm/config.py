@@ -7,14 +7,13 @@ spellings of the RoPE settings are understood.
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
 # model_type -> what differs from plain Llama. Everything else (RMSNorm, RoPE, SwiGLU, GQA) is shared.
 SUPPORTED_ARCHITECTURES = {
     "llama": "Llama 2/3 and SmolLM2",
-    "mistral": "Mistral (full attention; sliding window not yet supported)",
+    "mistral": "Mistral (with its sliding window)",
     "qwen2": "Qwen2 (bias on q/k/v)",
 }
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
@@ -59,6 +58,7 @@ class ModelConfig:
     rope_scaling: RopeScaling = field(default_factory=RopeScaling)
     tie_word_embeddings: bool = False
     qkv_bias: bool = False  # Qwen2
+    sliding_window: int | None = None  # each token attends to itself and the W - 1 before it (Mistral)
     model_type: str = "llama"
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
@@ -78,6 +78,8 @@ class ModelConfig:
             raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
         if self.model_type not in SUPPORTED_ARCHITECTURES:
             raise ValueError(_unsupported(self.model_type))
+        if self.sliding_window is not None and (not isinstance(self.sliding_window, int) or self.sliding_window < 1):
+            raise ValueError(f"sliding_window must be None or a positive int, got {self.sliding_window!r}")
 
     @property
     def group_size(self) -> int:
@@ -111,12 +113,6 @@ class ModelConfig:
         model_type = d.get("model_type")
         if model_type not in SUPPORTED_ARCHITECTURES:
             raise ValueError(_unsupported(model_type))
-        if model_type == "mistral" and d.get("sliding_window"):
-            warnings.warn(
-                f"Mistral sliding_window={d['sliding_window']} is ignored: minillm uses full attention, "
-                "so outputs past the window differ from the reference implementation",
-                stacklevel=2,
-            )
         if model_type == "qwen2" and d.get("use_sliding_window"):
             raise ValueError("Qwen2 with use_sliding_window=True is not supported yet; only full attention is")
         n_heads = d["num_attention_heads"]
@@ -140,6 +136,7 @@ class ModelConfig:
             model_type=model_type,
             bos_token_id=d.get("bos_token_id"),
             eos_token_ids=eos_ids,
+            sliding_window=d.get("sliding_window") if model_type == "mistral" else None,
         )
 
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from .kv_cache import KVCache
+from .kv_cache import KVCache, SlidingWindowKVCache
 from .model import Transformer
 from .sampling import SamplingParams, make_generator, sample
 
@@ -171,12 +171,17 @@ def stream_cached(model: Transformer, prompts: Sequence[Sequence[int]], params: 
         sequences.extend(seqs)
     eos, max_len = frozenset(eos_ids), model.config.max_position_embeddings
     cache_len = min(max_len, max(len(s.prompt) + s.params.max_tokens for s in seqs))
-    cache = KVCache(model.config, len(seqs), cache_len, dtype=model.dtype, device=model.device,
-                    kernels=model.kernels)
+    window = model.config.sliding_window
+    if window is not None and window < cache_len:  # keep only the window: memory W, not the whole sequence
+        cache = SlidingWindowKVCache(model.config, len(seqs), window, dtype=model.dtype, device=model.device,
+                                     kernels=model.kernels)
+    else:
+        cache = KVCache(model.config, len(seqs), cache_len, dtype=model.dtype, device=model.device,
+                        kernels=model.kernels)
     B = len(seqs)
 
     ids, positions, last = _right_pad([s.prompt for s in seqs], model.device)
-    cache.begin(positions)
+    cache.begin(positions, valid=positions <= last[:, None])
     hidden = model.hidden_states(ids, positions, cache)  # prefill: (B, L, hidden)
     logits = model.compute_logits(hidden[torch.arange(B), last]).float()  # (B, V)
     pos = last.clone()  # position of each row's newest token

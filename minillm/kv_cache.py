@@ -49,8 +49,9 @@ class KVCache:
     def nbytes(self) -> int:
         return self.k.numel() * self.k.element_size() * 2
 
-    def begin(self, positions: Tensor) -> None:
-        """positions [B, L] (int64) of the tokens about to be fed; all must be < max_len."""
+    def begin(self, positions: Tensor, valid: Tensor | None = None) -> None:
+        """positions [B, L] (int64) of the tokens about to be fed; all must be < max_len.  ``valid`` (padding
+        marks) is accepted for interface parity and not needed: padding sits past a row's end and is masked."""
         B = self.k.shape[1]
         if positions.dim() != 2 or positions.shape[0] != B:
             raise ValueError(f"positions must be [B={B}, L], got {tuple(positions.shape)}")
@@ -92,3 +93,61 @@ class KVCache:
             vc[b, :, pos] = v.transpose(1, 2)
         return kc[:, :, : self._used], vc[:, :, : self._used], self._mask
         ### END SOLUTION
+
+
+class SlidingWindowKVCache:
+    """A KV cache that keeps only the last ``window`` tokens of each sequence, as a ring buffer.
+
+    Position p lives in slot p % W, so memory is W tokens per sequence whatever the length: a 10 000-token
+    sequence with W = 1 000 needs 10× less than the contiguous cache.  A query at position p sees keys at
+    positions p - W < j ≤ p (Mistral's rule).  Same interface as ``KVCache``: ``begin`` then ``attention``.
+    """
+
+    def __init__(self, config: ModelConfig, batch_size: int, window: int, *, dtype: torch.dtype,
+                 device: torch.device | str, kernels: str = "auto"):
+        if window < 1:
+            raise ValueError(f"window must be >= 1, got {window}")
+        shape = (config.num_layers, batch_size, config.num_kv_heads, window, config.head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)  # (layers, B, H_kv, W, D)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.window = window
+        self.kernels = kernels
+        self.slot_pos = torch.full((batch_size, window), -1, dtype=torch.long, device=device)  # -1: empty slot
+        self._positions: Tensor | None = None
+        self._old_slot_pos: Tensor | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return self.k.numel() * self.k.element_size() * 2
+
+    def begin(self, positions: Tensor, valid: Tensor | None = None) -> None:
+        """positions [B, L] of the tokens about to be fed; ``valid`` [B, L] marks real tokens (False = padding,
+        which must not evict real tokens from the ring)."""
+        B, L = positions.shape if positions.dim() == 2 else (None, None)
+        if B != self.k.shape[1]:
+            raise ValueError(f"positions must be [B={self.k.shape[1]}, L], got {tuple(positions.shape)}")
+        valid = torch.ones_like(positions, dtype=torch.bool) if valid is None else valid
+        self._positions = positions
+        self._key_pos = torch.cat([self.slot_pos, positions.masked_fill(~valid, -1)], dim=1)  # (B, W + L)
+        # which new tokens survive in the ring: each row's last W real ones, at slot position % W
+        self._keep = []
+        for b in range(B):
+            idx = valid[b].nonzero()[:, 0][-self.window :]
+            self._keep.append((idx, positions[b, idx] % self.window))
+            self.slot_pos[b, positions[b, idx] % self.window] = positions[b, idx]
+
+    def attention(self, layer: int, q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
+        """Attend q [B, H_q, L, D] over the ring's old tokens and the L new ones, then store the newest W."""
+        pos = self._positions
+        if pos is None:
+            raise RuntimeError("SlidingWindowKVCache.begin(positions) must be called before the forward pass")
+        kc, vc = self.k[layer], self.v[layer]
+        k_all = torch.cat([kc, k], dim=2)  # (B, H_kv, W + L, D): the ring as it was + the new tokens
+        v_all = torch.cat([vc, v], dim=2)
+        qp, kp = pos[:, None, :, None], self._key_pos[:, None, None, :]
+        mask = (kp >= 0) & (kp <= qp) & (kp > qp - self.window)  # (B, 1, L, W + L); -1 = empty or padding
+        out = sdpa_attention(q, k_all, v_all, mask, scale=scale)
+        for b, (idx, slots) in enumerate(self._keep):
+            kc[b][:, slots] = k[b][:, idx]
+            vc[b][:, slots] = v[b][:, idx]
+        return out

@@ -65,6 +65,13 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return x * cos + rotated * sin
 
 
+def window_mask(L: int, window: int, device) -> Tensor:
+    """Causal sliding-window mask [L, L]: query i sees keys j with i - window < j ≤ i (itself + window - 1 before)."""
+    i = torch.arange(L, device=device)[:, None]
+    j = torch.arange(L, device=device)[None, :]
+    return (j <= i) & (j > i - window)
+
+
 class Linear(nn.Module):
     """A bias-optional linear layer that takes the native CPU GEMV at decode when ``kernels`` allows it."""
 
@@ -106,7 +113,9 @@ class Attention(nn.Module):
         q = qk[:, :, : c.num_heads].transpose(1, 2)  # (B, H_q, L, D)
         k = qk[:, :, c.num_heads :].transpose(1, 2)  # (B, H_kv, L, D)
         v = qkv[..., c.q_size + c.kv_size :].view(B, L, c.num_kv_heads, c.head_dim).transpose(1, 2)
-        if cache is None:
+        if cache is None and c.sliding_window is not None and L > c.sliding_window:
+            out = sdpa_attention(q, k, v, window_mask(L, c.sliding_window, x.device)[None, None], scale=self.scale)
+        elif cache is None:
             out = sdpa_attention(q, k, v, causal=True, scale=self.scale)
         else:  # the cache stores the new K/V and attends over everything it holds for these sequences
             out = cache.attention(layer, q, k, v, self.scale)  # (B, H_q, L, D)

@@ -1,5 +1,7 @@
 """The model against Hugging Face transformers: logits, greedy tokens, and the cached loop against the naive one."""
 
+import dataclasses
+
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
@@ -110,14 +112,46 @@ def test_unsupported_architecture_names_the_supported_ones():
         ModelConfig.from_hf({"model_type": "gpt2", "vocab_size": 10})
 
 
-def test_mistral_config_loads_and_warns_about_sliding_window():
-    from transformers import MistralConfig
-
-    with pytest.warns(UserWarning, match="sliding_window"):
-        cfg = ModelConfig.from_hf(MistralConfig(**SMALL, num_key_value_heads=2, sliding_window=128))
-    assert cfg.num_kv_heads == 2 and cfg.model_type == "mistral"
 
 
 def test_config_rejects_heads_that_do_not_group():
     with pytest.raises(ValueError, match="multiple of num_kv_heads"):
         ModelConfig.from_hf({**LlamaConfig(**SMALL).to_dict(), "num_key_value_heads": 4})
+
+
+def mistral_pair(window):
+    from transformers import MistralConfig, MistralForCausalLM
+
+    cfg = MistralConfig(**SMALL, num_key_value_heads=2, sliding_window=window)
+    cfg._attn_implementation = "eager"
+    return hf_pair(MistralForCausalLM, cfg)
+
+
+def test_sliding_window_logits_match_transformers_mistral():
+    hf, ours = mistral_pair(window=8)
+    ids = torch.randint(0, 320, (1, 40), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(ids, torch.arange(40)[None]), hf(ids).logits)
+
+
+def test_sliding_window_longer_than_the_sequence_equals_full_attention():
+    _, windowed = mistral_pair(window=64)
+    ids = torch.randint(0, 320, (2, 30), generator=torch.Generator().manual_seed(6))
+    pos = torch.arange(30).expand(2, 30)
+    full = build_model(dataclasses.replace(windowed.config, sliding_window=None), windowed.state_dict(),
+                       dtype=torch.float32, device="cpu")
+    with torch.no_grad():
+        torch.testing.assert_close(windowed(ids, pos), full(ids, pos))
+
+
+def test_sliding_window_cache_keeps_only_the_window_and_decodes_like_recompute():
+    from minillm.kv_cache import SlidingWindowKVCache
+
+    _, ours = mistral_pair(window=6)
+    prompts = [[3, 1, 4, 1, 5, 9, 2, 6, 5, 3], [2, 7], [1, 8, 2, 8, 1]]
+    params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    cached = [s.output for s in generate(ours, prompts, params, cached=True)]
+    naive = [s.output for s in generate(ours, prompts, params, cached=False)]
+    assert cached == naive
+    cache = SlidingWindowKVCache(ours.config, 1, 6, dtype=torch.float32, device="cpu")
+    assert cache.k.shape[3] == 6  # W slots per sequence, however long it grows
