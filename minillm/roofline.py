@@ -194,20 +194,22 @@ def _plan(device: str, quick: bool) -> dict[str, Any]:
         "gemv_shapes": DECODE_GEMV_SHAPES,
         "matmul_n": (4096 if quick else 8192) if cuda else (1024 if quick else 2048),
         "matmul_dtypes": ("float32", "tf32", "float16", "bfloat16") if cuda else ("float32", "bfloat16"),
-        "warmup": 1, "repeats": 3 if quick else (10 if cuda else 5), "budget_s": 0.3 if quick else 1.5,
+        "warmup": 1, "repeats": 3 if quick else (10 if cuda else 5), "budget_s": 0.3 if quick else 1.0,
         "statistic": "median seconds per call (repeats stop early past budget_s per probe)",
         "quick": quick, "torch": torch.__version__,
         "threads": None if cuda else torch.get_num_threads(),
     }
 
 
-def _median_seconds(fn: Callable[[], object], device: str, plan: dict) -> float:
-    """Median wall time of ``fn()`` over ``plan["repeats"]`` calls after ``plan["warmup"]``; CUDA work is
-    synchronised around every call. Repeats stop early once ``plan["budget_s"]`` is spent (a slow path, such as
-    torch's bf16 GEMV on some CPUs, would otherwise blow the time budget); at least one call is always timed."""
+def _median_seconds(fn: Callable[[], object], device: str, plan: dict,
+                    warm: Callable[[], object] | None = None) -> float:
+    """Median wall time of ``fn()`` over ``plan["repeats"]`` calls after ``plan["warmup"]`` calls of ``warm``
+    (default ``fn``; a cheaper call with the same shapes will do); CUDA work is synchronised around every call.
+    Repeats stop early once ``plan["budget_s"]`` is spent (a slow path, such as torch's bf16 GEMV on some CPUs,
+    would otherwise blow the time budget); at least one call is always timed."""
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
     for _ in range(plan["warmup"]):
-        fn()
+        (warm or fn)()
     times: list[float] = []
     while len(times) < plan["repeats"] and (not times or sum(times) < plan["budget_s"]):
         sync()
@@ -261,24 +263,32 @@ def _gemv_stack(linear: Callable, weights: list[torch.Tensor], xs: dict[int, tor
         linear(xs[w.shape[1]], w)
 
 
-def _probe_gemv(device: str, plan: dict) -> dict[str, dict[str, float]]:
+def _probe_gemv(device: str, plan: dict) -> tuple[dict[str, dict[str, float]], dict[str, int]]:
+    """GEMV bytes/s per implementation and dtype, and the number of layers each timed pass covered."""
     from .kernels import cpu_gemv
 
-    out: dict[str, dict[str, float]] = {"torch": {}}
+    rates: dict[str, dict[str, float]] = {"torch": {}}
+    layers_timed: dict[str, int] = {}
+    per_layer = len(plan["gemv_shapes"])
     for name in ("float32", "bfloat16"):
         dt = getattr(torch, name)
         ws = [torch.full(s, 0.01, dtype=dt, device=device) for _ in range(plan["gemv_layers"])
               for s in plan["gemv_shapes"]]
         xs = {k: torch.full((1, k), 1.0, dtype=dt, device=device) for k in {s[1] for s in plan["gemv_shapes"]}}
-        nbytes = sum(w.nbytes for w in ws)  # weights only: x and y are < 0.1 % of the traffic
         impls = {"torch": torch.nn.functional.linear}
         if device == "cpu" and cpu_gemv.available():
             impls["native"] = cpu_gemv.linear
         for impl, linear in impls.items():
-            step = _graphed(partial(_gemv_stack, linear, ws, xs), device)
-            secs = _median_seconds(step, device, plan)
-            out.setdefault(impl, {})[name] = nbytes / secs
-    return out
+            # Time one layer first (it also warms every shape). A path so slow that a full pass would not fit a
+            # third of the time budget is not limited by memory, so fewer layers measure it just as well.
+            one = _median_seconds(partial(_gemv_stack, linear, ws[:per_layer], xs), device, {**plan, "repeats": 1})
+            layers = min(plan["gemv_layers"], max(1, int(plan["budget_s"] / (3 * one))))
+            stack = ws[: layers * per_layer]
+            step = _graphed(partial(_gemv_stack, linear, stack, xs), device)
+            secs = _median_seconds(step, device, {**plan, "warmup": 0})  # warmed above
+            rates.setdefault(impl, {})[name] = sum(w.nbytes for w in stack) / secs  # weights: x, y are < 0.1 %
+            layers_timed[f"{impl}.{name}"] = layers
+    return rates, layers_timed
 
 
 def _probe_matmul(device: str, plan: dict) -> dict[str, float]:
@@ -337,13 +347,15 @@ def _measure(device: str, quick: bool) -> MeasuredSpec:
             found[key] = probe(device, plan)
     name, memory = _device_name_and_memory(device)
     read = max(found["read"].values())
-    roof = max([read, *(v for per_dtype in found["gemv"].values() for v in per_dtype.values())])
+    gemv, gemv_layers_timed = found["gemv"]
+    roof = max([read, *(v for per_dtype in gemv.values() for v in per_dtype.values())])
     return MeasuredSpec(
         name=name, peak_flops=found["matmul"], memory_bandwidth=roof, memory_capacity=memory,
         source=f"measured by minillm.roofline.measure_device({device!r}, quick={quick})",
         device=device, read_bandwidth=read, read_by_impl=found["read"], copy_bandwidth=found["copy"],
-        gemv_bandwidth=found["gemv"], method={**plan, "gemv_shapes": [list(s) for s in plan["gemv_shapes"]],
-                                           "matmul_dtypes": list(plan["matmul_dtypes"])})
+        gemv_bandwidth=gemv, method={**plan, "gemv_shapes": [list(s) for s in plan["gemv_shapes"]],
+                                     "gemv_layers_timed": gemv_layers_timed,
+                                     "matmul_dtypes": list(plan["matmul_dtypes"])})
 
 
 # ---------------------------------------------------------------------------------------------- cost model
@@ -610,7 +622,7 @@ def format_measurement(m: MeasuredSpec) -> str:
     rows = [(f"read (sum over {p['read_bytes'] // _MiB} MiB)", *(m.read_by_impl.get(i) for i in impls)),
             (f"copy (read+write, {p['copy_bytes'] // _MiB} MiB)", m.copy_bandwidth, None)]
     for dt in ("float32", "bfloat16"):
-        rows.append((f"GEMV {dt} ({p['gemv_layers']} SmolLM2 layers)",
+        rows.append((f"GEMV {dt} (SmolLM2 layers)",
                      *(m.gemv_bandwidth.get(i, {}).get(dt) for i in impls)))
     cell = lambda v: f"{v / 1e9:10.1f}" if v is not None else f"{'-':>10}"  # noqa: E731
     lines = [f"{m.name} [{m.device}, torch {p['torch']}{', quick' if p['quick'] else ''}]",
@@ -618,17 +630,19 @@ def format_measurement(m: MeasuredSpec) -> str:
     lines += [f"  {label:36}{cell(t)}{cell(n)}" for label, t, n in rows]
     lines.append(f"{'matmul ' + str(p['matmul_n']) + '³, GFLOP/s':38}{'':>10}{'ridge':>10}")
     lines += [f"  {dt:36}{v / 1e9:10.1f}{ridge_point(m, dt):10.2f}" for dt, v in m.peak_flops.items()]
+    timed = p.get("gemv_layers_timed", {})
+    lines.append(f"GEMV layers timed of {p['gemv_layers']}: " + ", ".join(f"{k} {v}" for k, v in timed.items()))
     lines.append(f"roof: {m.memory_bandwidth / 1e9:.1f} GB/s (best of the read and GEMV probes); ridge in FLOP/byte")
     return "\n".join(lines)
 
 
 def format_specs() -> str:
     """The reference datasheet specs as a text table, with each one's bf16 (or fp16) ridge point."""
-    lines = [f"{'reference (dense)':12}{'fp32 TF':>9}{'bf16/fp16 TF':>14}{'TB/s':>7}{'ridge':>7}{'GB':>6}"]
+    lines = [f"{'reference (dense)':18}{'fp32 TF':>9}{'bf16/fp16 TF':>14}{'TB/s':>7}{'ridge':>7}{'GB':>6}"]
     for s in SPECS.values():
         half = "bfloat16" if "bfloat16" in s.peak_flops else "float16"
         short = {"bfloat16": "bf16", "float16": "fp16"}[half]
-        lines.append(f"{s.name:12}{s.peak('float32') / 1e12:9.1f}{s.peak(half) / 1e12:9.0f} {short}"
+        lines.append(f"{s.name:18}{s.peak('float32') / 1e12:9.1f}{s.peak(half) / 1e12:9.0f} {short}"
                      f"{s.memory_bandwidth / 1e12:7.3g}{ridge_point(s, half):7.0f}{s.memory_capacity / 1e9:6.0f}")
     return "\n".join(lines)
 
