@@ -192,6 +192,7 @@ def _plan(device: str, quick: bool) -> dict[str, Any]:
         "copy_bytes": (256 if quick else 1024) * _MiB if cuda else (64 if quick else 256) * _MiB,  # source size
         "gemv_layers": 8 if quick else 30,  # 30 = all of SmolLM2-135M's layers: 425 MB fp32, 212 MB bf16
         "gemv_shapes": DECODE_GEMV_SHAPES,
+        "gemv_min_bytes": (256 if cuda else 64) * _MiB,  # a shortened stack still ≥ 2× the LLC (32 MiB L3 here)
         "matmul_n": (4096 if quick else 8192) if cuda else (1024 if quick else 2048),
         "matmul_dtypes": ("float32", "tf32", "float16", "bfloat16") if cuda else ("float32", "bfloat16"),
         "warmup": 1, "repeats": 3 if quick else (10 if cuda else 5), "budget_s": 0.3 if quick else 1.0,
@@ -280,9 +281,11 @@ def _probe_gemv(device: str, plan: dict) -> tuple[dict[str, dict[str, float]], d
             impls["native"] = cpu_gemv.linear
         for impl, linear in impls.items():
             # Time one layer first (it also warms every shape). A path so slow that a full pass would not fit a
-            # third of the time budget is not limited by memory, so fewer layers measure it just as well.
+            # third of the time budget is not limited by memory, so fewer layers measure it just as well, as long
+            # as they still overflow the last-level cache (gemv_min_bytes).
             one = _median_seconds(partial(_gemv_stack, linear, ws[:per_layer], xs), device, {**plan, "repeats": 1})
-            layers = min(plan["gemv_layers"], max(1, int(plan["budget_s"] / (3 * one))))
+            floor = math.ceil(plan["gemv_min_bytes"] / sum(w.nbytes for w in ws[:per_layer]))
+            layers = min(plan["gemv_layers"], max(floor, int(plan["budget_s"] / (3 * one))))
             stack = ws[: layers * per_layer]
             step = _graphed(partial(_gemv_stack, linear, stack, xs), device)
             secs = _median_seconds(step, device, {**plan, "warmup": 0})  # warmed above
