@@ -123,12 +123,6 @@ def cmd_bench(a) -> int:
     return 0
 
 
-def cmd_roofline(a) -> int:
-    from .roofline import main as roofline_main
-
-    return roofline_main(a.rest) or 0
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m minillm", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -152,13 +146,17 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--tokens", type=int, default=64)
     b.add_argument("--repeats", type=int, default=3)
     b.set_defaults(fn=cmd_bench)
-    r = sub.add_parser("roofline", help="measure this machine's peaks and print the reference specs")
-    r.add_argument("rest", nargs=argparse.REMAINDER)
-    r.set_defaults(fn=cmd_roofline)
+    sub.add_parser("roofline", help="measure this machine's peaks and print the reference specs "
+                                    "(options: --device, --quick, --json PATH)")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["roofline"]:  # its options belong to roofline.main (argparse REMAINDER would eat them)
+        from .roofline import main as roofline_main
+
+        return roofline_main(argv[1:]) or 0
     args = build_parser().parse_args(argv)
     try:
         return args.fn(args)

@@ -18,7 +18,7 @@ from .kernels import cpu_gemv
 def kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype = torch.float16) -> int:
     """2 × n_layers × H_kv × D × bytes/elem.  Llama-2-7B fp16: 2×32×32×128×2 = 512 KiB."""
     ### BEGIN SOLUTION
-    return 2 * config.num_layers * config.num_kv_heads * config.head_dim * torch.finfo(dtype).bits // 8
+    return 2 * config.num_layers * config.num_kv_heads * config.head_dim * dtype.itemsize
     ### END SOLUTION
 
 
