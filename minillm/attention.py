@@ -66,3 +66,50 @@ def decode_attention(q: Tensor, k: Tensor, v: Tensor, seq_lens: Tensor, *, scale
     S = k.shape[2]
     mask = (torch.arange(S, device=q.device) < seq_lens[:, None].to(q.device))[:, None, None, :]  # (B, 1, 1, S)
     return grouped_attention(q[:, :, None], k, v, mask, scale=scale)[:, :, 0]
+
+
+def paged_decode_attention_ref(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor, seq_lens: Tensor,
+                               scale: float | None = None) -> Tensor:
+    """Decode attention over a paged cache, by gathering each sequence's blocks into a contiguous copy.
+
+    q [B, H_q, D]; k_cache/v_cache [num_blocks, block_size, H_kv, D]; block_tables [B, max_blocks] (logical
+    block j of sequence b is physical block block_tables[b, j]); seq_lens [B] -> [B, H_q, D].  Entries past a
+    sequence's last block are never read (engines pad tables with anything).  The gather copies
+    B·max_blocks·block_size·H_kv·D elements per tensor — the traffic a paged kernel avoids.
+    """
+    B, max_blocks = block_tables.shape
+    block_size = k_cache.shape[1]
+    n_used = (seq_lens.to(block_tables.device) + block_size - 1) // block_size
+    used = torch.arange(max_blocks, device=block_tables.device) < n_used[:, None]
+    ids = torch.where(used, block_tables, 0).long().to(k_cache.device)  # padding entries → block 0, masked below
+
+    def gather(cache: Tensor) -> Tensor:  # (B, max_blocks, block_size, H_kv, D) -> (B, H_kv, S_max, D)
+        x = cache[ids].flatten(1, 2)
+        return x.transpose(1, 2)
+
+    return decode_attention(q, gather(k_cache), gather(v_cache), seq_lens, scale=scale)
+
+
+def attention_partial(q: Tensor, k: Tensor, v: Tensor, *, scale: float | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """One split of flash-decoding: the softmax pieces of q over a chunk of keys, unnormalised.
+
+    q [..., G, D], k/v [..., N, D] -> (m [..., G] running max of the scores, l [..., G] = Σ exp(s - m),
+    o [..., G, D] = Σ exp(s - m) v), all fp32.  An empty chunk (N = 0) gives m = -inf, l = 0, o = 0.
+    """
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    s = (q.float() @ k.float().transpose(-1, -2)) * scale  # (..., G, N)
+    m = s.amax(-1) if s.shape[-1] else s.new_full(s.shape[:-1], float("-inf"))
+    p = torch.exp(s - m[..., None]) if s.shape[-1] else s
+    return m, p.sum(-1), p @ v.float()
+
+
+def merge_attention_partials(m: Tensor, den: Tensor, o: Tensor) -> Tensor:
+    """Merge flash-decoding splits exactly: softmax over the union of chunks from per-chunk pieces.
+
+    m, den (= l) [..., P] and o [..., P, D] for P splits (from ``attention_partial``) -> [..., D] fp32.  Each split is
+    rescaled to the global max M: o = Σ_p e^{m_p - M} o_p / Σ_p e^{m_p - M} den_p (log-sum-exp); empty splits
+    (m = -inf) get weight 0.  At least one split must be non-empty.
+    """
+    M = m.amax(-1, keepdim=True)  # (..., 1)
+    w = torch.exp(m - M)  # (..., P); exp(-inf) = 0 for empty splits
+    return (w[..., None] * o).sum(-2) / (w * den).sum(-1)[..., None]
