@@ -69,8 +69,9 @@ def paged_copy(k, v, seq_lens, block_size, seed=0):
         n = int(seq_lens[b])
         for j in range(-(-n // block_size)):
             t = slice(j * block_size, min((j + 1) * block_size, n))
-            kc[tables[b, j], : t.stop - t.start] = k[b, :, t].transpose(0, 1)
-            vc[tables[b, j], : t.stop - t.start] = v[b, :, t].transpose(0, 1)
+            blk = int(tables[b, j])
+            kc[blk, : t.stop - t.start] = k[b, :, t].transpose(0, 1)  # (n, H_kv, D)
+            vc[blk, : t.stop - t.start] = v[b, :, t].transpose(0, 1)
         tables[b, -(-n // block_size):] = -1
     return kc, vc, tables.to(DEV)
 
