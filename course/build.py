@@ -1,0 +1,289 @@
+"""Build the course notebooks from their sources.
+
+    python course/build.py [--check] [--execute] [NAMES...]
+
+Sources are ``course/NN_name.py`` (jupytext py:percent).  Each becomes
+- ``notebooks/NN_name.ipynb``: the student version — exercise stubs, no outputs;
+- ``solutions/NN_name.ipynb``: the solved version, executed, outputs stored.
+
+Exercise directive: a code cell whose first line is ``# exercise N.k: dotted.path`` (a function, or a
+method ``module.Class.method``) and nothing else.  The build replaces it with the function's full source from
+``minillm``: in the solution without the ``### BEGIN SOLUTION`` / ``### END SOLUTION`` fence lines, in the stub
+with the fenced region replaced by ``raise NotImplementedError("Exercise N.k: <title> — <hint>")`` (signature,
+docstring and anything before the fence kept).  A method is rendered inside ``class MyClass(Class):``.
+Title and hint come from ``minillm.checks.EXERCISES``, which also names each exercise's checker; every exercise
+cell needs a cell calling its checker (``checks.check_<name>(...)``) later in the same notebook.
+
+Other conventions: the Colab badge is inserted as the first cell; ``# NBVAL_CHECK_OUTPUT`` markers are kept in
+solutions (nbval compares those outputs there) and removed from student notebooks (whose outputs are empty).
+
+Solutions are executed when ``--execute`` is given or when their cell sources changed; otherwise the stored
+outputs are kept.  ``--check`` writes nothing and exits 1 naming every stale file: a student notebook must be
+byte-identical to a fresh render, a solution must have the same cell sources.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import inspect
+import os
+import re
+import sys
+import textwrap
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import jupytext
+import nbformat
+
+ROOT = Path(__file__).resolve().parent.parent
+COURSE, NOTEBOOKS, SOLUTIONS = ROOT / "course", ROOT / "notebooks", ROOT / "solutions"
+if str(ROOT) not in sys.path:  # build from a checkout without installing (CI installs it anyway)
+    sys.path.insert(0, str(ROOT))
+
+from minillm.checks import EXERCISES, Exercise  # noqa: E402
+
+COLAB_URL = "https://colab.research.google.com/github/minillm-course/minillm/blob/main/{folder}/{name}.ipynb"
+BADGE = "[![Open In Colab](https://colab.research.google.com/assets/colab-badge.svg)]({url})"
+DIRECTIVE = re.compile(r"^# exercise (?P<number>\d+\.\d+): (?P<target>[A-Za-z_][\w.]*)\s*$")
+CHECK_CALL = re.compile(r"\bcheck_(?P<name>\w+)\(")
+BEGIN, END = "### BEGIN SOLUTION", "### END SOLUTION"
+CHECK_OUTPUT = "# NBVAL_CHECK_OUTPUT"
+WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
+FAST_ENV = "MINILLM_COURSE_FAST"  # "1": notebooks shrink their sizes (used by the tests, see INSTRUCTORS.md)
+METADATA = {
+    "kernelspec": {"name": "python3", "display_name": "Python 3 (ipykernel)", "language": "python"},
+    "language_info": {"name": "python"},
+    "accelerator": "GPU",  # Colab opens the notebook on a GPU runtime when one is available
+    "colab": {"provenance": [], "gpuType": "T4"},
+}
+
+
+class BuildError(Exception):
+    """A course source that cannot be rendered (bad directive, missing fence or check cell)."""
+
+
+# ------------------------------------------------------------------------------------------- exercises
+def split_fence(lines: list[str], where: str) -> tuple[int, int]:
+    """Indices of the single BEGIN and END fence lines in ``lines``."""
+    begins = [i for i, ln in enumerate(lines) if ln.strip() == BEGIN]
+    ends = [i for i, ln in enumerate(lines) if ln.strip() == END]
+    if len(begins) != 1 or len(ends) != 1 or begins[0] > ends[0]:
+        raise BuildError(f"{where}: need exactly one '{BEGIN}' followed by one '{END}', "
+                         f"found {len(begins)} and {len(ends)}")
+    return begins[0], ends[0]
+
+
+def function_source(ex: Exercise) -> str:
+    """The fenced function's source, dedented (a method keeps its own body indentation)."""
+    obj = ex.reference()
+    return textwrap.dedent(inspect.getsource(obj))
+
+
+def render_exercise(ex: Exercise, student: bool) -> str:
+    """The code cell for exercise ``ex``: its function (or subclass with the method) as solution or stub."""
+    lines = function_source(ex).rstrip("\n").split("\n")
+    begin, end = split_fence(lines, ex.target)
+    if student:
+        indent = lines[begin][: len(lines[begin]) - len(lines[begin].lstrip())]
+        message = ex.stub_message.replace("\\", "\\\\").replace('"', '\\"')
+        body = [f'{indent}raise NotImplementedError("{message}")']
+        lines = lines[:begin] + body + lines[end + 1 :]
+    else:
+        lines = lines[:begin] + lines[begin + 1 : end] + lines[end + 1 :]
+    where = f"minillm/{ex.module.split('.', 1)[1].replace('.', '/')}.py"
+    parts = ex.qualname.split(".")
+    header = [f"# Exercise {ex.number}: {ex.title} (the solution lives in {where}; the library runs it)."]
+    if student:
+        header.append("# Your version: replace the `raise NotImplementedError(...)` line with your code, run this "
+                      "cell, then the check.")
+    if len(parts) == 2:  # a method: subclass the library's class and override just this method
+        cls, method = parts
+        header.append(f"# My{cls} is the library's {cls} with your {method}(); nothing else changes.")
+        lines = [f"class My{cls}({cls}):", f'    """{cls} with your own `{method}` (exercise {ex.number})."""', ""] + \
+            ["    " + ln if ln else "" for ln in lines]
+    elif len(parts) != 1:
+        raise BuildError(f"{ex.target}: exercises are module functions or methods of a module-level class")
+    return "\n".join(header + lines)
+
+
+def parse_directive(source: str, where: str) -> Exercise | None:
+    """The exercise named by a directive cell, or None for an ordinary cell."""
+    first, _, rest = source.partition("\n")
+    if not first.lower().startswith("# exercise "):
+        return None
+    m = DIRECTIVE.match(first)
+    if not m:
+        raise BuildError(f"{where}: bad exercise directive {first!r}; expected '# exercise N.k: module.function'")
+    if rest.strip():
+        raise BuildError(f"{where}: an exercise directive cell holds only the directive line")
+    ex = EXERCISES.get(m["number"])
+    if ex is None:
+        raise BuildError(f"{where}: exercise {m['number']} is not registered in minillm.checks.EXERCISES")
+    if ex.target != m["target"]:
+        raise BuildError(f"{where}: exercise {ex.number} is {ex.target} in minillm.checks, not {m['target']}")
+    return ex
+
+
+def checker_exercises(source: str) -> list[str]:
+    """Numbers of the exercises whose checker this cell calls."""
+    by_name = {ex.check.__name__: n for n, ex in EXERCISES.items()}
+    return [by_name[f"check_{m['name']}"] for m in CHECK_CALL.finditer(source) if f"check_{m['name']}" in by_name]
+
+
+# ------------------------------------------------------------------------------------------- notebooks
+@dataclass
+class Rendered:
+    name: str
+    student: nbformat.NotebookNode
+    solution: nbformat.NotebookNode
+
+
+def sources(names: list[str] | None = None) -> list[Path]:
+    """Notebook sources ``course/NN_name.py``, optionally filtered by name ("01", "01_prefill_decode", path)."""
+    found = sorted(p for p in COURSE.glob("[0-9][0-9]_*.py"))
+    if not names:
+        return found
+    picked = [p for p in found if any(p.stem == n or p.stem.startswith(n) or Path(n).stem == p.stem
+                                      for n in names)]
+    missing = [n for n in names if not any(p.stem.startswith(Path(n).stem) for p in found)]
+    if missing:
+        raise BuildError(f"no course source matches {missing}; sources: {[p.stem for p in found]}")
+    return picked
+
+
+def _new_notebook(cells: list, name: str, folder: str) -> nbformat.NotebookNode:
+    nb = nbformat.v4.new_notebook(metadata=copy.deepcopy(METADATA))
+    badge = nbformat.v4.new_markdown_cell(BADGE.format(url=COLAB_URL.format(folder=folder, name=name)))
+    badge.metadata["tags"] = ["colab-badge"]
+    nb.cells = [badge] + cells
+    for i, cell in enumerate(nb.cells):
+        cell.id = f"{name[:2]}-{i:03d}"  # deterministic ids keep regenerated notebooks byte-identical
+    return nb
+
+
+def render(path: Path) -> Rendered:
+    """Render one course source into its student and solution notebooks (solution not executed)."""
+    src = jupytext.read(path, fmt="py:percent")
+    student, solution, pending = [], [], {}
+    for i, cell in enumerate(src.cells):
+        where = f"{path.relative_to(ROOT)} cell {i + 1}"
+        text = cell.source
+        if cell.cell_type == "markdown":
+            student.append(nbformat.v4.new_markdown_cell(text))
+            solution.append(nbformat.v4.new_markdown_cell(text))
+            continue
+        if cell.cell_type != "code":
+            raise BuildError(f"{where}: only markdown and code cells are supported")
+        ex = parse_directive(text, where)
+        meta: dict = {}
+        if ex is not None:
+            if ex.number in pending:
+                raise BuildError(f"{where}: exercise {ex.number} appears twice")
+            pending[ex.number] = where
+            meta = {"minillm": {"exercise": ex.number}, "tags": ["exercise"]}
+            stu_text, sol_text = render_exercise(ex, student=True), render_exercise(ex, student=False)
+        else:
+            checked = checker_exercises(text)
+            for n in checked:
+                if n not in pending:
+                    raise BuildError(f"{where}: calls the checker of exercise {n} before (or without) its cell")
+                pending[n] = None  # checked
+            if checked:
+                meta = {"minillm": {"checks": checked}, "tags": ["check"]}
+            sol_text = text
+            stu_text = "\n".join(ln for ln in text.split("\n") if ln.strip() != CHECK_OUTPUT)
+        student.append(nbformat.v4.new_code_cell(stu_text, metadata=copy.deepcopy(meta)))
+        solution.append(nbformat.v4.new_code_cell(sol_text, metadata=copy.deepcopy(meta)))
+    unchecked = [n for n, v in pending.items() if v is not None]
+    if unchecked:
+        raise BuildError(f"{path.relative_to(ROOT)}: exercise(s) {unchecked} have no check cell "
+                         "(a cell calling checks.check_<name>(...))")
+    name = path.stem
+    return Rendered(name, _new_notebook(student, name, "notebooks"), _new_notebook(solution, name, "solutions"))
+
+
+def exercises_in(nb: nbformat.NotebookNode) -> list[str]:
+    """Exercise numbers rendered into a built notebook, in order."""
+    return [c.metadata["minillm"]["exercise"] for c in nb.cells if "exercise" in c.metadata.get("minillm", {})]
+
+
+def dumps(nb: nbformat.NotebookNode) -> str:
+    return nbformat.writes(nb) + "\n"
+
+
+def cell_sources(nb: nbformat.NotebookNode) -> list[tuple[str, str]]:
+    return [(c.cell_type, c.source) for c in nb.cells]
+
+
+def execute(nb: nbformat.NotebookNode, *, cwd: Path = SOLUTIONS, fast: bool = False, allow_errors: bool = False,
+            timeout: int = 900) -> nbformat.NotebookNode:
+    """Run ``nb`` in a fresh kernel of this Python (jupyter_client maps the "python" of the ipykernel spec to
+    ``sys.executable``) and return it with outputs.  ``fast`` sets MINILLM_COURSE_FAST=1 for the kernel."""
+    from nbclient import NotebookClient
+
+    nb = copy.deepcopy(nb)
+    env = dict(os.environ)
+    env.pop(FAST_ENV, None)
+    if fast:
+        env[FAST_ENV] = "1"
+    env.setdefault("PYTHONHASHSEED", "0")
+    env.setdefault("TQDM_DISABLE", "1")  # progress bars are noise in stored outputs
+    client = NotebookClient(nb, timeout=timeout, kernel_name="python3", allow_errors=allow_errors,
+                            record_timing=False, resources={"metadata": {"path": str(cwd)}})
+    client.execute(env=env)
+    for cell in nb.cells:  # widget views (tqdm's progress bars) need live widget state; stored, they are noise
+        if cell.cell_type == "code":
+            cell.outputs = [o for o in cell.outputs if WIDGET_VIEW not in o.get("data", {})]
+    return nb
+
+
+def build(paths: list[Path], *, check: bool, force_execute: bool) -> int:
+    stale: list[str] = []
+    for path in paths:
+        r = render(path)
+        stu_file, sol_file = NOTEBOOKS / f"{r.name}.ipynb", SOLUTIONS / f"{r.name}.ipynb"
+        stu_text = dumps(r.student)
+        if not stu_file.exists() or stu_file.read_text() != stu_text:
+            stale.append(str(stu_file.relative_to(ROOT)))
+            if not check:
+                stu_file.parent.mkdir(exist_ok=True)
+                stu_file.write_text(stu_text)
+                print(f"wrote {stu_file.relative_to(ROOT)}")
+        old = nbformat.read(sol_file, as_version=4) if sol_file.exists() else None
+        sol_stale = old is None or cell_sources(old) != cell_sources(r.solution) or old.metadata != r.solution.metadata
+        if sol_stale:
+            stale.append(str(sol_file.relative_to(ROOT)))
+        if not check and (sol_stale or force_execute):
+            t0 = time.perf_counter()
+            print(f"executing {sol_file.relative_to(ROOT)} ...", flush=True)
+            done = execute(r.solution)
+            sol_file.parent.mkdir(exist_ok=True)
+            sol_file.write_text(dumps(done))
+            print(f"wrote {sol_file.relative_to(ROOT)} ({time.perf_counter() - t0:.0f} s)")
+    if check and stale:
+        print("stale generated notebooks (run `python course/build.py`):\n  " + "\n  ".join(stale), file=sys.stderr)
+        return 1
+    if check:
+        print(f"{2 * len(paths)} generated notebooks are up to date")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("names", nargs="*", help="sources to build (e.g. 01 or 02_kv_cache); default: all")
+    parser.add_argument("--check", action="store_true", help="write nothing; exit 1 if any generated file is stale")
+    parser.add_argument("--execute", action="store_true", help="re-execute the solutions even if unchanged")
+    args = parser.parse_args(argv)
+    try:
+        return build(sources(args.names), check=args.check, force_execute=args.execute)
+    except BuildError as e:
+        print(f"build error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,337 @@
+"""Exercise checkers, shared by the course notebooks and the test suite.
+
+Each exercise is a fenced function (or method) inside ``minillm`` (``### BEGIN SOLUTION`` … ``### END SOLUTION``).
+``EXERCISES`` is the registry: number → where the function lives, its title, a one-line hint and its checker.
+The course build (``course/build.py``) reads it to render the student stub, whose body is
+``raise NotImplementedError("Exercise N.k: <title> — <hint>")``.
+
+A checker ``check_<name>(student, ...)``:
+- calls the student's code on several inputs, edge cases included, and compares with the library's solution;
+- raises ``AssertionError`` naming the input, the expected and the received value when they differ;
+- lets any exception from the student's code through unchanged — a stub's ``NotImplementedError`` included, so a
+  grader's report says which exercise is unfinished;
+- prints ``✓ Exercise N.k passed: <title>`` on success.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+import random
+from collections.abc import Callable
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+import torch
+
+from .config import ModelConfig
+
+
+@dataclass(frozen=True)
+class Exercise:
+    """One exercise: ``target`` is the dotted path of the fenced function ("minillm.kv_cache.kv_bytes_per_token")
+    or method ("minillm.kv_cache.KVCache.update")."""
+
+    number: str
+    target: str
+    title: str
+    hint: str
+    check: Callable
+
+    @property
+    def stub_message(self) -> str:
+        """What the student's stub raises (and so what a grader sees for an unfinished exercise)."""
+        return f"Exercise {self.number}: {self.title} — {self.hint}"
+
+    @property
+    def module(self) -> str:
+        """The module holding the target, e.g. "minillm.kv_cache"."""
+        parts = self.target.split(".")
+        for i in range(len(parts) - 1, 0, -1):
+            name = ".".join(parts[:i])
+            try:
+                importlib.import_module(name)
+                return name
+            except ModuleNotFoundError:
+                continue
+        raise ModuleNotFoundError(f"no module found in {self.target!r}")
+
+    @property
+    def qualname(self) -> str:
+        """The target's name inside its module: "kv_bytes_per_token" or "KVCache.update"."""
+        return self.target[len(self.module) + 1 :]
+
+    def reference(self):
+        """The library's own function, method, or (for a method) its class."""
+        obj = importlib.import_module(self.module)
+        for part in self.qualname.split("."):
+            obj = getattr(obj, part)
+        return obj
+
+    def answer(self):
+        """What the checker takes, from the library: the function, or the class for a method exercise."""
+        obj = importlib.import_module(self.module)
+        for part in self.qualname.split(".")[:1]:
+            obj = getattr(obj, part)
+        return obj
+
+
+EXERCISES: dict[str, Exercise] = {}
+
+
+def exercise(number: str, target: str, title: str, hint: str):
+    """Register the decorated checker as the one for exercise ``number`` (a fenced region in ``target``)."""
+
+    def register(check: Callable) -> Callable:
+        if number in EXERCISES:
+            raise ValueError(f"exercise {number} is registered twice")
+        EXERCISES[number] = Exercise(number, target, title, hint, check)
+        check.exercise = number
+        return check
+
+    return register
+
+
+def _passed(number: str) -> None:
+    print(f"✓ Exercise {number} passed: {EXERCISES[number].title}")
+
+
+def _close(got, expected, rel: float = 1e-9, abs_: float = 0.0) -> bool:
+    """``got`` is a number (Python, numpy or a one-element tensor) within the tolerances of ``expected``."""
+    if got is None or isinstance(got, bool):
+        return False
+    try:
+        return math.isclose(float(got), expected, rel_tol=rel, abs_tol=abs_)
+    except (TypeError, ValueError, RuntimeError):
+        return False
+
+
+# Small configurations with known answers.  Llama-2-7B: 32 layers, hidden 4096, MLP 11008, 32 heads (MHA),
+# vocab 32000, untied embeddings (its config.json on the hub); SmolLM2-135M: the course's default model.
+LLAMA2_7B = ModelConfig(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_layers=32, num_heads=32,
+                        num_kv_heads=32, head_dim=128, max_position_embeddings=4096)
+SMOLLM2_135M = ModelConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9,
+                           num_kv_heads=3, head_dim=64, max_position_embeddings=8192, tie_word_embeddings=True)
+# A made-up multi-query model (one K/V head) to catch H_q used where H_kv belongs.
+TINY_MQA = ModelConfig(vocab_size=1000, hidden_size=256, intermediate_size=512, num_layers=4, num_heads=8,
+                       num_kv_heads=1, head_dim=32, max_position_embeddings=512)
+CONFIGS = {"Llama-2-7B": LLAMA2_7B, "SmolLM2-135M": SMOLLM2_135M, "tiny MQA": TINY_MQA}
+
+
+# --------------------------------------------------------------------------------------------- notebook 01
+@exercise("1.1", "minillm.metrics.decode_weight_bytes", "weight bytes read per decode step",
+          "every linear and norm weight once, the LM head in full, the embedding table not at all; × bytes per element")
+def check_decode_weight_bytes(decode_weight_bytes: Callable) -> None:
+    """``decode_weight_bytes(config, dtype)`` within 0.5 % of the reference (tied and untied embeddings)."""
+    from .metrics import decode_weight_bytes as reference
+
+    for name, config in CONFIGS.items():
+        for dtype in (torch.float16, torch.float32, torch.bfloat16):
+            got = decode_weight_bytes(config, dtype)
+            expected = reference(config, dtype)
+            params = config.num_parameters()
+            assert _close(got, expected, rel=5e-3), (
+                f"{name} ({params / 1e6:.0f}M parameters, tie_word_embeddings={config.tie_word_embeddings}) in "
+                f"{dtype}: decode_weight_bytes returned {got!r}, expected ≈ {expected:,} bytes "
+                f"({expected / 1e9:.3f} GB, 0.5 % tolerance). Count what one decode step reads: an embedding "
+                "lookup reads one row (negligible), the LM head its whole matrix (shared storage when tied).")
+    _passed("1.1")
+
+
+@exercise("1.2", "minillm.metrics.percentile", "percentile with linear interpolation",
+          "sort, then interpolate between the values at floor and ceil of q/100 × (n − 1)")
+def check_percentile(percentile: Callable) -> None:
+    """``percentile(values, q)`` against the reference on hand-made and random inputs."""
+    from .metrics import percentile as reference
+
+    rng = random.Random(0)
+    cases = [([7.0], 50), ([7.0], 0), ([1, 2, 3, 4], 50), ([3, 1, 2], 0), ([3, 1, 2], 100), ([10, 20], 25),
+             ([0.1] * 9 + [3.0], 50), ([0.1] * 9 + [3.0], 90), (list(range(1, 11)), 90), ([5, 5, 5, 1], 75)]
+    cases += [([rng.lognormvariate(-2, 1) for _ in range(n)], q) for n in (2, 7, 100) for q in (1, 50, 99, 99.9)]
+    for values, q in cases:
+        given = list(values)
+        got = percentile(given, q)
+        expected = reference(values, q)
+        shown = values if len(values) <= 10 else f"{len(values)} values"
+        assert _close(got, expected, rel=1e-9, abs_=1e-12), (
+            f"percentile({shown}, q={q}) returned {got!r}, expected {expected!r}. "
+            "Sort the values, then interpolate linearly at fractional index q/100 × (n − 1).")
+        assert given == values, f"percentile must not modify its input: {values} became {given}"
+    _passed("1.2")
+
+
+@exercise("1.3", "minillm.metrics.goodput", "goodput under a latency SLO",
+          "count the requests with ttft_s <= ttft_slo_s and tpot_s <= tpot_slo_s, divide by duration_s")
+def check_goodput(goodput: Callable) -> None:
+    """``goodput(requests, duration_s, ttft_slo_s=, tpot_slo_s=)`` on requests just inside/outside each limit."""
+    from .metrics import goodput as reference
+
+    def req(ttft, tpot):
+        return SimpleNamespace(ttft_s=ttft, tpot_s=tpot)
+
+    fast, slow_first, slow_rest = req(0.05, 0.02), req(0.5, 0.02), req(0.05, 0.5)
+    cases = [
+        ("all good", [fast] * 4, 2.0, {}),
+        ("slow TTFT and slow TPOT are both bad", [fast, slow_first, slow_rest, fast], 1.0, {}),
+        ("exactly at the limits counts as good", [req(0.2, 0.1)], 1.0, {}),
+        ("a one-token request (TPOT 0) is judged on TTFT", [req(0.1, 0.0), req(0.3, 0.0)], 1.0, {}),
+        ("no requests", [], 5.0, {}),
+        ("custom SLOs", [fast, slow_first, slow_rest], 0.5, {"ttft_slo_s": 1.0, "tpot_slo_s": 1.0}),
+        ("custom SLOs, strict", [fast, slow_first, slow_rest], 0.5, {"ttft_slo_s": 0.01, "tpot_slo_s": 1.0}),
+    ]
+    for name, requests, duration, slo in cases:
+        got = goodput(requests, duration, **slo)
+        expected = reference(requests, duration, **slo)
+        listed = [(r.ttft_s, r.tpot_s) for r in requests]
+        assert _close(got, expected), (
+            f"{name}: goodput(requests with (ttft_s, tpot_s) = {listed}, duration_s={duration}"
+            f"{''.join(f', {k}={v}' for k, v in slo.items())}) returned {got!r}, expected {expected!r} "
+            "requests/s (good requests ÷ duration; a request must meet both limits, equality included).")
+    _passed("1.3")
+
+
+@exercise("1.4", "minillm.metrics.cost_per_million_tokens", "dollars per million tokens",
+          "tokens per hour = tokens_per_s × 3600; price per token = dollars_per_hour / tokens per hour")
+def check_cost_per_million_tokens(cost_per_million_tokens: Callable) -> None:
+    """``cost_per_million_tokens($/h, tok/s)``: the $2/h at 100 tok/s ≈ $5.56 example and others."""
+    from .metrics import cost_per_million_tokens as reference
+
+    for dollars, tps in [(2.0, 100.0), (0.0, 50.0), (3.5, 1000.0), (40.0, 2500.0), (1.0, 0.5)]:
+        got = cost_per_million_tokens(dollars, tps)
+        expected = reference(dollars, tps)
+        assert _close(got, expected), (
+            f"cost_per_million_tokens({dollars} $/h, {tps} tok/s) returned {got!r}, expected ${expected:.4f} "
+            "per 1M tokens.")
+    _passed("1.4")
+
+
+def check_roofline_prediction(predicted: float, measured: float, *, what: str = "decode tokens/s",
+                              device: str = "cpu", upper: float = 1.15, lower: float = 0.2) -> None:
+    """A "predict, then measure" check: the roofline bound ``predicted`` against the ``measured`` rate.
+
+    A bound cannot be beaten: ``measured`` may exceed ``predicted`` by at most ``upper`` − 1 (15 %, the noise of
+    a bandwidth measurement).  On CPU the engine should also reach ``lower`` (20 %) of it.  On a GPU a small
+    model at batch 1 is bound by kernel-launch overhead (~5 µs × hundreds of kernels per step), far below the
+    bandwidth bound, so no lower limit is applied there.
+    """
+    assert predicted > 0 and measured > 0, f"need positive rates, got predicted={predicted}, measured={measured}"
+    ratio = measured / predicted
+    assert ratio <= upper, (
+        f"measured {what} {measured:.4g} beats the predicted bound {predicted:.4g} by {ratio - 1:.0%} "
+        f"(allowed {upper - 1:.0%}): the prediction counts more bytes than the step reads, or the bandwidth "
+        "measurement is too low.")
+    if str(device).startswith("cpu"):
+        assert ratio >= lower, (
+            f"measured {what} {measured:.4g} is only {ratio:.0%} of the predicted bound {predicted:.4g} "
+            f"(expected at least {lower:.0%} on CPU): the prediction counts too few bytes, or the machine is busy.")
+    print(f"✓ prediction holds: measured {what} = {ratio:.0%} of the roofline bound")
+
+
+# --------------------------------------------------------------------------------------------- notebook 02
+@exercise("2.1", "minillm.kv_cache.kv_bytes_per_token", "KV-cache bytes per token",
+          "K and V, for every layer and every KV head, head_dim elements of the dtype's size")
+def check_kv_bytes_per_token(kv_bytes_per_token: Callable) -> None:
+    """``kv_bytes_per_token(config, dtype)`` exactly, for MHA, GQA and MQA models in three dtypes."""
+    from .kv_cache import kv_bytes_per_token as reference
+
+    got = kv_bytes_per_token(LLAMA2_7B, torch.float16)
+    assert got == 512 * 1024, (
+        f"Llama-2-7B in float16 (32 layers, 32 KV heads, head_dim 128) should need 2 × 32 × 32 × 128 × 2 = "
+        f"524,288 bytes (512 KiB) per token; kv_bytes_per_token returned {got!r}.")
+    for name, config in CONFIGS.items():
+        for dtype in (torch.float16, torch.float32, torch.bfloat16):
+            got = kv_bytes_per_token(config, dtype)
+            expected = reference(config, dtype)
+            assert got == expected, (
+                f"{name} (layers={config.num_layers}, H_q={config.num_heads}, H_kv={config.num_kv_heads}, "
+                f"head_dim={config.head_dim}) in {dtype}: kv_bytes_per_token returned {got!r}, expected "
+                f"{expected:,} bytes. The cache stores K and V per *KV* head, not per query head.")
+    _passed("2.1")
+
+
+def _kv_cache_script(config: ModelConfig, batch: int) -> list[tuple[torch.Tensor, list[int]]]:
+    """A prefill then decode steps for ``batch`` rows: [(positions [B, L], layers written)] as the engine runs."""
+    L = 5
+    steps = [(torch.arange(L).expand(batch, L), list(range(config.num_layers)))]  # prefill, right-padded rows
+    last = torch.tensor([L - 1 - (b % 3) for b in range(batch)])  # rows of different lengths
+    for _ in range(3):
+        last = last + 1
+        steps.append((last[:, None].clone(), list(range(config.num_layers))))
+    steps.append((last[:, None] + 1, [1]))  # one layer only: the others must stay untouched
+    return steps
+
+
+@exercise("2.2", "minillm.kv_cache.KVCache.update", "write K/V into the cache",
+          "store k, v [B, H_kv, L, D] at slots positions[b] of self.k[layer] / self.v[layer]; "
+          "return the filled slots [:, :, :self._used] and self._mask")
+def check_kv_cache_update(cache_class: type) -> None:
+    """A ``KVCache`` subclass with the student's ``update`` against the library's, on prefill and decode steps.
+
+    After every call the returned K, V and mask, and the whole cache contents, must equal the reference's.
+    """
+    from .kv_cache import KVCache as Reference
+
+    config = ModelConfig(vocab_size=100, hidden_size=32, intermediate_size=64, num_layers=3, num_heads=4,
+                         num_kv_heads=2, head_dim=8, max_position_embeddings=64)
+    gen = torch.Generator().manual_seed(0)
+    for batch in (1, 3):
+        kw = {"dtype": torch.float32, "device": "cpu"}
+        mine, ref = cache_class(config, batch, 16, **kw), Reference(config, batch, 16, **kw)
+        for step, (positions, layers) in enumerate(_kv_cache_script(config, batch)):
+            where = (f"batch {batch}, step {step} ({'prefill' if step == 0 else 'decode'}, positions "
+                     f"{positions.tolist()})")
+            mine.begin(positions)
+            ref.begin(positions)
+            shape = (batch, config.num_kv_heads, positions.shape[1], config.head_dim)
+            for layer in layers:
+                k, v = torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)
+                out = mine.update(layer, k.clone(), v.clone())
+                expected = ref.update(layer, k, v)
+                assert isinstance(out, tuple) and len(out) == 3, (
+                    f"{where}: update must return (K, V, mask); got {type(out).__name__}")
+                for name, got, exp in zip(("K", "V"), out[:2], expected[:2], strict=True):
+                    assert isinstance(got, torch.Tensor) and got.shape == exp.shape, (
+                        f"{where}, layer {layer}: returned {name} has shape "
+                        f"{tuple(got.shape) if isinstance(got, torch.Tensor) else type(got).__name__}, "
+                        f"expected {tuple(exp.shape)} = [B, H_kv, slots used so far, D].")
+                    assert torch.equal(got, exp), (
+                        f"{where}, layer {layer}: returned {name} differs from the reference at "
+                        f"{(got != exp).nonzero()[:3].tolist()} (index [b, head, slot, d]).")
+                mask, exp_mask = out[2], expected[2]
+                assert (mask is None) == (exp_mask is None) and (mask is None or torch.equal(mask, exp_mask)), (
+                    f"{where}: the returned mask should be self._mask as begin() set it.")
+            for name in ("k", "v"):
+                got, exp = getattr(mine, name), getattr(ref, name)
+                if not torch.equal(got, exp):
+                    bad = (got != exp).nonzero()[0].tolist()
+                    raise AssertionError(
+                        f"{where}: after update, cache.{name} differs from the reference first at "
+                        f"[layer, b, head, slot, d] = {bad}: each row's new K/V belong at the slots given by its "
+                        "own positions, in the given layer only.")
+    _passed("2.2")
+
+
+def check_cached_logits(cached: torch.Tensor, recomputed: torch.Tensor) -> None:
+    """Exactness: logits from cached decoding equal a full recomputation within the dtype's tolerance.
+
+    ``cached``, ``recomputed``: [n, V] logits for the same n positions.  Tolerances are
+    ``torch.testing.assert_close``'s defaults for the dtype, loosened 10× for fp32 (30 layers of summation
+    order differences between a one-token step and a full forward).
+    """
+    assert cached.shape == recomputed.shape, f"shapes differ: {tuple(cached.shape)} vs {tuple(recomputed.shape)}"
+    tol = {"rtol": 1.3e-5, "atol": 1e-4} if cached.dtype == torch.float32 else {}
+    torch.testing.assert_close(cached, recomputed, **tol,
+                               msg=lambda m: f"cached decoding diverged from recomputation: {m}")
+    print(f"✓ cached logits match recomputation at {cached.shape[0]} positions (max |Δ| = "
+          f"{(cached - recomputed).abs().max().item():.2e})")
+
+
+def check_prediction_bytes(predicted: float, measured: float, *, tolerance: float = 0.05,
+                           what: str = "KV cache bytes") -> None:
+    """A "predict, then measure" check for memory: ``measured`` within ``tolerance`` (5 %) of ``predicted``."""
+    assert predicted > 0, f"the prediction must be positive, got {predicted}"
+    err = abs(measured - predicted) / predicted
+    assert err <= tolerance, (
+        f"predicted {what} {predicted / 2**20:,.1f} MiB but the allocation grew memory by {measured / 2**20:,.1f} "
+        f"MiB ({err:.1%} off, tolerance {tolerance:.0%}).")
+    print(f"✓ prediction holds: {what} within {err:.1%} of the measurement")
