@@ -11,8 +11,10 @@ import torch
 from torch import Tensor
 
 from .attention import sdpa_attention
+from . import kernels as kernel_ops
 from .config import ModelConfig
 from .kernels import cpu_gemv
+from .model import attention_impl
 
 
 def kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype = torch.float16) -> int:
@@ -70,10 +72,18 @@ class KVCache:
     def attention(self, layer: int, q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
         """Store k, v [B, H_kv, L, D] at the current positions, then attend q [B, H_q, L, D] -> [B, H_q, L, D]."""
         k_all, v_all, mask = self.update(layer, k, v)
-        if q.shape[2] == 1 and self.kernels != "torch" and q.device.type == "cpu" and cpu_gemv.available() \
-                and q.dtype in (torch.float32, torch.bfloat16):
-            # Decode on CPU: SDPA's fixed cost (~50 µs) is several times the work at these sizes.
-            return cpu_gemv.decode_attention(q[:, :, 0], k_all, v_all, self._positions[:, 0] + 1, scale)[:, :, None]
+        impl = attention_impl(self.kernels)
+        if q.shape[2] == 1:  # decode: one query per sequence over its first position + 1 slots
+            seq_lens = self._positions[:, 0] + 1
+            if self.kernels in ("auto", "native") and q.device.type == "cpu" and cpu_gemv.available() \
+                    and q.dtype in (torch.float32, torch.bfloat16):
+                # Decode on CPU: SDPA's fixed cost (~50 µs) is several times the work at these sizes.
+                return cpu_gemv.decode_attention(q[:, :, 0], k_all, v_all, seq_lens, scale)[:, :, None]
+            if impl != "torch":  # flash-decoding on CUDA
+                return kernel_ops.decode_attention(q[:, :, 0], k_all, v_all, seq_lens, sm_scale=scale, impl=impl)[:, :, None]
+        elif impl != "torch" and q.device.type == "cuda" and bool((self._positions == self._positions[:1]).all()):
+            # every row's queries are the last L of the filled slots: the causal rule of flash_attention
+            return kernel_ops.flash_attention(q, k_all, v_all, causal=True, sm_scale=scale, impl=impl)
         return sdpa_attention(q, k_all, v_all, mask, scale=scale)
 
     def update(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:

@@ -15,11 +15,19 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from . import kernels as kernel_ops
 from .attention import sdpa_attention
 from .config import ModelConfig
 from .kernels import cpu_gemv
 
-KERNEL_CHOICES = ("auto", "torch", "native")
+# "auto": the native CPU decode kernels on CPU, Triton attention on CUDA; "torch": the PyTorch references only;
+# "native": require the native CPU kernels; "triton": force the Triton attention kernels (CPU: TRITON_INTERPRET=1).
+KERNEL_CHOICES = ("auto", "torch", "native", "triton")
+
+
+def attention_impl(kernels: str) -> str:
+    """The ``impl`` argument of ``minillm.kernels`` attention functions for a model-level ``kernels`` choice."""
+    return {"auto": "auto", "triton": "triton"}.get(kernels, "torch")
 
 
 def rope_inv_freq(config: ModelConfig) -> Tensor:
@@ -82,7 +90,7 @@ class Linear(nn.Module):
         self.kernels = "auto"  # set by Transformer.set_kernels
 
     def forward(self, x: Tensor) -> Tensor:
-        if self.kernels != "torch" and cpu_gemv.supports(x, self.weight):
+        if self.kernels in ("auto", "native") and cpu_gemv.supports(x, self.weight):
             return cpu_gemv.linear(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
 
@@ -96,6 +104,7 @@ class Attention(nn.Module):
         self.qkv_proj = Linear(config.hidden_size, config.q_size + 2 * config.kv_size, bias=config.qkv_bias)
         self.o_proj = Linear(config.q_size, config.hidden_size)
         self.scale = config.head_dim**-0.5
+        self.kernels = "auto"  # set by Transformer.set_kernels
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, layer: int, cache=None) -> Tensor:
         """x [B, L, hidden] -> [B, L, hidden].
@@ -115,8 +124,8 @@ class Attention(nn.Module):
         v = qkv[..., c.q_size + c.kv_size :].view(B, L, c.num_kv_heads, c.head_dim).transpose(1, 2)
         if cache is None and c.sliding_window is not None and L > c.sliding_window:
             out = sdpa_attention(q, k, v, window_mask(L, c.sliding_window, x.device)[None, None], scale=self.scale)
-        elif cache is None:
-            out = sdpa_attention(q, k, v, causal=True, scale=self.scale)
+        elif cache is None:  # Triton FlashAttention on CUDA ("auto"), SDPA elsewhere
+            out = kernel_ops.flash_attention(q, k, v, causal=True, sm_scale=self.scale, impl=attention_impl(self.kernels))
         else:  # the cache stores the new K/V and attends over everything it holds for these sequences
             out = cache.attention(layer, q, k, v, self.scale)  # (B, H_q, L, D)
         out = out.transpose(1, 2).reshape(B, L, c.q_size)  # (B, L, H_q D)
@@ -146,7 +155,7 @@ class RMSNorm(nn.Module):
         self.kernels = "auto"  # set by Transformer.set_kernels
 
     def forward(self, x: Tensor) -> Tensor:
-        if self.kernels != "torch" and cpu_gemv.supports(x, self.weight):
+        if self.kernels in ("auto", "native") and cpu_gemv.supports(x, self.weight):
             return cpu_gemv.rms_norm(x, self.weight, self.eps)  # decode rows: F.rms_norm costs ~35 µs here
         if x.dtype == torch.float32:
             return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
@@ -205,7 +214,7 @@ class Transformer(nn.Module):
         if kernels == "native" and not cpu_gemv.available():
             raise RuntimeError("kernels='native' needs the compiled CPU GEMV, which failed to build; use 'auto'")
         for m in self.modules():
-            if isinstance(m, (Linear, RMSNorm)):
+            if isinstance(m, (Linear, RMSNorm, Attention)):
                 m.kernels = kernels
         self.kernels = kernels
         return self
