@@ -5,11 +5,13 @@
     out = llm.generate("Hello", SamplingParams(max_tokens=32, temperature=0))[0]
 """
 
-from .config import ModelConfig
+from .config import EngineConfig, ModelConfig
+from .engine import LLMEngine
 from .llm import LLM, RequestOutput
 from .loader import load_model, load_tokenizer
 from .model import Transformer
 from .sampling import SamplingParams
 
-__all__ = ["LLM", "ModelConfig", "RequestOutput", "SamplingParams", "Transformer", "load_model", "load_tokenizer"]
+__all__ = ["LLM", "EngineConfig", "LLMEngine", "ModelConfig", "RequestOutput", "SamplingParams", "Transformer",
+           "load_model", "load_tokenizer"]
 __version__ = "0.1.0"

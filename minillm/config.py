@@ -107,7 +107,7 @@ class ModelConfig:
         return n
 
     @classmethod
-    def from_hf(cls, hf_config: Any) -> "ModelConfig":
+    def from_hf(cls, hf_config: Any) -> ModelConfig:
         """Build from a ``config.json`` dict or a transformers ``PretrainedConfig``."""
         d = hf_config if isinstance(hf_config, dict) else hf_config.to_dict()
         model_type = d.get("model_type")
@@ -160,3 +160,102 @@ def _rope_settings(d: dict) -> tuple[float, RopeScaling]:
         high_freq_factor=float(src.get("high_freq_factor", 4.0)),
         original_max_position_embeddings=int(src.get("original_max_position_embeddings", 8192)),
     )
+
+
+POLICIES = ("continuous", "dynamic", "static")
+PREEMPTION_MODES = ("recompute", "swap")
+ATTENTION_IMPLS = ("auto", "triton", "torch")
+DEFAULT_KV_CACHE_BYTES = 256 * 2**20  # when neither num_kv_blocks nor kv_cache_bytes is given: fits a laptop
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How ``LLMEngine`` batches and stores K/V.  Defaults suit a CPU; on a GPU raise the limits and the KV budget.
+
+    - ``policy``: "continuous" admits and retires requests every step; "static" forms a batch of up to
+      ``max_num_seqs`` from whatever is waiting and runs it to completion (everyone waits for the longest);
+      "dynamic" does the same but waits until the batch is full or ``dynamic_window_s`` has passed since the
+      oldest waiting request arrived.
+    - ``block_size``: tokens per KV block (16, as vLLM).  KV budget: ``num_kv_blocks`` blocks, or ``kv_cache_bytes``
+      (K and V of all layers); with neither, enough for ``max_num_seqs`` full-context sequences capped at
+      ``DEFAULT_KV_CACHE_BYTES``.
+    - ``max_num_seqs`` sequences run at once; ``max_num_batched_tokens`` tokens (decode tokens + prefill chunks) per
+      step.  ``chunked_prefill=False`` never splits a prompt, so every prompt must fit the token budget.
+    - ``preemption``: what happens to the newest running sequence when blocks run out: "recompute" frees its blocks
+      and prefills it again later, "swap" copies its blocks to ``num_host_blocks`` host blocks (default: as many as
+      on the device) and back.
+    - ``max_model_len``: cap on prompt + output tokens (default: the model's context).
+    - ``attention_impl``: ``impl`` of ``minillm.kernels.paged_decode_attention``.
+    - ``return_logits``: each step update carries the fp32 logits its token was sampled from (tests, notebooks).
+    """
+
+    policy: str = "continuous"
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    kv_cache_bytes: int | None = None
+    max_num_seqs: int = 32
+    max_num_batched_tokens: int = 512
+    enable_prefix_caching: bool = True
+    chunked_prefill: bool = True
+    preemption: str = "recompute"
+    num_host_blocks: int | None = None
+    dynamic_window_s: float = 0.1
+    max_model_len: int | None = None
+    attention_impl: str = "auto"
+    return_logits: bool = False
+
+    def __post_init__(self):
+        if self.policy not in POLICIES:
+            raise ValueError(f"EngineConfig.policy must be one of {POLICIES}, got {self.policy!r}")
+        if self.preemption not in PREEMPTION_MODES:
+            raise ValueError(f"EngineConfig.preemption must be one of {PREEMPTION_MODES}, got {self.preemption!r}")
+        if self.attention_impl not in ATTENTION_IMPLS:
+            raise ValueError(f"EngineConfig.attention_impl must be one of {ATTENTION_IMPLS}, "
+                             f"got {self.attention_impl!r}")
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+            value = getattr(self, name)
+            if not _positive_int(value):
+                raise ValueError(f"EngineConfig.{name} must be a positive int, got {value!r}")
+        for name in ("num_kv_blocks", "kv_cache_bytes", "max_model_len"):
+            value = getattr(self, name)
+            if value is not None and not _positive_int(value):
+                raise ValueError(f"EngineConfig.{name} must be None or a positive int, got {value!r}")
+        if self.num_kv_blocks is not None and self.kv_cache_bytes is not None:
+            raise ValueError("give EngineConfig either num_kv_blocks or kv_cache_bytes, not both")
+        if self.num_host_blocks is not None and (not isinstance(self.num_host_blocks, int) or self.num_host_blocks < 0):
+            raise ValueError(f"EngineConfig.num_host_blocks must be None or an int >= 0, got {self.num_host_blocks!r}")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
+                             f"({self.max_num_seqs}) so every running sequence can decode each step; raise it or "
+                             "lower max_num_seqs")
+        if not isinstance(self.dynamic_window_s, (int, float)) or not self.dynamic_window_s >= 0:
+            raise ValueError(f"EngineConfig.dynamic_window_s must be a number >= 0, got {self.dynamic_window_s!r}")
+        for name in ("enable_prefix_caching", "chunked_prefill", "return_logits"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"EngineConfig.{name} must be True or False, got {getattr(self, name)!r}")
+
+    def resolve_num_blocks(self, bytes_per_block: int, max_model_len: int) -> int:
+        """Device KV blocks: ``num_kv_blocks``, or the byte budget divided by ``bytes_per_block`` (K and V, all
+        layers, one block), by default enough for ``max_num_seqs`` sequences of ``max_model_len`` tokens capped at
+        ``DEFAULT_KV_CACHE_BYTES``."""
+        if self.num_kv_blocks is not None:
+            return self.num_kv_blocks
+        if self.kv_cache_bytes is not None:
+            budget = self.kv_cache_bytes
+        else:
+            full = self.max_num_seqs * -(-max_model_len // self.block_size) * bytes_per_block
+            budget = min(full, DEFAULT_KV_CACHE_BYTES)
+        blocks = budget // bytes_per_block
+        if blocks < 1:
+            raise ValueError(f"kv_cache_bytes={budget} holds no KV block (one is {bytes_per_block} bytes); raise it")
+        return blocks
+
+    def resolve_host_blocks(self, num_device_blocks: int) -> int:
+        """Host blocks for swapping: ``num_host_blocks``, else as many as the device when preempting by swap."""
+        if self.num_host_blocks is not None:
+            return self.num_host_blocks
+        return num_device_blocks if self.preemption == "swap" else 0
+
+
+def _positive_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .config import EngineConfig
 from .generate import RequestMetrics, SequenceState, stream_cached, stream_naive
 from .loader import load_model, load_tokenizer
 from .sampling import SamplingParams
@@ -17,14 +18,19 @@ Prompt = str | Sequence[int]
 
 @dataclass
 class RequestOutput:
-    """One finished request: the generated ``text`` and ``token_ids``, why it stopped, and its metrics."""
+    """One finished request: the generated ``text`` and ``token_ids``, why it stopped, and its metrics.
+
+    With ``SamplingParams(n > 1)`` the fields describe sample 0 and ``outputs`` holds all n samples
+    (``engine.CompletionOutput``: index, text, token_ids, finish_reason, metrics).
+    """
 
     prompt: str | None
     prompt_token_ids: list[int]
     text: str
     token_ids: list[int]
-    finish_reason: str  # "stop" (EOS or a stop string) | "length" (max_tokens or the context)
+    finish_reason: str  # "stop" (EOS or a stop string) | "length" (max_tokens or the context) | "abort"
     metrics: RequestMetrics = field(repr=False)
+    outputs: list = field(default_factory=list, repr=False)
 
 
 @dataclass
@@ -48,7 +54,15 @@ class IncrementalDetokenizer:
         self.stopped = False
 
     def push(self, token_id: int, final: bool = False) -> str:
+        """Add a token; returns the new visible text (``final``: no token follows, hold nothing back)."""
         self.ids.append(token_id)
+        return self._delta(final)
+
+    def flush(self) -> str:
+        """The text held back so far (a split character, a possible stop-string start), now that no token follows."""
+        return self._delta(final=True) if self.ids else ""
+
+    def _delta(self, final: bool) -> str:
         full = self.tokenizer.decode(self.ids, skip_special_tokens=True)
         if full.endswith("\ufffd") and not final:
             return ""  # an incomplete UTF-8 sequence: wait for the next token
@@ -70,13 +84,17 @@ class LLM:
     ``model``: None (the embedded SmolLM2-135M-Instruct, offline), a hub id, a local directory or a ``.gguf``.
     ``dtype``: "float32" | "float16" | "bfloat16" | None; ``device``: "cpu" | "cuda" | None (CUDA when present);
     ``kernels``: "auto" | "torch" | "native"; ``cached=False`` uses the naive recompute loop (for teaching).
+    Other keyword arguments are ``EngineConfig`` options (``policy``, ``block_size``, ``num_kv_blocks``,
+    ``max_num_seqs``, ...) for the ``LLMEngine`` that ``generate`` runs on; ``stream`` uses the simple cached loop.
     """
 
     def __init__(self, model: str | os.PathLike | None = None, *, dtype=None, device=None, kernels: str = "auto",
-                 cached: bool = True):
+                 cached: bool = True, **engine_options):
+        self.engine_config = EngineConfig(**engine_options)  # validated before the model loads
         self.model = load_model(model, dtype=dtype, device=device, kernels=kernels)
         self.tokenizer = load_tokenizer(model)
         self.cached = cached
+        self._engine = None  # built on the first generate(): the KV cache is allocated then
         eos = set(self.model.config.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
@@ -105,7 +123,8 @@ class LLM:
         return list(out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out)
 
     # --- generation ----------------------------------------------------------------------------------------
-    def stream(self, prompts: Prompt | Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams] | None = None,
+    def stream(self, prompts: Prompt | Sequence[Prompt],
+               params: SamplingParams | Sequence[SamplingParams] | None = None,
                _states: list | None = None) -> Iterator[StreamEvent]:
         """Yield text deltas as tokens are produced (all prompts decode together)."""
         prompt_list = [prompts] if isinstance(prompts, str) or _is_ids(prompts) else list(prompts)
@@ -119,31 +138,43 @@ class LLM:
             raise ValueError("SamplingParams.n > 1 (parallel samples) needs the engine; use n=1 here")
         ids = [self.encode(p) for p in prompt_list]
         detoks = [IncrementalDetokenizer(self.tokenizer, p.stop) for p in param_list]
+        pushed: dict[int, str] = {}
 
-        def stop_checker(i: int, output: list[int]) -> bool:
+        def stop_checker(i: int, output: list[int]) -> bool:  # runs for every non-EOS token, before yielding it
+            pushed[i] = detoks[i].push(output[-1])
             return detoks[i].stopped
 
         loop = stream_cached if self.cached else stream_naive
         states: list[SequenceState] = [] if _states is None else _states
         for ev in loop(self.model, ids, param_list, self.eos_token_ids, stop_checker, states):
-            tok = ev.token_id
-            if ev.finish_reason == "stop" and not detoks[ev.index].stopped:  # EOS: not part of the text
-                delta = detoks[ev.index].push(tok, final=True) if tok not in self.eos_token_ids else ""
-            else:
-                delta = detoks[ev.index].push(tok, final=ev.finish_reason is not None)
-            yield StreamEvent(ev.index, tok, delta, ev.finish_reason)
+            delta = pushed.pop(ev.index, "")  # EOS is never pushed: it is not part of the text
+            if ev.finish_reason is not None:
+                delta += detoks[ev.index].flush()
+            yield StreamEvent(ev.index, ev.token_id, delta, ev.finish_reason)
         self._last = (prompt_list, ids, detoks, states)
+
+    @property
+    def engine(self):
+        """The ``LLMEngine`` behind ``generate`` (built on first use with this LLM's ``EngineConfig``)."""
+        if self._engine is None:
+            from .engine import LLMEngine  # engine.py imports this module's RequestOutput
+
+            self._engine = LLMEngine(self.model, self.tokenizer, self.engine_config, eos_token_ids=self.eos_token_ids)
+        return self._engine
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
-        """Generate for each prompt (strings or token-id lists); outputs in prompt order."""
+        """Generate for each prompt (strings or token-id lists) on the engine (continuous batching, paged KV,
+        prefix caching); outputs in prompt order.  ``cached=False`` runs the naive loop instead."""
+        if self.cached:
+            return self.engine.generate(prompts, sampling_params)
         states: list[SequenceState] = []
         for _ in self.stream(prompts, sampling_params, states):
             pass
         prompt_list, ids, detoks, _ = self._last
         return [RequestOutput(prompt=p if isinstance(p, str) else None, prompt_token_ids=i, text=d.text,
                               token_ids=s.output, finish_reason=s.finish_reason or "length", metrics=s.metrics)
-                for p, i, d, s in zip(prompt_list, ids, detoks, states)]
+                for p, i, d, s in zip(prompt_list, ids, detoks, states, strict=True)]
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | None = None) -> list[RequestOutput]:
