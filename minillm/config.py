@@ -185,7 +185,7 @@ class EngineConfig:
       and prefills it again later, "swap" copies its blocks to ``num_host_blocks`` host blocks (default: as many as
       on the device) and back.
     - ``max_model_len``: cap on prompt + output tokens (default: the model's context).
-    - ``attention_impl``: ``impl`` of ``minillm.kernels.paged_decode_attention``.
+    - ``attention_impl``: ``impl`` of the ``minillm.kernels`` attention calls ("auto": as the model's ``kernels``).
     - ``return_logits``: each step update carries the fp32 logits its token was sampled from (tests, notebooks).
     """
 

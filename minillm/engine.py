@@ -22,7 +22,7 @@ from torch import Tensor
 from .config import EngineConfig
 from .generate import validate_prompts
 from .llm import IncrementalDetokenizer, RequestOutput
-from .model import Transformer
+from .model import Transformer, attention_impl
 from .model_runner import ModelRunner, PagedKVCache, kv_bytes_per_block
 from .sampling import SamplingParams, make_generator
 from .scheduler import Request, Scheduler, SchedulerStats, SequenceMetrics, SequenceStatus
@@ -85,7 +85,8 @@ class LLMEngine:
                                    eos_token_ids=self.eos_token_ids)
         self.kv_cache = PagedKVCache(mc, num_blocks, config.block_size, dtype=model.dtype, device=model.device,
                                      num_host_blocks=num_host)
-        self.runner = ModelRunner(model, self.kv_cache, self.scheduler.block_manager, config.attention_impl)
+        impl = config.attention_impl if config.attention_impl != "auto" else attention_impl(model.kernels)
+        self.runner = ModelRunner(model, self.kv_cache, self.scheduler.block_manager, impl)
         self._detoks: dict[Seq, IncrementalDetokenizer] = {}
         self._finished: dict[str, RequestOutput] = {}
         self._live: dict[str, Request] = {}

@@ -8,8 +8,8 @@ Attention is the only per-sequence operation; ``PagedAttention`` does it through
 - new K/V rows are scattered into their slots (``slot = block_id * block_size + offset``, from the BlockManager);
 - decode tokens go together through ``minillm.kernels.paged_decode_attention`` (Triton on CUDA, gather + softmax
   reference elsewhere);
-- each prefill chunk gathers its sequence's blocks (earlier context + the chunk) and runs causal SDPA with the
-  queries placed at the end of the keys.
+- each prefill chunk gathers its sequence's blocks (earlier context + the chunk) and runs causal
+  ``minillm.kernels.flash_attention`` (Triton on CUDA, SDPA elsewhere) with the queries at the end of the keys.
 
 Only the last row of each sequence that samples goes through the LM head (V × hidden, the largest matrix).
 """
@@ -22,9 +22,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .attention import sdpa_attention
 from .config import ModelConfig
-from .kernels import paged_decode_attention
+from .kernels import flash_attention, paged_decode_attention
 from .kv_cache import kv_bytes_per_token
 from .model import Transformer
 from .paged import BlockCopy, BlockManager, CopyKind
@@ -73,8 +72,11 @@ class PagedKVCache:
             if kind is not CopyKind.COPY_ON_WRITE or set(dsts).isdisjoint(srcs):
                 src = torch.tensor(srcs, device=src_k.device)
                 dst = torch.tensor(dsts, device=dst_k.device)
-                dst_k[:, dst] = src_k[:, src].to(dst_k.device, non_blocking=True)
-                dst_v[:, dst] = src_v[:, src].to(dst_v.device, non_blocking=True)
+                # host->device may overlap (the forward waits on the stream); device->host must land before the
+                # host scatter reads it, so it blocks
+                asynchronous = kind is CopyKind.SWAP_IN
+                dst_k[:, dst] = src_k[:, src].to(dst_k.device, non_blocking=asynchronous)
+                dst_v[:, dst] = src_v[:, src].to(dst_v.device, non_blocking=asynchronous)
             else:
                 for c in group:
                     dst_k[:, c.dst] = src_k[:, c.src]
@@ -140,7 +142,8 @@ class PagedAttention:
             else:  # gather whole blocks, keep the first context_len rows: (1, H_kv, S, D)
                 kk = kc[p.block_ids].flatten(0, 1)[: p.context_len].transpose(0, 1)[None]
                 vv = vc[p.block_ids].flatten(0, 1)[: p.context_len].transpose(0, 1)[None]
-            o = sdpa_attention(q[:, :, p.start : p.end], kk, vv, causal=True, scale=scale)  # queries = last L keys
+            # causal with the L queries at the last L of the S keys (Triton on CUDA, SDPA elsewhere)
+            o = flash_attention(q[:, :, p.start : p.end], kk, vv, causal=True, sm_scale=scale, impl=self.impl)
             out[p.start : p.end] = o[0].transpose(0, 1)
         return out.transpose(0, 1)[None]  # (1, H_q, T, D)
 
