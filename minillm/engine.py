@@ -25,8 +25,9 @@ from .llm import IncrementalDetokenizer, RequestOutput
 from .model import Transformer, attention_impl
 from .model_runner import ModelRunner, PagedKVCache, kv_bytes_per_block
 from .sampling import SamplingParams, make_generator
-from .scheduler import Request, Scheduler, SchedulerStats, SequenceMetrics, SequenceStatus
-from .scheduler import Sequence as Seq
+from .scheduler import Scheduler, SchedulerStats
+from .sequence import Request, SequenceMetrics, SequenceStatus
+from .sequence import Sequence as Seq
 
 Prompt = str | Sequence[int]
 

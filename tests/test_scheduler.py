@@ -14,7 +14,8 @@ from hypothesis import strategies as st
 
 from minillm import EngineConfig, SamplingParams
 from minillm.paged import CopyKind
-from minillm.scheduler import Policy, Request, Scheduler, SequenceStatus
+from minillm.scheduler import Policy, Scheduler
+from minillm.sequence import Request, SequenceStatus
 
 EOS = 0
 
