@@ -140,7 +140,12 @@ class BlockAllocator:
         if block_id is None:
             return None
         entry = self._entries[block_id]
-        parent_serial = None if parent is None else self._entries[parent].serial
+        if parent is None:
+            parent_serial = None
+        elif parent in self._entries:
+            parent_serial = self._entries[parent].serial
+        else:
+            return None  # an uncached parent cannot be verified
         if entry.parent_serial != parent_serial or entry.token_ids != tuple(token_ids):
             return None
         return block_id
@@ -246,9 +251,9 @@ class MemoryStats:
 
     num_blocks: int
     block_size: int
-    used_blocks: int
-    free_blocks: int
-    evictable_blocks: int
+    used_blocks: int  # referenced by at least one sequence
+    free_blocks: int  # in the free list (holding nothing useful)
+    evictable_blocks: int  # unreferenced but still serving prefix-cache hits; reclaimed on demand
     logical_tokens: int  # sum of sequence lengths
     physical_tokens: int  # distinct slots holding a token
 
@@ -293,6 +298,7 @@ class BlockManager:
         self._seqs: dict[Hashable, BlockTable] = {}
 
     def __contains__(self, seq_id: Hashable) -> bool:
+        """Whether ``seq_id`` holds blocks (on device or host)."""
         return seq_id in self._seqs
 
     def _blocks_for(self, num_tokens: int) -> int:

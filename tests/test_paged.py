@@ -145,6 +145,58 @@ def test_out_of_blocks_raises_and_leaves_state_unchanged():
     assert mgr.device.num_free == 4 and mgr.allocate("b", list(range(50, 58))) == 0
 
 
+def test_prefix_hit_on_evictable_block_is_reserved_before_eviction():
+    mgr = BlockManager(6, 4)
+    for name, first in (("a", [0, 1, 2, 3]), ("e", [10, 11, 12, 13])):
+        mgr.allocate(name, first + [9])
+        mgr.mark_computed(name, 5)
+    a0, e0 = mgr.block_table("a")[0], mgr.block_table("e")[0]
+    mgr.free("a")
+    mgr.free("e")
+    mgr.allocate("b", list(range(100, 116)))  # takes the 4 truly free blocks
+    assert mgr.device.evictable_blocks() == [a0, e0]  # a0 is next in line for eviction
+
+    before = observable_state(mgr, ["b"])
+    assert not mgr.can_allocate([0, 1, 2, 3, 51, 52, 53, 54, 55])  # reviving a0 uses one of the 2 free blocks
+    with pytest.raises(OutOfBlocks):
+        mgr.allocate("g", [0, 1, 2, 3, 51, 52, 53, 54, 55])
+    assert observable_state(mgr, ["b"]) == before
+
+    assert mgr.allocate("c", [0, 1, 2, 3, 50]) == 4  # a0 is revived first, so the fresh block evicts e0
+    assert mgr.block_table("c") == [a0, e0]
+    assert mgr.device.cached_blocks() == {a0: (0, 1, 2, 3)} and mgr.device.ref_count(a0) == 1
+
+
+def test_freed_sequence_evicts_its_tail_before_its_head():
+    mgr, (b0, b1, _) = computed_manager(list(range(9)))
+    mgr.free("a")
+    assert mgr.device.evictable_blocks() == [b1, b0]  # a shorter prefix keeps hitting as long as possible
+
+
+def test_truncate_rolls_back_and_recomputed_blocks_are_cached_again():
+    mgr, (b0, b1, b2) = computed_manager(list(range(9)))
+    mgr.truncate("a", 6)  # reject 3 speculative tokens
+    assert mgr.block_table("a") == [b0, b1] and mgr.num_tokens("a") == 6
+    copies = mgr.append_slots("a", [60, 70, 80])  # b1 is a cache entry: never written in place
+    new_b1 = mgr.block_table("a")[1]
+    assert copies == [BlockCopy(b1, new_b1, CopyKind.COPY_ON_WRITE)]
+    mgr.mark_computed("a", 9)
+    assert mgr.device.cached_blocks()[new_b1] == (4, 5, 60, 70)
+    assert mgr.allocate("b", [0, 1, 2, 3, 4, 5, 60, 70, 1]) == 8
+
+
+def test_swapped_in_sequence_is_cached_again():
+    mgr = BlockManager(4, 4, num_host_blocks=4)
+    mgr.allocate("a", list(range(9)))
+    mgr.mark_computed("a", 9)
+    mgr.swap_out("a")
+    mgr.allocate("x", [7] * 16)  # evicts every cached block
+    mgr.free("x")
+    assert mgr.device.cached_blocks() == {}
+    mgr.swap_in("a")
+    assert mgr.allocate("b", list(range(8)) + [1]) == 8
+
+
 def test_fork_then_append_copies_on_write():
     mgr, a_blocks = computed_manager(list(range(6)))
     mgr.fork("a", "b")
@@ -290,9 +342,14 @@ class PagedMachine(RuleBasedStateMachine):
         self.next_id = 0
 
     # -- helpers --
-    def _pick(self, data, residence=Residence.DEVICE, where=lambda s: True):
-        choices = [s for s in sorted(self.tokens) if self.mgr.residence(s) is residence and where(s)]
-        return data.draw(st.sampled_from(choices)) if choices else None
+    def _ids(self, residence=Residence.DEVICE, where=lambda s: True):
+        return [s for s in sorted(self.tokens) if self.mgr.residence(s) is residence and where(s)]
+
+    def _uncomputed(self, s):
+        return self.computed[s] < len(self.tokens[s])
+
+    def _pick(self, data, residence=Residence.DEVICE, where=lambda s: True) -> int:
+        return data.draw(st.sampled_from(self._ids(residence, where)))
 
     def _state(self):
         return observable_state(self.mgr, list(self.tokens))
@@ -325,13 +382,15 @@ class PagedMachine(RuleBasedStateMachine):
                                                                            range(num_cached)]
         self.tokens[sid], self.computed[sid] = prompt, num_cached
 
+    @precondition(lambda self: self._ids(where=self._uncomputed))
     @rule(data=st.data())
     def forward(self, data):
         """The engine writes K/V for (a chunk of) the uncomputed tokens, then marks them computed."""
-        sid = self._pick(data, where=lambda s: self.computed[s] < len(self.tokens[s]))
-        if sid is None:
-            return
-        end = data.draw(st.integers(self.computed[sid] + 1, len(self.tokens[sid])))
+        sid = self._pick(data, where=self._uncomputed)
+        n = len(self.tokens[sid])
+        self.forward_to(sid, data.draw(st.one_of(st.just(n), st.integers(self.computed[sid] + 1, n))))
+
+    def forward_to(self, sid, end):
         table = self.mgr.block_table(sid)
         for p, slot in zip(range(self.computed[sid], end), self.mgr.slot_mapping(sid, self.computed[sid], end),
                            strict=True):
@@ -341,11 +400,10 @@ class PagedMachine(RuleBasedStateMachine):
         self.mgr.mark_computed(sid, end)
         self.computed[sid] = end
 
+    @precondition(lambda self: self._ids())
     @rule(data=st.data(), new=st.lists(st.integers(0, 2), min_size=1, max_size=5))
     def append(self, data, new):
         sid = self._pick(data)
-        if sid is None:
-            return
         fits, before = self.mgr.can_append(sid, len(new)), self._state()
         try:
             copies = self.mgr.append_slots(sid, new)
@@ -356,41 +414,52 @@ class PagedMachine(RuleBasedStateMachine):
         self._apply(copies)
         self.tokens[sid] += new
 
+    @precondition(lambda self: self._ids(where=lambda s: not self._uncomputed(s)))
     @rule(data=st.data())
     def fork(self, data):
-        sid = self._pick(data, where=lambda s: self.computed[s] == len(self.tokens[s]))
-        if sid is None:
-            return
+        sid = self._pick(data, where=lambda s: not self._uncomputed(s))
         child, self.next_id = self.next_id, self.next_id + 1
         self.mgr.fork(sid, child)
         self.tokens[child], self.computed[child] = list(self.tokens[sid]), self.computed[sid]
 
+    @precondition(lambda self: self._ids())
     @rule(data=st.data())
     def truncate(self, data):
         sid = self._pick(data)
-        if sid is None:
-            return
-        keep = data.draw(st.integers(1, len(self.tokens[sid])))
+        self.truncate_to(sid, data.draw(st.integers(1, len(self.tokens[sid]))))
+
+    def truncate_to(self, sid, keep):
         self.mgr.truncate(sid, keep)
         del self.tokens[sid][keep:]
         self.computed[sid] = min(self.computed[sid], keep)
 
+    @precondition(lambda self: self._ids(where=lambda s: self.computed[s] > 1))
+    @rule(data=st.data(), correction=st.integers(0, 2))
+    def reject_speculative_tokens(self, data, correction):
+        """Speculative decoding: roll back into the computed tokens, append the correction, compute it."""
+        sid = self._pick(data, where=lambda s: self.computed[s] > 1)
+        self.truncate_to(sid, data.draw(st.integers(1, self.computed[sid] - 1)))
+        try:
+            self._apply(self.mgr.append_slot(sid, correction))
+        except OutOfBlocks:
+            return
+        self.tokens[sid].append(correction)
+        self.forward_to(sid, len(self.tokens[sid]))
+
+    @precondition(lambda self: self._ids())
     @rule(data=st.data())
     def swap_out(self, data):
         sid = self._pick(data)
-        if sid is None:
-            return
         before = self._state()
         try:
             self._apply(self.mgr.swap_out(sid))
         except OutOfBlocks:
             assert self._state() == before
 
+    @precondition(lambda self: self._ids(Residence.HOST))
     @rule(data=st.data())
     def swap_in(self, data):
         sid = self._pick(data, Residence.HOST)
-        if sid is None:
-            return
         fits, before = self.mgr.can_swap_in(sid), self._state()
         try:
             self._apply(self.mgr.swap_in(sid))
@@ -399,13 +468,12 @@ class PagedMachine(RuleBasedStateMachine):
             return
         assert fits
 
+    @precondition(lambda self: self.tokens)
     @rule(data=st.data())
     def free(self, data):
-        sid = self._pick(data)
-        sid = self._pick(data, Residence.HOST) if sid is None else sid
-        if sid is not None:
-            self.mgr.free(sid)
-            del self.tokens[sid], self.computed[sid]
+        sid = data.draw(st.sampled_from(sorted(self.tokens)))
+        self.mgr.free(sid)
+        del self.tokens[sid], self.computed[sid]
 
     @precondition(lambda self: len(self.tokens) > 3)
     @rule()
@@ -441,6 +509,17 @@ class PagedMachine(RuleBasedStateMachine):
                 assert shadow.get(table.block_ids[p // self.BS] * self.BS + p % self.BS) == tuple(tokens[: p + 1])
 
     @invariant()
+    def chained_hashes_name_cached_leading_blocks(self):
+        cached = self.mgr.device.cached_blocks()
+        for sid, tokens in self.tokens.items():
+            table = self.mgr.sequence(sid)
+            assert len(table.block_hashes) <= self.computed[sid] // self.BS
+            if table.residence is Residence.HOST:
+                assert table.block_hashes == []
+            for i in range(len(table.block_hashes)):
+                assert cached[table.block_ids[i]] == tuple(tokens[i * self.BS : (i + 1) * self.BS])
+
+    @invariant()
     def cache_entries_hold_exactly_their_tokens(self):
         for block, cached in self.mgr.device.cached_blocks().items():
             kv = [self.slots[Residence.DEVICE].get(block * self.BS + o) for o in range(self.BS)]
@@ -463,7 +542,7 @@ class NoCachingMachine(PagedMachine):
     CACHING = False
 
 
-_settings = settings(max_examples=40, stateful_step_count=40, deadline=None,
+_settings = settings(max_examples=60, stateful_step_count=50, deadline=None,
                      suppress_health_check=[HealthCheck.too_slow])
 TestPagedInvariants = PagedMachine.TestCase
 TestPagedInvariants.settings = _settings
