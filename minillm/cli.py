@@ -117,7 +117,7 @@ def cmd_bench(a) -> int:
 
         bench_attention(a.device)
     elif a.what == "serving":
-        from .bench import bench_serving
+        from .bench_serving import bench_serving
 
         bench_serving(a.model, device=a.device)
     return 0
