@@ -65,7 +65,7 @@ print(f"{config.num_parameters() / 1e6:.0f}M parameters, {config.num_layers} lay
 # memory is the limit, above it the arithmetic units. First we measure this machine's two roofs (a large
 # reduction for bandwidth, a large matmul for FLOP/s) — a roofline drawn from measured peaks is an honest one.
 
-# %%
+# %% tags=["slide-output"]
 # NBVAL_IGNORE_OUTPUT
 spec = roofline.measure_device(device, quick=FAST)
 print(roofline.format_measurement(spec))
@@ -79,7 +79,7 @@ print(f"\nridge point for {dtype}: {ridge:.1f} FLOP/byte (an H100 SXM in bf16: "
 # small: **M** is the number of tokens processed at once. A prefill of L tokens has M = L; a decode step has
 # M = 1. The cost model in `minillm.roofline` adds up every layer:
 
-# %%
+# %% tags=["slide-output"]
 for name, cost in [("decode step (1 token)", roofline.decode_step_cost(config, 1, 64, dtype)),
                    ("prefill, 16 tokens", roofline.prefill_cost(config, 1, 16, dtype)),
                    ("prefill, 512 tokens", roofline.prefill_cost(config, 1, 512, dtype))]:
@@ -112,7 +112,7 @@ checks.check_decode_weight_bytes(decode_weight_bytes)
 # is exact. Each length is measured a few times and we keep the median (this machine is shared; the median
 # resists a noisy neighbour).
 
-# %%
+# %% tags=["slide-output"]
 # NBVAL_IGNORE_OUTPUT
 prompt_lengths = [16, 64] if FAST else [16, 32, 64, 128, 256, 512]
 repeats = 1 if FAST else 3
@@ -144,17 +144,19 @@ m = out.metrics
 gaps = [b - a for a, b in zip(m.token_times_s, m.token_times_s[1:])]  # inter-token latencies, seconds
 measured_tok_s = 1 / statistics.median(gaps)
 print(f"TTFT {m.ttft_s * 1e3:.1f} ms, TPOT {m.tpot_s * 1e3:.1f} ms (median gap {statistics.median(gaps) * 1e3:.1f} ms)"
-      f" -> {measured_tok_s:.1f} tokens/s; latency {m.latency_s:.2f} s vs TTFT + TPOT × (n − 1) = "
-      f"{m.ttft_s + m.tpot_s * (n_out - 1):.2f} s")
+      f" -> {measured_tok_s:.1f} tokens/s; of the {m.latency_s:.2f} s latency, decode took "
+      f"{m.tpot_s * (n_out - 1) / m.latency_s:.0%}")
 
 # %% [markdown]
 # ### Predict, then measure
 #
 # Your prediction: decode tokens/s ≤ bandwidth ÷ weight bytes per step. The check below compares it with the
-# measurement: a bound may not be beaten (by more than 15 %, the noise of a bandwidth measurement), and on a CPU
-# the engine should reach at least 20 % of it. The ratio is the **model bandwidth utilisation (MBU)**.
+# measurement: a bound may not be beaten (allowing 25 % for measurement noise on a shared machine), and on a CPU
+# the engine should reach at least 10 % of it (a quiet CPU reaches 40–70 %). The ratio is the
+# **model bandwidth utilisation (MBU)**. On a GPU this small model at batch 1 is limited by kernel-launch overhead
+# (hundreds of tiny kernels per step, ~5 µs each), so its MBU is low: the bound is still a bound.
 
-# %%
+# %% tags=["slide-output"]
 # NBVAL_IGNORE_OUTPUT
 predicted_tok_s = spec.memory_bandwidth / decode_weight_bytes(config, model.dtype)
 print(f"predicted ≤ {predicted_tok_s:.1f} tokens/s, measured {measured_tok_s:.1f} tokens/s, "
@@ -242,7 +244,7 @@ checks.check_percentile(percentile)
 # Plugged into the library through an explicit argument — `metrics.summarize(values, percentile=...)` uses
 # *your* function — first on the classic example: nine requests at 100 ms and one 3 s outlier.
 
-# %%
+# %% tags=["slide-output"]
 # NBVAL_CHECK_OUTPUT
 example = [0.1] * 9 + [3.0]
 summary = metrics.summarize(example, percentile=percentile)
@@ -296,7 +298,7 @@ plt.show()
 checks.check_cost_per_million_tokens(cost_per_million_tokens)
 print(f"$2/h at 100 tokens/s: ${cost_per_million_tokens(2.0, 100):.2f} per 1M tokens")
 
-# %%
+# %% tags=["slide-output"]
 # NBVAL_IGNORE_OUTPUT
 # Prices are assumptions for illustration; put in your own. The point is the ratio: throughput sets the price.
 PRICE_PER_HOUR = {"cpu": 0.10, "cuda": 2.00}[device]  # assumed: a small cloud VM / one rented data-center GPU
@@ -315,7 +317,9 @@ for label, tok_s in [("this server, one request at a time", served_tok_s),
 
 # %%
 # NBVAL_IGNORE_OUTPUT
-points = [roofline.RooflinePoint.from_cost(f"prefill {n}", roofline.prefill_cost(config, 1, n, dtype), ttft[n])
+ends = (prompt_lengths[0], prompt_lengths[-1])  # label the shortest and longest prefill; the rest lie between
+points = [roofline.RooflinePoint.from_cost(f"prefill {n}" if n in ends else "",
+                                           roofline.prefill_cost(config, 1, n, dtype), ttft[n])
           for n in prompt_lengths]
 points.append(roofline.RooflinePoint.from_cost("decode", roofline.decode_step_cost(config, 1, 16 + n_out // 2, dtype),
                                                1 / measured_tok_s))

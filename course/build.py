@@ -14,7 +14,8 @@ docstring and anything before the fence kept).  A method is rendered inside ``cl
 Title and hint come from ``minillm.checks.EXERCISES``, which also names each exercise's checker; every exercise
 cell needs a cell calling its checker (``checks.check_<name>(...)``) later in the same notebook.
 
-Other conventions: the Colab badge is inserted as the first cell; ``# NBVAL_CHECK_OUTPUT`` markers are kept in
+Other conventions: the Colab badge is inserted as the first cell; cell tags from the source are kept (the slide
+builder reads ``slide``, ``slide-output`` and ``slide-skip``); ``# NBVAL_CHECK_OUTPUT`` markers are kept in
 solutions (nbval compares those outputs there) and removed from student notebooks (whose outputs are empty).
 
 Solutions are executed when ``--execute`` is given or when their cell sources changed; otherwise the stored
@@ -178,12 +179,12 @@ def render(path: Path) -> Rendered:
         if cell.cell_type != "code":
             raise BuildError(f"{where}: only markdown and code cells are supported")
         ex = parse_directive(text, where)
-        meta: dict = {}
+        meta: dict = {"tags": list(cell.metadata.get("tags", []))} if cell.metadata.get("tags") else {}
         if ex is not None:
             if ex.number in pending:
                 raise BuildError(f"{where}: exercise {ex.number} appears twice")
             pending[ex.number] = where
-            meta = {"minillm": {"exercise": ex.number}, "tags": ["exercise"]}
+            meta = {"minillm": {"exercise": ex.number}, "tags": meta.get("tags", []) + ["exercise"]}
             stu_text, sol_text = render_exercise(ex, student=True), render_exercise(ex, student=False)
         else:
             checked = checker_exercises(text)
@@ -192,7 +193,7 @@ def render(path: Path) -> Rendered:
                     raise BuildError(f"{where}: calls the checker of exercise {n} before (or without) its cell")
                 pending[n] = None  # checked
             if checked:
-                meta = {"minillm": {"checks": checked}, "tags": ["check"]}
+                meta = {"minillm": {"checks": checked}, "tags": meta.get("tags", []) + ["check"]}
             sol_text = text
             stu_text = "\n".join(ln for ln in text.split("\n") if ln.strip() != CHECK_OUTPUT)
         student.append(nbformat.v4.new_code_cell(stu_text, metadata=copy.deepcopy(meta)))
@@ -219,9 +220,10 @@ def cell_sources(nb: nbformat.NotebookNode) -> list[tuple[str, str]]:
 
 
 def execute(nb: nbformat.NotebookNode, *, cwd: Path = SOLUTIONS, fast: bool = False, allow_errors: bool = False,
-            timeout: int = 900) -> nbformat.NotebookNode:
+            timeout: int = 900, extra_env: dict[str, str] | None = None) -> nbformat.NotebookNode:
     """Run ``nb`` in a fresh kernel of this Python (jupyter_client maps the "python" of the ipykernel spec to
-    ``sys.executable``) and return it with outputs.  ``fast`` sets MINILLM_COURSE_FAST=1 for the kernel."""
+    ``sys.executable``) and return it with outputs.  ``fast`` sets MINILLM_COURSE_FAST=1 for the kernel;
+    ``extra_env`` adds environment variables (e.g. OMP_NUM_THREADS)."""
     from nbclient import NotebookClient
 
     nb = copy.deepcopy(nb)
@@ -229,6 +231,7 @@ def execute(nb: nbformat.NotebookNode, *, cwd: Path = SOLUTIONS, fast: bool = Fa
     env.pop(FAST_ENV, None)
     if fast:
         env[FAST_ENV] = "1"
+    env.update(extra_env or {})
     env.setdefault("PYTHONHASHSEED", "0")
     env.setdefault("TQDM_DISABLE", "1")  # progress bars are noise in stored outputs
     client = NotebookClient(nb, timeout=timeout, kernel_name="python3", allow_errors=allow_errors,
@@ -260,6 +263,7 @@ def build(paths: list[Path], *, check: bool, force_execute: bool) -> int:
             t0 = time.perf_counter()
             print(f"executing {sol_file.relative_to(ROOT)} ...", flush=True)
             done = execute(r.solution)
+            done.metadata = r.solution.metadata  # the kernel fills in language_info (Python version): keep ours
             sol_file.parent.mkdir(exist_ok=True)
             sol_file.write_text(dumps(done))
             print(f"wrote {sol_file.relative_to(ROOT)} ({time.perf_counter() - t0:.0f} s)")

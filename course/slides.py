@@ -4,7 +4,8 @@
 
 A new slide starts at every markdown cell that opens with a heading (``#``, ``##``, ``###``). A slide shows the
 markdown (rendered with mistune, which nbconvert already depends on) and the figures that the code cells after it
-produced (PNG outputs, inlined as base64). Code cells tagged ``slide`` also show their source. The deck is one
+produced (PNG outputs, inlined as base64). Code cells tagged ``slide`` also show their source, cells tagged
+``slide-output`` their printed text; cells tagged ``slide-skip`` are left out. The deck is one
 self-contained file — inline CSS and JS, no CDN, no network — viewable offline in any browser: arrow keys,
 space or a click to move, ``f`` for full screen, and printing gives one slide per page.
 ``--check`` writes nothing and exits 1 when a deck differs from a fresh build.
@@ -24,6 +25,7 @@ import nbformat
 ROOT = Path(__file__).resolve().parent.parent
 SOLUTIONS, SLIDES = ROOT / "solutions", ROOT / "slides"
 HEADING = re.compile(r"^#{1,3} ")
+ANSI = re.compile(r"\x1b\[[0-9;]*m")  # terminal colour codes in stored outputs
 _markdown = mistune.create_markdown(plugins=["table", "strikethrough"])
 
 CSS = """
@@ -40,6 +42,7 @@ html, body { margin: 0; height: 100%; background: #2b2f33; font-family: system-u
 .slide code { background: #eef0f2; padding: 0 .2em; border-radius: 3px; font-size: .9em; }
 .slide pre { background: #f3f4f6; padding: .6em .8em; border-radius: 4px; overflow-x: auto; font-size: .75em; }
 .slide pre code { background: none; padding: 0; }
+.slide pre.output { background: #f7f7f2; border-left: 3px solid var(--accent); }
 .slide table { border-collapse: collapse; } .slide td, .slide th { border: 1px solid #ccc; padding: .2em .6em; }
 .figures { display: flex; flex-wrap: wrap; gap: 1em; justify-content: center; margin-top: .6em; }
 .figures img { max-width: 100%; max-height: 62vh; }
@@ -104,6 +107,11 @@ def split_slides(nb: nbformat.NotebookNode) -> list[list[str]]:
             if "slide" in tags:
                 flush_figures()
                 slides[-1].append(f"<pre><code>{html.escape(cell.source)}</code></pre>")
+            if "slide-output" in tags:
+                text = "".join(o.get("text", "") for o in cell.get("outputs", []) if o.get("output_type") == "stream")
+                if text.strip():
+                    flush_figures()
+                    slides[-1].append(f'<pre class="output">{html.escape(ANSI.sub("", text.rstrip()))}</pre>')
             for out in cell.get("outputs", []):
                 png = out.get("data", {}).get("image/png")
                 if png:

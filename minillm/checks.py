@@ -206,13 +206,14 @@ def check_cost_per_million_tokens(cost_per_million_tokens: Callable) -> None:
 
 
 def check_roofline_prediction(predicted: float, measured: float, *, what: str = "decode tokens/s",
-                              device: str = "cpu", upper: float = 1.15, lower: float = 0.2) -> None:
+                              device: str = "cpu", upper: float = 1.25, lower: float = 0.1) -> None:
     """A "predict, then measure" check: the roofline bound ``predicted`` against the ``measured`` rate.
 
-    A bound cannot be beaten: ``measured`` may exceed ``predicted`` by at most ``upper`` − 1 (15 %, the noise of
-    a bandwidth measurement).  On CPU the engine should also reach ``lower`` (20 %) of it.  On a GPU a small
-    model at batch 1 is bound by kernel-launch overhead (~5 µs × hundreds of kernels per step), far below the
-    bandwidth bound, so no lower limit is applied there.
+    A bound cannot be beaten: ``measured`` may exceed ``predicted`` by at most ``upper`` − 1 (25 %: bandwidth and
+    speed are measured at different moments, on a machine that may be shared).  On CPU the engine should also
+    reach ``lower`` (10 %) of it; a quiet CPU gives 40–70 %.  On a GPU a small model at batch 1 is bound by
+    kernel-launch overhead (~5 µs × hundreds of kernels per step), far below the bandwidth bound, so no lower
+    limit applies there.
     """
     assert predicted > 0 and measured > 0, f"need positive rates, got predicted={predicted}, measured={measured}"
     ratio = measured / predicted
