@@ -27,7 +27,7 @@ KERNEL_CHOICES = ("auto", "torch", "native", "triton")
 
 def attention_impl(kernels: str) -> str:
     """The ``impl`` argument of ``minillm.kernels`` attention functions for a model-level ``kernels`` choice."""
-    return {"auto": "auto", "triton": "triton"}.get(kernels, "torch")
+    return {"auto": "auto", "native": "auto", "triton": "triton"}.get(kernels, "torch")
 
 
 def rope_inv_freq(config: ModelConfig) -> Tensor:

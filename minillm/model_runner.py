@@ -7,7 +7,7 @@ Attention is the only per-sequence operation; ``PagedAttention`` does it through
 
 - new K/V rows are scattered into their slots (``slot = block_id * block_size + offset``, from the BlockManager);
 - decode tokens go together through ``minillm.kernels.paged_decode_attention`` (Triton on CUDA, gather + softmax
-  reference elsewhere);
+  reference elsewhere), or on CPU the native ``cpu_gemv.paged_decode_attention``;
 - each prefill chunk gathers its sequence's blocks (earlier context + the chunk) and runs causal
   ``minillm.kernels.flash_attention`` (Triton on CUDA, SDPA elsewhere) with the queries at the end of the keys.
 
@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 
 from .config import ModelConfig
-from .kernels import flash_attention, paged_decode_attention
+from .kernels import cpu_gemv, flash_attention, paged_decode_attention
 from .kv_cache import kv_bytes_per_token
 from .model import Transformer
 from .paged import BlockCopy, BlockManager, CopyKind
@@ -133,7 +133,12 @@ class PagedAttention:
         vc.view(-1, Hkv, D)[m.slot_mapping] = v[0].transpose(0, 1)
         out = q.new_empty(T, Hq, D)
         qt = q[0].transpose(0, 1)  # (T, H_q, D)
-        if m.decode_rows.numel():
+        if m.decode_rows.numel() and self.impl == "auto" and q.device.type == "cpu" and cpu_gemv.available() \
+                and q.dtype in (torch.float32, torch.bfloat16):
+            # CPU: the native kernel reads K/V through the tables in place (no gather, no per-call checks)
+            out[m.decode_rows] = cpu_gemv.paged_decode_attention(qt[m.decode_rows], kc, vc, m.block_tables,
+                                                                 m.seq_lens, scale)
+        elif m.decode_rows.numel():
             out[m.decode_rows] = paged_decode_attention(qt[m.decode_rows], kc, vc, m.block_tables, m.seq_lens,
                                                         sm_scale=scale, impl=self.impl)
         for p in m.prefills:

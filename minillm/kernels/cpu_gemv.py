@@ -82,6 +82,9 @@ def _lib() -> ctypes.CDLL | None:
     for name in ("decode_attention_f32", "decode_attention_bf16"):
         getattr(lib, name).argtypes = [vp, vp, vp, vp, vp] + [i64] * 6 + [ctypes.c_float]
         getattr(lib, name).restype = None
+    for name in ("paged_decode_attention_f32", "paged_decode_attention_bf16"):
+        getattr(lib, name).argtypes = [vp] * 6 + [i64] * 6 + [ctypes.c_float]
+        getattr(lib, name).restype = None
     for name in ("rms_norm_f32", "rms_norm_bf16"):
         getattr(lib, name).argtypes = [vp, vp, vp, i64, i64, ctypes.c_float]
         getattr(lib, name).restype = None
@@ -163,6 +166,30 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_lens
     fn = _lib().decode_attention_f32 if q.dtype == torch.float32 else _lib().decode_attention_bf16
     fn(q.data_ptr(), k.data_ptr(), v.data_ptr(), lens.data_ptr(), out.data_ptr(), B, Hq, Hkv, D,
        k.stride(0), k.stride(1), scale)
+    return out
+
+
+def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                           seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """Decode attention through block tables, on CPU.  q [B, H_q, D]; k/v cache [num_blocks, block_size, H_kv, D]
+    (contiguous); block_tables [B, W] int32; seq_lens [B] int32 -> [B, H_q, D].  The caller guarantees the
+    table entries below each length are valid blocks (the engine's block manager does); no checks cost a sync.
+    Reference: ``minillm.attention.paged_decode_attention_ref``."""
+    B, Hq, D = q.shape
+    nb, bs, Hkv, Dk = k_cache.shape
+    if Dk != D or Hq % Hkv or k_cache.shape != v_cache.shape or block_tables.shape[0] != B or seq_lens.shape != (B,):
+        raise ValueError(f"shapes disagree: q {tuple(q.shape)}, cache {tuple(k_cache.shape)}, tables "
+                         f"{tuple(block_tables.shape)}, seq_lens {tuple(seq_lens.shape)}")
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()) or block_tables.dtype != torch.int32 \
+            or seq_lens.dtype != torch.int32:
+        raise ValueError("need contiguous caches and int32 block_tables / seq_lens")
+    if q.dtype != k_cache.dtype or q.dtype not in (torch.float32, torch.bfloat16) or not available():
+        raise ValueError("cpu_gemv.paged_decode_attention needs fp32/bf16 CPU tensors and the native library")
+    q, tables, lens = q.contiguous(), block_tables.contiguous(), seq_lens.contiguous()
+    out = torch.empty_like(q)
+    fn = _lib().paged_decode_attention_f32 if q.dtype == torch.float32 else _lib().paged_decode_attention_bf16
+    fn(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), lens.data_ptr(), out.data_ptr(),
+       B, Hq, Hkv, D, bs, tables.shape[1], scale)
     return out
 
 

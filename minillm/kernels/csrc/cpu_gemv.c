@@ -154,3 +154,45 @@ void rms_norm_bf16(const uint16_t *restrict x, const uint16_t *restrict w, uint1
         }
     }
 }
+
+/* Decode attention over a paged KV cache: key/value position s of sequence b lives in physical block
+ * tables[b, s / bs] at offset s % bs.  k/v [num_blocks, bs, H_kv, D] contiguous; q/out [B, H_q, D];
+ * tables [B, W] int32; lens [B] int32.  Reference: minillm.attention.paged_decode_attention_ref. */
+#define PAGED_DECODE_ATTENTION(NAME, T, LOAD, STORE)                                                      \
+    void NAME(const T *restrict q, const T *restrict k, const T *restrict v, const int32_t *restrict tables, \
+              const int32_t *restrict lens, T *restrict out, int64_t B, int64_t Hq, int64_t Hkv, int64_t D,  \
+              int64_t bs, int64_t W, float scale) {                                                        \
+        int64_t G = Hq / Hkv;                                                                              \
+        _Pragma("omp parallel for collapse(2) schedule(static)")                                          \
+        for (int64_t b = 0; b < B; b++)                                                                    \
+            for (int64_t h = 0; h < Hq; h++) {                                                             \
+                int64_t S = lens[b];                                                                       \
+                const T *qh = q + (b * Hq + h) * D;                                                        \
+                const int32_t *tb = tables + b * W;                                                        \
+                float qf[D], acc[D], *p = (float *)malloc(sizeof(float) * (S > 0 ? S : 1));               \
+                for (int64_t d = 0; d < D; d++) { qf[d] = LOAD(qh[d]) * scale; acc[d] = 0.f; }            \
+                float m = -INFINITY;                                                                       \
+                for (int64_t s = 0; s < S; s++) {                                                          \
+                    const T *ks = k + (((int64_t)tb[s / bs] * bs + s % bs) * Hkv + h / G) * D;             \
+                    float dot = 0.f;                                                                       \
+                    _Pragma("omp simd reduction(+ : dot)")                                                \
+                    for (int64_t d = 0; d < D; d++) dot += qf[d] * LOAD(ks[d]);                            \
+                    p[s] = dot;                                                                            \
+                    if (dot > m) m = dot;                                                                  \
+                }                                                                                          \
+                float l = 0.f;                                                                             \
+                for (int64_t s = 0; s < S; s++) { p[s] = expf(p[s] - m); l += p[s]; }                      \
+                for (int64_t s = 0; s < S; s++) {                                                          \
+                    const T *vs = v + (((int64_t)tb[s / bs] * bs + s % bs) * Hkv + h / G) * D;             \
+                    float w = p[s];                                                                        \
+                    _Pragma("omp simd")                                                                    \
+                    for (int64_t d = 0; d < D; d++) acc[d] += w * LOAD(vs[d]);                             \
+                }                                                                                          \
+                T *o = out + (b * Hq + h) * D;                                                             \
+                for (int64_t d = 0; d < D; d++) o[d] = STORE(acc[d] / l);                                  \
+                free(p);                                                                                   \
+            }                                                                                              \
+    }
+
+PAGED_DECODE_ATTENTION(paged_decode_attention_f32, float, load_f32, store_f32)
+PAGED_DECODE_ATTENTION(paged_decode_attention_bf16, uint16_t, bf16_to_f32, f32_to_bf16)
