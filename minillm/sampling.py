@@ -7,7 +7,7 @@ Filters apply in the order temperature → top-k → top-p, each on the result o
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
