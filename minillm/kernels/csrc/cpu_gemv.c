@@ -1,4 +1,4 @@
-/* Decode-time GEMV for CPUs: y[M,N] = x[M,K] @ W[N,K]^T (+ b), M small (1..8).
+/* Decode-time GEMV for CPUs: y[M,N] = x[M,K] @ W[N,K]^T (+ b), M small (1..4).
  *
  * Why this exists: at decode, a linear layer reads every weight once and does 2 FLOPs per weight
  * (intensity ~ M FLOP/byte), so its speed is the memory bandwidth it reaches. PyTorch's CPU GEMV
