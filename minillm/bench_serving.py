@@ -28,7 +28,7 @@ import math
 import os
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 
@@ -353,26 +353,31 @@ def prefix_caching(model, corpus: Sequence[int], size: ServingBenchSize, seed: i
 
 
 def virtual_clock(size: ServingBenchSize, seed: int = 0) -> dict:
-    """Static / dynamic / continuous for Llama-2-7B bf16 on an H100-SXM (roofline step times + 2 ms per step),
-    Poisson arrivals, chat-like lengths scaled up 4× from the batching trace's."""
+    """Static / dynamic / continuous for Llama-2-7B bf16 on an H100-SXM (roofline step times + 2 ms per step) on
+    one request set, twice: all at t = 0 (capacity, comparable with section 2) and arriving as a Poisson stream at
+    ``sim_rate`` (latency and goodput under load).  Lengths are section 2's shape scaled up ~4×."""
     from .roofline import get_spec
 
     cfg, spec = llama2_7b_config(), get_spec("H100-SXM")
-    step = RooflineStepTime(cfg, spec, "bfloat16", overhead_s=2e-3)  # ~2 ms CPU work per step (assumed)
-    n = size.sim_requests
+    step = RooflineStepTime(cfg, spec, "bfloat16", overhead_s=2e-3)  # ~2 ms of CPU work per step (assumed)
     corpus = random_corpus(cfg.vocab_size, seed=seed)
-    trace = skewed_trace(n, corpus, rate=size.sim_rate, prompt_len=(64, 512), short=(32, 128), long=(512, 1024),
-                         long_fraction=0.1, seed=seed)
-    reports = [simulate(trace, cfg, EngineConfig(policy=p, max_num_seqs=64, max_num_batched_tokens=2048,
-                                                 kv_cache_bytes=kv_cache_budget(cfg, spec), dynamic_window_s=0.1),
-                        step, label=f"sim {p}", ttft_slo_s=0.5, tpot_slo_s=0.05)
-               for p in ("static", "dynamic", "continuous")]
-    print(f"\n4. virtual clock (modelled, not measured): Llama-2-7B bf16 on {spec.name}, roofline step + 2 ms, "
-          f"{n} requests Poisson at {size.sim_rate}/s, prompts 64-512, outputs 90% 32-128 / 10% 512-1024, "
-          f"max_num_seqs 64, SLO TTFT <= 500 ms and TPOT <= 50 ms")
-    print(format_reports(reports))
-    return {"model": "Llama-2-7B", "hardware": spec.name, "overhead_s": step.overhead_s,
-            "trace": trace_stats(trace), "reports": {r.label: r.as_dict() for r in reports}}
+    shape = {"prompt_len": (64, 512), "short": (32, 128), "long": (512, 1024), "long_fraction": 0.1, "seed": seed}
+    engine = EngineConfig(max_num_seqs=64, max_num_batched_tokens=2048, kv_cache_bytes=kv_cache_budget(cfg, spec),
+                          dynamic_window_s=0.1)
+    print(f"\n4. virtual clock (modelled, not measured): Llama-2-7B bf16 on {spec.name}, roofline step + 2 ms; "
+          f"{size.sim_requests} requests, prompts 64-512, outputs 90% 32-128 / 10% 512-1024; max_num_seqs 64; "
+          "SLO TTFT <= 500 ms and TPOT <= 50 ms")
+    out = {"model": "Llama-2-7B", "hardware": spec.name, "overhead_s": step.overhead_s}
+    for name, rate in (("offline", math.inf), ("poisson", size.sim_rate)):
+        trace = skewed_trace(size.sim_requests, corpus, rate=rate, **shape)
+        reports = [simulate(trace, cfg, replace(engine, policy=p), step, label=f"sim {p}", ttft_slo_s=0.5,
+                            tpot_slo_s=0.05) for p in ("static", "dynamic", "continuous")]
+        print(f"   {'all at t=0' if name == 'offline' else f'Poisson arrivals at {rate:g}/s'}:")
+        print(format_reports(reports))
+        by = {r.label: r for r in reports}
+        out[name] = {"trace": trace_stats(trace), "reports": {r.label: r.as_dict() for r in reports},
+                     "continuous_vs_static": by["sim continuous"].output_tok_s / by["sim static"].output_tok_s}
+    return out
 
 
 def _print_kv(kv: dict) -> None:

@@ -153,9 +153,10 @@ def build_report(label: str, records: Sequence[RequestRecord], **kw) -> ServingR
 
 
 def format_reports(reports: Sequence[ServingReport]) -> str:
-    """A side-by-side table (latencies in ms): throughput, TTFT / TPOT / ITL / E2E p50 and p99, goodput."""
+    """A side-by-side table: throughput, TTFT / TPOT / ITL p50 and p99 (ms), E2E (s), share of requests meeting
+    the SLO (goodput = that share × requests / duration)."""
     head = (f"{'run':<22} {'req':>4} {'time s':>7} {'out tok/s':>9} {'pre tok/s':>9} {'TTFT p50/p99 ms':>17} "
-            f"{'TPOT p50/p99 ms':>16} {'ITL p50/p99 ms':>15} {'E2E p50/p99 s':>14} {'goodput':>8}")
+            f"{'TPOT p50/p99 ms':>16} {'ITL p50/p99 ms':>15} {'E2E p50/p99 s':>14} {'SLO met':>8}")
     lines = [head]
     for r in reports:
         t, p, i, e = (r.latency(n) for n in ("ttft", "tpot", "itl", "e2e"))

@@ -64,5 +64,5 @@ def test_bench_serving_runs_end_to_end_at_quick_size(tiny_checkpoint, tmp_path):
     assert set(saved["targets_met"]) >= {"paged KV waste", "throughput continuous / static",
                                          "throughput continuous / transformers", "TTFT p50 prefix cache off / on"}
     assert saved["prefix_caching"]["hit_rate"] > 0.5
-    assert saved["virtual_clock"]["reports"]["sim continuous"]["requests"] == QUICK.sim_requests
+    assert saved["virtual_clock"]["poisson"]["reports"]["sim continuous"]["requests"] == QUICK.sim_requests
     assert saved["corpus"].startswith("uniform random")
