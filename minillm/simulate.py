@@ -34,8 +34,9 @@ from .scheduler import Scheduler, SchedulerOutput
 from .sequence import Request, SequenceMetrics
 from .workloads import RequestSpec
 
-__all__ = ["RequestRecord", "RooflineStepTime", "ServingReport", "StepChunk", "StepTimeModel", "format_reports",
-           "kv_cache_budget", "llama2_7b_config", "replay", "simulate", "step_cost"]
+__all__ = ["RequestRecord", "RooflineStepTime", "ServingReport", "StepChunk", "StepTimeModel", "build_report",
+           "format_reports", "kv_cache_budget", "llama2_7b_config", "record_from_metrics", "replay", "simulate",
+           "step_cost"]
 
 DUMMY_TOKEN = 0  # what the virtual model "samples"; never EOS (the simulated scheduler has no EOS ids)
 
@@ -89,6 +90,8 @@ class ServingReport:
     tpot_slo_s: float = 0.1
     steps: int = 0
     preemptions: int = 0
+    cpu_s: float | None = None  # process CPU seconds spent (wall-clock replays): steadier than wall time when
+    #                             other processes share the cores, since time spent descheduled is not counted
 
     @property
     def duration_s(self) -> float:
@@ -140,7 +143,8 @@ class ServingReport:
              "output_tok_s": self.output_tok_s, "prefill_tok_s": self.prefill_tok_s, "request_s": self.request_s,
              **{name: self.latency(name) for name in ("ttft", "tpot", "itl", "e2e")},
              "ttft_slo_s": self.ttft_slo_s, "tpot_slo_s": self.tpot_slo_s, "goodput_req_s": self.goodput_req_s,
-             "slo_attainment": self.slo_attainment, "steps": self.steps, "preemptions": self.preemptions}
+             "slo_attainment": self.slo_attainment, "steps": self.steps, "preemptions": self.preemptions,
+             "cpu_s": self.cpu_s, "output_tok_per_cpu_s": self.output_tokens / self.cpu_s if self.cpu_s else None}
         if with_records:
             d["records"] = [dataclasses.asdict(r) for r in self.records]
         return d
@@ -190,7 +194,7 @@ def replay(engine, trace: Sequence[RequestSpec], *, max_concurrency: int | None 
     done: dict[str, SequenceMetrics] = {}
     preemptions0 = engine.stats.preemptions
     steps = 0
-    t0 = time.perf_counter()
+    cpu0, t0 = time.process_time(), time.perf_counter()
     i = 0
     while i < len(order) or in_flight:
         now = time.perf_counter()
@@ -213,9 +217,10 @@ def replay(engine, trace: Sequence[RequestSpec], *, max_concurrency: int | None 
                 in_flight.discard(u.request_id)
         if not updates and not engine.scheduler.running:
             time.sleep(1e-3)  # a dynamic batch still collecting: let the clock move
+    cpu_s = time.process_time() - cpu0
     records = [record_from_metrics(rid, done[rid], t0) for rid in sorted(done, key=int)]
     return build_report(label or engine.config.policy, records, ttft_slo_s=ttft_slo_s, tpot_slo_s=tpot_slo_s,
-                        steps=steps, preemptions=engine.stats.preemptions - preemptions0)
+                        steps=steps, preemptions=engine.stats.preemptions - preemptions0, cpu_s=cpu_s)
 
 
 def _params(max_tokens: int) -> SamplingParams:
