@@ -58,7 +58,12 @@ def time_minillm_decode(model, prompt: list[int], n_tokens: int) -> tuple[float,
     start = time.perf_counter()
     for _ in stream_cached(model, [prompt], [SamplingParams(max_tokens=n_tokens, temperature=0, ignore_eos=True)]):
         times.append(time.perf_counter())
-    return times[0] - start, (len(times) - 1) / (times[-1] - times[0])
+    return times[0] - start, _rate(times)
+
+
+def _rate(times: list[float]) -> float:
+    """Tokens per second after the first token (nan with a single token)."""
+    return (len(times) - 1) / (times[-1] - times[0]) if len(times) > 1 else float("nan")
 
 
 def time_hf_decode(hf_model, prompt: list[int], n_tokens: int) -> tuple[float, float]:
@@ -84,8 +89,7 @@ def time_hf_decode(hf_model, prompt: list[int], n_tokens: int) -> tuple[float, f
     with torch.inference_mode():
         hf_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n_tokens,
                           min_new_tokens=n_tokens, do_sample=False, streamer=clock, pad_token_id=0)
-    t = clock.times
-    return t[0] - start, (len(t) - 1) / (t[-1] - t[0])
+    return clock.times[0] - start, _rate(clock.times)
 
 
 def _median_runs(fn: Callable[[], tuple[float, float]], repeats: int) -> tuple[float, float]:
@@ -135,7 +139,7 @@ def bench_decode(model_name: str | None = None, dtypes=("float32", "bfloat16"), 
         for n in prefill_lens:
             p = torch.randint(100, cfg.vocab_size, (n,), generator=gen).tolist()
             ours_ttft = statistics.median(time_minillm_decode(ours, p, 1)[0] for _ in range(repeats))
-            hf_ttft = statistics.median(time_hf_decode(theirs, p, 2)[0] for _ in range(repeats))
+            hf_ttft = statistics.median(time_hf_decode(theirs, p, 1)[0] for _ in range(repeats))
             row[f"minillm_prefill_{n}_tok_s"] = n / ours_ttft
             row[f"hf_prefill_{n}_tok_s"] = n / hf_ttft
         rows.append(row)
