@@ -65,8 +65,10 @@ print(f"{config.num_layers} layers, {config.num_heads} query heads, {config.num_
 #
 # ### Exercise 2.1 — KV-cache bytes per token
 #
-# Write `kv_bytes_per_token(config, dtype)`. The docstring states the formula; make sure you can say where each
-# factor comes from. Bytes per element: `dtype.itemsize`.
+# Write `kv_bytes_per_token(config, dtype)`: the bytes one token adds to the cache, over all layers. Count what is
+# stored per layer and per token (the paragraph above), and check yourself against the docstring's Llama-2-7B
+# figure. The fields you need: `config.num_layers`, `config.num_kv_heads`, `config.head_dim`; bytes per element:
+# `dtype.itemsize`.
 
 # %%
 # exercise 2.1: minillm.kv_cache.kv_bytes_per_token

@@ -18,7 +18,10 @@ from .model import attention_impl
 
 
 def kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype = torch.float16) -> int:
-    """2 × n_layers × H_kv × D × bytes/elem.  Llama-2-7B fp16: 2×32×32×128×2 = 512 KiB."""
+    """Bytes of K and V that one token adds to the cache, over all layers, in ``dtype``.
+
+    Llama-2-7B (32 layers, 32 K/V heads of 128 dims) in fp16: 512 KiB per token.
+    """
     ### BEGIN SOLUTION
     return 2 * config.num_layers * config.num_kv_heads * config.head_dim * dtype.itemsize
     ### END SOLUTION
