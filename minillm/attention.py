@@ -32,8 +32,9 @@ def grouped_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = Non
     fine for decode (L = 1), the reason FlashAttention exists for long prefills.
     """
     B, Hq, Hkv, L, S, D = _check(q, k, v)
-    G = Hq // Hkv
     scale = D**-0.5 if scale is None else scale
+    ### BEGIN SOLUTION
+    G = Hq // Hkv
     qg = q.reshape(B, Hkv, G * L, D)  # consecutive query heads share a K/V head
     scores = (qg @ k.transpose(-1, -2)).float().view(B, Hkv, G, L, S) * scale
     if causal:
@@ -43,6 +44,7 @@ def grouped_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = Non
         scores = scores.masked_fill(~mask[:, :, None], float("-inf"))  # (B, 1, 1, L, S)
     probs = scores.softmax(dim=-1).to(v.dtype).view(B, Hkv, G * L, S)
     return (probs @ v).view(B, Hq, L, D)
+    ### END SOLUTION
 
 
 def sdpa_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None, *, causal: bool = False,

@@ -52,8 +52,13 @@ def pool_kv_heads(model: Transformer, num_kv_heads: int) -> Transformer:
 
 # --- KV-cache size calculators (bytes per token of context, all layers) ----------------------------------------
 def kv_bytes_gqa(config: ModelConfig, num_kv_heads: int, bytes_per_elem: float = 2) -> float:
-    """Standard attention with ``num_kv_heads`` K/V heads: 2 × layers × H_kv × D × bytes."""
+    """Bytes of K and V per token of context, all layers, if ``config``'s model had ``num_kv_heads`` K/V heads
+    (H_kv = H_q: multi-head, 1 < H_kv < H_q: grouped-query, 1: multi-query attention) stored at
+    ``bytes_per_elem`` bytes per element (a float: 0.5 prices int4).  Llama-2-7B (32 heads) fp16: 512 KiB with
+    32 K/V heads, 128 KiB with 8."""
+    ### BEGIN SOLUTION
     return 2 * config.num_layers * num_kv_heads * config.head_dim * bytes_per_elem
+    ### END SOLUTION
 
 
 def kv_bytes_mla(num_layers: int, latent_dim: int = 512, rope_dim: int = 64, bytes_per_elem: float = 2) -> float:

@@ -74,6 +74,21 @@ class _WrongKVCache(KVCache):
 
 WRONG = {"1.1": _wrong_decode_weight_bytes, "1.2": _wrong_percentile, "1.3": _wrong_goodput, "1.4": _wrong_cost,
          "2.1": _wrong_kv_bytes, "2.2": _WrongKVCache}
+
+
+def _wrong_kv_bytes_gqa(config, num_kv_heads, bytes_per_elem=2):
+    return 2 * config.num_layers * config.num_kv_heads * config.head_dim * bytes_per_elem  # the model's H_kv
+
+
+def _wrong_grouped_attention(q, k, v, mask=None, *, causal=False, scale=None):
+    from minillm.attention import grouped_attention
+
+    G = q.shape[1] // k.shape[1]  # right values, but K/V copied for every query head: G× the bytes
+    return grouped_attention(q, k.repeat_interleave(G, 1), v.repeat_interleave(G, 1), mask, causal=causal,
+                             scale=scale)
+
+
+WRONG.update({"3.1": _wrong_kv_bytes_gqa, "3.2": _wrong_grouped_attention})  # notebook 03
 NUMBERS = sorted(EXERCISES)
 
 

