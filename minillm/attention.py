@@ -105,6 +105,26 @@ def attention_partial(q: Tensor, k: Tensor, v: Tensor, *, scale: float | None = 
     return m, p.sum(-1), p @ v.float()
 
 
+def flash_tile_step(m: Tensor, den: Tensor, acc: Tensor, q: Tensor, k_tile: Tensor, v_tile: Tensor,
+                    scale: float) -> tuple[Tensor, Tensor, Tensor]:
+    """One step of FlashAttention's online softmax: fold a tile of N keys into the running state of M queries.
+
+    State (fp32): m [..., M] running max of the scores seen so far, den [..., M] = Σ exp(s - m) (the paper's ℓ),
+    acc [..., M, D] = Σ exp(s - m) v, unnormalised.  Start from m = -inf, den = 0, acc = 0; after the last tile
+    the output is acc / den[..., None].  q [..., M, D], k_tile / v_tile [..., N, D] (leading dims broadcast, so
+    GQA works on q viewed as [B, H_kv, G·M, D]) -> the new (m, den, acc).  Only an [M, N] score tile ever exists:
+    this is the loop body of ``kernels/triton_flash_attention.py`` (which works in base-2 exponentials), in
+    PyTorch.  Reference for a whole sequence of tiles: ``grouped_attention``.
+    """
+    ### BEGIN SOLUTION
+    s = (q.float() @ k_tile.float().transpose(-1, -2)) * scale  # (..., M, N): this tile's scores
+    m_new = torch.maximum(m, s.amax(-1))
+    alpha = torch.exp(m - m_new)  # rescales what was summed under the old max; 0 on the first tile (m = -inf)
+    p = torch.exp(s - m_new[..., None])  # ≤ 1: no overflow whatever the scores
+    return m_new, den * alpha + p.sum(-1), acc * alpha[..., None] + p @ v_tile.float()
+    ### END SOLUTION
+
+
 def merge_attention_partials(m: Tensor, den: Tensor, o: Tensor) -> Tensor:
     """Merge flash-decoding splits exactly: softmax over the union of chunks from per-chunk pieces.
 
@@ -112,6 +132,8 @@ def merge_attention_partials(m: Tensor, den: Tensor, o: Tensor) -> Tensor:
     rescaled to the global max M: o = Σ_p e^{m_p - M} o_p / Σ_p e^{m_p - M} den_p (log-sum-exp); empty splits
     (m = -inf) get weight 0.  At least one split must be non-empty.
     """
+    ### BEGIN SOLUTION
     M = m.amax(-1, keepdim=True)  # (..., 1)
     w = torch.exp(m - M)  # (..., P); exp(-inf) = 0 for empty splits
     return (w[..., None] * o).sum(-2) / (w * den).sum(-1)[..., None]
+    ### END SOLUTION

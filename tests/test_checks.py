@@ -88,7 +88,19 @@ def _wrong_grouped_attention(q, k, v, mask=None, *, causal=False, scale=None):
                              scale=scale)
 
 
-WRONG.update({"3.1": _wrong_kv_bytes_gqa, "3.2": _wrong_grouped_attention})  # notebook 03
+def _wrong_merge(m, den, o):
+    return o.sum(-2) / den.sum(-1)[..., None]  # adds splits summed under different maxima
+
+
+def _wrong_flash_tile_step(m, den, acc, q, k_tile, v_tile, scale):
+    s = (q.float() @ k_tile.float().transpose(-1, -2)) * scale
+    m_new = torch.maximum(m, s.amax(-1))
+    p = torch.exp(s - m_new[..., None])
+    return m_new, den * torch.exp(m - m_new) + p.sum(-1), acc + p @ v_tile.float()  # acc not rescaled
+
+
+WRONG.update({"3.1": _wrong_kv_bytes_gqa, "3.2": _wrong_grouped_attention, "4.1": _wrong_merge,
+              "4.2": _wrong_flash_tile_step})  # notebooks 03 and 04
 NUMBERS = sorted(EXERCISES)
 
 

