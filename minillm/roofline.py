@@ -97,11 +97,13 @@ def linear_cost(M: int, K: int, N: int, dtype: DType, *, weight_dtype: DType | N
     (quantization scales not counted); ``bias`` adds N weights and M·N adds.
     """
     _check_sizes(M=M, K=K, N=N)
+    ### BEGIN SOLUTION
     a, w = dtype_bytes(dtype), dtype_bytes(dtype if weight_dtype is None else weight_dtype)
     flops = 2 * M * K * N + (M * N if bias else 0)
     weights = K * N * w + (N * a if bias else 0)
     acts = (M * K + M * N) * a
     return Cost(flops, weights + acts, {"weights": weights, "activations": acts}, {"linear": flops})
+    ### END SOLUTION
 
 
 def attention_cost(batch: int, q_len: int, kv_len: int, num_heads: int, num_kv_heads: int, head_dim: int,
@@ -204,14 +206,18 @@ def arithmetic_intensity(cost: Cost) -> float:
 
 def ridge_point(spec: HardwareSpec, dtype: str | torch.dtype) -> float:
     """Intensity (FLOP/byte) where the roofs meet: peak / bandwidth. H100 SXM bf16: 989e12 / 3.35e12 ≈ 295."""
+    ### BEGIN SOLUTION
     return spec.peak(dtype) / spec.memory_bandwidth
+    ### END SOLUTION
 
 
 def attainable_flops(spec: HardwareSpec, intensity: float, dtype: str | torch.dtype) -> float:
     """min(peak FLOP/s, intensity × bandwidth): the most a kernel of this intensity can reach on ``spec``."""
     if intensity < 0:
         raise ValueError(f"intensity must be ≥ 0, got {intensity}")
+    ### BEGIN SOLUTION
     return min(spec.peak(dtype), intensity * spec.memory_bandwidth)
+    ### END SOLUTION
 
 
 def _rate(x: float | HardwareSpec) -> float:
@@ -228,7 +234,10 @@ def mbu(bytes_per_step: float, steps_per_s: float, bandwidth: float | HardwareSp
     """
     if bytes_per_step < 0 or steps_per_s < 0:
         raise ValueError("bytes_per_step and steps_per_s must be ≥ 0")
-    return bytes_per_step * steps_per_s / _rate(bandwidth)
+    peak_bandwidth = _rate(bandwidth)  # bytes/s: the number given, or the spec's memory_bandwidth
+    ### BEGIN SOLUTION
+    return bytes_per_step * steps_per_s / peak_bandwidth
+    ### END SOLUTION
 
 
 def mfu(flops_per_step: float, steps_per_s: float, peak: float) -> float:

@@ -40,6 +40,28 @@ def rendered(ex: Exercise, student: bool):
 
 
 # --- wrong answers a student might plausibly write; each must fail its checker with AssertionError ---------------
+def _wrong_linear_cost(M, K, N, dtype, *, weight_dtype=None, bias=False):
+    from minillm.roofline import Cost, dtype_bytes
+
+    a, w = dtype_bytes(dtype), dtype_bytes(dtype if weight_dtype is None else weight_dtype)
+    flops = M * K * N  # one FLOP per multiply-add instead of two
+    weights, acts = K * N * w, (M * K + M * N) * a
+    return Cost(flops, weights + acts, {"weights": weights, "activations": acts}, {"linear": flops})
+
+
+def _wrong_ridge_point(spec, dtype):
+    return spec.memory_bandwidth / spec.peak(dtype)  # upside down: bytes per FLOP
+
+
+def _wrong_attainable_flops(spec, intensity, dtype):
+    return intensity * spec.memory_bandwidth  # forgot the compute roof
+
+
+def _wrong_mbu(bytes_per_step, steps_per_s, bandwidth):
+    bw = getattr(bandwidth, "memory_bandwidth", bandwidth)
+    return 100 * bytes_per_step * steps_per_s / bw  # a percentage, not a fraction
+
+
 def _wrong_decode_weight_bytes(config, dtype=torch.float16):
     return config.num_parameters() * dtype.itemsize  # counts the (untied) embedding table
 
@@ -74,6 +96,8 @@ class _WrongKVCache(KVCache):
 
 WRONG = {"1.1": _wrong_decode_weight_bytes, "1.2": _wrong_percentile, "1.3": _wrong_goodput, "1.4": _wrong_cost,
          "2.1": _wrong_kv_bytes, "2.2": _WrongKVCache}
+WRONG.update({"0.1": _wrong_linear_cost, "0.2": _wrong_ridge_point, "0.3": _wrong_attainable_flops,
+              "0.4": _wrong_mbu})  # notebook 00
 
 
 def _wrong_kv_bytes_gqa(config, num_kv_heads, bytes_per_elem=2):
