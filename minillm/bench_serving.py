@@ -298,9 +298,7 @@ def batching(model, hf_checkpoint, corpus: Sequence[int], size: ServingBenchSize
     blocks = size.max_num_seqs * -(-longest // 16) + 16  # every running sequence at full length: no preemption
     reports = []
     for policy in ("continuous", "static", "dynamic"):
-        engine = LLMEngine(model, config=EngineConfig(policy=policy, max_num_seqs=size.max_num_seqs,
-                                                      max_num_batched_tokens=size.max_num_batched_tokens,
-                                                      num_kv_blocks=blocks, enable_prefix_caching=False))
+        engine = LLMEngine(model, config=engine_config(size, blocks, policy))
         reports.append(replay(engine, trace, label=policy, ttft_slo_s=size.ttft_slo_s, tpot_slo_s=size.tpot_slo_s,
                               warmup=True))
         print(f"   {policy}: {reports[-1].duration_s:.1f} s", flush=True)
@@ -319,7 +317,44 @@ def batching(model, hf_checkpoint, corpus: Sequence[int], size: ServingBenchSize
     kv = kv_memory(trace, reserve_len=size.reserve_len, budget_tokens=size.kv_budget_tokens)
     print(f"   (this trace's own KV waste: paged {kv['paged_waste']:.1%} — short sequences, mean "
           f"{kv['mean_len']:.0f} tokens, each wasting ~half a block — contiguous {kv['contiguous_waste']:.1%})")
-    return {"batching_trace": stats, "batching_trace_kv": kv, "batching": {r.label: r.as_dict() for r in reports}}
+    by = {r.label: r for r in reports}
+    model_here = roofline_here(model, trace, engine_config(size, blocks, "continuous"))
+    measured = by["continuous"].output_tok_s / by["static"].output_tok_s
+    print(f"   roofline model of this machine (measured now: {model_here['read_gb_s']:.0f} GB/s read, "
+          f"{model_here['peak_gflop_s']:.0f} GFLOP/s {model_here['dtype']} matmul; ridge "
+          f"{model_here['ridge_flop_per_byte']:.1f} FLOP/byte, so a decode step is compute bound from ~"
+          f"{model_here['ridge_batch']:.0f} sequences on): continuous / static modelled "
+          f"{model_here['continuous_vs_static']:.2f}x, measured {measured:.2f}x")
+    return {"batching_trace": stats, "batching_trace_kv": kv, "batching": {r.label: r.as_dict() for r in reports},
+            "batching_roofline_model": model_here}
+
+
+def engine_config(size: ServingBenchSize, num_kv_blocks: int, policy: str) -> EngineConfig:
+    """Section 2's engine: ``max_num_seqs`` and the token budget from ``size``, enough KV blocks that nothing is
+    preempted, no prefix caching (the comparison is about batching alone)."""
+    return EngineConfig(policy=policy, max_num_seqs=size.max_num_seqs,
+                        max_num_batched_tokens=size.max_num_batched_tokens, num_kv_blocks=num_kv_blocks,
+                        enable_prefix_caching=False)
+
+
+def roofline_here(model, trace: Sequence[RequestSpec], config: EngineConfig) -> dict:
+    """The batching comparison on a virtual clock priced by *this* machine's measured roofline
+    (``measure_device(quick=True)``, no per-step overhead): what the cost model expects continuous / static to
+    gain here.  A decode step's intensity is ≈ 2·B / bytes-per-weight FLOP/byte, so past the ridge it is compute
+    bound and its cost grows with B — and static batching's half-empty steps get cheap."""
+    from .hardware import dtype_bytes, dtype_name, measure_device
+    from .roofline import ridge_point
+
+    spec = measure_device(str(model.device), quick=True)
+    dtype = dtype_name(model.dtype)
+    step = RooflineStepTime(model.config, spec, dtype)
+    runs = {p: simulate(trace, model.config, replace(config, policy=p), step, dtype=dtype)
+            for p in ("static", "continuous")}
+    ridge = ridge_point(spec, dtype)
+    return {"read_gb_s": spec.memory_bandwidth / 1e9, "peak_gflop_s": spec.peak(dtype) / 1e9, "dtype": dtype,
+            "ridge_flop_per_byte": ridge, "ridge_batch": ridge * dtype_bytes(dtype) / 2,
+            "static_s": runs["static"].duration_s, "continuous_s": runs["continuous"].duration_s,
+            "continuous_vs_static": runs["continuous"].output_tok_s / runs["static"].output_tok_s}
 
 
 def prefix_caching(model, corpus: Sequence[int], size: ServingBenchSize, seed: int = 0) -> dict:
