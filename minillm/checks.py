@@ -485,8 +485,11 @@ def _largest_new_tensor(fn: Callable, *args, **kwargs) -> tuple[object, int, str
     Uses PyTorch's dispatch-mode hook, which sees every ATen operation, those inside library calls included
     (``torch.matmul`` broadcasting an operand materialises the broadcast copy: it shows up here).
     """
-    from torch.utils._python_dispatch import TorchDispatchMode
-    from torch.utils._pytree import tree_leaves
+    try:  # private but long-stable PyTorch modules (1.13+); if a future release moves them, skip the watch
+        from torch.utils._python_dispatch import TorchDispatchMode
+        from torch.utils._pytree import tree_leaves
+    except ImportError:
+        return fn(*args, **kwargs), 0, ""
 
     inputs = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
     largest = [0, ""]
