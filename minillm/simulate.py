@@ -135,7 +135,8 @@ class ServingReport:
     @property
     def slo_attainment(self) -> float:
         """Fraction of requests that met the SLO."""
-        return self.goodput_req_s * self.duration_s / len(self.records)
+        good = goodput(self.records, 1.0, ttft_slo_s=self.ttft_slo_s, tpot_slo_s=self.tpot_slo_s)  # a count
+        return good / len(self.records)
 
     def as_dict(self, with_records: bool = False) -> dict:
         d = {"label": self.label, "requests": len(self.records), "duration_s": self.duration_s,
