@@ -119,7 +119,7 @@ def cmd_bench(a) -> int:
     elif a.what == "serving":
         from .bench_serving import bench_serving
 
-        bench_serving(a.model, device=a.device)
+        bench_serving(a.model, device=a.device, threads=a.threads, quick=a.quick)
     return 0
 
 
@@ -145,6 +145,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--dtypes", default="float32,bfloat16")
     b.add_argument("--tokens", type=int, default=64)
     b.add_argument("--repeats", type=int, default=3)
+    b.add_argument("--threads", type=int, default=None, help="torch threads (serving; default: torch's)")
+    b.add_argument("--quick", action="store_true", help="serving: a small trace (~1 min)")
     b.set_defaults(fn=cmd_bench)
     sub.add_parser("roofline", help="measure this machine's peaks and print the reference specs "
                                     "(options: --device, --quick, --json PATH)")
