@@ -20,6 +20,7 @@ from .paged import (
     PrefixHitStats,
     Residence,
     hash_block_tokens,
+    slot_mapping,
 )
 
 
@@ -30,14 +31,16 @@ class BlockManager:
     ``append_slot`` each decoded token before the forward that writes its K/V, run the copies returned, feed
     ``slot_mapping``/``block_table`` to attention, then ``mark_computed`` so finished full blocks become cacheable.
     Preemption by recompute is ``free``; by swap, ``swap_out``/``swap_in`` (needs ``num_host_blocks``).
+    ``allocator`` is the ``BlockAllocator`` class of both pools (the course passes its own subclass here).
     """
 
     def __init__(self, num_blocks: int, block_size: int = 16, *, enable_prefix_caching: bool = True,
-                 num_host_blocks: int = 0, hash_fn: HashFn = hash_block_tokens):
+                 num_host_blocks: int = 0, hash_fn: HashFn = hash_block_tokens,
+                 allocator: type[BlockAllocator] = BlockAllocator):
         if not isinstance(num_host_blocks, int) or num_host_blocks < 0:
             raise ValueError(f"num_host_blocks must be an int >= 0 (0 disables swapping), got {num_host_blocks!r}")
-        self.device = BlockAllocator(num_blocks, block_size, enable_prefix_caching)
-        self.host = BlockAllocator(num_host_blocks, block_size, False) if num_host_blocks else None
+        self.device = allocator(num_blocks, block_size, enable_prefix_caching)
+        self.host = allocator(num_host_blocks, block_size, False) if num_host_blocks else None
         self.block_size = block_size
         self.prefix_stats = PrefixHitStats()
         self._hash = hash_fn
@@ -140,6 +143,14 @@ class BlockManager:
     def append_slots(self, seq_id: Hashable, token_ids: Sequence[int]) -> list[BlockCopy]:
         """Give each new token a slot, one block at a time as the last one fills; returns copy-on-write copies.
 
+        ``table`` (a ``BlockTable``) holds the sequence's ``block_ids`` and ``token_ids`` (every token that has a
+        slot). Just in time: a token gets a new block (``self.device.allocate()``) only when the last block is full
+        (``len(table.token_ids) % self.block_size == 0``); then append the token to ``table.token_ids``.
+        Copy-on-write first: if the partial last block is shared or a prefix-cache entry
+        (``self._needs_copy(table)``), writing into it would change other owners' K/V, so the sequence takes a
+        fresh block in its place, drops its reference to the shared one (``self.device.free``: allocate before
+        you free, so the source keeps its contents) and returns ``BlockCopy(shared, new, CopyKind.COPY_ON_WRITE)``
+        for the engine to run before the forward pass.
         Token ids (not just a count) are needed so full blocks can be hashed for the prefix cache.
         All or nothing: raises ``OutOfBlocks`` without changing state when the blocks are not there.
         """
@@ -148,6 +159,7 @@ class BlockManager:
         if need > self.device.num_free:
             raise OutOfBlocks(f"appending {len(token_ids)} tokens to {seq_id!r} needs {need} blocks but "
                               f"{self.device.num_free} are free; preempt a sequence")
+        ### BEGIN SOLUTION
         copies: list[BlockCopy] = []
         if token_ids and self._needs_copy(table):
             shared = table.block_ids[-1]
@@ -159,6 +171,7 @@ class BlockManager:
                 table.block_ids.append(self.device.allocate())
             table.token_ids.append(token)
         return copies
+        ### END SOLUTION
 
     def append_slot(self, seq_id: Hashable, token_id: int) -> list[BlockCopy]:
         """``append_slots`` for one decoded token."""
@@ -260,8 +273,7 @@ class BlockManager:
         end = len(table.token_ids) if end is None else end
         if not 0 <= start <= end <= len(table.token_ids):
             raise ValueError(f"positions [{start}, {end}) are outside the {len(table.token_ids)} allocated tokens")
-        bs = self.block_size
-        return [table.block_ids[p // bs] * bs + p % bs for p in range(start, end)]
+        return slot_mapping(table.block_ids, start, end, self.block_size)
 
     def sequence(self, seq_id: Hashable) -> BlockTable:
         """A copy of ``seq_id``'s block table and tokens, device or host (for schedulers, tests and pictures)."""

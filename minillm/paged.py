@@ -105,16 +105,27 @@ class BlockAllocator:
         return block_id
 
     def free(self, block_id: int) -> None:
-        """Drop one reference; at zero the block becomes evictable if it is a cache entry, else free."""
+        """Drop one reference to ``block_id``; when none is left, release the block.
+
+        ``self._ref[block_id]`` counts the block-table entries pointing at the block (a fork shares every block,
+        so a shared block has one reference per owner).  While others still hold it, a free only lowers the count:
+        the block and its K/V stay.  The last free releases it: a prefix-cache entry (``self.is_cached(block_id)``)
+        keeps its K/V for future hits and joins the LRU pool ``self._evictable`` (an OrderedDict of block id ->
+        None, least recently released first, so add it at the end); any other block goes back to the free list
+        ``self._free`` (a deque; append it).
+        """
         self._check(block_id)
         if self._ref[block_id] == 0:
             raise RuntimeError(f"double free of block {block_id}: its reference count is already 0")
+        ### BEGIN SOLUTION
         self._ref[block_id] -= 1
-        if self._ref[block_id] == 0:
-            if block_id in self._entries:
-                self._evictable[block_id] = None  # most recently released: evicted last
-            else:
-                self._free.append(block_id)
+        if self._ref[block_id] > 0:
+            return  # other owners still hold it: nothing is released
+        if self.is_cached(block_id):
+            self._evictable[block_id] = None  # most recently released: evicted last
+        else:
+            self._free.append(block_id)
+        ### END SOLUTION
 
     def incref(self, block_id: int) -> None:
         """Add a reference to a referenced block, or revive an evictable cached block (a prefix-cache hit)."""
@@ -262,6 +273,21 @@ class MemoryStats:
         """Fraction of the slots in used blocks that hold no token (only partial last blocks contribute)."""
         slots = self.used_blocks * self.block_size
         return 1.0 - self.physical_tokens / slots if slots else 0.0
+
+
+def slot_mapping(block_ids: Sequence[int], start: int, end: int, block_size: int) -> list[int]:
+    """Flat cache slot of each token position in [start, end) of a sequence whose block table is ``block_ids``.
+
+    The cache is one pool of ``num_blocks × block_size`` slots; position p sits in logical block
+    ``p // block_size`` at offset ``p % block_size``, and logical block i lives in physical block
+    ``block_ids[i]``, so its slot is ``block_ids[p // block_size] * block_size + p % block_size``.
+    ``block_ids`` must cover every position asked for.
+    """
+    if not 0 <= start <= end <= len(block_ids) * block_size:
+        raise ValueError(f"positions [{start}, {end}) are outside the {len(block_ids)} blocks of {block_size} slots")
+    ### BEGIN SOLUTION
+    return [block_ids[p // block_size] * block_size + p % block_size for p in range(start, end)]
+    ### END SOLUTION
 
 
 def paged_waste(seq_lens: Sequence[int], block_size: int = 16) -> float:

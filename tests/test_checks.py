@@ -125,6 +125,41 @@ def _wrong_flash_tile_step(m, den, acc, q, k_tile, v_tile, scale):
 
 WRONG.update({"3.1": _wrong_kv_bytes_gqa, "3.2": _wrong_grouped_attention, "4.1": _wrong_merge,
               "4.2": _wrong_flash_tile_step})  # notebooks 03 and 04
+
+
+from minillm.block_manager import BlockManager  # noqa: E402  (notebook 05)
+from minillm.paged import BlockAllocator  # noqa: E402
+
+
+class _WrongBlockAllocator(BlockAllocator):
+    """Sends every released block to the free list: a cached prefix is forgotten as soon as nobody uses it."""
+
+    def free(self, block_id):
+        self._check(block_id)
+        if self._ref[block_id] == 0:
+            raise RuntimeError(f"double free of block {block_id}")
+        self._ref[block_id] -= 1
+        if self._ref[block_id] == 0:
+            self._free.append(block_id)
+
+
+class _WrongBlockManager(BlockManager):
+    """Appends without copy-on-write: a forked child writes into the partial block its parent still reads."""
+
+    def append_slots(self, seq_id, token_ids):
+        table = self._table(seq_id)
+        for token in token_ids:
+            if len(table.token_ids) % self.block_size == 0:
+                table.block_ids.append(self.device.allocate())
+            table.token_ids.append(token)
+        return []
+
+
+def _wrong_slot_mapping(block_ids, start, end, block_size):
+    return [block_ids[p // block_size] + p % block_size for p in range(start, end)]  # block id not × block_size
+
+
+WRONG.update({"5.1": _WrongBlockAllocator, "5.2": _WrongBlockManager, "5.3": _wrong_slot_mapping})  # notebook 05
 NUMBERS = sorted(EXERCISES)
 
 
