@@ -22,7 +22,7 @@ from .sampling import SamplingParams
 from .sequence import Request, Sequence, SequenceMetrics, SequenceStatus
 
 __all__ = ["Policy", "Request", "ScheduledSeq", "Scheduler", "SchedulerOutput", "SchedulerStats", "Sequence",
-           "SequenceMetrics", "SequenceStatus"]
+           "SequenceMetrics", "SequenceStatus", "batch_slots", "prefill_chunk_len", "slot_timeline"]
 
 
 class Policy(Enum):
@@ -79,6 +79,28 @@ class SchedulerStats:
     swaps_out: int = 0
     peak_used_blocks: int = 0
     peak_running: int = 0
+
+
+def prefill_chunk_len(remaining: int, budget: int, max_num_batched_tokens: int, chunked_prefill: bool = True) -> int:
+    """How many of a sequence's ``remaining`` uncomputed tokens to feed this step, with ``budget`` tokens of the
+    step's ``max_num_batched_tokens`` left (0: none, the sequence waits for a later step).
+
+    With ``chunked_prefill`` a prompt takes whatever the budget allows and continues next step.  Without it a
+    prompt runs whole or not at all: 0 when it does not fit the budget left.  One exception: a sequence longer
+    than a whole step's budget (a long re-prefill after a recompute preemption) could then never run, so it is
+    split anyway — but only from a fresh, untouched budget (``budget == max_num_batched_tokens``).
+    """
+    if remaining < 1 or budget < 0 or not 0 <= budget <= max_num_batched_tokens:
+        raise ValueError(f"need remaining >= 1 and 0 <= budget <= max_num_batched_tokens, got remaining={remaining}, "
+                         f"budget={budget}, max_num_batched_tokens={max_num_batched_tokens}")
+    ### BEGIN SOLUTION
+    n = min(remaining, budget)
+    if n < remaining and not chunked_prefill:  # it would be split, which only an over-long sequence may be
+        never_whole = remaining > max_num_batched_tokens
+        if not (never_whole and budget == max_num_batched_tokens):
+            return 0
+    return n
+    ### END SOLUTION
 
 
 class Scheduler:
@@ -221,13 +243,9 @@ class Scheduler:
 
     def _schedule_chunk(self, seq: Sequence, out: SchedulerOutput, budget: list[int]) -> bool:
         """Schedule as much of ``seq``'s uncomputed tokens as the budget allows; False if nothing was scheduled."""
-        remaining = seq.num_tokens - seq.num_computed
-        n = min(remaining, budget[0])
-        # Without chunked prefill a prompt runs whole; only a re-prefill longer than the whole budget (after a
-        # recompute preemption) must still be split, and then only from a fresh budget.
-        whole_possible = remaining <= self.config.max_num_batched_tokens
-        if n == 0 or (n < remaining and not self.config.chunked_prefill
-                      and (whole_possible or budget[0] < self.config.max_num_batched_tokens)):
+        n = prefill_chunk_len(seq.num_tokens - seq.num_computed, budget[0], self.config.max_num_batched_tokens,
+                              self.config.chunked_prefill)
+        if n == 0:
             return False
         out.scheduled.append(ScheduledSeq(seq, seq.num_computed, n))
         budget[0] -= n
@@ -366,3 +384,56 @@ class Scheduler:
         if len(seq.output) >= seq.request.params.max_tokens or seq.num_tokens >= self.max_model_len:
             return SequenceStatus.FINISHED_LENGTH
         return None
+
+
+# ---- the slot model: the scheduler with tokens and KV blocks abstracted away --------------------------------------
+def batch_slots(slots: list[int | None], remaining: list[int], waiting: list[int],
+                policy: str = "continuous") -> tuple[list[int | None], list[int]]:
+    """One step of the slot model of batching: which request runs in each of ``len(slots)`` batch slots.
+
+    ``slots[i]``: the request id that ran in slot i last step (None: empty); ``remaining[r]``: tokens request r
+    still has to produce (0: it produced its last one); ``waiting``: ids not started yet, in arrival order.
+    **Retire**: empty every slot whose request has nothing remaining.  **Admit**, first come first served, into
+    the empty slots, lowest index first: "continuous" does it every step; "static" only once every slot is empty
+    (the whole previous batch has finished).  Returns (the slots for this step, the requests still waiting);
+    the arguments are not modified.  Each request in a slot then produces one token this step.
+
+    This is ``Scheduler`` at the level of slots: when every prompt fits one step's token budget and KV blocks
+    are plentiful, the real scheduler runs exactly these requests at each step (notebook 06 checks it).
+    """
+    if policy not in ("continuous", "static"):
+        raise ValueError(f"the slot model knows 'continuous' and 'static' (dynamic needs a clock), got {policy!r}")
+    ### BEGIN SOLUTION
+    slots = [r if r is not None and remaining[r] > 0 else None for r in slots]  # retire the finished
+    waiting = list(waiting)
+    if policy == "continuous" or all(r is None for r in slots):  # static: only an empty batch takes new requests
+        for i, r in enumerate(slots):
+            if r is None and waiting:
+                slots[i] = waiting.pop(0)
+    return slots, waiting
+    ### END SOLUTION
+
+
+def slot_timeline(output_lens: list[int], num_slots: int, policy: str = "continuous", *,
+                  step=batch_slots) -> list[list[int | None]]:
+    """Run the slot model until every request has produced its ``output_lens[r]`` tokens (all waiting at step 0).
+
+    Returns one row per step: the request id in each slot (None: an idle slot, the "bubble").  Each occupied slot
+    produces one token per step, the prefill's first token included.  ``step`` is the step function
+    (``batch_slots``, or your own).  Slot-steps wasted = len(rows) × num_slots − sum(output_lens).
+    """
+    if num_slots < 1 or any(n < 1 for n in output_lens):
+        raise ValueError(f"need num_slots >= 1 and every output length >= 1, got {num_slots}, {output_lens}")
+    remaining = list(output_lens)
+    slots: list[int | None] = [None] * num_slots
+    waiting = list(range(len(output_lens)))
+    rows = []
+    while waiting or any(r is not None and remaining[r] > 0 for r in slots):
+        slots, waiting = step(slots, list(remaining), waiting, policy)
+        if all(r is None for r in slots):
+            raise RuntimeError(f"step {len(rows)}: requests {waiting} wait but no slot runs anything")
+        rows.append(list(slots))
+        for r in slots:
+            if r is not None:
+                remaining[r] -= 1
+    return rows

@@ -127,7 +127,7 @@ WRONG.update({"3.1": _wrong_kv_bytes_gqa, "3.2": _wrong_grouped_attention, "4.1"
               "4.2": _wrong_flash_tile_step})  # notebooks 03 and 04
 
 
-from minillm.block_manager import BlockManager  # noqa: E402  (notebook 05)
+from minillm.block_manager import BlockManager  # noqa: E402  (notebooks 05 and 06)
 from minillm.paged import BlockAllocator  # noqa: E402
 
 
@@ -159,7 +159,22 @@ def _wrong_slot_mapping(block_ids, start, end, block_size):
     return [block_ids[p // block_size] + p % block_size for p in range(start, end)]  # block id not × block_size
 
 
-WRONG.update({"5.1": _WrongBlockAllocator, "5.2": _WrongBlockManager, "5.3": _wrong_slot_mapping})  # notebook 05
+def _wrong_batch_slots(slots, remaining, waiting, policy="continuous"):
+    slots = [r if r is not None and remaining[r] > 0 else None for r in slots]
+    waiting = list(waiting)
+    for i, r in enumerate(slots):  # admits into any free slot, whatever the policy: static becomes continuous
+        if r is None and waiting:
+            slots[i] = waiting.pop(0)
+    return slots, waiting
+
+
+def _wrong_prefill_chunk_len(remaining, budget, max_num_batched_tokens, chunked_prefill=True):
+    n = min(remaining, budget)
+    return n if chunked_prefill or n == remaining else 0  # an over-long re-prefill would never run unchunked
+
+
+WRONG.update({"5.1": _WrongBlockAllocator, "5.2": _WrongBlockManager, "5.3": _wrong_slot_mapping,
+              "6.1": _wrong_batch_slots, "6.2": _wrong_prefill_chunk_len})  # notebooks 05 and 06
 NUMBERS = sorted(EXERCISES)
 
 
