@@ -131,10 +131,11 @@ def measure_seconds(fn: Callable[[], object], *, repeat: int = 5, warmup: int = 
 def memory_growth(make: Callable[[], object], device: str | torch.device = "cpu") -> tuple[object, int]:
     """Call ``make()`` and return (its result, bytes of memory the process gained while it ran).
 
-    CUDA: growth of ``torch.cuda.memory_allocated`` (exact, what tensors hold).  CPU: growth of the process's
-    resident set (RSS, via psutil, which Jupyter's kernel already depends on), so only pages really touched
-    count — ``torch.zeros`` writes every page, ``torch.empty`` may not.  Keep allocations ≫ 10 MB so that
-    unrelated allocations are noise.
+    CUDA: growth of ``torch.cuda.memory_allocated`` (exact, what tensors hold).  CPU with glibc: growth of the
+    bytes malloc has handed out (``mallinfo2``: heap in use + mmapped blocks), which counts an allocation even
+    when it reuses memory freed earlier.  Elsewhere: growth of the resident set (RSS, via psutil), which only
+    counts pages really touched and misses reused memory.  Keep allocations ≫ 10 MB so that unrelated
+    allocations are noise.
     """
     import gc
 
@@ -145,10 +146,38 @@ def memory_growth(make: Callable[[], object], device: str | torch.device = "cpu"
         obj = make()
         torch.cuda.synchronize()
         return obj, torch.cuda.memory_allocated() - before
+    probe = _malloc_in_use() or _rss
+    before = probe()
+    obj = make()
+    return obj, probe() - before
+
+
+def _rss() -> int:
     import psutil
 
-    process = psutil.Process()
-    before = process.memory_info().rss
-    obj = make()
-    return obj, process.memory_info().rss - before
+    return psutil.Process().memory_info().rss
 
+
+def _malloc_in_use() -> Callable[[], int] | None:
+    """A function returning glibc's bytes in use (heap + mmapped), or None where mallinfo2 is unavailable."""
+    import ctypes
+    import ctypes.util
+
+    names = ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks",
+             "keepcost")
+
+    class MallInfo2(ctypes.Structure):
+        _fields_ = [(n, ctypes.c_size_t) for n in names]
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        fn = libc.mallinfo2
+    except (OSError, AttributeError):
+        return None
+    fn.restype = MallInfo2
+
+    def in_use() -> int:
+        info = fn()
+        return info.uordblks + info.hblkhd
+
+    return in_use
