@@ -90,7 +90,7 @@ class Linear(nn.Module):
         self.kernels = "auto"  # set by Transformer.set_kernels
 
     def forward(self, x: Tensor) -> Tensor:
-        if self.kernels in ("auto", "native") and cpu_gemv.supports(x, self.weight):
+        if self.kernels in ("auto", "native") and cpu_gemv.prefers_native(x, self.weight):
             return cpu_gemv.linear(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
 

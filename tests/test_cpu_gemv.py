@@ -11,7 +11,7 @@ pytestmark = pytest.mark.skipif(not cpu_gemv.available(), reason="no C compiler:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows", [1, 3, 4])
+@pytest.mark.parametrize("rows", [1, 3, 4, 8])
 @pytest.mark.parametrize("shape", [(960, 576), (576, 1536), (7, 33), (1, 1)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_gemv_matches_f_linear(dtype, rows, shape, bias):
