@@ -176,6 +176,11 @@ class EngineConfig:
       ``max_num_seqs`` from whatever is waiting and runs it to completion (everyone waits for the longest);
       "dynamic" does the same but waits until the batch is full or ``dynamic_window_s`` has passed since the
       oldest waiting request arrived.
+    - ``pad_batches`` (static and dynamic only): a batch keeps its shape until its last member finishes, as in
+      transformers' batched ``generate`` or FasterTransformer — a finished member's row is still computed each step,
+      on a pad token, and thrown away (the bubble costs compute, not only idle slots).  False drops finished rows,
+      a batch that shrinks: cheaper where a step's cost grows with its rows (a compute-bound CPU), the same on a
+      memory-bound GPU.
     - ``block_size``: tokens per KV block (16, as vLLM).  KV budget: ``num_kv_blocks`` blocks, or ``kv_cache_bytes``
       (K and V of all layers); with neither, enough for ``max_num_seqs`` full-context sequences capped at
       ``DEFAULT_KV_CACHE_BYTES``.
@@ -200,6 +205,7 @@ class EngineConfig:
     preemption: str = "recompute"
     num_host_blocks: int | None = None
     dynamic_window_s: float = 0.1
+    pad_batches: bool = True
     max_model_len: int | None = None
     attention_impl: str = "auto"
     return_logits: bool = False
@@ -230,7 +236,7 @@ class EngineConfig:
                              "lower max_num_seqs")
         if not isinstance(self.dynamic_window_s, (int, float)) or not self.dynamic_window_s >= 0:
             raise ValueError(f"EngineConfig.dynamic_window_s must be a number >= 0, got {self.dynamic_window_s!r}")
-        for name in ("enable_prefix_caching", "chunked_prefill", "return_logits"):
+        for name in ("enable_prefix_caching", "chunked_prefill", "pad_batches", "return_logits"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"EngineConfig.{name} must be True or False, got {getattr(self, name)!r}")
 

@@ -12,6 +12,11 @@ Attention is the only per-sequence operation; ``PagedAttention`` does it through
   ``minillm.kernels.flash_attention`` (Triton on CUDA, SDPA elsewhere) with the queries at the end of the keys.
 
 Only the last row of each sequence that samples goes through the LM head (V × hidden, the largest matrix).
+
+Padding rows (``SchedulerOutput.num_padding``: finished members of a fixed-shape static/dynamic batch) are appended
+after the real tokens: a pad token at position 0 through every linear layer and the LM head, as a padded batch
+computes them, then discarded.  They own no KV slot and skip attention (their output there is zero); at the
+context lengths of a batch that is a small part of a row's cost, so the padding is priced slightly low, not high.
 """
 
 from __future__ import annotations
@@ -116,6 +121,7 @@ class AttentionMetadata:
     block_tables: Tensor  # [B_d, max_blocks] int32, padded with 0
     seq_lens: Tensor  # [B_d] int32: keys each decode query sees (itself included)
     prefills: list[PrefillChunk]
+    num_padding: int = 0  # pad rows at the end of the T packed rows: no KV slot, no attention (output 0)
 
 
 class PagedAttention:
@@ -129,9 +135,11 @@ class PagedAttention:
         _, Hq, T, D = q.shape
         Hkv, m = k.shape[1], self.meta
         kc, vc = self.kv.k[layer], self.kv.v[layer]  # (num_blocks, block_size, H_kv, D)
-        kc.view(-1, Hkv, D)[m.slot_mapping] = k[0].transpose(0, 1)  # (T, H_kv, D) scattered to slots
-        vc.view(-1, Hkv, D)[m.slot_mapping] = v[0].transpose(0, 1)
+        real = T - m.num_padding
+        kc.view(-1, Hkv, D)[m.slot_mapping] = k[0, :, :real].transpose(0, 1)  # (T, H_kv, D) scattered to slots
+        vc.view(-1, Hkv, D)[m.slot_mapping] = v[0, :, :real].transpose(0, 1)
         out = q.new_empty(T, Hq, D)
+        out[real:] = 0
         qt = q[0].transpose(0, 1)  # (T, H_q, D)
         if m.decode_rows.numel() and self.impl == "auto" and q.device.type == "cpu" and cpu_gemv.available() \
                 and q.dtype in (torch.float32, torch.bfloat16):
@@ -169,7 +177,8 @@ class ModelRunner:
         self.model, self.kv, self.block_manager, self.attention_impl = model, kv, block_manager, attention_impl
 
     def prepare(self, out: SchedulerOutput) -> tuple[Tensor, Tensor, AttentionMetadata, Tensor]:
-        """Pack the scheduled chunks. -> input_ids [1, T], positions [1, T], metadata, sampling rows [B_s]."""
+        """Pack the scheduled chunks, then ``out.num_padding`` pad rows.
+        -> input_ids [1, T], positions [1, T], metadata, LM-head rows [B_s + padding] (sampling rows first)."""
         bm, bs = self.block_manager, self.kv.block_size
         ids: list[int] = []
         positions: list[int] = []
@@ -199,7 +208,11 @@ class ModelRunner:
         padded = [t + [0] * (width - len(t)) for t in tables]
         meta = AttentionMetadata(tensor(slots), tensor(decode_rows),
                                  tensor(padded, torch.int32).view(len(tables), width), tensor(lens, torch.int32),
-                                 prefills)
+                                 prefills, out.num_padding)
+        # pad rows: token 0 at position 0, after the real rows; they go through the LM head too (sampled from: no)
+        sample_rows += range(len(ids), len(ids) + out.num_padding)
+        ids += [0] * out.num_padding
+        positions += [0] * out.num_padding
         return tensor([ids]), tensor([positions]), meta, tensor(sample_rows)
 
     @torch.inference_mode()
@@ -211,8 +224,8 @@ class ModelRunner:
         input_ids, positions, meta, sample_rows = self.prepare(out)
         cache = PagedAttention(self.kv, meta, self.attention_impl)
         hidden = self.model.hidden_states(input_ids, positions, cache)  # (1, T, hidden)
-        logits = self.model.compute_logits(hidden[0, sample_rows]).float()  # (B_s, V)
         samplers = [s for s in out.scheduled if s.samples]
+        logits = self.model.compute_logits(hidden[0, sample_rows]).float()[: len(samplers)]  # (B_s, V), pads cut
         rows, params, generators = [], [], []
         for i, s in enumerate(samplers):  # a parent about to fork draws n tokens from one row, generator i each
             for j in range(s.num_samples):

@@ -6,6 +6,10 @@ then swapped sequences come back, then waiting ones are admitted first-come-firs
 fed the tokens ``token_ids[num_computed : num_computed + k]``; it samples when that reaches its last token, so a
 decode, a prefill chunk and a re-prefill after preemption are the same operation.  The scheduler moves no
 tensors: K/V copies it asks for (copy-on-write, swap) are listed in ``SchedulerOutput.copies`` for the runner.
+
+Static and dynamic batches keep their shape by default (``EngineConfig.pad_batches``): each finished member of the
+batch in flight adds one pad row to every later step of that batch (``SchedulerOutput.num_padding``), which the
+runner computes and discards — the bubble of a padded batch.
 """
 
 from __future__ import annotations
@@ -59,6 +63,7 @@ class SchedulerOutput:
     scheduled: list[ScheduledSeq] = field(default_factory=list)
     copies: list[BlockCopy] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    num_padding: int = 0  # static/dynamic with pad_batches: rows of finished batch members, computed and discarded
 
     @property
     def num_tokens(self) -> int:
@@ -79,6 +84,7 @@ class SchedulerStats:
     swaps_out: int = 0
     peak_used_blocks: int = 0
     peak_running: int = 0
+    padding_rows: int = 0  # pad rows computed for finished members of fixed-shape batches
 
 
 def prefill_chunk_len(remaining: int, budget: int, max_num_batched_tokens: int, chunked_prefill: bool = True) -> int:
@@ -122,7 +128,8 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()  # admission order (recompute-preempted ones at the front)
         self.running: list[Sequence] = []  # sorted by priority: oldest first, preemption victim last
         self.swapped: list[Sequence] = []  # sorted by priority
-        self.batch: set[str] | None = None  # static/dynamic: ids of the batch in flight
+        self.batch: set[str] | None = None  # static/dynamic: ids of the unfinished requests of the batch in flight
+        self.batch_finished_rows = 0  # ... and how many of its sequences have finished (their rows pad the batch)
         self.stats = SchedulerStats()
         self._seq_ids = itertools.count()
         self._order = itertools.count()
@@ -187,6 +194,8 @@ class Scheduler:
         if now is not None:
             seq.metrics.finish_s = now
         request = seq.request
+        if self.batch is not None and request.request_id in self.batch:
+            self.batch_finished_rows += 1
         if status is SequenceStatus.FINISHED_ABORTED or request.finished:
             self.requests.pop(request.request_id, None)
             if self.batch is not None:
@@ -204,9 +213,12 @@ class Scheduler:
             self._swap_in(out, budget)
             if not self.swapped:  # swapped sequences go first: they are older than anything waiting
                 self._admit(out, budget, now)
+        if self.policy is not Policy.CONTINUOUS and self.config.pad_batches and out.scheduled:
+            out.num_padding = self.batch_finished_rows  # a fixed-shape batch: finished rows still run
         s = self.stats
         s.steps += 1
         s.tokens += out.num_tokens
+        s.padding_rows += out.num_padding
         s.peak_used_blocks = max(s.peak_used_blocks, self.block_manager.device.num_used)
         s.peak_running = max(s.peak_running, len(self.running))
         return out
@@ -328,6 +340,7 @@ class Scheduler:
             batch.add(seq.request.request_id)
             slots += seq.seq_slots
         self.batch = batch
+        self.batch_finished_rows = 0
 
     # ---- after the forward ---------------------------------------------------------------------------------------
     def postprocess(self, out: SchedulerOutput, sampled: list[list[int]], now: float) -> list[tuple[Sequence, int]]:

@@ -368,7 +368,9 @@ def simulate(trace: Sequence[RequestSpec], model: ModelConfig, config: EngineCon
                 raise RuntimeError("the simulated scheduler stopped making progress with requests unfinished")
             now = max(now + copy_s, wake if wake > now else math.nextafter(now, math.inf))
             continue
-        now += step_time([StepChunk(s.num_tokens, s.start, s.samples) for s in out.scheduled]) + copy_s
+        chunks = [StepChunk(s.num_tokens, s.start, s.samples) for s in out.scheduled]
+        chunks += [StepChunk(1, 0, True)] * out.num_padding  # a fixed-shape batch's finished rows: one token each
+        now += step_time(chunks) + copy_s
         steps += 1
         sched.postprocess(out, [[DUMMY_TOKEN] * s.num_samples for s in out.scheduled if s.samples], now)
     records = [record_from_metrics(r.request_id, r.seqs[0].metrics, 0.0) for r in requests]

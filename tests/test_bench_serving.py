@@ -58,9 +58,10 @@ def test_bench_serving_runs_end_to_end_at_quick_size(tiny_checkpoint, tmp_path):
     assert time.perf_counter() - t0 < 30
     saved = json.loads((tmp_path / "serving-cpu.json").read_text())
     assert saved["machine"]["threads"] == torch.get_num_threads() == result["threads"]
-    assert set(saved["batching"]) == {"continuous", "static", "dynamic", "transformers padded"}
+    assert set(saved["batching"]) == {"continuous", "static", "static, rows dropped", "dynamic",
+                                       "transformers padded"}
     total = sum(r["output_tokens"] for r in saved["batching"].values())
-    assert total == 4 * saved["batching_trace"]["output_tokens"]
+    assert total == 5 * saved["batching_trace"]["output_tokens"]
     assert set(saved["targets_met"]) >= {"paged KV waste", "throughput continuous / static",
                                          "throughput continuous / transformers", "TTFT p50 prefix cache off / on"}
     assert saved["prefix_caching"]["hit_rate"] > 0.5

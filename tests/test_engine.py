@@ -57,6 +57,7 @@ MODES = {
     "preempt-recompute": dict(max_num_seqs=8, max_num_batched_tokens=16, num_kv_blocks=20),
     "preempt-swap": dict(max_num_seqs=8, max_num_batched_tokens=16, num_kv_blocks=20, preemption="swap"),
     "static": dict(policy="static", max_num_seqs=5, max_num_batched_tokens=32),
+    "static-rows-dropped": dict(policy="static", max_num_seqs=5, max_num_batched_tokens=32, pad_batches=False),
     "dynamic": dict(policy="dynamic", max_num_seqs=5, max_num_batched_tokens=32, dynamic_window_s=0.0),
     "no-prefix-cache": dict(max_num_seqs=8, max_num_batched_tokens=16, enable_prefix_caching=False),
 }
@@ -73,8 +74,9 @@ def test_batched_greedy_outputs_equal_each_request_run_alone(model, workload, mo
         assert eng.stats.preemptions > 0, "the budget was meant to force preemption"
     if mode == "preempt-swap":
         assert eng.stats.swaps_out > 0
-    if mode in ("static", "dynamic"):
+    if mode in ("static", "static-rows-dropped", "dynamic"):
         assert eng.stats.peak_running <= 5
+        assert (eng.stats.padding_rows > 0) == (mode != "static-rows-dropped")
     assert_all_free(eng)
 
 
@@ -109,6 +111,23 @@ def test_a_requests_logits_do_not_depend_on_its_batch(model, workload):
     assert len(got) == len(want) == 10
     for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(g, w)
+
+
+def test_pad_rows_of_a_fixed_shape_batch_change_no_real_rows_logits(model, workload):
+    prompts, _, _ = workload
+    params = [SamplingParams(max_tokens=2 + 5 * i, temperature=0, ignore_eos=True) for i in range(3)]
+    logits = {}
+    for pad in (True, False):
+        eng = engine(model, policy="static", max_num_seqs=3, return_logits=True, pad_batches=pad)
+        for i, sp in enumerate(params):
+            eng.add_request(prompts[i], sp, request_id=str(i))
+        logits[pad] = logits_of(eng, "2")
+        # requests 0 and 1 finish after 2 and 7 tokens: 5 steps with one pad row, then 5 with two
+        assert eng.stats.padding_rows == (15 if pad else 0)
+        assert_all_free(eng)
+    assert len(logits[True]) == len(logits[False]) == 12
+    for a, b in zip(logits[True], logits[False], strict=True):
+        torch.testing.assert_close(a, b)
 
 
 def test_prefix_cache_hits_skip_prefill_and_keep_outputs_exact(model):

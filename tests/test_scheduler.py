@@ -153,6 +153,22 @@ def test_static_batch_runs_to_completion_before_the_next_starts():
     assert seen.index({"c"}) == 6
 
 
+@pytest.mark.parametrize("policy,pad,want", [("static", True, [0, 1, 1, 1, 1, 1, 0]),
+                                              ("static", False, [0] * 7), ("continuous", True, [0] * 6)])
+def test_finished_members_of_a_fixed_shape_batch_pad_it_until_it_ends(policy, pad, want):
+    sched = make_scheduler(policy=policy, max_num_seqs=2, pad_batches=pad)
+    add(sched, "a", [1, 2], max_tokens=1)
+    add(sched, "b", [1, 3], max_tokens=6)
+    add(sched, "c", [1, 4], max_tokens=1)
+    padding, rng = [], random.Random(0)
+    while sched.has_unfinished():
+        out = sched.schedule(0.0)
+        padding.append(out.num_padding)
+        sched.postprocess(out, fake_tokens(out, rng), 0.0)
+    assert padding == want  # "a"'s row runs beside "b" for 5 steps; "c" starts a new batch, unpadded
+    assert sched.stats.padding_rows == sum(want)
+
+
 def test_dynamic_batch_waits_for_a_full_batch_or_the_window():
     sched = make_scheduler(policy="dynamic", max_num_seqs=3, dynamic_window_s=0.1)
     add(sched, "a", [1, 2], arrival=0.0, max_tokens=2)

@@ -100,6 +100,19 @@ def test_continuous_beats_static_batching_on_a_skewed_trace():
     assert "continuous" in format_reports(list(runs.values()))
 
 
+def test_pad_rows_of_fixed_shape_batches_are_priced_like_real_rows():
+    st = RooflineStepTime(LLAMA, H100, "bfloat16")
+    trace = [RequestSpec(0.0, (1, 2, 3), 1), RequestSpec(0.0, (4, 5, 6), 3)]
+    runs = {pad: simulate(trace, LLAMA, EngineConfig(policy="static", max_num_seqs=2, num_kv_blocks=16,
+                                                     pad_batches=pad), st) for pad in (True, False)}
+    prefill = st([StepChunk(3, 0), StepChunk(3, 0)])
+    solo = [st([StepChunk(1, 3 + k)]) for k in range(2)]
+    padded = [st([StepChunk(1, 3 + k), StepChunk(1, 0)]) for k in range(2)]  # the finished row: one pad token
+    assert runs[False].duration_s == pytest.approx(prefill + sum(solo), rel=1e-12)
+    assert runs[True].duration_s == pytest.approx(prefill + sum(padded), rel=1e-12)
+    assert runs[True].duration_s > runs[False].duration_s and runs[True].steps == runs[False].steps == 3
+
+
 def test_dynamic_batching_waits_for_its_window_when_the_batch_is_not_full():
     st = RooflineStepTime(LLAMA, H100, "bfloat16")
     trace = [RequestSpec(0.0, (1, 2, 3), 2), RequestSpec(0.01, (4, 5, 6), 2)]
