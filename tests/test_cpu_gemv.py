@@ -1,5 +1,8 @@
 """The native CPU decode kernels against their PyTorch references."""
 
+import shutil
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -11,7 +14,7 @@ pytestmark = pytest.mark.skipif(not cpu_gemv.available(), reason="no C compiler:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows", [1, 3, 4, 8])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 17, 32])
 @pytest.mark.parametrize("shape", [(960, 576), (576, 1536), (7, 33), (1, 1)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_gemv_matches_f_linear(dtype, rows, shape, bias):
@@ -25,6 +28,13 @@ def test_gemv_matches_f_linear(dtype, rows, shape, bias):
     # beyond assert_close's per-element fp32 default; bf16 adds one output rounding (its default rtol covers it).
     atol = 4e-6 * K**0.5 if dtype == torch.float32 else 1e-2
     torch.testing.assert_close(got, want, atol=atol, rtol=1.6e-2 if dtype == torch.bfloat16 else 1e-5)
+
+
+@pytest.mark.skipif(sys.platform != "linux" or shutil.which("gcc") is None, reason="OpenMP is expected from gcc")
+def test_kernels_are_built_with_openmp_where_the_compiler_has_it():
+    # the build falls back to a one-thread library when the OpenMP build fails: a source error that only OpenMP
+    # sees (it happened: an invalid reduction clause) silently made every native kernel single-threaded
+    assert cpu_gemv.openmp()
 
 
 def test_gemv_keeps_leading_dims_and_rejects_too_many_rows():

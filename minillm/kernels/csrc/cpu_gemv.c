@@ -1,4 +1,4 @@
-/* Decode-time GEMV for CPUs: y[M,N] = x[M,K] @ W[N,K]^T (+ b), M small (1..4).
+/* Decode-time GEMV for CPUs: y[M,N] = x[M,K] @ W[N,K]^T (+ b), M small (1..MAX_ROWS = 32, a decode batch).
  *
  * Why this exists: at decode, a linear layer reads every weight once and does 2 FLOPs per weight
  * (intensity ~ M FLOP/byte), so its speed is the memory bandwidth it reaches. PyTorch's CPU GEMV
@@ -32,38 +32,55 @@ static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, as torch
     return (uint16_t)(u >> 16);
 }
 
-/* Four input rows per pass over a weight row: each weight is loaded once and feeds four FMAs, so a decode batch
- * of up to 4 costs about what batch 1 costs (still bandwidth bound); rows beyond M alias row 0 and are dropped. */
+/* Batch 1: one FMA per weight, each weight row read once (bandwidth bound).
+ * Batch 2..MAX_ROWS: a register tile of 4 weight rows x 4 input rows, vectorised along K: per step of K, 4 weight
+ * loads and 4 input loads feed 16 FMAs into 16 accumulators.  A 4-row tile of W (4 K-rows, ~9 KB at K = 576)
+ * stays in L1 while every 4-row block of x passes over it, so W is streamed from memory once for the whole batch.
+ * (One weight row against 4 input rows — 5 loads per 4 FMAs — was load bound from ~4 rows.)  Tile rows beyond
+ * M or N alias row 0 and are dropped.  STORE_Y(i, n, v) writes output element i = m * N + n. */
 #define GEMV_ROWS(T, LOAD, XT, STORE_Y)                                                                  \
-    _Pragma("omp parallel for schedule(static)")                                                        \
-    for (int64_t n = 0; n < N; n++) {                                                                    \
-        const T *w = W + n * K;                                                                          \
-        for (int64_t m0 = 0; m0 < M; m0 += 4) {                                                          \
-            const XT *x0 = x + m0 * K;                                                                   \
-            if (M - m0 == 1) { /* one row left (batch-1 decode): one FMA per weight, nothing wasted */     \
-                float a = 0.f;                                                                           \
-                _Pragma("omp simd reduction(+ : a)")                                                    \
-                for (int64_t k = 0; k < K; k++) a += LOAD(w[k]) * x0[k];                                 \
-                STORE_Y(m0 * N + n, a);                                                                  \
-                break;                                                                                   \
+    if (M == 1) {                                                                                        \
+        _Pragma("omp parallel for schedule(static)")                                                    \
+        for (int64_t n = 0; n < N; n++) {                                                                \
+            const T *w = W + n * K;                                                                      \
+            float a = 0.f;                                                                               \
+            _Pragma("omp simd reduction(+ : a)")                                                        \
+            for (int64_t k = 0; k < K; k++) a += LOAD(w[k]) * x[k];                                      \
+            STORE_Y(n, n, a);                                                                            \
+        }                                                                                                \
+    } else {                                                                                             \
+        _Pragma("omp parallel for schedule(static)")                                                    \
+        for (int64_t n0 = 0; n0 < N; n0 += 4) {                                                          \
+            const T *w0 = W + n0 * K, *w1 = n0 + 1 < N ? w0 + K : w0;                                    \
+            const T *w2 = n0 + 2 < N ? w0 + 2 * K : w0, *w3 = n0 + 3 < N ? w0 + 3 * K : w0;              \
+            for (int64_t m0 = 0; m0 < M; m0 += 4) {                                                      \
+                const XT *x0 = x + m0 * K, *x1 = m0 + 1 < M ? x0 + K : x0;                               \
+                const XT *x2 = m0 + 2 < M ? x0 + 2 * K : x0, *x3 = m0 + 3 < M ? x0 + 3 * K : x0;         \
+                float a00 = 0.f, a01 = 0.f, a02 = 0.f, a03 = 0.f, a10 = 0.f, a11 = 0.f, a12 = 0.f;       \
+                float a13 = 0.f, a20 = 0.f, a21 = 0.f, a22 = 0.f, a23 = 0.f, a30 = 0.f, a31 = 0.f;       \
+                float a32 = 0.f, a33 = 0.f;                                                              \
+                _Pragma("omp simd reduction(+ : a00, a01, a02, a03, a10, a11, a12, a13, a20, a21, a22, a23, a30, a31, a32, a33)") \
+                for (int64_t k = 0; k < K; k++) {                                                        \
+                    float c0 = x0[k], c1 = x1[k], c2 = x2[k], c3 = x3[k];                                \
+                    float u0 = LOAD(w0[k]), u1 = LOAD(w1[k]), u2 = LOAD(w2[k]), u3 = LOAD(w3[k]);        \
+                    a00 += u0 * c0; a01 += u0 * c1; a02 += u0 * c2; a03 += u0 * c3;                      \
+                    a10 += u1 * c0; a11 += u1 * c1; a12 += u1 * c2; a13 += u1 * c3;                      \
+                    a20 += u2 * c0; a21 += u2 * c1; a22 += u2 * c2; a23 += u2 * c3;                      \
+                    a30 += u3 * c0; a31 += u3 * c1; a32 += u3 * c2; a33 += u3 * c3;                      \
+                }                                                                                        \
+                float acc[4][4] = {{a00, a01, a02, a03}, {a10, a11, a12, a13},                           \
+                                   {a20, a21, a22, a23}, {a30, a31, a32, a33}};                          \
+                for (int64_t i = 0; i < 4 && n0 + i < N; i++)                                            \
+                    for (int64_t j = 0; j < 4 && m0 + j < M; j++)                                        \
+                        STORE_Y((m0 + j) * N + n0 + i, n0 + i, acc[i][j]);                               \
             }                                                                                            \
-            const XT *x1 = m0 + 1 < M ? x0 + K : x0, *x2 = m0 + 2 < M ? x0 + 2 * K : x0;                 \
-            const XT *x3 = m0 + 3 < M ? x0 + 3 * K : x0;                                                 \
-            float a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f;                                                \
-            _Pragma("omp simd reduction(+ : a0, a1, a2, a3)")                                           \
-            for (int64_t k = 0; k < K; k++) {                                                            \
-                float wk = LOAD(w[k]);                                                                   \
-                a0 += wk * x0[k]; a1 += wk * x1[k]; a2 += wk * x2[k]; a3 += wk * x3[k];                  \
-            }                                                                                            \
-            float acc[4] = {a0, a1, a2, a3};                                                             \
-            for (int64_t j = 0; j < 4 && m0 + j < M; j++) STORE_Y((m0 + j) * N + n, acc[j]);            \
         }                                                                                                \
     }
 
 /* fp32 weights, fp32 activations. */
 void gemv_f32(const float *restrict W, const float *restrict x, const float *restrict bias,
               float *restrict y, int64_t M, int64_t N, int64_t K) {
-#define STORE_F32(i, v) y[i] = (v) + (bias ? bias[n] : 0.f)
+#define STORE_F32(i, n, v) y[i] = (v) + (bias ? bias[n] : 0.f)
     GEMV_ROWS(float, load_f32, float, STORE_F32)
 #undef STORE_F32
 }
@@ -73,23 +90,35 @@ void gemv_bf16(const uint16_t *restrict W, const uint16_t *restrict xb, const ui
                uint16_t *restrict y, int64_t M, int64_t N, int64_t K) {
     float *x = (float *)malloc(sizeof(float) * M * K); /* M*K floats: tiny next to W */
     for (int64_t i = 0; i < M * K; i++) x[i] = bf16_to_f32(xb[i]);
-#define STORE_BF16(i, v) y[i] = f32_to_bf16((v) + (bias ? bf16_to_f32(bias[n]) : 0.f))
+#define STORE_BF16(i, n, v) y[i] = f32_to_bf16((v) + (bias ? bf16_to_f32(bias[n]) : 0.f))
     GEMV_ROWS(uint16_t, bf16_to_f32, float, STORE_BF16)
 #undef STORE_BF16
     free(x);
 }
 
-/* Streaming read of n floats (a bandwidth probe for the roofline): returns their sum. */
+/* Streaming read of n floats (a bandwidth probe for the roofline): returns their sum.  Chunks of 4096 floats are
+ * summed in fp32 (vectorised) and the chunk sums in fp64, the chunks split across the threads. */
 double read_sum_f32(const float *restrict a, int64_t n) {
     double total = 0.0;
-#pragma omp parallel reduction(+ : total)
-    {
+    int64_t chunks = (n + 4095) / 4096;
+#pragma omp parallel for schedule(static) reduction(+ : total)
+    for (int64_t c = 0; c < chunks; c++) {
+        int64_t lo = c * 4096, hi = lo + 4096 < n ? lo + 4096 : n;
         float acc = 0.f;
-#pragma omp for simd schedule(static) reduction(+ : acc) nowait
-        for (int64_t i = 0; i < n; i++) acc += a[i];
+#pragma omp simd reduction(+ : acc)
+        for (int64_t i = lo; i < hi; i++) acc += a[i];
         total += acc;
     }
     return total;
+}
+
+/* 1 when this library was compiled with OpenMP (its loops split across threads), else 0 (one thread). */
+int built_with_openmp(void) {
+#ifdef _OPENMP
+    return 1;
+#else
+    return 0;
+#endif
 }
 
 /* Decode attention over a contiguous KV cache: one new query per sequence.
