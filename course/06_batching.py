@@ -48,7 +48,8 @@ import numpy as np
 import torch
 
 from minillm import LLM, EngineConfig, LLMEngine, SamplingParams, checks, roofline
-from minillm.scheduler import Scheduler, slot_timeline
+from minillm.scheduler import Scheduler
+from minillm.slot_model import slot_timeline
 from minillm.sequence import Request
 from minillm.simulate import (RooflineStepTime, build_report, format_reports, kv_cache_budget, llama2_7b_config,
                               record_from_metrics, simulate)
@@ -112,7 +113,7 @@ for B in (1, 8, 32, 128, 512):
 # done.
 
 # %%
-# exercise 6.1: minillm.scheduler.batch_slots
+# exercise 6.1: minillm.slot_model.batch_slots
 
 # %%
 # NBVAL_CHECK_OUTPUT

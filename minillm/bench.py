@@ -157,7 +157,8 @@ def print_decode_table(result: dict) -> None:
     print(f"\nbatch-1 greedy decode, {result['n_tokens']} tokens after a {result['prompt_len']}-token prompt, "
           f"median of {result['repeats']}; device {result['device']}, measured read bandwidth "
           f"{result['read_bandwidth_gb_s']:.1f} GB/s")
-    head = f"{'dtype':<9} {'minillm tok/s':>13} {'HF tok/s':>9} {'ratio':>6} {'minillm GB/s':>12} {'MBU':>6} {'HF MBU':>7}"
+    head = (f"{'dtype':<9} {'minillm tok/s':>13} {'HF tok/s':>9} {'ratio':>6} {'minillm GB/s':>12} {'MBU':>6} "
+            f"{'HF MBU':>7}")
     print(head + "".join(f" {'prefill ' + k.split('_')[2]:>12}" for k in result["rows"][0] if
                          k.startswith("minillm_prefill")))
     for r in result["rows"]:

@@ -877,14 +877,14 @@ def check_prediction(predicted: float, measured: float, *, what: str, tolerance:
 
 
 # --------------------------------------------------------------------------------------------- notebook 06
-@exercise("6.1", "minillm.scheduler.batch_slots", "one step of static or continuous batching",
+@exercise("6.1", "minillm.slot_model.batch_slots", "one step of static or continuous batching",
           "retire: slots whose request has remaining 0 become None; admit: pop waiting requests into the empty "
           "slots, lowest index first — every step if continuous, only when all slots are empty if static")
 def check_batch_slots(batch_slots: Callable) -> None:
     """``batch_slots(slots, remaining, waiting, policy)`` on hand-made steps (retire, admit order, a static batch
     still running, an empty queue), then whole timelines of ``slot_timeline`` with the student's step."""
-    from .scheduler import batch_slots as reference
-    from .scheduler import slot_timeline
+    from .slot_model import batch_slots as reference
+    from .slot_model import slot_timeline
 
     cases = [
         ("two requests finished, two waiting", [0, 1, 2], [0, 3, 0, 5, 2], [3, 4], "continuous"),

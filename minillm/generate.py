@@ -107,7 +107,8 @@ def _start(model: Transformer, prompts, params) -> list[SequenceState]:
     validate_prompts(prompts, model.config.max_position_embeddings, model.config.vocab_size)
     now = time.perf_counter()
     return [SequenceState(list(p), sp, make_generator(sp, model.device),
-                      metrics=RequestMetrics(prompt_tokens=len(p), start_s=now)) for p, sp in zip(prompts, params)]
+                          metrics=RequestMetrics(prompt_tokens=len(p), start_s=now))
+            for p, sp in zip(prompts, params, strict=True)]
 
 
 def _append(seq: SequenceState, token: int, eos_ids: frozenset[int], max_len: int, stop_checker, index: int) -> None:
@@ -151,7 +152,7 @@ def stream_naive(model: Transformer, prompts: Sequence[Sequence[int]], params: S
         hidden = model.hidden_states(ids, positions)  # (B, L, hidden): every token, every step
         logits = model.compute_logits(hidden[torch.arange(len(active)), last]).float()  # (B, V)
         tokens = sample(logits, [seqs[i].params for i in active], [seqs[i].generator for i in active])
-        for i, t in zip(active, tokens):
+        for i, t in zip(active, tokens, strict=True):
             _append(seqs[i], t, eos, max_len, stop_checker, i)
             yield TokenEvent(i, t, seqs[i].finish_reason)
 
@@ -189,7 +190,7 @@ def stream_cached(model: Transformer, prompts: Sequence[Sequence[int]], params: 
         active = [i for i, s in enumerate(seqs) if not s.done]
         tokens = sample(logits[active], [seqs[i].params for i in active], [seqs[i].generator for i in active])
         step_ids = torch.zeros(B, 1, dtype=torch.long, device=model.device)
-        for i, t in zip(active, tokens):
+        for i, t in zip(active, tokens, strict=True):
             _append(seqs[i], t, eos, cache_len, stop_checker, i)
             yield TokenEvent(i, t, seqs[i].finish_reason)
         still = [i for i in active if not seqs[i].done]

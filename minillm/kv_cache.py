@@ -10,8 +10,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .attention import sdpa_attention
 from . import kernels as kernel_ops
+from .attention import sdpa_attention
 from .config import ModelConfig
 from .kernels import cpu_gemv
 from .model import attention_impl
@@ -32,8 +32,8 @@ class KVCache:
 
     Call ``begin(positions)`` before each forward with the positions [B, L] of the tokens it feeds; each
     attention layer then calls ``attention(layer, q, k, v, scale)``, which writes the new K/V at those
-    positions (``update``) and attends over the filled slots.  The mask lets query position p see slots s ≤ p, which also
-    hides stale slots beyond a short sequence's end in a mixed-length batch.
+    positions (``update``) and attends over the filled slots.  The mask lets query position p see slots s ≤ p,
+    which also hides stale slots beyond a short sequence's end in a mixed-length batch.
     """
 
     def __init__(self, config: ModelConfig, batch_size: int, max_len: int, *, dtype: torch.dtype,
@@ -83,7 +83,8 @@ class KVCache:
                 # Decode on CPU: SDPA's fixed cost (~50 µs) is several times the work at these sizes.
                 return cpu_gemv.decode_attention(q[:, :, 0], k_all, v_all, seq_lens, scale)[:, :, None]
             if impl != "torch":  # flash-decoding on CUDA
-                return kernel_ops.decode_attention(q[:, :, 0], k_all, v_all, seq_lens, sm_scale=scale, impl=impl)[:, :, None]
+                out = kernel_ops.decode_attention(q[:, :, 0], k_all, v_all, seq_lens, sm_scale=scale, impl=impl)
+                return out[:, :, None]
         elif impl != "torch" and q.device.type == "cuda" and bool((self._positions == self._positions[:1]).all()):
             # every row's queries are the last L of the filled slots: the causal rule of flash_attention
             return kernel_ops.flash_attention(q, k_all, v_all, causal=True, sm_scale=scale, impl=impl)

@@ -125,7 +125,8 @@ class Attention(nn.Module):
         if cache is None and c.sliding_window is not None and L > c.sliding_window:
             out = sdpa_attention(q, k, v, window_mask(L, c.sliding_window, x.device)[None, None], scale=self.scale)
         elif cache is None:  # Triton FlashAttention on CUDA ("auto"), SDPA elsewhere
-            out = kernel_ops.flash_attention(q, k, v, causal=True, sm_scale=self.scale, impl=attention_impl(self.kernels))
+            out = kernel_ops.flash_attention(q, k, v, causal=True, sm_scale=self.scale,
+                                             impl=attention_impl(self.kernels))
         else:  # the cache stores the new K/V and attends over everything it holds for these sequences
             out = cache.attention(layer, q, k, v, self.scale)  # (B, H_q, L, D)
         out = out.transpose(1, 2).reshape(B, L, c.q_size)  # (B, L, H_q D)
@@ -207,7 +208,7 @@ class Transformer(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.lm_head.weight.dtype
 
-    def set_kernels(self, kernels: str) -> "Transformer":
+    def set_kernels(self, kernels: str) -> Transformer:
         """Choose the fast paths: "auto" (native where it applies), "torch" (references only), "native"."""
         if kernels not in KERNEL_CHOICES:
             raise ValueError(f"kernels must be one of {KERNEL_CHOICES}, got {kernels!r}")

@@ -109,7 +109,7 @@ def sample(logits: Tensor, params: list[SamplingParams], generators: list[torch.
         raise ValueError(f"need logits [B, V] and B params/generators; got {tuple(logits.shape)}, "
                          f"{len(params)}, {len(generators)}")
     out = logits.argmax(dim=-1).tolist()  # one device sync for the whole batch
-    for i, (p, g) in enumerate(zip(params, generators)):
+    for i, (p, g) in enumerate(zip(params, generators, strict=True)):
         if not p.greedy:
             out[i] = int(torch.multinomial(probabilities(logits[i], p), 1, generator=g))
     return out

@@ -1,14 +1,18 @@
 """GQA conversion by pooling and the KV-size calculators."""
 
+import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from minillm import ModelConfig
-from minillm.attention_variants import (kv_bytes_cross_layer, kv_bytes_gqa, kv_bytes_mla, kv_bytes_sequence,
-                                        pool_kv_heads)
+from minillm.attention_variants import (
+    kv_bytes_cross_layer,
+    kv_bytes_gqa,
+    kv_bytes_mla,
+    kv_bytes_sequence,
+    pool_kv_heads,
+)
 from minillm.loader import build_model
-
-import pytest
 
 CFG = LlamaConfig(vocab_size=200, hidden_size=96, intermediate_size=128, num_hidden_layers=2, num_attention_heads=6,
                   num_key_value_heads=6, max_position_embeddings=128)

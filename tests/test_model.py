@@ -85,7 +85,7 @@ def test_mixed_length_batch_gives_each_prompt_its_solo_tokens():
     prompts = [[7], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], [40, 41, 42, 43]]
     params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in (20, 5, 13)]
     together = [s.output for s in generate(ours, prompts, params)]
-    alone = [generate(ours, [p], [sp])[0].output for p, sp in zip(prompts, params)]
+    alone = [generate(ours, [p], [sp])[0].output for p, sp in zip(prompts, params, strict=True)]
     assert together == alone
     assert [len(t) for t in together] == [20, 5, 13]
 
