@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from minillm import EngineConfig, SamplingParams
 from minillm.paged import CopyKind
-from minillm.scheduler import Policy, Scheduler
+from minillm.scheduler import Policy, Scheduler, SchedulerOutput
 from minillm.sequence import Request, SequenceStatus
 
 EOS = 0
@@ -139,16 +139,22 @@ def test_request_that_can_never_fit_is_rejected_naming_the_fix():
     assert not sched.has_unfinished()
 
 
-def test_static_batch_runs_to_completion_before_the_next_starts():
-    sched = make_scheduler(policy="static", max_num_seqs=2)
+def run_short_long_short(**config) -> list[SchedulerOutput]:
+    """Requests a (1 token), b (6 tokens), c (1 token) in two slots, run to the end; every step's output."""
+    sched = make_scheduler(max_num_seqs=2, **config)
     add(sched, "a", [1, 2], max_tokens=1)
     add(sched, "b", [1, 3], max_tokens=6)
     add(sched, "c", [1, 4], max_tokens=1)
-    seen, rng = [], random.Random(0)
+    outs, rng = [], random.Random(0)
     while sched.has_unfinished():
-        out = sched.schedule(0.0)
-        seen.append({s.seq.request.request_id for s in out.scheduled})
-        sched.postprocess(out, fake_tokens(out, rng), 0.0)
+        outs.append(sched.schedule(0.0))
+        sched.postprocess(outs[-1], fake_tokens(outs[-1], rng), 0.0)
+    assert sched.stats.padding_rows == sum(out.num_padding for out in outs)
+    return outs
+
+
+def test_static_batch_runs_to_completion_before_the_next_starts():
+    seen = [{s.seq.request.request_id for s in out.scheduled} for out in run_short_long_short(policy="static")]
     assert seen[0] == {"a", "b"} and seen[1] == {"b"}  # "a" is done but "c" waits for the longest, "b"
     assert seen.index({"c"}) == 6
 
@@ -156,17 +162,8 @@ def test_static_batch_runs_to_completion_before_the_next_starts():
 @pytest.mark.parametrize("policy,pad,want", [("static", True, [0, 1, 1, 1, 1, 1, 0]),
                                               ("static", False, [0] * 7), ("continuous", True, [0] * 6)])
 def test_finished_members_of_a_fixed_shape_batch_pad_it_until_it_ends(policy, pad, want):
-    sched = make_scheduler(policy=policy, max_num_seqs=2, pad_batches=pad)
-    add(sched, "a", [1, 2], max_tokens=1)
-    add(sched, "b", [1, 3], max_tokens=6)
-    add(sched, "c", [1, 4], max_tokens=1)
-    padding, rng = [], random.Random(0)
-    while sched.has_unfinished():
-        out = sched.schedule(0.0)
-        padding.append(out.num_padding)
-        sched.postprocess(out, fake_tokens(out, rng), 0.0)
+    padding = [out.num_padding for out in run_short_long_short(policy=policy, pad_batches=pad)]
     assert padding == want  # "a"'s row runs beside "b" for 5 steps; "c" starts a new batch, unpadded
-    assert sched.stats.padding_rows == sum(want)
 
 
 def test_dynamic_batch_waits_for_a_full_batch_or_the_window():
