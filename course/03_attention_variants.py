@@ -49,7 +49,7 @@ from pydoc_data.topics import topics  # CPython's help texts: ~465 KB of English
 from torch import Tensor, nn
 
 from minillm import LLM, SamplingParams, checks, kernels, metrics, roofline
-from minillm.attention import _check  # grouped_attention's shape check (used by the exercise's first line)
+from minillm.attention import check_qkv  # grouped_attention's shape check (the exercise's first line)
 from minillm.attention_variants import (kv_bytes_cross_layer, kv_bytes_mla, kv_bytes_sequence, pool_kv_heads)
 from minillm.generate import generate
 from minillm.kv_cache import KVCache

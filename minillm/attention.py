@@ -12,7 +12,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 
-def _check(q: Tensor, k: Tensor, v: Tensor) -> tuple[int, int, int, int, int, int]:
+def check_qkv(q: Tensor, k: Tensor, v: Tensor) -> tuple[int, int, int, int, int, int]:
+    """Check q [B, H_q, L, D] and k, v [B, H_kv, S, D] (H_q a multiple of H_kv); -> (B, H_q, H_kv, L, S, D)."""
     if q.dim() != 4 or k.dim() != 4 or k.shape != v.shape:
         raise ValueError(f"need q [B, H_q, L, D] and k, v [B, H_kv, S, D]; got {tuple(q.shape)}, "
                          f"{tuple(k.shape)}, {tuple(v.shape)}")
@@ -31,7 +32,7 @@ def grouped_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = Non
     last L positions) sees keys j ≤ S - L + i.  Cost: 4·B·H_q·L·S·D FLOPs and B·H_q·L·S score bytes in memory —
     fine for decode (L = 1), the reason FlashAttention exists for long prefills.
     """
-    B, Hq, Hkv, L, S, D = _check(q, k, v)
+    B, Hq, Hkv, L, S, D = check_qkv(q, k, v)
     scale = D**-0.5 if scale is None else scale
     ### BEGIN SOLUTION
     G = Hq // Hkv
@@ -50,7 +51,7 @@ def grouped_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = Non
 def sdpa_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None, *, causal: bool = False,
                    scale: float | None = None) -> Tensor:
     """The same through ``F.scaled_dot_product_attention`` (fused on CPU and CUDA).  -> [B, H_q, L, D]."""
-    _, Hq, Hkv, L, S, _ = _check(q, k, v)
+    _, Hq, Hkv, L, S, _ = check_qkv(q, k, v)
     if causal and mask is None and L != S:
         mask = torch.ones(L, S, dtype=torch.bool, device=q.device).tril(S - L)[None, None]
         causal = False

@@ -82,7 +82,8 @@ class Cost:
     __rmul__ = __mul__
 
 
-def _check_sizes(**sizes: int) -> None:
+def check_sizes(**sizes: int) -> None:
+    """Raise ``ValueError`` naming the first size that is not a positive int (the cost functions' input check)."""
     for name, value in sizes.items():
         if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
             raise ValueError(f"{name} must be a positive int, got {value!r}")
@@ -96,7 +97,7 @@ def linear_cost(M: int, K: int, N: int, dtype: DType, *, weight_dtype: DType | N
     (M = batch) sits far below the ridge. ``weight_dtype`` (default ``dtype``) prices quantized weights
     (quantization scales not counted); ``bias`` adds N weights and M·N adds.
     """
-    _check_sizes(M=M, K=K, N=N)
+    check_sizes(M=M, K=K, N=N)
     ### BEGIN SOLUTION
     a, w = dtype_bytes(dtype), dtype_bytes(dtype if weight_dtype is None else weight_dtype)
     flops = 2 * M * K * N + (M * N if bias else 0)
@@ -118,7 +119,7 @@ def attention_cost(batch: int, q_len: int, kv_len: int, num_heads: int, num_kv_h
     probabilities and reads them for PV (4·B·H_q·L·S elements). Decode (L = 1) intensity ≈ 2·(H_q/H_kv)/kv_bytes
     whatever B: MHA fp16 gives exactly S / (S + 1) FLOP/byte; batching does not help attention.
     """
-    _check_sizes(batch=batch, q_len=q_len, kv_len=kv_len, num_heads=num_heads, num_kv_heads=num_kv_heads,
+    check_sizes(batch=batch, q_len=q_len, kv_len=kv_len, num_heads=num_heads, num_kv_heads=num_kv_heads,
                  head_dim=head_dim)
     if num_heads % num_kv_heads:
         raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
@@ -177,7 +178,7 @@ def prefill_cost(config: ModelConfig, batch: int, prompt_len: int, dtype: DType,
     ``Transformer.forward`` returns). Activations count each matmul's input/output and attention's q/out once,
     as an ideally fused engine moves them; unfused norms, RoPE, SwiGLU and residual adds add a few more passes.
     """
-    _check_sizes(batch=batch, prompt_len=prompt_len)
+    check_sizes(batch=batch, prompt_len=prompt_len)
     if not isinstance(past_len, int) or past_len < 0:
         raise ValueError(f"past_len must be an int ≥ 0, got {past_len!r}")
     rows = batch * prompt_len if all_logits else batch
@@ -192,7 +193,7 @@ def decode_step_cost(config: ModelConfig, batch: int, kv_len: int, dtype: DType,
     Bytes: every weight once (tied embeddings once, for the LM head), K/V of ``kv_len`` tokens read and of the
     new token written per sequence ((kv_len + 1) × ``kv_bytes_per_token`` × B), and small activations.
     """
-    _check_sizes(batch=batch, kv_len=kv_len)
+    check_sizes(batch=batch, kv_len=kv_len)
     return _forward_cost(config, batch, 1, kv_len - 1, dtype, kv_dtype, weight_dtype, batch)
 
 
@@ -220,7 +221,8 @@ def attainable_flops(spec: HardwareSpec, intensity: float, dtype: str | torch.dt
     ### END SOLUTION
 
 
-def _rate(x: float | HardwareSpec) -> float:
+def positive_rate(x: float | HardwareSpec) -> float:
+    """A rate per second: a ``HardwareSpec``'s memory bandwidth, or the number given; ``ValueError`` unless > 0."""
     value = x.memory_bandwidth if isinstance(x, HardwareSpec) else x
     if not value > 0:
         raise ValueError(f"bandwidth / peak must be > 0, got {value!r}")
@@ -234,7 +236,7 @@ def mbu(bytes_per_step: float, steps_per_s: float, bandwidth: float | HardwareSp
     """
     if bytes_per_step < 0 or steps_per_s < 0:
         raise ValueError("bytes_per_step and steps_per_s must be ≥ 0")
-    peak_bandwidth = _rate(bandwidth)  # bytes/s: the number given, or the spec's memory_bandwidth
+    peak_bandwidth = positive_rate(bandwidth)  # bytes/s: the number given, or the spec's memory_bandwidth
     ### BEGIN SOLUTION
     return bytes_per_step * steps_per_s / peak_bandwidth
     ### END SOLUTION
@@ -244,7 +246,7 @@ def mfu(flops_per_step: float, steps_per_s: float, peak: float) -> float:
     """Model FLOP/s utilisation: FLOPs per step × steps/s ÷ peak FLOP/s (0..1)."""
     if flops_per_step < 0 or steps_per_s < 0:
         raise ValueError("flops_per_step and steps_per_s must be ≥ 0")
-    return flops_per_step * steps_per_s / _rate(peak)
+    return flops_per_step * steps_per_s / positive_rate(peak)
 
 
 def decode_tokens_per_s_bound(config: ModelConfig, dtype: DType, bandwidth: float | HardwareSpec, batch: int = 1,
@@ -253,7 +255,7 @@ def decode_tokens_per_s_bound(config: ModelConfig, dtype: DType, bandwidth: floa
 
     SmolLM2-135M bf16 (~270 MB/step) on 3.35 TB/s: ~12 000 steps/s; on a ~30 GB/s laptop: ~110.
     """
-    return batch * _rate(bandwidth) / decode_step_cost(config, batch, kv_len, dtype, kv_dtype).bytes
+    return batch * positive_rate(bandwidth) / decode_step_cost(config, batch, kv_len, dtype, kv_dtype).bytes
 
 
 @dataclass(frozen=True)
