@@ -136,7 +136,7 @@ class PagedAttention:
         Hkv, m = k.shape[1], self.meta
         kc, vc = self.kv.k[layer], self.kv.v[layer]  # (num_blocks, block_size, H_kv, D)
         real = T - m.num_padding
-        kc.view(-1, Hkv, D)[m.slot_mapping] = k[0, :, :real].transpose(0, 1)  # (T, H_kv, D) scattered to slots
+        kc.view(-1, Hkv, D)[m.slot_mapping] = k[0, :, :real].transpose(0, 1)  # real rows (T - pads, H_kv, D) to slots
         vc.view(-1, Hkv, D)[m.slot_mapping] = v[0, :, :real].transpose(0, 1)
         out = q.new_empty(T, Hq, D)
         out[real:] = 0
