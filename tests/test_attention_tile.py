@@ -9,6 +9,14 @@ import torch
 from minillm.attention import attention_partial, flash_tile_step, grouped_attention, merge_attention_partials
 
 
+def test_attention_rejects_mismatched_shapes_naming_them():
+    q, k = torch.randn(1, 9, 4, 8), torch.randn(1, 4, 4, 8)
+    with pytest.raises(ValueError, match="H_q % H_kv"):  # 9 query heads cannot share 4 K/V heads
+        grouped_attention(q, k, k)
+    with pytest.raises(ValueError, match=r"need q \[B, H_q, L, D\]"):
+        grouped_attention(q[0], k, k)
+
+
 def _fold(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_n: int, scale: float) -> torch.Tensor:
     """Softmax attention of q [..., M, D] over k, v [..., N, D], one tile of ``block_n`` keys at a time."""
     m = q.new_full(q.shape[:-1], float("-inf"), dtype=torch.float32)

@@ -273,6 +273,8 @@ def test_bad_engine_options_name_the_option():
         EngineConfig(max_num_seqs=64, max_num_batched_tokens=16)
     with pytest.raises(ValueError, match="either num_kv_blocks or kv_cache_bytes"):
         EngineConfig(num_kv_blocks=4, kv_cache_bytes=1 << 20)
+    with pytest.raises(ValueError, match="pad_batches must be True or False"):
+        EngineConfig(policy="static", pad_batches="yes")
     with pytest.raises(ValueError, match="preemption"):
         LLM(preemption="drop")  # checked before the model loads
 

@@ -207,6 +207,8 @@ def test_rejects_bad_sizes_and_groupings():
         linear_cost(1, 4, 4, "float13")
     with pytest.raises(ValueError, match="does not sum"):
         Cost(1.0, 10.0, {"weights": 3.0})
+    with pytest.raises(ValueError, match="bandwidth / peak must be > 0, got 0"):
+        mbu(1e9, 100, 0)
 
 
 # ------------------------------------------------------------------------------------------- measurement
