@@ -24,7 +24,7 @@ $(STAMP): pyproject.toml
 demo: env
 	$(BIN)/python -m minillm generate "Explain in two sentences why LLM decoding is memory-bound." --max-tokens 64 --chat
 
-# The unit tests, then every solution notebook executed by nbval (tests/test_course.py also fails when a generated
+# The unit tests, then every solution notebook executed by nbval (tests/course/test_course_build.py also fails when a generated
 # notebook or slide deck is stale, and when a student check cell passes on a stub).
 test: env
 	$(BIN)/python -m pytest -q tests solutions --nbval-lax --nbval-current-env \

@@ -43,10 +43,15 @@ import statistics
 import matplotlib.pyplot as plt
 import torch
 
-from minillm import LLM, SamplingParams, checks, metrics, roofline
-from minillm.hardware import DECODE_GEMV_SHAPES
-from minillm.kernels import cpu_gemv
-from minillm.roofline import Cost, check_sizes, dtype_bytes, positive_rate  # used by the exercises' code
+from minillm import LLM, SamplingParams
+from minillm.course import checks
+from minillm.kernels.cpu import native
+from minillm.perf import metrics, roofline
+from minillm.perf.hardware import (
+    DECODE_GEMV_SHAPES,
+    dtype_bytes,  # used by the exercises' code
+)
+from minillm.perf.roofline import Cost, check_sizes, positive_rate
 
 FAST = os.environ.get("MINILLM_COURSE_FAST") == "1"  # set by the course tests: same cells, smaller sizes
 random.seed(0)
@@ -151,7 +156,7 @@ plt.show()
 # M·N additions.
 
 # %%
-# exercise 0.1: minillm.roofline.linear_cost
+# exercise 0.1: minillm.perf.roofline.linear_cost
 
 # %%
 # NBVAL_CHECK_OUTPUT
@@ -179,7 +184,7 @@ for M in (1, 8, 64, 256, 512, 4096):
 # FLOP/s for a dtype, `spec.memory_bandwidth` the bandwidth in bytes/s.
 
 # %%
-# exercise 0.2: minillm.roofline.ridge_point
+# exercise 0.2: minillm.perf.roofline.ridge_point
 
 # %%
 # NBVAL_CHECK_OUTPUT
@@ -192,7 +197,7 @@ checks.check_ridge_point(ridge_point)
 # Memory delivers `bandwidth` bytes per second, each worth `intensity` FLOPs; the arithmetic units cap the rest.
 
 # %%
-# exercise 0.3: minillm.roofline.attainable_flops
+# exercise 0.3: minillm.perf.roofline.attainable_flops
 
 # %%
 # NBVAL_CHECK_OUTPUT
@@ -279,8 +284,8 @@ torch_dtype = getattr(torch, dtype)
 weights = [torch.full((N, K), 0.01, dtype=torch_dtype, device=device)
            for _ in range(layers) for N, K in DECODE_GEMV_SHAPES]
 impls = {"torch": torch.nn.functional.linear}
-if device == "cpu" and cpu_gemv.available():
-    impls["native"] = cpu_gemv.linear
+if device == "cpu" and native.available():
+    impls["native"] = native.linear
 
 
 @torch.inference_mode()
@@ -295,7 +300,7 @@ def stack_seconds(linear, batch: int) -> float:
     return statistics.median(metrics.measure_seconds(one_pass, repeat=3 if FAST else 5, device=device))
 
 
-gemv_s = {impl: {B: stack_seconds(fn, B) for B in batches if impl == "torch" or B <= cpu_gemv.MAX_ROWS}
+gemv_s = {impl: {B: stack_seconds(fn, B) for B in batches if impl == "torch" or B <= native.MAX_ROWS}
           for impl, fn in impls.items()}
 weight_bytes = sum(w.nbytes for w in weights)
 for B in batches:
@@ -342,7 +347,7 @@ checks.check_roofline_prediction(1 / predicted_seconds(1), 1 / gemv_s["torch"][1
 # already turn `bandwidth` (bytes/s, or a `HardwareSpec`) into the number `peak_bandwidth`.
 
 # %%
-# exercise 0.4: minillm.roofline.mbu
+# exercise 0.4: minillm.perf.roofline.mbu
 
 # %%
 # NBVAL_CHECK_OUTPUT

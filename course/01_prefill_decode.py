@@ -42,8 +42,10 @@ from types import SimpleNamespace
 import matplotlib.pyplot as plt
 import torch
 
-from minillm import LLM, SamplingParams, checks, metrics, roofline
-from minillm.generate import generate
+from minillm import LLM, SamplingParams
+from minillm.course import checks
+from minillm.engine.simple import generate
+from minillm.perf import metrics, roofline
 
 FAST = os.environ.get("MINILLM_COURSE_FAST") == "1"  # set by the course tests: same cells, smaller sizes
 random.seed(0)
@@ -77,7 +79,7 @@ print(f"\nridge point for {dtype}: {ridge:.1f} FLOP/byte (an H100 SXM in bf16: "
 # Where do prefill and decode sit? Multiplying activations `x [M × K]` by a weight `W [K × N]` costs `2·M·K·N`
 # FLOPs and reads about `K·N` weight elements, so its intensity is about `2M / bytes_per_element` when `M` is
 # small: **M** is the number of tokens processed at once. A prefill of L tokens has M = L; a decode step has
-# M = 1. The cost model in `minillm.roofline` adds up every layer:
+# M = 1. The cost model in `minillm.perf.roofline` adds up every layer:
 
 # %% tags=["slide-output"]
 for name, cost in [("decode step (1 token)", roofline.decode_step_cost(config, 1, 64, dtype)),
@@ -98,7 +100,7 @@ for name, cost in [("decode step (1 token)", roofline.decode_step_cost(config, 1
 # two share one matrix. `config.num_parameters(include_embeddings=False)` counts the decoder layers and final norm.
 
 # %%
-# exercise 1.1: minillm.metrics.decode_weight_bytes
+# exercise 1.1: minillm.perf.metrics.decode_weight_bytes
 
 # %%
 # NBVAL_CHECK_OUTPUT
@@ -234,7 +236,7 @@ print(f"{n_requests} requests in {duration_s:.1f} s; user TTFT from {min(user_tt
 # interpolating linearly between its two neighbours (numpy's default). p0 is the minimum, p100 the maximum.
 
 # %%
-# exercise 1.2: minillm.metrics.percentile
+# exercise 1.2: minillm.perf.metrics.percentile
 
 # %%
 # NBVAL_CHECK_OUTPUT
@@ -266,7 +268,7 @@ for name, values in [("user TTFT", user_ttft), ("TPOT", [r.tpot_s for r in serve
 # `goodput(requests, duration_s, ttft_slo_s=0.2, tpot_slo_s=0.1)`; each request has `.ttft_s` and `.tpot_s`.
 
 # %%
-# exercise 1.3: minillm.metrics.goodput
+# exercise 1.3: minillm.perf.metrics.goodput
 
 # %%
 # NBVAL_CHECK_OUTPUT
@@ -291,7 +293,7 @@ plt.show()
 # `$/h ÷ (tok/s × 3600) × 10⁶` per million tokens. Write `cost_per_million_tokens(dollars_per_hour, tokens_per_s)`.
 
 # %%
-# exercise 1.4: minillm.metrics.cost_per_million_tokens
+# exercise 1.4: minillm.perf.metrics.cost_per_million_tokens
 
 # %%
 # NBVAL_CHECK_OUTPUT

@@ -39,10 +39,12 @@ import matplotlib.pyplot as plt
 import torch
 from torch import Tensor
 
-from minillm import LLM, SamplingParams, checks, metrics, roofline
+from minillm import LLM, SamplingParams
 from minillm.config import ModelConfig
-from minillm.generate import generate
-from minillm.kv_cache import KVCache
+from minillm.course import checks
+from minillm.engine.simple import generate
+from minillm.kv.contiguous import KVCache
+from minillm.perf import metrics, roofline
 
 FAST = os.environ.get("MINILLM_COURSE_FAST") == "1"  # set by the course tests: same cells, smaller sizes
 random.seed(0)
@@ -71,7 +73,7 @@ print(f"{config.num_layers} layers, {config.num_heads} query heads, {config.num_
 # `dtype.itemsize`.
 
 # %%
-# exercise 2.1: minillm.kv_cache.kv_bytes_per_token
+# exercise 2.1: minillm.kv.contiguous.kv_bytes_per_token
 
 # %%
 # NBVAL_CHECK_OUTPUT
@@ -108,7 +110,7 @@ plt.show()
 # ### Predict, then measure
 #
 # Predict the bytes of a cache for `batch` sequences of `length` tokens for *this* model and dtype, then let the
-# engine allocate it (`minillm.kv_cache.KVCache`) and measure how much memory the process gained (RSS on CPU,
+# engine allocate it (`minillm.kv.contiguous.KVCache`) and measure how much memory the process gained (RSS on CPU,
 # the CUDA allocator on a GPU). The check allows 5 % for unrelated allocations.
 
 # %% tags=["slide-output"]
@@ -137,7 +139,7 @@ del cache
 # (a slice assignment works); with several, index with a `[B, 1]` batch index and the `[B, L]` positions.
 
 # %%
-# exercise 2.2: minillm.kv_cache.KVCache.update
+# exercise 2.2: minillm.kv.contiguous.KVCache.update
 
 # %%
 # NBVAL_CHECK_OUTPUT
@@ -192,7 +194,7 @@ print(repr(llm.tokenizer.decode(tokens)))
 # %% [markdown]
 # ## 3. Measure: cached vs naive
 #
-# Both loops of `minillm.generate` produce the same tokens; the naive one re-runs the growing sequence every step.
+# Both loops of `minillm.engine.simple` produce the same tokens; the naive one re-runs the growing sequence every step.
 # The dashed lines are the roofline's estimate of each (every forward at max(FLOPs ÷ peak, bytes ÷ bandwidth),
 # from this machine's measured peaks): the naive loop's total grows quadratically, the cached one's linearly.
 

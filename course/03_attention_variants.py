@@ -41,19 +41,21 @@ import os
 import random
 import statistics
 from functools import partial
+from pydoc_data.topics import topics  # CPython's help texts: ~465 KB of English that ships with Python
 
 import matplotlib.pyplot as plt
 import torch
 import torch.nn.functional as F
-from pydoc_data.topics import topics  # CPython's help texts: ~465 KB of English that ships with Python
 from torch import Tensor, nn
 
-from minillm import LLM, SamplingParams, checks, kernels, metrics, roofline
-from minillm.attention import check_qkv  # grouped_attention's shape check (the exercise's first line)
-from minillm.attention_variants import (kv_bytes_cross_layer, kv_bytes_mla, kv_bytes_sequence, pool_kv_heads)
-from minillm.generate import generate
-from minillm.kv_cache import KVCache
-from minillm.metrics import decode_weight_bytes
+from minillm import LLM, SamplingParams, kernels
+from minillm.course import checks
+from minillm.engine.simple import generate
+from minillm.kernels.reference import check_qkv  # grouped_attention's shape check (the exercise's first line)
+from minillm.kv.contiguous import KVCache
+from minillm.models.attention_variants import kv_bytes_cross_layer, kv_bytes_mla, kv_bytes_sequence, pool_kv_heads
+from minillm.perf import metrics, roofline
+from minillm.perf.metrics import decode_weight_bytes
 
 FAST = os.environ.get("MINILLM_COURSE_FAST") == "1"  # set by the course tests: same cells, smaller sizes
 random.seed(0)
@@ -77,7 +79,7 @@ print(f"{config.num_layers} layers, H_q = {config.num_heads} query heads, H_kv =
 # float, so that 4-bit formats, 0.5 bytes, work too). It is exercise 2.1 with two factors made explicit.
 
 # %%
-# exercise 3.1: minillm.attention_variants.kv_bytes_gqa
+# exercise 3.1: minillm.models.attention_variants.kv_bytes_gqa
 
 # %%
 # NBVAL_CHECK_OUTPUT
@@ -137,7 +139,7 @@ for h in (9, 3, 1):
 # materialises that copy.)
 
 # %%
-# exercise 3.2: minillm.attention.grouped_attention
+# exercise 3.2: minillm.kernels.reference.grouped_attention
 
 # %%
 # NBVAL_CHECK_OUTPUT
@@ -178,7 +180,7 @@ def forward_logits(m, ids: list[int], attention) -> Tensor:
 # %% [markdown]
 # Now three models from one checkpoint. **MHA** (H_kv = 9): copy each of SmolLM2's 3 K/V heads to the 3 query
 # heads of its group — the same function, so the same logits, with a 3× larger cache. **MQA** (H_kv = 1):
-# `minillm.attention_variants.pool_kv_heads` averages the 3 K/V projections into one, the GQA paper's starting
+# `minillm.models.attention_variants.pool_kv_heads` averages the 3 K/V projections into one, the GQA paper's starting
 # point for converting a checkpoint (there it is followed by "uptraining", ~5 % of the pre-training compute).
 
 # %%

@@ -47,10 +47,13 @@ import random
 import matplotlib.pyplot as plt
 from torch import Tensor
 
-from minillm import LLM, SamplingParams, checks, kernels, roofline
-from minillm.attention import attention_partial, grouped_attention
-from minillm.generate import generate
-from minillm.kv_cache import KVCache
+from minillm import LLM, SamplingParams, kernels
+from minillm.course import checks
+from minillm.engine.simple import generate
+from minillm.kernels.reference import attention_partial, grouped_attention
+from minillm.perf.bench.attention import bench_attention
+from minillm.kv.contiguous import KVCache
+from minillm.perf import roofline
 
 FAST = os.environ.get("MINILLM_COURSE_FAST") == "1"  # set by the course tests: same cells, smaller sizes
 random.seed(0)
@@ -124,7 +127,7 @@ plt.show()
 # An empty chunk has m = −∞, den = 0, o = 0 and must count for nothing.
 
 # %%
-# exercise 4.1: minillm.attention.merge_attention_partials
+# exercise 4.1: minillm.kernels.reference.merge_attention_partials
 
 # %%
 # NBVAL_CHECK_OUTPUT
@@ -163,7 +166,7 @@ print(f"merged halves (60 + 40 keys) == softmax over all 100 keys for {q1.shape[
 # dimensions broadcast, so GQA works by viewing q as `[B, H_kv, G·L, D]` (notebook 03).
 
 # %%
-# exercise 4.2: minillm.attention.flash_tile_step
+# exercise 4.2: minillm.kernels.reference.flash_tile_step
 
 # %%
 # NBVAL_CHECK_OUTPUT
@@ -250,7 +253,7 @@ print(repr(llm.tokenizer.decode(library)))
 # %% [markdown]
 # ## 4. The Triton kernel
 #
-# `minillm/kernels/triton_flash_attention.py` is that loop on a GPU. One program per (tile of BLOCK_M queries,
+# `minillm/kernels/triton/flash.py` is that loop on a GPU. One program per (tile of BLOCK_M queries,
 # batch, query head) loads its Q tile once and calls `_attend_tiles` over the key tiles; the scores live in
 # registers. Compare it line by line with your `flash_tile_step`: the kernel works in base 2 (`exp2`, with
 # log₂e folded into the scale, because exp2 is the GPU's native exponential), and `tl.dot(p, v, acc * alpha)`
@@ -258,12 +261,12 @@ print(repr(llm.tokenizer.decode(library)))
 
 # %% tags=["slide-output"]
 if triton_ok:
-    from minillm.kernels import triton_flash_attention
+    from minillm.kernels.triton import flash as triton_flash_attention
 
     print(inspect.getsource(triton_flash_attention._attend_tiles.fn))  # .fn: the Python function under @triton.jit
 else:
     print("triton is not installed here (pip install 'minillm[gpu]'); the source is in "
-          "minillm/kernels/triton_flash_attention.py")
+          "minillm/kernels/triton/flash.py")
 
 # %% [markdown]
 # Run it and compare with the reference. On a CPU, Triton's interpreter executes the kernel with NumPy, one
@@ -315,7 +318,7 @@ if triton_ok:
 
 # %% tags=["slide-output"]
 # NBVAL_CHECK_OUTPUT
-SMS, PER_SM, MIN_SPLIT = 132, 4, 128  # H100 SXM: 132 SMs; the targets of kernels/triton_decode_attention.py
+SMS, PER_SM, MIN_SPLIT = 132, 4, 128  # H100 SXM: 132 SMs; the targets of kernels/triton/decode.py
 for b, h_kv, s in [(1, 8, 32768), (1, 8, 4096), (8, 8, 32768), (64, 8, 4096)]:
     splits = max(1, min(math.ceil(PER_SM * SMS / (b * h_kv)), s // MIN_SPLIT))
     print(f"B = {b:2d}, H_kv = {h_kv}, S = {s:5d}: {b * h_kv:4d} programs without splitting "
@@ -329,7 +332,7 @@ for b, h_kv, s in [(1, 8, 32768), (1, 8, 4096), (8, 8, 32768), (64, 8, 4096)]:
 # %% tags=["slide-output"]
 # NBVAL_IGNORE_OUTPUT
 if triton_ok:
-    from minillm.kernels import triton_decode_attention
+    from minillm.kernels.triton import decode as triton_decode_attention
 
     B_, Hq_, Hkv_, S_, D_, split = (8, 32, 8, 32768, 128, 2048) if device == "cuda" else (2, 4, 2, 64, 32, 16)
     kv_dtype = torch.bfloat16 if device == "cuda" else torch.float32
@@ -345,7 +348,7 @@ if triton_ok:
 # %% [markdown]
 # ## 6. Measure: attention on this device, on the roofline
 #
-# `minillm.kernels.bench_attention` times decode (contiguous and paged) and causal prefill attention next to
+# `minillm.perf.bench.attention.bench_attention` times decode (contiguous and paged) and causal prefill attention next to
 # PyTorch's fused `scaled_dot_product_attention` (SDPA), in GB/s of K/V read (decode) and TFLOP/s (prefill).
 # On a GPU it times the Triton kernels; on a CPU it times the PyTorch paths only (the interpreter's timings mean
 # nothing), including the naive `grouped_attention` prefill that materialises the scores.
@@ -358,9 +361,9 @@ print(roofline.format_measurement(spec))
 # %% tags=["slide-output"]
 # NBVAL_IGNORE_OUTPUT
 if device == "cuda":
-    rows = kernels.bench_attention(device, seq_lens=(1024, 8192) if FAST else (1024, 8192, 32768))
+    rows = bench_attention(device, seq_lens=(1024, 8192) if FAST else (1024, 8192, 32768))
 else:
-    rows = kernels.bench_attention(device, seq_lens=(128, 256) if FAST else (256, 1024), batch_sizes=(1, 8))
+    rows = bench_attention(device, seq_lens=(128, 256) if FAST else (256, 1024), batch_sizes=(1, 8))
 
 # %% [markdown]
 # Each row becomes a point: x = the cost model's intensity (fused, or naive for the row that materialises the

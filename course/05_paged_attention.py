@@ -48,12 +48,21 @@ import matplotlib.pyplot as plt
 import torch
 from matplotlib.patches import Rectangle
 
-from minillm import LLM, EngineConfig, LLMEngine, SamplingParams, checks, kernels, roofline
-from minillm.block_manager import BlockManager
-from minillm.kv_cache import kv_bytes_per_token
-from minillm.paged import BlockAllocator, BlockCopy, CopyKind, OutOfBlocks, contiguous_reservation_waste, paged_waste
-from minillm.simulate import kv_cache_budget
-from minillm.workloads import corpus_token_ids, lognormal_lengths
+from minillm import LLM, EngineConfig, LLMEngine, SamplingParams, kernels
+from minillm.course import checks
+from minillm.kv.block_allocator import (
+    BlockAllocator,
+    BlockCopy,
+    CopyKind,
+    OutOfBlocks,
+    contiguous_reservation_waste,
+    paged_waste,
+)
+from minillm.kv.block_manager import BlockManager
+from minillm.kv.contiguous import kv_bytes_per_token
+from minillm.perf import roofline
+from minillm.perf.simulate import kv_cache_budget
+from minillm.perf.workloads import corpus_token_ids, lognormal_lengths
 
 FAST = os.environ.get("MINILLM_COURSE_FAST") == "1"  # set by the course tests: same cells, smaller sizes
 random.seed(0)
@@ -72,7 +81,7 @@ print(f"{config.num_layers} layers, H_kv = {config.num_kv_heads}, head_dim {conf
 #
 # Chat traffic has a long tail: most prompts and answers are a few hundred tokens, a few are much longer. We draw
 # 1000 requests with lognormal prompt lengths (median 200 tokens) and output lengths (median 150) — the shape of
-# `minillm.bench_serving.chat_lengths_trace` — and give each its final length, prompt + output. A contiguous
+# `minillm.perf.bench.serving.chat_lengths_trace` — and give each its final length, prompt + output. A contiguous
 # cache must reserve, for every request, the longest sequence it might become: here 2048 tokens (the context the
 # PagedAttention paper served OPT models with). Paging holds `ceil(length / 16)` blocks.
 #
@@ -120,7 +129,7 @@ plt.show()
 # %% [markdown]
 # ## 2. Build: a block allocator with reference counts
 #
-# `minillm.paged.BlockAllocator` owns the pool's bookkeeping (the K/V tensors live in the engine). Each block is
+# `minillm.kv.block_allocator.BlockAllocator` owns the pool's bookkeeping (the K/V tensors live in the engine). Each block is
 # in exactly one state:
 #
 # - **referenced**: `ref_count > 0`, it appears in that many block tables;
@@ -138,7 +147,7 @@ plt.show()
 # `free`.
 
 # %%
-# exercise 5.1: minillm.paged.BlockAllocator.free
+# exercise 5.1: minillm.kv.block_allocator.BlockAllocator.free
 
 # %%
 # NBVAL_CHECK_OUTPUT
@@ -171,7 +180,7 @@ show("a new request hits the cached prefix")
 # %% [markdown]
 # ## 3. Build: growing a sequence, sharing after a fork
 #
-# `minillm.block_manager.BlockManager` keeps a `BlockTable` per sequence (its block ids and its tokens) on top of
+# `minillm.kv.block_manager.BlockManager` keeps a `BlockTable` per sequence (its block ids and its tokens) on top of
 # the allocator. `allocate(seq, prompt)` gives a prompt its blocks (reusing cached ones on a prefix hit);
 # `fork(parent, child)` lets a child share all the parent's blocks (parallel sampling, n > 1);
 # `append_slots(seq, tokens)` gives each decoded token a slot before the forward pass writes its K/V.
@@ -186,7 +195,7 @@ show("a new request hits the cached prefix")
 # `allocator=MyBlockAllocator` makes it use your `free` too.
 
 # %%
-# exercise 5.2: minillm.block_manager.BlockManager.append_slots
+# exercise 5.2: minillm.kv.block_manager.BlockManager.append_slots
 
 # %%
 # NBVAL_CHECK_OUTPUT
@@ -335,7 +344,7 @@ plt.show()
 # Write `slot_mapping(block_ids, start, end, block_size)`: the slot of each position in `[start, end)`.
 
 # %%
-# exercise 5.3: minillm.paged.slot_mapping
+# exercise 5.3: minillm.kv.block_allocator.slot_mapping
 
 # %%
 # NBVAL_CHECK_OUTPUT

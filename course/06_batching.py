@@ -47,13 +47,22 @@ import matplotlib.pyplot as plt
 import numpy as np
 import torch
 
-from minillm import LLM, EngineConfig, LLMEngine, SamplingParams, checks, roofline
-from minillm.scheduler import Scheduler
-from minillm.slot_model import slot_timeline
-from minillm.sequence import Request
-from minillm.simulate import (RooflineStepTime, build_report, format_reports, kv_cache_budget, llama2_7b_config,
-                              record_from_metrics, simulate)
-from minillm.workloads import corpus_token_ids, random_corpus, skewed_trace
+from minillm import LLM, EngineConfig, LLMEngine, SamplingParams
+from minillm.course import checks
+from minillm.course.slot_model import slot_timeline
+from minillm.engine.scheduler import Scheduler
+from minillm.engine.sequence import Request
+from minillm.perf import roofline
+from minillm.perf.simulate import (
+    RooflineStepTime,
+    build_report,
+    format_reports,
+    kv_cache_budget,
+    llama2_7b_config,
+    record_from_metrics,
+    simulate,
+)
+from minillm.perf.workloads import corpus_token_ids, random_corpus, skewed_trace
 
 FAST = os.environ.get("MINILLM_COURSE_FAST") == "1"  # set by the course tests: same cells, smaller sizes
 random.seed(0)
@@ -113,7 +122,7 @@ for B in (1, 8, 32, 128, 512):
 # done.
 
 # %%
-# exercise 6.1: minillm.slot_model.batch_slots
+# exercise 6.1: minillm.course.slot_model.batch_slots
 
 # %%
 # NBVAL_CHECK_OUTPUT
@@ -256,7 +265,7 @@ plt.show()
 #
 # A bigger batch cap (`max_num_seqs`) raises throughput and slows each step, so every configuration is a point
 # (throughput, per-token latency). Left: the real engine on this machine, the same trace. Right: the same
-# scheduler on a virtual clock (`minillm.simulate`), with each step priced by the roofline for Llama-2-7B in bf16
+# scheduler on a virtual clock (`minillm.perf.simulate`), with each step priced by the roofline for Llama-2-7B in bf16
 # on an H100 (+ 2 ms of per-step CPU work, assumed), on a trace scaled to chat lengths (prompts 64–512 tokens,
 # outputs 90 % 32–128 and 10 % 512–1024). The virtual clock assumes every kernel reaches the roof: read its
 # ratios, not its absolute figures.
@@ -352,7 +361,7 @@ plt.show()
 # otherwise it could never run.
 
 # %%
-# exercise 6.2: minillm.scheduler.prefill_chunk_len
+# exercise 6.2: minillm.engine.scheduler.prefill_chunk_len
 
 # %%
 # NBVAL_CHECK_OUTPUT

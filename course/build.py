@@ -11,7 +11,7 @@ method ``module.Class.method``) and nothing else.  The build replaces it with th
 ``minillm``: in the solution without the ``### BEGIN SOLUTION`` / ``### END SOLUTION`` fence lines, in the stub
 with the fenced region replaced by ``raise NotImplementedError("Exercise N.k: <title> — <hint>")`` (signature,
 docstring and anything before the fence kept).  A method is rendered inside ``class MyClass(Class):``.
-Title and hint come from ``minillm.checks.EXERCISES``, which also names each exercise's checker; every exercise
+Title and hint come from ``minillm.course.checks.EXERCISES``, which also names each exercise's checker; every exercise
 cell needs a cell calling its checker (``checks.check_<name>(...)``) later in the same notebook.
 
 Other conventions: the Colab badge is inserted as the first cell; cell tags from the source are kept (the slide
@@ -44,7 +44,7 @@ COURSE, NOTEBOOKS, SOLUTIONS = ROOT / "course", ROOT / "notebooks", ROOT / "solu
 if str(ROOT) not in sys.path:  # build from a checkout without installing (CI installs it anyway)
     sys.path.insert(0, str(ROOT))
 
-from minillm.checks import EXERCISES, Exercise  # noqa: E402
+from minillm.course.checks import EXERCISES, Exercise  # noqa: E402
 
 COLAB_URL = "https://colab.research.google.com/github/minillm-course/minillm/blob/main/{folder}/{name}.ipynb"
 BADGE = "[![Open In Colab](https://colab.research.google.com/assets/colab-badge.svg)]({url})"
@@ -122,9 +122,9 @@ def parse_directive(source: str, where: str) -> Exercise | None:
         raise BuildError(f"{where}: an exercise directive cell holds only the directive line")
     ex = EXERCISES.get(m["number"])
     if ex is None:
-        raise BuildError(f"{where}: exercise {m['number']} is not registered in minillm.checks.EXERCISES")
+        raise BuildError(f"{where}: exercise {m['number']} is not registered in minillm.course.checks.EXERCISES")
     if ex.target != m["target"]:
-        raise BuildError(f"{where}: exercise {ex.number} is {ex.target} in minillm.checks, not {m['target']}")
+        raise BuildError(f"{where}: exercise {ex.number} is {ex.target} in minillm.course.checks, not {m['target']}")
     return ex
 
 

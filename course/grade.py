@@ -7,7 +7,7 @@ An exercise is judged by its check cell (the cell that calls ``checks.check_<nam
 - **passed**: the cell printed "✓ Exercise N.k passed";
 - **unfinished**: it raised the stub's ``NotImplementedError("Exercise N.k: …")``;
 - **wrong**: it raised anything else — usually the checker's ``AssertionError``, whose first line is reported.
-Check cells are found by their cell metadata (``minillm.checks``, written by the build) or, in a notebook whose
+Check cells are found by their cell metadata (``minillm.course.checks``, written by the build) or, in a notebook whose
 metadata was lost, by the checker names in their source.  ``--fast`` sets MINILLM_COURSE_FAST=1 (smaller
 measurements; the checks are the same).  Exit status: 0 when every exercise of every notebook passed, else 1.
 """

@@ -5,12 +5,13 @@
     out = llm.generate("Hello", SamplingParams(max_tokens=32, temperature=0))[0]
 """
 
-from .config import EngineConfig, ModelConfig
-from .engine import LLMEngine
-from .llm import LLM, RequestOutput
-from .loader import load_model, load_tokenizer
-from .model import Transformer
-from .sampling import SamplingParams
+from minillm.config import EngineConfig, ModelConfig
+from minillm.engine.llm_engine import LLMEngine
+from minillm.llm import LLM
+from minillm.models.llama import Transformer
+from minillm.models.loader import load_model, load_tokenizer
+from minillm.outputs import RequestOutput
+from minillm.sampling.params import SamplingParams
 
 __all__ = ["LLM", "EngineConfig", "LLMEngine", "ModelConfig", "RequestOutput", "SamplingParams", "Transformer",
            "load_model", "load_tokenizer"]

@@ -4,78 +4,17 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
 
 import torch
 
-from .config import EngineConfig
-from .generate import RequestMetrics, SequenceState, stream_cached, stream_naive
-from .loader import load_model, load_tokenizer
-from .sampling import SamplingParams
+from minillm.config import EngineConfig
+from minillm.engine.detokenizer import IncrementalDetokenizer
+from minillm.engine.simple import SequenceState, stream_cached, stream_naive
+from minillm.models.loader import load_model, load_tokenizer
+from minillm.outputs import RequestOutput, StreamEvent
+from minillm.sampling.params import SamplingParams
 
 Prompt = str | Sequence[int]
-
-
-@dataclass
-class RequestOutput:
-    """One finished request: the generated ``text`` and ``token_ids``, why it stopped, and its metrics.
-
-    With ``SamplingParams(n > 1)`` the fields describe sample 0 and ``outputs`` holds all n samples
-    (``engine.CompletionOutput``: index, text, token_ids, finish_reason, metrics).
-    """
-
-    prompt: str | None
-    prompt_token_ids: list[int]
-    text: str
-    token_ids: list[int]
-    finish_reason: str  # "stop" (EOS or a stop string) | "length" (max_tokens or the context) | "abort"
-    metrics: RequestMetrics = field(repr=False)
-    outputs: list = field(default_factory=list, repr=False)
-
-
-@dataclass
-class StreamEvent:
-    """A piece of streamed output: the new text (``delta``) and token of request ``index``."""
-
-    index: int
-    token_id: int
-    delta: str
-    finish_reason: str | None
-
-
-class IncrementalDetokenizer:
-    """Turns a growing list of ids into text deltas, holding back bytes of a character split across tokens."""
-
-    def __init__(self, tokenizer, stop: Sequence[str] = ()):
-        self.tokenizer = tokenizer
-        self.stop = tuple(stop)
-        self.ids: list[int] = []
-        self.text = ""  # text emitted so far (never beyond a stop string)
-        self.stopped = False
-
-    def push(self, token_id: int, final: bool = False) -> str:
-        """Add a token; returns the new visible text (``final``: no token follows, hold nothing back)."""
-        self.ids.append(token_id)
-        return self._delta(final)
-
-    def flush(self) -> str:
-        """The text held back so far (a split character, a possible stop-string start), now that no token follows."""
-        return self._delta(final=True) if self.ids else ""
-
-    def _delta(self, final: bool) -> str:
-        full = self.tokenizer.decode(self.ids, skip_special_tokens=True)
-        if full.endswith("\ufffd") and not final:
-            return ""  # an incomplete UTF-8 sequence: wait for the next token
-        for s in self.stop:  # stop strings are searched in the whole text; the output ends before them
-            at = full.find(s)
-            if at != -1:
-                full, self.stopped = full[:at], True
-        # hold back a tail that could be the start of a stop string, unless this is the end
-        hold = 0 if (final or self.stopped) else max((k for s in self.stop for k in range(1, len(s))
-                                                       if full.endswith(s[:k])), default=0)
-        visible = full[: len(full) - hold]
-        delta, self.text = visible[len(self.text):], visible
-        return delta
 
 
 class LLM:
@@ -157,7 +96,7 @@ class LLM:
     def engine(self):
         """The ``LLMEngine`` behind ``generate`` (built on first use with this LLM's ``EngineConfig``)."""
         if self._engine is None:
-            from .engine import LLMEngine  # engine.py imports this module's RequestOutput
+            from minillm.engine.llm_engine import LLMEngine  # engine.py imports this module's RequestOutput
 
             self._engine = LLMEngine(self.model, self.tokenizer, self.engine_config, eos_token_ids=self.eos_token_ids)
         return self._engine

@@ -25,7 +25,7 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="session")
 def default_model_dir():
     """The default model converted once to a directory of config.json + safetensors + tokenizer."""
-    from minillm.loader import resolve
+    from minillm.models.loader import resolve
 
     return resolve(None).directory
 

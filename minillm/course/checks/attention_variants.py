@@ -1,0 +1,117 @@
+"""Checkers of notebook 03: MHA, GQA, MQA."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from minillm.course.checks.registry import CONFIGS, LLAMA2_7B, _close, _passed, exercise
+
+
+@exercise("3.1", "minillm.models.attention_variants.kv_bytes_gqa", "KV bytes per token for any number of K/V heads",
+          "exercise 2.1's count with the num_kv_heads argument as H_kv and bytes_per_elem as the element size")
+def check_kv_bytes_gqa(kv_bytes_gqa: Callable) -> None:
+    """``kv_bytes_gqa(config, num_kv_heads, bytes_per_elem)`` for every H_kv dividing H_q, four element sizes."""
+    from minillm.models.attention_variants import kv_bytes_gqa as reference
+
+    got = kv_bytes_gqa(LLAMA2_7B, 8, 2)
+    assert _close(got, 128 * 1024), (
+        f"Llama-2-7B's shape (32 layers, head_dim 128) with 8 K/V heads in fp16: kv_bytes_gqa returned {got!r}, "
+        "expected 131,072 bytes (128 KiB) per token — a quarter of the 512 KiB its 32 K/V heads need.")
+    for name, config in CONFIGS.items():
+        for h in [d for d in range(1, config.num_heads + 1) if config.num_heads % d == 0]:
+            for size in (2, 4, 1, 0.5):
+                got, expected = kv_bytes_gqa(config, h, size), reference(config, h, size)
+                assert _close(got, expected), (
+                    f"{name} (layers={config.num_layers}, H_q={config.num_heads}, its own H_kv="
+                    f"{config.num_kv_heads}, head_dim={config.head_dim}) with num_kv_heads={h}, bytes_per_elem="
+                    f"{size}: kv_bytes_gqa returned {got!r}, expected {expected:,g} bytes. Count the heads you are "
+                    "asked about (the argument, not config.num_kv_heads) and the element size given.")
+    _passed("3.1")
+
+
+def _largest_new_tensor(fn: Callable, *args, **kwargs) -> tuple[object, int, str]:
+    """Run ``fn(*args, **kwargs)``; return its result, the bytes of the largest tensor storage that any operation
+    inside it created (storage of the inputs and views of them excluded), and that operation's name.
+
+    Uses PyTorch's dispatch-mode hook, which sees every ATen operation, those inside library calls included
+    (``torch.matmul`` broadcasting an operand materialises the broadcast copy: it shows up here).
+    """
+    try:  # private but long-stable PyTorch modules (1.13+); if a future release moves them, skip the watch
+        from torch.utils._python_dispatch import TorchDispatchMode
+        from torch.utils._pytree import tree_leaves
+    except ImportError:
+        return fn(*args, **kwargs), 0, ""
+
+    inputs = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+    largest = [0, ""]
+
+    class Watch(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, a=(), kw=None):
+            out = func(*a, **(kw or {}))
+            for t in tree_leaves(out):
+                if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in inputs:
+                    if t.untyped_storage().nbytes() > largest[0]:
+                        largest[:] = [t.untyped_storage().nbytes(), str(func)]
+            return out
+
+    with Watch():
+        result = fn(*args, **kwargs)
+    return result, largest[0], largest[1]
+
+
+def _lengths_mask(lengths: list[int], L: int, S: int) -> torch.Tensor:
+    """[B, 1, L, S] bool: row b's queries see its first lengths[b] keys (a batch of different lengths)."""
+    return (torch.arange(S)[None, :] < torch.tensor(lengths)[:, None])[:, None, None, :].expand(-1, 1, L, S)
+
+
+@exercise("3.2", "minillm.kernels.reference.grouped_attention", "grouped-query attention by broadcasting",
+          "G = H_q // H_kv; view q as [B, H_kv, G·L, D] (consecutive query heads share a K/V head), scores "
+          "(q @ kᵀ) in fp32 × scale viewed as [B, H_kv, G, L, S], -inf where causal or mask forbid "
+          "(mask[:, :, None]), softmax, cast to v's dtype, @ v, view back to [B, H_q, L, D]")
+def check_grouped_attention(grouped_attention: Callable) -> None:
+    """``grouped_attention(q, k, v, mask, causal=, scale=)`` against the library's on MHA, GQA and MQA shapes,
+    decode and (chunked) causal prefill, masks of different lengths; then that it makes no copy of K or V for
+    the query heads: no tensor as large as K repeated G times may be created."""
+    from minillm.kernels.reference import grouped_attention as reference
+
+    g = torch.Generator().manual_seed(0)
+    cases = [  # name, (B, H_q, H_kv, L, S, D), mask lengths or None, causal, scale
+        ("multi-head decode (H_kv = H_q)", (2, 4, 4, 1, 9, 8), None, False, None),
+        ("grouped-query prefill, causal, L = S", (1, 6, 2, 7, 7, 8), None, True, None),
+        ("grouped-query chunked prefill, causal, L < S (the queries are the last L positions)",
+         (2, 6, 3, 3, 10, 4), None, True, None),
+        ("multi-query (H_kv = 1) with a padding mask [B, 1, L, S]", (2, 4, 1, 3, 6, 8), [6, 4], False, None),
+        ("grouped-query decode over rows of different lengths, mask [B, 1, 1, S]", (3, 8, 2, 1, 12, 16),
+         [12, 5, 1], False, None),
+        ("causal and a mask together, scale given", (2, 9, 3, 4, 8, 8), [8, 6], True, 0.05),
+    ]
+    for name, (B, Hq, Hkv, L, S, D), lengths, causal, scale in cases:
+        q = torch.randn(B, Hq, L, D, generator=g)
+        k, v = torch.randn(B, Hkv, S, D, generator=g), torch.randn(B, Hkv, S, D, generator=g)
+        mask = None if lengths is None else _lengths_mask(lengths, L, S)
+        got = grouped_attention(q.clone(), k.clone(), v.clone(), mask, causal=causal, scale=scale)
+        expected = reference(q, k, v, mask, causal=causal, scale=scale)
+        where = (f"{name}: q {tuple(q.shape)}, k/v {tuple(k.shape)}, causal={causal}, scale={scale}"
+                 + ("" if lengths is None else f", mask lengths {lengths}"))
+        assert isinstance(got, torch.Tensor) and got.shape == expected.shape, (
+            f"{where}: returned {tuple(got.shape) if isinstance(got, torch.Tensor) else type(got).__name__}, "
+            f"expected a tensor of shape {tuple(expected.shape)} = [B, H_q, L, D].")
+        torch.testing.assert_close(got, expected, msg=lambda m, where=where: (
+            f"{where}: the output differs from the expected one. Query head h uses K/V head h // G (consecutive "
+            f"heads share, as transformers' repeat_kv); causal query i sees keys j ≤ S − L + i. {m}"))
+    for Hkv in (2, 1):  # no copies: K repeated for every query head is G times the size of K
+        B, Hq, S, D = 2, 8, 64, 16
+        q = torch.randn(B, Hq, 1, D, generator=g)
+        k, v = torch.randn(B, Hkv, S, D, generator=g), torch.randn(B, Hkv, S, D, generator=g)
+        mask = _lengths_mask([64, 40], 1, S)
+        _, nbytes, op = _largest_new_tensor(grouped_attention, q, k, v, mask)
+        repeated = B * Hq * S * D * k.element_size()
+        assert nbytes < repeated, (
+            f"decode with H_q={Hq}, H_kv={Hkv}, S={S}, D={D}: grouped_attention created a tensor of {nbytes:,} bytes "
+            f"(in {op}), the size of K or V repeated for all {Hq} query heads; expected nothing that large (the "
+            f"scores are {B * Hq * S * 4:,} bytes). Share each K/V head by viewing q as [B, H_kv, G·L, D] and "
+            "multiplying by kᵀ directly: repeat_interleave copies K/V, and so does torch.matmul when it broadcasts "
+            "an operand over an extra group dimension.")
+    _passed("3.2")

@@ -1,0 +1,120 @@
+"""Checkers of notebook 01: prefill and decode."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from types import SimpleNamespace
+
+import torch
+
+from minillm.course.checks.registry import CONFIGS, _close, _passed, exercise
+
+
+@exercise("1.1", "minillm.perf.metrics.decode_weight_bytes", "weight bytes read per decode step",
+          "every linear and norm weight once, the LM head in full, the embedding table not at all; × bytes per element")
+def check_decode_weight_bytes(decode_weight_bytes: Callable) -> None:
+    """``decode_weight_bytes(config, dtype)`` within 0.5 % of the reference (tied and untied embeddings)."""
+    from minillm.perf.metrics import decode_weight_bytes as reference
+
+    for name, config in CONFIGS.items():
+        for dtype in (torch.float16, torch.float32, torch.bfloat16):
+            got = decode_weight_bytes(config, dtype)
+            expected = reference(config, dtype)
+            params = config.num_parameters()
+            assert _close(got, expected, rel=5e-3), (
+                f"{name} ({params / 1e6:.0f}M parameters, tie_word_embeddings={config.tie_word_embeddings}) in "
+                f"{dtype}: decode_weight_bytes returned {got!r}, expected ≈ {expected:,} bytes "
+                f"({expected / 1e9:.3f} GB, 0.5 % tolerance). Count what one decode step reads: an embedding "
+                "lookup reads one row (negligible), the LM head its whole matrix (shared storage when tied).")
+    _passed("1.1")
+
+
+@exercise("1.2", "minillm.perf.metrics.percentile", "percentile with linear interpolation",
+          "sort, then interpolate between the values at floor and ceil of q/100 × (n − 1)")
+def check_percentile(percentile: Callable) -> None:
+    """``percentile(values, q)`` against the reference on hand-made and random inputs."""
+    from minillm.perf.metrics import percentile as reference
+
+    rng = random.Random(0)
+    cases = [([7.0], 50), ([7.0], 0), ([1, 2, 3, 4], 50), ([3, 1, 2], 0), ([3, 1, 2], 100), ([10, 20], 25),
+             ([0.1] * 9 + [3.0], 50), ([0.1] * 9 + [3.0], 90), (list(range(1, 11)), 90), ([5, 5, 5, 1], 75)]
+    cases += [([rng.lognormvariate(-2, 1) for _ in range(n)], q) for n in (2, 7, 100) for q in (1, 50, 99, 99.9)]
+    for values, q in cases:
+        given = list(values)
+        got = percentile(given, q)
+        expected = reference(values, q)
+        shown = values if len(values) <= 10 else f"{len(values)} values"
+        assert _close(got, expected, rel=1e-9, abs_=1e-12), (
+            f"percentile({shown}, q={q}) returned {got!r}, expected {expected!r}. "
+            "Sort the values, then interpolate linearly at fractional index q/100 × (n − 1).")
+        assert given == values, f"percentile must not modify its input: {values} became {given}"
+    _passed("1.2")
+
+
+@exercise("1.3", "minillm.perf.metrics.goodput", "goodput under a latency SLO",
+          "count the requests with ttft_s <= ttft_slo_s and tpot_s <= tpot_slo_s, divide by duration_s")
+def check_goodput(goodput: Callable) -> None:
+    """``goodput(requests, duration_s, ttft_slo_s=, tpot_slo_s=)`` on requests just inside/outside each limit."""
+    from minillm.perf.metrics import goodput as reference
+
+    def req(ttft, tpot):
+        return SimpleNamespace(ttft_s=ttft, tpot_s=tpot)
+
+    fast, slow_first, slow_rest = req(0.05, 0.02), req(0.5, 0.02), req(0.05, 0.5)
+    cases = [
+        ("all good", [fast] * 4, 2.0, {}),
+        ("slow TTFT and slow TPOT are both bad", [fast, slow_first, slow_rest, fast], 1.0, {}),
+        ("exactly at the limits counts as good", [req(0.2, 0.1)], 1.0, {}),
+        ("a one-token request (TPOT 0) is judged on TTFT", [req(0.1, 0.0), req(0.3, 0.0)], 1.0, {}),
+        ("no requests", [], 5.0, {}),
+        ("custom SLOs", [fast, slow_first, slow_rest], 0.5, {"ttft_slo_s": 1.0, "tpot_slo_s": 1.0}),
+        ("custom SLOs, strict", [fast, slow_first, slow_rest], 0.5, {"ttft_slo_s": 0.01, "tpot_slo_s": 1.0}),
+    ]
+    for name, requests, duration, slo in cases:
+        got = goodput(requests, duration, **slo)
+        expected = reference(requests, duration, **slo)
+        listed = [(r.ttft_s, r.tpot_s) for r in requests]
+        assert _close(got, expected), (
+            f"{name}: goodput(requests with (ttft_s, tpot_s) = {listed}, duration_s={duration}"
+            f"{''.join(f', {k}={v}' for k, v in slo.items())}) returned {got!r}, expected {expected!r} "
+            "requests/s (good requests ÷ duration; a request must meet both limits, equality included).")
+    _passed("1.3")
+
+
+@exercise("1.4", "minillm.perf.metrics.cost_per_million_tokens", "dollars per million tokens",
+          "tokens per hour = tokens_per_s × 3600; price per token = dollars_per_hour / tokens per hour")
+def check_cost_per_million_tokens(cost_per_million_tokens: Callable) -> None:
+    """``cost_per_million_tokens($/h, tok/s)``: the $2/h at 100 tok/s ≈ $5.56 example and others."""
+    from minillm.perf.metrics import cost_per_million_tokens as reference
+
+    for dollars, tps in [(2.0, 100.0), (0.0, 50.0), (3.5, 1000.0), (40.0, 2500.0), (1.0, 0.5)]:
+        got = cost_per_million_tokens(dollars, tps)
+        expected = reference(dollars, tps)
+        assert _close(got, expected), (
+            f"cost_per_million_tokens({dollars} $/h, {tps} tok/s) returned {got!r}, expected ${expected:.4f} "
+            "per 1M tokens.")
+    _passed("1.4")
+
+
+def check_roofline_prediction(predicted: float, measured: float, *, what: str = "decode tokens/s",
+                              device: str = "cpu", upper: float = 1.25, lower: float = 0.1) -> None:
+    """A "predict, then measure" check: the roofline bound ``predicted`` against the ``measured`` rate.
+
+    A bound cannot be beaten: ``measured`` may exceed ``predicted`` by at most ``upper`` − 1 (25 %: bandwidth and
+    speed are measured at different moments, on a machine that may be shared).  On CPU the engine should also
+    reach ``lower`` (10 %) of it; a quiet CPU gives 40–70 %.  On a GPU a small model at batch 1 is bound by
+    kernel-launch overhead (~5 µs × hundreds of kernels per step), far below the bandwidth bound, so no lower
+    limit applies there.
+    """
+    assert predicted > 0 and measured > 0, f"need positive rates, got predicted={predicted}, measured={measured}"
+    ratio = measured / predicted
+    assert ratio <= upper, (
+        f"measured {what} {measured:.4g} beats the predicted bound {predicted:.4g} by {ratio - 1:.0%} "
+        f"(allowed {upper - 1:.0%}): the prediction counts more bytes than the step reads, or the bandwidth "
+        "measurement is too low.")
+    if str(device).startswith("cpu"):
+        assert ratio >= lower, (
+            f"measured {what} {measured:.4g} is only {ratio:.0%} of the predicted bound {predicted:.4g} "
+            f"(expected at least {lower:.0%} on CPU): the prediction counts too few bytes, or the machine is busy.")
+    print(f"✓ prediction holds: measured {what} = {ratio:.0%} of the roofline bound")

@@ -1,0 +1,119 @@
+"""Checkers of notebook 02: the KV cache."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from minillm.config import ModelConfig
+from minillm.course.checks.registry import CONFIGS, LLAMA2_7B, _passed, exercise
+
+
+@exercise("2.1", "minillm.kv.contiguous.kv_bytes_per_token", "KV-cache bytes per token",
+          "K and V, for every layer and every KV head, head_dim elements of the dtype's size")
+def check_kv_bytes_per_token(kv_bytes_per_token: Callable) -> None:
+    """``kv_bytes_per_token(config, dtype)`` exactly, for MHA, GQA and MQA models in three dtypes."""
+    from minillm.kv.contiguous import kv_bytes_per_token as reference
+
+    got = kv_bytes_per_token(LLAMA2_7B, torch.float16)
+    assert got == 512 * 1024, (
+        f"Llama-2-7B in float16 (32 layers, 32 KV heads, head_dim 128) should need 2 × 32 × 32 × 128 × 2 = "
+        f"524,288 bytes (512 KiB) per token; kv_bytes_per_token returned {got!r}.")
+    for name, config in CONFIGS.items():
+        for dtype in (torch.float16, torch.float32, torch.bfloat16):
+            got = kv_bytes_per_token(config, dtype)
+            expected = reference(config, dtype)
+            assert got == expected, (
+                f"{name} (layers={config.num_layers}, H_q={config.num_heads}, H_kv={config.num_kv_heads}, "
+                f"head_dim={config.head_dim}) in {dtype}: kv_bytes_per_token returned {got!r}, expected "
+                f"{expected:,} bytes. The cache stores K and V per *KV* head, not per query head.")
+    _passed("2.1")
+
+
+def _kv_cache_script(config: ModelConfig, batch: int) -> list[tuple[torch.Tensor, list[int]]]:
+    """A prefill then decode steps for ``batch`` rows: [(positions [B, L], layers written)] as the engine runs."""
+    L = 5
+    steps = [(torch.arange(L).expand(batch, L), list(range(config.num_layers)))]  # prefill, right-padded rows
+    last = torch.tensor([L - 1 - (b % 3) for b in range(batch)])  # rows of different lengths
+    for _ in range(3):
+        last = last + 1
+        steps.append((last[:, None].clone(), list(range(config.num_layers))))
+    steps.append((last[:, None] + 1, [1]))  # one layer only: the others must stay untouched
+    return steps
+
+
+@exercise("2.2", "minillm.kv.contiguous.KVCache.update", "write K/V into the cache",
+          "store k, v [B, H_kv, L, D] at slots positions[b] of self.k[layer] / self.v[layer]; "
+          "return the filled slots [:, :, :self._used] and self._mask")
+def check_kv_cache_update(cache_class: type) -> None:
+    """A ``KVCache`` subclass with the student's ``update`` against the library's, on prefill and decode steps.
+
+    After every call the returned K, V and mask, and the whole cache contents, must equal the reference's.
+    """
+    from minillm.kv.contiguous import KVCache as Reference
+
+    config = ModelConfig(vocab_size=100, hidden_size=32, intermediate_size=64, num_layers=3, num_heads=4,
+                         num_kv_heads=2, head_dim=8, max_position_embeddings=64)
+    gen = torch.Generator().manual_seed(0)
+    for batch in (1, 3):
+        kw = {"dtype": torch.float32, "device": "cpu"}
+        mine, ref = cache_class(config, batch, 16, **kw), Reference(config, batch, 16, **kw)
+        for step, (positions, layers) in enumerate(_kv_cache_script(config, batch)):
+            where = (f"batch {batch}, step {step} ({'prefill' if step == 0 else 'decode'}, positions "
+                     f"{positions.tolist()})")
+            mine.begin(positions)
+            ref.begin(positions)
+            shape = (batch, config.num_kv_heads, positions.shape[1], config.head_dim)
+            for layer in layers:
+                k, v = torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)
+                out = mine.update(layer, k.clone(), v.clone())
+                expected = ref.update(layer, k, v)
+                assert isinstance(out, tuple) and len(out) == 3, (
+                    f"{where}: update must return (K, V, mask); got {type(out).__name__}")
+                for name, got, exp in zip(("K", "V"), out[:2], expected[:2], strict=True):
+                    assert isinstance(got, torch.Tensor) and got.shape == exp.shape, (
+                        f"{where}, layer {layer}: returned {name} has shape "
+                        f"{tuple(got.shape) if isinstance(got, torch.Tensor) else type(got).__name__}, "
+                        f"expected {tuple(exp.shape)} = [B, H_kv, slots used so far, D].")
+                    assert torch.equal(got, exp), (
+                        f"{where}, layer {layer}: returned {name} differs from the reference at "
+                        f"{(got != exp).nonzero()[:3].tolist()} (index [b, head, slot, d]).")
+                mask, exp_mask = out[2], expected[2]
+                assert (mask is None) == (exp_mask is None) and (mask is None or torch.equal(mask, exp_mask)), (
+                    f"{where}: the returned mask should be self._mask as begin() set it.")
+            for name in ("k", "v"):
+                got, exp = getattr(mine, name), getattr(ref, name)
+                if not torch.equal(got, exp):
+                    bad = (got != exp).nonzero()[0].tolist()
+                    raise AssertionError(
+                        f"{where}: after update, cache.{name} differs from the reference first at "
+                        f"[layer, b, head, slot, d] = {bad}: each row's new K/V belong at the slots given by its "
+                        "own positions, in the given layer only.")
+    _passed("2.2")
+
+
+def check_cached_logits(cached: torch.Tensor, recomputed: torch.Tensor) -> None:
+    """Exactness: logits from cached decoding equal a full recomputation within the dtype's tolerance.
+
+    ``cached``, ``recomputed``: [n, V] logits for the same n positions.  Tolerances are
+    ``torch.testing.assert_close``'s defaults for the dtype, loosened 10× for fp32 (30 layers of summation
+    order differences between a one-token step and a full forward).
+    """
+    assert cached.shape == recomputed.shape, f"shapes differ: {tuple(cached.shape)} vs {tuple(recomputed.shape)}"
+    tol = {"rtol": 1.3e-5, "atol": 1e-4} if cached.dtype == torch.float32 else {}
+    torch.testing.assert_close(cached, recomputed, **tol,
+                               msg=lambda m: f"cached decoding diverged from recomputation: {m}")
+    print(f"✓ cached logits match recomputation at {cached.shape[0]} positions (max |Δ| = "
+          f"{(cached - recomputed).abs().max().item():.2e})")
+
+
+def check_prediction_bytes(predicted: float, measured: float, *, tolerance: float = 0.05,
+                           what: str = "KV cache bytes") -> None:
+    """A "predict, then measure" check for memory: ``measured`` within ``tolerance`` (5 %) of ``predicted``."""
+    assert predicted > 0, f"the prediction must be positive, got {predicted}"
+    err = abs(measured - predicted) / predicted
+    assert err <= tolerance, (
+        f"predicted {what} {predicted / 2**20:,.1f} MiB but the allocation grew memory by {measured / 2**20:,.1f} "
+        f"MiB ({err:.1%} off, tolerance {tolerance:.0%}).")
+    print(f"✓ prediction holds: {what} within {err:.1%} of the measurement")

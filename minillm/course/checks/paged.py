@@ -1,0 +1,216 @@
+"""Checkers of notebook 05: paged attention and prefix caching."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+
+from minillm.course.checks.registry import _passed, exercise
+
+
+def _allocator_state(a) -> dict:
+    """What a BlockAllocator's observable state is: ref counts, free-list order, LRU order, cache entries."""
+    return {"ref counts": [a.ref_count(b) for b in range(a.num_blocks)], "free list": list(a._free),
+            "evictable (LRU order)": a.evictable_blocks(), "cache entries": sorted(a.cached_blocks())}
+
+
+def _compare_allocators(mine, ref, where: str, hint: str) -> None:
+    got, expected = _allocator_state(mine), _allocator_state(ref)
+    for key in expected:
+        assert got[key] == expected[key], (
+            f"{where}: {key} is {got[key]}, expected {expected[key]}. {hint}")
+
+
+@exercise("5.1", "minillm.kv.block_allocator.BlockAllocator.free", "free a block: reference counts",
+          "self._ref[block_id] -= 1; at zero, a cached block (self.is_cached) goes to the end of self._evictable "
+          "(self._evictable[block_id] = None), any other block to the end of self._free")
+def check_block_free(allocator_class: type) -> None:
+    """A ``BlockAllocator`` subclass with the student's ``free`` against the library's, on a scripted story
+    (shared blocks, cached blocks, LRU order, reuse) and on random operation sequences; every observable state
+    (ref counts, free-list and LRU order, cache entries) must match after every operation."""
+    from minillm.kv.block_allocator import BlockAllocator as Reference
+    from minillm.kv.block_allocator import hash_block_tokens
+
+    mine, ref = allocator_class(4, 2), Reference(4, 2)
+    shared = "a shared block survives until its last owner frees it; only the last free releases it"
+    story = [  # (description, operation, hint if the states then differ)
+        ("allocate() twice", lambda a: [a.allocate(), a.allocate()], ""),
+        ("fork([0, 1]): both blocks get a second owner", lambda a: a.fork([0, 1]), ""),
+        ("free(0) while block 0 has 2 owners", lambda a: a.free(0), shared + "."),
+        ("free(0) again: its last owner", lambda a: a.free(0),
+         "with no owner left an uncached block goes to the end of the free list (self._free.append)."),
+        ("register(1, ...): block 1 becomes a prefix-cache entry",
+         lambda a: a.register(1, hash_block_tokens(None, [5, 6]), [5, 6], None), ""),
+        ("free(1) while block 1 has 2 owners", lambda a: a.free(1), shared + "."),
+        ("free(1) again: the last owner of a cached block", lambda a: a.free(1),
+         "a prefix-cache entry keeps its K/V for later hits: it joins the LRU pool (self._evictable[block_id] = "
+         "None), not the free list."),
+        ("a prefix hit revives block 1 (incref), then free(1)", lambda a: (a.incref(1), a.free(1)),
+         "the cached block goes back to the LRU pool, at its end (most recently released)."),
+        ("allocate() four times: the free list first, then the LRU block is evicted",
+         lambda a: [a.allocate() for _ in range(4)], "free() must put blocks where allocate() looks for them."),
+        ("register(2) and (3) as cache entries, then free(3), free(2), free(0), free(1)",
+         lambda a: (a.register(2, hash_block_tokens(None, [1, 2]), [1, 2], None),
+                    a.register(3, hash_block_tokens(None, [3, 4]), [3, 4], None),
+                    a.free(3), a.free(2), a.free(0), a.free(1)),
+         "cached blocks enter the LRU pool in the order they are released (least recently released first); "
+         "uncached ones the free list."),
+    ]
+    for i, (what, op, hint) in enumerate(story):
+        got, expected = op(mine), op(ref)
+        where = f"step {i + 1} of the story, {what}"
+        assert got == expected, f"{where}: returned {got!r}, expected {expected!r}. {hint}"
+        _compare_allocators(mine, ref, where, hint)
+    try:
+        mine.free(0)
+    except RuntimeError:
+        pass
+    else:
+        raise AssertionError("free(0) of a block whose reference count is 0 must raise RuntimeError (a double free), "
+                             "expected the check kept before the fence to do it")
+    rng = random.Random(0)  # random operation sequences, the same on both allocators
+    for trial in range(20):
+        mine, ref = allocator_class(6, 2), Reference(6, 2)
+        held: list[int] = []
+        log: list[str] = []
+        for _ in range(60):
+            r = rng.random()
+            if r < 0.35 and mine.num_free:
+                b, b_ref = mine.allocate(), ref.allocate()
+                assert b == b_ref, (f"random run {trial} after {log[-6:]}: allocate() returned block {b}, expected "
+                                    f"{b_ref}: freed blocks must join the free list / LRU pool at the end")
+                held.append(b)
+                log.append(f"allocate() -> {b}")
+            elif r < 0.5 and held:
+                b = rng.choice(held)
+                mine.incref(b), ref.incref(b)
+                held.append(b)
+                log.append(f"incref({b})")
+            elif r < 0.6 and held:
+                b = rng.choice(held)
+                tokens = [rng.randrange(100), rng.randrange(100)]
+                h = hash_block_tokens(None, tokens)
+                mine.register(b, h, tokens, None), ref.register(b, h, tokens, None)
+                log.append(f"register({b})")
+            elif held:
+                b = held.pop(rng.randrange(len(held)))
+                mine.free(b), ref.free(b)
+                log.append(f"free({b})")
+            _compare_allocators(mine, ref, f"random run {trial}, after {log[-6:]}",
+                                "Lower the count; release only at zero: cached -> end of the LRU pool, else -> end "
+                                "of the free list.")
+    _passed("5.1")
+
+
+def _manager_state(m, seq_ids) -> dict:
+    state = {f"block table of {s!r}": m.block_table(s) for s in seq_ids if s in m}
+    state.update({f"tokens of {s!r}": m.sequence(s).token_ids for s in seq_ids if s in m})
+    state["ref counts"] = [m.device.ref_count(b) for b in range(m.device.num_blocks)]
+    state["free blocks"] = m.device.num_free
+    return state
+
+
+@exercise("5.2", "minillm.kv.block_manager.BlockManager.append_slots",
+          "grow a sequence: blocks on demand, copy-on-write",
+          "copy-on-write first: when self._needs_copy(table), put a block from self.device.allocate() in the "
+          "table's last place, free the shared one, record BlockCopy(shared, new, CopyKind.COPY_ON_WRITE); then "
+          "give each token a new block only when the last one is full, and append it to table.token_ids")
+def check_append_slots(manager_class: type) -> None:
+    """A ``BlockManager`` subclass with the student's ``append_slots`` against the library's: decode appends one
+    token at a time, multi-token appends across block boundaries, forks (parallel sampling) whose first write
+    copies the shared partial block, and random operation sequences.  Returned copies, block tables, tokens,
+    ref counts and free blocks must match after every call."""
+    from minillm.kv.block_manager import BlockManager as Reference
+
+    def run(script, num_blocks=12, bs=4, caching=True):
+        mine = manager_class(num_blocks, bs, enable_prefix_caching=caching)
+        ref = Reference(num_blocks, bs, enable_prefix_caching=caching)
+        ids = set()
+        for what, op, hint in script:
+            got, expected = op(mine), op(ref)
+            ids |= {s for s in ("p", "c", "d", "q") if s in ref}
+            assert got == expected, f"{what}: returned {got!r}, expected {expected!r}. {hint}"
+            g, e = _manager_state(mine, ids), _manager_state(ref, ids)
+            for key in e:
+                assert g.get(key) == e[key], f"{what}: {key} is {g.get(key)}, expected {e[key]}. {hint}"
+
+    jit = "a new block only when the last one is full (len(table.token_ids) % block_size == 0), before appending"
+    cow = ("the last block is partial and shared (ref count > 1): copy-on-write — allocate a new block, put it "
+           "in the table's place of the shared one, free the shared one, and return "
+           "[BlockCopy(shared, new, CopyKind.COPY_ON_WRITE)]")
+    run([
+        ("allocate('p', 5 prompt tokens) with block_size 4", lambda m: m.allocate("p", [1, 2, 3, 4, 5]), ""),
+        *[(f"append_slots('p', [{t}]) (decode token {t - 5})", lambda m, t=t: m.append_slots("p", [t]), jit)
+          for t in range(6, 12)],
+        ("append_slots('p', []) (nothing to add)", lambda m: m.append_slots("p", []),
+         "no tokens, no blocks and no copies"),
+        ("append_slots('p', 9 tokens at once)", lambda m: m.append_slots("p", list(range(20, 29))), jit),
+    ])
+    run([
+        ("allocate('p', 6 prompt tokens) with block_size 4", lambda m: m.allocate("p", [1, 2, 3, 4, 5, 6]), ""),
+        ("mark_computed('p', 6), fork('p' -> 'c') (parallel sampling, n = 2)",
+         lambda m: (m.mark_computed("p", 6), m.fork("p", "c")), ""),
+        ("append_slots('c', [7]): the child's first token goes into the shared partial block",
+         lambda m: m.append_slots("c", [7]), cow),
+        ("append_slots('p', [8]): the parent is now the last block's only owner",
+         lambda m: m.append_slots("p", [8]), "a block with one owner is written in place: no copy"),
+        ("append_slots('c', [9, 10, 11]): across a block boundary", lambda m: m.append_slots("c", [9, 10, 11]), jit),
+        ("mark_computed('p', 7), fork('p' -> 'd'), append_slots('d', [12, 13])",
+         lambda m: (m.mark_computed("p", 7), m.fork("p", "d"), m.append_slots("d", [12, 13])), cow),
+        ("free('p'), free('c'), free('d')", lambda m: (m.free("p"), m.free("c"), m.free("d")), ""),
+    ])
+    run([
+        ("allocate('p', 8 prompt tokens: two full blocks)", lambda m: m.allocate("p", list(range(1, 9))), ""),
+        ("mark_computed('p', 8), fork('p' -> 'c')", lambda m: (m.mark_computed("p", 8), m.fork("p", "c")), ""),
+        ("append_slots('c', [9]): the shared blocks are full", lambda m: m.append_slots("c", [9]),
+         "full shared blocks are never written again: the child just gets a new block, no copy"),
+    ])
+    rng = random.Random(0)
+    for trial in range(15):
+        prompt = list(range(1, rng.randint(1, 9) + 1))
+        script = [(f"random run {trial}: allocate('p', {len(prompt)} tokens)",
+                   lambda m, p=prompt: m.allocate("p", p), "")]
+        names = ["p"]
+        for k in range(12):
+            seq = rng.choice(names)
+            if rng.random() < 0.2 and len(names) < 4:
+                child = "cdq"[len(names) - 1]
+                names.append(child)
+                script.append((f"random run {trial}: mark_computed + fork({seq!r} -> {child!r})",
+                               lambda m, s=seq, c=child: (m.mark_computed(s, m.num_tokens(s)), m.fork(s, c)), ""))
+            else:
+                toks = [rng.randrange(1, 50) for _ in range(rng.choice([1, 1, 1, 2, 5]))]
+                script.append((f"random run {trial}, call {k}: append_slots({seq!r}, {toks})",
+                               lambda m, s=seq, t=toks: m.append_slots(s, t), f"{jit}; {cow}"))
+        run(script, num_blocks=100)
+    _passed("5.2")
+
+
+@exercise("5.3", "minillm.kv.block_allocator.slot_mapping", "slot mapping from a block table",
+          "position p: block_ids[p // block_size] * block_size + p % block_size, for p in range(start, end)")
+def check_slot_mapping(slot_mapping: Callable) -> None:
+    """``slot_mapping(block_ids, start, end, block_size)`` against the library's on hand-made and random tables."""
+    from minillm.kv.block_allocator import slot_mapping as reference
+
+    rng = random.Random(0)
+    cases = [([7, 2, 9], 0, 12, 4), ([7, 2, 9], 3, 6, 4), ([7, 2, 9], 5, 5, 4), ([7, 2, 9], 11, 12, 4),
+             ([3], 0, 16, 16), ([5, 0, 4, 1], 0, 4, 1), ([0, 1, 2], 0, 40, 16)]
+    cases += [(rng.sample(range(64), n), s, e, bs) for n, bs in ((5, 16), (9, 4), (3, 2))
+              for s, e in [sorted(rng.sample(range(n * bs + 1), 2))]]
+    for block_ids, start, end, bs in cases:
+        got, expected = slot_mapping(list(block_ids), start, end, bs), reference(block_ids, start, end, bs)
+        assert list(got) == expected, (
+            f"slot_mapping(block_ids={block_ids}, start={start}, end={end}, block_size={bs}) returned {got!r}, "
+            f"expected {expected}: position p lives in physical block block_ids[p // block_size], at offset "
+            "p % block_size, and a block is block_size slots wide.")
+    _passed("5.3")
+
+
+def check_prediction(predicted: float, measured: float, *, what: str, tolerance: float = 0.1) -> None:
+    """A "predict, then measure" check: ``measured`` within ``tolerance`` (relative, default 10 %) of ``predicted``."""
+    assert predicted > 0, f"the prediction of {what} must be positive, got {predicted}"
+    err = abs(measured - predicted) / predicted
+    assert err <= tolerance, (
+        f"predicted {what} {predicted:,.4g}, measured {measured:,.4g} ({err:.1%} off, tolerance {tolerance:.0%}): "
+        "recheck the formula behind the prediction.")
+    print(f"✓ prediction holds: {what} within {err:.1%} of the measurement")

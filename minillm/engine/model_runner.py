@@ -1,0 +1,112 @@
+"""Paged KV storage and the model runner: every engine step is one packed forward pass.
+
+All tokens the scheduler picked — decode tokens of running sequences and prefill chunks of new ones — are
+concatenated into a single [1, T] batch with their own positions (no padding: a 500-token prefill chunk and
+twenty 1-token decodes cost T = 520 rows of every linear layer, which is where the weights are read once for all).
+Attention is the only per-sequence operation; ``PagedAttention`` does it through the block tables:
+
+- new K/V rows are scattered into their slots (``slot = block_id * block_size + offset``, from the BlockManager);
+- decode tokens go together through ``minillm.kernels.paged_decode_attention`` (Triton on CUDA, gather + softmax
+  reference elsewhere), or on CPU the native ``native.paged_decode_attention``;
+- each prefill chunk gathers its sequence's blocks (earlier context + the chunk) and runs causal
+  ``minillm.kernels.flash_attention`` (Triton on CUDA, SDPA elsewhere) with the queries at the end of the keys.
+
+Only the last row of each sequence that samples goes through the LM head (V × hidden, the largest matrix).
+
+Padding rows (``SchedulerOutput.num_padding``: finished members of a fixed-shape static/dynamic batch) are appended
+after the real tokens: a pad token at position 0 through every linear layer and the LM head, as a padded batch
+computes them, then discarded.  They own no KV slot and skip attention (their output there is zero); at the
+context lengths of a batch that is a small part of a row's cost, so the padding is priced slightly low, not high.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from minillm.engine.scheduler import SchedulerOutput
+from minillm.kv.block_manager import BlockManager
+from minillm.kv.paged_cache import AttentionMetadata, PagedAttention, PagedKVCache, PrefillChunk
+from minillm.models.llama import Transformer
+from minillm.sampling.sampler import sample
+
+
+@dataclass
+class StepResult:
+    """Sampled tokens, one list per sampling ``ScheduledSeq`` (n tokens for a parent about to fork); the fp32
+    logits [B_s, V] they came from when asked for."""
+
+    tokens: list[list[int]]
+    logits: Tensor | None
+
+
+class ModelRunner:
+    """Runs a ``SchedulerOutput``: block copies, one packed forward, the LM head on sampling rows, sampling."""
+
+    def __init__(self, model: Transformer, kv: PagedKVCache, block_manager: BlockManager, attention_impl: str = "auto"):
+        self.model, self.kv, self.block_manager, self.attention_impl = model, kv, block_manager, attention_impl
+
+    def prepare(self, out: SchedulerOutput) -> tuple[Tensor, Tensor, AttentionMetadata, Tensor]:
+        """Pack the scheduled chunks, then ``out.num_padding`` pad rows.
+        -> input_ids [1, T], positions [1, T], metadata, LM-head rows [B_s + padding] (sampling rows first)."""
+        bm, bs = self.block_manager, self.kv.block_size
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        decode_rows, tables, lens, prefills, sample_rows = [], [], [], [], []
+        for s in out.scheduled:
+            seq, row, end = s.seq, len(ids), s.start + s.num_tokens
+            ids += seq.token_ids[s.start : end]
+            positions += range(s.start, end)
+            slots += bm.slot_mapping(seq.seq_id, s.start, end)
+            table = bm.block_table(seq.seq_id)[: -(-end // bs)]
+            if s.num_tokens == 1:
+                decode_rows.append(row)
+                tables.append(table)
+                lens.append(end)
+            else:
+                blocks = torch.tensor(table, device=self.kv.k.device)
+                prefills.append(PrefillChunk(row, row + s.num_tokens, end, blocks))
+            if s.samples:
+                sample_rows.append(len(ids) - 1)
+        width = max((len(t) for t in tables), default=0)
+        dev = self.kv.k.device
+
+        def tensor(x, dtype=torch.long):
+            return torch.tensor(x, dtype=dtype).to(dev, non_blocking=True)
+
+        padded = [t + [0] * (width - len(t)) for t in tables]
+        meta = AttentionMetadata(tensor(slots), tensor(decode_rows),
+                                 tensor(padded, torch.int32).view(len(tables), width), tensor(lens, torch.int32),
+                                 prefills, out.num_padding)
+        # pad rows: token 0 at position 0, after the real rows; they go through the LM head too (sampled from: no)
+        sample_rows += range(len(ids), len(ids) + out.num_padding)
+        ids += [0] * out.num_padding
+        positions += [0] * out.num_padding
+        return tensor([ids]), tensor([positions]), meta, tensor(sample_rows)
+
+    @torch.inference_mode()
+    def run(self, out: SchedulerOutput, return_logits: bool = False) -> StepResult:
+        """Execute one step and sample; returns a ``StepResult`` aligned with the sampling ``ScheduledSeq``s."""
+        self.kv.copy_blocks(out.copies)  # before the forward: copy-on-write sources and swaps must land first
+        if out.is_empty:
+            return StepResult([], None)
+        input_ids, positions, meta, sample_rows = self.prepare(out)
+        cache = PagedAttention(self.kv, meta, self.attention_impl)
+        hidden = self.model.hidden_states(input_ids, positions, cache)  # (1, T, hidden)
+        samplers = [s for s in out.scheduled if s.samples]
+        logits = self.model.compute_logits(hidden[0, sample_rows]).float()[: len(samplers)]  # (B_s, V), pads cut
+        rows, params, generators = [], [], []
+        for i, s in enumerate(samplers):  # a parent about to fork draws n tokens from one row, generator i each
+            for j in range(s.num_samples):
+                rows.append(i)
+                params.append(s.seq.request.params)
+                generators.append(s.seq.request.generators[s.seq.index + j])
+        tokens = sample(logits[rows], params, generators) if rows else []
+        grouped, k = [], 0
+        for s in samplers:
+            grouped.append(tokens[k : k + s.num_samples])
+            k += s.num_samples
+        return StepResult(grouped, logits if return_logits else None)

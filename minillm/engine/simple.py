@@ -1,0 +1,183 @@
+"""Generation loops: the naive one (recompute everything each step) and the cached one (prefill, then decode).
+
+Both take a batch of token-id prompts of different lengths and per-request ``SamplingParams`` and yield
+tokens as they are produced, so callers can stream.  The naive loop is the reference the cached loop is
+tested against; it costs O(T²) attention per token, the cached loop O(T).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from minillm.kv.contiguous import KVCache, SlidingWindowKVCache
+from minillm.models.llama import Transformer
+from minillm.outputs import RequestMetrics
+from minillm.sampling.params import SamplingParams
+from minillm.sampling.sampler import make_generator, sample
+
+# (request index, all output ids so far) -> True to stop that request (stop strings live in the caller,
+# which has the tokenizer).
+StopChecker = Callable[[int, list[int]], bool]
+
+
+@dataclass
+class SequenceState:
+    """One request's state inside a generation loop."""
+
+    prompt: list[int]
+    params: SamplingParams
+    generator: torch.Generator | None
+    output: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    metrics: RequestMetrics = field(default_factory=RequestMetrics)
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def length(self) -> int:
+        return len(self.prompt) + len(self.output)
+
+
+@dataclass
+class TokenEvent:
+    """A token just produced for request ``index``; ``finish_reason`` is set on its last token."""
+
+    index: int
+    token_id: int
+    finish_reason: str | None
+
+
+def validate_prompts(prompts: Sequence[Sequence[int]], max_len: int, vocab_size: int) -> None:
+    """Reject empty prompts, prompts that leave no room in the context, and out-of-vocabulary ids."""
+    for i, p in enumerate(prompts):
+        if len(p) == 0:
+            raise ValueError(f"prompt {i} is empty: pass at least one token (or a non-empty string)")
+        if len(p) >= max_len:
+            raise ValueError(f"prompt {i} has {len(p)} tokens but the model's context is {max_len} tokens "
+                             f"(room is needed for at least one output token): shorten the prompt")
+        bad = [t for t in p if not 0 <= t < vocab_size]
+        if bad:
+            raise ValueError(f"prompt {i} has token ids outside [0, {vocab_size}): {bad[:5]}")
+
+
+def _start(model: Transformer, prompts, params) -> list[SequenceState]:
+    if len(prompts) != len(params):
+        raise ValueError(f"got {len(prompts)} prompts but {len(params)} SamplingParams")
+    validate_prompts(prompts, model.config.max_position_embeddings, model.config.vocab_size)
+    now = time.perf_counter()
+    return [SequenceState(list(p), sp, make_generator(sp, model.device),
+                          metrics=RequestMetrics(prompt_tokens=len(p), start_s=now))
+            for p, sp in zip(prompts, params, strict=True)]
+
+
+def _append(seq: SequenceState, token: int, eos_ids: frozenset[int], max_len: int, stop_checker, index: int) -> None:
+    now = time.perf_counter()
+    seq.output.append(token)
+    m = seq.metrics
+    m.output_tokens += 1
+    m.token_times_s.append(now)
+    if m.first_token_s is None:
+        m.first_token_s = now
+    if token in eos_ids and not seq.params.ignore_eos:
+        seq.finish_reason = "stop"
+    elif stop_checker is not None and stop_checker(index, seq.output):
+        seq.finish_reason = "stop"
+    elif len(seq.output) >= seq.params.max_tokens or seq.length >= max_len:
+        seq.finish_reason = "length"
+    if seq.done:
+        m.finish_s = now
+
+
+def _right_pad(rows: list[list[int]], device) -> tuple[Tensor, Tensor, Tensor]:
+    """Pad to the longest row. -> ids [B, L], positions [B, L], index of each row's last real token [B]."""
+    L = max(len(r) for r in rows)
+    ids = torch.tensor([r + [0] * (L - len(r)) for r in rows], dtype=torch.long, device=device)
+    positions = torch.arange(L, device=device).expand(len(rows), L)
+    last = torch.tensor([len(r) - 1 for r in rows], device=device)
+    return ids, positions, last
+
+
+@torch.inference_mode()
+def stream_naive(model: Transformer, prompts: Sequence[Sequence[int]], params: Sequence[SamplingParams],
+                 eos_ids: Sequence[int] = (), stop_checker: StopChecker | None = None,
+                 sequences: list | None = None) -> Iterator[TokenEvent]:
+    """Recompute the whole sequence every step (no cache): the reference.  Yields tokens as produced."""
+    seqs = _start(model, prompts, params)
+    if sequences is not None:
+        sequences.extend(seqs)
+    eos, max_len = frozenset(eos_ids), model.config.max_position_embeddings
+    while active := [i for i, s in enumerate(seqs) if not s.done]:
+        ids, positions, last = _right_pad([seqs[i].prompt + seqs[i].output for i in active], model.device)
+        hidden = model.hidden_states(ids, positions)  # (B, L, hidden): every token, every step
+        logits = model.compute_logits(hidden[torch.arange(len(active)), last]).float()  # (B, V)
+        tokens = sample(logits, [seqs[i].params for i in active], [seqs[i].generator for i in active])
+        for i, t in zip(active, tokens, strict=True):
+            _append(seqs[i], t, eos, max_len, stop_checker, i)
+            yield TokenEvent(i, t, seqs[i].finish_reason)
+
+
+@torch.inference_mode()
+def stream_cached(model: Transformer, prompts: Sequence[Sequence[int]], params: Sequence[SamplingParams],
+                  eos_ids: Sequence[int] = (), stop_checker: StopChecker | None = None,
+                  sequences: list | None = None) -> Iterator[TokenEvent]:
+    """Prefill all prompts in one right-padded forward, then decode one token per sequence per step.
+
+    The cache holds max(prompt + max_tokens) slots per sequence (capped by the context).  Finished rows
+    stay in the batch with a frozen position until all are done: simple, and the wasted work is what
+    continuous batching (the engine) removes.
+    """
+    seqs = _start(model, prompts, params)
+    if sequences is not None:
+        sequences.extend(seqs)
+    eos, max_len = frozenset(eos_ids), model.config.max_position_embeddings
+    cache_len = min(max_len, max(len(s.prompt) + s.params.max_tokens for s in seqs))
+    window = model.config.sliding_window
+    if window is not None and window < cache_len:  # keep only the window: memory W, not the whole sequence
+        cache = SlidingWindowKVCache(model.config, len(seqs), window, dtype=model.dtype, device=model.device,
+                                     kernels=model.kernels)
+    else:
+        cache = KVCache(model.config, len(seqs), cache_len, dtype=model.dtype, device=model.device,
+                        kernels=model.kernels)
+    B = len(seqs)
+
+    ids, positions, last = _right_pad([s.prompt for s in seqs], model.device)
+    cache.begin(positions, valid=positions <= last[:, None])
+    hidden = model.hidden_states(ids, positions, cache)  # prefill: (B, L, hidden)
+    logits = model.compute_logits(hidden[torch.arange(B), last]).float()  # (B, V)
+    pos = last.clone()  # position of each row's newest token
+    while True:
+        active = [i for i, s in enumerate(seqs) if not s.done]
+        tokens = sample(logits[active], [seqs[i].params for i in active], [seqs[i].generator for i in active])
+        step_ids = torch.zeros(B, 1, dtype=torch.long, device=model.device)
+        for i, t in zip(active, tokens, strict=True):
+            _append(seqs[i], t, eos, cache_len, stop_checker, i)
+            yield TokenEvent(i, t, seqs[i].finish_reason)
+        still = [i for i in active if not seqs[i].done]
+        if not still:
+            return
+        idx = torch.tensor(still, device=model.device)
+        pos[idx] += 1  # finished rows keep rewriting their last slot, harmlessly
+        step_ids[idx, 0] = torch.tensor([seqs[i].output[-1] for i in still], device=model.device)
+        positions = pos[:, None]
+        cache.begin(positions)
+        logits = model.compute_logits(model.hidden_states(step_ids, positions, cache)[:, -1]).float()
+
+
+def generate(model: Transformer, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams],
+             *, eos_ids: Sequence[int] = (), cached: bool = True,
+             stop_checker: StopChecker | None = None) -> list[SequenceState]:
+    """Run a loop to completion and return each request's ``SequenceState`` (output ids, finish reason, metrics)."""
+    if isinstance(params, SamplingParams):
+        params = [params] * len(prompts)
+    seqs: list[SequenceState] = []
+    loop = stream_cached if cached else stream_naive
+    for _ in loop(model, prompts, params, eos_ids, stop_checker, seqs):
+        pass
+    return seqs

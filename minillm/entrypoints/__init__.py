@@ -1,0 +1,1 @@
+"""Ways in from outside Python: ``cli`` (``python -m minillm ...``)."""

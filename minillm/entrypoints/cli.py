@@ -1,0 +1,168 @@
+"""``python -m minillm generate | chat | bench | roofline``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+
+def _model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="hub id, local directory or .gguf (default: embedded SmolLM2-135M)")
+    p.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"])
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
+    p.add_argument("--kernels", default="auto", choices=["auto", "torch", "native"])
+
+
+def _sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
+    p.add_argument("--max-tokens", type=int, default=max_tokens)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--ignore-eos", action="store_true")
+
+
+def _params(a):
+    from minillm.sampling.params import SamplingParams
+
+    return SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, top_k=a.top_k, top_p=a.top_p,
+                          seed=a.seed, stop=tuple(a.stop), ignore_eos=a.ignore_eos)
+
+
+def _stream_reply(llm, prompt, params, out=sys.stdout):
+    """Stream one reply to ``out``; return its RequestOutput."""
+    states: list = []
+    for ev in llm.stream([prompt], params, states):
+        out.write(ev.delta)
+        out.flush()
+    out.write("\n")
+    return states[0]
+
+
+def _print_metrics(llm, state, out=sys.stderr) -> None:
+    from minillm.perf.hardware import measure_device
+    from minillm.perf.roofline import decode_step_cost
+
+    m = state.metrics
+    line = (f"[{m.prompt_tokens} prompt + {m.output_tokens} output tokens] TTFT {m.ttft_s * 1e3:.0f} ms | "
+            f"TPOT {m.tpot_s * 1e3:.1f} ms | decode {m.decode_tokens_per_s:.1f} tok/s")
+    if m.output_tokens > 1:
+        spec = measure_device(str(llm.model.device), quick=True)
+        bw = spec.memory_bandwidth
+        step = decode_step_cost(llm.model.config, batch=1, kv_len=m.prompt_tokens + m.output_tokens // 2,
+                                dtype=llm.model.dtype)
+        achieved = step.bytes * m.decode_tokens_per_s
+        line += f" | {achieved / 1e9:.1f} GB/s = MBU {achieved / bw:.0%} of {bw / 1e9:.1f} GB/s measured"
+    print(line, file=out)
+
+
+def cmd_generate(a) -> int:
+    from minillm.llm import LLM
+
+    t0 = time.perf_counter()
+    llm = LLM(a.model, dtype=a.dtype, device=a.device, kernels=a.kernels)
+    print(f"[loaded in {time.perf_counter() - t0:.1f} s: {llm.model.config.model_type}, "
+          f"{llm.model.config.num_parameters() / 1e6:.0f}M params, {llm.model.dtype}, {llm.model.device}]",
+          file=sys.stderr)
+    prompt = llm.apply_chat_template([{"role": "user", "content": a.prompt}]) if a.chat else a.prompt
+    state = _stream_reply(llm, prompt, _params(a))
+    _print_metrics(llm, state)
+    return 0
+
+
+def cmd_chat(a) -> int:
+    from minillm.llm import LLM
+
+    llm = LLM(a.model, dtype=a.dtype, device=a.device, kernels=a.kernels)
+    params = _params(a)
+    history: list[dict] = []
+    if a.system:
+        history.append({"role": "system", "content": a.system})
+    print("minillm chat — type a message; /reset clears the history, /exit (or Ctrl-D) quits.", file=sys.stderr)
+    while True:
+        try:
+            text = input("you> ").strip()
+        except (EOFError, KeyboardInterrupt):
+            print(file=sys.stderr)
+            return 0
+        if text in ("/exit", "/quit"):
+            return 0
+        if text == "/reset":
+            history = history[:1] if a.system else []
+            continue
+        if not text:
+            continue
+        history.append({"role": "user", "content": text})
+        sys.stdout.write("assistant> ")
+        try:
+            state = _stream_reply(llm, llm.apply_chat_template(history), params)
+        except ValueError as e:  # e.g. the conversation outgrew the context: say so and keep chatting
+            print(f"error: {e} (use /reset)", file=sys.stderr)
+            history.pop()
+            continue
+        history.append({"role": "assistant", "content": llm.tokenizer.decode(state.output, skip_special_tokens=True)})
+        if a.metrics:
+            _print_metrics(llm, state)
+
+
+def cmd_bench(a) -> int:
+    if a.what == "decode":
+        from minillm.perf.bench.decode import bench_decode
+
+        bench_decode(a.model, dtypes=tuple(a.dtypes.split(",")), n_tokens=a.tokens, repeats=a.repeats,
+                     device=a.device)
+    elif a.what == "attention":
+        from minillm.perf.bench.attention import bench_attention
+
+        bench_attention(a.device)
+    elif a.what == "serving":
+        from minillm.perf.bench.serving import bench_serving
+
+        bench_serving(a.model, device=a.device, threads=a.threads, quick=a.quick)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m minillm", description=__doc__)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    g = sub.add_parser("generate", help="stream a completion, then print TTFT, TPOT, tok/s and MBU")
+    g.add_argument("prompt")
+    g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    _model_args(g)
+    _sampling_args(g, 128)
+    g.set_defaults(fn=cmd_generate)
+    c = sub.add_parser("chat", help="interactive chat with streaming replies")
+    c.add_argument("--system", default=None, help="system prompt")
+    c.add_argument("--metrics", action="store_true", help="print TTFT/TPOT after each reply")
+    _model_args(c)
+    _sampling_args(c, 256)
+    c.set_defaults(fn=cmd_chat)
+    b = sub.add_parser("bench", help="side-by-side benchmarks (decode | attention | serving)")
+    b.add_argument("what", choices=["decode", "attention", "serving"])
+    b.add_argument("--model", default=None)
+    b.add_argument("--device", default=None)
+    b.add_argument("--dtypes", default="float32,bfloat16")
+    b.add_argument("--tokens", type=int, default=64)
+    b.add_argument("--repeats", type=int, default=3)
+    b.add_argument("--threads", type=int, default=None, help="torch threads (serving; default: torch's)")
+    b.add_argument("--quick", action="store_true", help="serving: a small trace (~1 min)")
+    b.set_defaults(fn=cmd_bench)
+    sub.add_parser("roofline", help="measure this machine's peaks and print the reference specs "
+                                    "(options: --device, --quick, --json PATH)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["roofline"]:  # its options belong to roofline.main (argparse REMAINDER would eat them)
+        from minillm.perf.roofline import main as roofline_main
+
+        return roofline_main(argv[1:]) or 0
+    args = build_parser().parse_args(argv)
+    try:
+        return args.fn(args)
+    except (ValueError, FileNotFoundError, RuntimeError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2

@@ -1,0 +1,1 @@
+"""Triton kernels (CUDA; CPU tensors under ``TRITON_INTERPRET=1``): ``flash``, ``decode``, ``paged_decode``."""

@@ -1,0 +1,167 @@
+"""The contiguous KV cache: every sequence gets a preallocated [S_max] slab per layer.
+
+K and V are stored after RoPE, so a decode step computes K/V only for the new token and reads the rest:
+the step costs O(S) attention instead of recomputing O(S²).  Slot s of sequence b holds position s.
+Bytes per token = 2 (K and V) × layers × H_kv × D × bytes per element — see ``kv_bytes_per_token``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from minillm import kernels as kernel_ops
+from minillm.config import ModelConfig
+from minillm.kernels.cpu import native
+from minillm.kernels.reference import sdpa_attention
+from minillm.kernels.select import attention_impl
+
+
+def kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype = torch.float16) -> int:
+    """Bytes of K and V that one token adds to the cache, over all layers, in ``dtype``.
+
+    Llama-2-7B (32 layers, 32 K/V heads of 128 dims) in fp16: 512 KiB per token.
+    """
+    ### BEGIN SOLUTION
+    return 2 * config.num_layers * config.num_kv_heads * config.head_dim * dtype.itemsize
+    ### END SOLUTION
+
+
+class KVCache:
+    """Preallocated K/V for ``batch_size`` sequences of up to ``max_len`` tokens.
+
+    Call ``begin(positions)`` before each forward with the positions [B, L] of the tokens it feeds; each
+    attention layer then calls ``attention(layer, q, k, v, scale)``, which writes the new K/V at those
+    positions (``update``) and attends over the filled slots.  The mask lets query position p see slots s ≤ p,
+    which also hides stale slots beyond a short sequence's end in a mixed-length batch.
+    """
+
+    def __init__(self, config: ModelConfig, batch_size: int, max_len: int, *, dtype: torch.dtype,
+                 device: torch.device | str, kernels: str = "auto"):
+        if max_len > config.max_position_embeddings:
+            raise ValueError(f"KV cache length {max_len} exceeds the model's context "
+                             f"({config.max_position_embeddings} tokens)")
+        shape = (config.num_layers, batch_size, config.num_kv_heads, max_len, config.head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)  # (layers, B, H_kv, S_max, D)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.max_len = max_len
+        self.kernels = kernels  # "torch" forces the reference attention; otherwise the native CPU decode path
+        self._positions: Tensor | None = None
+        self._mask: Tensor | None = None
+        self._used = 0
+
+    @property
+    def nbytes(self) -> int:
+        return self.k.numel() * self.k.element_size() * 2
+
+    def begin(self, positions: Tensor, valid: Tensor | None = None) -> None:
+        """positions [B, L] (int64) of the tokens about to be fed; all must be < max_len.  ``valid`` (padding
+        marks) is accepted for interface parity and not needed: padding sits past a row's end and is masked."""
+        B = self.k.shape[1]
+        if positions.dim() != 2 or positions.shape[0] != B:
+            raise ValueError(f"positions must be [B={B}, L], got {tuple(positions.shape)}")
+        top = int(positions.max()) + 1
+        if top > self.max_len:
+            raise ValueError(f"position {top - 1} does not fit a KV cache of {self.max_len} tokens")
+        self._positions = positions
+        self._used = top
+        L = positions.shape[1]
+        if B == 1 and L == 1:
+            self._mask = None  # one query at the newest position sees every slot up to it: no mask needed
+        else:
+            slots = torch.arange(top, device=positions.device)
+            self._mask = (slots <= positions[:, None, :, None])  # (B, 1, L, S)
+
+    def attention(self, layer: int, q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
+        """Store k, v [B, H_kv, L, D] at the current positions, then attend q [B, H_q, L, D] -> [B, H_q, L, D]."""
+        k_all, v_all, mask = self.update(layer, k, v)
+        impl = attention_impl(self.kernels)
+        if q.shape[2] == 1:  # decode: one query per sequence over its first position + 1 slots
+            seq_lens = self._positions[:, 0] + 1
+            if self.kernels in ("auto", "native") and q.device.type == "cpu" and native.available() \
+                    and q.dtype in (torch.float32, torch.bfloat16):
+                # Decode on CPU: SDPA's fixed cost (~50 µs) is several times the work at these sizes.
+                return native.decode_attention(q[:, :, 0], k_all, v_all, seq_lens, scale)[:, :, None]
+            if impl != "torch":  # flash-decoding on CUDA
+                out = kernel_ops.decode_attention(q[:, :, 0], k_all, v_all, seq_lens, sm_scale=scale, impl=impl)
+                return out[:, :, None]
+        elif impl != "torch" and q.device.type == "cuda" and bool((self._positions == self._positions[:1]).all()):
+            # every row's queries are the last L of the filled slots: the causal rule of flash_attention
+            return kernel_ops.flash_attention(q, k_all, v_all, causal=True, sm_scale=scale, impl=impl)
+        return sdpa_attention(q, k_all, v_all, mask, scale=scale)
+
+    def update(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
+        """Write k, v [B, H_kv, L, D] at the current positions; return K, V [B, H_kv, S, D] and the mask."""
+        pos = self._positions
+        if pos is None:
+            raise RuntimeError("KVCache.begin(positions) must be called before the forward pass")
+        ### BEGIN SOLUTION
+        kc, vc = self.k[layer], self.v[layer]
+        if pos.shape[0] == 1:  # one sequence: its positions are a contiguous run, a slice write suffices
+            start = int(pos[0, 0])
+            kc[:, :, start : start + k.shape[2]] = k
+            vc[:, :, start : start + v.shape[2]] = v
+        else:
+            b = torch.arange(pos.shape[0], device=pos.device)[:, None]  # (B, 1)
+            kc[b, :, pos] = k.transpose(1, 2)  # indexed view is (B, L, H_kv, D)
+            vc[b, :, pos] = v.transpose(1, 2)
+        return kc[:, :, : self._used], vc[:, :, : self._used], self._mask
+        ### END SOLUTION
+
+
+class SlidingWindowKVCache:
+    """A KV cache that keeps only the last ``window`` tokens of each sequence, as a ring buffer.
+
+    Position p lives in slot p % W, so memory is W tokens per sequence whatever the length: a 10 000-token
+    sequence with W = 1 000 needs 10× less than the contiguous cache.  A query at position p sees keys at
+    positions p - W < j ≤ p (Mistral's rule).  Same interface as ``KVCache``: ``begin`` then ``attention``.
+    """
+
+    def __init__(self, config: ModelConfig, batch_size: int, window: int, *, dtype: torch.dtype,
+                 device: torch.device | str, kernels: str = "auto"):
+        if window < 1:
+            raise ValueError(f"window must be >= 1, got {window}")
+        shape = (config.num_layers, batch_size, config.num_kv_heads, window, config.head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)  # (layers, B, H_kv, W, D)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.window = window
+        self.kernels = kernels
+        self.slot_pos = torch.full((batch_size, window), -1, dtype=torch.long, device=device)  # -1: empty slot
+        self._positions: Tensor | None = None
+        self._old_slot_pos: Tensor | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return self.k.numel() * self.k.element_size() * 2
+
+    def begin(self, positions: Tensor, valid: Tensor | None = None) -> None:
+        """positions [B, L] of the tokens about to be fed; ``valid`` [B, L] marks real tokens (False = padding,
+        which must not evict real tokens from the ring)."""
+        B, L = positions.shape if positions.dim() == 2 else (None, None)
+        if B != self.k.shape[1]:
+            raise ValueError(f"positions must be [B={self.k.shape[1]}, L], got {tuple(positions.shape)}")
+        valid = torch.ones_like(positions, dtype=torch.bool) if valid is None else valid
+        self._positions = positions
+        self._key_pos = torch.cat([self.slot_pos, positions.masked_fill(~valid, -1)], dim=1)  # (B, W + L)
+        # which new tokens survive in the ring: each row's last W real ones, at slot position % W
+        self._keep = []
+        for b in range(B):
+            idx = valid[b].nonzero()[:, 0][-self.window :]
+            self._keep.append((idx, positions[b, idx] % self.window))
+            self.slot_pos[b, positions[b, idx] % self.window] = positions[b, idx]
+
+    def attention(self, layer: int, q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
+        """Attend q [B, H_q, L, D] over the ring's old tokens and the L new ones, then store the newest W."""
+        pos = self._positions
+        if pos is None:
+            raise RuntimeError("SlidingWindowKVCache.begin(positions) must be called before the forward pass")
+        kc, vc = self.k[layer], self.v[layer]
+        k_all = torch.cat([kc, k], dim=2)  # (B, H_kv, W + L, D): the ring as it was + the new tokens
+        v_all = torch.cat([vc, v], dim=2)
+        qp, kp = pos[:, None, :, None], self._key_pos[:, None, None, :]
+        mask = (kp >= 0) & (kp <= qp) & (kp > qp - self.window)  # (B, 1, L, W + L); -1 = empty or padding
+        out = sdpa_attention(q, k_all, v_all, mask, scale=scale)
+        for b, (idx, slots) in enumerate(self._keep):
+            kc[b][:, slots] = k[b][:, idx]
+            vc[b][:, slots] = v[b][:, idx]
+        return out

@@ -1,0 +1,114 @@
+"""The Llama-family decoder: RMSNorm, RoPE, grouped-query attention, SwiGLU MLP.
+
+One file a student can read top to bottom. Weight names follow Hugging Face (``model.layers.i.self_attn``,
+``mlp``, ``embed_tokens``, ``lm_head``) except two stacks, as in vLLM: ``qkv_proj`` = [q_proj; k_proj; v_proj]
+and ``gate_up_proj`` = [gate_proj; up_proj]. At decode every linear layer is a GEMV whose cost is the bytes
+of its weight plus a fixed per-call overhead, so three GEMVs become one and two become one
+(``loader.stack_hf_weights`` does the renaming).
+
+Shapes: B batch, L query length, S key/value length, H_q / H_kv heads, D head dim, V vocab.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from minillm.config import ModelConfig
+from minillm.kernels.cpu import native
+from minillm.kernels.select import KERNEL_CHOICES
+from minillm.layers.attention import Attention
+from minillm.layers.linear import Linear
+from minillm.layers.norm import RMSNorm
+from minillm.layers.rotary import RotaryEmbedding
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x)), gate and up stacked into one projection."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size)
+
+    def forward(self, x: Tensor) -> Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # (B, L, F) each
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, layer: int, cache=None) -> Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, layer, cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Body(nn.Module):
+    """``model.*`` in Hugging Face names: embeddings, the decoder stack and the final norm."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(config)
+
+
+class Transformer(nn.Module):
+    """A Llama-family causal LM.  ``model(input_ids, positions) -> logits``, [B, L] -> [B, L, V]."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.model = Body(config)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.kernels = "auto"
+
+    @property
+    def device(self) -> torch.device:
+        return self.lm_head.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.lm_head.weight.dtype
+
+    def set_kernels(self, kernels: str) -> Transformer:
+        """Choose the fast paths: "auto" (native where it applies), "torch" (references only), "native"."""
+        if kernels not in KERNEL_CHOICES:
+            raise ValueError(f"kernels must be one of {KERNEL_CHOICES}, got {kernels!r}")
+        if kernels == "native" and not native.available():
+            raise RuntimeError("kernels='native' needs the compiled CPU GEMV, which failed to build; use 'auto'")
+        for m in self.modules():
+            if isinstance(m, (Linear, RMSNorm, Attention)):
+                m.kernels = kernels
+        self.kernels = kernels
+        return self
+
+    def hidden_states(self, input_ids: Tensor, positions: Tensor, cache=None) -> Tensor:
+        """input_ids, positions [B, L] -> final-normed hidden states [B, L, hidden]."""
+        if input_ids.dim() != 2 or positions.shape != input_ids.shape:
+            raise ValueError(f"input_ids and positions must both be [B, L]; got {tuple(input_ids.shape)} "
+                             f"and {tuple(positions.shape)}")
+        x = self.model.embed_tokens(input_ids)
+        cos, sin = self.model.rotary_emb(positions, x.dtype)
+        for i, layer in enumerate(self.model.layers):
+            x = layer(x, cos, sin, i, cache)
+        return self.model.norm(x)
+
+    def compute_logits(self, hidden: Tensor) -> Tensor:
+        """[..., hidden] -> [..., V] in the model dtype. Callers pass only the rows they sample from:
+        the LM head is the largest single matrix (V × hidden), computing it for every prompt token is waste."""
+        return self.lm_head(hidden)
+
+    def forward(self, input_ids: Tensor, positions: Tensor, cache=None) -> Tensor:
+        """Full causal forward: [B, L] token ids and positions -> [B, L, V] logits."""
+        return self.compute_logits(self.hidden_states(input_ids, positions, cache))

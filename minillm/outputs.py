@@ -1,0 +1,113 @@
+"""What the engine returns, one family used by every path: per-token ``StepOutput`` updates (what ``LLM.stream``
+yields and a server streams), per-sample ``CompletionOutput``, per-request ``RequestOutput``, and ``RequestMetrics``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from torch import Tensor
+
+
+@dataclass
+class RequestMetrics:
+    """Per-request timings, measured around the real work (device synchronised by each sampled token)."""
+
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    start_s: float = 0.0  # perf_counter when the request started running
+    first_token_s: float | None = None
+    finish_s: float | None = None
+    token_times_s: list[float] = field(default_factory=list, repr=False)
+    # the engine's scheduler fills these (the simple loops leave them at their defaults)
+    first_scheduled_s: float | None = None
+    prefix_hit_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
+    num_preemptions: int = 0
+
+    @property
+    def ttft_s(self) -> float:
+        """Time to first token: the prefill plus the first sample."""
+        return (self.first_token_s or self.start_s) - self.start_s
+
+    @property
+    def tpot_s(self) -> float:
+        """Time per output token after the first (mean inter-token latency); 0 with fewer than 2 tokens."""
+        if self.output_tokens < 2 or self.finish_s is None or self.first_token_s is None:
+            return 0.0
+        return (self.token_times_s[-1] - self.first_token_s) / (self.output_tokens - 1)
+
+    @property
+    def queue_s(self) -> float:
+        """Arrival to first scheduled step (0 outside the engine)."""
+        return (self.first_scheduled_s or self.start_s) - self.start_s
+
+    @property
+    def itl_s(self) -> list[float]:
+        """Inter-token latencies: the gaps between consecutive output tokens."""
+        t = self.token_times_s
+        return [b - a for a, b in zip(t, t[1:], strict=False)]
+
+    @property
+    def latency_s(self) -> float:
+        return (self.finish_s or self.start_s) - self.start_s
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        return 1.0 / self.tpot_s if self.tpot_s > 0 else 0.0
+
+    def as_dict(self) -> dict:
+        return {"prompt_tokens": self.prompt_tokens, "output_tokens": self.output_tokens, "ttft_s": self.ttft_s,
+                "tpot_s": self.tpot_s, "latency_s": self.latency_s, "decode_tokens_per_s": self.decode_tokens_per_s}
+
+
+@dataclass
+class RequestOutput:
+    """One finished request: the generated ``text`` and ``token_ids``, why it stopped, and its metrics.
+
+    With ``SamplingParams(n > 1)`` the fields describe sample 0 and ``outputs`` holds all n samples
+    (``engine.CompletionOutput``: index, text, token_ids, finish_reason, metrics).
+    """
+
+    prompt: str | None
+    prompt_token_ids: list[int]
+    text: str
+    token_ids: list[int]
+    finish_reason: str  # "stop" (EOS or a stop string) | "length" (max_tokens or the context) | "abort"
+    metrics: RequestMetrics = field(repr=False)
+    outputs: list = field(default_factory=list, repr=False)
+
+
+@dataclass
+class StreamEvent:
+    """A piece of streamed output: the new text (``delta``) and token of request ``index``."""
+
+    index: int
+    token_id: int
+    delta: str
+    finish_reason: str | None
+
+
+@dataclass
+class StepOutput:
+    """One new token of sample ``index`` of request ``request_id``, its text delta, and whether it was the last."""
+
+    request_id: str
+    index: int
+    token_ids: list[int]  # new this step
+    text: str  # text delta ("" without a tokenizer, or while bytes of a character or a stop string are held back)
+    finish_reason: str | None  # "stop" | "length" | None while running
+    logits: Tensor | None = field(default=None, repr=False)  # [V] fp32, with EngineConfig(return_logits=True)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class CompletionOutput:
+    """One of a request's ``n`` samples."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    metrics: RequestMetrics = field(repr=False)

@@ -1,0 +1,172 @@
+"""The course stays in one piece: generated notebooks are up to date, student notebooks fail only on unfinished
+exercises, solutions are clean, slides build offline.
+
+Executing the student notebooks takes ~1 minute each on a 2-core CPU; they run with MINILLM_COURSE_FAST=1, which
+the notebooks read to shrink their sizes (same cells, same code paths). The solutions are executed by nbval in
+CI (see course/INSTRUCTORS.md):
+    pytest --nbval-lax --nbval-current-env --nbval-sanitize-with course/nbval_sanitize.cfg solutions/
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import nbformat
+import pytest
+
+from minillm.course.checks import EXERCISES
+
+ROOT = Path(__file__).resolve().parents[2]
+PYTHON = sys.executable
+
+
+def _load(name: str):
+    """course/<name>.py as module ``course_<name>`` (registered first: dataclasses look their module up)."""
+    key = f"course_{name}"
+    if key not in sys.modules:
+        spec = importlib.util.spec_from_file_location(key, ROOT / "course" / f"{name}.py")
+        sys.modules[key] = module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    return sys.modules[key]
+
+
+build, slides = _load("build"), _load("slides")
+sys.path.insert(0, str(ROOT / "course"))  # grade.py imports build as a sibling
+grade = _load("grade")
+SOURCES = build.sources()
+NAMES = [p.stem for p in SOURCES]
+STUB_ERROR = re.compile(r"^Exercise (\d+\.\d+): ")
+
+
+def test_there_are_notebook_sources():
+    assert {"01_prefill_decode", "02_kv_cache"} <= set(NAMES)
+
+
+def test_generated_notebooks_are_up_to_date():
+    """`course/build.py --check`: run `python course/build.py` after editing a source or a fenced function."""
+    result = subprocess.run([PYTHON, "course/build.py", "--check"], cwd=ROOT, capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_check_mode_names_a_stale_file(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(build, "ROOT", tmp_path)  # an empty checkout: every generated file is missing
+    monkeypatch.setattr(build, "NOTEBOOKS", tmp_path / "notebooks")
+    monkeypatch.setattr(build, "SOLUTIONS", tmp_path / "solutions")
+    monkeypatch.setattr(build, "render", lambda path: build.Rendered(path.stem, *[nbformat.v4.new_notebook()] * 2))
+    assert build.build(SOURCES[:1], check=True, force_execute=False) == 1
+    assert f"notebooks/{NAMES[0]}.ipynb" in capsys.readouterr().err
+    assert not (tmp_path / "notebooks").exists(), "--check must not write"
+
+
+def test_every_registered_exercise_is_in_exactly_one_notebook():
+    seen: dict[str, str] = {}
+    for path in SOURCES:
+        for number in build.exercises_in(build.render(path).student):
+            assert number not in seen, f"exercise {number} in both {seen[number]} and {path.stem}"
+            seen[number] = path.stem
+            assert number.split(".")[0] == str(int(path.stem[:2])), f"exercise {number} lives in {path.stem}"
+    assert sorted(seen) == sorted(EXERCISES)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_student_notebook_shows_no_solution(name):
+    nb = nbformat.read(ROOT / "notebooks" / f"{name}.ipynb", as_version=4)
+    text = "\n".join(c.source for c in nb.cells)
+    assert "### BEGIN SOLUTION" not in text and "NBVAL_CHECK_OUTPUT" not in text
+    for number in build.exercises_in(nb):
+        ex = EXERCISES[number]
+        solution = build.render_exercise(ex, student=False).split("\n")
+        lines = build.function_source(ex).split("\n")
+        begin, end = build.split_fence(lines, ex.target)
+        hidden = [ln.strip() for ln in lines[begin + 1 : end] if ln.strip() and not ln.strip().startswith("#")]
+        assert hidden and all(h in "\n".join(solution) for h in hidden)
+        assert not any(h in text for h in hidden if len(h) > 25), f"solution of {number} leaks into {name}"
+    assert all(not c.get("outputs") for c in nb.cells if c.cell_type == "code"), "student notebooks ship empty"
+    assert "colab.research.google.com/github/minillm-course/minillm/blob/main/notebooks/" in nb.cells[0].source
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_solution_notebook_is_executed_and_clean(name):
+    nb = nbformat.read(ROOT / "solutions" / f"{name}.ipynb", as_version=4)
+    errors = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs if o.output_type == "error"]
+    assert not errors, f"{name}: stored errors {[(e.ename, e.evalue) for e in errors]}"
+    for cell in nb.cells:
+        for number in cell.metadata.get("minillm", {}).get("checks", []):
+            text = "".join(o.get("text", "") for o in cell.outputs)
+            assert f"✓ Exercise {number} passed" in text, f"{name}: check of {number} did not pass"
+    assert any("image/png" in o.get("data", {}) for c in nb.cells if c.cell_type == "code" for o in c.outputs)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", NAMES)
+def test_student_notebook_fails_only_on_unfinished_exercises(name):
+    """Executed as a student receives it: every check cell fails with its own exercise's NotImplementedError,
+    and no cell fails with anything else (a NameError here would mean a cell depends on a stub's result)."""
+    nb = nbformat.read(ROOT / "notebooks" / f"{name}.ipynb", as_version=4)
+    # One thread: on a shared CI runner two OpenMP threads fighting other jobs can run 5× slower than one.
+    ran = build.execute(nb, cwd=ROOT / "notebooks", fast=True, allow_errors=True, timeout=600,
+                        extra_env={"OMP_NUM_THREADS": "1"})
+    mine = set(build.exercises_in(nb))
+    checked = set()
+    for i, cell in enumerate(ran.cells):
+        if cell.cell_type != "code":
+            continue
+        errors = [o for o in cell.outputs if o.output_type == "error"]
+        where = f"{name} cell {i}: {cell.source.splitlines()[0] if cell.source else ''!r}"
+        for e in errors:
+            m = STUB_ERROR.match(e.evalue)
+            assert e.ename == "NotImplementedError" and m and m[1] in mine, \
+                f"{where} failed with {e.ename}: {e.evalue}"
+        meta = cell.metadata.get("minillm", {})
+        if "exercise" in meta:
+            assert not errors, f"{where}: defining the stub must not fail"
+        for number in meta.get("checks", []):
+            assert errors and any(e.evalue.startswith(f"Exercise {number}: ") for e in errors), \
+                f"{where}: the check of exercise {number} did not fail on the stub"
+            checked.add(number)
+    assert checked == mine, f"{name}: exercises without a failing check cell: {mine - checked}"
+
+
+def test_slides_build_offline_with_headings_and_figures(tmp_path):
+    assert slides.build([], check=False, out_dir=tmp_path) == 0
+    for name in NAMES:
+        deck = (tmp_path / f"{name}.html").read_text()
+        nb = nbformat.read(ROOT / "solutions" / f"{name}.ipynb", as_version=4)
+        headings = [ln for c in nb.cells if c.cell_type == "markdown" for ln in c.source.splitlines()
+                    if re.match(r"#{1,3} ", ln)]
+        assert headings
+        for heading in headings:  # each heading, rendered as the deck renders it
+            assert slides._markdown(heading).strip() in deck, heading
+        assert '<img alt="' in deck and 'src="data:image/png;base64,' in deck
+        assert not re.search(r'<(script|link|img)[^>]+(src|href)="(https?:)?//', deck), "decks must be offline"
+
+
+def test_committed_slides_are_up_to_date():
+    """`python course/slides.py --check`: rebuild the decks after re-executing the solutions."""
+    result = subprocess.run([PYTHON, "course/slides.py", "--check"], cwd=ROOT, capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_grader_classifies_passed_unfinished_and_wrong():
+    def check_cell(number, *outputs):
+        cell = nbformat.v4.new_code_cell("checks.check_something(f)", metadata={"minillm": {"checks": [number]}})
+        cell.outputs = list(outputs)
+        return cell
+
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [
+        check_cell("1.1", nbformat.v4.new_output("stream", name="stdout", text="✓ Exercise 1.1 passed: x\n")),
+        check_cell("1.2", nbformat.v4.new_output("error", ename="NotImplementedError", evalue="Exercise 1.2: t — h",
+                                                 traceback=[])),
+        check_cell("1.3", nbformat.v4.new_output("error", ename="AssertionError", evalue="goodput(...) returned 2",
+                                                 traceback=[])),
+        nbformat.v4.new_code_cell("checks.check_cost_per_million_tokens(cost_per_million_tokens)"),  # no metadata
+    ]
+    assert grade.judge(nb) == {"1.1": ("passed", ""), "1.2": ("unfinished", ""),
+                               "1.3": ("wrong", "AssertionError: goodput(...) returned 2"),
+                               "1.4": ("wrong", "the check printed no pass message")}
+

@@ -1,0 +1,105 @@
+"""The native CPU decode kernels against their PyTorch references."""
+
+import shutil
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from minillm.kernels.cpu import native
+from minillm.kernels.reference import decode_attention as decode_attention_ref
+
+pytestmark = pytest.mark.skipif(not native.available(), reason="no C compiler: the torch path is used instead")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 17, 32])
+@pytest.mark.parametrize("shape", [(960, 576), (576, 1536), (7, 33), (1, 1)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_gemv_matches_f_linear(dtype, rows, shape, bias):
+    g = torch.Generator().manual_seed(rows * 7 + shape[0])
+    N, K = shape
+    w = torch.randn(N, K, generator=g).to(dtype)
+    x = torch.randn(rows, K, generator=g).to(dtype)
+    b = torch.randn(N, generator=g).to(dtype) if bias else None
+    got, want = native.linear(x, w, b), F.linear(x, w, b)
+    # Both accumulate K products in fp32 in different orders: the difference grows like sqrt(K)·eps·|terms|,
+    # beyond assert_close's per-element fp32 default; bf16 adds one output rounding (its default rtol covers it).
+    atol = 4e-6 * K**0.5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(got, want, atol=atol, rtol=1.6e-2 if dtype == torch.bfloat16 else 1e-5)
+
+
+@pytest.mark.skipif(sys.platform != "linux" or shutil.which("gcc") is None, reason="OpenMP is expected from gcc")
+def test_kernels_are_built_with_openmp_where_the_compiler_has_it():
+    # the build falls back to a one-thread library when the OpenMP build fails: a source error that only OpenMP
+    # sees (it happened: an invalid reduction clause) silently made every native kernel single-threaded
+    assert native.openmp()
+
+
+def test_gemv_keeps_leading_dims_and_rejects_too_many_rows():
+    w = torch.randn(10, 4)
+    assert native.linear(torch.randn(2, 1, 4), w).shape == (2, 1, 10)
+    with pytest.raises(ValueError, match="F.linear"):
+        native.linear(torch.randn(native.MAX_ROWS + 1, 4), w)
+    with pytest.raises(ValueError, match="features"):
+        native.linear(torch.randn(1, 5), w)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_matches_reference(dtype):
+    from minillm.layers.norm import RMSNorm
+
+    norm = RMSNorm(576, 1e-5).requires_grad_(False)
+    norm.weight.copy_(torch.randn(576))
+    norm = norm.to(dtype)
+    x = torch.randn(3, 1, 576).to(dtype)
+    fast = norm(x)
+    norm.kernels = "torch"
+    torch.testing.assert_close(fast, norm(x))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("h_kv", [1, 3, 9])
+def test_decode_attention_matches_reference(dtype, h_kv):
+    g = torch.Generator().manual_seed(h_kv)
+    cache_k = torch.randn(3, h_kv, 40, 64, generator=g).to(dtype)  # (B, H_kv, S_max, D)
+    cache_v = torch.randn(3, h_kv, 40, 64, generator=g).to(dtype)
+    q = torch.randn(3, 9, 64, generator=g).to(dtype)
+    lens = torch.tensor([1, 23, 40])
+    got = native.decode_attention(q, cache_k, cache_v, lens, 64**-0.5)
+    want = decode_attention_ref(q, cache_k, cache_v, lens)
+    if dtype == torch.bfloat16:  # the reference rounds the softmax weights to bf16 before P·V; native keeps fp32
+        torch.testing.assert_close(got, want, atol=2e-2, rtol=1.6e-2)
+    else:
+        torch.testing.assert_close(got, want)
+
+
+def test_decode_attention_reads_strided_cache_views():
+    cache = torch.randn(2, 5, 3, 50, 16)  # (layers, B, H_kv, S_max, D): a layer's view has batch/head strides
+    q = torch.randn(5, 6, 16)
+    lens = torch.tensor([4, 50, 1, 17, 30])
+    got = native.decode_attention(q, cache[1], cache[0], lens, 0.25)
+    torch.testing.assert_close(got, decode_attention_ref(q, cache[1], cache[0], lens, scale=0.25))
+
+
+def test_decode_attention_rejects_lengths_beyond_the_cache():
+    with pytest.raises(ValueError, match="seq_lens"):
+        native.decode_attention(torch.randn(1, 2, 8), torch.randn(1, 1, 4, 8), torch.randn(1, 1, 4, 8),
+                                  torch.tensor([5]), 1.0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_paged_decode_attention_matches_reference(dtype):
+    from minillm.kernels.reference import paged_decode_attention_ref
+
+    g = torch.Generator().manual_seed(0)
+    k_cache = torch.randn(12, 5, 3, 32, generator=g).to(dtype)  # (num_blocks, block_size, H_kv, D)
+    v_cache = torch.randn(12, 5, 3, 32, generator=g).to(dtype)
+    tables = torch.tensor([[7, 2, 11, 0], [3, 9, 0, 0], [5, 0, 0, 0]], dtype=torch.int32)  # shuffled blocks
+    lens = torch.tensor([17, 6, 1], dtype=torch.int32)
+    q = torch.randn(3, 6, 32, generator=g).to(dtype)
+    got = native.paged_decode_attention(q, k_cache, v_cache, tables, lens, 32**-0.5)
+    want = paged_decode_attention_ref(q, k_cache, v_cache, tables, lens)
+    tol = dict(atol=2e-2, rtol=1.6e-2) if dtype == torch.bfloat16 else {}  # bf16: reference rounds P before P·V
+    torch.testing.assert_close(got, want, **tol)
