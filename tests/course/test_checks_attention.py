@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from minillm.course import checks
+from minillm.course.checks.attention_variants import _largest_new_tensor
 from minillm.kernels.reference import grouped_attention
 
 
@@ -76,6 +77,6 @@ def test_flash_tile_step_mistakes_fail(wrong):
 def test_sdpa_with_enable_gqa_makes_no_copy_on_cpu():
     """The copy detector does not flag a fused kernel that shares K/V heads itself."""
     q, k, v = torch.randn(2, 8, 1, 16), torch.randn(2, 2, 64, 16), torch.randn(2, 2, 64, 16)
-    _, nbytes, _ = checks._largest_new_tensor(torch.nn.functional.scaled_dot_product_attention, q, k, v,
+    _, nbytes, _ = _largest_new_tensor(torch.nn.functional.scaled_dot_product_attention, q, k, v,
                                               enable_gqa=True)
     assert nbytes < 2 * 8 * 64 * 16 * 4
