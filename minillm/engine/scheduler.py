@@ -168,14 +168,15 @@ class Scheduler:
         self.requests[request.request_id] = request
         self.waiting.append(seq)
 
-    def abort(self, request_id: str) -> None:
-        """Finish every sequence of a request as aborted and free its blocks (device and host)."""
+    def abort(self, request_id: str, status: SequenceStatus = SequenceStatus.FINISHED_ABORTED) -> None:
+        """Finish every sequence of a request as aborted (or ``FINISHED_ERROR``) and free its blocks (device and
+        host).  A parent not yet forked ends the request: its siblings will never be made."""
         request = self.requests.get(request_id)
         if request is None:
             raise KeyError(f"unknown or already finished request {request_id!r}")
         for seq in request.seqs:
             if not seq.status.finished:
-                self.finish(seq, SequenceStatus.FINISHED_ABORTED)
+                self.finish(seq, status)
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)
@@ -198,7 +199,7 @@ class Scheduler:
         request = seq.request
         if self.batch is not None and request.request_id in self.batch:
             self.batch_finished_rows += 1
-        if status is SequenceStatus.FINISHED_ABORTED or request.finished:
+        if status in (SequenceStatus.FINISHED_ABORTED, SequenceStatus.FINISHED_ERROR) or request.finished:
             self.requests.pop(request.request_id, None)
             if self.batch is not None:
                 self.batch.discard(request.request_id)
