@@ -44,10 +44,11 @@ def probabilities(logits: Tensor, params: SamplingParams) -> Tensor:
 
     The logits are shifted so their maximum is 0 before dividing by the temperature (floored at
     ``MIN_TEMPERATURE``): every scaled value is then <= 0, so a tiny temperature underflows to -inf (probability 0)
-    instead of overflowing to inf, and the argmax keeps probability > 0.
+    instead of overflowing to inf, and the argmax keeps probability > 0; a huge one flattens to uniform.
     """
     x = logits.float()
-    x = (x - x.amax(dim=-1, keepdim=True)) / max(params.temperature, MIN_TEMPERATURE)
+    masked = x == float("-inf")  # stays -inf: a huge temperature (inf in fp32) would turn -inf / inf into nan
+    x = ((x - x.amax(dim=-1, keepdim=True)) / max(params.temperature, MIN_TEMPERATURE)).masked_fill(masked, -torch.inf)
     x = top_k_mask(x, params.top_k)
     x = top_p_mask(x, params.top_p)
     return x.softmax(dim=-1)
