@@ -14,6 +14,8 @@ import warnings
 import numpy as np
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from minillm import EngineConfig, LLMEngine, ModelConfig, SamplingParams
@@ -347,4 +349,67 @@ def test_per_sample_seeds_never_repeat_another_requests_seed(model, fresh_probe)
     next_seed = eng.generate([PROBE[0]], dataclasses.replace(params, seed=1))[0]
     assert three.outputs[1].token_ids != next_seed.token_ids
     assert three.outputs[0].token_ids == generate(model, [PROBE[0]], dataclasses.replace(params, seed=0))[0].output
+    assert_healthy(eng, fresh_probe)
+
+
+# ---- property: threads interleaving add / abort / failing requests while one thread steps ---------------------------
+OP = st.tuples(st.sampled_from(["add", "bad", "abort"]), st.integers(0, 5), st.integers(1, 8))
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(scripts=st.lists(st.lists(OP, min_size=1, max_size=6), min_size=1, max_size=3))
+def test_interleaved_adds_aborts_and_failures_from_threads_keep_the_engine_whole(model, fresh_probe, scripts):
+    eng = new_engine(model, num_kv_blocks=24)  # small: preemption happens too
+    real = eng.runner.run
+
+    def run(out, return_logits=False):  # every forward that includes a request whose id starts with "bad" fails
+        if any(s.seq.request.request_id.startswith("bad") for s in out.scheduled):
+            raise RuntimeError("injected fault")
+        return real(out, return_logits)
+
+    eng.runner.run = run
+    prompts = prompts_of(30, 6)
+    added: dict[str, tuple[list[int], int]] = {}
+    errors, stop = [], threading.Event()
+
+    def client(k, script):
+        try:
+            for i, (op, which, max_tokens) in enumerate(script):
+                rid = f"{'bad' if op == 'bad' else 'ok'}-{k}-{i}"
+                eng.add_request(prompts[which], dataclasses.replace(GREEDY, max_tokens=max_tokens), request_id=rid)
+                added[rid] = (prompts[which], max_tokens)
+                if op == "abort":
+                    try:
+                        eng.abort(rid)
+                    except KeyError:
+                        pass  # finished first
+        except Exception as e:  # noqa: BLE001
+            errors.append(e)
+
+    def stepper():
+        while not stop.is_set() or eng.has_unfinished_requests():
+            eng.step()
+
+    loop = threading.Thread(target=stepper)
+    loop.start()
+    clients = [threading.Thread(target=client, args=(k, s)) for k, s in enumerate(scripts)]
+    for t in clients:
+        t.start()
+    for t in clients:
+        t.join(60)
+    stop.set()
+    loop.join(120)
+    assert not errors and not loop.is_alive()
+    for rid, (prompt, max_tokens) in added.items():
+        out = eng.pop_output(rid)  # every request ended exactly once ...
+        with pytest.raises(KeyError):
+            eng.pop_output(rid)  # ... and is handed over once
+        want = generate(model, [prompt], dataclasses.replace(GREEDY, max_tokens=max_tokens))[0].output
+        assert out.prompt_token_ids == prompt
+        if rid.startswith("bad"):
+            assert out.finish_reason in ("error", "abort") and out.token_ids == []
+        else:
+            assert out.token_ids == want[: len(out.token_ids)]
+            assert out.finish_reason in ("length", "abort") and (out.finish_reason == "abort" or out.token_ids == want)
+    eng.runner.run = real
     assert_healthy(eng, fresh_probe)
