@@ -413,3 +413,20 @@ def test_interleaved_adds_aborts_and_failures_from_threads_keep_the_engine_whole
             assert out.finish_reason in ("length", "abort") and (out.finish_reason == "abort" or out.token_ids == want)
     eng.runner.run = real
     assert_healthy(eng, fresh_probe)
+
+
+@pytest.mark.slow
+def test_the_default_llm_applies_the_same_limits_to_stream_generate_and_chat():
+    from minillm import LLM
+
+    llm = LLM(dtype="float32", device="cpu", max_model_len=256, kv_cache_bytes=64 << 20)
+    long = list(range(1000, 1300))
+    for call in (llm.generate, lambda p: list(llm.stream(p))):
+        with pytest.raises(ValueError, match="300 tokens but the model's context is 256"):
+            call([long])
+    for content in (None, 5, [{"type": "text", "text": "hi"}]):
+        with pytest.raises(ValueError, match=r"messages\[0\]\['content'\] must be a string"):
+            llm.chat([{"role": "user", "content": content}])
+    text = "".join(u.text for u in llm.stream(np.array(llm.encode("The capital of France is")), GREEDY))
+    assert text == llm.generate("The capital of France is", GREEDY)[0].text and text
+    assert llm.engine.num_live_requests == 0 and llm.engine.block_manager.device.num_used == 0
