@@ -1,5 +1,6 @@
 """What the engine returns, one family used by every path: per-token ``StepOutput`` updates (what ``LLM.stream``
-yields and a server streams), per-sample ``CompletionOutput``, per-request ``RequestOutput``, and ``RequestMetrics``."""
+yields, a server streams and the simple loops yield), per-sample ``CompletionOutput``, per-request ``RequestOutput``,
+and ``RequestMetrics``."""
 
 from __future__ import annotations
 
@@ -48,10 +49,12 @@ class RequestMetrics:
 
     @property
     def latency_s(self) -> float:
+        """Arrival (or loop start) to the last token."""
         return (self.finish_s or self.start_s) - self.start_s
 
     @property
     def decode_tokens_per_s(self) -> float:
+        """1 / TPOT: the decode rate after the first token (0 with fewer than 2 tokens)."""
         return 1.0 / self.tpot_s if self.tpot_s > 0 else 0.0
 
     def as_dict(self) -> dict:
@@ -71,31 +74,29 @@ class RequestOutput:
     prompt_token_ids: list[int]
     text: str
     token_ids: list[int]
-    finish_reason: str  # "stop" (EOS or a stop string) | "length" (max_tokens or the context) | "abort"
+    finish_reason: str  # "stop" (EOS or a stop string) | "length" (max_tokens or the context) | "abort" | "error"
     metrics: RequestMetrics = field(repr=False)
     outputs: list = field(default_factory=list, repr=False)
-
-
-@dataclass
-class StreamEvent:
-    """A piece of streamed output: the new text (``delta``) and token of request ``index``."""
-
-    index: int
-    token_id: int
-    delta: str
-    finish_reason: str | None
+    error: str | None = None  # with finish_reason "error": what failed (the request ended alone, others ran on)
 
 
 @dataclass
 class StepOutput:
-    """One new token of sample ``index`` of request ``request_id``, its text delta, and whether it was the last."""
+    """One new token of sample ``index`` of request ``request_id``, its text delta, and whether it was the last.
+
+    This is what ``LLMEngine.step`` returns, ``LLM.stream`` yields and a server streams.  The last update of a
+    sample carries its ``metrics``; a request that fails gets one update per unfinished sample with no token,
+    ``finish_reason="error"`` and the message in ``error``.
+    """
 
     request_id: str
     index: int
     token_ids: list[int]  # new this step
     text: str  # text delta ("" without a tokenizer, or while bytes of a character or a stop string are held back)
-    finish_reason: str | None  # "stop" | "length" | None while running
+    finish_reason: str | None  # "stop" | "length" | "abort" | "error" | None while running
     logits: Tensor | None = field(default=None, repr=False)  # [V] fp32, with EngineConfig(return_logits=True)
+    metrics: RequestMetrics | None = field(default=None, repr=False)  # on the sample's last update only
+    error: str | None = None  # with finish_reason "error"
 
     @property
     def finished(self) -> bool:
@@ -111,3 +112,4 @@ class CompletionOutput:
     token_ids: list[int]
     finish_reason: str
     metrics: RequestMetrics = field(repr=False)
+    error: str | None = None  # with finish_reason "error"

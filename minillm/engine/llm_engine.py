@@ -3,42 +3,63 @@
     step() = scheduler.schedule()  →  runner.run() (one packed forward + sampling)  →  scheduler.postprocess()
 
 ``add_request`` queues a prompt; each ``step`` returns what it produced as ``StepOutput`` updates (the new token,
-its text delta, whether that sample finished) so callers can stream; ``generate`` runs prompts to completion.
-The scheduler (``scheduler.py``) decides which tokens run under the token, sequence and KV-block budgets; the
-runner (``model_runner.py``) owns the paged K/V tensors.  This file only joins them and turns ids into text.
+its text delta, whether that sample finished) so callers can stream; ``generate`` runs prompts to completion and
+``stream`` yields their updates.  The scheduler (``scheduler.py``) decides which tokens run under the token,
+sequence and KV-block budgets; the runner (``model_runner.py``) owns the paged K/V tensors.  This file joins them,
+turns ids into text, and keeps faults contained: a request whose forward, sampling or detokenization raises ends
+alone with ``finish_reason="error"``, its blocks freed, while the others run on.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import itertools
+import threading
 import time
-from collections.abc import Sequence
+import warnings
+from collections import deque
+from collections.abc import Iterable, Iterator, Sequence
 
 import torch
 from torch import Tensor
 
 from minillm.config import EngineConfig
 from minillm.engine.detokenizer import IncrementalDetokenizer
-from minillm.engine.model_runner import ModelRunner
-from minillm.engine.scheduler import Scheduler, SchedulerStats
+from minillm.engine.inputs import (
+    Prompt,
+    merge_eos_token_ids,
+    params_list,
+    prompt_list,
+    request_id_str,
+    to_token_ids,
+    validate_prompts,
+)
+from minillm.engine.model_runner import ModelRunner, StepResult
+from minillm.engine.scheduler import Scheduler, SchedulerOutput, SchedulerStats
 from minillm.engine.sequence import Request, SequenceStatus
 from minillm.engine.sequence import Sequence as Seq
-from minillm.engine.simple import validate_prompts
 from minillm.kernels.select import attention_impl
 from minillm.kv.paged_cache import PagedKVCache, kv_bytes_per_block
 from minillm.models.llama import Transformer
 from minillm.outputs import CompletionOutput, RequestOutput, StepOutput
 from minillm.sampling.params import SamplingParams
-from minillm.sampling.sampler import make_generator
+from minillm.sampling.sampler import make_generator, sample_seed
 
-Prompt = str | Sequence[int]
+# Ids the engine picks start with this; user ids may not, so the two never collide.
+AUTO_ID_PREFIX = "auto-"
 
 
 class LLMEngine:
     """A Transformer, its paged KV cache and a scheduler.  ``tokenizer`` is optional (then prompts are id lists).
 
     ``config`` is an ``EngineConfig``; ``eos_token_ids`` default to the model's and the tokenizer's EOS.
+
+    Thread model: every public method takes one re-entrant lock, so ``add_request``, ``abort``, ``pop_output`` and
+    ``has_unfinished_requests`` may be called from any thread while another thread runs ``step`` (they wait for
+    the step in flight to end).  ``generate`` and ``stream`` may run in several threads at once: each steps the
+    engine in turn and every step batches all live requests, whoever added them; each caller gets only its own
+    requests' outputs.  Request ids are strings (an int becomes its decimal string); ids the engine picks start
+    with ``AUTO_ID_PREFIX``, which user ids may not; an id stays busy until its output is popped.
     """
 
     def __init__(self, model: Transformer, tokenizer=None, config: EngineConfig | None = None, *,
@@ -49,14 +70,17 @@ class LLMEngine:
         self.max_model_len = min(mc.max_position_embeddings, config.max_model_len or mc.max_position_embeddings)
         if mc.sliding_window is not None:  # the paged cache attends to everything: within the window that is exact
             self.max_model_len = min(self.max_model_len, mc.sliding_window)
-        if eos_token_ids is None:
-            eos = set(mc.eos_token_ids)
-            if tokenizer is not None and tokenizer.eos_token_id is not None:
-                eos.add(tokenizer.eos_token_id)
-            eos_token_ids = sorted(eos)
-        self.eos_token_ids = tuple(eos_token_ids)
+        self.eos_token_ids = (merge_eos_token_ids(mc.eos_token_ids, tokenizer) if eos_token_ids is None
+                              else tuple(eos_token_ids))
         num_blocks = config.resolve_num_blocks(kv_bytes_per_block(mc, config.block_size, model.dtype),
                                                self.max_model_len)
+        defaulted = config.num_kv_blocks is None and config.kv_cache_bytes is None
+        if defaulted and num_blocks * config.block_size < self.max_model_len:  # an explicit budget is meant
+            warnings.warn(f"the KV cache holds {num_blocks} blocks of {config.block_size} = "
+                          f"{num_blocks * config.block_size} tokens, less than the {self.max_model_len}-token context: "
+                          f"the longest request (prompt + max_tokens) it can run is {num_blocks * config.block_size} "
+                          "tokens; raise EngineConfig.kv_cache_bytes / num_kv_blocks or lower max_model_len",
+                          stacklevel=2)
         num_host = config.resolve_host_blocks(num_blocks)
         self.scheduler = Scheduler(config, num_blocks, self.max_model_len, num_host_blocks=num_host,
                                    eos_token_ids=self.eos_token_ids)
@@ -65,83 +89,166 @@ class LLMEngine:
         impl = config.attention_impl if config.attention_impl != "auto" else attention_impl(model.kernels)
         self.runner = ModelRunner(model, self.kv_cache, self.scheduler.block_manager, impl)
         self._detoks: dict[Seq, IncrementalDetokenizer] = {}
-        self._finished: dict[str, RequestOutput] = {}
+        self._finished: dict[str, RequestOutput] = {}  # finished, not yet popped: their ids are still busy
         self._live: dict[str, Request] = {}
+        self._inboxes: dict[str, deque[StepOutput]] = {}  # request id -> the queue of the stream() that owns it
         self._ids = itertools.count()
+        self._lock = threading.RLock()
 
     @property
     def block_manager(self):
+        """The scheduler's ``BlockManager`` (device and host KV blocks)."""
         return self.scheduler.block_manager
 
     @property
     def stats(self) -> SchedulerStats:
+        """Counters over the engine's life (steps, tokens, preemptions, peak blocks, ...)."""
         return self.scheduler.stats
+
+    @property
+    def num_live_requests(self) -> int:
+        """Requests added and not yet finished (their outputs are not counted)."""
+        return len(self._live)
 
     # ---- requests ----------------------------------------------------------------------------------------------
     def encode(self, prompt: Prompt) -> list[int]:
-        """A string (needs the tokenizer) or a sequence of ids -> list of ids."""
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("string prompts need a tokenizer: LLMEngine(model, tokenizer) or pass token ids")
-            return self.tokenizer(prompt, add_special_tokens=True).input_ids
-        ids = prompt.tolist() if isinstance(prompt, torch.Tensor) else list(prompt)
-        if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
-            raise ValueError("a prompt must be a string or a list of int token ids")
-        return ids
+        """A string (needs the tokenizer) or 1-d ids (list, numpy array, tensor) -> list of ids."""
+        return to_token_ids(prompt, self.tokenizer)
 
-    def _make_request(self, prompt: Prompt, params: SamplingParams | None, request_id: str | None,
-                      arrival_time: float | None) -> Request:
+    def _make_request(self, prompt: Prompt, params: SamplingParams | None, request_id, arrival_time: float | None,
+                      reserved: Iterable[str] = ()) -> Request:
+        """Check everything about one request (raises ``ValueError``, changes nothing); ``reserved``: ids about
+        to be taken by the same call."""
         params = params if params is not None else SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
         ids = self.encode(prompt)
         validate_prompts([ids], self.max_model_len, self.model.config.vocab_size)
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer: LLMEngine(model, tokenizer), or stop on token ids")
-        request_id = str(next(self._ids)) if request_id is None else str(request_id)
-        if request_id in self._live:
-            raise ValueError(f"request id {request_id!r} is already in use; pass a new one or let the engine pick")
+        if request_id is None:
+            request_id = self._next_auto_id(reserved)
+        else:
+            request_id = request_id_str(request_id)
+            if request_id.startswith(AUTO_ID_PREFIX):
+                raise ValueError(f"request id {request_id!r}: ids starting with {AUTO_ID_PREFIX!r} are the engine's "
+                                 "own; pick another or pass None to let the engine pick")
+        if request_id in self._live or request_id in self._finished or request_id in reserved:
+            raise ValueError(f"request id {request_id!r} is already in use (an id stays busy until its output is "
+                             "popped); pass a new one or let the engine pick")
         self.scheduler.check(request_id, len(ids), params)
-        seeds = [None if params.seed is None else (params.seed + i) % 2**63 for i in range(params.n)]
+        seeds = [None if params.seed is None else sample_seed(params.seed, i) for i in range(params.n)]
         generators = [make_generator(dataclasses.replace(params, seed=s), self.model.device) for s in seeds]
         return Request(request_id, ids, params, time.perf_counter() if arrival_time is None else arrival_time,
                        generators, prompt=prompt if isinstance(prompt, str) else None)
 
-    def add_request(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None,
-                    arrival_time: float | None = None) -> str:
-        """Queue a prompt; returns its request id.  Raises ``ValueError`` (and queues nothing) for a request that
-        could never run: empty or too long for the context, or needing more KV blocks than the whole cache."""
-        request = self._make_request(prompt, params, request_id, arrival_time)
+    def _next_auto_id(self, reserved: Iterable[str]) -> str:
+        while True:
+            rid = f"{AUTO_ID_PREFIX}{next(self._ids)}"
+            if rid not in self._live and rid not in self._finished and rid not in reserved:
+                return rid
+
+    def _queue(self, request: Request) -> str:
         self.scheduler.add(request)
         self._live[request.request_id] = request
         return request.request_id
 
-    def abort(self, request_id: str) -> None:
-        """Stop a request now and free its KV blocks; its partial output is kept with finish_reason "abort"."""
-        self.scheduler.abort(request_id)
-        self._retire(self._live[request_id])
+    def add_request(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | int | None = None,
+                    arrival_time: float | None = None) -> str:
+        """Queue a prompt; returns its request id (a string).  Raises ``ValueError`` (and queues nothing) for a
+        request that could never run: a bad prompt or id, too long for the context, or needing more KV blocks than
+        the whole cache.  Thread-safe."""
+        with self._lock:
+            return self._queue(self._make_request(prompt, params, request_id, arrival_time))
+
+    def abort(self, request_id: str | int) -> None:
+        """Stop a request now and free its KV blocks; its partial output is kept with finish_reason "abort".
+        Raises ``KeyError`` for an id that is not running.  Thread-safe."""
+        with self._lock:
+            rid = request_id_str(request_id)
+            self.scheduler.abort(rid)
+            self._retire(self._live[rid])
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        """Whether any request is still queued or running."""
+        with self._lock:
+            return self.scheduler.has_unfinished()
 
-    def pop_output(self, request_id: str) -> RequestOutput:
-        """The result of a finished (or aborted) request, handed over once."""
-        if request_id not in self._finished:
-            raise KeyError(f"request {request_id!r} has not finished (or its output was already taken)")
-        return self._finished.pop(request_id)
+    def pop_output(self, request_id: str | int) -> RequestOutput:
+        """The result of a finished (or aborted, or failed) request, handed over once; the id is then free."""
+        with self._lock:
+            rid = request_id_str(request_id)
+            if rid not in self._finished:
+                raise KeyError(f"request {rid!r} has not finished (or its output was already taken)")
+            return self._finished.pop(rid)
 
     # ---- the step ----------------------------------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
-        """Schedule → run the model → postprocess.  Returns one update per token produced this step."""
-        out = self.scheduler.schedule(time.perf_counter())
-        result = self.runner.run(out, self.config.return_logits)  # also runs swap copies when nothing is scheduled
+        """Schedule → run the model → postprocess.  Returns one update per token produced this step (and one
+        "error" update per sample of a request that failed in it).  Thread-safe."""
+        with self._lock:
+            out = self.scheduler.schedule(time.perf_counter())
+            try:
+                result = self.runner.run(out, self.config.return_logits)  # also runs swap copies when idle
+                failed: dict[Request, BaseException] = {}
+            except Exception as e:  # noqa: BLE001 — a bad request must not take the engine down
+                out, result, failed = self._run_isolated(out, e)
+            updates = [u for request, exc in failed.items() for u in self._fail(request, exc)]
+            if not out.is_empty:
+                updates += self._postprocess(out, result)
+            for u in updates:
+                if u.request_id in self._inboxes:
+                    self._inboxes[u.request_id].append(u)
+            return updates
+
+    def _run_isolated(self, out: SchedulerOutput, error: Exception):
+        """The step's forward or sampling raised: rerun each request's chunks alone to find which one fails.
+
+        The block copies already ran (they must not run twice: a swapped-out block may be reused this step);
+        writing the same K/V to the same slots again is harmless; seeded generators are rewound so the survivors
+        sample exactly what they would have.  -> (the survivors' SchedulerOutput, their StepResult, the failed).
+        """
         if out.is_empty:
-            return []
+            raise error  # the block copies themselves failed: no request to blame
+        for g, state in self._rng_states(out):
+            g.set_state(state)
+        by_request: dict[Request, list] = {}
+        for s in out.scheduled:
+            by_request.setdefault(s.seq.request, []).append(s)
+        kept, tokens, logits, failed = [], [], [], {}
+        for request, chunks in by_request.items():
+            solo = SchedulerOutput(scheduled=chunks)
+            try:
+                r = self.runner.run(solo, self.config.return_logits) if len(by_request) > 1 else None
+            except Exception as e:  # noqa: BLE001
+                r = e
+            if r is None or isinstance(r, Exception):
+                failed[request] = error if r is None else r
+                continue
+            kept += chunks
+            tokens += r.tokens
+            if r.logits is not None:
+                logits.append(r.logits)
+        survivors = SchedulerOutput(scheduled=kept, num_padding=0)
+        return survivors, StepResult(tokens, torch.cat(logits) if logits else None), failed
+
+    @staticmethod
+    def _rng_states(out: SchedulerOutput) -> list:
+        return [(g, g.get_state()) for s in out.scheduled for g in s.seq.request.generators if g is not None]
+
+    def _postprocess(self, out: SchedulerOutput, result: StepResult) -> list[StepOutput]:
         rows = [i for i, s in enumerate(s for s in out.scheduled if s.samples) for _ in range(s.num_samples)]
         new = self.scheduler.postprocess(out, result.tokens, time.perf_counter())
         updates = []
         for (seq, token), row in zip(new, rows, strict=True):
-            updates.append(self._emit(seq, token, None if result.logits is None else result.logits[row]))
+            if seq.status is SequenceStatus.FINISHED_ERROR:
+                continue  # a sibling's detokenization failed earlier in this loop: the request has ended
+            try:
+                updates.append(self._emit(seq, token, None if result.logits is None else result.logits[row]))
+            except Exception as e:  # noqa: BLE001 — e.g. a token id the tokenizer cannot decode
+                updates += self._fail(seq.request, e, seq)
         for request in {seq.request for seq, _ in new}:
-            if request.finished:
+            if request.finished and request.request_id in self._live:
                 self._retire(request)
         return updates
 
@@ -158,45 +265,98 @@ class LLMEngine:
                 self.scheduler.finish(seq, SequenceStatus.FINISHED_STOPPED, time.perf_counter())
             if seq.status.finished:
                 delta += detok.flush()  # no token follows: release held-back bytes
-        return StepOutput(seq.request.request_id, seq.index, [token], delta, seq.finish_reason, logits)
+        return StepOutput(seq.request.request_id, seq.index, [token], delta, seq.finish_reason, logits,
+                          metrics=seq.metrics if seq.status.finished else None)
 
-    def _retire(self, request: Request) -> None:
+    def _fail(self, request: Request, error: BaseException, culprit: Seq | None = None) -> list[StepOutput]:
+        """End a request with ``finish_reason="error"`` and free its blocks; one update per sample it ends
+        (its unfinished ones, and ``culprit``, the sample whose token could not be emitted)."""
+        message = f"{type(error).__name__}: {error}"
+        ending = [seq for seq in request.seqs if not seq.status.finished or seq is culprit]
+        now = time.perf_counter()
+        for seq in ending:  # an unforked parent's end ends the request: its siblings are never made
+            self.scheduler.finish(seq, SequenceStatus.FINISHED_ERROR, now)
+        self._retire(request, message)
+        return [StepOutput(request.request_id, seq.index, [], "", "error", metrics=seq.metrics, error=message)
+                for seq in ending]
+
+    def _retire(self, request: Request, error: str | None = None) -> None:
         samples = []
         for seq in request.seqs:
             detok = self._detoks.pop(seq, None)
             samples.append(CompletionOutput(seq.index, detok.text if detok else "", seq.output,
-                                            seq.finish_reason or "abort", seq.metrics))
+                                            seq.finish_reason or "abort", seq.metrics,
+                                            error if seq.status is SequenceStatus.FINISHED_ERROR else None))
         first = samples[0]
         self._finished[request.request_id] = RequestOutput(
             prompt=request.prompt, prompt_token_ids=request.prompt_token_ids, text=first.text,
-            token_ids=first.token_ids, finish_reason=first.finish_reason, metrics=first.metrics, outputs=samples)
+            token_ids=first.token_ids, finish_reason=first.finish_reason, metrics=first.metrics, outputs=samples,
+            error=error)
         self._live.pop(request.request_id, None)
 
     # ---- offline convenience -----------------------------------------------------------------------------------
+    def _add_all(self, prompts, params) -> list[str]:
+        """Check every prompt, then queue them all (a bad one raises before any is queued)."""
+        prompts = prompt_list(prompts)
+        param_list = params_list(params, len(prompts))
+        with self._lock:
+            requests: list[Request] = []
+            for p, sp in zip(prompts, param_list, strict=True):
+                requests.append(self._make_request(p, sp, None, None, reserved={r.request_id for r in requests}))
+            return [self._queue(r) for r in requests]
+
+    def _release(self, request_ids: list[str]) -> None:
+        """Abort the caller's unfinished requests and drop outputs it did not take (interrupt, error, early close)."""
+        with self._lock:
+            for rid in request_ids:
+                self._inboxes.pop(rid, None)
+                if rid in self._live:
+                    self.abort(rid)
+                self._finished.pop(rid, None)
+
+    def _advance(self) -> None:
+        """One step by this caller (any caller's step serves everyone's requests)."""
+        if not self.step() and not self.scheduler.running:
+            time.sleep(1e-3)  # dynamic batching waiting for its window, or another thread holds the work
+
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
         """Run prompts to completion (together with anything already queued); outputs in prompt order.
 
-        Every prompt is checked before any is queued, so a bad one raises without starting the others.
+        Every prompt is checked before any is queued, so a bad one raises without starting the others.  A request
+        that fails while running comes back with ``finish_reason="error"`` and its ``error``; the others complete.
+        On any exception or interrupt (Ctrl-C) the call's unfinished requests are aborted and their blocks freed.
         """
-        prompt_list = [prompts] if isinstance(prompts, str) or _is_ids(prompts) else list(prompts)
-        if not prompt_list:
-            raise ValueError("no prompts given")
-        params = params if params is not None else SamplingParams()
-        param_list = [params] * len(prompt_list) if isinstance(params, SamplingParams) else list(params)
-        if len(param_list) != len(prompt_list):
-            raise ValueError(f"got {len(prompt_list)} prompts but {len(param_list)} SamplingParams")
-        requests = [self._make_request(p, sp, None, None)
-                    for p, sp in zip(prompt_list, param_list, strict=True)]
-        for r in requests:
-            self.scheduler.add(r)
-            self._live[r.request_id] = r
-        pending = {r.request_id for r in requests}
-        while pending & self._live.keys():
-            if not self.step() and not self.scheduler.running:
-                time.sleep(1e-3)  # dynamic batching: waiting for the window to close
-        return [self.pop_output(r.request_id) for r in requests]
+        rids = self._add_all(prompts, params)
+        try:
+            while any(r in self._live for r in rids):
+                self._advance()
+            with self._lock:
+                return [self._finished.pop(r) for r in rids]
+        finally:
+            self._release(rids)
 
-
-def _is_ids(x) -> bool:
-    return isinstance(x, torch.Tensor) or (isinstance(x, (list, tuple)) and len(x) > 0 and isinstance(x[0], int))
+    def stream(self, prompts: Prompt | Sequence[Prompt],
+               params: SamplingParams | Sequence[SamplingParams] | None = None) -> Iterator[StepOutput]:
+        """Yield the ``StepOutput`` updates of these prompts (all decode together, with anything else queued) until
+        all have finished.  Same checks and limits as ``generate``.  When the generator is closed early, or the
+        consumer raises or is interrupted, the unfinished requests are aborted and their blocks freed."""
+        rids = self._add_all(prompts, params)
+        inbox: deque[StepOutput] = deque()
+        with self._lock:
+            for r in rids:
+                self._inboxes[r] = inbox  # every step, whoever runs it, delivers these requests' updates here
+        try:
+            while True:
+                with self._lock:
+                    ready = list(inbox)
+                    inbox.clear()
+                    done = not any(r in self._live for r in rids)
+                if ready:
+                    yield from ready
+                elif done:
+                    return
+                else:
+                    self._advance()
+        finally:
+            self._release(rids)

@@ -168,14 +168,15 @@ class Scheduler:
         self.requests[request.request_id] = request
         self.waiting.append(seq)
 
-    def abort(self, request_id: str) -> None:
-        """Finish every sequence of a request as aborted and free its blocks (device and host)."""
+    def abort(self, request_id: str, status: SequenceStatus = SequenceStatus.FINISHED_ABORTED) -> None:
+        """Finish every sequence of a request as aborted (or ``FINISHED_ERROR``) and free its blocks (device and
+        host).  A parent not yet forked ends the request: its siblings will never be made."""
         request = self.requests.get(request_id)
         if request is None:
             raise KeyError(f"unknown or already finished request {request_id!r}")
         for seq in request.seqs:
             if not seq.status.finished:
-                self.finish(seq, SequenceStatus.FINISHED_ABORTED)
+                self.finish(seq, status)
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)
@@ -198,7 +199,7 @@ class Scheduler:
         request = seq.request
         if self.batch is not None and request.request_id in self.batch:
             self.batch_finished_rows += 1
-        if status is SequenceStatus.FINISHED_ABORTED or request.finished:
+        if status in (SequenceStatus.FINISHED_ABORTED, SequenceStatus.FINISHED_ERROR) or request.finished:
             self.requests.pop(request.request_id, None)
             if self.batch is not None:
                 self.batch.discard(request.request_id)
@@ -207,12 +208,12 @@ class Scheduler:
     def schedule(self, now: float) -> SchedulerOutput:
         """Choose this step's chunks within the token, sequence and block budgets (see the module docstring)."""
         out = SchedulerOutput()
-        budget = [self.config.max_num_batched_tokens]  # tokens left this step (a list so helpers can spend it)
+        budget = self.config.max_num_batched_tokens  # tokens left this step; each phase returns what it leaves
         self._form_batch(now)
-        self._schedule_decodes(out, budget)
-        self._schedule_prefills(out, budget)
+        budget = self._schedule_decodes(out, budget)
+        budget = self._schedule_prefills(out, budget)
         if not out.preempted:  # just ran out of blocks: bringing sequences back now would only thrash
-            self._swap_in(out, budget)
+            budget = self._swap_in(out, budget)
             if not self.swapped:  # swapped sequences go first: they are older than anything waiting
                 self._admit(out, budget, now)
         if self.policy is not Policy.CONTINUOUS and self.config.pad_batches and out.scheduled:
@@ -229,13 +230,15 @@ class Scheduler:
         """A decode: the last sampled token has no KV slot yet (a prefill's tokens got theirs at admission)."""
         return self.block_manager.num_tokens(seq.seq_id) < seq.num_tokens
 
-    def _schedule_decodes(self, out: SchedulerOutput, budget: list[int]) -> None:
+    def _schedule_decodes(self, out: SchedulerOutput, budget: int) -> int:
+        """One token for each running sequence that has sampled, preempting the newest when blocks run out;
+        returns the budget left."""
         bm = self.block_manager
         for seq in list(self.running):  # oldest first; victims come off the newest end, so never one scheduled
             if seq.status is not SequenceStatus.RUNNING or not self._needs_slot(seq):
                 continue
-            if budget[0] == 0:
-                return
+            if budget == 0:
+                return 0
             while not bm.can_append(seq.seq_id, 1):
                 victim = self.running[-1]
                 self._preempt(victim, out)
@@ -244,26 +247,27 @@ class Scheduler:
             if seq.status is SequenceStatus.RUNNING:
                 out.copies += bm.append_slots(seq.seq_id, seq.token_ids[bm.num_tokens(seq.seq_id):])
                 out.scheduled.append(ScheduledSeq(seq, seq.num_computed, seq.num_tokens - seq.num_computed))
-                budget[0] -= out.scheduled[-1].num_tokens
+                budget -= out.scheduled[-1].num_tokens
+        return budget
 
-    def _schedule_prefills(self, out: SchedulerOutput, budget: list[int]) -> None:
+    def _schedule_prefills(self, out: SchedulerOutput, budget: int) -> int:
+        """The next chunk of each running sequence still prefilling; returns the budget left."""
         scheduled = {s.seq.seq_id for s in out.scheduled}
         for seq in self.running:
             if seq.seq_id in scheduled or self._needs_slot(seq):
                 continue
-            if budget[0] == 0:
-                return
-            self._schedule_chunk(seq, out, budget)
+            if budget == 0:
+                return 0
+            budget -= self._schedule_chunk(seq, out, budget)
+        return budget
 
-    def _schedule_chunk(self, seq: Sequence, out: SchedulerOutput, budget: list[int]) -> bool:
-        """Schedule as much of ``seq``'s uncomputed tokens as the budget allows; False if nothing was scheduled."""
-        n = prefill_chunk_len(seq.num_tokens - seq.num_computed, budget[0], self.config.max_num_batched_tokens,
+    def _schedule_chunk(self, seq: Sequence, out: SchedulerOutput, budget: int) -> int:
+        """Schedule as much of ``seq``'s uncomputed tokens as ``budget`` allows; returns how many (0: none)."""
+        n = prefill_chunk_len(seq.num_tokens - seq.num_computed, budget, self.config.max_num_batched_tokens,
                               self.config.chunked_prefill)
-        if n == 0:
-            return False
-        out.scheduled.append(ScheduledSeq(seq, seq.num_computed, n))
-        budget[0] -= n
-        return True
+        if n > 0:
+            out.scheduled.append(ScheduledSeq(seq, seq.num_computed, n))
+        return n
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         bm = self.block_manager
@@ -287,34 +291,37 @@ class Scheduler:
     def _num_seq_slots(self) -> int:
         return sum(s.seq_slots for s in self.running)
 
-    def _swap_in(self, out: SchedulerOutput, budget: list[int]) -> None:
+    def _swap_in(self, out: SchedulerOutput, budget: int) -> int:
+        """Bring swapped sequences back, oldest first, while slots and blocks allow; returns the budget left."""
         bm = self.block_manager
         while self.swapped:
             seq = self.swapped[0]
             if self._num_seq_slots() + seq.seq_slots > self.config.max_num_seqs or not bm.can_swap_in(seq.seq_id):
-                return
+                return budget
             out.copies += bm.swap_in(seq.seq_id)
             self.swapped.pop(0)
             seq.status = SequenceStatus.RUNNING
             bisect.insort(self.running, seq, key=lambda s: s.priority)
-            if budget[0] == 0:
+            if budget == 0:
                 continue
             if not self._needs_slot(seq):
-                self._schedule_chunk(seq, out, budget)
+                budget -= self._schedule_chunk(seq, out, budget)
             elif bm.can_append(seq.seq_id, 1):  # else it decodes next step, preempting if it must
                 out.copies += bm.append_slots(seq.seq_id, seq.token_ids[bm.num_tokens(seq.seq_id):])
                 out.scheduled.append(ScheduledSeq(seq, seq.num_computed, seq.num_tokens - seq.num_computed))
-                budget[0] -= out.scheduled[-1].num_tokens
+                budget -= out.scheduled[-1].num_tokens
+        return budget
 
-    def _admit(self, out: SchedulerOutput, budget: list[int], now: float) -> None:
+    def _admit(self, out: SchedulerOutput, budget: int, now: float) -> None:
+        """Admit waiting sequences first-come-first-served while seats, blocks and ``budget`` allow."""
         bm, c = self.block_manager, self.config
-        while self.waiting and budget[0] > 0:
+        while self.waiting and budget > 0:
             seq = self.waiting[0]
             if self.policy is not Policy.CONTINUOUS and seq.request.request_id not in (self.batch or ()):
                 return  # static/dynamic: only the batch in flight runs, until all of it has finished
             if self._num_seq_slots() + seq.seq_slots > c.max_num_seqs or not bm.can_allocate(seq.token_ids):
                 return  # first come, first served: nothing overtakes the head of the queue
-            if not c.chunked_prefill and budget[0] < min(seq.num_tokens, c.max_num_batched_tokens):
+            if not c.chunked_prefill and budget < min(seq.num_tokens, c.max_num_batched_tokens):
                 return
             hits = bm.allocate(seq.seq_id, seq.token_ids)
             self.waiting.popleft()
@@ -324,7 +331,7 @@ class Scheduler:
                 seq.metrics.first_scheduled_s = now
                 seq.metrics.prefix_hit_tokens = hits
             bisect.insort(self.running, seq, key=lambda s: s.priority)
-            self._schedule_chunk(seq, out, budget)
+            budget -= self._schedule_chunk(seq, out, budget)
 
     def _form_batch(self, now: float) -> None:
         """Static/dynamic: when no batch is in flight, start one from the head of the waiting queue."""

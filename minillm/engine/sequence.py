@@ -3,7 +3,7 @@
 A request (one prompt, one ``SamplingParams``) owns ``n`` sequences: one until its prompt is prefilled, then ``n``
 that share the prompt's KV blocks (``BlockManager.fork``).  Every sequence is in one ``SequenceStatus``:
 
-    WAITING ──admit──▶ RUNNING ──EOS / stop / max_tokens──▶ FINISHED_*
+    WAITING ──admit──▶ RUNNING ──EOS / stop / max_tokens──▶ FINISHED_*   (abort / error: from any state)
        ▲                  │  ▲
        └──preempt (recompute): blocks freed, outputs kept, prefilled again later
                           └──preempt (swap)──▶ SWAPPED ──swap in──┘
@@ -32,11 +32,12 @@ class SequenceStatus(Enum):
     FINISHED_STOPPED = "stop"  # EOS or a stop string
     FINISHED_LENGTH = "length"  # max_tokens or the context end
     FINISHED_ABORTED = "abort"  # LLMEngine.abort
+    FINISHED_ERROR = "error"  # running, sampling or detokenizing this request raised: it ends alone
 
     @property
     def finished(self) -> bool:
         return self in (SequenceStatus.FINISHED_STOPPED, SequenceStatus.FINISHED_LENGTH,
-                        SequenceStatus.FINISHED_ABORTED)
+                        SequenceStatus.FINISHED_ABORTED, SequenceStatus.FINISHED_ERROR)
 
 
 @dataclass(eq=False)
@@ -47,7 +48,7 @@ class Request:
     prompt_token_ids: list[int]
     params: SamplingParams
     arrival_time: float
-    generators: list[torch.Generator | None]  # one per sample: seed + i when seeded
+    generators: list[torch.Generator | None]  # one per sample (sample_seed(seed, i)) when seeded
     order: int = 0  # arrival counter: breaks arrival-time ties first-come-first-served
     prompt: str | None = None
     seqs: list[Sequence] = field(default_factory=list)

@@ -1,28 +1,28 @@
 """Generation loops: the naive one (recompute everything each step) and the cached one (prefill, then decode).
 
-Both take a batch of token-id prompts of different lengths and per-request ``SamplingParams`` and yield
-tokens as they are produced, so callers can stream.  The naive loop is the reference the cached loop is
-tested against; it costs O(T²) attention per token, the cached loop O(T).
+Both take a batch of token-id prompts of different lengths and per-request ``SamplingParams`` and yield each
+token as it is produced (a ``StepOutput`` whose ``request_id`` is the prompt's index as a string, no text: these
+loops have no tokenizer), so callers can stream; when a loop ends it *returns* the final ``SequenceState``s
+(``states = yield from stream_cached(...)``, or ``generate()`` below).  The naive loop is the reference the cached
+loop is tested against; it costs O(T²) attention per token, the cached loop O(T).  ``LLM`` and ``LLMEngine`` do not
+run on these loops: they are the plain references of notebooks 01–02 that the engine is tested against.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Generator, Sequence
 from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 
+from minillm.engine.inputs import params_list, validate_prompts
 from minillm.kv.contiguous import KVCache, SlidingWindowKVCache
 from minillm.models.llama import Transformer
-from minillm.outputs import RequestMetrics
+from minillm.outputs import RequestMetrics, StepOutput
 from minillm.sampling.params import SamplingParams
 from minillm.sampling.sampler import make_generator, sample
-
-# (request index, all output ids so far) -> True to stop that request (stop strings live in the caller,
-# which has the tokenizer).
-StopChecker = Callable[[int, list[int]], bool]
 
 
 @dataclass
@@ -45,31 +45,12 @@ class SequenceState:
         return len(self.prompt) + len(self.output)
 
 
-@dataclass
-class TokenEvent:
-    """A token just produced for request ``index``; ``finish_reason`` is set on its last token."""
-
-    index: int
-    token_id: int
-    finish_reason: str | None
-
-
-def validate_prompts(prompts: Sequence[Sequence[int]], max_len: int, vocab_size: int) -> None:
-    """Reject empty prompts, prompts that leave no room in the context, and out-of-vocabulary ids."""
-    for i, p in enumerate(prompts):
-        if len(p) == 0:
-            raise ValueError(f"prompt {i} is empty: pass at least one token (or a non-empty string)")
-        if len(p) >= max_len:
-            raise ValueError(f"prompt {i} has {len(p)} tokens but the model's context is {max_len} tokens "
-                             f"(room is needed for at least one output token): shorten the prompt")
-        bad = [t for t in p if not 0 <= t < vocab_size]
-        if bad:
-            raise ValueError(f"prompt {i} has token ids outside [0, {vocab_size}): {bad[:5]}")
+# What a loop yields per token, and what it returns when every request has finished.
+Stream = Generator[StepOutput, None, list["SequenceState"]]
 
 
 def _start(model: Transformer, prompts, params) -> list[SequenceState]:
-    if len(prompts) != len(params):
-        raise ValueError(f"got {len(prompts)} prompts but {len(params)} SamplingParams")
+    params = params_list(params, len(prompts))
     validate_prompts(prompts, model.config.max_position_embeddings, model.config.vocab_size)
     now = time.perf_counter()
     return [SequenceState(list(p), sp, make_generator(sp, model.device),
@@ -77,7 +58,8 @@ def _start(model: Transformer, prompts, params) -> list[SequenceState]:
             for p, sp in zip(prompts, params, strict=True)]
 
 
-def _append(seq: SequenceState, token: int, eos_ids: frozenset[int], max_len: int, stop_checker, index: int) -> None:
+def _append(seq: SequenceState, token: int, eos_ids: frozenset[int], max_len: int, index: int) -> StepOutput:
+    """Record a sampled token and whether it ends the request; returns the update to yield."""
     now = time.perf_counter()
     seq.output.append(token)
     m = seq.metrics
@@ -87,12 +69,11 @@ def _append(seq: SequenceState, token: int, eos_ids: frozenset[int], max_len: in
         m.first_token_s = now
     if token in eos_ids and not seq.params.ignore_eos:
         seq.finish_reason = "stop"
-    elif stop_checker is not None and stop_checker(index, seq.output):
-        seq.finish_reason = "stop"
     elif len(seq.output) >= seq.params.max_tokens or seq.length >= max_len:
         seq.finish_reason = "length"
     if seq.done:
         m.finish_s = now
+    return StepOutput(str(index), 0, [token], "", seq.finish_reason, metrics=m if seq.done else None)
 
 
 def _right_pad(rows: list[list[int]], device) -> tuple[Tensor, Tensor, Tensor]:
@@ -105,13 +86,11 @@ def _right_pad(rows: list[list[int]], device) -> tuple[Tensor, Tensor, Tensor]:
 
 
 @torch.inference_mode()
-def stream_naive(model: Transformer, prompts: Sequence[Sequence[int]], params: Sequence[SamplingParams],
-                 eos_ids: Sequence[int] = (), stop_checker: StopChecker | None = None,
-                 sequences: list | None = None) -> Iterator[TokenEvent]:
-    """Recompute the whole sequence every step (no cache): the reference.  Yields tokens as produced."""
+def stream_naive(model: Transformer, prompts: Sequence[Sequence[int]],
+                 params: SamplingParams | Sequence[SamplingParams], eos_ids: Sequence[int] = ()) -> Stream:
+    """Recompute the whole sequence every step (no cache): the reference.  Yields tokens as produced and
+    returns the final ``SequenceState``s."""
     seqs = _start(model, prompts, params)
-    if sequences is not None:
-        sequences.extend(seqs)
     eos, max_len = frozenset(eos_ids), model.config.max_position_embeddings
     while active := [i for i, s in enumerate(seqs) if not s.done]:
         ids, positions, last = _right_pad([seqs[i].prompt + seqs[i].output for i in active], model.device)
@@ -119,23 +98,20 @@ def stream_naive(model: Transformer, prompts: Sequence[Sequence[int]], params: S
         logits = model.compute_logits(hidden[torch.arange(len(active)), last]).float()  # (B, V)
         tokens = sample(logits, [seqs[i].params for i in active], [seqs[i].generator for i in active])
         for i, t in zip(active, tokens, strict=True):
-            _append(seqs[i], t, eos, max_len, stop_checker, i)
-            yield TokenEvent(i, t, seqs[i].finish_reason)
+            yield _append(seqs[i], t, eos, max_len, i)
+    return seqs
 
 
 @torch.inference_mode()
-def stream_cached(model: Transformer, prompts: Sequence[Sequence[int]], params: Sequence[SamplingParams],
-                  eos_ids: Sequence[int] = (), stop_checker: StopChecker | None = None,
-                  sequences: list | None = None) -> Iterator[TokenEvent]:
+def stream_cached(model: Transformer, prompts: Sequence[Sequence[int]],
+                  params: SamplingParams | Sequence[SamplingParams], eos_ids: Sequence[int] = ()) -> Stream:
     """Prefill all prompts in one right-padded forward, then decode one token per sequence per step.
 
     The cache holds max(prompt + max_tokens) slots per sequence (capped by the context).  Finished rows
     stay in the batch with a frozen position until all are done: simple, and the wasted work is what
-    continuous batching (the engine) removes.
+    continuous batching (the engine) removes.  Returns the final ``SequenceState``s.
     """
     seqs = _start(model, prompts, params)
-    if sequences is not None:
-        sequences.extend(seqs)
     eos, max_len = frozenset(eos_ids), model.config.max_position_embeddings
     cache_len = min(max_len, max(len(s.prompt) + s.params.max_tokens for s in seqs))
     window = model.config.sliding_window
@@ -157,11 +133,10 @@ def stream_cached(model: Transformer, prompts: Sequence[Sequence[int]], params: 
         tokens = sample(logits[active], [seqs[i].params for i in active], [seqs[i].generator for i in active])
         step_ids = torch.zeros(B, 1, dtype=torch.long, device=model.device)
         for i, t in zip(active, tokens, strict=True):
-            _append(seqs[i], t, eos, cache_len, stop_checker, i)
-            yield TokenEvent(i, t, seqs[i].finish_reason)
+            yield _append(seqs[i], t, eos, cache_len, i)
         still = [i for i in active if not seqs[i].done]
         if not still:
-            return
+            return seqs
         idx = torch.tensor(still, device=model.device)
         pos[idx] += 1  # finished rows keep rewriting their last slot, harmlessly
         step_ids[idx, 0] = torch.tensor([seqs[i].output[-1] for i in still], device=model.device)
@@ -171,13 +146,11 @@ def stream_cached(model: Transformer, prompts: Sequence[Sequence[int]], params: 
 
 
 def generate(model: Transformer, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams],
-             *, eos_ids: Sequence[int] = (), cached: bool = True,
-             stop_checker: StopChecker | None = None) -> list[SequenceState]:
+             *, eos_ids: Sequence[int] = (), cached: bool = True) -> list[SequenceState]:
     """Run a loop to completion and return each request's ``SequenceState`` (output ids, finish reason, metrics)."""
-    if isinstance(params, SamplingParams):
-        params = [params] * len(prompts)
-    seqs: list[SequenceState] = []
-    loop = stream_cached if cached else stream_naive
-    for _ in loop(model, prompts, params, eos_ids, stop_checker, seqs):
-        pass
-    return seqs
+    loop = (stream_cached if cached else stream_naive)(model, prompts, params, eos_ids)
+    while True:
+        try:
+            next(loop)
+        except StopIteration as done:  # a generator's return value travels in StopIteration
+            return done.value

@@ -32,20 +32,25 @@ def _params(a):
 
 
 def _stream_reply(llm, prompt, params, out=sys.stdout):
-    """Stream one reply to ``out``; return its RequestOutput."""
-    states: list = []
-    for ev in llm.stream([prompt], params, states):
-        out.write(ev.delta)
+    """Stream one reply to ``out``; return (its text, its RequestMetrics from the last update)."""
+    text, metrics = [], None
+    for update in llm.stream([prompt], params):
+        if update.finish_reason == "error":
+            raise RuntimeError(f"generation failed: {update.error}")
+        out.write(update.text)
         out.flush()
+        text.append(update.text)
+        if update.finished:
+            metrics = update.metrics
     out.write("\n")
-    return states[0]
+    return "".join(text), metrics
 
 
-def _print_metrics(llm, state, out=sys.stderr) -> None:
+def _print_metrics(llm, m, out=sys.stderr) -> None:
+    """TTFT, TPOT and decode rate of one reply, and the memory bandwidth its decode achieved (MBU)."""
     from minillm.perf.hardware import measure_device
     from minillm.perf.roofline import decode_step_cost
 
-    m = state.metrics
     line = (f"[{m.prompt_tokens} prompt + {m.output_tokens} output tokens] TTFT {m.ttft_s * 1e3:.0f} ms | "
             f"TPOT {m.tpot_s * 1e3:.1f} ms | decode {m.decode_tokens_per_s:.1f} tok/s")
     if m.output_tokens > 1:
@@ -67,8 +72,8 @@ def cmd_generate(a) -> int:
           f"{llm.model.config.num_parameters() / 1e6:.0f}M params, {llm.model.dtype}, {llm.model.device}]",
           file=sys.stderr)
     prompt = llm.apply_chat_template([{"role": "user", "content": a.prompt}]) if a.chat else a.prompt
-    state = _stream_reply(llm, prompt, _params(a))
-    _print_metrics(llm, state)
+    _, metrics = _stream_reply(llm, prompt, _params(a))
+    _print_metrics(llm, metrics)
     return 0
 
 
@@ -97,14 +102,14 @@ def cmd_chat(a) -> int:
         history.append({"role": "user", "content": text})
         sys.stdout.write("assistant> ")
         try:
-            state = _stream_reply(llm, llm.apply_chat_template(history), params)
+            reply, metrics = _stream_reply(llm, llm.apply_chat_template(history), params)
         except ValueError as e:  # e.g. the conversation outgrew the context: say so and keep chatting
             print(f"error: {e} (use /reset)", file=sys.stderr)
             history.pop()
             continue
-        history.append({"role": "assistant", "content": llm.tokenizer.decode(state.output, skip_special_tokens=True)})
+        history.append({"role": "assistant", "content": reply})
         if a.metrics:
-            _print_metrics(llm, state)
+            _print_metrics(llm, metrics)
 
 
 def cmd_bench(a) -> int:

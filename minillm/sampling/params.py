@@ -3,12 +3,24 @@
 from __future__ import annotations
 
 import math
+import numbers
+from collections.abc import Iterable
 from dataclasses import dataclass
+
+# Below this temperature sampling is greedy: logits / 1e-45 overflow fp32 to inf (softmax -> nan), and any
+# temperature this small already puts all the mass on the argmax.  The same floor as vLLM's _SAMPLING_EPS.
+MIN_TEMPERATURE = 1e-5
 
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How one request is decoded. Invalid values raise ``ValueError`` naming the parameter and its range."""
+    """How one request is decoded. Invalid values raise ``ValueError`` naming the parameter and its range.
+
+    Numbers may be any ``numbers.Integral`` / ``numbers.Real`` (numpy scalars included) and are stored as Python
+    ``int`` / ``float``.  ``temperature`` below ``MIN_TEMPERATURE`` (1e-5) is greedy.  ``stop``: None (no stop
+    strings), one string, or any iterable of strings (a generator is read once, here).  With ``n > 1`` and a
+    ``seed``, sample i draws from ``sample_seed(seed, i)`` (sample 0 from ``seed`` itself).
+    """
 
     max_tokens: int = 16
     temperature: float = 1.0
@@ -20,10 +32,22 @@ class SamplingParams:
     n: int = 1
 
     def __post_init__(self):
-        if isinstance(self.stop, str):
-            object.__setattr__(self, "stop", (self.stop,))
-        elif isinstance(self.stop, list):
-            object.__setattr__(self, "stop", tuple(self.stop))
+        stop = self.stop
+        if stop is None:
+            stop = ()
+        elif isinstance(stop, str):
+            stop = (stop,)
+        elif isinstance(stop, Iterable) and not isinstance(stop, (bytes, bytearray)):
+            stop = tuple(stop)  # materialised once: a generator must not be consumed by the checks below
+        object.__setattr__(self, "stop", stop)
+        for name in ("max_tokens", "top_k", "n", "seed"):  # numpy ints -> int (after the type check below)
+            v = getattr(self, name)
+            if _is_int(v):
+                object.__setattr__(self, name, int(v))
+        for name in ("temperature", "top_p"):
+            v = getattr(self, name)
+            if _is_real(v):
+                object.__setattr__(self, name, float(v))
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         if not _is_real(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
@@ -34,7 +58,7 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1] (1 disables it), got {self.top_p!r}")
         if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < 2**63):
             raise ValueError(f"seed must be None or an integer in [0, 2**63), got {self.seed!r}")
-        if not all(isinstance(s, str) and s for s in self.stop):
+        if not isinstance(self.stop, tuple) or not all(isinstance(s, str) and s for s in self.stop):
             raise ValueError(f"stop must be a string or a list of non-empty strings, got {self.stop!r}")
         if not _is_int(self.n) or self.n < 1:
             raise ValueError(f"n must be an integer >= 1, got {self.n!r}")
@@ -43,12 +67,13 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        """Temperature 0 — or below ``MIN_TEMPERATURE``, where sampling is the argmax anyway."""
+        return self.temperature < MIN_TEMPERATURE
 
 
 def _is_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
 
 
 def _is_real(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
+    return isinstance(v, numbers.Real) and not isinstance(v, bool)

@@ -6,10 +6,12 @@ Filters apply in the order temperature → top-k → top-p, each on the result o
 
 from __future__ import annotations
 
+import hashlib
+
 import torch
 from torch import Tensor
 
-from minillm.sampling.params import SamplingParams
+from minillm.sampling.params import MIN_TEMPERATURE, SamplingParams
 
 
 def top_k_mask(logits: Tensor, k: int) -> Tensor:
@@ -38,11 +40,27 @@ def top_p_mask(logits: Tensor, p: float) -> Tensor:
 
 
 def probabilities(logits: Tensor, params: SamplingParams) -> Tensor:
-    """The distribution a non-greedy request samples from.  logits [V] or [B, V] -> probs, fp32."""
-    x = logits.float() / params.temperature
+    """The distribution a non-greedy request samples from.  logits [V] or [B, V] -> probs, fp32.
+
+    The logits are shifted so their maximum is 0 before dividing by the temperature (floored at
+    ``MIN_TEMPERATURE``): every scaled value is then <= 0, so a tiny temperature underflows to -inf (probability 0)
+    instead of overflowing to inf, and the argmax keeps probability > 0; a huge one flattens to uniform.
+    """
+    x = logits.float()
+    masked = x == float("-inf")  # stays -inf: a huge temperature (inf in fp32) would turn -inf / inf into nan
+    x = ((x - x.amax(dim=-1, keepdim=True)) / max(params.temperature, MIN_TEMPERATURE)).masked_fill(masked, -torch.inf)
     x = top_k_mask(x, params.top_k)
     x = top_p_mask(x, params.top_p)
     return x.softmax(dim=-1)
+
+
+def sample_seed(seed: int, index: int) -> int:
+    """The seed of sample ``index`` of a request seeded with ``seed``: ``seed`` itself for sample 0, else a hash of
+    (seed, index) in [0, 2**63).  ``seed + index`` would make sample 1 of seed 0 repeat sample 0 of seed 1."""
+    if index == 0:
+        return seed
+    digest = hashlib.blake2b(f"{seed}:{index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
 
 
 def make_generator(params: SamplingParams, device: torch.device | str = "cpu") -> torch.Generator | None:

@@ -15,6 +15,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from minillm import LLM, EngineConfig, LLMEngine, ModelConfig, SamplingParams
 from minillm.engine.simple import generate
 from minillm.models.loader import build_model
+from minillm.sampling.sampler import sample_seed
 
 V = 320
 
@@ -154,7 +155,7 @@ def test_parallel_samples_share_prompt_blocks_and_match_seeded_solo_runs(model, 
     out = eng.generate([prompt], params)[0]
     assert len(out.outputs) == 4 and out.token_ids == out.outputs[0].token_ids
     for i, sample in enumerate(out.outputs):
-        want = generate(model, [prompt], dataclasses.replace(params, n=1, seed=7 + i))[0].output
+        want = generate(model, [prompt], dataclasses.replace(params, n=1, seed=sample_seed(7, i)))[0].output
         assert sample.index == i and sample.token_ids == want
     assert len({tuple(s.token_ids) for s in out.outputs}) > 1
     assert eng.stats.peak_used_blocks < 4 * solo_eng.stats.peak_used_blocks
@@ -164,7 +165,8 @@ def test_parallel_samples_share_prompt_blocks_and_match_seeded_solo_runs(model, 
 def test_parallel_samples_survive_preemption(model, workload):
     prompt = workload[0][0]
     params = SamplingParams(n=3, max_tokens=12, temperature=0.9, seed=3, ignore_eos=True)
-    want = [generate(model, [prompt], dataclasses.replace(params, n=1, seed=3 + i))[0].output for i in range(3)]
+    want = [generate(model, [prompt], dataclasses.replace(params, n=1, seed=sample_seed(3, i)))[0].output
+            for i in range(3)]
     need = -(-(len(prompt) + 11) // 4)
     for preemption in ("recompute", "swap"):
         eng = engine(model, num_kv_blocks=need + 1, preemption=preemption)
@@ -285,8 +287,11 @@ def test_llm_forwards_engine_options_and_generate_matches_stream():
     assert llm.engine.config.max_num_seqs == 4 and llm.engine.kv_cache.k.shape[2] == 8
     params = SamplingParams(max_tokens=12, temperature=0)
     prompts = ["The capital of France is", "1, 2, 3, 4,", "Memory bandwidth"]
-    streamed = {}
-    for ev in llm.stream(prompts, params):
-        streamed[ev.index] = streamed.get(ev.index, "") + ev.delta
+    streamed, order = {}, []
+    for u in llm.stream(prompts, params):
+        if u.request_id not in streamed:
+            order.append(u.request_id)
+        streamed[u.request_id] = streamed.get(u.request_id, "") + u.text
     outs = llm.generate(prompts, params)
-    assert [o.text for o in outs] == [streamed[i] for i in range(3)]
+    assert [o.text for o in outs] == [streamed[r] for r in order] and all(o.text for o in outs)
+    assert llm.engine.num_live_requests == 0 and llm.engine.block_manager.device.num_used == 0
