@@ -21,9 +21,10 @@ dtype)`` resolves every op at once into a ``KernelOps`` that layers and caches c
 and the environment they depend on (native library built, triton installed, ``TRITON_INTERPRET``), so a forward
 pass pays one dictionary lookup, not a decision per layer.
 
-Adding a kernel is one row of ``KERNELS``: a Triton dequant GEMV for an existing op is
-``Kernel("int4_linear", "triton", "minillm.kernels.triton.dequant:int4_linear", auto_on=("cuda",))``; a new op adds
-its reference row and one ``KernelOps`` field (its signature, documented there).  No model code changes.
+Adding a kernel for an op is one row of ``KERNELS``, e.g. a Triton dequant GEMV
+``Kernel("int4_linear", "triton", "minillm.kernels.triton.dequant:int4_linear", auto_on=("cuda",))``; a new op
+(``int4_linear`` itself) is its reference row plus one ``KernelOps`` field, where its signature is documented.
+Layers call ``ops.<op>``: no model code branches on the choice.
 """
 
 from __future__ import annotations
