@@ -164,7 +164,6 @@ def _rope_settings(d: dict) -> tuple[float, RopeScaling]:
 
 POLICIES = ("continuous", "dynamic", "static")
 PREEMPTION_MODES = ("recompute", "swap")
-ATTENTION_IMPLS = ("auto", "triton", "torch")
 DEFAULT_KV_CACHE_BYTES = 256 * 2**20  # when neither num_kv_blocks nor kv_cache_bytes is given: fits a laptop
 
 
@@ -190,8 +189,8 @@ class EngineConfig:
       and prefills it again later, "swap" copies its blocks to ``num_host_blocks`` host blocks (default: as many as
       on the device) and back.
     - ``max_model_len``: cap on prompt + output tokens (default: the model's context).
-    - ``attention_impl``: ``impl`` of the ``minillm.kernels`` attention calls ("auto": as the model's ``kernels``).
     - ``return_logits``: each step update carries the fp32 logits its token was sampled from (tests, notebooks).
+    The kernels are the model's choice (``load_model(kernels=...)``, ``Transformer.set_kernels``), not the engine's.
     """
 
     policy: str = "continuous"
@@ -207,7 +206,6 @@ class EngineConfig:
     dynamic_window_s: float = 0.1
     pad_batches: bool = True
     max_model_len: int | None = None
-    attention_impl: str = "auto"
     return_logits: bool = False
 
     def __post_init__(self):
@@ -215,9 +213,6 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.policy must be one of {POLICIES}, got {self.policy!r}")
         if self.preemption not in PREEMPTION_MODES:
             raise ValueError(f"EngineConfig.preemption must be one of {PREEMPTION_MODES}, got {self.preemption!r}")
-        if self.attention_impl not in ATTENTION_IMPLS:
-            raise ValueError(f"EngineConfig.attention_impl must be one of {ATTENTION_IMPLS}, "
-                             f"got {self.attention_impl!r}")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             value = getattr(self, name)
             if not _positive_int(value):

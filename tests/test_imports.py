@@ -103,8 +103,8 @@ def test_importing_minillm_loads_no_optional_heavy_dependency():
     import subprocess
     import sys
 
-    code = ("import sys, minillm; bad = [m for m in ('triton', 'fastapi', 'uvicorn', 'matplotlib') if m in sys.modules]; "
-            "print(','.join(bad))")
+    code = ("import sys, minillm; "
+            "print(','.join(m for m in ('triton', 'fastapi', 'uvicorn', 'matplotlib') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
     assert out == "", f"`import minillm` imported {out}: import them lazily where they are used"
 

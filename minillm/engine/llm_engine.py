@@ -38,7 +38,6 @@ from minillm.engine.model_runner import ModelRunner, StepResult
 from minillm.engine.scheduler import Scheduler, SchedulerOutput, SchedulerStats
 from minillm.engine.sequence import Request, SequenceStatus
 from minillm.engine.sequence import Sequence as Seq
-from minillm.kernels.select import attention_impl
 from minillm.kv.paged_cache import PagedKVCache, kv_bytes_per_block
 from minillm.models.llama import Transformer
 from minillm.outputs import CompletionOutput, RequestOutput, StepOutput
@@ -86,8 +85,7 @@ class LLMEngine:
                                    eos_token_ids=self.eos_token_ids)
         self.kv_cache = PagedKVCache(mc, num_blocks, config.block_size, dtype=model.dtype, device=model.device,
                                      num_host_blocks=num_host)
-        impl = config.attention_impl if config.attention_impl != "auto" else attention_impl(model.kernels)
-        self.runner = ModelRunner(model, self.kv_cache, self.scheduler.block_manager, impl)
+        self.runner = ModelRunner(model, self.kv_cache, self.scheduler.block_manager)
         self._detoks: dict[Seq, IncrementalDetokenizer] = {}
         self._finished: dict[str, RequestOutput] = {}  # finished, not yet popped: their ids are still busy
         self._live: dict[str, Request] = {}

@@ -6,10 +6,10 @@ twenty 1-token decodes cost T = 520 rows of every linear layer, which is where t
 Attention is the only per-sequence operation; ``PagedAttention`` does it through the block tables:
 
 - new K/V rows are scattered into their slots (``slot = block_id * block_size + offset``, from the BlockManager);
-- decode tokens go together through ``minillm.kernels.paged_decode_attention`` (Triton on CUDA, gather + softmax
-  reference elsewhere), or on CPU the native ``native.paged_decode_attention``;
+- decode tokens go together through the model's ``paged_decode_attention`` kernel (``kernels.select``: Triton on
+  CUDA, native on CPU, the gather + softmax reference elsewhere);
 - each prefill chunk gathers its sequence's blocks (earlier context + the chunk) and runs causal
-  ``minillm.kernels.flash_attention`` (Triton on CUDA, SDPA elsewhere) with the queries at the end of the keys.
+  ``prefill_attention`` (Triton on CUDA, SDPA elsewhere) with the queries at the end of the keys.
 
 Only the last row of each sequence that samples goes through the LM head (V × hidden, the largest matrix).
 
@@ -43,10 +43,11 @@ class StepResult:
 
 
 class ModelRunner:
-    """Runs a ``SchedulerOutput``: block copies, one packed forward, the LM head on sampling rows, sampling."""
+    """Runs a ``SchedulerOutput``: block copies, one packed forward, the LM head on sampling rows, sampling.
+    Attention runs on the model's kernels (``model.kernel_ops()``), the same the layers run on."""
 
-    def __init__(self, model: Transformer, kv: PagedKVCache, block_manager: BlockManager, attention_impl: str = "auto"):
-        self.model, self.kv, self.block_manager, self.attention_impl = model, kv, block_manager, attention_impl
+    def __init__(self, model: Transformer, kv: PagedKVCache, block_manager: BlockManager):
+        self.model, self.kv, self.block_manager = model, kv, block_manager
 
     def prepare(self, out: SchedulerOutput) -> tuple[Tensor, Tensor, AttentionMetadata, Tensor]:
         """Pack the scheduled chunks, then ``out.num_padding`` pad rows.
@@ -94,7 +95,7 @@ class ModelRunner:
         if out.is_empty:
             return StepResult([], None)
         input_ids, positions, meta, sample_rows = self.prepare(out)
-        cache = PagedAttention(self.kv, meta, self.attention_impl)
+        cache = PagedAttention(self.kv, meta, self.model.kernel_ops())
         hidden = self.model.hidden_states(input_ids, positions, cache)  # (1, T, hidden)
         samplers = [s for s in out.scheduled if s.samples]
         logits = self.model.compute_logits(hidden[0, sample_rows]).float()[: len(samplers)]  # (B_s, V), pads cut

@@ -1,4 +1,4 @@
-"""Kernels: fast paths with a plain PyTorch reference each.
+"""Kernels: fast paths with a plain PyTorch reference each, chosen in one place (``select.py``).
 
 - ``cpu/native``: native CPU kernels (C, compiled on first use): decode GEMV (reference ``F.linear``), RMSNorm,
   decode and paged decode attention.
@@ -9,9 +9,11 @@
 - ``paged_decode_attention``: the same over a paged KV cache addressed through block tables;
   Triton kernel in ``triton/paged_decode.py``, reference ``minillm.kernels.reference.paged_decode_attention_ref``.
 
-The three attention functions below validate their inputs (same checks whichever ``impl`` runs) and dispatch:
-``impl="auto"`` runs Triton on CUDA and the PyTorch reference elsewhere; ``"triton"`` forces the kernel (on CPU it
-needs ``TRITON_INTERPRET=1`` set before the kernel modules are imported); ``"torch"`` forces the reference.
+The three attention functions below validate their inputs (same checks whichever ``impl`` runs) and run what
+``select.resolve`` picks for ``impl`` (the vocabulary of ``select.CHOICES``): ``"auto"`` runs Triton on CUDA, the
+native kernel on CPU (fp32/bf16 decode, when the C library built) and the PyTorch reference elsewhere;
+``"triton"`` forces the kernel (on CPU it needs ``TRITON_INTERPRET=1`` set before the kernel modules are imported);
+``"native"`` the native CPU kernel where one exists (prefill has none: the reference); ``"torch"`` the reference.
 Importing ``minillm`` or this package never imports triton: the kernel modules load on first use.
 
 Why the kernel files are ``triton/flash.py`` and not ``flash_attention.py``: importing a submodule binds it as an
@@ -21,42 +23,17 @@ attribute of its package, so a module ``kernels/flash_attention.py`` would repla
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
-import os
-
 import torch
 from torch import Tensor
 
-from minillm.kernels import reference as _ref
+from minillm.kernels.select import check_choice, implementation, resolve, triton_available
 from minillm.kernels.validate import check_decode, check_paged, check_prefill
-
-IMPLS = ("auto", "triton", "torch")
-
-
-def triton_available() -> bool:
-    """Whether the ``triton`` package is installed (it is only in the ``gpu``/``dev`` extras)."""
-    return importlib.util.find_spec("triton") is not None
 
 
 def use_triton(impl: str, device: torch.device) -> bool:
-    """Resolve ``impl`` for tensors on ``device``: True to run the Triton kernel, False for the reference."""
-    if impl not in IMPLS:
-        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
-    if impl == "torch":
-        return False
-    if impl == "auto":
-        return device.type == "cuda" and triton_available()
-    if not triton_available():
-        raise RuntimeError("impl='triton' needs the triton package (pip install 'minillm[gpu]')")
-    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-        raise RuntimeError(f"impl='triton' on {device.type} tensors needs Triton's interpreter: set TRITON_INTERPRET=1 "
-                           "before minillm's Triton kernels are imported (or use impl='auto'/'torch', or CUDA tensors)")
-    return True
-
-
-def _kernel_module(name: str):
-    return importlib.import_module(f".{name}", __name__)
+    """Whether ``impl`` runs the Triton attention kernels for tensors on ``device`` (else native or reference)."""
+    check_choice(impl, "impl")
+    return resolve(impl, "prefill_attention", device, torch.float32).impl == "triton"
 
 
 # ---------------------------------------------------------------------------------------------- public functions
@@ -67,11 +44,10 @@ def flash_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = True, sm_
     ``causal``: the L queries are the last L of the S positions (query i sees keys j ≤ S - L + i), as in
     ``grouped_attention(causal=True)``; needs L ≤ S.  ``sm_scale`` defaults to D**-0.5.
     """
+    check_choice(impl, "impl")
     check_prefill(q, k, v, causal)
-    if use_triton(impl, q.device):
-        return _kernel_module("triton.flash").flash_attention_triton(q, k, v, causal=causal,
-                                                                               sm_scale=sm_scale)
-    return _ref.sdpa_attention(q, k, v, causal=causal, scale=sm_scale)  # fused; same answer as grouped_attention
+    fn = implementation(impl, "prefill_attention", q.device, q.dtype)
+    return fn(q, k, v, causal=causal, sm_scale=sm_scale)
 
 
 def decode_attention(q: Tensor, k: Tensor, v: Tensor, seq_lens: Tensor, *, sm_scale: float | None = None,
@@ -80,10 +56,9 @@ def decode_attention(q: Tensor, k: Tensor, v: Tensor, seq_lens: Tensor, *, sm_sc
 
     q [B, H_q, D], k/v [B, H_kv, S_max, D], seq_lens [B] int (1 ≤ seq_lens ≤ S_max) -> [B, H_q, D].
     """
+    check_choice(impl, "impl")
     check_decode(q, k, v, seq_lens)
-    if use_triton(impl, q.device):
-        return _kernel_module("triton.decode").decode_attention_triton(q, k, v, seq_lens, sm_scale=sm_scale)
-    return _ref.decode_attention(q, k, v, seq_lens, scale=sm_scale)
+    return implementation(impl, "decode_attention", q.device, q.dtype)(q, k, v, seq_lens, sm_scale=sm_scale)
 
 
 def paged_decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor, seq_lens: Tensor, *,
@@ -93,12 +68,10 @@ def paged_decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_ta
     q [B, H_q, D]; k_cache/v_cache [num_blocks, block_size, H_kv, D]; block_tables [B, max_blocks] int32;
     seq_lens [B] int (1 ≤ seq_lens ≤ max_blocks·block_size) -> [B, H_q, D].
     """
+    check_choice(impl, "impl")
     check_paged(q, k_cache, v_cache, block_tables, seq_lens)
-    if use_triton(impl, q.device):
-        mod = _kernel_module("triton.paged_decode")
-        return mod.paged_decode_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, sm_scale=sm_scale)
-    return _ref.paged_decode_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, scale=sm_scale)
+    fn = implementation(impl, "paged_decode_attention", q.device, q.dtype)
+    return fn(q, k_cache, v_cache, block_tables, seq_lens, sm_scale=sm_scale)
 
 
-__all__ = ["decode_attention", "flash_attention", "paged_decode_attention", "triton_available",
-           "use_triton"]
+__all__ = ["decode_attention", "flash_attention", "paged_decode_attention", "triton_available", "use_triton"]

@@ -1,12 +1,271 @@
-"""Which implementation runs each op."""
+"""The one place that picks which implementation runs each op, for a kernel choice, a device and a dtype.
+
+One vocabulary, used by ``load_model(kernels=...)``, ``LLM(kernels=...)``, ``Transformer.set_kernels``, the KV
+caches and the public ``minillm.kernels.*_attention(impl=...)`` functions:
+
+- ``"torch"``: the PyTorch references only (``F.linear``, fp32-statistics RMSNorm, SDPA / ``kernels.reference``).
+- ``"native"``: the native CPU kernels (``kernels/cpu/native.py``, plain C compiled on first use) wherever one
+  exists for the (op, device, dtype) — CPU fp32/bf16 linear, rms_norm, decode and paged decode attention — and the
+  references elsewhere.  RuntimeError if the C library did not build (no compiler, or ``MINILLM_DISABLE_NATIVE``).
+- ``"triton"``: the Triton attention kernels (prefill, decode, paged decode; ``kernels/triton/``) and the references
+  for the rest.  RuntimeError without the triton package, or on CPU tensors without ``TRITON_INTERPRET=1``.
+- ``"auto"`` (default): per op, the first kernel of the table that is "auto" on this device and can run here —
+  CPU, fp32/bf16, native library built: the native kernels (each still falls back to the reference past the row
+  limits of ``native.prefers_native`` / ``native.supports``: bf16 GEMV up to 4 rows, fp32 up to 32);
+  CUDA with triton installed: the Triton attention kernels (linear and rms_norm stay on torch);
+  anything else (fp16 on CPU, CUDA without triton, CPU without a compiler): the references.
+
+``resolve(choice, op, device, dtype)`` returns the table row (``Kernel``) that runs; ``ops_for(choice, device,
+dtype)`` resolves every op at once into a ``KernelOps`` that layers and caches call (``ops.linear(x, w, b)``);
+``describe`` names the choices (for notes and tests).  Resolutions are cached per (choice, op, device type, dtype)
+and the environment they depend on (native library built, triton installed, ``TRITON_INTERPRET``), so a forward
+pass pays one dictionary lookup, not a decision per layer.
+
+Adding a kernel for an op is one row of ``KERNELS``, e.g. a Triton dequant GEMV
+``Kernel("int4_linear", "triton", "minillm.kernels.triton.dequant:int4_linear", auto_on=("cuda",))``; a new op
+(``int4_linear`` itself) is its reference row plus one ``KernelOps`` field, where its signature is documented.
+Layers call ``ops.<op>``: no model code branches on the choice.
+"""
 
 from __future__ import annotations
 
-# "auto": the native CPU decode kernels on CPU, Triton attention on CUDA; "torch": the PyTorch references only;
-# "native": require the native CPU kernels; "triton": force the Triton attention kernels (CPU: TRITON_INTERPRET=1).
-KERNEL_CHOICES = ("auto", "torch", "native", "triton")
+import dataclasses
+import importlib
+import importlib.util
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import cache, lru_cache
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from minillm.kernels import reference as ref
+from minillm.kernels.cpu import native
+
+CHOICES = ("auto", "torch", "native", "triton")
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+NATIVE_DTYPES = (torch.float32, torch.bfloat16)  # the C kernels' two element types (csrc/native.c)
 
 
-def attention_impl(kernels: str) -> str:
-    """The ``impl`` argument of ``minillm.kernels`` attention functions for a model-level ``kernels`` choice."""
-    return {"auto": "auto", "native": "auto", "triton": "triton"}.get(kernels, "torch")
+@dataclass(frozen=True)
+class KernelOps:
+    """The implementation of every op for one (choice, device, dtype), as plain callables.
+
+    Shapes (B batch, L queries, S keys, H_q/H_kv heads, D head dim; ``sm_scale`` defaults to D**-0.5):
+    - ``linear(x [..., K], weight [N, K], bias [N] | None) -> [..., N]``
+    - ``rms_norm(x [..., K], weight [K], eps) -> [..., K]`` (fp32 statistics)
+    - ``prefill_attention(q [B, H_q, L, D], k, v [B, H_kv, S, D], *, causal, sm_scale) -> [B, H_q, L, D]``
+      (causal: the L queries are the last L of the S positions)
+    - ``decode_attention(q [B, H_q, D], k, v [B, H_kv, S_max, D], seq_lens [B], *, sm_scale) -> [B, H_q, D]``
+    - ``paged_decode_attention(q [B, H_q, D], k_cache, v_cache [num_blocks, block_size, H_kv, D],
+      block_tables [B, max_blocks] int32, seq_lens [B] int32, *, sm_scale) -> [B, H_q, D]``
+    Inputs are not validated here (the public ``minillm.kernels`` functions do that): callers are the model's
+    layers and caches, whose shapes are right by construction.
+    """
+
+    linear: Callable[..., Tensor]
+    rms_norm: Callable[..., Tensor]
+    prefill_attention: Callable[..., Tensor]
+    decode_attention: Callable[..., Tensor]
+    paged_decode_attention: Callable[..., Tensor]
+
+
+OPS = tuple(f.name for f in dataclasses.fields(KernelOps))
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """One implementation of one op: a row of ``KERNELS``.
+
+    ``fn`` is the callable (with the op's signature, see ``KernelOps``) or ``"module:name"``, imported when first
+    resolved (the Triton modules import triton, which ``import minillm`` must not).  ``devices``/``dtypes``: where
+    it can run; ``auto_on``: the device types where ``"auto"`` picks it.
+    """
+
+    op: str
+    impl: str  # "torch" | "native" | "triton"
+    fn: Callable[..., Tensor] | str
+    devices: tuple[str, ...] = ("cpu", "cuda")
+    dtypes: tuple[torch.dtype, ...] = FLOAT_DTYPES
+    auto_on: tuple[str, ...] = ()
+
+    def load(self) -> Callable[..., Tensor]:
+        """The callable itself (imports its module on first use)."""
+        return _import(self.fn) if isinstance(self.fn, str) else self.fn
+
+
+# ---------------------------------------------------------------- the references and the native kernels, one signature
+def _scale(q: Tensor, sm_scale: float | None) -> float:
+    return q.shape[-1] ** -0.5 if sm_scale is None else sm_scale
+
+
+def torch_rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """x [..., K] / rms(x) * weight [K], statistics in fp32 whatever the storage dtype (as transformers)."""
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
+    xf = x.float()  # half precision: fp32 statistics, round, then the weight multiply (as transformers)
+    return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def _torch_prefill(q, k, v, *, causal=True, sm_scale=None):
+    return ref.sdpa_attention(q, k, v, causal=causal, scale=sm_scale)  # fused; same answer as grouped_attention
+
+
+def _torch_decode(q, k, v, seq_lens, *, sm_scale=None):
+    return ref.decode_attention(q, k, v, seq_lens, scale=sm_scale)
+
+
+def _torch_paged(q, k_cache, v_cache, block_tables, seq_lens, *, sm_scale=None):
+    return ref.paged_decode_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, scale=sm_scale)
+
+
+def _native_linear(x, weight, bias=None):
+    # per call, not per resolution: the row count decides (a decode GEMV wins, a prefill GEMM is torch's)
+    if native.prefers_native(x, weight):
+        return native.linear(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
+def _native_rms_norm(x, weight, eps):
+    if native.supports(x, weight):
+        return native.rms_norm(x, weight, eps)  # decode rows: F.rms_norm's fixed cost (~35 µs) dominates there
+    return torch_rms_norm(x, weight, eps)
+
+
+def _native_decode(q, k, v, seq_lens, *, sm_scale=None):
+    D = q.shape[-1]
+    if k.stride(-1) != 1 or k.stride(-2) != D or k.stride() != v.stride():
+        k, v = k.contiguous(), v.contiguous()  # a cache's [:, :, :S] slices fit as they are; other views copy
+    return native.decode_attention(q, k, v, seq_lens, _scale(q, sm_scale))
+
+
+def _native_paged(q, k_cache, v_cache, block_tables, seq_lens, *, sm_scale=None):
+    # reads K/V through the tables in place: no gather (the reference copies every sequence's blocks)
+    return native.paged_decode_attention(q, k_cache.contiguous(), v_cache.contiguous(), block_tables,
+                                         seq_lens.to(torch.int32), _scale(q, sm_scale))
+
+
+_NATIVE = dict(devices=("cpu",), dtypes=NATIVE_DTYPES, auto_on=("cpu",))
+_TRITON = dict(auto_on=("cuda",))  # runs on CPU tensors too, in the interpreter: for tests, never chosen by "auto"
+
+# For each op, its torch reference and then the fast kernels in the order "auto" prefers them.
+KERNELS: tuple[Kernel, ...] = (
+    Kernel("linear", "torch", F.linear),
+    Kernel("linear", "native", _native_linear, **_NATIVE),
+    Kernel("rms_norm", "torch", torch_rms_norm),
+    Kernel("rms_norm", "native", _native_rms_norm, **_NATIVE),
+    Kernel("prefill_attention", "torch", _torch_prefill),
+    Kernel("prefill_attention", "triton", "minillm.kernels.triton.flash:flash_attention_triton", **_TRITON),
+    Kernel("decode_attention", "torch", _torch_decode),
+    Kernel("decode_attention", "native", _native_decode, **_NATIVE),
+    Kernel("decode_attention", "triton", "minillm.kernels.triton.decode:decode_attention_triton", **_TRITON),
+    Kernel("paged_decode_attention", "torch", _torch_paged),
+    Kernel("paged_decode_attention", "native", _native_paged, **_NATIVE),
+    Kernel("paged_decode_attention", "triton",
+           "minillm.kernels.triton.paged_decode:paged_decode_attention_triton", **_TRITON),
+)
+
+
+# ---------------------------------------------------------------------------------------------------- resolution
+@lru_cache(maxsize=1)
+def triton_available() -> bool:
+    """Whether the ``triton`` package is installed (it is only in the ``gpu``/``dev`` extras)."""
+    return importlib.util.find_spec("triton") is not None
+
+
+def check_choice(choice: str, name: str = "kernels") -> str:
+    """``choice`` if it is one of ``CHOICES``; else ValueError naming the parameter and the allowed values."""
+    if choice not in CHOICES:
+        raise ValueError(f"{name} must be one of {CHOICES}, got {choice!r}")
+    return choice
+
+
+def resolve(choice: str, op: str, device: torch.device | str, dtype: torch.dtype) -> Kernel:
+    """The ``KERNELS`` row that runs ``op`` for tensors of ``dtype`` on ``device`` under ``choice`` (cached)."""
+    check_choice(choice)
+    return _resolve(choice, op, _device_type(device), dtype, _environment(choice))
+
+
+def implementation(choice: str, op: str, device: torch.device | str, dtype: torch.dtype) -> Callable[..., Tensor]:
+    """The callable ``resolve`` picks (its module imported)."""
+    return resolve(choice, op, device, dtype).load()
+
+
+def ops_for(choice: str, device: torch.device | str, dtype: torch.dtype) -> KernelOps:
+    """Every op resolved for (``choice``, ``device``, ``dtype``): what a model or cache passes to its layers.
+    Cached: one call per forward pass costs a dictionary lookup."""
+    check_choice(choice)
+    return _ops(choice, _device_type(device), dtype, _environment(choice))
+
+
+def describe(choice: str, device: torch.device | str, dtype: torch.dtype) -> dict[str, str]:
+    """{op: "torch" | "native" | "triton"}: which implementation each op runs (imports nothing)."""
+    return {op: resolve(choice, op, device, dtype).impl for op in OPS}
+
+
+def clear_cache() -> None:
+    """Forget cached resolutions (tests that change what is available use it; the environment is in the key)."""
+    _resolve.cache_clear()
+    _ops.cache_clear()
+    triton_available.cache_clear()
+
+
+def _device_type(device: torch.device | str) -> str:
+    return device.type if isinstance(device, torch.device) else torch.device(device).type
+
+
+def _environment(choice: str) -> tuple[bool, bool, bool]:
+    """(native library built, triton installed, TRITON_INTERPRET=1): part of every cache key."""
+    if choice == "torch":
+        return False, False, False  # the references need neither (and "torch" must not compile the C library)
+    return native.available(), triton_available(), os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _require(choice: str, device_type: str, env: tuple[bool, bool, bool]) -> None:
+    native_ok, triton_ok, interpret = env
+    if choice == "native" and not native_ok:
+        raise RuntimeError("kernels='native' needs the native CPU kernels (minillm/kernels/cpu), which failed to "
+                           "build here (no C compiler, or MINILLM_DISABLE_NATIVE is set); use 'auto' or 'torch'")
+    if choice == "triton" and not triton_ok:
+        raise RuntimeError("'triton' kernels need the triton package (pip install 'minillm[gpu]')")
+    if choice == "triton" and device_type != "cuda" and not interpret:
+        raise RuntimeError(f"'triton' kernels on {device_type} tensors need Triton's interpreter: set "
+                           "TRITON_INTERPRET=1 before minillm's Triton kernels are imported (or use 'auto'/'torch', "
+                           "or CUDA tensors)")
+
+
+def _runs_here(kernel: Kernel, device_type: str, dtype: torch.dtype, env: tuple[bool, bool, bool]) -> bool:
+    native_ok, triton_ok, interpret = env
+    if device_type not in kernel.devices or dtype not in kernel.dtypes:
+        return False
+    if kernel.impl == "native":
+        return native_ok
+    if kernel.impl == "triton":
+        return triton_ok and (device_type == "cuda" or interpret)
+    return True
+
+
+@lru_cache(maxsize=256)
+def _resolve(choice: str, op: str, device_type: str, dtype: torch.dtype, env: tuple[bool, bool, bool]) -> Kernel:
+    rows = [k for k in KERNELS if k.op == op]
+    if not rows:
+        raise ValueError(f"unknown op {op!r}; the ops are {OPS}")
+    _require(choice, device_type, env)
+    for k in rows:
+        if k.impl != "torch" and _runs_here(k, device_type, dtype, env) \
+                and (k.impl == choice or (choice == "auto" and device_type in k.auto_on)):
+            return k
+    return next(k for k in rows if k.impl == "torch")
+
+
+@lru_cache(maxsize=64)
+def _ops(choice: str, device_type: str, dtype: torch.dtype, env: tuple[bool, bool, bool]) -> KernelOps:
+    return KernelOps(**{op: _resolve(choice, op, device_type, dtype, env).load() for op in OPS})
+
+
+@cache
+def _import(target: str) -> Callable[..., Tensor]:
+    module, name = target.split(":")
+    return getattr(importlib.import_module(module), name)

@@ -10,11 +10,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from minillm import kernels as kernel_ops
 from minillm.config import ModelConfig
-from minillm.kernels.cpu import native
 from minillm.kernels.reference import sdpa_attention
-from minillm.kernels.select import attention_impl
+from minillm.kernels.select import ops_for
 
 
 def kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype = torch.float16) -> int:
@@ -34,6 +32,9 @@ class KVCache:
     attention layer then calls ``attention(layer, q, k, v, scale)``, which writes the new K/V at those
     positions (``update``) and attends over the filled slots.  The mask lets query position p see slots s ≤ p,
     which also hides stale slots beyond a short sequence's end in a mixed-length batch.
+
+    ``kernels`` ("auto" | "torch" | "native" | "triton", see ``kernels.select``) is resolved here, once, for the
+    cache's device and dtype into the decode and prefill attention it calls (``self.ops``).
     """
 
     def __init__(self, config: ModelConfig, batch_size: int, max_len: int, *, dtype: torch.dtype,
@@ -45,9 +46,10 @@ class KVCache:
         self.k = torch.zeros(shape, dtype=dtype, device=device)  # (layers, B, H_kv, S_max, D)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.max_len = max_len
-        self.kernels = kernels  # "torch" forces the reference attention; otherwise the native CPU decode path
+        self.ops = ops_for(kernels, self.k.device, dtype)
         self._positions: Tensor | None = None
         self._mask: Tensor | None = None
+        self._causal = False
         self._used = 0
 
     @property
@@ -66,28 +68,22 @@ class KVCache:
         self._positions = positions
         self._used = top
         L = positions.shape[1]
-        if B == 1 and L == 1:
-            self._mask = None  # one query at the newest position sees every slot up to it: no mask needed
-        else:
-            slots = torch.arange(top, device=positions.device)
-            self._mask = (slots <= positions[:, None, :, None])  # (B, 1, L, S)
+        slots = torch.arange(top, device=positions.device)
+        # one query at the newest position sees every slot up to it: no mask needed
+        self._mask = None if B == 1 and L == 1 else (slots <= positions[:, None, :, None])  # (B, 1, L, S)
+        # every row's queries are the last L filled slots: prefill_attention's causal rule is the mask (one sync
+        # here per forward instead of one per layer)
+        self._causal = L > 1 and bool((positions == slots[top - L :]).all())
 
     def attention(self, layer: int, q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
         """Store k, v [B, H_kv, L, D] at the current positions, then attend q [B, H_q, L, D] -> [B, H_q, L, D]."""
         k_all, v_all, mask = self.update(layer, k, v)
-        impl = attention_impl(self.kernels)
         if q.shape[2] == 1:  # decode: one query per sequence over its first position + 1 slots
+            # native on CPU (SDPA's fixed ~50 µs is several times the work here), flash-decoding on CUDA
             seq_lens = self._positions[:, 0] + 1
-            if self.kernels in ("auto", "native") and q.device.type == "cpu" and native.available() \
-                    and q.dtype in (torch.float32, torch.bfloat16):
-                # Decode on CPU: SDPA's fixed cost (~50 µs) is several times the work at these sizes.
-                return native.decode_attention(q[:, :, 0], k_all, v_all, seq_lens, scale)[:, :, None]
-            if impl != "torch":  # flash-decoding on CUDA
-                out = kernel_ops.decode_attention(q[:, :, 0], k_all, v_all, seq_lens, sm_scale=scale, impl=impl)
-                return out[:, :, None]
-        elif impl != "torch" and q.device.type == "cuda" and bool((self._positions == self._positions[:1]).all()):
-            # every row's queries are the last L of the filled slots: the causal rule of flash_attention
-            return kernel_ops.flash_attention(q, k_all, v_all, causal=True, sm_scale=scale, impl=impl)
+            return self.ops.decode_attention(q[:, :, 0], k_all, v_all, seq_lens, sm_scale=scale)[:, :, None]
+        if self._causal:  # Triton FlashAttention on CUDA, SDPA elsewhere
+            return self.ops.prefill_attention(q, k_all, v_all, causal=True, sm_scale=scale)
         return sdpa_attention(q, k_all, v_all, mask, scale=scale)
 
     def update(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
@@ -124,8 +120,7 @@ class SlidingWindowKVCache:
         shape = (config.num_layers, batch_size, config.num_kv_heads, window, config.head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)  # (layers, B, H_kv, W, D)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
-        self.window = window
-        self.kernels = kernels
+        self.window = window  # ``kernels`` is accepted for parity with KVCache: the ring's masked attention is SDPA
         self.slot_pos = torch.full((batch_size, window), -1, dtype=torch.long, device=device)  # -1: empty slot
         self._positions: Tensor | None = None
         self._old_slot_pos: Tensor | None = None

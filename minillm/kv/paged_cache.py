@@ -11,8 +11,7 @@ import torch
 from torch import Tensor
 
 from minillm.config import ModelConfig
-from minillm.kernels import flash_attention, paged_decode_attention
-from minillm.kernels.cpu import native
+from minillm.kernels.select import KernelOps
 from minillm.kv.block_allocator import BlockCopy, CopyKind
 from minillm.kv.contiguous import kv_bytes_per_token
 
@@ -106,10 +105,14 @@ class AttentionMetadata:
 
 
 class PagedAttention:
-    """The ``cache`` argument of ``Transformer.hidden_states`` for one packed step (batch dimension B = 1)."""
+    """The ``cache`` argument of ``Transformer.hidden_states`` for one packed step (batch dimension B = 1).
 
-    def __init__(self, kv: PagedKVCache, meta: AttentionMetadata, impl: str = "auto"):
-        self.kv, self.meta, self.impl = kv, meta, impl
+    ``ops``: the kernels it attends with (``kernels.select.ops_for``; the engine passes the model's own), their
+    ``paged_decode_attention`` for the decode rows and ``prefill_attention`` for each prefill chunk.
+    """
+
+    def __init__(self, kv: PagedKVCache, meta: AttentionMetadata, ops: KernelOps):
+        self.kv, self.meta, self.ops = kv, meta, ops
 
     def attention(self, layer: int, q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
         """Write k, v [1, H_kv, T, D] into their slots, then attend q [1, H_q, T, D] per sequence -> [1, H_q, T, D]."""
@@ -122,14 +125,9 @@ class PagedAttention:
         out = q.new_empty(T, Hq, D)
         out[real:] = 0
         qt = q[0].transpose(0, 1)  # (T, H_q, D)
-        if m.decode_rows.numel() and self.impl == "auto" and q.device.type == "cpu" and native.available() \
-                and q.dtype in (torch.float32, torch.bfloat16):
-            # CPU: the native kernel reads K/V through the tables in place (no gather, no per-call checks)
-            out[m.decode_rows] = native.paged_decode_attention(qt[m.decode_rows], kc, vc, m.block_tables,
-                                                                 m.seq_lens, scale)
-        elif m.decode_rows.numel():
-            out[m.decode_rows] = paged_decode_attention(qt[m.decode_rows], kc, vc, m.block_tables, m.seq_lens,
-                                                        sm_scale=scale, impl=self.impl)
+        if m.decode_rows.numel():  # the block manager built the tables: no per-layer input checks (no syncs)
+            out[m.decode_rows] = self.ops.paged_decode_attention(qt[m.decode_rows], kc, vc, m.block_tables,
+                                                                 m.seq_lens, sm_scale=scale)
         for p in m.prefills:
             if p.fresh:
                 kk, vv = k[:, :, p.start : p.end], v[:, :, p.start : p.end]  # (1, H_kv, L, D)
@@ -137,6 +135,6 @@ class PagedAttention:
                 kk = kc[p.block_ids].flatten(0, 1)[: p.context_len].transpose(0, 1)[None]
                 vv = vc[p.block_ids].flatten(0, 1)[: p.context_len].transpose(0, 1)[None]
             # causal with the L queries at the last L of the S keys (Triton on CUDA, SDPA elsewhere)
-            o = flash_attention(q[:, :, p.start : p.end], kk, vv, causal=True, sm_scale=scale, impl=self.impl)
+            o = self.ops.prefill_attention(q[:, :, p.start : p.end], kk, vv, causal=True, sm_scale=scale)
             out[p.start : p.end] = o[0].transpose(0, 1)
         return out.transpose(0, 1)[None]  # (1, H_q, T, D)

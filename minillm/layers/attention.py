@@ -5,10 +5,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from minillm import kernels as kernel_ops
 from minillm.config import ModelConfig
 from minillm.kernels.reference import sdpa_attention
-from minillm.kernels.select import attention_impl
+from minillm.kernels.select import KernelOps
 from minillm.layers.linear import Linear
 from minillm.layers.rotary import apply_rope
 
@@ -29,10 +28,9 @@ class Attention(nn.Module):
         self.qkv_proj = Linear(config.hidden_size, config.q_size + 2 * config.kv_size, bias=config.qkv_bias)
         self.o_proj = Linear(config.q_size, config.hidden_size)
         self.scale = config.head_dim**-0.5
-        self.kernels = "auto"  # set by Transformer.set_kernels
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, layer: int, cache=None) -> Tensor:
-        """x [B, L, hidden] -> [B, L, hidden].
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, layer: int, ops: KernelOps, cache=None) -> Tensor:
+        """x [B, L, hidden] -> [B, L, hidden]; ``ops``: the projections' and the cache-less attention's kernels.
 
         ``cache`` is any KV store with ``attention(layer, q, k, v, scale) -> out [B, H_q, L, D]`` that first
         writes the new k, v [B, H_kv, L, D] (after RoPE) and then attends over all it holds for these sequences
@@ -40,7 +38,7 @@ class Attention(nn.Module):
         """
         c = self.config
         B, L, _ = x.shape
-        qkv = self.qkv_proj(x)  # (B, L, (H_q + 2 H_kv) D)
+        qkv = self.qkv_proj(x, ops)  # (B, L, (H_q + 2 H_kv) D)
         # RoPE on q and k in one pass: they are adjacent in the stacked projection.
         qk = qkv[..., : c.q_size + c.kv_size].view(B, L, c.num_heads + c.num_kv_heads, c.head_dim)
         qk = apply_rope(qk, cos, sin)
@@ -50,9 +48,8 @@ class Attention(nn.Module):
         if cache is None and c.sliding_window is not None and L > c.sliding_window:
             out = sdpa_attention(q, k, v, window_mask(L, c.sliding_window, x.device)[None, None], scale=self.scale)
         elif cache is None:  # Triton FlashAttention on CUDA ("auto"), SDPA elsewhere
-            out = kernel_ops.flash_attention(q, k, v, causal=True, sm_scale=self.scale,
-                                             impl=attention_impl(self.kernels))
+            out = ops.prefill_attention(q, k, v, causal=True, sm_scale=self.scale)
         else:  # the cache stores the new K/V and attends over everything it holds for these sequences
             out = cache.attention(layer, q, k, v, self.scale)  # (B, H_q, L, D)
         out = out.transpose(1, 2).reshape(B, L, c.q_size)  # (B, L, H_q D)
-        return self.o_proj(out)
+        return self.o_proj(out, ops)

@@ -1,25 +1,23 @@
 """Linear layers.  At decode every linear layer is a GEMV whose cost is the bytes of its weight plus a fixed
-per-call overhead; the implementation (native CPU GEMV, ``F.linear``) is the one ``kernels.select`` resolved."""
+per-call overhead; the implementation (native CPU GEMV, ``F.linear``) is the ``ops.linear`` the caller passes
+(``kernels.select`` resolved it for the model's choice, device and dtype)."""
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
-from minillm.kernels.cpu import native
+from minillm.kernels.select import KernelOps
 
 
 class Linear(nn.Module):
-    """A bias-optional linear layer that takes the native CPU GEMV at decode when ``kernels`` allows it."""
+    """A bias-optional linear layer: y = x @ weight.T + bias, computed by the ``ops.linear`` it is given."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
         self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
-        self.kernels = "auto"  # set by Transformer.set_kernels
 
-    def forward(self, x: Tensor) -> Tensor:
-        if self.kernels in ("auto", "native") and native.prefers_native(x, self.weight):
-            return native.linear(x, self.weight, self.bias)
-        return F.linear(x, self.weight, self.bias)
+    def forward(self, x: Tensor, ops: KernelOps) -> Tensor:
+        """x [..., in_features] -> [..., out_features]."""
+        return ops.linear(x, self.weight, self.bias)

@@ -16,8 +16,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from minillm.config import ModelConfig
-from minillm.kernels.cpu import native
-from minillm.kernels.select import KERNEL_CHOICES
+from minillm.kernels.select import KernelOps, ops_for
 from minillm.layers.attention import Attention
 from minillm.layers.linear import Linear
 from minillm.layers.norm import RMSNorm
@@ -32,9 +31,9 @@ class MLP(nn.Module):
         self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size)
         self.down_proj = Linear(config.intermediate_size, config.hidden_size)
 
-    def forward(self, x: Tensor) -> Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # (B, L, F) each
-        return self.down_proj(F.silu(gate) * up)
+    def forward(self, x: Tensor, ops: KernelOps) -> Tensor:
+        gate, up = self.gate_up_proj(x, ops).chunk(2, dim=-1)  # (B, L, F) each
+        return self.down_proj(F.silu(gate) * up, ops)
 
 
 class DecoderLayer(nn.Module):
@@ -45,9 +44,9 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, layer: int, cache=None) -> Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, layer, cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, layer: int, ops: KernelOps, cache=None) -> Tensor:
+        x = x + self.self_attn(self.input_layernorm(x, ops), cos, sin, layer, ops, cache)
+        return x + self.mlp(self.post_attention_layernorm(x, ops), ops)
 
 
 class Body(nn.Module):
@@ -62,7 +61,12 @@ class Body(nn.Module):
 
 
 class Transformer(nn.Module):
-    """A Llama-family causal LM.  ``model(input_ids, positions) -> logits``, [B, L] -> [B, L, V]."""
+    """A Llama-family causal LM.  ``model(input_ids, positions) -> logits``, [B, L] -> [B, L, V].
+
+    ``kernels`` ("auto" | "torch" | "native" | "triton", see ``kernels.select``) is the model's one kernel choice:
+    each forward resolves it for the model's device and dtype into a ``KernelOps`` and passes that down to every
+    layer (``kernel_ops``), so a ``.to(dtype)`` or ``set_kernels`` takes effect on the next call.
+    """
 
     def __init__(self, config: ModelConfig):
         super().__init__()
@@ -82,32 +86,33 @@ class Transformer(nn.Module):
         return self.lm_head.weight.dtype
 
     def set_kernels(self, kernels: str) -> Transformer:
-        """Choose the fast paths: "auto" (native where it applies), "torch" (references only), "native"."""
-        if kernels not in KERNEL_CHOICES:
-            raise ValueError(f"kernels must be one of {KERNEL_CHOICES}, got {kernels!r}")
-        if kernels == "native" and not native.available():
-            raise RuntimeError("kernels='native' needs the compiled CPU GEMV, which failed to build; use 'auto'")
-        for m in self.modules():
-            if isinstance(m, (Linear, RMSNorm, Attention)):
-                m.kernels = kernels
+        """Choose the fast paths: "auto" (native on CPU, Triton attention on CUDA, where they apply), "torch"
+        (references only), "native", "triton".  Resolved now, so a choice that cannot run here raises at once
+        (ValueError for an unknown name, RuntimeError for a kernel library that is missing).  Returns the model."""
+        ops_for(kernels, self.device, self.dtype)
         self.kernels = kernels
         return self
+
+    def kernel_ops(self) -> KernelOps:
+        """The implementations the layers call: ``kernels`` resolved for this device and dtype (cached)."""
+        return ops_for(self.kernels, self.device, self.dtype)
 
     def hidden_states(self, input_ids: Tensor, positions: Tensor, cache=None) -> Tensor:
         """input_ids, positions [B, L] -> final-normed hidden states [B, L, hidden]."""
         if input_ids.dim() != 2 or positions.shape != input_ids.shape:
             raise ValueError(f"input_ids and positions must both be [B, L]; got {tuple(input_ids.shape)} "
                              f"and {tuple(positions.shape)}")
+        ops = self.kernel_ops()
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.model.rotary_emb(positions, x.dtype)
         for i, layer in enumerate(self.model.layers):
-            x = layer(x, cos, sin, i, cache)
-        return self.model.norm(x)
+            x = layer(x, cos, sin, i, ops, cache)
+        return self.model.norm(x, ops)
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
         """[..., hidden] -> [..., V] in the model dtype. Callers pass only the rows they sample from:
         the LM head is the largest single matrix (V × hidden), computing it for every prompt token is waste."""
-        return self.lm_head(hidden)
+        return self.lm_head(hidden, self.kernel_ops())
 
     def forward(self, input_ids: Tensor, positions: Tensor, cache=None) -> Tensor:
         """Full causal forward: [B, L] token ids and positions -> [B, L, V] logits."""

@@ -200,7 +200,8 @@ def load_model(model: str | os.PathLike | None = None, *, dtype: str | torch.dty
 
     ``model``: None (embedded SmolLM2-135M-Instruct, offline), a hub id, a local directory with config.json and
     safetensors (sharded or not), or a ``.gguf`` file.  ``dtype``: "float32" | "float16" | "bfloat16" | None.
-    ``device``: "cpu" | "cuda" | None (CUDA when present).  ``kernels``: "auto" | "torch" | "native".
+    ``device``: "cpu" | "cuda" | None (CUDA when present).  ``kernels``: "auto" | "torch" | "native" | "triton"
+    (what each picks: ``minillm.kernels.select``).
     """
     ckpt = resolve(model)
     config = load_config(ckpt)
