@@ -182,7 +182,7 @@ class EngineConfig:
       memory-bound GPU.
     - ``block_size``: tokens per KV block (16, as vLLM).  KV budget: ``num_kv_blocks`` blocks, or ``kv_cache_bytes``
       (K and V of all layers); with neither, enough for ``max_num_seqs`` full-context sequences capped at
-      ``DEFAULT_KV_CACHE_BYTES``.
+      ``DEFAULT_KV_CACHE_BYTES``, and never less than one full-context sequence.
     - ``max_num_seqs`` sequences run at once; ``max_num_batched_tokens`` tokens (decode tokens + prefill chunks) per
       step.  ``chunked_prefill=False`` never splits a prompt, so every prompt must fit the token budget.
     - ``preemption``: what happens to the newest running sequence when blocks run out: "recompute" frees its blocks
@@ -238,14 +238,16 @@ class EngineConfig:
     def resolve_num_blocks(self, bytes_per_block: int, max_model_len: int) -> int:
         """Device KV blocks: ``num_kv_blocks``, or the byte budget divided by ``bytes_per_block`` (K and V, all
         layers, one block), by default enough for ``max_num_seqs`` sequences of ``max_model_len`` tokens capped at
-        ``DEFAULT_KV_CACHE_BYTES``."""
+        ``DEFAULT_KV_CACHE_BYTES`` — but always at least one sequence of ``max_model_len`` tokens."""
         if self.num_kv_blocks is not None:
             return self.num_kv_blocks
         if self.kv_cache_bytes is not None:
             budget = self.kv_cache_bytes
         else:
-            full = self.max_num_seqs * -(-max_model_len // self.block_size) * bytes_per_block
-            budget = min(full, DEFAULT_KV_CACHE_BYTES)
+            one = -(-max_model_len // self.block_size) * bytes_per_block  # one full-context sequence
+            # max_num_seqs full sequences, capped at DEFAULT_KV_CACHE_BYTES but never below one full context: the
+            # longest request the model accepts always fits (SmolLM2-135M fp32: 8192 tokens = 360 MiB)
+            budget = min(self.max_num_seqs * one, max(DEFAULT_KV_CACHE_BYTES, one))
         blocks = budget // bytes_per_block
         if blocks < 1:
             raise ValueError(f"kv_cache_bytes={budget} holds no KV block (one is {bytes_per_block} bytes); raise it")

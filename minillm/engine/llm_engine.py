@@ -16,7 +16,6 @@ import dataclasses
 import itertools
 import threading
 import time
-import warnings
 from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
 
@@ -73,13 +72,6 @@ class LLMEngine:
                               else tuple(eos_token_ids))
         num_blocks = config.resolve_num_blocks(kv_bytes_per_block(mc, config.block_size, model.dtype),
                                                self.max_model_len)
-        defaulted = config.num_kv_blocks is None and config.kv_cache_bytes is None
-        if defaulted and num_blocks * config.block_size < self.max_model_len:  # an explicit budget is meant
-            warnings.warn(f"the KV cache holds {num_blocks} blocks of {config.block_size} = "
-                          f"{num_blocks * config.block_size} tokens, less than the {self.max_model_len}-token context: "
-                          f"the longest request (prompt + max_tokens) it can run is {num_blocks * config.block_size} "
-                          "tokens; raise EngineConfig.kv_cache_bytes / num_kv_blocks or lower max_model_len",
-                          stacklevel=2)
         num_host = config.resolve_host_blocks(num_blocks)
         self.scheduler = Scheduler(config, num_blocks, self.max_model_len, num_host_blocks=num_host,
                                    eos_token_ids=self.eos_token_ids)

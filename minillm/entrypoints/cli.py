@@ -11,7 +11,7 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="hub id, local directory or .gguf (default: embedded SmolLM2-135M)")
     p.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"])
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
-    p.add_argument("--kernels", default="auto", choices=["auto", "torch", "native"])
+    p.add_argument("--kernels", default="auto", choices=["auto", "torch", "native", "triton"])
 
 
 def _sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:

@@ -9,7 +9,6 @@ import dataclasses
 import random
 import sys
 import threading
-import warnings
 
 import numpy as np
 import pytest
@@ -326,17 +325,16 @@ def test_chat_messages_with_non_string_parts_are_rejected(messages, match):
 
 
 # ---- 6. defaults ---------------------------------------------------------------------------------------------------
-def test_a_default_kv_budget_below_one_full_context_warns_with_the_longest_request(monkeypatch, model):
+def test_the_default_kv_budget_always_holds_one_full_context_request(monkeypatch, model, fresh_probe):
     import minillm.config as config
 
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        new_engine(model)  # 128-token context: the default budget holds it
     block = kv_bytes_per_block(model.config, 4, model.dtype)
-    monkeypatch.setattr(config, "DEFAULT_KV_CACHE_BYTES", 8 * block)  # 8 blocks of 4 tokens
-    with pytest.warns(UserWarning, match="longest request .* it can run is 32 tokens"):
-        eng = new_engine(model)
-    assert eng.block_manager.device.num_blocks * 4 == 32
+    monkeypatch.setattr(config, "DEFAULT_KV_CACHE_BYTES", 8 * block)  # a cap of 8 blocks of 4 tokens = 32 tokens
+    eng = new_engine(model)
+    assert eng.block_manager.device.num_blocks * 4 >= eng.max_model_len == 128
+    out = eng.generate([[1] * 100], SamplingParams(max_tokens=27, temperature=0.0, ignore_eos=True))[0]
+    assert len(out.token_ids) == 27 and out.finish_reason == "length"
+    assert_healthy(eng, fresh_probe)
 
 
 def test_per_sample_seeds_never_repeat_another_requests_seed(model, fresh_probe):
