@@ -6,14 +6,16 @@ an *evaluation* half (for perplexity): a document is in exactly one.
 
 Long texts are scored in windows of ``window`` tokens that advance by ``stride`` (Hugging Face's sliding-window
 recipe): every token after the first is scored exactly once, with at least ``window - stride`` tokens of
-context except in the first window (the step is capped at ``window - 1``: a window's first token is context only).  Cost: ≈ T / stride forward passes of ``window`` tokens.
+context except in the first window (the step is capped at ``window - 1``: a window's first token is context
+only).  Cost: ≈ T / stride forward passes of ``window`` tokens.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Literal
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -23,15 +25,21 @@ Split = Literal["calibration", "evaluation"]
 SPLITS = ("calibration", "evaluation")
 
 
-def heldout_documents(split: Split) -> list[str]:
-    """The ``split`` half of ``pydoc_data.topics``'s documents: sorted by topic name, even indices calibration,
-    odd indices evaluation (deterministic; the halves are disjoint)."""
+def heldout_topic_names(split: Split) -> list[str]:
+    """The ``split`` half of ``pydoc_data.topics``'s topic names: sorted, even indices calibration, odd indices
+    evaluation (deterministic; the halves are disjoint and together cover every topic)."""
     if split not in SPLITS:
         raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
     from pydoc_data.topics import topics
 
-    names = sorted(topics)
-    return [topics[n] for n in names[SPLITS.index(split)::2]]
+    return sorted(topics)[SPLITS.index(split)::2]
+
+
+def heldout_documents(split: Split) -> list[str]:
+    """The texts of ``heldout_topic_names(split)``, in that order."""
+    from pydoc_data.topics import topics
+
+    return [topics[n] for n in heldout_topic_names(split)]
 
 
 def heldout_token_ids(tokenizer, split: Split = "evaluation", max_tokens: int | None = None) -> Tensor:

@@ -58,7 +58,8 @@ def _rows(t) -> tuple[np.ndarray, int, int]:
 
 
 def q4_1_to_int4(raw: np.ndarray, N: int, K: int) -> Int4Weight:
-    """Q4_1 bytes (writable, C-contiguous) [N, K/32 · 20] -> ``Int4Weight`` (fp16 d and m, group 32), a pure byte reinterpretation."""
+    """Q4_1 bytes (writable, C-contiguous) [N, K/32 · 20] -> ``Int4Weight`` (fp16 d and m, group 32): the bytes
+    reinterpreted, no arithmetic."""
     b = torch.from_numpy(raw).view(N, K // GGUF_BLOCK, 20)
     d = b[..., 0:2].contiguous().view(torch.float16).view(N, K // GGUF_BLOCK)
     m = b[..., 2:4].contiguous().view(torch.float16).view(N, K // GGUF_BLOCK)
@@ -66,7 +67,8 @@ def q4_1_to_int4(raw: np.ndarray, N: int, K: int) -> Int4Weight:
 
 
 def q8_0_to_int8(raw: np.ndarray, N: int, K: int) -> Int8Weight:
-    """Q8_0 bytes (writable, C-contiguous) [N, K/32 · 34] -> ``Int8Weight`` (fp16 scales, group 32), a pure byte reinterpretation."""
+    """Q8_0 bytes (writable, C-contiguous) [N, K/32 · 34] -> ``Int8Weight`` (fp16 scales, group 32): the bytes
+    reinterpreted, no arithmetic."""
     b = torch.from_numpy(raw).view(N, K // GGUF_BLOCK, 34)
     d = b[..., 0:2].contiguous().view(torch.float16).view(N, K // GGUF_BLOCK)
     q = b[..., 2:].contiguous().view(torch.int8).reshape(N, K)
@@ -85,7 +87,8 @@ def _permute_rows(w: Tensor | Int4Weight | Int8Weight, index: Tensor):
 def read_gguf_weights(path: str | os.PathLike, unpermute: bool = True) -> dict[str, Tensor | Int4Weight | Int8Weight]:
     """Every tensor of a Llama-family GGUF under its Hugging Face name: Q4_1 as ``Int4Weight``, Q8_0 as
     ``Int8Weight``, F32/F16/BF16 as tensors.  With ``unpermute`` q_proj/k_proj rows are in Hugging Face order."""
-    from gguf import GGUFReader, GGMLQuantizationType as T
+    from gguf import GGMLQuantizationType as T
+    from gguf import GGUFReader
 
     reader = GGUFReader(Path(path))
     n_head = int(reader.fields["llama.attention.head_count"].parts[-1][0])

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from minillm.quant.formats import _grouped, Granularity, QuantSpec
+from minillm.quant.formats import Granularity, QuantSpec, _grouped
 
 BLOCK = 32  # weights per packing block (Q4_1's QK4_1): one byte pairs weight j with weight j + 16
 INT4_GROUP_SIZES = (32, 64, 128)

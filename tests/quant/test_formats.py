@@ -2,7 +2,14 @@ import pytest
 import torch
 
 from minillm.quant.formats import (
-    FORMAT_NAMES, QuantSpec, cast_roundtrip, dequantize, error_stats, fake_quantize, format_info, quantize,
+    FORMAT_NAMES,
+    QuantSpec,
+    cast_roundtrip,
+    dequantize,
+    error_stats,
+    fake_quantize,
+    format_info,
+    quantize,
 )
 
 

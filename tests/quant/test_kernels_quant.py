@@ -18,14 +18,14 @@ def _cases():
 @native
 @pytest.mark.parametrize("scale_dtype", [torch.float16, torch.float32])
 def test_native_int4_matches_the_w4a16_reference_on_random_shapes(scale_dtype):
-    for M, N, K, group, w, x in _cases():
+    for _, _, _, group, w, x in _cases():
         w4 = quantize_int4(w, group, scale_dtype)
         torch.testing.assert_close(native_quant.int4_linear(x, w4), int4_linear_ref(x, w4), **F32_TOL)
 
 
 @native
 def test_native_int8_matches_the_reference_per_channel_and_per_group():
-    for M, N, K, group, w, x in _cases():
+    for *_, w, x in _cases():
         for w8 in (quantize_int8(w), quantize_int8(w, 32), quantize_int8(w.half().float(), 32)):
             torch.testing.assert_close(native_quant.int8_linear(x, w8), int8_linear_ref(x, w8), **F32_TOL)
     w8 = quantize_int8(torch.randn(9, 100))  # K not a multiple of 32: the generic per-group loop

@@ -2,7 +2,14 @@ import pytest
 import torch
 
 from minillm.quant.weight import (
-    Int4Weight, Int8Weight, int4_linear_ref, int8_linear_ref, pack_int4, quantize_int4, quantize_int8, unpack_int4,
+    Int4Weight,
+    Int8Weight,
+    int4_linear_ref,
+    int8_linear_ref,
+    pack_int4,
+    quantize_int4,
+    quantize_int8,
+    unpack_int4,
 )
 
 

@@ -12,7 +12,6 @@ Each program re-reads its weight tile once per input row m, fine for decode (M â
 
 from __future__ import annotations
 
-
 import torch
 import triton
 import triton.language as tl
