@@ -1,0 +1,86 @@
+"""Perplexity on held-out text: how surprised a model is by text it was not tuned on, exp(mean NLL per token).
+
+Text: CPython's ``pydoc_data.topics`` (the help() pages, shipped with every Python, so offline and identical
+everywhere).  Its documents, sorted by name, alternate between a *calibration* half (for AWQ/GPTQ statistics) and
+an *evaluation* half (for perplexity): a document is in exactly one.
+
+Long texts are scored in windows of ``window`` tokens that advance by ``stride`` (Hugging Face's sliding-window
+recipe): every token after the first is scored exactly once, with at least ``window - stride`` tokens of
+context except in the first window (the step is capped at ``window - 1``: a window's first token is context
+only).  Cost: ≈ T / stride forward passes of ``window`` tokens.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+Split = Literal["calibration", "evaluation"]
+SPLITS = ("calibration", "evaluation")
+
+
+def heldout_topic_names(split: Split) -> list[str]:
+    """The ``split`` half of ``pydoc_data.topics``'s topic names: sorted, even indices calibration, odd indices
+    evaluation (deterministic; the halves are disjoint and together cover every topic)."""
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+    from pydoc_data.topics import topics
+
+    return sorted(topics)[SPLITS.index(split)::2]
+
+
+def heldout_documents(split: Split) -> list[str]:
+    """The texts of ``heldout_topic_names(split)``, in that order."""
+    from pydoc_data.topics import topics
+
+    return [topics[n] for n in heldout_topic_names(split)]
+
+
+def heldout_token_ids(tokenizer, split: Split = "evaluation", max_tokens: int | None = None) -> Tensor:
+    """The split's documents joined by blank lines and tokenized (no special tokens) -> [T] int64, cut at
+    ``max_tokens`` when given."""
+    ids = tokenizer("\n\n".join(heldout_documents(split)), add_special_tokens=False)["input_ids"]
+    ids = torch.tensor(ids, dtype=torch.int64)
+    return ids if max_tokens is None else ids[:max_tokens]
+
+
+@dataclass(frozen=True)
+class PerplexityResult:
+    """exp(nll), the mean negative log-likelihood per scored token (nats), and how many tokens were scored."""
+
+    ppl: float
+    nll: float
+    num_tokens: int
+
+
+@torch.inference_mode()
+def perplexity(model: Callable[[Tensor, Tensor], Tensor], token_ids: Tensor, *, window: int = 512,
+               stride: int = 256) -> PerplexityResult:
+    """Perplexity of ``model`` (``model(input_ids [1, L], positions [1, L]) -> logits [1, L, V]``) on
+    ``token_ids`` [T] (T ≥ 2), scoring tokens 1..T-1 once each in windows of ``window`` tokens every ``stride``."""
+    if token_ids.dim() != 1 or token_ids.numel() < 2:
+        raise ValueError(f"token_ids must be a 1-D tensor of at least 2 tokens, got shape {tuple(token_ids.shape)}")
+    if not 0 < stride <= window or window < 2:
+        raise ValueError(f"need window ≥ 2 and 0 < stride ≤ window, got window={window}, stride={stride}")
+    T = token_ids.numel()
+    device = next((p.device for p in model.parameters()), torch.device("cpu")) if hasattr(model, "parameters") \
+        else torch.device("cpu")
+    step = min(stride, window - 1)  # a window's first token is context only, so at most window - 1 new targets
+    total, scored_to = 0.0, 1  # tokens [1, scored_to) are already scored
+    while scored_to < T:
+        end = min(window if scored_to == 1 else scored_to + step, T)
+        begin = max(0, end - window)
+        ids = token_ids[begin:end].to(device)[None]  # [1, L]
+        positions = torch.arange(end - begin, device=device)[None]  # each window is its own sequence
+        logits = model(ids, positions)[0, :-1].float()  # [L - 1, V]: row i predicts token begin + i + 1
+        first = scored_to - begin - 1  # first row whose target is not yet scored
+        total += float(F.cross_entropy(logits[first:], ids[0, first + 1:], reduction="sum"))
+        scored_to = end
+    count = T - 1
+    return PerplexityResult(math.exp(total / count), total / count, count)

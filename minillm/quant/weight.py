@@ -1,0 +1,194 @@
+"""Packed weight-only formats (the weights are what is stored; activations stay fp32/bf16/fp16).
+
+``Int8Weight`` (W8A16): int8 codes [N, K] and symmetric scales [N, K // group_size], w = scale · q.  Per output
+channel by default (group_size = K, scales [N, 1]); group_size 32 holds GGUF's Q8_0 blocks exactly.
+Bytes: N·K + 4·N (fp32 per-channel scales) — ~4× fewer than fp32.
+
+``Int4Weight`` (W4A16): 4-bit codes q ∈ 0..15 with per-group (group 32 by default) scale d and minimum m,
+w = d · q + m — exactly llama.cpp's Q4_1 block (per 32 weights: fp16 d, fp16 m, 16 bytes of codes).  Packing, per
+32-weight block: byte j (0..15) holds weight j in its low nibble and weight j + 16 in its high nibble, so
+``packed`` [N, K / 2] uint8 is byte for byte the ``qs`` of the GGUF blocks.  Groups of 64/128 share one (d, m)
+over two/four such blocks.  Bytes (fp16 d, m, group 32): N·K/2 + 4·N·K/32 = 5 bits per weight (~6.4× < fp32).
+
+The reference matmuls (``int8_linear_ref``, ``int4_linear_ref``) dequantize then call ``F.linear``: the exact
+W8A16/W4A16 result every kernel is tested against.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from minillm.quant.formats import Granularity, QuantSpec, _grouped
+
+BLOCK = 32  # weights per packing block (Q4_1's QK4_1): one byte pairs weight j with weight j + 16
+INT4_GROUP_SIZES = (32, 64, 128)
+
+
+def _check_group(K: int, group_size: int, multiple: int = 1) -> None:
+    if group_size < 1 or group_size % multiple:
+        raise ValueError(f"group_size must be a positive multiple of {multiple}, got {group_size}")
+    if K % group_size:
+        fits = [g for g in INT4_GROUP_SIZES if K % g == 0]
+        raise ValueError(f"group_size {group_size} does not divide K={K}: pad K with zero columns to a multiple of "
+                         f"{group_size}, or choose a group size that divides K" + (f" ({fits})" if fits else ""))
+
+
+@dataclass(frozen=True)
+class Int8Weight:
+    """W8A16 weight: ``qweight`` int8 [N, K], ``scales`` [N, K // group_size] (fp32 or fp16), w = scales · q."""
+
+    qweight: Tensor
+    scales: Tensor
+    group_size: int
+
+    def __post_init__(self):
+        if self.qweight.dtype != torch.int8 or self.qweight.dim() != 2:
+            raise ValueError(f"qweight must be int8 [N, K], got {self.qweight.dtype} {tuple(self.qweight.shape)}")
+        N, K = self.qweight.shape
+        _check_group(K, self.group_size)
+        if self.scales.shape != (N, K // self.group_size) or self.scales.dtype not in (torch.float32, torch.float16):
+            raise ValueError(f"scales must be fp32/fp16 [{N}, {K // self.group_size}], got {self.scales.dtype} "
+                             f"{tuple(self.scales.shape)}")
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """(N, K) of the weight it stands for."""
+        return tuple(self.qweight.shape)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes stored (codes + scales): what a GEMV streams from memory."""
+        return self.qweight.nbytes + self.scales.nbytes
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> Tensor:
+        """[N, K] in ``dtype``, computed in fp32 (q · scale, as gguf's Q8_0 dequantization)."""
+        N, K = self.shape
+        q = self.qweight.float().view(N, K // self.group_size, self.group_size)
+        return (q * self.scales.float().unsqueeze(-1)).view(N, K).to(dtype)
+
+    def to(self, device: torch.device | str) -> Int8Weight:
+        """The same weight on ``device``."""
+        return Int8Weight(self.qweight.to(device), self.scales.to(device), self.group_size)
+
+
+@dataclass(frozen=True)
+class Int4Weight:
+    """W4A16 weight in Q4_1 layout: ``packed`` uint8 [N, K/2], ``scales`` d and ``mins`` m [N, K // group_size]
+    (fp16 or fp32, same dtype), w = d · q + m with q ∈ 0..15 (see the module docstring for the nibble order)."""
+
+    packed: Tensor
+    scales: Tensor
+    mins: Tensor
+    group_size: int = 32
+
+    def __post_init__(self):
+        if self.packed.dtype != torch.uint8 or self.packed.dim() != 2:
+            raise ValueError(f"packed must be uint8 [N, K/2], got {self.packed.dtype} {tuple(self.packed.shape)}")
+        N, K = self.shape
+        _check_group(K, self.group_size, BLOCK)
+        want = (N, K // self.group_size)
+        for name, t in (("scales", self.scales), ("mins", self.mins)):
+            if t.shape != want or t.dtype not in (torch.float16, torch.float32) or t.dtype != self.scales.dtype:
+                raise ValueError(f"{name} must be fp16/fp32 {list(want)} (both the same dtype), got {t.dtype} "
+                                 f"{tuple(t.shape)}")
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """(N, K) of the weight it stands for."""
+        return self.packed.shape[0], self.packed.shape[1] * 2
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes stored (codes + scales + mins)."""
+        return self.packed.nbytes + self.scales.nbytes + self.mins.nbytes
+
+    def codes(self) -> Tensor:
+        """The unpacked codes q [N, K] uint8 in 0..15, in weight order."""
+        return unpack_int4(self.packed)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> Tensor:
+        """[N, K] in ``dtype``: d · q + m in fp32 (bit for bit gguf's Q4_1 dequantization), then cast."""
+        N, K = self.shape
+        q = self.codes().float().view(N, K // self.group_size, self.group_size)
+        w = q * self.scales.float().unsqueeze(-1) + self.mins.float().unsqueeze(-1)
+        return w.view(N, K).to(dtype)
+
+    def to(self, device: torch.device | str) -> Int4Weight:
+        """The same weight on ``device``."""
+        return Int4Weight(self.packed.to(device), self.scales.to(device), self.mins.to(device), self.group_size)
+
+
+def pack_int4(q: Tensor) -> Tensor:
+    """Codes [N, K] (0..15, K a multiple of 32) -> [N, K/2] uint8, per 32-block: byte j = q[j] | q[j + 16] << 4."""
+    N, K = q.shape
+    if K % BLOCK:
+        raise ValueError(f"K={K} must be a multiple of {BLOCK} to pack int4 blocks; pad with zero columns")
+    if q.numel() and (int(q.min()) < 0 or int(q.max()) > 15):
+        raise ValueError("int4 codes must lie in 0..15")
+    qb = q.to(torch.uint8).view(N, K // BLOCK, 2, BLOCK // 2)  # [N, blocks, low/high half, 16]
+    return (qb[:, :, 0] | (qb[:, :, 1] << 4)).reshape(N, K // 2)
+
+
+def unpack_int4(packed: Tensor) -> Tensor:
+    """[N, K/2] uint8 -> codes [N, K] uint8 (inverse of ``pack_int4``)."""
+    N, half = packed.shape
+    pb = packed.view(N, half // (BLOCK // 2), BLOCK // 2)
+    return torch.stack([pb & 0x0F, pb >> 4], dim=2).reshape(N, half * 2)
+
+
+def quantize_int8(w: Tensor, group_size: int | None = None) -> Int8Weight:
+    """w [N, K] float -> symmetric int8 codes in [-127, 127]; one fp32 scale per output channel (group_size None)
+    or per group of ``group_size`` along K."""
+    if w.dim() != 2 or not w.is_floating_point():
+        raise ValueError(f"quantize_int8 needs a float [N, K] weight, got {w.dtype} {tuple(w.shape)}")
+    N, K = w.shape
+    g = K if group_size is None else group_size
+    _check_group(K, g)
+    spec = QuantSpec(bits=8, symmetric=True, granularity=Granularity.GROUP, group_size=g)
+    wg = _grouped(w.float(), spec)  # [N, K/g, g]
+    scale = (wg.abs().amax(-1) / spec.qmax).clamp_min(torch.finfo(torch.float32).tiny)  # [N, K/g]
+    q = torch.clamp(torch.round(wg / scale.unsqueeze(-1)), spec.qmin, spec.qmax).to(torch.int8)
+    return Int8Weight(q.reshape(N, K), scale, g)
+
+
+def quantize_int4(w: Tensor, group_size: int = 32, scale_dtype: torch.dtype = torch.float16) -> Int4Weight:
+    """w [N, K] float -> asymmetric 4-bit Q4_1-style groups: d = (max - min) / 15, m = min, q = round((w - m) / d).
+
+    d and m are rounded to ``scale_dtype`` first and q is computed from the rounded values, so the stored
+    (d, m, q) are the best codes for the scales actually kept.  ``group_size`` a multiple of 32 dividing K.
+    """
+    if w.dim() != 2 or not w.is_floating_point():
+        raise ValueError(f"quantize_int4 needs a float [N, K] weight, got {w.dtype} {tuple(w.shape)}")
+    if scale_dtype not in (torch.float16, torch.float32):
+        raise ValueError(f"scale_dtype must be torch.float16 or torch.float32, got {scale_dtype}")
+    N, K = w.shape
+    _check_group(K, group_size, BLOCK)
+    wg = w.float().view(N, K // group_size, group_size)
+    lo, hi = wg.amin(-1), wg.amax(-1)
+    d = ((hi - lo) / 15).to(scale_dtype)
+    m = lo.to(scale_dtype)
+    df, mf = d.float().unsqueeze(-1), m.float().unsqueeze(-1)
+    inv = torch.where(df > 0, 1 / df, torch.zeros_like(df))  # a constant group: every code 0, w = m
+    q = torch.clamp(torch.round((wg - mf) * inv), 0, 15).to(torch.uint8)
+    return Int4Weight(pack_int4(q.view(N, K)), d, m, group_size)
+
+
+def _check_x(x: Tensor, K: int) -> None:
+    if x.shape[-1] != K:
+        raise ValueError(f"x has {x.shape[-1]} features but the weight expects K={K}")
+
+
+def int8_linear_ref(x: Tensor, w8: Int8Weight, bias: Tensor | None = None) -> Tensor:
+    """x [..., K] @ dequantized(w8).T (+ bias) -> [..., N] in x's dtype: the exact W8A16 reference."""
+    _check_x(x, w8.shape[1])
+    return F.linear(x, w8.dequantize(x.dtype), bias)
+
+
+def int4_linear_ref(x: Tensor, w4: Int4Weight, bias: Tensor | None = None) -> Tensor:
+    """x [..., K] @ dequantized(w4).T (+ bias) -> [..., N] in x's dtype: the exact W4A16 reference."""
+    _check_x(x, w4.shape[1])
+    return F.linear(x, w4.dequantize(x.dtype), bias)

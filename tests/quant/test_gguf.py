@@ -1,0 +1,71 @@
+import numpy as np
+import pytest
+import torch
+
+from minillm.quant.gguf import hf_name, q4_1_to_int4, q8_0_to_int8, read_gguf_weights, unpermute_index
+from minillm.quant.weight import Int4Weight, Int8Weight
+
+gguf = pytest.importorskip("gguf")
+T = gguf.GGMLQuantizationType
+
+
+@pytest.mark.parametrize("kind", ["Q4_1", "Q8_0"])
+def test_gguf_blocks_load_as_packed_weights_that_dequantize_bit_for_bit_like_gguf(kind):
+    w = np.random.default_rng(0).standard_normal((6, 128)).astype(np.float32)
+    raw = gguf.quants.quantize(w, T[kind])
+    mine = q4_1_to_int4(raw.copy(), 6, 128) if kind == "Q4_1" else q8_0_to_int8(raw.copy(), 6, 128)
+    assert torch.equal(mine.dequantize(), torch.from_numpy(gguf.quants.dequantize(raw, T[kind])))
+
+
+def test_row_unpermutation_equals_transformers_reverse_permute():
+    from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor
+
+    rows = np.arange(3 * 64 * 5, dtype=np.float32).reshape(3 * 64, 5)
+    expected = LlamaTensorProcessor._reverse_permute_weights(None, rows, 9, 3)  # k_proj: 9 query, 3 K/V heads
+    assert np.array_equal(rows[unpermute_index(3 * 64, 3).numpy()], expected)
+
+
+def test_gguf_names_map_to_hugging_face_names():
+    assert hf_name("blk.12.attn_q.weight") == "model.layers.12.self_attn.q_proj.weight"
+    assert hf_name("blk.0.ffn_down.weight") == "model.layers.0.mlp.down_proj.weight"
+    assert hf_name("token_embd.weight") == "model.embed_tokens.weight"
+    assert hf_name("output_norm.weight") == "model.norm.weight"
+    with pytest.raises(ValueError, match="no Hugging Face name"):
+        hf_name("blk.0.ssm_conv.weight")
+
+
+@pytest.fixture(scope="module")
+def default_gguf():
+    from minillm.models.loader import default_model_path
+
+    try:
+        return default_model_path()
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+
+
+@pytest.mark.slow
+def test_default_model_q4_1_blocks_reproduce_gguf_dequantization_bit_for_bit(default_gguf):
+    reader = gguf.GGUFReader(default_gguf)
+    packed = read_gguf_weights(default_gguf, unpermute=False)
+    kinds = set()
+    for t in reader.tensors:
+        w = packed[hf_name(t.name)]
+        if t.tensor_type in (T.Q4_1, T.Q8_0):
+            kinds.add(t.tensor_type.name)
+            assert isinstance(w, Int4Weight if t.tensor_type == T.Q4_1 else Int8Weight)
+            ref = torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type))
+            assert torch.equal(w.dequantize(), ref), t.name
+    assert kinds == {"Q4_1", "Q8_0"}
+
+
+@pytest.mark.slow
+def test_packed_default_model_equals_the_weights_minillm_loads(default_gguf, default_model_dir):
+    from minillm.models.loader import read_safetensors
+
+    loaded = read_safetensors(default_model_dir)
+    packed = read_gguf_weights(default_gguf)
+    assert set(packed) == set(loaded)
+    for name, w in packed.items():  # q_proj / k_proj included: the row un-permutation matches transformers'
+        dense = w if isinstance(w, torch.Tensor) else w.dequantize()
+        assert torch.equal(dense, loaded[name]), name

@@ -1,0 +1,68 @@
+import pytest
+import torch
+
+from minillm.quant.weight import (
+    Int4Weight,
+    Int8Weight,
+    int4_linear_ref,
+    int8_linear_ref,
+    pack_int4,
+    quantize_int4,
+    quantize_int8,
+    unpack_int4,
+)
+
+
+def test_int4_packing_puts_weight_j_low_and_weight_j_plus_16_high_per_block():
+    q = torch.arange(64).remainder(16).view(1, 64).to(torch.uint8)
+    packed = pack_int4(q)
+    assert packed.shape == (1, 32)
+    assert int(packed[0, 0]) == q[0, 0] | (q[0, 16] << 4)
+    assert int(packed[0, 16]) == q[0, 32] | (q[0, 48] << 4)
+    assert torch.equal(unpack_int4(packed), q)
+
+
+@pytest.mark.parametrize("group", [32, 64, 128])
+def test_int4_round_trip_is_within_half_a_step_of_each_group(group):
+    w = torch.randn(12, 256)
+    w4 = quantize_int4(w, group)
+    step = w4.scales.float().repeat_interleave(group, 1)
+    # half a step, plus fp16 rounding of the stored minimum
+    assert ((w4.dequantize() - w).abs() <= step / 2 + w.abs().max() * 2 ** -10).all()
+    assert w4.nbytes == 12 * 128 + 2 * 2 * 12 * (256 // group)
+
+
+def test_int4_holds_a_dequantized_q4_1_weight_exactly():
+    w4 = quantize_int4(torch.randn(8, 64))
+    again = quantize_int4(w4.dequantize())
+    assert torch.equal(again.dequantize(), w4.dequantize())
+
+
+def test_int8_per_channel_scales_make_each_row_hit_127():
+    w = torch.randn(5, 40) * torch.arange(1, 6)[:, None]
+    w8 = quantize_int8(w)
+    assert w8.scales.shape == (5, 1) and (w8.qweight.abs().amax(1) == 127).all()
+    assert ((w8.dequantize() - w).abs() <= w8.scales / 2 + 1e-6).all()
+    assert w8.nbytes == 5 * 40 + 5 * 4
+
+
+def test_reference_linears_are_f_linear_on_the_dequantized_weight():
+    x, w = torch.randn(3, 64), torch.randn(16, 64)
+    w4, w8 = quantize_int4(w), quantize_int8(w, group_size=32)
+    torch.testing.assert_close(int4_linear_ref(x, w4), x @ w4.dequantize().T)
+    torch.testing.assert_close(int8_linear_ref(x, w8), x @ w8.dequantize().T)
+
+
+def test_packed_formats_reject_bad_shapes_with_the_fix():
+    with pytest.raises(ValueError, match="pad K"):
+        quantize_int4(torch.randn(4, 96), group_size=64)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        quantize_int4(torch.randn(4, 96), group_size=48)
+    with pytest.raises(ValueError, match="pad K"):
+        quantize_int8(torch.randn(4, 100), group_size=32)
+    with pytest.raises(ValueError, match="scales"):
+        Int4Weight(torch.zeros(4, 16, dtype=torch.uint8), torch.zeros(4, 2), torch.zeros(4, 1))
+    with pytest.raises(ValueError, match="int8"):
+        Int8Weight(torch.zeros(4, 16), torch.zeros(4, 1), 16)
+    with pytest.raises(ValueError, match="K=64"):
+        int4_linear_ref(torch.randn(2, 32), quantize_int4(torch.randn(4, 64)))
