@@ -23,9 +23,9 @@ class LLM:
 
     ``model``: None (the embedded SmolLM2-135M-Instruct, offline), a hub id, a local directory or a ``.gguf``.
     ``dtype``: "float32" | "float16" | "bfloat16" | None; ``device``: "cpu" | "cuda" | None (CUDA when present);
-    ``kernels``: "auto" | "torch" | "native" | "triton" (``kernels.select``).  Other keyword arguments are ``EngineConfig`` options (``policy``,
-    ``block_size``, ``num_kv_blocks``, ``max_num_seqs``, ``max_model_len``, ...) for the ``LLMEngine`` that
-    ``generate`` and ``stream`` run on.
+    ``kernels``: "auto" | "torch" | "native" | "triton" (``kernels.select``).  Other keyword arguments are
+    ``EngineConfig`` options (``policy``, ``block_size``, ``num_kv_blocks``, ``max_num_seqs``, ``max_model_len``,
+    ...) for the ``LLMEngine`` that ``generate`` and ``stream`` run on.
 
     Thread model: ``generate``, ``stream`` and ``chat`` may be called from several threads at once; the engine's
     lock serialises each step and each call gets exactly its own requests' outputs (see ``LLMEngine``).
