@@ -112,5 +112,5 @@ def test_importing_minillm_loads_no_optional_heavy_dependency():
 def test_the_import_graph_sees_lazy_and_relative_imports():
     graph = import_graph()
     assert "minillm.engine.scheduler" in graph["minillm.engine.llm_engine"]
-    assert "minillm.kernels.reference" in graph["minillm.kernels"]
+    assert "minillm.kernels.select" in graph["minillm.kernels"]
     assert "minillm.kernels.triton.flash" not in graph["minillm.kernels.validate"]
