@@ -297,6 +297,25 @@ def test_a_client_that_disconnects_mid_stream_aborts_and_frees_its_kv_blocks(liv
     assert_still_serves(live)
 
 
+def test_a_non_streaming_client_that_hangs_up_aborts_its_request(live):
+    loop = live.app.state.server.loop
+    body = {"model": MODEL, "prompt": "A long story:", "max_tokens": CONTEXT - 10, "ignore_eos": True}
+    steps_before = loop.snapshot.steps
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(live.url + "/v1/completions", json=body, timeout=httpx.Timeout(60, read=0.3))
+    wait_until_idle(live)
+    assert loop.snapshot.steps - steps_before < CONTEXT - 100, "the request ran to the end after the hang-up"
+    assert_still_serves(live)
+
+
+def test_importing_minillm_and_its_cli_does_not_import_the_server_stack():
+    code = ("import sys, minillm, minillm.entrypoints.cli as cli; cli.build_parser().parse_args(['serve']); "
+            "print(sorted(m for m in ('fastapi', 'uvicorn', 'prometheus_client', 'httpx') if m in sys.modules))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "[]"
+
+
 # ---- the command line and the load generator ---------------------------------------------------------------------
 def test_load_generator_measures_a_live_server_and_saves_json(live, tmp_path):
     from minillm.perf.bench.serve import bench_serve

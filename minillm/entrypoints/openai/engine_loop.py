@@ -253,12 +253,21 @@ class EngineLoop:
     def _handle(self, command) -> None:
         if isinstance(command, _Add):
             self._add(command)
-        elif isinstance(command, _Abort) and command.request_id in self._streams:
-            try:
-                self.engine.abort(command.request_id)
-            except KeyError:  # it retired in the same step that produced its last update
-                pass
-            self._finish(command.request_id)
+        elif isinstance(command, _Abort):
+            self._abort(command.request_id)
+
+    def _abort(self, request_id: str) -> None:
+        """Abort in the engine (frees its KV blocks) and end the stream with the partial output."""
+        if request_id not in self._streams:
+            return  # finished already, or never admitted
+        try:
+            self.engine.abort(request_id)
+        except KeyError:  # unknown to the engine: should not happen, but never leave a stream waiting
+            pass
+        self._finish(request_id)
+        if request_id in self._streams:
+            self._post(request_id, _Failed(RuntimeError(f"request {request_id!r} was aborted")))
+            self._streams.pop(request_id)
 
     def _add(self, c: _Add) -> None:
         try:
@@ -328,8 +337,7 @@ class EngineLoop:
                 log.exception("engine step failed while draining")
                 break
         for request_id in list(self._streams):
-            self.engine.abort(request_id)
-            self._finish(request_id)
+            self._abort(request_id)
         for command in self._drain(0.0):  # adds that raced with the stop
             if isinstance(command, _Add):
                 command.reply.set_exception(ShuttingDown("the server is shutting down"))
