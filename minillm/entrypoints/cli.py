@@ -118,7 +118,7 @@ def cmd_serve(a) -> int:
     print(f"[serving {model or DEFAULT_MODEL_NAME} ({llm.model.dtype}, {llm.model.device}) on "
           f"http://{a.host}:{a.port}/v1]", file=sys.stderr)
     run_server(llm, host=a.host, port=a.port, api_key=a.api_key, max_queue=a.max_queue,
-               served_model_name=str(model) if model else DEFAULT_MODEL_NAME)
+               shutdown_timeout_s=a.shutdown_timeout, served_model_name=str(model) if model else DEFAULT_MODEL_NAME)
     return 0
 
 
@@ -166,6 +166,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1")
     s.add_argument("--max-queue", type=int, default=64, help="requests that may wait beyond --max-num-seqs; "
                                                              "more get 429")
+    s.add_argument("--shutdown-timeout", type=float, default=10.0, help="seconds in-flight requests may run on "
+                                                                        "after SIGTERM before they are aborted")
     for flag in ("--max-num-seqs", "--max-num-batched-tokens", "--num-kv-blocks", "--max-model-len"):
         s.add_argument(flag, type=int, default=None, help="EngineConfig option")
     s.set_defaults(fn=cmd_serve)

@@ -86,9 +86,9 @@ def live(model, tokenizer):
 
 @pytest.fixture(scope="module")
 def strict(model, tokenizer):
-    """One running sequence, no queue, an API key: the second concurrent request is refused."""
+    """One running sequence, no queue, an API key, a 64 KiB body limit: the second concurrent request is refused."""
     server = LiveServer(build_app(LLMEngine(model, tokenizer, EngineConfig(max_num_seqs=1)), max_queue=0,
-                                  api_key="sesame", served_model_name="tiny"))
+                                  api_key="sesame", served_model_name="tiny", max_body_bytes=64 << 10))
     yield server
     server.stop()
 
@@ -263,6 +263,13 @@ def test_wrong_api_key_is_a_401_and_the_right_one_works(strict):
     assert_still_serves(strict, "sesame", "tiny")
 
 
+def test_body_over_the_size_limit_is_a_413_before_it_is_parsed(strict):
+    r = httpx.post(strict.url + "/v1/completions", json={"model": "tiny", "prompt": "x" * (100 << 10)},
+                   headers={"Authorization": "Bearer sesame"})
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+    assert_still_serves(strict, "sesame", "tiny")
+
+
 def test_full_queue_is_answered_with_429_at_once(strict):
     body = {"model": "tiny", "prompt": "Go on", "max_tokens": CONTEXT, "ignore_eos": True, "stream": True}
     headers = {"Authorization": "Bearer sesame"}
@@ -347,7 +354,7 @@ def test_serve_command_answers_then_exits_on_sigterm(tmp_path, tokenizer):
     tiny_hf_model().save_pretrained(tmp_path / "tiny")
     tokenizer.save_pretrained(tmp_path / "tiny")
     proc = subprocess.Popen([sys.executable, "-m", "minillm", "serve", str(tmp_path / "tiny"), "--port", "0",
-                             "--dtype", "float32", "--device", "cpu"],
+                             "--dtype", "float32", "--device", "cpu", "--shutdown-timeout", "0.5"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         url = None
@@ -366,8 +373,11 @@ def test_serve_command_answers_then_exits_on_sigterm(tmp_path, tokenizer):
                                 "ignore_eos": True, "stream": True}) as r:
             lines = r.iter_lines()  # keep it: a dropped iterator closes the connection, which aborts
             next(lines)
-            proc.send_signal(signal.SIGTERM)  # with a stream in flight
-            assert proc.wait(timeout=60) in (0, -signal.SIGTERM)  # uvicorn may re-raise it
+            proc.send_signal(signal.SIGTERM)  # with a stream in flight: it is aborted after 0.5 s
+            rest = [line for line in lines if line.startswith("data:")]
+        assert rest[-1] == "data: [DONE]"
+        assert json.loads(rest[-2][5:])["choices"][0]["finish_reason"] == "abort"
+        assert proc.wait(timeout=60) in (0, -signal.SIGTERM)  # uvicorn may re-raise the signal once done
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -209,6 +209,9 @@ class Server:
             async for u in stream:
                 if u.text or u.finish_reason is not None:
                     yield sse(chunk(u.index, u.text, u.finish_reason))
+            for sample in stream.output.outputs:  # aborted by the server (shutdown): say so, then end cleanly
+                if sample.finish_reason == "abort":
+                    yield sse(chunk(sample.index, "", "abort"))
             self.metrics.observe(stream.output)
             if usage_chunk is not None:
                 yield sse(usage_chunk(usage(stream)))
@@ -372,10 +375,20 @@ def _add_routes(app: FastAPI, server: Server) -> None:
 
 def run_server(llm_or_engine, *, host: str = "127.0.0.1", port: int = 8000, shutdown_timeout_s: float = 10.0,
                log_level: str = "info", **app_options) -> None:
-    """Serve until SIGINT/SIGTERM.  On a signal uvicorn stops accepting, lets in-flight requests finish for up to
-    ``shutdown_timeout_s`` seconds, cancels the rest (which aborts them in the engine), then the loop stops."""
+    """Serve until SIGINT/SIGTERM.  On a signal new requests get 503, in-flight ones run on for up to
+    ``shutdown_timeout_s`` seconds, the rest are aborted (their streams end with finish_reason "abort" and
+    ``[DONE]``), then uvicorn closes the connections and the process exits."""
     import uvicorn
 
     app = build_app(llm_or_engine, **app_options)
-    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=shutdown_timeout_s)
+    engine_loop = app.state.server.loop
+
+    class DrainingServer(uvicorn.Server):
+        async def shutdown(self, sockets=None):
+            await asyncio.to_thread(engine_loop.stop, shutdown_timeout_s)  # drain, then abort: streams end
+            await super().shutdown(sockets)
+
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                            timeout_graceful_shutdown=shutdown_timeout_s)  # a backstop: streams have ended
+    DrainingServer(config).run()
 
