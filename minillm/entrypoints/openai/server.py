@@ -182,8 +182,9 @@ class Server:
             raise APIError(503, str(e), type="server_error", code="shutting_down") from e
         except PromptTooLong as e:
             raise APIError(413, str(e), param=param, code="context_length_exceeded") from e
-        except ValueError as e:
-            raise APIError(400, str(e), param=_param_of(str(e)) or param) from e
+        except ValueError as e:  # the engine's checks: "prompt 0 is empty", "n=3 ... exceed max_num_seqs", ...
+            msg = str(e)
+            raise APIError(400, msg, param=_param_of(msg) or (param if msg.startswith("prompt") else None)) from e
 
     async def collect(self, stream: RequestStream, request: Request) -> bool:
         """Wait for a non-streamed request to finish; False if the client disconnected first (then abort)."""
