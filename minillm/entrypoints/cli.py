@@ -1,4 +1,4 @@
-"""``python -m minillm generate | chat | bench | roofline``."""
+"""``python -m minillm generate | chat | serve | bench | roofline``."""
 
 from __future__ import annotations
 
@@ -112,6 +112,21 @@ def cmd_chat(a) -> int:
             _print_metrics(llm, metrics)
 
 
+def cmd_serve(a) -> int:
+    from minillm.entrypoints.openai.server import DEFAULT_MODEL_NAME, run_server
+    from minillm.llm import LLM
+
+    model = a.model_path or a.model
+    names = ("max_num_seqs", "max_num_batched_tokens", "num_kv_blocks", "max_model_len")
+    engine = {k: getattr(a, k) for k in names if getattr(a, k) is not None}
+    llm = LLM(model, dtype=a.dtype, device=a.device, kernels=a.kernels, **engine)
+    print(f"[serving {model or DEFAULT_MODEL_NAME} ({llm.model.dtype}, {llm.model.device}) on "
+          f"http://{a.host}:{a.port}/v1]", file=sys.stderr)
+    run_server(llm, host=a.host, port=a.port, api_key=a.api_key, max_queue=a.max_queue,
+               shutdown_timeout_s=a.shutdown_timeout, served_model_name=str(model) if model else DEFAULT_MODEL_NAME)
+    return 0
+
+
 def cmd_bench(a) -> int:
     if a.what == "decode":
         from minillm.perf.bench.decode import bench_decode
@@ -126,6 +141,10 @@ def cmd_bench(a) -> int:
         from minillm.perf.bench.serving import bench_serving
 
         bench_serving(a.model, device=a.device, threads=a.threads, quick=a.quick)
+    elif a.what == "serve":  # main() hands "bench serve ..." to the load generator's own parser
+        from minillm.perf.bench.serve import main as bench_serve_main
+
+        return bench_serve_main([])
     return 0
 
 
@@ -144,8 +163,22 @@ def build_parser() -> argparse.ArgumentParser:
     _model_args(c)
     _sampling_args(c, 256)
     c.set_defaults(fn=cmd_chat)
-    b = sub.add_parser("bench", help="side-by-side benchmarks (decode | attention | serving)")
-    b.add_argument("what", choices=["decode", "attention", "serving"])
+    s = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions)")
+    s.add_argument("model_path", nargs="?", default=None, metavar="MODEL", help="as --model")
+    _model_args(s)
+    s.add_argument("--host", default="127.0.0.1", help="0.0.0.0 to listen on every interface (default: loopback)")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1")
+    s.add_argument("--max-queue", type=int, default=64, help="requests that may wait beyond --max-num-seqs; "
+                                                             "more get 429")
+    s.add_argument("--shutdown-timeout", type=float, default=10.0, help="seconds in-flight requests may run on "
+                                                                        "after SIGTERM before they are aborted")
+    for flag in ("--max-num-seqs", "--max-num-batched-tokens", "--num-kv-blocks", "--max-model-len"):
+        s.add_argument(flag, type=int, default=None, help="EngineConfig option")
+    s.set_defaults(fn=cmd_serve)
+    b = sub.add_parser("bench", help="side-by-side benchmarks (decode | attention | serving | serve: a load "
+                                     "generator for any OpenAI-compatible server, see 'bench serve --help')")
+    b.add_argument("what", choices=["decode", "attention", "serving", "serve"])
     b.add_argument("--model", default=None)
     b.add_argument("--device", default=None)
     b.add_argument("--dtypes", default="float32,bfloat16")
@@ -165,6 +198,10 @@ def main(argv: list[str] | None = None) -> int:
         from minillm.perf.roofline import main as roofline_main
 
         return roofline_main(argv[1:]) or 0
+    if argv[:2] == ["bench", "serve"]:  # its options belong to the load generator
+        from minillm.perf.bench.serve import main as bench_serve_main
+
+        return bench_serve_main(argv[2:])
     args = build_parser().parse_args(argv)
     try:
         return args.fn(args)

@@ -1,0 +1,351 @@
+"""One thread owns the ``LLMEngine``; asyncio request handlers talk to it through queues.
+
+    handler ──submit()──▶ commands (queue.SimpleQueue) ──▶ loop thread: add / abort / stop, then engine.step()
+    handler ◀──RequestStream (asyncio.Queue per request)◀── loop.call_soon_threadsafe(queue.put_nowait, StepOutput)
+
+The engine is plain, single-threaded Python: only the loop thread ever calls it (tokenizing prompts and applying
+the chat template included, since the engine's detokenizer uses the same tokenizer).  A handler never blocks the
+event loop on the model: it awaits its own queue.  Admission is bounded: at most ``max_num_seqs + max_queue``
+requests are in flight; the next one is refused at once (``QueueFull``) instead of waiting without limit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
+
+from minillm.outputs import RequestOutput, StepOutput
+from minillm.sampling.params import SamplingParams
+
+log = logging.getLogger("minillm.serve")
+
+# A prompt as the loop thread receives it: text, token ids, or chat messages ([{"role", "content"}, ...]).
+Prompt = str | Sequence[int] | Sequence[dict]
+
+
+class QueueFull(Exception):
+    """Every in-flight slot is taken (running and waiting): answer 429 now rather than queue without bound."""
+
+
+class ShuttingDown(Exception):
+    """The loop is stopping and takes no new requests (503)."""
+
+
+class PromptTooLong(ValueError):
+    """The prompt leaves no room in the context for a single output token (413)."""
+
+
+class EngineFailed(RuntimeError):
+    """The engine raised inside ``step()``; every request in flight at that moment ends with this error."""
+
+
+@dataclass(frozen=True)
+class EngineSnapshot:
+    """What the loop thread publishes after every iteration, for ``/metrics`` (read without a lock: the loop
+    replaces the whole frozen object, and rebinding an attribute is atomic in CPython)."""
+
+    running: int = 0  # sequences in the running batch
+    waiting: int = 0  # sequences waiting for admission (incl. recompute-preempted ones)
+    swapped: int = 0
+    kv_blocks_used: int = 0
+    kv_blocks_total: int = 0
+    prefix_hit_rate: float = 0.0  # prompt tokens served from the prefix cache / prompt tokens looked up
+    requests: int = 0  # requests the loop is streaming
+    steps: int = 0
+
+
+@dataclass(frozen=True)
+class _Add:
+    prompt: Prompt
+    params: SamplingParams
+    request_id: str
+    arrival_time: float
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+    reply: concurrent.futures.Future  # -> the prompt's token ids, or the exception that refused it
+
+
+@dataclass(frozen=True)
+class _Abort:
+    request_id: str
+
+
+@dataclass(frozen=True)
+class _Stop:
+    drain_s: float
+
+
+@dataclass(frozen=True)
+class _Finished:
+    output: RequestOutput
+
+
+@dataclass(frozen=True)
+class _Failed:
+    error: BaseException
+
+
+def chat_prompt_ids(tokenizer, messages: Sequence[dict]) -> list[int]:
+    """Messages -> prompt ids ending with the assistant's turn (as ``LLM.apply_chat_template``).
+    Raises ``ValueError`` when there is no template or the template rejects the conversation."""
+    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+        raise ValueError("messages: this model's tokenizer has no chat template; use /v1/completions")
+    try:
+        out = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True)
+    except Exception as e:  # jinja raises TemplateError for e.g. unsupported roles: the caller's mistake
+        raise ValueError(f"messages: the chat template rejected them ({e})") from e
+    return list(out["input_ids"] if hasattr(out, "keys") else out)
+
+
+class RequestStream:
+    """A request's updates, in order: iterate for ``StepOutput``s; afterwards ``output`` is its ``RequestOutput``.
+
+    ``close()`` (always call it, e.g. in ``finally``) aborts the request if it has not finished — that is what a
+    client disconnect does — and frees its admission slot.
+    """
+
+    def __init__(self, request_id: str, prompt_token_ids: list[int], updates: asyncio.Queue,
+                 on_close: Callable[[str, bool], None]):
+        self.request_id = request_id
+        self.prompt_token_ids = prompt_token_ids
+        self.output: RequestOutput | None = None
+        self._updates = updates
+        self._on_close = on_close
+        self._closed = False
+
+    async def __aiter__(self) -> AsyncIterator[StepOutput]:
+        while self.output is None:
+            item = await self._updates.get()
+            if isinstance(item, _Finished):
+                self.output = item.output
+            elif isinstance(item, _Failed):
+                raise EngineFailed(f"the engine failed: {item.error!r}") from item.error
+            else:
+                yield item
+
+    async def result(self) -> RequestOutput:
+        """Wait for the end and return the ``RequestOutput`` (all ``n`` samples)."""
+        async for _ in self:
+            pass
+        return self.output
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._on_close(self.request_id, self.output is not None)
+
+
+class EngineLoop:
+    """Owns ``engine`` (an ``LLMEngine``) on one background thread; ``submit`` and ``abort`` from the event loop.
+
+    ``max_queue``: requests allowed to wait beyond the ``max_num_seqs`` that can run.
+    """
+
+    def __init__(self, engine, *, max_queue: int = 64):
+        if not isinstance(max_queue, int) or max_queue < 0:
+            raise ValueError(f"max_queue must be an int >= 0, got {max_queue!r}")
+        self.engine = engine  # touched only by the loop thread once start() has run
+        self.max_model_len: int = engine.max_model_len  # constants, read once here
+        self.capacity = engine.config.max_num_seqs + max_queue
+        self.snapshot = EngineSnapshot(kv_blocks_total=engine.block_manager.device.num_blocks)
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}  # loop thread only
+        self._in_flight = 0  # event-loop thread only
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="minillm-engine-loop", daemon=True)
+
+    # ---- event-loop side ---------------------------------------------------------------------------------------
+    @property
+    def in_flight(self) -> int:
+        return self._in_flight
+
+    def is_alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, drain_s: float = 0.0, join_s: float = 30.0) -> None:
+        """Refuse new requests, let running ones finish for up to ``drain_s`` seconds, abort the rest, and join."""
+        self._stopping = True
+        if self._thread.is_alive():
+            self._commands.put(_Stop(drain_s))
+            self._thread.join(join_s)
+
+    async def submit(self, prompt: Prompt, params: SamplingParams, request_id: str,
+                     arrival_time: float | None = None) -> RequestStream:
+        """Queue a request; returns its stream once the engine has accepted it.  Raises ``QueueFull``,
+        ``ShuttingDown``, ``PromptTooLong`` or the engine's ``ValueError`` (then nothing is queued)."""
+        if self._stopping or not self._thread.is_alive():
+            raise ShuttingDown("the server is shutting down")
+        if self._in_flight >= self.capacity:
+            raise QueueFull(f"the server is at capacity ({self._in_flight} requests in flight, the limit is "
+                            f"{self.capacity}: max_num_seqs + max_queue); retry later")
+        updates: asyncio.Queue = asyncio.Queue()
+        reply: concurrent.futures.Future = concurrent.futures.Future()
+        self._in_flight += 1
+        add = _Add(prompt, params, request_id, time.perf_counter() if arrival_time is None else arrival_time,
+                   asyncio.get_running_loop(), updates, reply)
+        self._commands.put(add)
+        try:
+            ids = await asyncio.wrap_future(reply)
+        except asyncio.CancelledError:  # the client left while we waited: the add may still happen, so undo it
+            self._release(request_id, False)
+            raise
+        except BaseException:
+            self._in_flight -= 1
+            raise
+        return RequestStream(request_id, ids, updates, self._release)
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request (no-op if it already finished); its KV blocks are freed before the next step."""
+        self._commands.put(_Abort(request_id))
+
+    def _release(self, request_id: str, finished: bool) -> None:
+        self._in_flight -= 1
+        if not finished:
+            self.abort(request_id)
+
+    # ---- loop thread ---------------------------------------------------------------------------------------------
+    def _run(self) -> None:
+        engine = self.engine
+        wait: float | None = None  # how long to wait for the first command: forever when idle
+        while True:
+            for command in self._drain(wait):
+                if isinstance(command, _Stop):
+                    self._shutdown(command.drain_s)
+                    return
+                self._handle(command)
+            wait = None
+            if engine.has_unfinished_requests():
+                try:
+                    updates = engine.step()
+                    self._dispatch(updates)
+                except Exception as e:  # keep serving: end what was in flight, start clean
+                    log.exception("engine step failed; aborting %d requests", len(self._streams))
+                    self._fail_all(e)
+                    updates = []
+                # Nothing ran (e.g. a dynamic batch still collecting): nap 1 ms instead of spinning on step().
+                wait = 0.0 if updates else 1e-3
+            self._publish()
+
+    def _drain(self, wait: float | None) -> list:
+        """Every queued command, after waiting up to ``wait`` seconds for the first (None: until one comes —
+        an idle loop sleeps here at no cost)."""
+        commands = []
+        if wait != 0.0:
+            try:
+                commands.append(self._commands.get(timeout=wait))
+            except queue.Empty:
+                return commands
+        while True:
+            try:
+                commands.append(self._commands.get_nowait())
+            except queue.Empty:
+                return commands
+
+    def _handle(self, command) -> None:
+        if isinstance(command, _Add):
+            self._add(command)
+        elif isinstance(command, _Abort):
+            self._abort(command.request_id)
+
+    def _abort(self, request_id: str) -> None:
+        """Abort in the engine (frees its KV blocks) and end the stream with the partial output."""
+        if request_id not in self._streams:
+            return  # finished already, or never admitted
+        try:
+            self.engine.abort(request_id)
+        except KeyError:  # unknown to the engine: should not happen, but never leave a stream waiting
+            pass
+        self._finish(request_id)
+        if request_id in self._streams:
+            self._post(request_id, _Failed(RuntimeError(f"request {request_id!r} was aborted")))
+            self._streams.pop(request_id)
+
+    def _add(self, c: _Add) -> None:
+        try:
+            ids = self._encode(c.prompt)
+            if len(ids) >= self.max_model_len:
+                raise PromptTooLong(f"the prompt has {len(ids)} tokens but the model's context is "
+                                    f"{self.max_model_len} tokens (room is needed for at least one output token)")
+            self.engine.add_request(ids, c.params, c.request_id, c.arrival_time)
+        except Exception as e:
+            c.reply.set_exception(e)
+            return
+        self._streams[c.request_id] = (c.loop, c.queue)
+        c.reply.set_result(ids)
+
+    def _encode(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str) or not prompt or not isinstance(prompt[0], dict):
+            return self.engine.encode(prompt)
+        return chat_prompt_ids(self.engine.tokenizer, prompt)
+
+    def _dispatch(self, updates: list[StepOutput]) -> None:
+        for u in updates:
+            self._post(u.request_id, u)
+            if u.finished:
+                self._finish(u.request_id)
+
+    def _finish(self, request_id: str) -> None:
+        """Hand a retired request's output to its stream (no-op while other samples of it still run)."""
+        try:
+            output = self.engine.pop_output(request_id)
+        except KeyError:
+            return
+        self._post(request_id, _Finished(output))
+        self._streams.pop(request_id, None)
+
+    def _post(self, request_id: str, item) -> None:
+        target = self._streams.get(request_id)
+        if target is None:
+            return
+        loop, updates = target
+        try:
+            loop.call_soon_threadsafe(updates.put_nowait, item)
+        except RuntimeError:  # the event loop has closed: nobody is listening any more
+            pass
+
+    def _fail_all(self, error: BaseException) -> None:
+        for request_id in list(self._streams):
+            try:
+                self.engine.abort(request_id)
+                self.engine.pop_output(request_id)
+            except Exception:  # already retired, or the engine is broken: the stream still gets the error
+                pass
+            self._post(request_id, _Failed(error))
+            self._streams.pop(request_id, None)
+
+    def _shutdown(self, drain_s: float) -> None:
+        """Step until nothing is in flight or ``drain_s`` has passed, then abort what is left."""
+        deadline = time.monotonic() + drain_s
+        while self._streams and self.engine.has_unfinished_requests() and time.monotonic() < deadline:
+            for command in self._drain(0.0):
+                if isinstance(command, _Add):
+                    command.reply.set_exception(ShuttingDown("the server is shutting down"))
+                else:
+                    self._handle(command)
+            try:
+                self._dispatch(self.engine.step())
+            except Exception:  # a broken engine cannot drain: abort below
+                log.exception("engine step failed while draining")
+                break
+        for request_id in list(self._streams):
+            self._abort(request_id)
+        for command in self._drain(0.0):  # adds that raced with the stop
+            if isinstance(command, _Add):
+                command.reply.set_exception(ShuttingDown("the server is shutting down"))
+        self._publish()
+
+    def _publish(self) -> None:
+        s, bm = self.engine.scheduler, self.engine.block_manager
+        self.snapshot = EngineSnapshot(
+            running=len(s.running), waiting=len(s.waiting), swapped=len(s.swapped),
+            kv_blocks_used=bm.device.num_used, kv_blocks_total=bm.device.num_blocks,
+            prefix_hit_rate=bm.prefix_stats.hit_rate, requests=len(self._streams), steps=s.stats.steps)

@@ -1,0 +1,395 @@
+"""An OpenAI-compatible HTTP server over ``LLMEngine``: FastAPI + uvicorn, as vLLM and ``transformers serve``.
+
+    POST /v1/completions        POST /v1/chat/completions   (JSON, or SSE with "stream": true)
+    GET  /v1/models             GET  /health                 GET /metrics (Prometheus text)
+
+Handlers validate a request (pydantic models in ``protocol.py``; ``SamplingParams`` checks the values), hand it to
+the ``EngineLoop`` thread and stream back what it produces.  Every error is OpenAI's
+``{"error": {"message", "type", "param", "code"}}``: 400 bad values and malformed JSON, 401 wrong API key,
+404 unknown model, 413 prompt over the context (or body over ``max_body_bytes``), 429 admission queue full,
+503 shutting down.  A client that disconnects aborts its request, which frees its KV blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import re
+from collections.abc import AsyncIterator, Sequence
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from minillm.entrypoints.openai import protocol as p
+from minillm.entrypoints.openai.engine_loop import (
+    EngineFailed,
+    EngineLoop,
+    PromptTooLong,
+    QueueFull,
+    RequestStream,
+    ShuttingDown,
+)
+from minillm.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
+from minillm.sampling.params import SamplingParams
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
+
+
+class APIError(Exception):
+    """An error answered with ``status`` and OpenAI's error body."""
+
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None):
+        super().__init__(message)
+        self.status, self.info = status, p.ErrorInfo(message=message, type=type, param=param, code=code)
+
+    def response(self) -> JSONResponse:
+        return error_response(self.status, self.info)
+
+
+def error_response(status: int, info: p.ErrorInfo, headers: dict | None = None) -> JSONResponse:
+    return JSONResponse(p.ErrorResponse(error=info).model_dump(), status_code=status, headers=headers)
+
+
+def _param_of(message: str) -> str | None:
+    """minillm's ValueErrors start with the parameter's name ("temperature must be ..."): use it as ``param``."""
+    m = re.match(r"(\w+) must\b", message)
+    return m.group(1) if m else None
+
+
+# ---- the gate: runs before routing, for every request -----------------------------------------------------------
+class Gate:
+    """Pure ASGI middleware: rejects oversized bodies (413) and, with an API key, unauthenticated ``/v1`` calls
+    (401); counts every response by path and status.  (Pure ASGI, not ``BaseHTTPMiddleware``, so that
+    streaming responses and client disconnects pass through untouched.)"""
+
+    def __init__(self, app, *, metrics: ServerMetrics, api_key: str | None, max_body_bytes: int):
+        self.app, self.metrics, self.api_key, self.max_body_bytes = app, metrics, api_key, max_body_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        status = 500  # what is counted if the app dies before answering
+
+        async def send_and_record(message):
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            rejection = self._reject(scope)
+            app = rejection if rejection is not None else self.app
+            await app(scope, receive, send_and_record)
+        finally:
+            path = scope["path"] if scope["path"] in PATHS else "other"  # bounded label values
+            self.metrics.count_response(path, status)
+
+    def _reject(self, scope) -> Response | None:
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        length = headers.get("content-length", "0")
+        if length.isdigit() and int(length) > self.max_body_bytes:
+            return APIError(413, f"the request body has {length} bytes; the limit is {self.max_body_bytes}",
+                            code="request_too_large").response()
+        if self.api_key is not None and scope["path"].startswith("/v1"):
+            given = headers.get("authorization", "")
+            if not hmac.compare_digest(given.encode(), f"Bearer {self.api_key}".encode()):
+                return APIError(401, "Incorrect API key provided: pass it as 'Authorization: Bearer <key>'",
+                                code="invalid_api_key").response()
+        return None
+
+
+# ---- requests -> engine inputs ----------------------------------------------------------------------------------
+def sampling_params(body: p.ChatCompletionRequest | p.CompletionRequest, max_tokens: int) -> SamplingParams:
+    """The request's ``SamplingParams``; unset fields keep minillm's defaults.  A bad value is a 400 naming it."""
+    kw = {name: getattr(body, name) for name in ("temperature", "top_p", "top_k") if getattr(body, name) is not None}
+    stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
+    try:
+        return SamplingParams(max_tokens=max_tokens, n=body.n, seed=body.seed, stop=stop,
+                              ignore_eos=body.ignore_eos, **kw)
+    except ValueError as e:
+        raise APIError(400, str(e), param=_param_of(str(e))) from e
+
+
+def completion_prompt(prompt) -> str | list[int]:
+    """A completion's prompt: a string or token ids (a batch of one is unwrapped; larger batches are refused)."""
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        if len(prompt) != 1:
+            raise APIError(400, f"prompt: batches of prompts are not supported (got {len(prompt)}); send one "
+                                "request per prompt", param="prompt")
+        prompt = prompt[0]
+    return prompt
+
+
+def chat_messages(messages: Sequence[p.ChatMessage]) -> list[dict]:
+    """Messages as the chat template takes them; content parts must be text."""
+    if not messages:
+        raise APIError(400, "messages must hold at least one message", param="messages")
+    out = []
+    for m in messages:
+        content = m.content or ""
+        if isinstance(content, list):
+            if any(part.get("type") != "text" for part in content):
+                raise APIError(400, "messages: only text content parts are supported", param="messages")
+            content = "".join(str(part.get("text", "")) for part in content)
+        out.append({**m.model_dump(exclude_none=True), "content": content})
+    return out
+
+
+def usage(stream: RequestStream) -> p.UsageInfo:
+    out = stream.output
+    completion = sum(len(s.token_ids) for s in out.outputs) if out is not None else 0
+    prompt = len(stream.prompt_token_ids)
+    return p.UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+
+
+def sse(item: BaseModel | str) -> str:
+    """One server-sent event."""
+    data = item if isinstance(item, str) else item.model_dump_json()
+    return f"data: {data}\n\n"
+
+
+# ---- the app -------------------------------------------------------------------------------------------------------
+class Server:
+    """The handlers' shared state: the engine loop, metrics, the served model's names."""
+
+    def __init__(self, engine_loop: EngineLoop, metrics: ServerMetrics, model_names: Sequence[str]):
+        self.loop, self.metrics, self.model_names = engine_loop, metrics, tuple(model_names)
+
+    def check(self, body) -> None:
+        if body.model not in self.model_names:
+            raise APIError(404, f"The model `{body.model}` does not exist; this server serves "
+                                f"{', '.join(repr(n) for n in self.model_names)}", param="model",
+                           code="model_not_found")
+        bad = p.unsupported_fields(body)
+        if bad:
+            raise APIError(400, f"{bad[0]} is not supported by minillm (unsupported: {', '.join(bad)})",
+                           param=bad[0], code="unsupported_parameter")
+        if body.stream_options is not None and not body.stream:
+            raise APIError(400, "stream_options is only allowed with stream=true", param="stream_options")
+
+    async def submit(self, prompt, params: SamplingParams, request_id: str, param: str) -> RequestStream:
+        """Hand the request to the engine loop; map its refusals to HTTP errors."""
+        try:
+            return await self.loop.submit(prompt, params, request_id)
+        except QueueFull as e:
+            raise APIError(429, str(e), type="rate_limit_error", code="queue_full") from e
+        except ShuttingDown as e:
+            raise APIError(503, str(e), type="server_error", code="shutting_down") from e
+        except PromptTooLong as e:
+            raise APIError(413, str(e), param=param, code="context_length_exceeded") from e
+        except ValueError as e:  # the engine's checks: "prompt 0 is empty", "n=3 ... exceed max_num_seqs", ...
+            msg = str(e)
+            raise APIError(400, msg, param=_param_of(msg) or (param if msg.startswith("prompt") else None)) from e
+
+    async def collect(self, stream: RequestStream, request: Request) -> bool:
+        """Wait for a non-streamed request to finish; False if the client disconnected first (then abort)."""
+        done = asyncio.ensure_future(stream.result())
+        gone = asyncio.ensure_future(_disconnected(request))
+        await asyncio.wait({done, gone}, return_when=asyncio.FIRST_COMPLETED)
+        gone.cancel()
+        if not done.done():
+            done.cancel()
+            return False
+        done.result()  # raises EngineFailed
+        self.metrics.observe(stream.output)
+        return True
+
+    async def events(self, stream: RequestStream, chunk, n: int, usage_chunk) -> AsyncIterator[str]:
+        """SSE: ``chunk(index, text, finish_reason)`` per update with text or an end, then the usage chunk
+        (``usage_chunk`` or None), then ``[DONE]``.  Closing the stream early (disconnect) aborts the request."""
+        try:
+            for i in range(n):
+                first = chunk(i, None, None)
+                if first is not None:
+                    yield sse(first)
+            async for u in stream:
+                if u.text or u.finish_reason is not None:
+                    yield sse(chunk(u.index, u.text, u.finish_reason))
+            for sample in stream.output.outputs:  # aborted by the server (shutdown): say so, then end cleanly
+                if sample.finish_reason == "abort":
+                    yield sse(chunk(sample.index, "", "abort"))
+            self.metrics.observe(stream.output)
+            if usage_chunk is not None:
+                yield sse(usage_chunk(usage(stream)))
+        except EngineFailed as e:
+            yield sse(p.ErrorResponse(error=p.ErrorInfo(message=str(e), type="server_error")))
+        finally:
+            stream.close()
+        yield sse("[DONE]")
+
+
+class EventStream(StreamingResponse):
+    """An SSE response that closes its ``RequestStream`` however the response ends — also when the client left
+    before the body generator ever started (then the generator's own ``finally`` never runs)."""
+
+    def __init__(self, events: AsyncIterator[str], stream: RequestStream):
+        super().__init__(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        self.request_stream = stream
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.request_stream.close()
+
+
+async def _disconnected(request: Request) -> None:
+    """Return when the client goes away (the body has been read, so the next ASGI message is the disconnect)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def build_app(llm_or_engine, *, served_model_name: str | Sequence[str] | None = None, api_key: str | None = None,
+              max_queue: int = 64, max_body_bytes: int = 4 << 20) -> FastAPI:
+    """The FastAPI app serving ``llm_or_engine`` (an ``LLM`` or an ``LLMEngine``).
+
+    ``served_model_name``: the name(s) clients must pass as ``model`` (default "SmolLM2-135M-Instruct");
+    ``api_key``: require ``Authorization: Bearer <key>`` on ``/v1``; ``max_queue``: requests that may wait beyond
+    the engine's ``max_num_seqs`` before new ones get 429; ``max_body_bytes``: larger bodies get 413.
+    The engine loop thread starts with the app (lifespan) and stops with it, aborting what is still running.
+    ``app.state.server.loop`` is the ``EngineLoop``.
+    """
+    from contextlib import asynccontextmanager
+
+    engine = getattr(llm_or_engine, "engine", llm_or_engine)  # an LLM builds its engine here, before the thread
+    names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name or [])
+    server = Server(EngineLoop(engine, max_queue=max_queue), ServerMetrics(), names or [DEFAULT_MODEL_NAME])
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        server.loop.start()
+        try:
+            yield
+        finally:  # connections are closed by now (uvicorn waited up to its graceful-shutdown timeout)
+            await asyncio.to_thread(server.loop.stop)
+
+    app = FastAPI(title="minillm", lifespan=lifespan)
+    app.state.server = server
+    app.add_middleware(Gate, metrics=server.metrics, api_key=api_key, max_body_bytes=max_body_bytes)
+    _add_error_handlers(app)
+    _add_routes(app, server)
+    return app
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, e: APIError):
+        return e.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, e: RequestValidationError):
+        err = e.errors()[0]
+        loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+        if err.get("type") == "json_invalid":
+            return APIError(400, f"malformed JSON body: {err.get('msg')}", code="invalid_json").response()
+        if err.get("type") == "extra_forbidden":
+            return APIError(400, f"Unrecognized request argument supplied: {'.'.join(loc)}",
+                            param=".".join(loc)).response()
+        param = ".".join(loc) or None
+        return APIError(400, f"{param}: {err.get('msg')}" if param else str(err.get("msg")), param=param).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, e: StarletteHTTPException):
+        return APIError(e.status_code, str(e.detail), code=str(e.status_code)).response()
+
+    @app.exception_handler(Exception)
+    async def crash(request: Request, e: Exception):
+        return APIError(500, f"internal error: {type(e).__name__}: {e}", type="server_error").response()
+
+
+def _add_routes(app: FastAPI, server: Server) -> None:
+    @app.get("/health")
+    async def health():
+        if not server.loop.is_alive():
+            raise APIError(503, "the engine loop is not running", type="server_error")
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(server.metrics.render(server.loop.snapshot, server.loop.in_flight), media_type=CONTENT_TYPE)
+
+    @app.get("/v1/models")
+    async def models() -> p.ModelList:
+        return p.ModelList(data=[p.ModelCard(id=n, max_model_len=server.loop.max_model_len)
+                                 for n in server.model_names])
+
+    @app.post("/v1/completions")
+    async def completions(body: p.CompletionRequest, request: Request):
+        server.check(body)
+        params = sampling_params(body, 16 if body.max_tokens is None else body.max_tokens)
+        rid, model = p.random_id("cmpl"), body.model
+        stream = await server.submit(completion_prompt(body.prompt), params, rid, "prompt")
+
+        def chunk(i, text, finish):
+            if text is None:
+                return None  # completions have no role chunk
+            return p.CompletionResponse(id=rid, model=model, choices=[p.CompletionChoice(
+                index=i, text=text, finish_reason=finish)])
+
+        if body.stream:
+            opts = body.stream_options
+            usage_chunk = ((lambda u: p.CompletionResponse(id=rid, model=model, choices=[], usage=u))
+                           if opts is not None and opts.include_usage else None)
+            return EventStream(server.events(stream, chunk, params.n, usage_chunk), stream)
+        try:
+            if not await server.collect(stream, request):
+                return Response(status_code=499)  # nginx's "client closed request"; nobody reads it
+        finally:
+            stream.close()
+        choices = [p.CompletionChoice(index=s.index, text=s.text, finish_reason=s.finish_reason)
+                   for s in stream.output.outputs]
+        return p.CompletionResponse(id=rid, model=model, choices=choices, usage=usage(stream))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: p.ChatCompletionRequest, request: Request):
+        server.check(body)
+        max_tokens = next((m for m in (body.max_completion_tokens, body.max_tokens) if m is not None),
+                          server.loop.max_model_len)  # neither: up to the context (the engine stops there)
+        params = sampling_params(body, max_tokens)
+        rid, model = p.random_id("chatcmpl"), body.model
+        stream = await server.submit(chat_messages(body.messages), params, rid, "messages")
+
+        def chunk(i, text, finish):
+            delta = p.DeltaMessage(role="assistant", content="") if text is None else p.DeltaMessage(content=text)
+            return p.ChatCompletionChunk(id=rid, model=model, choices=[p.ChatChunkChoice(
+                index=i, delta=delta, finish_reason=finish)])
+
+        if body.stream:
+            opts = body.stream_options
+            usage_chunk = ((lambda u: p.ChatCompletionChunk(id=rid, model=model, choices=[], usage=u))
+                           if opts is not None and opts.include_usage else None)
+            return EventStream(server.events(stream, chunk, params.n, usage_chunk), stream)
+        try:
+            if not await server.collect(stream, request):
+                return Response(status_code=499)
+        finally:
+            stream.close()
+        choices = [p.ChatChoice(index=s.index, message=p.AssistantMessage(content=s.text),
+                                finish_reason=s.finish_reason) for s in stream.output.outputs]
+        return p.ChatCompletionResponse(id=rid, model=model, choices=choices, usage=usage(stream))
+
+
+def run_server(llm_or_engine, *, host: str = "127.0.0.1", port: int = 8000, shutdown_timeout_s: float = 10.0,
+               log_level: str = "info", **app_options) -> None:
+    """Serve until SIGINT/SIGTERM.  On a signal new requests get 503, in-flight ones run on for up to
+    ``shutdown_timeout_s`` seconds, the rest are aborted (their streams end with finish_reason "abort" and
+    ``[DONE]``), then uvicorn closes the connections and the process exits."""
+    import uvicorn
+
+    app = build_app(llm_or_engine, **app_options)
+    engine_loop = app.state.server.loop
+
+    class DrainingServer(uvicorn.Server):
+        async def shutdown(self, sockets=None):
+            await asyncio.to_thread(engine_loop.stop, shutdown_timeout_s)  # drain, then abort: streams end
+            await super().shutdown(sockets)
+
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                            timeout_graceful_shutdown=shutdown_timeout_s)  # a backstop: streams have ended
+    DrainingServer(config).run()
+

@@ -1,0 +1,329 @@
+"""``python -m minillm bench serve --base-url URL``: a load generator for any OpenAI-compatible server.
+
+minillm, vLLM, SGLang, ``transformers serve`` and llama.cpp's server all speak the same streaming API, so one
+generator measures them the same way: requests arrive at ``request_rate`` per second (Poisson, or burstier with
+``burstiness`` < 1: gamma-distributed gaps of the same mean, as vLLM's ``benchmark_serving``), each streams its
+answer, and the client clocks every chunk:
+
+- **TTFT**: send → first chunk with text;  **ITL**: the gaps between text chunks;
+- **TPOT**: (E2E − TTFT) / (output tokens − 1);  **E2E**: send → last byte;
+- **throughput**: completed requests and output tokens per second of wall time;  **goodput**: requests/s that
+  met the SLO on TTFT *and* TPOT (``minillm.perf.metrics.goodput``).
+
+A refused request (429/503) is counted as rejected, not as a failure: under overload that is the answer a server
+should give quickly.  Output tokens come from the server's usage chunk (``stream_options.include_usage``), else
+one per text chunk.  Prompts are real English cut from CPython's ``pydoc_data.topics`` (always installed, no
+download) at lognormal lengths, wrapped in chat-like instructions, with a seed: the same trace on every run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import random
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from minillm.perf.metrics import goodput, summarize
+from minillm.perf.workloads import lognormal_lengths, poisson_arrivals
+
+TEMPLATES = (  # chat-like instructions around a document: what most chat traffic looks like
+    "Summarize the following documentation in a few sentences.\n\n{doc}",
+    "{doc}\n\nExplain the above to a beginner, with an example.",
+    "Read this and list the three most important points:\n\n{doc}",
+    "Here is part of the Python reference manual:\n\n{doc}\n\nWhat questions would a student ask about it?",
+)
+
+
+@dataclass(frozen=True)
+class BenchRequest:
+    """One request of the trace: sent ``arrival_s`` after the start, asking for up to ``max_tokens`` tokens."""
+
+    arrival_s: float
+    prompt: str
+    max_tokens: int
+
+
+@dataclass
+class RequestResult:
+    """What the client measured for one request (times in seconds, from the moment it was sent)."""
+
+    status: int  # HTTP status; 0 for a connection error
+    ttft_s: float = 0.0
+    tpot_s: float = 0.0
+    latency_s: float = 0.0
+    output_tokens: int = 0
+    prompt_tokens: int | None = None
+    itl_s: list[float] = field(default_factory=list, repr=False)
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.status == 200 and self.error is None and self.output_tokens > 0
+
+    @property
+    def rejected(self) -> bool:
+        return self.status in (429, 503)
+
+
+# ---- the trace ---------------------------------------------------------------------------------------------------
+def make_prompts(n: int, seed: int = 0, median_words: int = 120, sigma: float = 0.8,
+                 max_words: int = 1000) -> list[str]:
+    """``n`` prompts: a template around a run of ``lognormal(median_words, sigma)`` words of Python's docs."""
+    from pydoc_data.topics import topics
+
+    words = " ".join(topics[k] for k in sorted(topics)).split()
+    lengths = lognormal_lengths(n, median_words, sigma, lo=8, hi=max_words, seed=seed)
+    rng = random.Random(seed + 1)
+    prompts = []
+    for length in lengths:
+        start = rng.randrange(len(words) - length)
+        prompts.append(rng.choice(TEMPLATES).format(doc=" ".join(words[start:start + length])))
+    return prompts
+
+
+def arrival_times(n: int, rate: float, burstiness: float = 1.0, seed: int = 0) -> list[float]:
+    """Send times (s): Poisson at ``rate`` for ``burstiness`` 1; gamma gaps of shape ``burstiness`` (same mean,
+    burstier below 1) otherwise; ``rate=inf`` sends everything at t = 0."""
+    if not burstiness > 0:
+        raise ValueError(f"burstiness must be > 0 (1 = Poisson), got {burstiness!r}")
+    if burstiness == 1 or math.isinf(rate):
+        return poisson_arrivals(n, rate, seed)
+    if not rate > 0:
+        raise ValueError(f"rate must be > 0 requests/s, got {rate!r}")
+    rng, t, times = random.Random(seed), 0.0, []
+    for _ in range(n):
+        t += rng.gammavariate(burstiness, 1.0 / (rate * burstiness))
+        times.append(t)
+    return times
+
+
+def make_trace(n: int, rate: float, max_tokens: int, seed: int = 0, burstiness: float = 1.0) -> list[BenchRequest]:
+    return [BenchRequest(a, p, max_tokens)
+            for a, p in zip(arrival_times(n, rate, burstiness, seed), make_prompts(n, seed + 7), strict=True)]
+
+
+# ---- one request -------------------------------------------------------------------------------------------------
+def request_body(endpoint: str, model: str, prompt: str, max_tokens: int, ignore_eos: bool) -> dict:
+    body = {"model": model, "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    if endpoint == "chat":
+        body["messages"] = [{"role": "user", "content": prompt}]
+    else:
+        body["prompt"] = prompt
+    if ignore_eos:  # a vLLM extension (minillm and SGLang have it too): fixed output lengths
+        body["ignore_eos"] = True
+    return body
+
+
+def _chunk_text(event: dict) -> str:
+    text = ""
+    for choice in event.get("choices") or ():
+        text += (choice.get("delta") or {}).get("content") or choice.get("text") or ""
+    return text
+
+
+async def send_request(client, url: str, body: dict, headers: dict) -> RequestResult:
+    """POST one streaming request and clock its chunks."""
+    t0 = time.perf_counter()
+    times: list[float] = []
+    usage = None
+    try:
+        async with client.stream("POST", url, json=body, headers=headers) as r:
+            if r.status_code != 200:
+                text = (await r.aread()).decode(errors="replace")
+                return RequestResult(r.status_code, latency_s=time.perf_counter() - t0, error=text[:300])
+            async for line in r.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    break
+                event = json.loads(data)
+                if "error" in event:
+                    return RequestResult(200, error=str(event["error"])[:300])
+                if _chunk_text(event):
+                    times.append(time.perf_counter())
+                usage = event.get("usage") or usage
+    except Exception as e:  # connection refused, reset, timeout: a failed request, the run goes on
+        return RequestResult(0, latency_s=time.perf_counter() - t0, error=f"{type(e).__name__}: {e}")
+    end = time.perf_counter()
+    if not times:
+        return RequestResult(200, latency_s=end - t0, error="no text in the response")
+    tokens = usage["completion_tokens"] if usage else len(times)
+    ttft = times[0] - t0
+    return RequestResult(200, ttft_s=ttft, latency_s=end - t0, output_tokens=tokens,
+                         tpot_s=(end - t0 - ttft) / (tokens - 1) if tokens > 1 else 0.0,
+                         prompt_tokens=usage["prompt_tokens"] if usage else None,
+                         itl_s=[b - a for a, b in zip(times, times[1:], strict=False)])
+
+
+# ---- a run -------------------------------------------------------------------------------------------------------
+async def run_trace(base_url: str, trace: Sequence[BenchRequest], *, model: str, endpoint: str = "chat",
+                    api_key: str | None = None, ignore_eos: bool = False, max_concurrency: int | None = None,
+                    timeout_s: float = 600.0, progress: bool = True) -> tuple[list[RequestResult], float]:
+    """Send ``trace`` on its schedule; returns each request's result (trace order) and the wall time."""
+    import httpx
+    from tqdm.auto import tqdm
+
+    path = "/v1/chat/completions" if endpoint == "chat" else "/v1/completions"
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    gate = asyncio.Semaphore(max_concurrency or len(trace) or 1)
+    bar = tqdm(total=len(trace), desc="bench serve", disable=not progress, file=sys.stderr)
+    limits = httpx.Limits(max_connections=max_concurrency or max(len(trace), 1), max_keepalive_connections=32)
+    async with httpx.AsyncClient(base_url=base_url, timeout=timeout_s, limits=limits) as client:
+        start = time.perf_counter()
+
+        async def one(req: BenchRequest) -> RequestResult:
+            await asyncio.sleep(max(0.0, start + req.arrival_s - time.perf_counter()))
+            async with gate:
+                body = request_body(endpoint, model, req.prompt, req.max_tokens, ignore_eos)
+                result = await send_request(client, path, body, headers)
+            bar.update(1)
+            return result
+
+        results = await asyncio.gather(*(one(r) for r in trace))
+        duration = time.perf_counter() - start
+    bar.close()
+    return list(results), duration
+
+
+def summarize_run(results: Sequence[RequestResult], duration_s: float, *, ttft_slo_s: float,
+                  tpot_slo_s: float) -> dict:
+    """Counts, throughputs, goodput and latency percentiles (ms) of the completed requests."""
+    done = [r for r in results if r.ok]
+    out = {"completed": len(done), "rejected": sum(r.rejected for r in results),
+           "failed": sum(not r.ok and not r.rejected for r in results), "duration_s": duration_s,
+           "request_throughput": len(done) / duration_s,
+           "output_throughput": sum(r.output_tokens for r in done) / duration_s,
+           "goodput": goodput(done, duration_s, ttft_slo_s=ttft_slo_s, tpot_slo_s=tpot_slo_s) if done else 0.0,
+           "slo": {"ttft_ms": ttft_slo_s * 1e3, "tpot_ms": tpot_slo_s * 1e3}}
+    series = {"ttft_ms": [r.ttft_s for r in done], "tpot_ms": [r.tpot_s for r in done if r.output_tokens > 1],
+              "itl_ms": [g for r in done for g in r.itl_s], "e2e_ms": [r.latency_s for r in done]}
+    for name, values in series.items():
+        out[name] = {k: v * 1e3 for k, v in summarize(values).items()} if values else None
+    errors = [r.error for r in results if r.error and not r.rejected]
+    if errors:
+        out["first_error"] = errors[0]
+    return out
+
+
+def discover_model(base_url: str, api_key: str | None = None) -> str:
+    """The first model ``GET /v1/models`` lists."""
+    import httpx
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    r = httpx.get(base_url.rstrip("/") + "/v1/models", headers=headers, timeout=30)
+    r.raise_for_status()
+    return r.json()["data"][0]["id"]
+
+
+def bench_serve(base_url: str = "http://127.0.0.1:8000", request_rates: Sequence[float] = (4.0,),
+                num_prompts: int = 200, *, model: str | None = None, seed: int = 0, max_tokens: int = 64,
+                endpoint: str = "chat", burstiness: float = 1.0, ignore_eos: bool = False,
+                ttft_slo_s: float = 1.0, tpot_slo_s: float = 0.2, api_key: str | None = None,
+                max_concurrency: int | None = None, progress: bool = True, save: bool = True,
+                out_dir: Path | None = None) -> dict:
+    """Run the trace once per rate against ``base_url``; print a table, save JSON (with the machine) and return
+    ``{"runs": [summary per rate], ...}``.  The trace (prompts, lengths, arrival pattern) depends only on
+    ``seed``, ``num_prompts`` and the rate, so two servers are measured on the same requests."""
+    from minillm.perf.bench.decode import save_results
+
+    if endpoint not in ("chat", "completions"):
+        raise ValueError(f"endpoint must be 'chat' or 'completions', got {endpoint!r}")
+    if not isinstance(num_prompts, int) or num_prompts < 1:
+        raise ValueError(f"num_prompts must be an int >= 1, got {num_prompts!r}")
+    model = model or discover_model(base_url, api_key)
+    runs = []
+    for rate in request_rates:
+        trace = make_trace(num_prompts, rate, max_tokens, seed, burstiness)
+        results, duration = asyncio.run(run_trace(base_url, trace, model=model, endpoint=endpoint, api_key=api_key,
+                                                  ignore_eos=ignore_eos, max_concurrency=max_concurrency,
+                                                  progress=progress))
+        summary = summarize_run(results, duration, ttft_slo_s=ttft_slo_s, tpot_slo_s=tpot_slo_s)
+        runs.append({"request_rate": rate, "num_prompts": num_prompts, **summary,
+                     "requests": [{k: v for k, v in asdict(r).items() if k != "itl_s"} for r in results]})
+        print_summary(runs[-1])
+    payload = {"benchmark": "serve", "base_url": base_url, "model": model, "endpoint": endpoint, "seed": seed,
+               "max_tokens": max_tokens, "burstiness": burstiness, "ignore_eos": ignore_eos, "runs": runs}
+    if save:
+        rates = "-".join(f"{r:g}" for r in request_rates)
+        path = save_results(f"serve-{_slug(model)}-rate{rates}", payload, out_dir)
+        payload["path"] = str(path)
+        print(f"saved {path}")
+    return payload
+
+
+def _slug(text: str) -> str:
+    return "".join(c if c.isalnum() or c in "-_." else "_" for c in text.rsplit("/", 1)[-1])[:60]
+
+
+def print_summary(run: dict) -> None:
+    def ms(key: str) -> str:
+        s = run[key]
+        return f"{s['p50']:8.1f} {s['p90']:8.1f} {s['p99']:8.1f}" if s else "       -        -        -"
+
+    print(f"\nrate {run['request_rate']:g} req/s, {run['num_prompts']} requests: {run['completed']} completed, "
+          f"{run['rejected']} rejected (429/503), {run['failed']} failed in {run['duration_s']:.1f} s")
+    print(f"  throughput {run['request_throughput']:.2f} req/s, {run['output_throughput']:.1f} output tok/s; "
+          f"goodput {run['goodput']:.2f} req/s (TTFT <= {run['slo']['ttft_ms']:g} ms, "
+          f"TPOT <= {run['slo']['tpot_ms']:g} ms)")
+    print("                 p50      p90      p99   (ms)")
+    for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
+        print(f"  {key[:-3].upper():6s}  {ms(key)}")
+
+
+def _rates(text: str) -> list[float]:
+    return [math.inf if r.strip() in ("inf", "infinity") else float(r) for r in text.split(",")]
+
+
+def _slo(items: Sequence[str]) -> tuple[float, float]:
+    """``["ttft:500", "tpot:100"]`` (milliseconds) -> (ttft_s, tpot_s)."""
+    slo = {"ttft": 1000.0, "tpot": 200.0}
+    for item in items:
+        name, _, value = item.partition(":")
+        if name not in slo or not value:
+            raise ValueError(f"--goodput takes ttft:MS and/or tpot:MS, got {item!r}")
+        slo[name] = float(value)
+    return slo["ttft"] / 1e3, slo["tpot"] / 1e3
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m minillm bench serve", description=__doc__.split("\n\n")[0])
+    p.add_argument("--base-url", default="http://127.0.0.1:8000", help="the server, without /v1")
+    p.add_argument("--request-rate", default="4", help="requests/s; a comma list sweeps rates; inf = all at once")
+    p.add_argument("--num-prompts", type=int, default=200)
+    p.add_argument("--model", default=None, help="default: the first of GET /v1/models")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--endpoint", choices=["chat", "completions"], default="chat")
+    p.add_argument("--burstiness", type=float, default=1.0, help="1 = Poisson; < 1 burstier (gamma gaps)")
+    p.add_argument("--ignore-eos", action="store_true", help="send ignore_eos (vLLM extension): fixed lengths")
+    p.add_argument("--goodput", nargs="*", default=[], metavar="NAME:MS",
+                   help="SLO for goodput, e.g. ttft:500 tpot:100 (default ttft:1000 tpot:200)")
+    p.add_argument("--max-concurrency", type=int, default=None, help="cap on requests in flight (client side)")
+    p.add_argument("--api-key", default=None)
+    p.add_argument("--result-dir", default=None, help="where the JSON goes (default benchmarks/results)")
+    p.add_argument("--no-save", action="store_true")
+    p.add_argument("--no-progress", action="store_true")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    a = build_parser().parse_args(argv)
+    try:
+        ttft, tpot = _slo(a.goodput)
+        bench_serve(a.base_url, _rates(a.request_rate), a.num_prompts, model=a.model, seed=a.seed,
+                    max_tokens=a.max_tokens, endpoint=a.endpoint, burstiness=a.burstiness, ignore_eos=a.ignore_eos,
+                    ttft_slo_s=ttft, tpot_slo_s=tpot, api_key=a.api_key, max_concurrency=a.max_concurrency,
+                    progress=not a.no_progress, save=not a.no_save,
+                    out_dir=Path(a.result_dir) if a.result_dir else None)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
