@@ -260,6 +260,7 @@ INLINE vacc_t q8_fma(vacc_t acc, q8blk_t c, const int8_t *xq, float s) {
     const __m256i d = dot_u8s8(c.u, _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)xq), c.w));
     return _mm256_fmadd_ps(_mm256_set1_ps(s), _mm256_cvtepi32_ps(d), acc);
 }
+INLINE vacc_t vacc_add(vacc_t a, vacc_t b) { return _mm256_add_ps(a, b); }
 INLINE float vacc_sum(vacc_t a) {
     __m128 r = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
     r = _mm_add_ps(r, _mm_movehl_ps(r, r));
@@ -289,41 +290,89 @@ INLINE q8blk_t q8_load(const int8_t *p) {
 INLINE vacc_t vacc_zero(void) { return 0.f; }
 INLINE vacc_t q4_fma(vacc_t acc, q4blk_t c, const int8_t *xq, float s) { return acc + s * (float)dot32(c.v, xq); }
 INLINE vacc_t q8_fma(vacc_t acc, q8blk_t c, const int8_t *xq, float s) { return acc + s * (float)dot32(c.v, xq); }
+INLINE vacc_t vacc_add(vacc_t a, vacc_t b) { return a + b; }
 INLINE float vacc_sum(vacc_t a) { return a; }
 #endif
 
-/* One Q4_1 weight row against R quantized input rows; xs [R, K/G]: per group, the sum of xhat. */
+/* n consecutive scales (fp16 or fp32) -> fp32, 8 at a time with F16C. */
+static inline void to_f32(const void *s, int f16, int64_t off, int64_t n, float *restrict out) {
+    int64_t i = 0;
+#if defined(__F16C__)
+    if (f16)
+        for (; i + 8 <= n; i += 8)
+            _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)s + off + i))));
+#endif
+    for (; i < n; i++) out[i] = scale_at(s, f16, off + i);
+}
+
+/* Per weight row, before its block loop: sc [R, nb] = d(group of block b) * dx[m, b], in vectorised loops, so the
+ * block loop only broadcasts one float per block and row (scalar fp16 converts and multiplies there cost as much
+ * as the integer dot itself).  tmp holds nb + ng floats. */
+INLINE void block_scales(const void *sc, int f16, int64_t row, const float *restrict dx, float *restrict out,
+                         float *restrict tmp, int64_t nb, int64_t ng, const int R) {
+    const int64_t bpg = nb / ng;
+    float *restrict dw = tmp, *restrict dwb = bpg == 1 ? tmp : tmp + ng;
+    to_f32(sc, f16, row * ng, ng, dw);
+    if (bpg > 1)
+        for (int64_t g = 0; g < ng; g++)
+            for (int64_t j = 0; j < bpg; j++) dwb[g * bpg + j] = dw[g];
+    for (int m = 0; m < R; m++)
+        for (int64_t b = 0; b < nb; b++) out[m * nb + b] = dwb[b] * dx[m * nb + b];
+}
+
+/* One Q4_1 weight row against R quantized input rows; xs [R, K/G]: per group, the sum of xhat.  Two accumulator
+ * chains per row (even / odd blocks): one chain would wait on the FMA latency every block at batch 1. */
 INLINE void q4_q8_row(const uint8_t *restrict p, const void *sc, const void *mi, int f16, int64_t row,
                       const int8_t *restrict xq, const float *restrict dx, const float *restrict xs,
-                      float *restrict out, int64_t K, int64_t G, const int R) {
-    vacc_t acc[QTILE];
-    float mt[QTILE];
+                      float *restrict out, float *restrict tmp, int64_t K, int64_t G, const int R) {
     const int64_t ng = K / G, nb = K / QB;
-    for (int m = 0; m < R; m++) acc[m] = vacc_zero(), mt[m] = 0.f;
-    for (int64_t g = 0; g < ng; g++) {
-        const float d = scale_at(sc, f16, row * ng + g), mn = scale_at(mi, f16, row * ng + g);
-        for (int64_t b = g * (G / QB); b < (g + 1) * (G / QB); b++) {
-            const q4blk_t c = q4_load(p + b * (QB / 2)); /* unpacked once, used by the R rows */
-            for (int m = 0; m < R; m++) acc[m] = q4_fma(acc[m], c, xq + m * K + b * QB, d * dx[m * nb + b]);
-        }
-        for (int m = 0; m < R; m++) mt[m] += mn * xs[m * ng + g]; /* the min's term, once per group */
+    float *restrict s = tmp, *restrict mw = tmp + R * nb;
+    float mt[QTILE];
+    block_scales(sc, f16, row, dx, s, mw + ng, nb, ng, R);
+    to_f32(mi, f16, row * ng, ng, mw);
+    for (int m = 0; m < R; m++) { /* the mins' term: sum over groups of m_g * sum(xhat in g) */
+        float t = 0.f;
+        for (int64_t g = 0; g < ng; g++) t += mw[g] * xs[m * ng + g];
+        mt[m] = t;
     }
-    for (int m = 0; m < R; m++) out[m] = vacc_sum(acc[m]) + mt[m];
+    vacc_t a0[QTILE], a1[QTILE];
+    for (int m = 0; m < R; m++) a0[m] = vacc_zero(), a1[m] = vacc_zero();
+    int64_t b = 0;
+    for (; b + 2 <= nb; b += 2) {
+        const q4blk_t c0 = q4_load(p + b * (QB / 2)), c1 = q4_load(p + (b + 1) * (QB / 2)); /* shared by R rows */
+        for (int m = 0; m < R; m++) {
+            a0[m] = q4_fma(a0[m], c0, xq + m * K + b * QB, s[m * nb + b]);
+            a1[m] = q4_fma(a1[m], c1, xq + m * K + (b + 1) * QB, s[m * nb + b + 1]);
+        }
+    }
+    if (b < nb) {
+        const q4blk_t c0 = q4_load(p + b * (QB / 2));
+        for (int m = 0; m < R; m++) a0[m] = q4_fma(a0[m], c0, xq + m * K + b * QB, s[m * nb + b]);
+    }
+    for (int m = 0; m < R; m++) out[m] = vacc_sum(vacc_add(a0[m], a1[m])) + mt[m];
 }
 
 INLINE void q8_q8_row(const int8_t *restrict w, const void *sc, int f16, int64_t row, const int8_t *restrict xq,
-                      const float *restrict dx, float *restrict out, int64_t K, int64_t G, const int R) {
-    vacc_t acc[QTILE];
+                      const float *restrict dx, float *restrict out, float *restrict tmp, int64_t K, int64_t G,
+                      const int R) {
     const int64_t ng = K / G, nb = K / QB;
-    for (int m = 0; m < R; m++) acc[m] = vacc_zero();
-    for (int64_t g = 0; g < ng; g++) {
-        const float s = scale_at(sc, f16, row * ng + g);
-        for (int64_t b = g * (G / QB); b < (g + 1) * (G / QB); b++) {
-            const q8blk_t c = q8_load(w + b * QB);
-            for (int m = 0; m < R; m++) acc[m] = q8_fma(acc[m], c, xq + m * K + b * QB, s * dx[m * nb + b]);
+    float *restrict s = tmp;
+    block_scales(sc, f16, row, dx, s, tmp + R * nb, nb, ng, R);
+    vacc_t a0[QTILE], a1[QTILE];
+    for (int m = 0; m < R; m++) a0[m] = vacc_zero(), a1[m] = vacc_zero();
+    int64_t b = 0;
+    for (; b + 2 <= nb; b += 2) {
+        const q8blk_t c0 = q8_load(w + b * QB), c1 = q8_load(w + (b + 1) * QB);
+        for (int m = 0; m < R; m++) {
+            a0[m] = q8_fma(a0[m], c0, xq + m * K + b * QB, s[m * nb + b]);
+            a1[m] = q8_fma(a1[m], c1, xq + m * K + (b + 1) * QB, s[m * nb + b + 1]);
         }
     }
-    for (int m = 0; m < R; m++) out[m] = vacc_sum(acc[m]);
+    if (b < nb) {
+        const q8blk_t c0 = q8_load(w + b * QB);
+        for (int m = 0; m < R; m++) a0[m] = q8_fma(a0[m], c0, xq + m * K + b * QB, s[m * nb + b]);
+    }
+    for (int m = 0; m < R; m++) out[m] = vacc_sum(vacc_add(a0[m], a1[m]));
 }
 
 /* The activations' int8 blocks for M rows: xq [M, K], dx [M, K/32], and per group of G the sum of xhat [M, K/G]
@@ -358,17 +407,22 @@ void q4_gemm_q8(const uint8_t *restrict P, const void *scales, const void *mins,
                 int x_bf16, void *y, int64_t M, int64_t N, int64_t K, int64_t G) {
     const xq_t q = xq_make(xin, x_bf16, M, K, G);
     const int64_t nb = K / QB, ng = K / G;
-#pragma omp parallel for schedule(static)
-    for (int64_t n = 0; n < N; n++) {
-        for (int64_t m0 = 0; m0 < M; m0 += QTILE) {
-            float out[QTILE];
-            const int64_t mr = M - m0 < QTILE ? M - m0 : QTILE;
+#pragma omp parallel
+    {
+        float *tmp = (float *)malloc(sizeof(float) * (QTILE * nb + 3 * ng + nb)); /* per thread: row scales */
+#pragma omp for schedule(static)
+        for (int64_t n = 0; n < N; n++) {
+            for (int64_t m0 = 0; m0 < M; m0 += QTILE) {
+                float out[QTILE];
+                const int64_t mr = M - m0 < QTILE ? M - m0 : QTILE;
 #define Q4_Q8(R) q4_q8_row(P + n * (K / 2), scales, mins, scale_f16, n, q.xq + m0 * K, q.dx + m0 * nb, \
-                           q.xs + m0 * ng, out, K, G, R)
-            FOR_TILE(mr, Q4_Q8)
+                           q.xs + m0 * ng, out, tmp, K, G, R)
+                FOR_TILE(mr, Q4_Q8)
 #undef Q4_Q8
-            for (int64_t m = 0; m < mr; m++) store_y(y, x_bf16, (m0 + m) * N + n, out[m]);
+                for (int64_t m = 0; m < mr; m++) store_y(y, x_bf16, (m0 + m) * N + n, out[m]);
+            }
         }
+        free(tmp);
     }
     xq_free(q);
 }
@@ -376,17 +430,22 @@ void q4_gemm_q8(const uint8_t *restrict P, const void *scales, const void *mins,
 void q8_gemm_q8(const int8_t *restrict W, const void *scales, int scale_f16, const void *xin, int x_bf16, void *y,
                 int64_t M, int64_t N, int64_t K, int64_t G) {
     const xq_t q = xq_make(xin, x_bf16, M, K, G);
-    const int64_t nb = K / QB;
-#pragma omp parallel for schedule(static)
-    for (int64_t n = 0; n < N; n++) {
-        for (int64_t m0 = 0; m0 < M; m0 += QTILE) {
-            float out[QTILE];
-            const int64_t mr = M - m0 < QTILE ? M - m0 : QTILE;
-#define Q8_Q8(R) q8_q8_row(W + n * K, scales, scale_f16, n, q.xq + m0 * K, q.dx + m0 * nb, out, K, G, R)
-            FOR_TILE(mr, Q8_Q8)
+    const int64_t nb = K / QB, ng = K / G;
+#pragma omp parallel
+    {
+        float *tmp = (float *)malloc(sizeof(float) * (QTILE * nb + 2 * ng + nb)); /* per thread: row scales */
+#pragma omp for schedule(static)
+        for (int64_t n = 0; n < N; n++) {
+            for (int64_t m0 = 0; m0 < M; m0 += QTILE) {
+                float out[QTILE];
+                const int64_t mr = M - m0 < QTILE ? M - m0 : QTILE;
+#define Q8_Q8(R) q8_q8_row(W + n * K, scales, scale_f16, n, q.xq + m0 * K, q.dx + m0 * nb, out, tmp, K, G, R)
+                FOR_TILE(mr, Q8_Q8)
 #undef Q8_Q8
-            for (int64_t m = 0; m < mr; m++) store_y(y, x_bf16, (m0 + m) * N + n, out[m]);
+                for (int64_t m = 0; m < mr; m++) store_y(y, x_bf16, (m0 + m) * N + n, out[m]);
+            }
         }
+        free(tmp);
     }
     xq_free(q);
 }
