@@ -64,7 +64,7 @@ def bench_quant_gemv(rows: int = 1, layers: int = SMOLLM2_LAYERS, repeats: int =
     buf = torch.ones(256 << 18) if read_bandwidth and native.available() else None  # 256 MiB fp32, ≫ L3
     best = {name: float("inf") for name, *_ in schemes} | ({"read bandwidth": float("inf")} if buf is not None else {})
     with torch.inference_mode():
-        for name, fn, weights, _ in schemes:
+        for _name, fn, weights, _ in schemes:
             for w in weights[:4]:
                 fn(xs[w.shape[1]], w)  # warm-up (and the native library's first-use compile)
         for _ in range(repeats):
