@@ -352,25 +352,26 @@ INLINE void q4_q8_row(const uint8_t *restrict p, const void *sc, const void *mi,
     for (int m = 0; m < R; m++) out[m] = vacc_sum(vacc_add(a0[m], a1[m])) + mt[m];
 }
 
+/* int8 weights: one scale per group (per row when per-channel), so the block's scale is one scalar product. */
 INLINE void q8_q8_row(const int8_t *restrict w, const void *sc, int f16, int64_t row, const int8_t *restrict xq,
-                      const float *restrict dx, float *restrict out, float *restrict tmp, int64_t K, int64_t G,
-                      const int R) {
-    const int64_t ng = K / G, nb = K / QB;
-    float *restrict s = tmp;
-    block_scales(sc, f16, row, dx, s, tmp + R * nb, nb, ng, R);
+                      const float *restrict dx, float *restrict out, int64_t K, int64_t G, const int R) {
+    const int64_t ng = K / G, nb = K / QB, bpg = G / QB;
     vacc_t a0[QTILE], a1[QTILE];
     for (int m = 0; m < R; m++) a0[m] = vacc_zero(), a1[m] = vacc_zero();
-    int64_t b = 0;
-    for (; b + 2 <= nb; b += 2) {
-        const q8blk_t c0 = q8_load(w + b * QB), c1 = q8_load(w + (b + 1) * QB);
-        for (int m = 0; m < R; m++) {
-            a0[m] = q8_fma(a0[m], c0, xq + m * K + b * QB, s[m * nb + b]);
-            a1[m] = q8_fma(a1[m], c1, xq + m * K + (b + 1) * QB, s[m * nb + b + 1]);
+    for (int64_t g = 0; g < ng; g++) {
+        const float s = scale_at(sc, f16, row * ng + g);
+        int64_t b = g * bpg;
+        for (; b + 2 <= (g + 1) * bpg; b += 2) {
+            const q8blk_t c0 = q8_load(w + b * QB), c1 = q8_load(w + (b + 1) * QB);
+            for (int m = 0; m < R; m++) {
+                a0[m] = q8_fma(a0[m], c0, xq + m * K + b * QB, s * dx[m * nb + b]);
+                a1[m] = q8_fma(a1[m], c1, xq + m * K + (b + 1) * QB, s * dx[m * nb + b + 1]);
+            }
         }
-    }
-    if (b < nb) {
-        const q8blk_t c0 = q8_load(w + b * QB);
-        for (int m = 0; m < R; m++) a0[m] = q8_fma(a0[m], c0, xq + m * K + b * QB, s[m * nb + b]);
+        if (b < (g + 1) * bpg) {
+            const q8blk_t c0 = q8_load(w + b * QB);
+            for (int m = 0; m < R; m++) a0[m] = q8_fma(a0[m], c0, xq + m * K + b * QB, s * dx[m * nb + b]);
+        }
     }
     for (int m = 0; m < R; m++) out[m] = vacc_sum(vacc_add(a0[m], a1[m]));
 }
@@ -430,22 +431,17 @@ void q4_gemm_q8(const uint8_t *restrict P, const void *scales, const void *mins,
 void q8_gemm_q8(const int8_t *restrict W, const void *scales, int scale_f16, const void *xin, int x_bf16, void *y,
                 int64_t M, int64_t N, int64_t K, int64_t G) {
     const xq_t q = xq_make(xin, x_bf16, M, K, G);
-    const int64_t nb = K / QB, ng = K / G;
-#pragma omp parallel
-    {
-        float *tmp = (float *)malloc(sizeof(float) * (QTILE * nb + 2 * ng + nb)); /* per thread: row scales */
-#pragma omp for schedule(static)
-        for (int64_t n = 0; n < N; n++) {
-            for (int64_t m0 = 0; m0 < M; m0 += QTILE) {
-                float out[QTILE];
-                const int64_t mr = M - m0 < QTILE ? M - m0 : QTILE;
-#define Q8_Q8(R) q8_q8_row(W + n * K, scales, scale_f16, n, q.xq + m0 * K, q.dx + m0 * nb, out, tmp, K, G, R)
-                FOR_TILE(mr, Q8_Q8)
+    const int64_t nb = K / QB;
+#pragma omp parallel for schedule(static)
+    for (int64_t n = 0; n < N; n++) {
+        for (int64_t m0 = 0; m0 < M; m0 += QTILE) {
+            float out[QTILE];
+            const int64_t mr = M - m0 < QTILE ? M - m0 : QTILE;
+#define Q8_Q8(R) q8_q8_row(W + n * K, scales, scale_f16, n, q.xq + m0 * K, q.dx + m0 * nb, out, K, G, R)
+            FOR_TILE(mr, Q8_Q8)
 #undef Q8_Q8
-                for (int64_t m = 0; m < mr; m++) store_y(y, x_bf16, (m0 + m) * N + n, out[m]);
-            }
+            for (int64_t m = 0; m < mr; m++) store_y(y, x_bf16, (m0 + m) * N + n, out[m]);
         }
-        free(tmp);
     }
     xq_free(q);
 }
