@@ -5,44 +5,125 @@ from minillm.kernels.cpu import quant as native_quant
 from minillm.quant.weight import int4_linear_ref, int8_linear_ref, quantize_int4, quantize_int8
 
 native = pytest.mark.skipif(not native_quant.available(), reason="no C compiler: the native kernels are not built")
-# The kernels sum d·Σq·x + m·Σx per group (the reference sums dequantized w·x): same maths, another fp32 order.
-F32_TOL = dict(rtol=1e-4, atol=1e-4)
+
+
+def _targets() -> list[str | None]:
+    """None: this CPU's build (VNNI or AVX2 intrinsics where present).  On x86 also "x86-64", the portable C path
+    an AVX2-less or ARM machine compiles, and "x86-64-v3" (AVX2 without VNNI) where this CPU can run it: every
+    variant of csrc/quant.c is tested on one machine."""
+    if native_quant.platform.machine() not in ("x86_64", "AMD64"):
+        return [None]
+    try:
+        avx2 = " avx2 " in next(line for line in open("/proc/cpuinfo") if line.startswith("flags")) + " "
+    except (OSError, StopIteration):
+        avx2 = False
+    return [None, "x86-64"] + (["x86-64-v3"] if avx2 else [])
+
+
+TARGETS = _targets()
+
+
+def _assert_sum_close(actual, expected, x, w):
+    """assert_close with atol = 1e-6 · max Σ_k |x_k w_nk|: another fp32 summation order moves a K-term sum by
+    a few eps (6e-8) times the sum of |terms|, which the fp32 defaults (atol 1e-5) do not scale with at K = 384."""
+    scale = (x.float().abs().reshape(-1, x.shape[-1]) @ w.abs().T).max().item()
+    torch.testing.assert_close(actual, expected, rtol=1.3e-6, atol=1e-6 * scale)
 
 
 def _cases():
     g = torch.Generator().manual_seed(0)
-    for M, N, K, group in [(1, 37, 64, 32), (2, 64, 256, 64), (5, 19, 384, 128), (8, 70, 96, 32)]:
+    for M, N, K, group in [(1, 37, 64, 32), (2, 64, 256, 64), (5, 19, 384, 128), (8, 70, 96, 32), (3, 9, 160, 32)]:
         yield M, N, K, group, torch.randn(N, K, generator=g), torch.randn(M, K, generator=g)
 
 
+def _target_or_skip(target):
+    if not native_quant.available(target):
+        pytest.skip(f"the {target} build is not available here")
+
+
 @native
+@pytest.mark.parametrize("target", TARGETS)
 @pytest.mark.parametrize("scale_dtype", [torch.float16, torch.float32])
-def test_native_int4_matches_the_w4a16_reference_on_random_shapes(scale_dtype):
+def test_exact_int4_matches_the_w4a16_reference_on_random_shapes(scale_dtype, target):
+    _target_or_skip(target)
     for _, _, _, group, w, x in _cases():
         w4 = quantize_int4(w, group, scale_dtype)
-        torch.testing.assert_close(native_quant.int4_linear(x, w4), int4_linear_ref(x, w4), **F32_TOL)
+        _assert_sum_close(native_quant.int4_linear(x, w4, exact=True, target=target), int4_linear_ref(x, w4), x, w)
 
 
 @native
-def test_native_int8_matches_the_reference_per_channel_and_per_group():
+@pytest.mark.parametrize("target", TARGETS)
+def test_exact_int8_matches_the_reference_per_channel_and_per_group(target):
+    _target_or_skip(target)
     for *_, w, x in _cases():
-        for w8 in (quantize_int8(w), quantize_int8(w, 32), quantize_int8(w.half().float(), 32)):
-            torch.testing.assert_close(native_quant.int8_linear(x, w8), int8_linear_ref(x, w8), **F32_TOL)
-    w8 = quantize_int8(torch.randn(9, 100))  # K not a multiple of 32: the generic per-group loop
+        for w8 in (quantize_int8(w), quantize_int8(w, 32), Int8Half.of(quantize_int8(w, 32))):
+            _assert_sum_close(native_quant.int8_linear(x, w8, exact=True, target=target), int8_linear_ref(x, w8),
+                              x, w)
+    w8 = quantize_int8(torch.randn(9, 100))  # K not a multiple of 32: the generic per-group loop, either way
     x = torch.randn(3, 100)
-    torch.testing.assert_close(native_quant.int8_linear(x, w8), int8_linear_ref(x, w8), **F32_TOL)
+    for exact in (True, False):
+        _assert_sum_close(native_quant.int8_linear(x, w8, exact=exact, target=target), int8_linear_ref(x, w8), x,
+                          w8.dequantize())
+
+
+class Int8Half:
+    """An Int8Weight with fp16 scales (as GGUF's Q8_0 stores them)."""
+
+    @staticmethod
+    def of(w8):
+        return type(w8)(w8.qweight, w8.scales.half(), w8.group_size)
 
 
 @native
-def test_native_kernels_take_bf16_activations_and_keep_leading_dims():
+@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("scale_dtype", [torch.float16, torch.float32])
+def test_int8_activation_kernels_equal_the_reference_on_block_rounded_activations(scale_dtype, target):
+    # The integer path multiplies xhat = q8_activation_ref(x) exactly (integer block sums, fp32 scales): against the
+    # reference on xhat only fp32 summation order differs (same tolerance as the exact path).
+    _target_or_skip(target)
+    for _, _, _, group, w, x in _cases():
+        xhat = native_quant.q8_activation_ref(x)
+        w4 = quantize_int4(w, group, scale_dtype)
+        _assert_sum_close(native_quant.int4_linear(x, w4, target=target), int4_linear_ref(xhat, w4), x, w)
+        for w8 in (quantize_int8(w), quantize_int8(w, 32), Int8Half.of(quantize_int8(w, 32))):
+            _assert_sum_close(native_quant.int8_linear(x, w8, target=target), int8_linear_ref(xhat, w8), x, w)
+
+
+@native
+def test_int8_activation_error_stays_within_half_a_step_per_activation():
+    # |y - y_ref| <= 0.5 * sum_k dx_k |w_nk|: each activation moves by at most half its block's step dx (+ fp32 slack)
+    for M, N, K, group, w, x in _cases():
+        dx = (x.abs().view(M, K // 32, 32).amax(-1) / 127).repeat_interleave(32, dim=1)  # [M, K]
+        for wq, kernel, ref in ((quantize_int4(w, group), native_quant.int4_linear, int4_linear_ref),
+                                (quantize_int8(w), native_quant.int8_linear, int8_linear_ref)):
+            bound = 0.5 * dx @ wq.dequantize().abs().T + 1e-4  # [M, N]
+            err = (kernel(x, wq) - ref(x, wq)).abs()
+            assert (err <= bound).all(), f"max excess {(err - bound).max():.3g} at M={M} N={N} K={K} g={group}"
+            assert err.max() > 0  # it really is the rounded path (a test that can fail)
+
+
+def test_q8_activation_ref_rounds_each_block_to_127_steps_of_its_max():
+    x = torch.randn(3, 64)
+    xhat = native_quant.q8_activation_ref(x)
+    step = x.abs().view(3, 2, 32).amax(-1, keepdim=True) / 127
+    assert ((xhat.view(3, 2, 32) / step).round() - xhat.view(3, 2, 32) / step).abs().max() < 1e-3
+    assert ((xhat - x).view(3, 2, 32).abs() <= step / 2 + 1e-7).all()
+    assert torch.equal(native_quant.q8_activation_ref(torch.zeros(1, 32)), torch.zeros(1, 32))
+
+
+@native
+@pytest.mark.parametrize("exact", [True, False])
+def test_native_kernels_take_bf16_activations_and_keep_leading_dims(exact):
     w = torch.randn(48, 128)
     x = torch.randn(2, 3, 128).bfloat16()
     for kernel, ref, wq in ((native_quant.int4_linear, int4_linear_ref, quantize_int4(w)),
                             (native_quant.int8_linear, int8_linear_ref, quantize_int8(w))):
-        y = kernel(x, wq)
+        y = kernel(x, wq, exact=exact)
         assert y.shape == (2, 3, 48) and y.dtype == torch.bfloat16
-        # the kernel keeps the weights in fp32; the bf16 reference would round them: compare with fp32 maths
-        torch.testing.assert_close(y, ref(x.float(), wq).bfloat16())
+        # bf16 -> fp32 is exact, so the bf16 call is the fp32 call on the same values, rounded once at the end
+        assert torch.equal(y, kernel(x.float(), wq, exact=exact).bfloat16())
+        if exact:  # the kernel keeps the weights in fp32; the bf16 reference would round them: fp32 maths
+            torch.testing.assert_close(y, ref(x.float(), wq).bfloat16())
 
 
 @native
@@ -57,6 +138,8 @@ def test_native_kernels_reject_too_many_rows_and_wrong_k():
 def test_k_not_a_multiple_of_the_group_is_refused_before_any_kernel():
     with pytest.raises(ValueError, match="does not divide K=80"):
         quantize_int4(torch.randn(4, 80), 32)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        native_quant.q8_activation_ref(torch.randn(2, 80))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -68,7 +151,7 @@ def test_triton_dequant_gemv_matches_the_reference(dtype):
         w, x = torch.randn(N, K, generator=g), torch.randn(M, K, generator=g)
         w4, w8 = quantize_int4(w, group).to(device), quantize_int8(w).to(device)
         xd = x.to(device, dtype)
-        tol = F32_TOL if dtype == torch.float32 else {}  # fp16: the default fp16 tolerance on the fp16 output
+        tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else {}  # fp32: another summation order
         torch.testing.assert_close(triton_gemv.int4_gemv_triton(xd, w4),
                                    int4_linear_ref(xd.float(), w4).to(dtype), **tol)
         torch.testing.assert_close(triton_gemv.int8_gemv_triton(xd, w8),

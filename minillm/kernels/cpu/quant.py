@@ -1,9 +1,19 @@
 """Native int8 / int4 (Q4_1 layout) GEMV and small-batch GEMM on CPU, compiled on first use, called by ctypes.
 
-``int8_linear(x, w8)`` and ``int4_linear(x, w4)`` have the meaning of ``minillm.quant.weight.int8_linear_ref`` /
-``int4_linear_ref`` (dequantize, then ``F.linear``) for x [..., K] with 1..``MAX_ROWS`` rows in fp32 or bf16, and
-equal them up to fp32 summation order.  The packed weights are read as stored — no float copy is made.  The C
-source is ``csrc/quant.c``; the library is cached beside ``native.c``'s (same directory and CPU key).
+Two paths per weight format (``csrc/quant.c`` explains both):
+
+- ``exact=True``: fp32 activations.  Equals ``minillm.quant.weight.int8_linear_ref`` / ``int4_linear_ref``
+  (dequantize, then ``F.linear``) up to fp32 summation order.
+- ``exact=False`` (the default, llama.cpp's scheme for Q4_1 / Q8_0): each row of x is first rounded to int8 per
+  block of 32 (``q8_activation_ref`` is its PyTorch twin) and the block dot products run on integers — 2-4× less
+  arithmetic per weight, which is what keeps a 4-bit GEMV bandwidth bound.  It equals the reference applied to
+  ``q8_activation_ref(x)`` up to fp32 summation order, so it differs from the W4A16/W8A16 result by at most
+  ``0.5 * sum_k dx_k * |w_nk|`` (every activation moves by at most half its block's step dx = max|x| / 127).
+
+x [..., K] has 1..``MAX_ROWS`` rows in fp32 or bf16 (the output has x's dtype).  The packed weights are read as
+stored — no float copy is made.  The library is cached beside ``native.c``'s (same directory and CPU key).
+``target`` (None: ``-march=native`` / ``-mcpu=native``) compiles for another ``-march``, e.g. ``"x86-64"`` builds
+the portable C path (no AVX2): how the tests check the code an AVX2-only or ARM machine runs.
 """
 
 from __future__ import annotations
@@ -22,24 +32,30 @@ import torch
 from torch import Tensor
 
 from minillm.kernels.cpu.native import _cpu_key, cache_dir
-from minillm.quant.weight import Int4Weight, Int8Weight
+from minillm.quant.weight import BLOCK, Int4Weight, Int8Weight
 
-MAX_ROWS = 8  # csrc/quant.c's QMAX_ROWS: decode batches; larger batches dequantize once and use a GEMM
+MAX_ROWS = 8  # decode batches; csrc/quant.c tiles any M in 8s, the weight row staying in L1 between tiles
 _SRC = Path(__file__).parent / "csrc" / "quant.c"
 _DTYPES = (torch.float32, torch.bfloat16)
+SIMD_NAMES = {3: "int8 dot: AVX-512/AVX VNNI", 2: "int8 dot: AVX2", 0: "int8 dot: portable C"}
 
 
-def _compile(src: Path, out: Path) -> None:
+def _compile(src: Path, out: Path, target: str | None) -> None:
     # Same compiler and flags as native.py's build (which is hard-wired to native.c); OpenMP when available.
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
     if cc is None:
         raise RuntimeError("no C compiler found (set CC or install gcc)")
-    march = ["-march=native"] if platform.machine() in ("x86_64", "AMD64") else ["-mcpu=native"]
+    if target is not None:
+        march = [f"-march={target}"]
+    else:
+        march = ["-march=native"] if platform.machine() in ("x86_64", "AMD64") else ["-mcpu=native"]
     out.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
     errors = []
-    for extra in (march + ["-fopenmp"], march, []):
+    for extra in (march + ["-fopenmp"], march, [] if target is None else None):
+        if extra is None:
+            break  # an explicit target is never silently replaced by the compiler's default
         r = subprocess.run([cc, "-O3", "-ffast-math", "-shared", "-fPIC", str(src), *extra, "-o", tmp, "-lm"],
                            capture_output=True, text=True)
         if r.returncode == 0:
@@ -50,15 +66,15 @@ def _compile(src: Path, out: Path) -> None:
     raise RuntimeError(f"could not compile {src.name}:\n" + "\n".join(errors))
 
 
-@lru_cache(maxsize=1)
-def _lib() -> ctypes.CDLL | None:
+@lru_cache(maxsize=4)
+def _lib(target: str | None = None) -> ctypes.CDLL | None:
     if os.environ.get("MINILLM_DISABLE_NATIVE"):
         return None
     digest = hashlib.sha256(_SRC.read_bytes()).hexdigest()[:12]
-    path = cache_dir() / f"quant-{digest}-{_cpu_key()}.so"
+    path = cache_dir() / f"quant-{digest}-{_cpu_key()}{'' if target is None else '-' + target}.so"
     try:
         if not path.exists():
-            _compile(_SRC, path)
+            _compile(_SRC, path, target)
         lib = ctypes.CDLL(str(path))  # after torch: its libgomp is the one torch already loaded
     except (OSError, RuntimeError) as e:
         import warnings
@@ -67,17 +83,25 @@ def _lib() -> ctypes.CDLL | None:
                       stacklevel=2)
         return None
     i64, vp, c_int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
-    lib.q4_gemm.argtypes = [vp, vp, vp, c_int, vp, c_int, vp, i64, i64, i64, i64]
-    lib.q4_gemm.restype = None
-    lib.q8_gemm.argtypes = [vp, vp, c_int, vp, c_int, vp, i64, i64, i64, i64]
-    lib.q8_gemm.restype = None
+    for name in ("q4_gemm", "q4_gemm_q8"):
+        getattr(lib, name).argtypes = [vp, vp, vp, c_int, vp, c_int, vp, i64, i64, i64, i64]
+        getattr(lib, name).restype = None
+    for name in ("q8_gemm", "q8_gemm_q8"):
+        getattr(lib, name).argtypes = [vp, vp, c_int, vp, c_int, vp, i64, i64, i64, i64]
+        getattr(lib, name).restype = None
     lib.quant_built_with_openmp.restype = c_int
+    lib.quant_simd_level.restype = c_int
     return lib
 
 
-def available() -> bool:
-    """True when the native quantized kernels are built and loadable here."""
-    return _lib() is not None
+def available(target: str | None = None) -> bool:
+    """True when the native quantized kernels are built and loadable here (for ``target``, see the module doc)."""
+    return _lib(target) is not None
+
+
+def simd_name(target: str | None = None) -> str:
+    """Which integer dot product the int8-activation path uses in this build (for benchmark reports)."""
+    return SIMD_NAMES[_lib(target).quant_simd_level()] if available(target) else "not built"
 
 
 def supports(x: Tensor, w: Int8Weight | Int4Weight) -> bool:
@@ -88,31 +112,48 @@ def supports(x: Tensor, w: Int8Weight | Int4Weight) -> bool:
             and available())
 
 
-def _prepare(x: Tensor, w, N: int, K: int) -> tuple[Tensor, Tensor]:
+def q8_activation_ref(x: Tensor) -> Tensor:
+    """x [..., K] (K a multiple of 32) -> xhat [..., K] fp32: each block of 32 rounded to dx · int8 with
+    dx = max|x| / 127, q = round(x / dx) — the activations the ``exact=False`` kernels multiply (PyTorch twin)."""
+    K = x.shape[-1]
+    if K % BLOCK:
+        raise ValueError(f"K={K} must be a multiple of {BLOCK} for int8 activation blocks")
+    xb = x.float().reshape(-1, K // BLOCK, BLOCK)
+    d = xb.abs().amax(-1, keepdim=True) / 127
+    inv = torch.where(d > 0, 1 / d, torch.zeros_like(d))  # 1/d then a product, as the C code (x * id)
+    return (torch.round(xb * inv) * d).view(x.shape)
+
+
+def _prepare(x: Tensor, w, N: int, K: int, target: str | None) -> tuple[Tensor, Tensor]:
     if x.shape[-1] != K:
         raise ValueError(f"x has {x.shape[-1]} features but the weight expects K={K}")
-    if not supports(x, w):
+    if not supports(x, w) or not available(target):
         raise ValueError(f"the native quantized GEMV needs CPU fp32/bf16 x with at most {MAX_ROWS} rows and a "
                          "compiled library; use minillm.quant.weight's *_linear_ref instead")
     x2 = x.reshape(-1, K).contiguous()
     return x2, torch.empty(x2.shape[0], N, dtype=x.dtype)
 
 
-def int8_linear(x: Tensor, w8: Int8Weight) -> Tensor:
-    """x [..., K] (≤ MAX_ROWS rows, fp32/bf16) @ dequant(w8).T -> [..., N] in x's dtype."""
+def int8_linear(x: Tensor, w8: Int8Weight, exact: bool = False, target: str | None = None) -> Tensor:
+    """x [..., K] (≤ MAX_ROWS rows, fp32/bf16) @ dequant(w8).T -> [..., N] in x's dtype.  ``exact=False`` rounds
+    x to int8 blocks first (see the module doc); weights whose K or group is not a multiple of 32 always run exact."""
     N, K = w8.shape
-    x2, y = _prepare(x, w8, N, K)
-    _lib().q8_gemm(w8.qweight.contiguous().data_ptr(), w8.scales.contiguous().data_ptr(),
-                   int(w8.scales.dtype == torch.float16), x2.data_ptr(), int(x.dtype == torch.bfloat16),
-                   y.data_ptr(), x2.shape[0], N, K, w8.group_size)
+    x2, y = _prepare(x, w8, N, K, target)
+    lib = _lib(target)
+    fn = lib.q8_gemm if exact or K % BLOCK or w8.group_size % BLOCK else lib.q8_gemm_q8
+    fn(w8.qweight.contiguous().data_ptr(), w8.scales.contiguous().data_ptr(), int(w8.scales.dtype == torch.float16),
+       x2.data_ptr(), int(x.dtype == torch.bfloat16), y.data_ptr(), x2.shape[0], N, K, w8.group_size)
     return y.view(*x.shape[:-1], N)
 
 
-def int4_linear(x: Tensor, w4: Int4Weight) -> Tensor:
-    """x [..., K] (≤ MAX_ROWS rows, fp32/bf16) @ dequant(w4).T -> [..., N] in x's dtype (Q4_1 blocks)."""
+def int4_linear(x: Tensor, w4: Int4Weight, exact: bool = False, target: str | None = None) -> Tensor:
+    """x [..., K] (≤ MAX_ROWS rows, fp32/bf16) @ dequant(w4).T -> [..., N] in x's dtype (Q4_1 blocks).
+    ``exact=False`` rounds x to int8 blocks first (see the module doc)."""
     N, K = w4.shape
-    x2, y = _prepare(x, w4, N, K)
-    _lib().q4_gemm(w4.packed.contiguous().data_ptr(), w4.scales.contiguous().data_ptr(),
-                   w4.mins.contiguous().data_ptr(), int(w4.scales.dtype == torch.float16), x2.data_ptr(),
-                   int(x.dtype == torch.bfloat16), y.data_ptr(), x2.shape[0], N, K, w4.group_size)
+    x2, y = _prepare(x, w4, N, K, target)
+    lib = _lib(target)
+    fn = lib.q4_gemm if exact else lib.q4_gemm_q8
+    fn(w4.packed.contiguous().data_ptr(), w4.scales.contiguous().data_ptr(), w4.mins.contiguous().data_ptr(),
+       int(w4.scales.dtype == torch.float16), x2.data_ptr(), int(x.dtype == torch.bfloat16), y.data_ptr(),
+       x2.shape[0], N, K, w4.group_size)
     return y.view(*x.shape[:-1], N)
