@@ -31,7 +31,15 @@ def default_model_dir():
 
 
 @pytest.fixture(scope="session")
-def default_model():
-    from minillm import load_model
+def default_llm():
+    """One ``LLM()`` on the default model (fp32, CPU) for every test that needs the real model and its tokenizer:
+    loading it costs seconds, so the session pays once.  Tests must leave it as they found it."""
+    from minillm import LLM
 
-    return load_model(None, dtype="float32", device="cpu")
+    return LLM(dtype="float32", device="cpu")
+
+
+@pytest.fixture(scope="session")
+def default_model(default_llm):
+    """The default model's ``Transformer`` (the one ``default_llm`` runs: one copy of the weights)."""
+    return default_llm.model
