@@ -12,6 +12,7 @@ import hashlib
 import importlib.util
 import json
 import os
+import shutil
 import warnings
 from dataclasses import dataclass
 from functools import cache
@@ -105,15 +106,27 @@ def _from_gguf(path: Path) -> Checkpoint:
 
     print(f"minillm: converting {path.name} once (dequantizing GGUF); cached in {out}", flush=True)
     hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
-    out.mkdir(parents=True, exist_ok=True)
+    # Written to a private directory, then renamed into place: processes converting at once (test workers, a
+    # notebook kernel) never read or write each other's half-written files; a crash leaves no half cache.
+    work = out.with_name(f"{out.name}.tmp-{os.getpid()}")
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
     config = hf.config.to_dict()
     config.pop("quantization_config", None)
-    (out / "config.json").write_text(json.dumps(config, indent=2, default=str))
+    (work / "config.json").write_text(json.dumps(config, indent=2, default=str))
     state = {k: v.contiguous() for k, v in hf.state_dict().items() if k != "lm_head.weight" or
              not hf.config.tie_word_embeddings}
-    save_file(state, out / "model.safetensors")
-    AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name).save_pretrained(out)
-    (out / "complete").write_text("ok\n")  # written last: a crash mid-conversion leaves no half cache
+    save_file(state, work / "model.safetensors")
+    AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name).save_pretrained(work)
+    (work / "complete").write_text("ok\n")
+    if out.exists() and not (out / "complete").exists():  # half written in place by an older minillm
+        shutil.rmtree(out, ignore_errors=True)
+    try:
+        os.rename(work, out)
+    except OSError:  # another process renamed its conversion into place first: use that one
+        shutil.rmtree(work, ignore_errors=True)
+        if not (out / "complete").exists():
+            raise
     return Checkpoint(out, str(path))
 
 
