@@ -46,6 +46,7 @@ import torch
 from minillm import LLM, SamplingParams
 from minillm.course import checks
 from minillm.kernels.cpu import native
+from minillm.models.loader import choose_dtype
 from minillm.perf import metrics, roofline
 from minillm.perf.hardware import (
     DECODE_GEMV_SHAPES,
@@ -59,8 +60,9 @@ torch.manual_seed(0)
 plt.rcParams.update({"figure.dpi": 80, "figure.figsize": (7, 4)})
 
 device = "cuda" if torch.cuda.is_available() else "cpu"
-dtype = "bfloat16" if device == "cuda" else "float32"  # what the engine computes in here (fp32 is its CPU default)
-print(f"device {device}, dtype {dtype}, torch {torch.__version__}")
+choice = choose_dtype(device)  # what the engine computes in here: fp32 on CPU; bf16 on a GPU that has it, else fp16
+dtype = roofline.dtype_name(choice.dtype)
+print(f"device {device}, dtype {choice}; torch {torch.__version__}")
 
 # %% [markdown]
 # ## 1. Two numbers per machine
@@ -373,7 +375,7 @@ print(f"MBU = {mbu(params * bytes_per_param, tokens_per_s, a100_bandwidth):.0%} 
 
 # %% tags=["slide-output"]
 # NBVAL_IGNORE_OUTPUT
-llm = LLM(device=device, dtype="bfloat16" if device == "cuda" else None)  # SmolLM2-135M-Instruct, offline
+llm = LLM(device=device, dtype=dtype)  # SmolLM2-135M-Instruct, offline
 config, model_dtype = llm.model.config, roofline.dtype_name(llm.model.dtype)
 rng = random.Random(0)
 prompt_len, n_out = 16, (16 if FAST else 48)

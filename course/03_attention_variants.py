@@ -63,7 +63,7 @@ torch.manual_seed(0)
 plt.rcParams.update({"figure.dpi": 80, "figure.figsize": (7, 4)})
 
 device = "cuda" if torch.cuda.is_available() else "cpu"
-llm = LLM(device=device, dtype="bfloat16" if device == "cuda" else None)  # SmolLM2-135M-Instruct, offline
+llm = LLM(device=device)  # SmolLM2-135M-Instruct, offline, in the dtype minillm picks for this machine
 model, config = llm.model, llm.model.config
 dtype = roofline.dtype_name(model.dtype)
 print(f"{config.num_layers} layers, H_q = {config.num_heads} query heads, H_kv = {config.num_kv_heads} K/V heads "

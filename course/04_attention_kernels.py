@@ -61,7 +61,7 @@ torch.manual_seed(0)
 plt.rcParams.update({"figure.dpi": 80, "figure.figsize": (7, 4)})
 
 device = "cuda" if torch.cuda.is_available() else "cpu"
-llm = LLM(device=device, dtype="bfloat16" if device == "cuda" else None)  # SmolLM2-135M-Instruct, offline
+llm = LLM(device=device)  # SmolLM2-135M-Instruct, offline, in the dtype minillm picks for this machine
 model, config = llm.model, llm.model.config
 dtype = roofline.dtype_name(model.dtype)
 triton_ok = kernels.triton_available()
@@ -293,7 +293,7 @@ def assert_accurate(out: Tensor, reference, *args, **kwargs) -> float:
 # NBVAL_IGNORE_OUTPUT
 if triton_ok:
     B_, Hq_, Hkv_, D_ = (1, 32, 8, 128) if device == "cuda" else (1, 4, 2, 32)
-    kv_dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    kv_dtype = model.dtype  # the engine's dtype here: fp32 on CPU (the interpreter's), bf16 or fp16 on a GPU
     for L_, S_ in ([(4096, 4096), (1000, 3000)] if device == "cuda" else [(64, 64), (40, 72)]):
         g = torch.Generator(device=device).manual_seed(0)
         q = torch.randn(B_, Hq_, L_, D_, generator=g, device=device, dtype=kv_dtype)
@@ -335,7 +335,7 @@ if triton_ok:
     from minillm.kernels.triton import decode as triton_decode_attention
 
     B_, Hq_, Hkv_, S_, D_, split = (8, 32, 8, 32768, 128, 2048) if device == "cuda" else (2, 4, 2, 64, 32, 16)
-    kv_dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    kv_dtype = model.dtype  # the engine's dtype here: fp32 on CPU (the interpreter's), bf16 or fp16 on a GPU
     g = torch.Generator(device=device).manual_seed(0)
     q = torch.randn(B_, Hq_, D_, generator=g, device=device, dtype=kv_dtype)
     k, v = (torch.randn(B_, Hkv_, S_, D_, generator=g, device=device, dtype=kv_dtype) for _ in range(2))

@@ -2,6 +2,9 @@
 
 TRITON_INTERPRET=1 is set here, before any Triton kernel is defined, when there is no CUDA GPU: the kernels then
 run on CPU tensors in Triton's interpreter (fp32/fp16 only, small shapes).
+
+`make test` runs the suite in two pytest-xdist workers with ``--dist loadgroup``: tests spread one by one, and each
+solution notebook (nbval) stays on one worker, its cells in order.
 """
 
 import os
@@ -13,12 +16,13 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist turns xdist_group marks into worker assignments
 def pytest_collection_modifyitems(config, items):
-    if torch.cuda.is_available():
-        return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
     for item in items:
-        if "gpu" in item.keywords:
+        if item.path.suffix == ".ipynb":  # nbval: a notebook's cells share one kernel, so one worker runs them in order
+            item.add_marker(pytest.mark.xdist_group(item.path.name))
+        if "gpu" in item.keywords and not torch.cuda.is_available():
             item.add_marker(skip)
 
 
@@ -31,7 +35,15 @@ def default_model_dir():
 
 
 @pytest.fixture(scope="session")
-def default_model():
-    from minillm import load_model
+def default_llm():
+    """One ``LLM()`` on the default model (fp32, CPU) for every test that needs the real model and its tokenizer:
+    loading it costs seconds, so the session pays once.  Tests must leave it as they found it."""
+    from minillm import LLM
 
-    return load_model(None, dtype="float32", device="cpu")
+    return LLM(dtype="float32", device="cpu")
+
+
+@pytest.fixture(scope="session")
+def default_model(default_llm):
+    """The default model's ``Transformer`` (the one ``default_llm`` runs: one copy of the weights)."""
+    return default_llm.model

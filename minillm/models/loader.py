@@ -12,7 +12,10 @@ import hashlib
 import importlib.util
 import json
 import os
+import shutil
+import warnings
 from dataclasses import dataclass
+from functools import cache
 from pathlib import Path
 
 import torch
@@ -103,15 +106,27 @@ def _from_gguf(path: Path) -> Checkpoint:
 
     print(f"minillm: converting {path.name} once (dequantizing GGUF); cached in {out}", flush=True)
     hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
-    out.mkdir(parents=True, exist_ok=True)
+    # Written to a private directory, then renamed into place: processes converting at once (test workers, a
+    # notebook kernel) never read or write each other's half-written files; a crash leaves no half cache.
+    work = out.with_name(f"{out.name}.tmp-{os.getpid()}")
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
     config = hf.config.to_dict()
     config.pop("quantization_config", None)
-    (out / "config.json").write_text(json.dumps(config, indent=2, default=str))
+    (work / "config.json").write_text(json.dumps(config, indent=2, default=str))
     state = {k: v.contiguous() for k, v in hf.state_dict().items() if k != "lm_head.weight" or
              not hf.config.tie_word_embeddings}
-    save_file(state, out / "model.safetensors")
-    AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name).save_pretrained(out)
-    (out / "complete").write_text("ok\n")  # written last: a crash mid-conversion leaves no half cache
+    save_file(state, work / "model.safetensors")
+    AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name).save_pretrained(work)
+    (work / "complete").write_text("ok\n")
+    if out.exists() and not (out / "complete").exists():  # half written in place by an older minillm
+        shutil.rmtree(out, ignore_errors=True)
+    try:
+        os.rename(work, out)
+    except OSError:  # another process renamed its conversion into place first: use that one
+        shutil.rmtree(work, ignore_errors=True)
+        if not (out / "complete").exists():
+            raise
     return Checkpoint(out, str(path))
 
 
@@ -169,23 +184,85 @@ def build_model(config: ModelConfig, hf_state: dict[str, Tensor], *, dtype: torc
     return model.to(device).eval().set_kernels(kernels)
 
 
+@dataclass(frozen=True)
+class DtypeChoice:
+    """The dtype minillm computes in on a device when none is asked for, and why (printable)."""
+
+    dtype: torch.dtype
+    reason: str
+
+    def __str__(self) -> str:
+        return f"{str(self.dtype).removeprefix('torch.')}: {self.reason}"
+
+
+def _cuda_has_bf16(device: torch.device) -> bool:
+    """bf16 in hardware (Ampere and later); Turing (T4) only emulates it, which torch counts unless asked not to."""
+    with torch.cuda.device(device):
+        try:
+            return torch.cuda.is_bf16_supported(including_emulation=False)
+        except TypeError:  # torch < 2.3 has no including_emulation and does not count emulation
+            return torch.cuda.is_bf16_supported()
+
+
+def choose_dtype(device: str | torch.device | None = None, checkpoint_dtype: str | None = None) -> DtypeChoice:
+    """The dtype ``load_model``/``LLM`` use on ``device`` (None: CUDA when present) when given ``dtype=None``.
+
+    CPU: fp32, or bf16 for a bf16 checkpoint on a CPU that computes bf16 natively (AVX512-BF16, AMX, Arm BF16);
+    emulated bf16 runs ~100× slower than fp32.  CUDA: a fp16 checkpoint stays fp16; otherwise bf16 where the GPU
+    has it, else fp16 (Colab's T4).  ``checkpoint_dtype`` is config.json's ``torch_dtype`` (None: fp32).
+    """
+    from minillm.kernels.cpu.features import cpu_has_native_bf16
+
+    device = resolve_device(device)
+    ckpt = DTYPES.get(str(checkpoint_dtype).replace("torch.", ""), torch.float32)
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        if ckpt == torch.float16:
+            return DtypeChoice(torch.float16, f"the checkpoint's dtype, on {name}")
+        if _cuda_has_bf16(device):
+            return DtypeChoice(torch.bfloat16, f"{name} computes bf16 natively")
+        return DtypeChoice(torch.float16, f"{name} has no native bf16, so fp16 (same size, narrower range)")
+    if device.type != "cpu":
+        return DtypeChoice(ckpt, f"the checkpoint's dtype, on {device.type}")
+    if ckpt == torch.bfloat16 and cpu_has_native_bf16():
+        return DtypeChoice(torch.bfloat16, "the checkpoint's dtype; this CPU computes bf16 natively")
+    native = "computes bf16 natively" if cpu_has_native_bf16() else "has no native bf16 (bf16 would be emulated)"
+    return DtypeChoice(torch.float32, f"the CPU default; this CPU {native}")
+
+
+@cache  # warn once per process: the measurement costs ~0.1 s where bf16 is emulated
+def _warn_emulated_bf16() -> None:
+    from minillm.perf.hardware import matmul_flops
+
+    bf16, fp32 = matmul_flops("bfloat16"), matmul_flops("float32")
+    speed = f"{fp32 / bf16:.0f}× slower than" if fp32 > 1.5 * bf16 else "about as fast as"
+    warnings.warn(f"minillm: this CPU has no native bf16 (AVX512-BF16, AMX-BF16 or Arm BF16), so bf16 is emulated: "
+                  f"a bf16 matmul runs at {bf16 / 1e9:.1f} GFLOP/s here, {speed} fp32 ({fp32 / 1e9:.1f} GFLOP/s); "
+                  "use dtype='float32'", stacklevel=4)
+
+
 def resolve_dtype(dtype: str | torch.dtype | None, checkpoint_dtype: str | None, device: torch.device) -> torch.dtype:
-    """None -> the checkpoint's dtype on CUDA; on CPU fp32, unless the checkpoint is bf16 (fp16 is slow on CPUs)."""
+    """``dtype`` as a torch dtype; None -> ``choose_dtype(device, checkpoint_dtype)``.  bf16 asked for on a CPU
+    without native bf16 is honoured, with one warning per process that measures what it costs."""
+    from minillm.kernels.cpu.features import cpu_has_native_bf16
+
     if isinstance(dtype, torch.dtype):
         if dtype not in DTYPES.values():
             raise ValueError(f"dtype {dtype} is not supported; use float32, float16 or bfloat16")
-        return dtype
-    if dtype is not None:
+        chosen = dtype
+    elif dtype is not None:
         if dtype not in DTYPES:
             raise ValueError(f"dtype {dtype!r} is not supported; use one of {sorted(set(DTYPES))}")
-        return DTYPES[dtype]
-    ckpt = DTYPES.get(str(checkpoint_dtype).replace("torch.", ""), torch.float32)
-    if device.type == "cpu":
-        return torch.bfloat16 if ckpt == torch.bfloat16 else torch.float32
-    return ckpt
+        chosen = DTYPES[dtype]
+    else:
+        chosen = choose_dtype(device, checkpoint_dtype).dtype
+    if chosen == torch.bfloat16 and device.type == "cpu" and not cpu_has_native_bf16():
+        _warn_emulated_bf16()
+    return chosen
 
 
 def resolve_device(device: str | torch.device | None) -> torch.device:
+    """``device`` as a torch device; None -> CUDA when present, else CPU.  ValueError for CUDA without a GPU."""
     if device is None:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     device = torch.device(device)
@@ -199,9 +276,9 @@ def load_model(model: str | os.PathLike | None = None, *, dtype: str | torch.dty
     """Load a Llama-family model (no tokenizer needed).
 
     ``model``: None (embedded SmolLM2-135M-Instruct, offline), a hub id, a local directory with config.json and
-    safetensors (sharded or not), or a ``.gguf`` file.  ``dtype``: "float32" | "float16" | "bfloat16" | None.
-    ``device``: "cpu" | "cuda" | None (CUDA when present).  ``kernels``: "auto" | "torch" | "native" | "triton"
-    (what each picks: ``minillm.kernels.select``).
+    safetensors (sharded or not), or a ``.gguf`` file.  ``dtype``: "float32" | "float16" | "bfloat16" | None
+    (``choose_dtype``'s pick for the device).  ``device``: "cpu" | "cuda" | None (CUDA when present).
+    ``kernels``: "auto" | "torch" | "native" | "triton" (what each picks: ``minillm.kernels.select``).
     """
     ckpt = resolve(model)
     config = load_config(ckpt)

@@ -2,7 +2,7 @@
 
 - Reference machines: ``HardwareSpec``, ``SPECS``, ``get_spec`` (dense datasheet figures, sources in comments).
 - This machine: ``measure_device()`` → ``MeasuredSpec`` (read / copy / GEMV bandwidth, matmul FLOP/s per dtype),
-  cached per process.
+  cached per process; ``matmul_flops()`` one quick matmul rate (e.g. to tell emulated bf16 from native).
 - Dtype sizes: ``DTYPE_BYTES``, ``dtype_name``, ``dtype_bytes``.
 
 ``minillm.perf.roofline`` re-exports all of these next to the cost model and plots.
@@ -286,9 +286,49 @@ def _probe_gemv(device: str, plan: dict) -> tuple[dict[str, dict[str, float]], d
     return rates, layers_timed
 
 
-def _probe_matmul(device: str, plan: dict) -> dict[str, float]:
-    n, result = plan["matmul_n"], {}
+def matmul_flops(dtype: str | torch.dtype, n: int = 256, device: str | torch.device = "cpu",
+                 repeats: int = 3) -> float:
+    """FLOP/s of one n×n @ n×n matmul in ``dtype`` on ``device``: the fastest of ``repeats`` calls after a warm-up.
+
+    A small probe (n=256 is 34 MFLOP: ~1 ms in fp32 on a laptop core, ~40 ms where bf16 is emulated) for questions
+    such as "is bf16 slow here?"; ``measure_device`` reports the sustained peaks. "tf32" is fp32 storage with
+    tensor-core matmuls."""
+    if n < 1 or repeats < 1:
+        raise ValueError(f"n and repeats must be >= 1, got n={n}, repeats={repeats}")
+    device = str(torch.device(device))
+    name = dtype_name(dtype)
+    dt = torch.float32 if name == "tf32" else getattr(torch, name)
+    a, b = (torch.randn(n, n, device=device).to(dt) for _ in range(2))
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+    before = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("high" if name == "tf32" else "highest")  # tf32 = fp32 on tensor cores
+    try:
+        torch.matmul(a, b)  # warm-up: kernel selection, first-touch of the output
+        best = math.inf
+        for _ in range(repeats):
+            sync()
+            t0 = time.perf_counter()
+            torch.matmul(a, b)
+            sync()
+            best = min(best, time.perf_counter() - t0)
+    finally:
+        torch.set_float32_matmul_precision(before)
+    return 2 * n**3 / max(best, 1e-9)
+
+
+def _probe_matmul(device: str, plan: dict) -> tuple[dict[str, float], dict[str, int]]:
+    """Matmul FLOP/s per dtype, and the n each was timed at.  A dtype so slow at n=256 that one call of the
+    planned n would outlast the whole time budget is emulated, not compute bound (bf16 on an AVX2 CPU:
+    ~1 GFLOP/s, so n=2048 would take ~17 s per call): an n that fits a third of the budget (≥ 256) measures the
+    same rate.  (n=256 underrates fast paths, which is why only a call past the whole budget shrinks.)"""
+    result: dict[str, float] = {}
+    sizes: dict[str, int] = {}
     for name in plan["matmul_dtypes"]:
+        n = plan["matmul_n"]
+        small = matmul_flops(name, 256, device, repeats=1)
+        if 2 * n**3 / small > plan["budget_s"]:
+            n = max(256, int((small * plan["budget_s"] / 3 / 2) ** (1 / 3)) // 256 * 256)  # 2 n³ in budget / 3
+        sizes[name] = n
         dt = torch.float32 if name == "tf32" else getattr(torch, name)
         a, b = (torch.randn(n, n, device=device).to(dt) for _ in range(2))
         before = torch.get_float32_matmul_precision()
@@ -297,7 +337,7 @@ def _probe_matmul(device: str, plan: dict) -> dict[str, float]:
             result[name] = 2 * n**3 / _median_seconds(partial(torch.matmul, a, b), device, plan)
         finally:
             torch.set_float32_matmul_precision(before)
-    return result
+    return result, sizes
 
 
 def _device_name_and_memory(device: str) -> tuple[str, int]:
@@ -343,11 +383,12 @@ def _measure(device: str, quick: bool) -> MeasuredSpec:
     name, memory = _device_name_and_memory(device)
     read = max(found["read"].values())
     gemv, gemv_layers_timed = found["gemv"]
+    peaks, matmul_n_timed = found["matmul"]
     roof = max([read, *(v for per_dtype in gemv.values() for v in per_dtype.values())])
     return MeasuredSpec(
-        name=name, peak_flops=found["matmul"], memory_bandwidth=roof, memory_capacity=memory,
+        name=name, peak_flops=peaks, memory_bandwidth=roof, memory_capacity=memory,
         source=f"measured by minillm.perf.hardware.measure_device({device!r}, quick={quick})",
         device=device, read_bandwidth=read, read_by_impl=found["read"], copy_bandwidth=found["copy"],
         gemv_bandwidth=gemv, method={**plan, "gemv_shapes": [list(s) for s in plan["gemv_shapes"]],
-                                     "gemv_layers_timed": gemv_layers_timed,
+                                     "gemv_layers_timed": gemv_layers_timed, "matmul_n_timed": matmul_n_timed,
                                      "matmul_dtypes": list(plan["matmul_dtypes"])})

@@ -1,7 +1,7 @@
 """The native CPU decode kernels against their PyTorch references."""
 
-import shutil
-import sys
+import subprocess
+import warnings
 
 import pytest
 import torch
@@ -31,11 +31,55 @@ def test_gemv_matches_f_linear(dtype, rows, shape, bias):
     torch.testing.assert_close(got, want, atol=atol, rtol=1.6e-2 if dtype == torch.bfloat16 else 1e-5)
 
 
-@pytest.mark.skipif(sys.platform != "linux" or shutil.which("gcc") is None, reason="OpenMP is expected from gcc")
-def test_kernels_are_built_with_openmp_where_the_compiler_has_it():
+def _compiler_has_openmp(tmp_path) -> bool:
+    """Whether the compiler the build uses compiles and links an OpenMP shared library (Apple clang does not)."""
+    src = tmp_path / "omp.c"
+    src.write_text("#include <omp.h>\nint threads(void) { return omp_get_max_threads(); }\n")
+    cmd = [native.compiler(), "-fopenmp", "-shared", "-fPIC", str(src), "-o", str(tmp_path / "omp.so")]
+    return subprocess.run(cmd, capture_output=True).returncode == 0
+
+
+def test_kernels_are_built_with_openmp_where_the_compiler_has_it(tmp_path):
     # the build falls back to a one-thread library when the OpenMP build fails: a source error that only OpenMP
     # sees (it happened: an invalid reduction clause) silently made every native kernel single-threaded
+    if not _compiler_has_openmp(tmp_path):
+        pytest.skip(f"{native.compiler()} has no OpenMP: the one-thread build is the expected one")
     assert native.openmp()
+
+
+@pytest.fixture
+def fresh_build(monkeypatch, tmp_path):
+    """An empty kernel cache and a forgotten library, restored afterwards (the next call reloads the usual one)."""
+    monkeypatch.setenv("MINILLM_CACHE", str(tmp_path / "cache"))
+    native._lib.cache_clear()
+    yield monkeypatch
+    native._lib.cache_clear()
+
+
+def test_without_openmp_the_library_still_builds_works_and_warns_once(fresh_build, tmp_path):
+    # a compiler that rejects -fopenmp, as Apple's clang does
+    wrapper = tmp_path / "cc-without-openmp"
+    wrapper.write_text(f'#!/bin/sh\nfor a in "$@"; do [ "$a" = -fopenmp ] && {{ echo "no OpenMP here" >&2; exit 1; }}; '
+                       f'done\nexec {native.compiler()} "$@"\n')
+    wrapper.chmod(0o755)
+    fresh_build.setenv("CC", str(wrapper))
+    with pytest.warns(UserWarning, match="(?s)built without OpenMP.*no OpenMP here"):
+        assert native.available()
+    assert not native.openmp()
+    w, x = torch.randn(33, 70), torch.randn(3, 70)
+    torch.testing.assert_close(native.linear(x, w), F.linear(x, w), atol=1e-4, rtol=1e-5)
+    native._lib.cache_clear()  # as a new process would: the cached build loads without a second warning
+    with warnings.catch_warnings(record=True) as again:
+        warnings.simplefilter("always")
+        assert native.available() and not native.openmp()
+    assert not again
+
+
+def test_without_a_compiler_the_torch_path_is_used_with_one_warning(fresh_build):
+    fresh_build.setenv("CC", "/bin/false")
+    with pytest.warns(UserWarning, match="(?s)native CPU kernels unavailable.*could not compile"):
+        assert not native.available()
+    assert not native.openmp() and not native.supports(torch.randn(1, 4), torch.randn(3, 4))
 
 
 def test_gemv_keeps_leading_dims_and_rejects_too_many_rows():

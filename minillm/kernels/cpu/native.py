@@ -4,7 +4,8 @@
 x [..., K] with at most ``MAX_ROWS`` rows, weight [N, K], fp32 or bf16 on CPU. ``available()`` says
 whether the native library could be built here (it needs a C compiler; without one, callers use
 ``F.linear``). The C source is ``csrc/native.c``; the built library is cached under
-``~/.cache/minillm/kernels`` keyed by the source and the CPU, so the compile (~1 s) happens once.
+``~/.cache/minillm/kernels`` keyed by the source, the CPU and the compiler, so the compile (~1 s) happens once.
+The build uses this CPU's vector width (``-march=native``) and OpenMP where the compiler has them.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import warnings
 from functools import lru_cache
 from pathlib import Path
 
@@ -30,41 +32,66 @@ _SRC = Path(__file__).parent / "csrc" / "native.c"
 
 
 def cache_dir() -> Path:
+    """Where built libraries are kept: ``$MINILLM_CACHE/kernels`` (default ``~/.cache/minillm/kernels``)."""
     return Path(os.environ.get("MINILLM_CACHE", Path.home() / ".cache" / "minillm")) / "kernels"
 
 
+def compiler() -> str | None:
+    """The C compiler the build uses: ``$CC``, else cc, gcc or clang on the PATH; None when there is none."""
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+
+
 def _cpu_key() -> str:
-    try:
-        flags = next(line for line in open("/proc/cpuinfo") if line.startswith("flags"))
-    except (OSError, StopIteration):
-        flags = platform.processor()
-    return hashlib.sha256((flags + platform.machine()).encode()).hexdigest()[:12]
+    """Keys a build to this CPU (``-march=native`` code may not run on another) and compiler."""
+    from minillm.kernels.cpu.features import cpu_flags
+
+    flags = " ".join(sorted(cpu_flags())) or platform.processor()
+    return hashlib.sha256(f"{flags}|{platform.machine()}|{compiler()}".encode()).hexdigest()[:12]
+
+
+def build_flags() -> list[list[str]]:
+    """Extra compiler flags to try, best first: this CPU's vector width (``-march=native`` on x86 and aarch64;
+    ``-mcpu=native`` for aarch64 compilers that lack it) with OpenMP, then without OpenMP (Apple clang has none:
+    one thread), then portable code."""
+    machine = platform.machine().lower()
+    if machine in ("x86_64", "amd64"):
+        arch = [["-march=native"]]
+    elif machine in ("aarch64", "arm64"):
+        arch = [["-march=native"], ["-mcpu=native"]]
+    else:
+        arch = []
+    return [a + omp for omp in (["-fopenmp"], []) for a in arch + [[]]]
 
 
 def _compile(out: Path) -> None:
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+    """Build ``csrc/native.c`` into the shared library ``out`` with the first of ``build_flags()`` that compiles;
+    warn once when that build has no OpenMP; RuntimeError with the compiler's messages when none compiles."""
+    cc = compiler()
     if cc is None:
         raise RuntimeError("no C compiler found (set CC or install gcc)")
     base = [cc, "-O3", "-ffast-math", "-shared", "-fPIC", str(_SRC)]
-    march = ["-march=native"] if platform.machine() in ("x86_64", "AMD64") else ["-mcpu=native"]
     out.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
     errors = []
-    # OpenMP splits the rows across cores; fall back to one thread where the compiler lacks it (Apple clang).
-    for extra in (march + ["-fopenmp"], march, []):
-        r = subprocess.run(base + extra + ["-o", tmp, "-lm"], capture_output=True, text=True)
+    for extra in build_flags():
+        try:
+            r = subprocess.run(base + extra + ["-o", tmp, "-lm"], capture_output=True, text=True)
+        except OSError as e:  # CC names something that cannot run
+            errors.append(f"{cc}: {e}")
+            break
         if r.returncode == 0:
             os.replace(tmp, out)  # atomic: a concurrent process sees the old file or the new one
-            if errors:  # say so: a source error that only OpenMP sees would otherwise leave every kernel 1-threaded
-                import warnings
-
-                warnings.warn("minillm: native CPU kernels built without OpenMP (one thread):\n" + errors[0],
-                              stacklevel=3)
+            # Say so: a source error that only OpenMP sees would otherwise leave every kernel one-threaded without
+            # a word (it happened: an invalid reduction clause).
+            if "-fopenmp" not in extra:
+                warnings.warn(f"minillm: native CPU kernels built without OpenMP (one thread); {cc} said:\n"
+                              + errors[0], stacklevel=3)
             return
-        errors.append(r.stderr.strip()[-500:])
+        said = r.stderr.strip()[-500:] or f"exit status {r.returncode}"
+        errors.append(f"{' '.join(extra) or '(no extra flags)'}: {said}")
     os.unlink(tmp)
-    raise RuntimeError("could not compile the CPU GEMV:\n" + "\n".join(errors))
+    raise RuntimeError("could not compile the CPU kernels:\n" + "\n".join(errors))
 
 
 @lru_cache(maxsize=1)
@@ -80,9 +107,7 @@ def _lib() -> ctypes.CDLL | None:
         # loaded: one thread pool, not two fighting over the cores.
         lib = ctypes.CDLL(str(path))
     except (OSError, RuntimeError) as e:  # no compiler, or a broken cache entry: the torch path still works
-        import warnings
-
-        warnings.warn(f"minillm: native CPU GEMV unavailable ({e}); using torch.nn.functional.linear", stacklevel=2)
+        warnings.warn(f"minillm: native CPU kernels unavailable ({e}); using the torch path", stacklevel=2)
         return None
     i64, vp = ctypes.c_int64, ctypes.c_void_p
     for name in ("gemv_f32", "gemv_bf16"):
