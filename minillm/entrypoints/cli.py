@@ -66,13 +66,14 @@ def _print_metrics(llm, m, out=sys.stderr) -> None:
 def cmd_generate(a) -> int:
     from minillm.llm import LLM
 
+    params = _params(a)  # a bad sampling value is reported before the model loads
     t0 = time.perf_counter()
     llm = LLM(a.model, dtype=a.dtype, device=a.device, kernels=a.kernels)
     print(f"[loaded in {time.perf_counter() - t0:.1f} s: {llm.model.config.model_type}, "
           f"{llm.model.config.num_parameters() / 1e6:.0f}M params, {llm.model.dtype}, {llm.model.device}]",
           file=sys.stderr)
     prompt = llm.apply_chat_template([{"role": "user", "content": a.prompt}]) if a.chat else a.prompt
-    _, metrics = _stream_reply(llm, prompt, _params(a))
+    _, metrics = _stream_reply(llm, prompt, params)
     _print_metrics(llm, metrics)
     return 0
 
@@ -80,8 +81,8 @@ def cmd_generate(a) -> int:
 def cmd_chat(a) -> int:
     from minillm.llm import LLM
 
+    params = _params(a)  # a bad sampling value is reported before the model loads
     llm = LLM(a.model, dtype=a.dtype, device=a.device, kernels=a.kernels)
-    params = _params(a)
     history: list[dict] = []
     if a.system:
         history.append({"role": "system", "content": a.system})
