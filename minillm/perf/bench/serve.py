@@ -132,13 +132,6 @@ def request_body(endpoint: str, model: str, prompt: str, max_tokens: int, ignore
     return body
 
 
-def _chunk_text(event: dict) -> str:
-    text = ""
-    for choice in event.get("choices") or ():
-        text += (choice.get("delta") or {}).get("content") or choice.get("text") or ""
-    return text
-
-
 def parse_stream(sent_s: float, lines: Sequence[tuple[float, str]], end_s: float) -> RequestResult:
     """What the client measured for one streamed (SSE) answer of status 200.
 
@@ -168,7 +161,8 @@ def parse_stream(sent_s: float, lines: Sequence[tuple[float, str]], end_s: float
         event = json.loads(data)
         if "error" in event:
             return RequestResult(200, error=str(event["error"])[:300])
-        if _chunk_text(event):
+        text = "".join((c.get("delta") or {}).get("content") or c.get("text") or "" for c in event.get("choices") or ())
+        if text:
             times.append(t)  # a text chunk: its arrival is what the user sees
         usage = event.get("usage") or usage
     if not times:
