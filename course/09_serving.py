@@ -356,6 +356,11 @@ plt.show()
 #   generator itself share the same two cores with the model. On a GPU that work overlaps with the kernels; on
 #   this CPU it competes with them.
 #
+# - and one effect works the other way: the server's **prefix cache** (notebook 05) serves the tokens every
+#   prompt shares — the chat template's system prompt and the instruction templates — so its prefills are
+#   cheaper than the probe's above, which ran with the cache off (`minillm_prefix_cache_hit_rate` in section 5
+#   shows how much). That is how the measurement can beat the prediction.
+#
 # Past capacity, TTFT is what grows: requests wait in the queue, up to seconds, while TPOT barely moves — the
 # batch is full either way. That is why an operator watches the queue and TTFT p99, not only throughput.
 #
@@ -373,7 +378,7 @@ points = [roofline.RooflinePoint.from_cost("batch 1 (offline)", roofline.decode_
                                            step_1),
           roofline.RooflinePoint.from_cost(f"batch {MAX_SEQS} (offline)",
                                            roofline.decode_step_cost(config, MAX_SEQS, ctx, dtype), step_B),
-          roofline.RooflinePoint.from_cost(f"server @ {busy['request_rate']:g} req/s (mean batch {mean_batch})",
+          roofline.RooflinePoint.from_cost(f"server, mean batch {mean_batch}",
                                            roofline.decode_step_cost(config, mean_batch, ctx, dtype),
                                            busy["duration_s"] / max(busy["steps"], 1))]
 ax = roofline.plot_roofline(spec, points, dtype=dtype)
@@ -414,9 +419,9 @@ print("responses by path and status:", {k.split("{", 1)[1].rstrip("}"): int(v) f
 # ### Backpressure: 429 instead of an unbounded queue
 #
 # A burst of 24 requests at once (rate = ∞) against a server that admits `max_num_seqs + max_queue` = 16:
-# the last 8 are refused within milliseconds, and the 16 admitted ones are served at the same latency as
-# without the burst. Without the bound, all 24 would be accepted, and the queue would keep growing as long as
-# requests come faster than the capacity — every TTFT with it.
+# the last 8 are refused within milliseconds; of the 16 admitted, 8 run at once and 8 wait for a slot, so the
+# bound also caps how long anyone waits (one batch's worth). Without it, all 24 would be accepted, and the queue
+# would keep growing as long as requests come faster than the capacity — every TTFT with it.
 
 # %% tags=["slide-output"]
 # NBVAL_IGNORE_OUTPUT
@@ -469,8 +474,8 @@ print(f"KV blocks in use {time.monotonic() - deadline + 10:.2f} s after the disc
 #
 # The baseline most people start from: Hugging Face transformers, same weights, same prompts (chat template
 # applied), the same `MAX_TOKENS` per answer, greedy. Its most favourable use is offline — every prompt at t = 0,
-# left-padded into batches of `max_num_seqs` — so we give minillm's engine the same offline job, and put the
-# server's best online run next to them.
+# left-padded into batches of `max_num_seqs` — so we give minillm's engine the same offline job (with everything
+# on, prefix caching included, as the server runs it), and put the server's best online run next to them.
 
 # %% tags=["slide-output"]
 # NBVAL_IGNORE_OUTPUT
@@ -478,7 +483,7 @@ specs = [RequestSpec(0.0, ids, MAX_TOKENS) for ids in chat_ids[:MAX_SEQS]]  # on
 hf = AutoModelForCausalLM.from_pretrained(resolve(None).directory, dtype=model.dtype).to(model.device).eval()
 pad = hf.config.pad_token_id if hf.config.pad_token_id is not None else 0
 hf_padded_generate(hf, specs[:2], 2, pad)  # warm-up
-offline = LLMEngine(model, llm.tokenizer, EngineConfig(max_num_seqs=MAX_SEQS, enable_prefix_caching=False))
+offline = LLMEngine(model, llm.tokenizer, EngineConfig(max_num_seqs=MAX_SEQS))  # everything on, as the server
 offline.generate([chat_ids[0][:8]], SamplingParams(max_tokens=2))  # warm-up
 hf_tok_s, engine_tok_s = 0.0, 0.0
 for _ in range(REPEATS - 1):  # alternate the two and keep each one's fastest run (a shared machine only slows)
@@ -505,11 +510,14 @@ plt.tight_layout()
 plt.show()
 
 # %% [markdown]
-# Padded `generate` computes every row of a batch until its longest member is done and restarts for each batch;
-# the engine keeps its batch full, reuses the KV cache's blocks and lets a new request in at every step
-# (notebooks 05–06). The online server pays for HTTP, streaming and arrivals that do not come all at once — the
-# price of latency for users who are waiting, and what an offline batch API (cheaper per token at every major
-# provider) avoids.
+# Padded `generate` computes every row of a batch on pad tokens up to its longest prompt, keeps a contiguous
+# cache per batch and recomputes the shared chat-template prefix for every prompt; the engine packs prompts
+# without padding, reuses cached prefix blocks and lets a new request in at every step (notebooks 05–06). With
+# every answer the same length here, continuous batching has no bubble to remove: on a skewed trace
+# (notebook 06) the gap widens. The online server pays for HTTP, streaming and arrivals that do not all come at
+# once, and makes up for it with more requests to batch: at overload it matches the offline engine. Below
+# capacity it cannot — there is not enough work — which is the price of latency for users who are waiting, and
+# what an offline batch API (cheaper per token at every major provider) avoids.
 #
 # The same load generator measures other servers on the same machine, by URL only:
 #
