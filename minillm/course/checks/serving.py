@@ -38,8 +38,8 @@ def _hidden(module: str, name: str) -> Iterator[None]:
 
 # ---------------------------------------------------------------------------------------------- 9.1
 @exercise("9.1", "minillm.perf.bench.serve.arrival_times", "the open-loop arrival schedule",
-          "rng = random.Random(seed); t += a gap per request (expovariate(rate) for burstiness 1, else "
-          "gammavariate(burstiness, 1 / (rate × burstiness))); append t; rate inf: n zeros")
+          "accumulate independent random gaps drawn from random.Random(seed): exponential with mean 1/rate, or "
+          "gamma of shape burstiness with the same mean; rate inf: n zeros")
 def check_arrival_times(arrival_times: Callable) -> None:
     """``arrival_times(n, rate, burstiness, seed)``: shape, order, determinism, then the gaps' mean and
     coefficient of variation on 20 000 draws at random rates (well within the statistical error of a correct
