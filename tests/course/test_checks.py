@@ -176,6 +176,30 @@ def _wrong_prefill_chunk_len(remaining, budget, max_num_batched_tokens, chunked_
 
 WRONG.update({"5.1": _WrongBlockAllocator, "5.2": _WrongBlockManager, "5.3": _wrong_slot_mapping,
               "6.1": _wrong_batch_slots, "6.2": _wrong_prefill_chunk_len})  # notebooks 05 and 06
+def _wrong_arrival_times(n, rate, burstiness=1.0, seed=0):
+    import random
+
+    rng, t, times = random.Random(seed), 0.0, []
+    for _ in range(n):  # gamma scale 1 / rate: right for Poisson, but a mean gap of burstiness / rate otherwise
+        t += rng.gammavariate(burstiness, 1.0 / rate) if rate != float("inf") else 0.0
+        times.append(t)
+    return times
+
+
+def _wrong_parse_stream(sent_s, lines, end_s):
+    from minillm.perf.bench.serve import RequestResult
+
+    times = [t for t, line in lines if line.startswith("data:") and "[DONE]" not in line]  # every chunk a token
+    if not times:
+        return RequestResult(200, latency_s=end_s - sent_s, error="no text in the response")
+    ttft, n = times[0] - sent_s, len(times)
+    itl = [b - a for a, b in zip(times, times[1:], strict=False)]
+    return RequestResult(200, ttft_s=ttft, latency_s=end_s - sent_s, output_tokens=n,
+                         tpot_s=(end_s - sent_s - ttft) / max(n - 1, 1), itl_s=itl)
+
+
+WRONG.update({"9.1": _wrong_arrival_times, "9.2": _wrong_parse_stream})  # notebook 09
+
 NUMBERS = sorted(EXERCISES)
 
 

@@ -25,12 +25,12 @@ import math
 import random
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from minillm.perf.metrics import goodput, summarize
-from minillm.perf.workloads import lognormal_lengths, poisson_arrivals
+from minillm.perf.workloads import lognormal_lengths
 
 TEMPLATES = (  # chat-like instructions around a document: what most chat traffic looks like
     "Summarize the following documentation in a few sentences.\n\n{doc}",
@@ -88,19 +88,30 @@ def make_prompts(n: int, seed: int = 0, median_words: int = 120, sigma: float = 
 
 
 def arrival_times(n: int, rate: float, burstiness: float = 1.0, seed: int = 0) -> list[float]:
-    """Send times (s): Poisson at ``rate`` for ``burstiness`` 1; gamma gaps of shape ``burstiness`` (same mean,
-    burstier below 1) otherwise; ``rate=inf`` sends everything at t = 0."""
+    """Send times (s) of ``n`` requests, sorted, the first after one gap: an open-loop arrival schedule.
+
+    Gaps are independent, with mean ``1 / rate``: exponential for ``burstiness`` 1 (a Poisson process: users who
+    do not coordinate), gamma of shape ``burstiness`` and scale ``1 / (rate × burstiness)`` otherwise (same mean,
+    coefficient of variation ``1 / sqrt(burstiness)``: burstier below 1, more regular above), as vLLM's
+    ``benchmark_serving``.  ``rate=math.inf`` sends all ``n`` at t = 0.  Draw from ``random.Random(seed)``: the
+    same arguments give the same schedule.
+    """
+    if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+        raise ValueError(f"the number of requests must be an int >= 0, got {n!r}")
     if not burstiness > 0:
         raise ValueError(f"burstiness must be > 0 (1 = Poisson), got {burstiness!r}")
-    if burstiness == 1 or math.isinf(rate):
-        return poisson_arrivals(n, rate, seed)
     if not rate > 0:
-        raise ValueError(f"rate must be > 0 requests/s, got {rate!r}")
+        raise ValueError(f"rate must be > 0 requests/s (inf: all at t = 0), got {rate!r}")
+    ### BEGIN SOLUTION
+    if math.isinf(rate):
+        return [0.0] * n
     rng, t, times = random.Random(seed), 0.0, []
     for _ in range(n):
-        t += rng.gammavariate(burstiness, 1.0 / (rate * burstiness))
+        # gammavariate(1, 1/rate) is expovariate(rate): Poisson is the burstiness-1 case of the same loop
+        t += rng.expovariate(rate) if burstiness == 1 else rng.gammavariate(burstiness, 1.0 / (rate * burstiness))
         times.append(t)
     return times
+    ### END SOLUTION
 
 
 def make_trace(n: int, rate: float, max_tokens: int, seed: int = 0, burstiness: float = 1.0) -> list[BenchRequest]:
@@ -121,53 +132,77 @@ def request_body(endpoint: str, model: str, prompt: str, max_tokens: int, ignore
     return body
 
 
-def _chunk_text(event: dict) -> str:
-    text = ""
-    for choice in event.get("choices") or ():
-        text += (choice.get("delta") or {}).get("content") or choice.get("text") or ""
-    return text
+def parse_stream(sent_s: float, lines: Sequence[tuple[float, str]], end_s: float) -> RequestResult:
+    """What the client measured for one streamed (SSE) answer of status 200.
 
+    ``lines``: the response body's lines in order, each with the ``time.perf_counter()`` at which it arrived;
+    ``sent_s``: when the request was sent; ``end_s``: when the stream ended (after ``data: [DONE]``).
+    An SSE line ``data: <json>`` carries one chunk; ``data: [DONE]`` ends the stream (ignore anything after it);
+    other lines (blank separators, ``: comments``) carry nothing.  A chunk with an ``"error"`` key ends the
+    request: ``RequestResult(200, error=<its text, ≤ 300 chars>)``.  A chunk whose choices hold text (chat:
+    ``choices[i]["delta"]["content"]``; completions: ``choices[i]["text"]``; role-only and finish-only chunks
+    hold none) is a token arrival; the last ``"usage"`` seen gives ``completion_tokens``/``prompt_tokens``.
 
-async def send_request(client, url: str, body: dict, headers: dict) -> RequestResult:
-    """POST one streaming request and clock its chunks."""
-    t0 = time.perf_counter()
+    Returns ``RequestResult(200, ttft_s, tpot_s, latency_s, output_tokens, prompt_tokens, itl_s)`` with
+    ttft = first text arrival − sent;  latency (E2E) = end − sent;  output_tokens = usage's completion_tokens,
+    else the number of text chunks;  tpot = (E2E − TTFT) / (output_tokens − 1), 0 for one token;  itl = the
+    gaps between consecutive text arrivals;  prompt_tokens from usage, else None.  No text at all:
+    ``RequestResult(200, latency_s=E2E, error="no text in the response")``.
+    """
+    ### BEGIN SOLUTION
     times: list[float] = []
     usage = None
+    for t, line in lines:
+        if not line.startswith("data:"):
+            continue  # blank separator or comment
+        data = line[5:].strip()
+        if data == "[DONE]":
+            break
+        event = json.loads(data)
+        if "error" in event:
+            return RequestResult(200, error=str(event["error"])[:300])
+        text = "".join((c.get("delta") or {}).get("content") or c.get("text") or "" for c in event.get("choices") or ())
+        if text:
+            times.append(t)  # a text chunk: its arrival is what the user sees
+        usage = event.get("usage") or usage
+    if not times:
+        return RequestResult(200, latency_s=end_s - sent_s, error="no text in the response")
+    tokens = usage["completion_tokens"] if usage else len(times)
+    ttft = times[0] - sent_s
+    return RequestResult(200, ttft_s=ttft, latency_s=end_s - sent_s, output_tokens=tokens,
+                         tpot_s=(end_s - sent_s - ttft) / (tokens - 1) if tokens > 1 else 0.0,
+                         prompt_tokens=usage["prompt_tokens"] if usage else None,
+                         itl_s=[b - a for a, b in zip(times, times[1:], strict=False)])
+    ### END SOLUTION
+
+
+async def send_request(client, url: str, body: dict, headers: dict, *,
+                       parse: Callable[..., RequestResult] = parse_stream) -> RequestResult:
+    """POST one streaming request, clock each line of its body as it arrives, and ``parse`` them
+    (``parse_stream``, or a drop-in replacement with its signature: the course passes the student's)."""
+    t0 = time.perf_counter()
+    lines: list[tuple[float, str]] = []
     try:
         async with client.stream("POST", url, json=body, headers=headers) as r:
             if r.status_code != 200:
                 text = (await r.aread()).decode(errors="replace")
                 return RequestResult(r.status_code, latency_s=time.perf_counter() - t0, error=text[:300])
             async for line in r.aiter_lines():
-                if not line.startswith("data:"):
-                    continue
-                data = line[5:].strip()
-                if data == "[DONE]":
+                lines.append((time.perf_counter(), line))
+                if line.startswith("data:") and line[5:].strip() == "[DONE]":
                     break
-                event = json.loads(data)
-                if "error" in event:
-                    return RequestResult(200, error=str(event["error"])[:300])
-                if _chunk_text(event):
-                    times.append(time.perf_counter())
-                usage = event.get("usage") or usage
     except Exception as e:  # connection refused, reset, timeout: a failed request, the run goes on
         return RequestResult(0, latency_s=time.perf_counter() - t0, error=f"{type(e).__name__}: {e}")
-    end = time.perf_counter()
-    if not times:
-        return RequestResult(200, latency_s=end - t0, error="no text in the response")
-    tokens = usage["completion_tokens"] if usage else len(times)
-    ttft = times[0] - t0
-    return RequestResult(200, ttft_s=ttft, latency_s=end - t0, output_tokens=tokens,
-                         tpot_s=(end - t0 - ttft) / (tokens - 1) if tokens > 1 else 0.0,
-                         prompt_tokens=usage["prompt_tokens"] if usage else None,
-                         itl_s=[b - a for a, b in zip(times, times[1:], strict=False)])
+    return parse(t0, lines, time.perf_counter())
 
 
 # ---- a run -------------------------------------------------------------------------------------------------------
 async def run_trace(base_url: str, trace: Sequence[BenchRequest], *, model: str, endpoint: str = "chat",
                     api_key: str | None = None, ignore_eos: bool = False, max_concurrency: int | None = None,
-                    timeout_s: float = 600.0, progress: bool = True) -> tuple[list[RequestResult], float]:
-    """Send ``trace`` on its schedule; returns each request's result (trace order) and the wall time."""
+                    timeout_s: float = 600.0, progress: bool = True,
+                    parse: Callable[..., RequestResult] = parse_stream) -> tuple[list[RequestResult], float]:
+    """Send ``trace`` on its schedule; returns each request's result (trace order) and the wall time.
+    ``parse`` turns a response's timed lines into its result (see ``parse_stream``)."""
     import httpx
     from tqdm.auto import tqdm
 
@@ -183,7 +218,7 @@ async def run_trace(base_url: str, trace: Sequence[BenchRequest], *, model: str,
             await asyncio.sleep(max(0.0, start + req.arrival_s - time.perf_counter()))
             async with gate:
                 body = request_body(endpoint, model, req.prompt, req.max_tokens, ignore_eos)
-                result = await send_request(client, path, body, headers)
+                result = await send_request(client, path, body, headers, parse=parse)
             bar.update(1)
             return result
 

