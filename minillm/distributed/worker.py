@@ -90,15 +90,17 @@ def _collect(procs: list, results, timeout_s: float) -> list[Any]:
         try:
             status, rank, value = results.get(timeout=0.2)
         except queue.Empty:
-            for r, p in enumerate(procs):
-                if r not in out and not p.is_alive():
-                    raise WorkerError(f"worker rank {r} died with exit code {p.exitcode} before returning a result")
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"workers did not finish within {timeout_s:.0f} s (ranks done: {sorted(out)})")
-            continue
+            status, rank, value = "waiting", None, None
         if status == "error":
             raise WorkerError(f"worker rank {rank} raised:\n{value}")
-        out[rank] = value
+        if status == "ok":
+            out[rank] = value
+            continue
+        for r, p in enumerate(procs):  # a rank that died without a word (killed, segfault) never sends one
+            if r not in out and not p.is_alive():
+                raise WorkerError(f"worker rank {r} died with exit code {p.exitcode} before returning a result")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"workers did not finish within {timeout_s:.0f} s (ranks done: {sorted(out)})")
     return [out[r] for r in range(len(procs))]
 
 
