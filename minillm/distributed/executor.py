@@ -54,12 +54,12 @@ def _forward_worker(ctx: ParallelContext, source, input_ids: Tensor, positions: 
     return logits if ctx.is_driver else None  # identical on every rank: only the driver's travels back
 
 
-def _generate_worker(ctx: ParallelContext, source, prompts, params, engine_config: EngineConfig, dtype, kernels):
+def _generate_worker(ctx: ParallelContext, source, prompts, params, engine_config: EngineConfig, dtype, kernels,
+                     tokenizer):
     from minillm.engine.llm_engine import LLMEngine
 
     model = rank_model(ctx, source, dtype, kernels)
-    tokenizer = None
-    if not isinstance(source, Transformer) and any(isinstance(p, str) for p in prompts):
+    if tokenizer is None and not isinstance(source, Transformer) and any(isinstance(p, str) for p in prompts):
         from minillm.models.loader import load_tokenizer
 
         tokenizer = load_tokenizer(source)
@@ -87,17 +87,18 @@ def tp_forward(model: ModelSource, input_ids: Tensor, positions: Tensor, tensor_
 
 
 def tp_generate(model: ModelSource, prompts: Sequence, params=None, tensor_parallel_size: int = 2, *, dtype=None,
-                kernels: str = "auto", device: str = "cpu", **engine_options):
+                kernels: str = "auto", device: str = "cpu", tokenizer=None, **engine_options):
     """``LLMEngine.generate`` on ``tensor_parallel_size`` ranks: -> list[RequestOutput] in prompt order.
 
     ``model``: a loaded ``Transformer`` (its weights reach the workers through shared memory) or a path / hub id /
-    None for ``load_model``; string prompts need a path (for the tokenizer).  ``engine_options``: ``EngineConfig``
-    fields.  ValueError for a size that does not divide the heads, or the wall-clock "dynamic" policy.
+    None for ``load_model``; string prompts need a ``tokenizer`` (pickled to each rank) or a path to load it from.
+    ``engine_options``: ``EngineConfig`` fields.  ValueError for a size that does not divide the heads, or the
+    wall-clock "dynamic" policy.
     """
     config = EngineConfig(**engine_options)
     if config.policy == "dynamic":
         raise ValueError("policy='dynamic' waits on the wall clock, which differs between ranks: with "
                          "tensor_parallel_size > 1 use 'continuous' or 'static'")
     _check(model, tensor_parallel_size)
-    return run_workers(_generate_worker, tensor_parallel_size, (model, list(prompts), params, config, dtype, kernels),
-                       backend=default_backend(device))[0]
+    args = (model, list(prompts), params, config, dtype, kernels, tokenizer)
+    return run_workers(_generate_worker, tensor_parallel_size, args, backend=default_backend(device))[0]

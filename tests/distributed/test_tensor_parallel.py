@@ -104,3 +104,19 @@ def test_collectives_are_the_identity_at_world_size_one():
     x = torch.randn(3, 4)
     ctx = ParallelContext()
     assert comm.all_reduce(x, ctx) is x and comm.all_gather(x, ctx) is x and comm.broadcast(x, ctx) is x
+
+
+def test_llm_with_tensor_parallel_size_two_generates_the_single_process_tokens(tmp_path, default_model_dir):
+    import shutil
+
+    from minillm import LLM
+
+    torch.manual_seed(0)  # random weights over the default model's vocabulary, so its tokenizer fits
+    LlamaForCausalLM(LlamaConfig(**{**CFG.to_dict(), "vocab_size": 49152})).save_pretrained(tmp_path)
+    for f in default_model_dir.glob("*token*"):
+        shutil.copy(f, tmp_path)
+    llm = LLM(str(tmp_path), dtype="float32", device="cpu", tensor_parallel_size=2)
+    assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)] == \
+        [o.outputs[0].token_ids for o in LLMEngine(llm.model).generate(PROMPTS, GREEDY)]
+    with pytest.raises(ValueError, match=r"use one of \[1, 2\]"):
+        LLM(str(tmp_path), dtype="float32", device="cpu", tensor_parallel_size=3)

@@ -57,11 +57,10 @@ def _allreduce_worker(ctx, hidden: int, iters: int) -> float:
 
 
 def _decode_worker(ctx, model, n_tokens: int, repeats: int) -> float:
+    from minillm.config import EngineConfig
     from minillm.distributed.executor import rank_model
     from minillm.engine.llm_engine import LLMEngine
     from minillm.sampling.params import SamplingParams
-
-    from minillm.config import EngineConfig
 
     engine = LLMEngine(rank_model(ctx, model), None, EngineConfig(max_num_seqs=1, num_kv_blocks=64))
     params = SamplingParams(max_tokens=n_tokens, temperature=0.0, ignore_eos=True)
