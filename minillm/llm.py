@@ -32,15 +32,23 @@ class LLM:
     """
 
     def __init__(self, model: str | os.PathLike | None = None, *, dtype=None, device=None, kernels: str = "auto",
-                 **engine_options):
+                 tensor_parallel_size: int = 1, **engine_options):
         self.engine_config = EngineConfig(**engine_options)  # validated before the model loads
         self.model = load_model(model, dtype=dtype, device=device, kernels=kernels)
+        self.tensor_parallel_size = tensor_parallel_size
+        if tensor_parallel_size != 1:  # ValueError naming the valid sizes, before any process starts
+            from minillm.layers.parallel import rank_config
+
+            rank_config(self.model.config, tensor_parallel_size)
         self.tokenizer = load_tokenizer(model)
         self._engine: LLMEngine | None = None  # built on first use: the KV cache is allocated then
 
     @property
     def engine(self) -> LLMEngine:
         """The ``LLMEngine`` behind ``generate`` and ``stream`` (built on first use with this ``EngineConfig``)."""
+        if self.tensor_parallel_size != 1:
+            raise ValueError("with tensor_parallel_size > 1 the engines run in worker processes "
+                             "(distributed/executor.py): use generate() or chat()")
         if self._engine is None:
             self._engine = LLMEngine(self.model, self.tokenizer, self.engine_config)
         return self._engine
@@ -67,7 +75,17 @@ class LLM:
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
         """Generate for each prompt (a string or token ids, or a list of those) on the engine (continuous batching,
-        paged KV, prefix caching); outputs in prompt order.  See ``LLMEngine.generate``."""
+        paged KV, prefix caching); outputs in prompt order.  See ``LLMEngine.generate``.  With
+        ``tensor_parallel_size`` > 1 each call spawns that many ranks, each running the engine on its shard
+        (``distributed.executor.tp_generate``: seconds of process start-up per call)."""
+        if self.tensor_parallel_size != 1:
+            from minillm.distributed.executor import tp_generate
+            from minillm.engine.inputs import prompt_list
+
+            prompts = prompt_list(prompts)
+            options = {f: getattr(self.engine_config, f) for f in self.engine_config.__dataclass_fields__}
+            return tp_generate(self.model, prompts, sampling_params, self.tensor_parallel_size,
+                               device=self.model.device.type, tokenizer=self.tokenizer, **options)
         return self.engine.generate(prompts, sampling_params)
 
     def stream(self, prompts: Prompt | Sequence[Prompt],

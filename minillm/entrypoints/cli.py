@@ -142,6 +142,10 @@ def cmd_bench(a) -> int:
         from minillm.perf.bench.serving import bench_serving
 
         bench_serving(a.model, device=a.device, threads=a.threads, quick=a.quick)
+    elif a.what == "tp":
+        from minillm.perf.bench.tp import bench_tp
+
+        bench_tp(n_tokens=a.tokens, repeats=a.repeats)
     elif a.what == "serve":  # main() hands "bench serve ..." to the load generator's own parser
         from minillm.perf.bench.serve import main as bench_serve_main
 
@@ -177,9 +181,9 @@ def build_parser() -> argparse.ArgumentParser:
     for flag in ("--max-num-seqs", "--max-num-batched-tokens", "--num-kv-blocks", "--max-model-len"):
         s.add_argument(flag, type=int, default=None, help="EngineConfig option")
     s.set_defaults(fn=cmd_serve)
-    b = sub.add_parser("bench", help="side-by-side benchmarks (decode | attention | serving | serve: a load "
+    b = sub.add_parser("bench", help="side-by-side benchmarks (decode | attention | serving | tp | serve: a load "
                                      "generator for any OpenAI-compatible server, see 'bench serve --help')")
-    b.add_argument("what", choices=["decode", "attention", "serving", "serve"])
+    b.add_argument("what", choices=["decode", "attention", "serving", "serve", "tp"])
     b.add_argument("--model", default=None)
     b.add_argument("--device", default=None)
     b.add_argument("--dtypes", default="float32,bfloat16")

@@ -1,0 +1,147 @@
+"""Megatron tensor parallelism by module swap: column- and row-parallel linears, and ``shard_model``.
+
+A transformer block has two matmul pairs, attention (qkv → o) and MLP (gate_up → down).  Megatron splits the first
+of each pair by output features (column-parallel: each rank computes some heads / some of the F hidden units, no
+communication) and the second by input features (row-parallel: each rank multiplies its slice of the activations
+by its slice of the weight, giving a partial sum of the full output).  One all-reduce per pair sums the partials:
+two all-reduces of [B, L, hidden] per layer, and nothing else moves.
+
+Per rank, a layer then looks exactly like a smaller model's layer: H_q/tp query heads, H_kv/tp K/V heads,
+F/tp MLP units.  So ``shard_model`` builds the rank's model from a per-rank ``ModelConfig`` (``rank_config``) —
+attention, MLP and the KV caches size themselves from it unchanged — and swaps in the parallel linears.
+
+Embeddings and the LM head are *replicated* (every rank holds all V × hidden): the row-parallel all-reduce leaves
+the full hidden state on every rank, so each computes identical logits and samples the same token with no further
+communication.  The cost is memory: SmolLM2-135M's tied embedding is 28 M of its 135 M parameters on every rank.
+Vocabulary-parallel (V/tp rows each, an all-gather of [B, V/tp] logits per step; a masked lookup plus an all-reduce
+for the embedding) saves that memory and is the next step for large vocabularies.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch import Tensor, nn
+
+from minillm.config import ModelConfig
+from minillm.distributed.comm import all_reduce
+from minillm.distributed.parallel_state import ParallelContext
+from minillm.kernels.select import KernelOps
+from minillm.layers.linear import Linear
+from minillm.models.llama import Transformer
+
+
+def _shard_rows(t: Tensor, parts: tuple[int, ...], ctx: ParallelContext) -> Tensor:
+    """t [sum(parts), ...] stacked from ``parts`` -> this rank's 1/tp of each part, stacked in the same order."""
+    chunks = t.split(list(parts), dim=0)
+    return torch.cat([c.chunk(ctx.world_size, dim=0)[ctx.rank] for c in chunks]).contiguous()
+
+
+class ColumnParallelLinear(nn.Module):
+    """A linear layer holding 1/tp of the output features: x [..., K] -> [..., N/tp], no communication.
+
+    A stacked projection (``qkv_proj`` = [q; k; v], ``gate_up_proj`` = [gate; up]) is split part by part
+    (``parts``: the stacked row counts), so each rank holds whole q, k and v heads (or matching gate/up halves)
+    and its output is laid out as the per-rank model expects ([q_r; k_r; v_r]).
+    """
+
+    def __init__(self, weight: Tensor, bias: Tensor | None, ctx: ParallelContext, parts: tuple[int, ...] | None = None):
+        super().__init__()
+        parts = parts or (weight.shape[0],)
+        if sum(parts) != weight.shape[0] or any(p % ctx.world_size for p in parts):
+            raise ValueError(f"column-parallel parts {parts} must sum to the {weight.shape[0]} output features and "
+                             f"each be divisible by tensor_parallel_size={ctx.world_size}")
+        self.weight = nn.Parameter(_shard_rows(weight, parts, ctx), requires_grad=False)  # (N/tp, K)
+        self.bias = None if bias is None else nn.Parameter(_shard_rows(bias, parts, ctx), requires_grad=False)
+        self.ctx = ctx
+
+    @classmethod
+    def from_linear(cls, linear: Linear, ctx: ParallelContext, parts: tuple[int, ...] | None = None):
+        """The rank's shard of a whole ``Linear``."""
+        return cls(linear.weight.detach(), None if linear.bias is None else linear.bias.detach(), ctx, parts)
+
+    def forward(self, x: Tensor, ops: KernelOps) -> Tensor:
+        """x [..., K] (replicated) -> [..., N/tp] (this rank's features)."""
+        return ops.linear(x, self.weight, self.bias)
+
+
+class RowParallelLinear(nn.Module):
+    """A linear layer holding 1/tp of the input features: x [..., K/tp] -> [..., N], all-reduced inside the layer.
+
+    Each rank's ``x_r @ W_r.T`` is a partial sum of the full ``x @ W.T``; the all-reduce adds them (2 (tp − 1)/tp ×
+    N × elements bytes per rank per row), then the bias is added once.
+    """
+
+    def __init__(self, weight: Tensor, bias: Tensor | None, ctx: ParallelContext):
+        super().__init__()
+        if weight.shape[1] % ctx.world_size:
+            raise ValueError(f"row-parallel input features {weight.shape[1]} must be divisible by "
+                             f"tensor_parallel_size={ctx.world_size}")
+        shard = weight.chunk(ctx.world_size, dim=1)[ctx.rank].contiguous()
+        self.weight = nn.Parameter(shard, requires_grad=False)  # (N, K/tp)
+        self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
+        self.ctx = ctx
+
+    @classmethod
+    def from_linear(cls, linear: Linear, ctx: ParallelContext):
+        """The rank's shard of a whole ``Linear``."""
+        return cls(linear.weight.detach(), linear.bias, ctx)
+
+    def forward(self, x: Tensor, ops: KernelOps) -> Tensor:
+        """x [..., K/tp] (this rank's features) -> [..., N] (the full output, on every rank)."""
+        y = all_reduce(ops.linear(x, self.weight, None), self.ctx)
+        return y if self.bias is None else y + self.bias
+
+
+def valid_tp_sizes(config: ModelConfig) -> list[int]:
+    """The tensor-parallel sizes that give every rank whole heads: the common divisors of H_q, H_kv and F."""
+    return [n for n in range(1, config.num_kv_heads + 1)
+            if not (config.num_heads % n or config.num_kv_heads % n or config.intermediate_size % n)]
+
+
+def rank_config(config: ModelConfig, tp: int) -> ModelConfig:
+    """The model one rank runs: H_q/tp, H_kv/tp heads and F/tp MLP units (hidden, D, V, layers unchanged).
+
+    ValueError when ``tp`` < 1 or does not divide H_q, H_kv and F, naming the sizes that do.
+    """
+    if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
+        raise ValueError(f"tensor_parallel_size must be an int >= 1, got {tp!r}")
+    if tp not in valid_tp_sizes(config):
+        raise ValueError(f"tensor_parallel_size={tp} does not divide the model's heads and MLP (num_heads="
+                         f"{config.num_heads}, num_kv_heads={config.num_kv_heads}, intermediate_size="
+                         f"{config.intermediate_size}); each rank needs whole heads: use one of "
+                         f"{valid_tp_sizes(config)}")
+    return dataclasses.replace(config, num_heads=config.num_heads // tp, num_kv_heads=config.num_kv_heads // tp,
+                               intermediate_size=config.intermediate_size // tp)
+
+
+def shard_model(model: Transformer, ctx: ParallelContext) -> Transformer:
+    """This rank's share of a loaded ``model``: a ``Transformer`` of ``rank_config`` whose qkv/gate_up are
+    ``ColumnParallelLinear`` and o/down ``RowParallelLinear``; norms, embeddings and LM head shared with ``model``
+    (replicated).  ``model(input_ids, positions)`` on every rank then gives the whole model's logits [B, L, V].
+    ``model`` is left as it was.  ValueError for a ``ctx.world_size`` that does not divide the heads.
+    """
+    full = model.config
+    cfg = rank_config(full, ctx.world_size)
+    with torch.device("meta"):  # every weight below is assigned: no allocation for the placeholders
+        out = Transformer(cfg)
+    shared = {k: v for k, v in model.state_dict(keep_vars=True).items()
+              if not k.endswith(("qkv_proj.weight", "qkv_proj.bias", "o_proj.weight", "gate_up_proj.weight",
+                                 "down_proj.weight"))}
+    out.load_state_dict(shared, strict=False, assign=True)
+    if full.tie_word_embeddings:
+        out.lm_head.weight = out.model.embed_tokens.weight
+    out.model.rotary_emb = model.model.rotary_emb  # depends on D and RoPE settings only, not on the heads
+    for mine, theirs in zip(out.model.layers, model.model.layers, strict=True):
+        attn, mlp = mine.self_attn, mine.mlp
+        attn.qkv_proj = ColumnParallelLinear.from_linear(theirs.self_attn.qkv_proj, ctx,
+                                                         (full.q_size, full.kv_size, full.kv_size))
+        attn.o_proj = RowParallelLinear.from_linear(theirs.self_attn.o_proj, ctx)
+        mlp.gate_up_proj = ColumnParallelLinear.from_linear(theirs.mlp.gate_up_proj, ctx,
+                                                            (full.intermediate_size, full.intermediate_size))
+        mlp.down_proj = RowParallelLinear.from_linear(theirs.mlp.down_proj, ctx)
+    left = [n for n, t in [*out.named_parameters(), *out.named_buffers()] if t.is_meta]
+    if left:
+        raise ValueError(f"shard_model left unassigned weights {left[:6]}: the model has parts it does not know")
+    return out.eval().set_kernels(model.kernels)

@@ -1,0 +1,104 @@
+"""``python -m minillm bench tp``: what tensor parallelism costs and buys on this machine, and on paper on an H100.
+
+1. The all-reduce a row-parallel layer does, timed over two gloo processes: [1, hidden] fp32 (one decode token),
+   median of many calls; a decoder layer does two.
+2. Decode tok/s of one request at TP=1 (one process, all cores) and TP=2 (two processes, cores split), on a model
+   of the default model's size with random weights.  SmolLM2-135M has 9 query / 3 K/V heads, which 2 does not divide,
+   so the bench uses 8 query / 2 K/V heads of 64 (hidden 576, 30 layers, MLP 1536, vocab 49152 as the default).
+3. The cost model's per-layer figures for Llama-2-7B and 70B on an H100 NVLink / PCIe node
+   (``distributed/cost_model.py``).
+Results go to ``benchmarks/results/tp-cpu.json``.  On a shared machine both TP runs see the same neighbours only
+roughly: run it when the machine is quiet and read the ratio, not the absolute figures.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+
+import torch
+
+from minillm.config import ModelConfig
+
+PROMPT = list(range(1, 17))
+
+
+def default_like_config() -> ModelConfig:
+    """SmolLM2-135M's shape with heads that 2 divides (8 × 64 query, 2 × 64 K/V instead of 9 and 3)."""
+    return ModelConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=8,
+                       num_kv_heads=2, head_dim=64, max_position_embeddings=2048, rms_norm_eps=1e-5,
+                       rope_theta=100000.0, tie_word_embeddings=True)
+
+
+def random_model(config: ModelConfig, seed: int = 0):
+    """A ``Transformer`` of ``config`` with N(0, 0.02) weights and unit norms (fp32, CPU)."""
+    from minillm.models.llama import Transformer
+
+    torch.manual_seed(seed)
+    model = Transformer(config)
+    for name, p in model.named_parameters():
+        torch.nn.init.ones_(p) if "norm" in name else torch.nn.init.normal_(p, std=0.02)
+    return model.requires_grad_(False).eval()
+
+
+def _allreduce_worker(ctx, hidden: int, iters: int) -> float:
+    from minillm.distributed import comm
+
+    x = torch.randn(1, hidden)
+    times = []
+    for i in range(iters + 20):  # 20 warm-up calls: connection set-up and first-touch costs
+        comm.barrier(ctx)  # start together: otherwise the time includes waiting for the other rank
+        t = time.perf_counter()
+        comm.all_reduce(x.clone(), ctx)
+        if i >= 20:
+            times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def _decode_worker(ctx, model, n_tokens: int, repeats: int) -> float:
+    from minillm.config import EngineConfig
+    from minillm.distributed.executor import rank_model
+    from minillm.engine.llm_engine import LLMEngine
+    from minillm.sampling.params import SamplingParams
+
+    engine = LLMEngine(rank_model(ctx, model), None, EngineConfig(max_num_seqs=1, num_kv_blocks=64))
+    params = SamplingParams(max_tokens=n_tokens, temperature=0.0, ignore_eos=True)
+    best = 0.0
+    for _ in range(repeats + 1):  # the first run warms caches and the native kernels' build
+        out = engine.generate([PROMPT], params)[0]
+        best = max(best, out.metrics.decode_tokens_per_s)
+    return best
+
+
+def bench_tp(n_tokens: int = 32, repeats: int = 2, allreduce_iters: int = 500, save: bool = True) -> dict:
+    """Run the three parts above; print them; -> the results (also saved as ``tp-cpu.json``)."""
+    from minillm.distributed.cost_model import report
+    from minillm.distributed.worker import run_workers
+
+    cores = os.cpu_count() or 1
+    cfg = default_like_config()
+    ar = run_workers(_allreduce_worker, 2, (cfg.hidden_size, allreduce_iters), threads_per_worker=1)[0]
+    print(f"gloo all-reduce [1, {cfg.hidden_size}] fp32, 2 processes: {ar * 1e6:.1f} µs median "
+          f"-> {2 * ar * 1e6:.1f} µs per layer (2 all-reduces), {2 * ar * cfg.num_layers * 1e3:.2f} ms per token "
+          f"over {cfg.num_layers} layers")
+    model = random_model(cfg)
+    tok_s = {}
+    for tp in (1, 2):
+        tok_s[tp] = run_workers(_decode_worker, tp, (model, n_tokens, repeats),
+                                threads_per_worker=max(1, cores // tp))[0]
+        print(f"decode, 1 request, TP={tp} ({tp} process(es) × {max(1, cores // tp)} thread(s)): "
+              f"{tok_s[tp]:.1f} tok/s")
+    print(f"TP=2 / TP=1: {tok_s[2] / tok_s[1]:.2f}×  (a shared machine: other processes compete for the cores)")
+    rows = report()
+    for r in rows:
+        print("{model:12s} {link:12s} tp={tp} layer: compute {compute_us:7.1f} µs, all-reduces {comm_us:5.1f} µs "
+              "({comm_bytes:6.0f} B, {comm_fraction:4.0%} of the layer), speedup {layer_speedup:4.2f}×".format(**r))
+    result = {"benchmark": "tp", "cores": cores, "config": {k: v for k, v in vars(cfg).items() if k != "rope_scaling"},
+              "allreduce_us": ar * 1e6, "allreduce_per_layer_us": 2 * ar * 1e6, "n_tokens": n_tokens,
+              "decode_tok_s": {f"tp{k}": v for k, v in tok_s.items()}, "cost_model": rows}
+    if save:
+        from minillm.perf.bench.decode import save_results
+
+        print(f"saved {save_results('tp-cpu', result)}")
+    return result
