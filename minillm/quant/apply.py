@@ -117,3 +117,58 @@ def packed_nbytes(model: nn.Module) -> int:
     for t in [*model.parameters(), *model.buffers()]:
         seen[t.data_ptr()] = t.nbytes
     return sum(seen.values())
+
+
+def model_from_packed(config, weights: dict[str, Tensor | PackedWeight], *, dtype: torch.dtype,
+                      device: torch.device | str, kernels: str = "auto", scheme: str = "int4") -> nn.Module:
+    """A quantized ``Transformer`` built straight from packed weights under Hugging Face names (what
+    ``quant.gguf.read_gguf_weights`` returns): q/k/v and gate/up stacked by ``cat_rows``, no float round trip —
+    for the default GGUF, exactly the Q4_1 blocks (and the Q8_0 head) llama.cpp runs.  A linear whose weight is
+    a float tensor is quantized with ``scheme`` (the head with int8).  Norms (and a float untied embedding) load in
+    ``dtype``; a tied model's embedding reads the head's packed table.
+    """
+    from minillm.layers.rotary import RotaryEmbedding
+    from minillm.models.llama import Transformer
+
+    w = dict(weights)
+    with torch.device("meta"):  # nothing is allocated for weights that arrive packed
+        model = Transformer(config)
+    embed = "model.embed_tokens.weight"
+
+    def take(names: list[str], head: bool) -> PackedWeight:
+        parts = [w[n] if head and n == embed else w.pop(n) for n in names]
+        parts = [quantize_weight(p.float(), "int8" if head else scheme) if isinstance(p, Tensor) else p
+                 for p in parts]
+        return cat_rows(parts) if len(parts) > 1 else parts[0]
+
+    def make(name: str, m: Linear) -> QuantLinear:
+        prefix, _, leaf = name.rpartition(".")
+        parts = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}.get(leaf, [leaf])
+        stem = f"{prefix}." if prefix else ""
+        names = [f"{stem}{p}.weight" for p in parts]
+        if name == "lm_head" and "lm_head.weight" not in w:
+            names = [embed]  # tied: the head is the embedding's table
+        missing = [n for n in names if n not in w]
+        if missing:
+            raise ValueError(f"checkpoint does not match the {config.model_type} architecture: missing {missing}")
+        biases = [w.pop(f"{stem}{p}.bias") for p in parts if f"{stem}{p}.bias" in w]
+        bias = torch.cat(biases).to(dtype) if biases else None
+        return QuantLinear(take(names, name == "lm_head"), bias)
+
+    swap_linears(model, make)
+    if config.tie_word_embeddings:
+        w.pop(embed, None)
+        model.model.embed_tokens = QuantEmbedding(model.lm_head.packed_weight, dtype)
+    elif embed in w and not isinstance(w[embed], Tensor):  # an untied packed table (a Q8_0 token_embd)
+        model.model.embed_tokens = QuantEmbedding(w.pop(embed), dtype)
+    w.pop("lm_head.weight", None)
+    floats = {k: v.to(dtype) for k, v in w.items() if isinstance(v, Tensor) and "rotary_emb" not in k}
+    _, unexpected = model.load_state_dict(floats, strict=False, assign=True)
+    model.model.rotary_emb = RotaryEmbedding(config)  # a computed buffer, not in the checkpoint
+    left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    packed_left = [k for k, v in w.items() if not isinstance(v, Tensor)]
+    if left or unexpected or packed_left:
+        raise ValueError(f"checkpoint does not match the {config.model_type} architecture: missing {left[:6]}, "
+                         f"unexpected {(unexpected + packed_left)[:6]}")
+    model.requires_grad_(False)
+    return model.to(device).eval().set_kernels(kernels)
