@@ -107,3 +107,21 @@ def test_the_int4_default_model_answers_greedily_with_sensible_text():
     assert outs[1].outputs[0].text.startswith(" 5, 6")
     assert "return" in outs[2].outputs[0].text or "if" in outs[2].outputs[0].text
     assert isinstance(llm.model.model.layers[0].mlp.gate_up_proj, QuantLinear)
+
+
+# ------------------------------------------------------------------------------------------------------- CLI
+def test_the_cli_refuses_an_unknown_quantization_with_exit_status_2(capsys):
+    from minillm.entrypoints.cli import main
+
+    assert main(["eval", "perplexity", "--quantization", "int3", "--max-tokens", "10"]) == 2
+    assert "quantization must be None or one of" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_the_cli_evaluates_the_int4_default_models_perplexity(capsys):
+    from minillm.entrypoints.cli import main
+
+    assert main(["eval", "perplexity", "--quantization", "int4", "--max-tokens", "200", "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    ppl = float(out.split()[1])
+    assert 1 < ppl < 100 and "199 held-out tokens" in out and "int4 quantization" in out
