@@ -125,12 +125,13 @@ def _decode_rate(model, prompts: list[list[int]], n_tokens: int) -> tuple[float,
     from minillm.engine.simple import stream_cached
     from minillm.sampling.params import SamplingParams
 
-    params = [SamplingParams(max_tokens=n_tokens, temperature=0, ignore_eos=True)] * len(prompts)
+    B = len(prompts)
+    params = [SamplingParams(max_tokens=n_tokens, temperature=0, ignore_eos=True)] * B
     times, start = [], time.perf_counter()
-    for _ in stream_cached(model, prompts, params):
+    for _ in stream_cached(model, prompts, params):  # one yield per sequence per step
         times.append(time.perf_counter())
-    steps = len(times) - 1
-    return times[0] - start, (len(prompts) * steps / (times[-1] - times[0]) if steps else float("nan"))
+    later = len(times) - B  # tokens after the first step, which ends at times[B - 1]
+    return times[0] - start, (later / (times[-1] - times[B - 1]) if later else float("nan"))
 
 
 def _llama_cpp_row(gguf, prompt: list[int], n_tokens: int, repeats: int) -> dict | None:
