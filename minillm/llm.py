@@ -23,18 +23,19 @@ class LLM:
 
     ``model``: None (the embedded SmolLM2-135M-Instruct, offline), a hub id, a local directory or a ``.gguf``.
     ``dtype``: "float32" | "float16" | "bfloat16" | None; ``device``: "cpu" | "cuda" | None (CUDA when present);
-    ``kernels``: "auto" | "torch" | "native" | "triton" (``kernels.select``).  Other keyword arguments are
-    ``EngineConfig`` options (``policy``, ``block_size``, ``num_kv_blocks``, ``max_num_seqs``, ``max_model_len``,
-    ...) for the ``LLMEngine`` that ``generate`` and ``stream`` run on.
+    ``kernels``: "auto" | "torch" | "native" | "triton" (``kernels.select``); ``quantization``: None | "int8" |
+    "int4" | "awq" | "gptq" (weight-only, see ``load_model``: "int4" on the default model runs its own Q4_1 blocks).
+    Other keyword arguments are ``EngineConfig`` options (``policy``, ``block_size``, ``num_kv_blocks``,
+    ``max_num_seqs``, ``max_model_len``, ...) for the ``LLMEngine`` that ``generate`` and ``stream`` run on.
 
     Thread model: ``generate``, ``stream`` and ``chat`` may be called from several threads at once; the engine's
     lock serialises each step and each call gets exactly its own requests' outputs (see ``LLMEngine``).
     """
 
     def __init__(self, model: str | os.PathLike | None = None, *, dtype=None, device=None, kernels: str = "auto",
-                 tensor_parallel_size: int = 1, **engine_options):
+                 quantization: str | None = None, tensor_parallel_size: int = 1, **engine_options):
         self.engine_config = EngineConfig(**engine_options)  # validated before the model loads
-        self.model = load_model(model, dtype=dtype, device=device, kernels=kernels)
+        self.model = load_model(model, dtype=dtype, device=device, kernels=kernels, quantization=quantization)
         self.tensor_parallel_size = tensor_parallel_size
         if tensor_parallel_size != 1:  # ValueError naming the valid sizes, before any process starts
             from minillm.layers.parallel import rank_config

@@ -1,4 +1,4 @@
-"""``python -m minillm generate | chat | serve | bench | roofline``."""
+"""``python -m minillm generate | chat | serve | bench | eval | roofline``."""
 
 from __future__ import annotations
 
@@ -12,6 +12,8 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"])
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
     p.add_argument("--kernels", default="auto", choices=["auto", "torch", "native", "triton"])
+    p.add_argument("--quantization", default=None, help="weight-only: int8 | int4 | awq | gptq (default: none; "
+                                                        "int4 on the default model runs its own Q4_1 blocks)")
 
 
 def _sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
@@ -68,7 +70,7 @@ def cmd_generate(a) -> int:
 
     params = _params(a)  # a bad sampling value is reported before the model loads
     t0 = time.perf_counter()
-    llm = LLM(a.model, dtype=a.dtype, device=a.device, kernels=a.kernels)
+    llm = LLM(a.model, dtype=a.dtype, device=a.device, kernels=a.kernels, quantization=a.quantization)
     print(f"[loaded in {time.perf_counter() - t0:.1f} s: {llm.model.config.model_type}, "
           f"{llm.model.config.num_parameters() / 1e6:.0f}M params, {llm.model.dtype}, {llm.model.device}]",
           file=sys.stderr)
@@ -82,7 +84,7 @@ def cmd_chat(a) -> int:
     from minillm.llm import LLM
 
     params = _params(a)  # a bad sampling value is reported before the model loads
-    llm = LLM(a.model, dtype=a.dtype, device=a.device, kernels=a.kernels)
+    llm = LLM(a.model, dtype=a.dtype, device=a.device, kernels=a.kernels, quantization=a.quantization)
     history: list[dict] = []
     if a.system:
         history.append({"role": "system", "content": a.system})
@@ -120,7 +122,7 @@ def cmd_serve(a) -> int:
     model = a.model_path or a.model
     names = ("max_num_seqs", "max_num_batched_tokens", "num_kv_blocks", "max_model_len")
     engine = {k: getattr(a, k) for k in names if getattr(a, k) is not None}
-    llm = LLM(model, dtype=a.dtype, device=a.device, kernels=a.kernels, **engine)
+    llm = LLM(model, dtype=a.dtype, device=a.device, kernels=a.kernels, quantization=a.quantization, **engine)
     print(f"[serving {model or DEFAULT_MODEL_NAME} ({llm.model.dtype}, {llm.model.device}) on "
           f"http://{a.host}:{a.port}/v1]", file=sys.stderr)
     run_server(llm, host=a.host, port=a.port, api_key=a.api_key, max_queue=a.max_queue,
@@ -150,6 +152,24 @@ def cmd_bench(a) -> int:
         from minillm.perf.bench.serve import main as bench_serve_main
 
         return bench_serve_main([])
+    elif a.what == "quant":
+        from minillm.perf.bench.quant import bench_quant
+
+        bench_quant(a.model, device=a.device, n_tokens=a.tokens, repeats=a.repeats, ppl_tokens=a.ppl_tokens)
+    return 0
+
+
+def cmd_eval(a) -> int:
+    from minillm.models.loader import load_model, load_tokenizer
+    from minillm.perf.perplexity import heldout_token_ids, perplexity
+
+    model = load_model(a.model, dtype=a.dtype, device=a.device, kernels=a.kernels, quantization=a.quantization)
+    ids = heldout_token_ids(load_tokenizer(a.model), "evaluation", a.max_tokens)
+    t0 = time.perf_counter()
+    r = perplexity(model, ids, window=a.window, stride=a.stride)
+    print(f"perplexity {r.ppl:.4f} (nll {r.nll:.4f} nats/token) over {r.num_tokens} held-out tokens of "
+          f"pydoc_data.topics; {a.quantization or 'no'} quantization, {model.dtype}, {model.device}, "
+          f"window {a.window} stride {a.stride}, {time.perf_counter() - t0:.1f} s")
     return 0
 
 
@@ -181,9 +201,9 @@ def build_parser() -> argparse.ArgumentParser:
     for flag in ("--max-num-seqs", "--max-num-batched-tokens", "--num-kv-blocks", "--max-model-len"):
         s.add_argument(flag, type=int, default=None, help="EngineConfig option")
     s.set_defaults(fn=cmd_serve)
-    b = sub.add_parser("bench", help="side-by-side benchmarks (decode | attention | serving | tp | serve: a load "
-                                     "generator for any OpenAI-compatible server, see 'bench serve --help')")
-    b.add_argument("what", choices=["decode", "attention", "serving", "serve", "tp"])
+    b = sub.add_parser("bench", help="side-by-side benchmarks (decode | attention | serving | quant | tp | serve: a "
+                                     "load generator for any OpenAI-compatible server, see 'bench serve --help')")
+    b.add_argument("what", choices=["decode", "attention", "serving", "quant", "serve", "tp"])
     b.add_argument("--model", default=None)
     b.add_argument("--device", default=None)
     b.add_argument("--dtypes", default="float32,bfloat16")
@@ -191,7 +211,15 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--repeats", type=int, default=3)
     b.add_argument("--threads", type=int, default=None, help="torch threads (serving; default: torch's)")
     b.add_argument("--quick", action="store_true", help="serving: a small trace (~1 min)")
+    b.add_argument("--ppl-tokens", type=int, default=2048, help="quant: held-out tokens for perplexity (0: skip)")
     b.set_defaults(fn=cmd_bench)
+    e = sub.add_parser("eval", help="evaluate a model: perplexity on held-out text (pydoc_data.topics)")
+    e.add_argument("what", choices=["perplexity"])
+    _model_args(e)
+    e.add_argument("--max-tokens", type=int, default=None, help="score only the first N held-out tokens")
+    e.add_argument("--window", type=int, default=512)
+    e.add_argument("--stride", type=int, default=256)
+    e.set_defaults(fn=cmd_eval)
     sub.add_parser("roofline", help="measure this machine's peaks and print the reference specs "
                                     "(options: --device, --quick, --json PATH)")
     return p

@@ -21,9 +21,13 @@ dtype)`` resolves every op at once into a ``KernelOps`` that layers and caches c
 and the environment they depend on (native library built, triton installed, ``TRITON_INTERPRET``), so a forward
 pass pays one dictionary lookup, not a decision per layer.
 
-Adding a kernel for an op is one row of ``KERNELS``, e.g. a Triton dequant GEMV
-``Kernel("int4_linear", "triton", "minillm.kernels.triton.dequant:int4_linear", auto_on=("cuda",))``; a new op
-(``int4_linear`` itself) is its reference row plus one ``KernelOps`` field, where its signature is documented.
+Quantized linears (``int4_linear``, ``int8_linear``: packed ``Int4Weight``/``Int8Weight``, ``quant/weight.py``):
+the reference dequantizes then ``F.linear``; "native" (and "auto" on CPU) runs ``kernels/cpu/quant.py`` for decode
+rows (``native_quant.supports``: ≤ 8 rows, fp32/bf16) and the reference past that; "triton" (and "auto" on CUDA)
+the dequant GEMV of ``kernels/triton/dequant_gemv.py`` up to ``TRITON_GEMV_MAX_ROWS`` rows.
+
+Adding a kernel for an op is one row of ``KERNELS``, e.g. ``Kernel("int4_linear", "triton", _triton_int4,
+auto_on=("cuda",))``; a new op is its reference row plus one ``KernelOps`` field, where its signature is documented.
 Layers call ``ops.<op>``: no model code branches on the choice.
 """
 
@@ -43,6 +47,8 @@ from torch import Tensor
 
 from minillm.kernels import reference as ref
 from minillm.kernels.cpu import native
+from minillm.kernels.cpu import quant as native_quant
+from minillm.quant.weight import int4_linear_ref, int8_linear_ref
 
 CHOICES = ("auto", "torch", "native", "triton")
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -61,6 +67,9 @@ class KernelOps:
     - ``decode_attention(q [B, H_q, D], k, v [B, H_kv, S_max, D], seq_lens [B], *, sm_scale) -> [B, H_q, D]``
     - ``paged_decode_attention(q [B, H_q, D], k_cache, v_cache [num_blocks, block_size, H_kv, D],
       block_tables [B, max_blocks] int32, seq_lens [B] int32, *, sm_scale) -> [B, H_q, D]``
+    - ``int4_linear(x [..., K], w: Int4Weight [N, K], bias [N] | None) -> [..., N]`` and
+      ``int8_linear(x [..., K], w: Int8Weight [N, K], bias [N] | None) -> [..., N]``: weight-only quantized
+      linears (``layers.linear.QuantLinear``); x's dtype is the one resolved for, the weight stays packed.
     Inputs are not validated here (the public ``minillm.kernels`` functions do that): callers are the model's
     layers and caches, whose shapes are right by construction.
     """
@@ -70,6 +79,8 @@ class KernelOps:
     prefill_attention: Callable[..., Tensor]
     decode_attention: Callable[..., Tensor]
     paged_decode_attention: Callable[..., Tensor]
+    int4_linear: Callable[..., Tensor]
+    int8_linear: Callable[..., Tensor]
 
 
 OPS = tuple(f.name for f in dataclasses.fields(KernelOps))
@@ -147,6 +158,39 @@ def _native_paged(q, k_cache, v_cache, block_tables, seq_lens, *, sm_scale=None)
                                          seq_lens.to(torch.int32), _scale(q, sm_scale))
 
 
+def _add_bias(y: Tensor, bias: Tensor | None) -> Tensor:
+    return y if bias is None else y + bias
+
+
+def _native_int4(x, w, bias=None):
+    # decode rows (≤ native_quant.MAX_ROWS): dequantize in registers; prefill: the reference's dequantize + GEMM
+    # (a transient float weight per call, amortised over the rows, as the compute-bound GEMM is torch's anyway)
+    if native_quant.supports(x, w):
+        return _add_bias(native_quant.int4_linear(x, w), bias)
+    return int4_linear_ref(x, w, bias)
+
+
+def _native_int8(x, w, bias=None):
+    if native_quant.supports(x, w):
+        return _add_bias(native_quant.int8_linear(x, w), bias)
+    return int8_linear_ref(x, w, bias)
+
+
+TRITON_GEMV_MAX_ROWS = 16  # the dequant GEMV re-reads each weight tile per row: past decode batches a GEMM wins
+
+
+def _triton_int4(x, w, bias=None):
+    if x.numel() // max(x.shape[-1], 1) > TRITON_GEMV_MAX_ROWS:
+        return int4_linear_ref(x, w, bias)
+    return _add_bias(_import("minillm.kernels.triton.dequant_gemv:int4_gemv_triton")(x, w), bias)
+
+
+def _triton_int8(x, w, bias=None):
+    if x.numel() // max(x.shape[-1], 1) > TRITON_GEMV_MAX_ROWS:
+        return int8_linear_ref(x, w, bias)
+    return _add_bias(_import("minillm.kernels.triton.dequant_gemv:int8_gemv_triton")(x, w), bias)
+
+
 _NATIVE = dict(devices=("cpu",), dtypes=NATIVE_DTYPES, auto_on=("cpu",))
 _TRITON = dict(auto_on=("cuda",))  # runs on CPU tensors too, in the interpreter: for tests, never chosen by "auto"
 
@@ -165,6 +209,12 @@ KERNELS: tuple[Kernel, ...] = (
     Kernel("paged_decode_attention", "native", _native_paged, **_NATIVE),
     Kernel("paged_decode_attention", "triton",
            "minillm.kernels.triton.paged_decode:paged_decode_attention_triton", **_TRITON),
+    Kernel("int4_linear", "torch", int4_linear_ref),
+    Kernel("int4_linear", "native", _native_int4, **_NATIVE),
+    Kernel("int4_linear", "triton", _triton_int4, **_TRITON),
+    Kernel("int8_linear", "torch", int8_linear_ref),
+    Kernel("int8_linear", "native", _native_int8, **_NATIVE),
+    Kernel("int8_linear", "triton", _triton_int8, **_TRITON),
 )
 
 

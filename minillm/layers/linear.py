@@ -1,13 +1,25 @@
 """Linear layers.  At decode every linear layer is a GEMV whose cost is the bytes of its weight plus a fixed
 per-call overhead; the implementation (native CPU GEMV, ``F.linear``) is the ``ops.linear`` the caller passes
-(``kernels.select`` resolved it for the model's choice, device and dtype)."""
+(``kernels.select`` resolved it for the model's choice, device and dtype).
+
+``QuantLinear`` is ``Linear`` with a packed int8/int4 weight (``minillm.quant.weight``) instead of a float one:
+``quant.apply.quantize_model`` swaps it in (gpt-fast's ``replace_linear_*``), and its forward calls
+``ops.int8_linear`` / ``ops.int4_linear``.  ``QuantEmbedding`` looks token rows up in a packed table, so a tied
+embedding can share the quantized LM head's codes instead of keeping a float copy of the largest matrix.
+"""
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 from torch import Tensor, nn
 
 from minillm.kernels.select import KernelOps
+from minillm.quant.weight import Int4Weight, Int8Weight
+
+PackedWeight = Int4Weight | Int8Weight
+_INT_VIEW = {2: torch.int16, 4: torch.int32}  # a float buffer seen as same-width integers (see _PackedModule._apply)
 
 
 class Linear(nn.Module):
@@ -21,3 +33,96 @@ class Linear(nn.Module):
     def forward(self, x: Tensor, ops: KernelOps) -> Tensor:
         """x [..., in_features] -> [..., out_features]."""
         return ops.linear(x, self.weight, self.bias)
+
+
+class _PackedModule(nn.Module):
+    """Holds one packed weight: its tensors are buffers (so ``.to(device)``, ``state_dict`` and ``load_state_dict``
+    see them) and ``packed_weight`` is the ``Int4Weight``/``Int8Weight`` over those same tensors."""
+
+    def __init__(self, weight: PackedWeight):
+        super().__init__()
+        if not isinstance(weight, (Int4Weight, Int8Weight)):
+            raise TypeError(f"expected an Int4Weight or Int8Weight, got {type(weight).__name__}")
+        self._kind = type(weight)
+        self.group_size = weight.group_size
+        self._names = tuple(f.name for f in dataclasses.fields(weight) if f.name != "group_size")
+        for name in self._names:
+            self.register_buffer(name, getattr(weight, name))
+        self._rebuild()
+
+    @property
+    def packed_weight(self) -> PackedWeight:
+        """The packed weight (its tensors are this module's buffers)."""
+        return self._packed
+
+    def _rebuild(self) -> None:
+        self._packed = self._kind(**{n: getattr(self, n) for n in self._names}, group_size=self.group_size)
+
+    def _apply(self, fn, recurse=True):
+        # The packed format fixes its storage dtypes (Q4_1 keeps fp16 d and m), so a model-wide .to(bfloat16)
+        # changes the activations, never the packed weight; device moves, pinning and sharing still apply.  Float
+        # buffers go through ``fn`` as same-width integer views, which ``fn`` moves but does not cast.  ``.data``
+        # is assigned in place (as nn.Module does for parameters) so a tied embedding that shares these tensors
+        # stays shared after a move.
+        saved = {n: self._buffers.pop(n) for n in self._names}
+        try:
+            super()._apply(fn, recurse)
+        finally:
+            self._buffers.update(saved)
+        for t in saved.values():
+            moved = fn(t.view(_INT_VIEW[t.element_size()])).view(t.dtype) if t.is_floating_point() else fn(t)
+            if moved is not t:
+                t.data = moved
+        self._rebuild()
+        return self
+
+    def _load_from_state_dict(self, *args, **kwargs):
+        super()._load_from_state_dict(*args, **kwargs)
+        self._rebuild()  # load_state_dict(assign=True) replaces the buffers
+
+
+class QuantLinear(_PackedModule):
+    """y = x @ dequant(W).T + bias with W stored packed (``Int4Weight`` or ``Int8Weight``; no float copy is kept or
+    rebuilt here: the kernel dequantizes in registers, the reference per call).  Computed by ``ops.int4_linear`` or
+    ``ops.int8_linear`` (``kernels.select`` picks native C on CPU, Triton on CUDA, else the reference)."""
+
+    def __init__(self, weight: PackedWeight, bias: Tensor | None = None):
+        super().__init__(weight)
+        self.out_features, self.in_features = weight.shape
+        if bias is not None and bias.shape != (self.out_features,):
+            raise ValueError(f"bias must be [{self.out_features}], got {tuple(bias.shape)}")
+        self.bias = nn.Parameter(bias, requires_grad=False) if bias is not None else None
+        self.op = "int4_linear" if isinstance(weight, Int4Weight) else "int8_linear"
+
+    def forward(self, x: Tensor, ops: KernelOps) -> Tensor:
+        """x [..., in_features] -> [..., out_features] in x's dtype."""
+        return getattr(ops, self.op)(x, self._packed, self.bias)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, {self.op[:4]}, " \
+               f"group_size={self.group_size}, bias={self.bias is not None}"
+
+
+class QuantEmbedding(_PackedModule):
+    """Token embedding read from a packed [V, hidden] table: ids [...] -> [..., hidden] in ``dtype``, dequantizing
+    only the looked-up rows.  Built over a tied LM head's packed weight it shares that head's tensors, so the
+    model holds one int8 table instead of a float table plus its quantized copy (V × hidden is the largest matrix).
+    ``dtype`` follows the model's ``.to(dtype)`` like a float embedding's weight would."""
+
+    def __init__(self, weight: PackedWeight, dtype: torch.dtype = torch.float32):
+        super().__init__(weight)
+        self.num_embeddings, self.embedding_dim = weight.shape
+        self.dtype = dtype
+
+    def _apply(self, fn, recurse=True):
+        self.dtype = fn(torch.empty(0, dtype=self.dtype)).dtype  # what a float weight would have become
+        return super()._apply(fn, recurse)
+
+    def forward(self, input_ids: Tensor) -> Tensor:
+        """input_ids [...] int -> [..., hidden] in ``self.dtype``."""
+        flat = input_ids.reshape(-1)
+        rows = self._kind(**{n: getattr(self, n)[flat] for n in self._names}, group_size=self.group_size)
+        return rows.dequantize(self.dtype).view(*input_ids.shape, self.embedding_dim)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, {self._kind.__name__}, group_size={self.group_size}"

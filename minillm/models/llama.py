@@ -79,11 +79,11 @@ class Transformer(nn.Module):
 
     @property
     def device(self) -> torch.device:
-        return self.lm_head.weight.device
+        return self.model.norm.weight.device  # the norms stay float when the linears are quantized
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.lm_head.weight.dtype
+        return self.model.norm.weight.dtype
 
     def set_kernels(self, kernels: str) -> Transformer:
         """Choose the fast paths: "auto" (native on CPU, Triton attention on CUDA, where they apply), "torch"

