@@ -34,6 +34,8 @@ class PagedKVCache:
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.block_size = block_size
+        # per-layer views made once: indexing self.k[layer] in every layer of every step is 2 ATen ops each
+        self.layer_k, self.layer_v = self.k.unbind(0), self.v.unbind(0)
         self.host_k = self.host_v = None
         if num_host_blocks:
             host_shape = (config.num_layers, num_host_blocks, *shape[2:])
@@ -119,7 +121,7 @@ class PagedAttention:
         """Write k, v [1, H_kv, T, D] into their slots, then attend q [1, H_q, T, D] per sequence -> [1, H_q, T, D]."""
         _, Hq, T, D = q.shape
         m = self.meta
-        kc, vc = self.kv.k[layer], self.kv.v[layer]  # (num_blocks, block_size, H_kv, D)
+        kc, vc = self.kv.layer_k[layer], self.kv.layer_v[layer]  # (num_blocks, block_size, H_kv, D)
         real = T - m.num_padding
         # real rows (T - pads, H_kv, D) to their slots (native on CPU: one call, no index_put)
         self.ops.write_kv(kc, vc, k[0, :, :real].transpose(0, 1), v[0, :, :real].transpose(0, 1), m.slot_mapping)

@@ -203,9 +203,10 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_lens
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                            seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
-    """Decode attention through block tables, on CPU.  q [B, H_q, D] (any row/head strides); k/v cache [num_blocks, block_size, H_kv, D]
-    (contiguous); block_tables [B, W] int32; seq_lens [B] int32 -> [B, H_q, D].  The caller guarantees the
-    table entries below each length are valid blocks (the engine's block manager does); no checks cost a sync.
+    """Decode attention through block tables, on CPU.  q [B, H_q, D] (any row/head strides, e.g. a view into the qkv
+    projection: no copy); k/v cache [num_blocks, block_size, H_kv, D] (contiguous); block_tables [B, W] int32;
+    seq_lens [B] int32 -> [B, H_q, D].  The caller guarantees the table entries below each length are valid
+    blocks (the engine's block manager does); no checks cost a sync.
     Reference: ``minillm.kernels.reference.paged_decode_attention_ref``."""
     B, Hq, D = q.shape
     nb, bs, Hkv, Dk = k_cache.shape
@@ -244,8 +245,9 @@ def _rows_ok(x: torch.Tensor, rows: int) -> bool:
 
 
 def rope_supports(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
-    """Whether ``rope(x, cos, sin)`` can run natively: B·L <= MAX_ROWS, x [B, L, H, D] with heads of D contiguous elements and its
-    B·L rows at one stride (a head-split view of a projection is), cos/sin [B, L, 1, D] contiguous, one dtype."""
+    """Whether ``rope(x, cos, sin)`` can run natively: B·L <= MAX_ROWS, x [B, L, H, D] with heads of D contiguous
+    elements and its B·L rows at one stride (a head-split view of a projection is), cos/sin [B, L, 1, D]
+    contiguous, one dtype."""
     if x.dim() != 4 or not _rows_ok(x, x.shape[0] * x.shape[1]) or cos.dtype != x.dtype or sin.dtype != x.dtype:
         return False
     B, L, H, D = x.shape
