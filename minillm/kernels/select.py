@@ -150,7 +150,8 @@ def _native_decode(q, k, v, seq_lens, *, sm_scale=None):
     D = q.shape[-1]
     if k.stride(-1) != 1 or k.stride(-2) != D or k.stride() != v.stride():
         k, v = k.contiguous(), v.contiguous()  # a cache's [:, :, :S] slices fit as they are; other views copy
-    return native.decode_attention(q, k, v, seq_lens, _scale(q, sm_scale))
+    # the callers are KV caches, whose lengths are right by construction (KernelOps does not validate)
+    return native.decode_attention(q, k, v, seq_lens, _scale(q, sm_scale), check_lens=False)
 
 
 def _native_paged(q, k_cache, v_cache, block_tables, seq_lens, *, sm_scale=None):
