@@ -81,7 +81,8 @@ class ModelRunner:
         padded = [t + [0] * (width - len(t)) for t in tables]
         meta = AttentionMetadata(tensor(slots), tensor(decode_rows),
                                  tensor(padded, torch.int32).view(len(tables), width), tensor(lens, torch.int32),
-                                 prefills, out.num_padding)
+                                 prefills, out.num_padding, decode_only=len(decode_rows) == len(ids) > 0
+                                 and out.num_padding == 0)
         # pad rows: token 0 at position 0, after the real rows; they go through the LM head too (sampled from: no)
         sample_rows += range(len(ids), len(ids) + out.num_padding)
         ids += [0] * out.num_padding

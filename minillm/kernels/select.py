@@ -48,6 +48,7 @@ from torch import Tensor
 from minillm.kernels import reference as ref
 from minillm.kernels.cpu import native
 from minillm.kernels.cpu import quant as native_quant
+from minillm.layers.rotary import apply_rope  # imports only the config: no cycle
 from minillm.quant.weight import int4_linear_ref, int8_linear_ref
 
 CHOICES = ("auto", "torch", "native", "triton")
@@ -70,6 +71,13 @@ class KernelOps:
     - ``int4_linear(x [..., K], w: Int4Weight [N, K], bias [N] | None) -> [..., N]`` and
       ``int8_linear(x [..., K], w: Int8Weight [N, K], bias [N] | None) -> [..., N]``: weight-only quantized
       linears (``layers.linear.QuantLinear``); x's dtype is the one resolved for, the weight stays packed.
+    Decode-step fusions (one native call where the reference runs several ATen ops; at batch 1 each op's fixed
+    cost is what a decode token pays beside its GEMVs):
+    - ``add_rms_norm(x [..., K], residual [..., K], weight [K], eps) -> (rms_norm(x + residual), x + residual)``
+    - ``rope(x [B, L, H, D], cos [B, L, 1, D], sin [B, L, 1, D]) -> [B, L, H, D]`` (``layers.rotary.apply_rope``)
+    - ``silu_and_mul(x [..., 2F]) -> [..., F]``: silu(gate) * up for x = [gate | up]
+    - ``write_kv(k_cache, v_cache [num_blocks, block_size, H_kv, D], k, v [T, H_kv, D], slot_mapping [T] long)
+      -> None``: stores the rows at their flat slots, in place (the caches are the KV store's own tensors)
     Inputs are not validated here (the public ``minillm.kernels`` functions do that): callers are the model's
     layers and caches, whose shapes are right by construction.
     """
@@ -81,6 +89,10 @@ class KernelOps:
     paged_decode_attention: Callable[..., Tensor]
     int4_linear: Callable[..., Tensor]
     int8_linear: Callable[..., Tensor]
+    add_rms_norm: Callable[..., tuple[Tensor, Tensor]]
+    rope: Callable[..., Tensor]
+    silu_and_mul: Callable[..., Tensor]
+    write_kv: Callable[..., None]
 
 
 OPS = tuple(f.name for f in dataclasses.fields(KernelOps))
@@ -149,13 +161,55 @@ def _native_decode(q, k, v, seq_lens, *, sm_scale=None):
     D = q.shape[-1]
     if k.stride(-1) != 1 or k.stride(-2) != D or k.stride() != v.stride():
         k, v = k.contiguous(), v.contiguous()  # a cache's [:, :, :S] slices fit as they are; other views copy
-    return native.decode_attention(q, k, v, seq_lens, _scale(q, sm_scale))
+    # the callers are KV caches, whose lengths are right by construction (KernelOps does not validate)
+    return native.decode_attention(q, k, v, seq_lens, _scale(q, sm_scale), check_lens=False)
 
 
 def _native_paged(q, k_cache, v_cache, block_tables, seq_lens, *, sm_scale=None):
     # reads K/V through the tables in place: no gather (the reference copies every sequence's blocks)
-    return native.paged_decode_attention(q, k_cache.contiguous(), v_cache.contiguous(), block_tables,
-                                         seq_lens.to(torch.int32), _scale(q, sm_scale))
+    if seq_lens.dtype != torch.int32:  # .to() is an ATen op even when it has nothing to do
+        seq_lens = seq_lens.to(torch.int32)
+    return native.paged_decode_attention(q, k_cache.contiguous(), v_cache.contiguous(), block_tables, seq_lens,
+                                         _scale(q, sm_scale))
+
+
+def torch_add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """r = x + residual -> (rms_norm(r) * weight, r): a residual add and the norm after it.  [..., K]."""
+    r = x + residual
+    return torch_rms_norm(r, weight, eps), r
+
+
+def torch_silu_and_mul(x: Tensor) -> Tensor:
+    """x [..., 2F] = [gate | up] -> silu(gate) * up [..., F] (SwiGLU's activation)."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def torch_write_kv(k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tensor, slot_mapping: Tensor) -> None:
+    """Store k, v [T, H_kv, D] at flat slots ``slot_mapping`` [T] of caches [num_blocks, block_size, H_kv, D]."""
+    Hkv, D = k.shape[1:]
+    k_cache.view(-1, Hkv, D)[slot_mapping] = k
+    v_cache.view(-1, Hkv, D)[slot_mapping] = v
+
+
+def _native_add_rms_norm(x, residual, weight, eps):
+    if native.supports(x, weight) and residual.shape == x.shape and residual.dtype == x.dtype:
+        return native.add_rms_norm(x, residual, weight, eps)
+    return torch_add_rms_norm(x, residual, weight, eps)
+
+
+def _native_rope(x, cos, sin):
+    return native.rope(x, cos, sin) if native.rope_supports(x, cos, sin) else apply_rope(x, cos, sin)
+
+
+def _native_silu_and_mul(x):
+    return native.silu_and_mul(x) if native.supports(x, x) else torch_silu_and_mul(x)
+
+
+def _native_write_kv(k_cache, v_cache, k, v, slot_mapping):
+    if native.write_kv_supports(k_cache, k, v) and v_cache.is_contiguous() and slot_mapping.dtype == torch.int64:
+        return native.write_kv(k_cache, v_cache, k, v, slot_mapping)
+    return torch_write_kv(k_cache, v_cache, k, v, slot_mapping)
 
 
 def _add_bias(y: Tensor, bias: Tensor | None) -> Tensor:
@@ -215,6 +269,14 @@ KERNELS: tuple[Kernel, ...] = (
     Kernel("int8_linear", "torch", int8_linear_ref),
     Kernel("int8_linear", "native", _native_int8, **_NATIVE),
     Kernel("int8_linear", "triton", _triton_int8, **_TRITON),
+    Kernel("add_rms_norm", "torch", torch_add_rms_norm),
+    Kernel("add_rms_norm", "native", _native_add_rms_norm, **_NATIVE),
+    Kernel("rope", "torch", apply_rope),
+    Kernel("rope", "native", _native_rope, **_NATIVE),
+    Kernel("silu_and_mul", "torch", torch_silu_and_mul),
+    Kernel("silu_and_mul", "native", _native_silu_and_mul, **_NATIVE),
+    Kernel("write_kv", "torch", torch_write_kv),
+    Kernel("write_kv", "native", _native_write_kv, **_NATIVE),
 )
 
 

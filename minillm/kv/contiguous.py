@@ -51,6 +51,8 @@ class KVCache:
         self._mask: Tensor | None = None
         self._causal = False
         self._used = 0
+        self._start: int | None = None
+        self._seq_lens: Tensor | None = None
 
     @property
     def nbytes(self) -> int:
@@ -67,6 +69,9 @@ class KVCache:
             raise ValueError(f"position {top - 1} does not fit a KV cache of {self.max_len} tokens")
         self._positions = positions
         self._used = top
+        # per step, not per layer: each is an ATen op (and .item() a sync) that 30 layers would repeat
+        self._start = int(positions[0, 0]) if B == 1 else None
+        self._seq_lens = positions[:, 0] + 1 if positions.shape[1] == 1 else None
         L = positions.shape[1]
         slots = torch.arange(top, device=positions.device)
         # one query at the newest position sees every slot up to it: no mask needed
@@ -80,8 +85,7 @@ class KVCache:
         k_all, v_all, mask = self.update(layer, k, v)
         if q.shape[2] == 1:  # decode: one query per sequence over its first position + 1 slots
             # native on CPU (SDPA's fixed ~50 µs is several times the work here), flash-decoding on CUDA
-            seq_lens = self._positions[:, 0] + 1
-            return self.ops.decode_attention(q[:, :, 0], k_all, v_all, seq_lens, sm_scale=scale)[:, :, None]
+            return self.ops.decode_attention(q[:, :, 0], k_all, v_all, self._seq_lens, sm_scale=scale)[:, :, None]
         if self._causal:  # Triton FlashAttention on CUDA, SDPA elsewhere
             return self.ops.prefill_attention(q, k_all, v_all, causal=True, sm_scale=scale)
         return sdpa_attention(q, k_all, v_all, mask, scale=scale)
@@ -94,7 +98,7 @@ class KVCache:
         ### BEGIN SOLUTION
         kc, vc = self.k[layer], self.v[layer]
         if pos.shape[0] == 1:  # one sequence: its positions are a contiguous run, a slice write suffices
-            start = int(pos[0, 0])
+            start = self._start
             kc[:, :, start : start + k.shape[2]] = k
             vc[:, :, start : start + v.shape[2]] = v
         else:

@@ -34,6 +34,8 @@ class PagedKVCache:
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.block_size = block_size
+        # per-layer views made once: indexing self.k[layer] in every layer of every step is 2 ATen ops each
+        self.layer_k, self.layer_v = self.k.unbind(0), self.v.unbind(0)
         self.host_k = self.host_v = None
         if num_host_blocks:
             host_shape = (config.num_layers, num_host_blocks, *shape[2:])
@@ -102,6 +104,7 @@ class AttentionMetadata:
     seq_lens: Tensor  # [B_d] int32: keys each decode query sees (itself included)
     prefills: list[PrefillChunk]
     num_padding: int = 0  # pad rows at the end of the T packed rows: no KV slot, no attention (output 0)
+    decode_only: bool = False  # every packed row is a decode, in order (decode_rows = 0..T-1): the fast path
 
 
 class PagedAttention:
@@ -117,11 +120,15 @@ class PagedAttention:
     def attention(self, layer: int, q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
         """Write k, v [1, H_kv, T, D] into their slots, then attend q [1, H_q, T, D] per sequence -> [1, H_q, T, D]."""
         _, Hq, T, D = q.shape
-        Hkv, m = k.shape[1], self.meta
-        kc, vc = self.kv.k[layer], self.kv.v[layer]  # (num_blocks, block_size, H_kv, D)
+        m = self.meta
+        kc, vc = self.kv.layer_k[layer], self.kv.layer_v[layer]  # (num_blocks, block_size, H_kv, D)
         real = T - m.num_padding
-        kc.view(-1, Hkv, D)[m.slot_mapping] = k[0, :, :real].transpose(0, 1)  # real rows (T - pads, H_kv, D) to slots
-        vc.view(-1, Hkv, D)[m.slot_mapping] = v[0, :, :real].transpose(0, 1)
+        # real rows (T - pads, H_kv, D) to their slots (native on CPU: one call, no index_put)
+        self.ops.write_kv(kc, vc, k[0, :, :real].transpose(0, 1), v[0, :, :real].transpose(0, 1), m.slot_mapping)
+        if m.decode_only:  # a pure decode step (steady state): no scatter of rows, no prefill loop
+            out = self.ops.paged_decode_attention(q[0].transpose(0, 1), kc, vc, m.block_tables, m.seq_lens,
+                                                  sm_scale=scale)  # (T, H_q, D)
+            return out.transpose(0, 1)[None]
         out = q.new_empty(T, Hq, D)
         out[real:] = 0
         qt = q[0].transpose(0, 1)  # (T, H_q, D)

@@ -9,7 +9,6 @@ from minillm.config import ModelConfig
 from minillm.kernels.reference import sdpa_attention
 from minillm.kernels.select import KernelOps
 from minillm.layers.linear import Linear
-from minillm.layers.rotary import apply_rope
 
 
 def window_mask(L: int, window: int, device) -> Tensor:
@@ -41,7 +40,7 @@ class Attention(nn.Module):
         qkv = self.qkv_proj(x, ops)  # (B, L, (H_q + 2 H_kv) D)
         # RoPE on q and k in one pass: they are adjacent in the stacked projection.
         qk = qkv[..., : c.q_size + c.kv_size].view(B, L, c.num_heads + c.num_kv_heads, c.head_dim)
-        qk = apply_rope(qk, cos, sin)
+        qk = ops.rope(qk, cos, sin)  # native on CPU: one pass, no rotate-half copies
         q = qk[:, :, : c.num_heads].transpose(1, 2)  # (B, H_q, L, D)
         k = qk[:, :, c.num_heads :].transpose(1, 2)  # (B, H_kv, L, D)
         v = qkv[..., c.q_size + c.kv_size :].view(B, L, c.num_kv_heads, c.head_dim).transpose(1, 2)

@@ -20,3 +20,7 @@ class RMSNorm(nn.Module):
     def forward(self, x: Tensor, ops: KernelOps) -> Tensor:
         """x [..., dim] -> [..., dim]."""
         return ops.rms_norm(x, self.weight, self.eps)
+
+    def add(self, x: Tensor, residual: Tensor, ops: KernelOps) -> tuple[Tensor, Tensor]:
+        """The residual add before the norm, fused: x, residual [..., dim] -> (norm(x + residual), x + residual)."""
+        return ops.add_rms_norm(x, residual, self.weight, self.eps)

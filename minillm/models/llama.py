@@ -12,7 +12,6 @@ Shapes: B batch, L query length, S key/value length, H_q / H_kv heads, D head di
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from minillm.config import ModelConfig
@@ -32,11 +31,18 @@ class MLP(nn.Module):
         self.down_proj = Linear(config.intermediate_size, config.hidden_size)
 
     def forward(self, x: Tensor, ops: KernelOps) -> Tensor:
-        gate, up = self.gate_up_proj(x, ops).chunk(2, dim=-1)  # (B, L, F) each
-        return self.down_proj(F.silu(gate) * up, ops)
+        """x [B, L, hidden] -> [B, L, hidden]."""
+        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x, ops)), ops)  # (B, L, 2F) -> (B, L, F)
 
 
 class DecoderLayer(nn.Module):
+    """Pre-norm block: residual += attn(norm(residual)); residual += mlp(norm(residual)).
+
+    As in vLLM, the residual stream travels beside the block's output and each residual add is fused into the norm
+    that follows it (``ops.add_rms_norm``): the layer takes (x, residual) and returns (its output, the residual
+    before adding it); the next layer's first norm, or the final one, adds them.  Same sums, same order.
+    """
+
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -44,9 +50,16 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, layer: int, ops: KernelOps, cache=None) -> Tensor:
-        x = x + self.self_attn(self.input_layernorm(x, ops), cos, sin, layer, ops, cache)
-        return x + self.mlp(self.post_attention_layernorm(x, ops), ops)
+    def forward(self, x: Tensor, residual: Tensor | None, cos: Tensor, sin: Tensor, layer: int, ops: KernelOps,
+                cache=None) -> tuple[Tensor, Tensor]:
+        """x, residual [B, L, hidden] (residual None: x is the embedding) -> (mlp output, residual)."""
+        if residual is None:
+            h, residual = self.input_layernorm(x, ops), x
+        else:
+            h, residual = self.input_layernorm.add(x, residual, ops)
+        h = self.self_attn(h, cos, sin, layer, ops, cache)
+        h, residual = self.post_attention_layernorm.add(h, residual, ops)
+        return self.mlp(h, ops), residual
 
 
 class Body(nn.Module):
@@ -104,10 +117,13 @@ class Transformer(nn.Module):
                              f"and {tuple(positions.shape)}")
         ops = self.kernel_ops()
         x = self.model.embed_tokens(input_ids)
-        cos, sin = self.model.rotary_emb(positions, x.dtype)
+        cos, sin = self.model.rotary_emb(positions, x.dtype)  # once per forward, shared by every layer
+        residual = None
         for i, layer in enumerate(self.model.layers):
-            x = layer(x, cos, sin, i, ops, cache)
-        return self.model.norm(x, ops)
+            x, residual = layer(x, residual, cos, sin, i, ops, cache)
+        if residual is None:  # no layers
+            return self.model.norm(x, ops)
+        return self.model.norm.add(x, residual, ops)[0]
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
         """[..., hidden] -> [..., V] in the model dtype. Callers pass only the rows they sample from:

@@ -147,3 +147,84 @@ def test_paged_decode_attention_matches_reference(dtype):
     want = paged_decode_attention_ref(q, k_cache, v_cache, tables, lens)
     tol = dict(atol=2e-2, rtol=1.6e-2) if dtype == torch.bfloat16 else {}  # bf16: reference rounds P before P·V
     torch.testing.assert_close(got, want, **tol)
+
+
+# ------------------------------------------------------------------------------- decode-step fusions vs references
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("B, L", [(1, 1), (1, 5), (3, 1), (2, 4)])
+def test_native_rope_on_a_view_of_the_qkv_projection_matches_apply_rope(dtype, B, L):
+    from minillm.config import ModelConfig
+    from minillm.layers.rotary import RotaryEmbedding, apply_rope
+
+    config = ModelConfig(hidden_size=576, num_heads=9, num_kv_heads=3, head_dim=64, intermediate_size=64,
+                         num_layers=1, vocab_size=32)
+    H, D = 9 + 3, 64
+    g = torch.Generator().manual_seed(B * 10 + L)
+    qkv = torch.randn(B, L, (H + 3) * D, generator=g).to(dtype)
+    x = qkv[..., : H * D].view(B, L, H, D)  # q and k heads, rows at the projection's stride (not contiguous)
+    positions = torch.randint(0, 2000, (B, L), generator=g)
+    cos, sin = RotaryEmbedding(config)(positions, dtype)
+    assert native.rope_supports(x, cos, sin)
+    torch.testing.assert_close(native.rope(x, cos, sin), apply_rope(x, cos, sin))
+
+
+def test_native_rope_refuses_what_it_cannot_read():
+    cos = sin = torch.randn(1, 2, 1, 8)
+    assert not native.rope_supports(torch.randn(1, 2, 8, 3).transpose(2, 3), cos, sin)  # elements 3 apart
+    with pytest.raises(ValueError, match="native.rope"):
+        native.rope(torch.randn(1, 2, 3, 8).half(), cos.half(), sin.half())
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 3])
+def test_native_add_rms_norm_matches_the_add_then_the_norm(dtype, rows):
+    from minillm.kernels.select import torch_add_rms_norm
+
+    g = torch.Generator().manual_seed(rows)
+    x, res = (torch.randn(rows, 1, 576, generator=g).to(dtype) for _ in range(2))
+    w = torch.randn(576, generator=g).to(dtype)
+    y, r = native.add_rms_norm(x, res, w, 1e-5)
+    y_ref, r_ref = torch_add_rms_norm(x, res, w, 1e-5)
+    torch.testing.assert_close(r, r_ref, rtol=0, atol=0)  # one rounded add: exactly the reference's
+    torch.testing.assert_close(y, y_ref)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 4])
+def test_native_silu_and_mul_matches_silu_of_gate_times_up(dtype, rows):
+    from minillm.kernels.select import torch_silu_and_mul
+
+    x = (3 * torch.randn(rows, 1, 2 * 1536, generator=torch.Generator().manual_seed(rows))).to(dtype)
+    torch.testing.assert_close(native.silu_and_mul(x), torch_silu_and_mul(x))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_native_write_kv_stores_strided_rows_in_their_slots_like_index_put(dtype):
+    from minillm.kernels.select import torch_write_kv
+
+    g = torch.Generator().manual_seed(0)
+    caches = [torch.randn(6, 4, 3, 8, generator=g).to(dtype) for _ in range(2)]
+    want = [c.clone() for c in caches]
+    proj = torch.randn(5, 2 * 3 * 8 + 8, generator=g).to(dtype)  # new rows as views of a wider projection
+    k, v = proj[:, : 3 * 8].view(5, 3, 8), proj[:, 3 * 8 : 6 * 8].view(5, 3, 8)
+    slots = torch.tensor([0, 7, 8, 23, 13])
+    native.write_kv(*caches, k, v, slots)
+    torch_write_kv(*want, k, v, slots)
+    torch.testing.assert_close(caches, want, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_native_paged_attention_reads_a_strided_query_view_without_copying_it(dtype):
+    from minillm.kernels.reference import paged_decode_attention_ref
+
+    g = torch.Generator().manual_seed(1)
+    kc, vc = (torch.randn(8, 4, 2, 16, generator=g).to(dtype) for _ in range(2))
+    q = torch.randn(3, 1, 10 * 16, generator=g).to(dtype)[:, 0, : 6 * 16].view(3, 6, 16)  # rows 160 apart
+    tables = torch.tensor([[0, 3, 5], [1, 2, 0], [7, 6, 4]], dtype=torch.int32)
+    lens = torch.tensor([9, 5, 12], dtype=torch.int32)
+    # the kernel accumulates in fp32 and rounds once: compare with the fp32 reference rounded to the dtype
+    want = paged_decode_attention_ref(q.float(), kc.float(), vc.float(), tables, lens, scale=0.25).to(dtype)
+    torch.testing.assert_close(native.paged_decode_attention(q, kc, vc, tables, lens, 0.25), want)

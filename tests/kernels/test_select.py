@@ -16,8 +16,8 @@ from minillm.models.loader import build_model
 ATTENTION = ("prefill_attention", "decode_attention", "paged_decode_attention")
 ALL_TORCH = dict.fromkeys(OPS, "torch")
 NATIVE_CPU = {"linear": "native", "rms_norm": "native", "prefill_attention": "torch", "decode_attention": "native",
-              "paged_decode_attention": "native", "int4_linear": "native",
-              "int8_linear": "native"}  # no native prefill kernel: SDPA
+              "paged_decode_attention": "native", "add_rms_norm": "native", "rope": "native", "silu_and_mul": "native",
+              "write_kv": "native", "int4_linear": "native", "int8_linear": "native"}  # no native prefill kernel: SDPA
 QUANT = ("int4_linear", "int8_linear")  # the dequant GEMVs
 TRITON = {op: "triton" if op in ATTENTION + QUANT else "torch" for op in OPS}  # no Triton linear / rms_norm yet
 
@@ -159,7 +159,8 @@ def recording(ops, *names):
     def fake(name):
         def run(*args, **kwargs):
             calls.append((name, args, kwargs))
-            return getattr(ops, name)(*args, **kwargs) * 0 + 7.0
+            out = getattr(ops, name)(*args, **kwargs)
+            return tuple(o * 0 + 7.0 for o in out) if isinstance(out, tuple) else out * 0 + 7.0
 
         return run
 
@@ -183,15 +184,18 @@ def test_linear_and_rms_norm_call_the_implementation_they_are_given():
 
 def test_every_layer_of_the_model_runs_the_ops_of_the_models_choice(monkeypatch):
     model = tiny("torch")
-    ops, calls = recording(model.kernel_ops(), "linear", "rms_norm", "prefill_attention")
+    ops, calls = recording(model.kernel_ops(), "linear", "rms_norm", "add_rms_norm", "rope", "silu_and_mul",
+                           "prefill_attention")
     monkeypatch.setattr(model, "kernel_ops", lambda: ops)
     with torch.no_grad():
         model(torch.tensor([[1, 2, 3]]), torch.arange(3)[None])
     names = [c[0] for c in calls]
     layers = model.config.num_layers
     assert names.count("linear") == 4 * layers + 1  # qkv, o, gate_up, down per layer + the LM head
-    assert names.count("rms_norm") == 2 * layers + 1
-    assert names.count("prefill_attention") == layers
+    # 2 norms per layer + the final one; each but the first also adds the residual stream before it
+    assert names.count("rms_norm") == 1
+    assert names.count("add_rms_norm") == 2 * layers
+    assert names.count("rope") == names.count("silu_and_mul") == names.count("prefill_attention") == layers
 
 
 def test_the_kv_caches_attend_with_the_kernels_of_their_choice():

@@ -117,8 +117,19 @@ def _lib() -> ctypes.CDLL | None:
         getattr(lib, name).argtypes = [vp, vp, vp, vp, vp] + [i64] * 6 + [ctypes.c_float]
         getattr(lib, name).restype = None
     for name in ("paged_decode_attention_f32", "paged_decode_attention_bf16"):
-        getattr(lib, name).argtypes = [vp] * 6 + [i64] * 6 + [ctypes.c_float]
+        getattr(lib, name).argtypes = [vp] * 6 + [i64] * 6 + [ctypes.c_float, i64, i64]
         getattr(lib, name).restype = None
+    for name in ("rope_f32", "rope_bf16"):
+        getattr(lib, name).argtypes = [vp] * 4 + [i64] * 4
+        getattr(lib, name).restype = None
+    for name in ("add_rms_norm_f32", "add_rms_norm_bf16"):
+        getattr(lib, name).argtypes = [vp] * 5 + [i64, i64, ctypes.c_float]
+        getattr(lib, name).restype = None
+    for name in ("silu_mul_f32", "silu_mul_bf16"):
+        getattr(lib, name).argtypes = [vp, vp, i64, i64]
+        getattr(lib, name).restype = None
+    lib.write_kv.argtypes = [vp] * 5 + [i64] * 5
+    lib.write_kv.restype = None
     for name in ("rms_norm_f32", "rms_norm_bf16"):
         getattr(lib, name).argtypes = [vp, vp, vp, i64, i64, ctypes.c_float]
         getattr(lib, name).restype = None
@@ -167,13 +178,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
                          f"{MAX_ROWS} rows and a compiled native library; use F.linear instead")
     if bias is not None and (bias.shape != (N,) or bias.dtype != weight.dtype):
         raise ValueError(f"bias must be [{N}] of dtype {weight.dtype}")
-    x2 = x.reshape(-1, K).contiguous()
+    x = x.contiguous()  # a no-op (no ATen call) for the usual contiguous activations
     w = weight.contiguous()  # no-op for parameters; a copy would cost as much as the GEMV itself
-    y = torch.empty(x2.shape[0], N, dtype=x.dtype)
+    y = torch.empty(*x.shape[:-1], N, dtype=x.dtype)  # the one ATen op of this call: every one costs µs
     fn = _lib().gemv_f32 if x.dtype == torch.float32 else _lib().gemv_bf16
-    fn(w.data_ptr(), x2.data_ptr(), bias.contiguous().data_ptr() if bias is not None else None, y.data_ptr(),
-       x2.shape[0], N, K)
-    return y.view(*x.shape[:-1], N)
+    fn(w.data_ptr(), x.data_ptr(), bias.contiguous().data_ptr() if bias is not None else None, y.data_ptr(),
+       x.numel() // K, N, K)
+    return y
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -181,19 +192,21 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     K = x.shape[-1]
     if not supports(x, weight) or weight.shape != (K,):
         raise ValueError("native.rms_norm needs CPU fp32/bf16 tensors of one dtype, ≤ MAX_ROWS rows, weight [K]")
-    x2 = x.reshape(-1, K).contiguous()
-    y = torch.empty_like(x2)
+    x = x.contiguous()
+    y = torch.empty_like(x)
     fn = _lib().rms_norm_f32 if x.dtype == torch.float32 else _lib().rms_norm_bf16
-    fn(x2.data_ptr(), weight.data_ptr(), y.data_ptr(), x2.shape[0], K, eps)
-    return y.view(x.shape)
+    fn(x.data_ptr(), weight.contiguous().data_ptr(), y.data_ptr(), x.numel() // K, K, eps)
+    return y
 
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_lens: torch.Tensor,
-                     scale: float) -> torch.Tensor:
+                     scale: float, *, check_lens: bool = True) -> torch.Tensor:
     """One query per sequence over its first ``seq_lens[b]`` cached keys, on CPU.
 
     q [B, H_q, D]; k, v [B, H_kv, S_max, D] (views into a cache: the last two dims contiguous, any batch/head
     strides); seq_lens [B] -> [B, H_q, D].  Reference: ``minillm.kernels.reference.decode_attention``.
+    ``check_lens=False`` skips the range check of ``seq_lens`` (two reductions and two syncs): for a KV cache
+    whose lengths are right by construction, calling it in every layer of every step.
     """
     B, Hq, D = q.shape
     Hkv = k.shape[1]
@@ -204,8 +217,8 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_lens
         raise ValueError("k and v rows must be contiguous ([..., S, D] with stride (D, 1))")
     if q.dtype != k.dtype or q.dtype not in (torch.float32, torch.bfloat16) or not available():
         raise ValueError("native.decode_attention needs fp32/bf16 CPU tensors and the native library")
-    lens = seq_lens.to(torch.int64).contiguous()
-    if lens.shape != (B,) or int(lens.min()) < 1 or int(lens.max()) > k.shape[2]:
+    lens = (seq_lens if seq_lens.dtype == torch.int64 else seq_lens.to(torch.int64)).contiguous()
+    if lens.shape != (B,) or check_lens and (int(lens.min()) < 1 or int(lens.max()) > k.shape[2]):
         raise ValueError(f"seq_lens must be [B={B}] with values in [1, {k.shape[2]}]")
     q = q.contiguous()
     out = torch.empty_like(q)
@@ -217,12 +230,15 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_lens
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                            seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
-    """Decode attention through block tables, on CPU.  q [B, H_q, D]; k/v cache [num_blocks, block_size, H_kv, D]
-    (contiguous); block_tables [B, W] int32; seq_lens [B] int32 -> [B, H_q, D].  The caller guarantees the
-    table entries below each length are valid blocks (the engine's block manager does); no checks cost a sync.
+    """Decode attention through block tables, on CPU.  q [B, H_q, D] (any row/head strides, e.g. a view into the qkv
+    projection: no copy); k/v cache [num_blocks, block_size, H_kv, D] (contiguous); block_tables [B, W] int32;
+    seq_lens [B] int32 -> [B, H_q, D].  The caller guarantees the table entries below each length are valid
+    blocks (the engine's block manager does); no checks cost a sync.
     Reference: ``minillm.kernels.reference.paged_decode_attention_ref``."""
     B, Hq, D = q.shape
     nb, bs, Hkv, Dk = k_cache.shape
+    if q.stride(2) != 1:
+        q = q.contiguous()  # rows and heads may have any strides (a view into the qkv projection), elements not
     if Dk != D or Hq % Hkv or k_cache.shape != v_cache.shape or block_tables.shape[0] != B or seq_lens.shape != (B,):
         raise ValueError(f"shapes disagree: q {tuple(q.shape)}, cache {tuple(k_cache.shape)}, tables "
                          f"{tuple(block_tables.shape)}, seq_lens {tuple(seq_lens.shape)}")
@@ -231,11 +247,11 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         raise ValueError("need contiguous caches and int32 block_tables / seq_lens")
     if q.dtype != k_cache.dtype or q.dtype not in (torch.float32, torch.bfloat16) or not available():
         raise ValueError("native.paged_decode_attention needs fp32/bf16 CPU tensors and the native library")
-    q, tables, lens = q.contiguous(), block_tables.contiguous(), seq_lens.contiguous()
-    out = torch.empty_like(q)
+    tables, lens = block_tables.contiguous(), seq_lens.contiguous()
+    out = torch.empty(B, Hq, D, dtype=q.dtype)
     fn = _lib().paged_decode_attention_f32 if q.dtype == torch.float32 else _lib().paged_decode_attention_bf16
     fn(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), lens.data_ptr(), out.data_ptr(),
-       B, Hq, Hkv, D, bs, tables.shape[1], scale)
+       B, Hq, Hkv, D, bs, tables.shape[1], scale, q.stride(0), q.stride(1))
     return out
 
 
@@ -246,3 +262,98 @@ def read_sum(a: torch.Tensor) -> float:
     if not available():
         return float(a.sum())
     return _lib().read_sum_f32(a.data_ptr(), a.numel())
+
+
+# ---------------------------------------------------------------- decode-step fusions (csrc/native.c, second half)
+def _rows_ok(x: torch.Tensor, rows: int) -> bool:
+    """CPU fp32/bf16, at most MAX_ROWS rows, no autograd, library built: where the fused decode kernels apply."""
+    return (x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16) and rows <= MAX_ROWS
+            and not (torch.is_grad_enabled() and x.requires_grad) and available())
+
+
+def rope_supports(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
+    """Whether ``rope(x, cos, sin)`` can run natively: B·L <= MAX_ROWS, x [B, L, H, D] with heads of D contiguous
+    elements and its B·L rows at one stride (a head-split view of a projection is), cos/sin [B, L, 1, D]
+    contiguous, one dtype."""
+    if x.dim() != 4 or not _rows_ok(x, x.shape[0] * x.shape[1]) or cos.dtype != x.dtype or sin.dtype != x.dtype:
+        return False
+    B, L, H, D = x.shape
+    return (x.stride(3) == 1 and x.stride(2) == D and _row_stride(x) is not None
+            and cos.shape == sin.shape == (B, L, 1, D) and cos.is_contiguous() and sin.is_contiguous())
+
+
+def _row_stride(x: torch.Tensor) -> int | None:
+    """The stride between consecutive rows (b, l) of x [B, L, ...] flattened to B·L rows, None if not uniform."""
+    B, L = x.shape[:2]
+    if L == 1:
+        return x.stride(0)
+    return x.stride(1) if B == 1 or x.stride(0) == L * x.stride(1) else None
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE in one pass: x [B, L, H, D] (see ``rope_supports``), cos/sin [B, L, 1, D] -> [B, L, H, D] contiguous.
+    Reference: ``layers.rotary.apply_rope`` (x * cos + rotate_half(x) * sin, the same roundings)."""
+    if not rope_supports(x, cos, sin):
+        raise ValueError("native.rope needs x [B, L, H, D] (heads contiguous, rows at one stride, <= MAX_ROWS rows) "
+                         "and contiguous cos/sin [B, L, 1, D] of its dtype on CPU")
+    B, L, H, D = x.shape
+    y = torch.empty(B, L, H, D, dtype=x.dtype)
+    fn = _lib().rope_f32 if x.dtype == torch.float32 else _lib().rope_bf16
+    fn(x.data_ptr(), cos.data_ptr(), sin.data_ptr(), y.data_ptr(), B * L, H, D, _row_stride(x))
+    return y
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """r = x + residual; -> (rms_norm(r) * weight, r), x and residual [..., K] (<= MAX_ROWS rows).  One call for a
+    residual add and the norm after it.  Reference: ``kernels.select.torch_add_rms_norm``."""
+    K = x.shape[-1]
+    if not (_rows_ok(x, x.numel() // K) and x.shape == residual.shape and weight.shape == (K,)
+            and x.dtype == residual.dtype == weight.dtype):
+        raise ValueError("native.add_rms_norm needs CPU fp32/bf16 x and residual [..., K] of one shape and dtype "
+                         "(<= MAX_ROWS rows) and weight [K]")
+    x, residual = x.contiguous(), residual.contiguous()
+    y, r = torch.empty_like(x), torch.empty_like(x)
+    fn = _lib().add_rms_norm_f32 if x.dtype == torch.float32 else _lib().add_rms_norm_bf16
+    fn(x.data_ptr(), residual.data_ptr(), weight.contiguous().data_ptr(), y.data_ptr(), r.data_ptr(),
+       x.numel() // K, K, eps)
+    return y, r
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """SwiGLU's activation: x [..., 2F] = [gate | up] (<= MAX_ROWS rows) -> silu(gate) * up [..., F].
+    Reference: ``kernels.select.torch_silu_and_mul``."""
+    if not _rows_ok(x, x.numel() // x.shape[-1]) or x.shape[-1] % 2:
+        raise ValueError("native.silu_and_mul needs a CPU fp32/bf16 x [..., 2F] of at most MAX_ROWS rows")
+    F2 = x.shape[-1]
+    x = x.contiguous()
+    y = torch.empty(*x.shape[:-1], F2 // 2, dtype=x.dtype)
+    fn = _lib().silu_mul_f32 if x.dtype == torch.float32 else _lib().silu_mul_bf16
+    fn(x.data_ptr(), y.data_ptr(), x.numel() // F2, F2 // 2)
+    return y
+
+
+def write_kv_supports(k_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether ``write_kv`` can run natively: CPU, contiguous cache [..., H_kv, D], new rows [T, H_kv, D] of its
+    dtype with heads of D contiguous elements (any row stride: views into the qkv projection are)."""
+    Hkv, D = k_cache.shape[-2:]
+    return (k_cache.device.type == "cpu" and available() and k_cache.is_contiguous()
+            and all(t.dim() == 3 and t.shape[1:] == (Hkv, D) and t.dtype == k_cache.dtype and t.stride(2) == 1
+                    and t.stride(1) == D for t in (k, v)))
+
+
+def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Store k, v [T, H_kv, D] at slots ``slot_mapping`` [T] (int64) of the caches [num_blocks, block_size, H_kv, D]
+    (flattened, slot = block * block_size + offset), in place: the caches are the KV store's own tensors.  The
+    caller guarantees valid slots (the engine's block manager does; no check costs a per-layer op).
+    Reference: ``kernels.select.torch_write_kv``."""
+    if not (write_kv_supports(k_cache, k, v) and v_cache.shape == k_cache.shape and v_cache.is_contiguous()
+            and v_cache.dtype == k_cache.dtype and slot_mapping.dtype == torch.int64
+            and slot_mapping.shape == (k.shape[0],) and v.shape[0] == k.shape[0]):
+        raise ValueError("native.write_kv needs contiguous CPU caches [..., H_kv, D], k and v [T, H_kv, D] of their "
+                         "dtype (heads contiguous) and int64 slot_mapping [T]")
+    slots = slot_mapping.contiguous()
+    Hkv, D = k.shape[1:]
+    _lib().write_kv(k.data_ptr(), v.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(),
+                    k.shape[0], Hkv * D, k.stride(0), v.stride(0), k.element_size())

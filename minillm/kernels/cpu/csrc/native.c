@@ -199,17 +199,18 @@ void rms_norm_bf16(const uint16_t *restrict x, const uint16_t *restrict w, uint1
 
 /* Decode attention over a paged KV cache: key/value position s of sequence b lives in physical block
  * tables[b, s / bs] at offset s % bs.  k/v [num_blocks, bs, H_kv, D] contiguous; q/out [B, H_q, D];
- * tables [B, W] int32; lens [B] int32.  Reference: minillm.attention.paged_decode_attention_ref. */
+ * tables [B, W] int32; lens [B] int32; q row b, head h at q + b * sqb + h * sqh (a view into the packed qkv
+ * projection needs no copy).  Reference: minillm.kernels.reference.paged_decode_attention_ref. */
 #define PAGED_DECODE_ATTENTION(NAME, T, LOAD, STORE)                                                      \
     void NAME(const T *restrict q, const T *restrict k, const T *restrict v, const int32_t *restrict tables, \
               const int32_t *restrict lens, T *restrict out, int64_t B, int64_t Hq, int64_t Hkv, int64_t D,  \
-              int64_t bs, int64_t W, float scale) {                                                        \
+              int64_t bs, int64_t W, float scale, int64_t sqb, int64_t sqh) {                              \
         int64_t G = Hq / Hkv;                                                                              \
         _Pragma("omp parallel for collapse(2) schedule(static)")                                          \
         for (int64_t b = 0; b < B; b++)                                                                    \
             for (int64_t h = 0; h < Hq; h++) {                                                             \
                 int64_t S = lens[b];                                                                       \
-                const T *qh = q + (b * Hq + h) * D;                                                        \
+                const T *qh = q + b * sqb + h * sqh;                                                       \
                 const int32_t *tb = tables + b * W;                                                        \
                 float qf[D], acc[D], *p = (float *)malloc(sizeof(float) * (S > 0 ? S : 1));               \
                 for (int64_t d = 0; d < D; d++) { qf[d] = LOAD(qh[d]) * scale; acc[d] = 0.f; }            \
@@ -238,3 +239,74 @@ void rms_norm_bf16(const uint16_t *restrict x, const uint16_t *restrict w, uint1
 
 PAGED_DECODE_ATTENTION(paged_decode_attention_f32, float, load_f32, store_f32)
 PAGED_DECODE_ATTENTION(paged_decode_attention_bf16, uint16_t, bf16_to_f32, f32_to_bf16)
+
+/* ---- decode-step fusions: one call instead of a handful of ATen ops each (a decode layer is ~130 ops at a few
+ * µs of dispatch apiece, which at batch 1 costs as much as reading the weights of a 135M model).  ROUND rounds an
+ * intermediate to the storage type (bf16) where the PyTorch reference rounds it, so the two agree bit for bit up
+ * to the order of fp32 operations.  All loops are single-threaded: rows × K elements of a decode step are a few
+ * thousand, far below the cost of waking an OpenMP team. */
+static inline float round_f32(float x) { return x; }
+static inline float round_bf16(float x) { return bf16_to_f32(f32_to_bf16(x)); }
+
+/* RoPE on R rows of H heads: x row r, head h at x + r * sx + h * D (a view into the qkv projection);
+ * cos/sin [R, D] contiguous; y [R, H, D] contiguous.  y = x * cos + rotate_half(x) * sin with rotate_half(x) =
+ * (-x2, x1), exactly the reference's (layers.rotary.apply_rope) products and sum. */
+#define ROPE(NAME, T, LOAD, STORE, ROUND)                                                                  \
+    void NAME(const T *restrict x, const T *restrict cs, const T *restrict sn, T *restrict y, int64_t R,   \
+              int64_t H, int64_t D, int64_t sx) {                                                          \
+        int64_t half = D / 2;                                                                              \
+        for (int64_t r = 0; r < R; r++)                                                                    \
+            for (int64_t h = 0; h < H; h++) {                                                              \
+                const T *xi = x + r * sx + h * D, *c = cs + r * D, *s = sn + r * D;                        \
+                T *yo = y + (r * H + h) * D;                                                               \
+                for (int64_t d = 0; d < half; d++) {                                                       \
+                    float x1 = LOAD(xi[d]), x2 = LOAD(xi[d + half]);                                       \
+                    yo[d] = STORE(ROUND(x1 * LOAD(c[d])) + ROUND(-x2 * LOAD(s[d])));                       \
+                    yo[d + half] = STORE(ROUND(x2 * LOAD(c[d + half])) + ROUND(x1 * LOAD(s[d + half])));   \
+                }                                                                                          \
+            }                                                                                              \
+    }
+
+ROPE(rope_f32, float, load_f32, store_f32, round_f32)
+ROPE(rope_bf16, uint16_t, bf16_to_f32, f32_to_bf16, round_bf16)
+
+/* Residual add + RMSNorm: r = x + res (rounded to T, as the reference's add), y = rms_norm(r) * w.
+ * x, res, r, y [M, K] contiguous. */
+void add_rms_norm_f32(const float *restrict x, const float *restrict res, const float *restrict w, float *restrict y,
+                      float *restrict r, int64_t M, int64_t K, float eps) {
+    for (int64_t i = 0; i < M * K; i++) r[i] = x[i] + res[i];
+    rms_norm_f32(r, w, y, M, K, eps);
+}
+
+void add_rms_norm_bf16(const uint16_t *restrict x, const uint16_t *restrict res, const uint16_t *restrict w,
+                       uint16_t *restrict y, uint16_t *restrict r, int64_t M, int64_t K, float eps) {
+    for (int64_t i = 0; i < M * K; i++) r[i] = f32_to_bf16(bf16_to_f32(x[i]) + bf16_to_f32(res[i]));
+    rms_norm_bf16(r, w, y, M, K, eps);
+}
+
+/* SwiGLU's activation: y = silu(gate) * up for x = [gate | up] rows of 2F, y [R, F] (silu rounded to T first,
+ * as F.silu(gate) * up). */
+#define SILU_MUL(NAME, T, LOAD, STORE, ROUND)                                                              \
+    void NAME(const T *restrict x, T *restrict y, int64_t R, int64_t F) {                                  \
+        for (int64_t r = 0; r < R; r++) {                                                                  \
+            const T *g = x + r * 2 * F, *u = g + F;                                                        \
+            for (int64_t f = 0; f < F; f++) {                                                              \
+                float a = LOAD(g[f]);                                                                      \
+                y[r * F + f] = STORE(ROUND(a / (1.f + expf(-a))) * LOAD(u[f]));                            \
+            }                                                                                              \
+        }                                                                                                  \
+    }
+
+SILU_MUL(silu_mul_f32, float, load_f32, store_f32, round_f32)
+SILU_MUL(silu_mul_bf16, uint16_t, bf16_to_f32, f32_to_bf16, round_bf16)
+
+/* Store T new K and V rows of [H_kv, D] into their paged-cache slots: row t goes to slot slots[t] of caches
+ * [num_slots, H_kv, D] contiguous; new row t of k at k + t * sk, of v at v + t * sv (head stride D).  Element size
+ * es bytes: a copy, so one function serves every dtype. */
+void write_kv(const char *restrict k, const char *restrict v, char *restrict kc, char *restrict vc,
+              const int64_t *restrict slots, int64_t T, int64_t HD, int64_t sk, int64_t sv, int64_t es) {
+    for (int64_t t = 0; t < T; t++) {
+        memcpy(kc + slots[t] * HD * es, k + t * sk * es, HD * es);
+        memcpy(vc + slots[t] * HD * es, v + t * sv * es, HD * es);
+    }
+}
