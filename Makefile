@@ -24,17 +24,18 @@ $(STAMP): pyproject.toml
 demo: env
 	$(BIN)/python -m minillm generate "Explain in two sentences why LLM decoding is memory-bound." --max-tokens 64 --chat
 
-# The unit tests, then every solution notebook executed by nbval (tests/course/test_course_build.py also fails when a generated
-# notebook or slide deck is stale, and when a student check cell passes on a stub).  TEST_JOBS pytest-xdist workers
-# of one thread each: on 2 cores that halves the wall time, and one OpenMP thread per process avoids the barrier
-# waits of two threads on a busy core (5x slower, see course/INSTRUCTORS.md).  --dist loadgroup keeps each
-# notebook's cells on one worker (tests/conftest.py groups them).  MINILLM_COURSE_FAST=1: the notebooks shrink
-# their sizes (same cells, same code paths).
+# The unit tests, then every solution notebook executed by nbval (tests/course/test_course_build.py also fails when a
+# generated notebook or slide deck is stale, and when a student check cell passes on a stub).  The unit tests run in
+# TEST_JOBS pytest-xdist workers of one thread each: on 2 cores that halves the wall time, and one OpenMP thread per
+# process avoids the barrier waits of two threads on a busy core (see course/INSTRUCTORS.md).  The notebooks run in
+# one process: nbval keeps a notebook's kernel only while the next test is the notebook's next cell, which an xdist
+# worker cannot promise (it tears the kernel down whenever its queue runs dry).  MINILLM_COURSE_FAST=1: the
+# notebooks shrink their sizes (same cells, same code paths).
 TEST_JOBS ?= 2
 test: env
-	MINILLM_COURSE_FAST=1 OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n $(TEST_JOBS) --dist loadgroup \
-		tests solutions --nbval-lax --nbval-current-env --nbval-sanitize-with course/nbval_sanitize.cfg \
-		-p no:cacheprovider
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n $(TEST_JOBS) tests -p no:cacheprovider
+	MINILLM_COURSE_FAST=1 OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q solutions --nbval-lax --nbval-current-env \
+		--nbval-sanitize-with course/nbval_sanitize.cfg -p no:cacheprovider
 
 lint: env
 	$(BIN)/ruff check minillm tests

@@ -3,8 +3,8 @@
 TRITON_INTERPRET=1 is set here, before any Triton kernel is defined, when there is no CUDA GPU: the kernels then
 run on CPU tensors in Triton's interpreter (fp32/fp16 only, small shapes).
 
-`make test` runs the suite in two pytest-xdist workers with ``--dist loadgroup``: tests spread one by one, and each
-solution notebook (nbval) stays on one worker, its cells in order.
+`make test` runs tests/ in two pytest-xdist workers and the solution notebooks (nbval) in one
+process afterwards: an xdist worker tears a notebook's kernel down between cells whenever its queue runs dry.
 """
 
 import os
@@ -16,12 +16,9 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist turns xdist_group marks into worker assignments
 def pytest_collection_modifyitems(config, items):
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
     for item in items:
-        if item.path.suffix == ".ipynb":  # nbval: a notebook's cells share one kernel, so one worker runs them in order
-            item.add_marker(pytest.mark.xdist_group(item.path.name))
         if "gpu" in item.keywords and not torch.cuda.is_available():
             item.add_marker(skip)
 
