@@ -36,8 +36,8 @@ from minillm.engine.inputs import (
 from minillm.engine.model_runner import ModelRunner, StepResult
 from minillm.engine.scheduler import Scheduler, SchedulerOutput, SchedulerStats
 from minillm.engine.sequence import Request, SequenceStatus
-from minillm.engine.spec_decode import SpecDecoder
 from minillm.engine.sequence import Sequence as Seq
+from minillm.engine.spec_decode import SpecDecoder
 from minillm.kv.paged_cache import PagedKVCache, kv_bytes_per_block
 from minillm.models.llama import Transformer
 from minillm.outputs import CompletionOutput, RequestOutput, StepOutput
