@@ -187,7 +187,8 @@ def test_bad_speculative_configs_raise_value_errors_naming_the_fix(model):
 
 def test_speculation_respects_the_steps_token_budget(model):
     """Drafts only use what the step's token budget leaves after the decodes and prefills."""
-    eng = engine(model, SPECS["ngram"], max_num_seqs=4, max_num_batched_tokens=6)
+    eng = engine(model, dict(method="draft", model=model, num_speculative_tokens=3), max_num_seqs=4,
+                 max_num_batched_tokens=6)
     prepare, widths = eng.runner.prepare, []
 
     def recording(out):
