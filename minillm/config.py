@@ -207,8 +207,14 @@ class EngineConfig:
     pad_batches: bool = True
     max_model_len: int | None = None
     return_logits: bool = False
+    speculative_config: SpeculativeConfig | dict | None = None  # a dict (vLLM's shape) becomes a SpeculativeConfig
 
     def __post_init__(self):
+        if isinstance(self.speculative_config, dict):
+            object.__setattr__(self, "speculative_config", SpeculativeConfig(**self.speculative_config))
+        if self.speculative_config is not None and not isinstance(self.speculative_config, SpeculativeConfig):
+            raise ValueError("EngineConfig.speculative_config must be None, a dict or a SpeculativeConfig, got "
+                             f"{type(self.speculative_config).__name__}")
         if self.policy not in POLICIES:
             raise ValueError(f"EngineConfig.policy must be one of {POLICIES}, got {self.policy!r}")
         if self.preemption not in PREEMPTION_MODES:
@@ -262,3 +268,55 @@ class EngineConfig:
 
 def _positive_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+SPECULATIVE_METHODS = ("ngram", "early_exit", "draft", "quantized")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding, in vLLM's shape: ``{"method": ..., "num_speculative_tokens": γ, ...}``.
+
+    - ``method``: "ngram" (prompt lookup: the tokens that followed the last matching n-gram of the context),
+      "early_exit" (the target's first ``num_layers`` layers + final norm + LM head), "draft" (a separate ``model``
+      with the target's vocabulary; giving ``model`` alone implies it), "quantized" (the target's int4 copy).
+    - ``num_speculative_tokens`` γ >= 1 tokens proposed per step; one target forward verifies all of them.
+    - ``prompt_lookup_min`` / ``prompt_lookup_max`` (ngram): n-gram lengths tried, longest first.
+    - ``num_layers`` (early_exit): how many leading layers draft; checked against the target in ``validate_for``.
+    - ``model`` (draft): a hub id, directory, ``.gguf`` or an already loaded ``Transformer``.
+    """
+
+    method: str | None = None
+    num_speculative_tokens: int = 4
+    prompt_lookup_min: int = 1
+    prompt_lookup_max: int = 4
+    num_layers: int | None = None
+    model: Any = None
+
+    def __post_init__(self):
+        method = self.method if self.method is not None else ("draft" if self.model is not None else None)
+        object.__setattr__(self, "method", method)
+        if method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative_config method must be one of {SPECULATIVE_METHODS} (or give a draft "
+                             f"'model'), got {method!r}")
+        if not _positive_int(self.num_speculative_tokens):
+            raise ValueError("speculative_config num_speculative_tokens must be an int >= 1 (the γ tokens proposed "
+                             f"per step), got {self.num_speculative_tokens!r}")
+        if not (_positive_int(self.prompt_lookup_min) and _positive_int(self.prompt_lookup_max)
+                and self.prompt_lookup_min <= self.prompt_lookup_max):
+            raise ValueError("speculative_config needs 1 <= prompt_lookup_min <= prompt_lookup_max, got "
+                             f"{self.prompt_lookup_min!r} and {self.prompt_lookup_max!r}")
+        if method == "early_exit" and not _positive_int(self.num_layers):
+            raise ValueError("speculative_config method 'early_exit' needs num_layers, an int >= 1 (how many of the "
+                             f"target's layers draft), got {self.num_layers!r}")
+        if method == "draft" and self.model is None:
+            raise ValueError("speculative_config method 'draft' needs a draft 'model' (hub id, path or Transformer)")
+
+    def validate_for(self, target: ModelConfig, draft: ModelConfig | None = None) -> None:
+        """Checks that need the target (and draft) model: early-exit layers in range, equal vocabularies."""
+        if self.method == "early_exit" and not 1 <= self.num_layers < target.num_layers:
+            raise ValueError(f"speculative_config num_layers={self.num_layers} is out of range: early exit drafts "
+                             f"with 1 .. {target.num_layers - 1} of the target's {target.num_layers} layers")
+        if draft is not None and draft.vocab_size != target.vocab_size:
+            raise ValueError(f"the draft model's vocabulary ({draft.vocab_size} tokens) differs from the target's "
+                             f"({target.vocab_size}): pick a draft from the same model family (same tokenizer)")

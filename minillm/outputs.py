@@ -23,6 +23,10 @@ class RequestMetrics:
     first_scheduled_s: float | None = None
     prefix_hit_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
     num_preemptions: int = 0
+    # speculative decoding (EngineConfig.speculative_config): verification steps, drafts proposed and accepted
+    spec_verify_steps: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
 
     @property
     def ttft_s(self) -> float:
@@ -56,6 +60,16 @@ class RequestMetrics:
     def decode_tokens_per_s(self) -> float:
         """1 / TPOT: the decode rate after the first token (0 with fewer than 2 tokens)."""
         return 1.0 / self.tpot_s if self.tpot_s > 0 else 0.0
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        """Speculative decoding: accepted / proposed draft tokens (None when nothing was proposed)."""
+        return self.spec_accepted_tokens / self.spec_draft_tokens if self.spec_draft_tokens else None
+
+    @property
+    def mean_accepted_length(self) -> float | None:
+        """Speculative decoding: tokens per verifying target forward, 1 + accepted / steps (None without any)."""
+        return 1 + self.spec_accepted_tokens / self.spec_verify_steps if self.spec_verify_steps else None
 
     def as_dict(self) -> dict:
         return {"prompt_tokens": self.prompt_tokens, "output_tokens": self.output_tokens, "ttft_s": self.ttft_s,

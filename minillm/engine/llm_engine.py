@@ -37,11 +37,13 @@ from minillm.engine.model_runner import ModelRunner, StepResult
 from minillm.engine.scheduler import Scheduler, SchedulerOutput, SchedulerStats
 from minillm.engine.sequence import Request, SequenceStatus
 from minillm.engine.sequence import Sequence as Seq
+from minillm.engine.spec_decode import SpecDecoder
 from minillm.kv.paged_cache import PagedKVCache, kv_bytes_per_block
 from minillm.models.llama import Transformer
 from minillm.outputs import CompletionOutput, RequestOutput, StepOutput
 from minillm.sampling.params import SamplingParams
 from minillm.sampling.sampler import make_generator, sample_seed
+from minillm.spec.proposer import SpecStats
 
 # Ids the engine picks start with this; user ids may not, so the two never collide.
 AUTO_ID_PREFIX = "auto-"
@@ -78,6 +80,8 @@ class LLMEngine:
         self.kv_cache = PagedKVCache(mc, num_blocks, config.block_size, dtype=model.dtype, device=model.device,
                                      num_host_blocks=num_host)
         self.runner = ModelRunner(model, self.kv_cache, self.scheduler.block_manager)
+        spec = config.speculative_config
+        self.speculator = SpecDecoder(spec, model, self.max_model_len) if spec is not None else None
         self._detoks: dict[Seq, IncrementalDetokenizer] = {}
         self._finished: dict[str, RequestOutput] = {}  # finished, not yet popped: their ids are still busy
         self._live: dict[str, Request] = {}
@@ -94,6 +98,11 @@ class LLMEngine:
     def stats(self) -> SchedulerStats:
         """Counters over the engine's life (steps, tokens, preemptions, peak blocks, ...)."""
         return self.scheduler.stats
+
+    @property
+    def spec_stats(self) -> SpecStats | None:
+        """Speculative decoding counters over the engine's life (None without a ``speculative_config``)."""
+        return None if self.speculator is None else self.speculator.stats
 
     @property
     def num_live_requests(self) -> int:
@@ -178,18 +187,26 @@ class LLMEngine:
         "error" update per sample of a request that failed in it).  Thread-safe."""
         with self._lock:
             out = self.scheduler.schedule(time.perf_counter())
-            try:
-                result = self.runner.run(out, self.config.return_logits)  # also runs swap copies when idle
-                failed: dict[Request, BaseException] = {}
-            except Exception as e:  # noqa: BLE001 — a bad request must not take the engine down
-                out, result, failed = self._run_isolated(out, e)
-            updates = [u for request, exc in failed.items() for u in self._fail(request, exc)]
-            if not out.is_empty:
-                updates += self._postprocess(out, result)
+            updates: list[StepOutput] = []
+            if self.speculator is not None:  # runs the step when some sequence has drafts (spec_decode.py)
+                updates, out = self.speculator.step(self, out)
+            if out is not None:
+                updates = self._plain_step(out)
             for u in updates:
                 if u.request_id in self._inboxes:
                     self._inboxes[u.request_id].append(u)
             return updates
+
+    def _plain_step(self, out: SchedulerOutput) -> list[StepOutput]:
+        try:
+            result = self.runner.run(out, self.config.return_logits)  # also runs swap copies when idle
+            failed: dict[Request, BaseException] = {}
+        except Exception as e:  # noqa: BLE001 — a bad request must not take the engine down
+            out, result, failed = self._run_isolated(out, e)
+        updates = [u for request, exc in failed.items() for u in self._fail(request, exc)]
+        if not out.is_empty:
+            updates += self._postprocess(out, result)
+        return updates
 
     def _run_isolated(self, out: SchedulerOutput, error: Exception):
         """The step's forward or sampling raised: rerun each request's chunks alone to find which one fails.

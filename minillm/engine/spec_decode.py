@@ -1,0 +1,181 @@
+"""The speculative engine step: propose γ tokens, verify them in the step's ONE packed forward, commit.
+
+    schedule() → for each decoding sequence: propose ≤ γ drafts, give them KV slots, feed [last, x_1..x_γ] as one
+    chunk beside everything else scheduled → logits at every row of those chunks → ``rejection_sample`` →
+    roll back the rejected drafts' slots (``BlockManager.truncate``) → commit the kept tokens one at a time.
+
+Why this shape: a verification chunk is just a prefill chunk of γ + 1 tokens (causal attention over the
+sequence's blocks), which the runner already packs; only the LM head must run on every row of the chunk instead of
+the last.  Committing one token at a time through the scheduler's own ``postprocess`` (a one-token
+``ScheduledSeq`` per token) reuses every stop rule — EOS, max_tokens, the context end, stop strings in the
+detokenizer — so a run can never emit past them, and ``mark_computed`` only ever covers committed tokens, so the
+prefix cache never hashes a draft.  The drafts are in ``seq.token_ids`` only while the batch is packed.
+
+Which sequences speculate: single-sample chunks that end at the sequence's last token (decodes; not a parent about
+to fork), with γ cut so that prompt + output never passes max_tokens or the context, the step's token budget
+holds, and free blocks suffice without preempting anyone (else the sequence decodes plainly this step).  If the
+speculative forward raises, the drafts are rolled back and the engine reruns the step plainly (its fault
+isolation then finds the culprit).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+
+from minillm.config import SpeculativeConfig
+from minillm.engine.model_runner import StepResult
+from minillm.engine.scheduler import ScheduledSeq, SchedulerOutput
+from minillm.engine.sequence import SequenceStatus
+from minillm.kv.paged_cache import PagedAttention
+from minillm.outputs import StepOutput
+from minillm.sampling.rejection import rejection_sample
+from minillm.sampling.sampler import sample
+from minillm.spec.proposer import SpecStats, build_proposer
+
+if TYPE_CHECKING:
+    from minillm.engine.llm_engine import LLMEngine
+
+
+class SpecDecoder:
+    """The proposer for ``config`` and the speculative step; ``stats`` counts over the engine's life."""
+
+    def __init__(self, config: SpeculativeConfig, model, max_model_len: int):
+        self.config = config
+        self.proposer = build_proposer(config, model, max_model_len)
+        self.stats = SpecStats()
+
+    def step(self, engine: LLMEngine, out: SchedulerOutput) -> tuple[list[StepOutput], SchedulerOutput | None]:
+        """Run ``out`` speculatively -> (updates, None); or ([], what the engine should run plainly) when no
+        sequence has drafts (or the speculative forward failed: then the block copies have already run)."""
+        spec = self._draft(engine, out)
+        if not spec:
+            return [], out
+        plain = [s for i, s in enumerate(out.scheduled) if i not in spec]
+        try:
+            logits, plain_logits = self._forward(engine, out, spec)
+            accepted = {i: rejection_sample(logits[i], d, q, out.scheduled[i].seq.request.params,
+                                            out.scheduled[i].seq.generator) for i, (d, q) in spec.items()}
+            plain_tokens = self._sample_plain(plain, plain_logits)
+        except Exception:  # noqa: BLE001 — fall back to a plain step, which isolates the failing request
+            self._rollback(engine.block_manager, out, spec, {})
+            return [], SchedulerOutput(list(out.scheduled), [], out.preempted, out.num_padding)  # copies ran
+        self._rollback(engine.block_manager, out, spec, accepted)
+        return_logits = engine.config.return_logits
+        updates = engine._postprocess(SchedulerOutput(plain, num_padding=0),
+                                      StepResult(plain_tokens, plain_logits if return_logits else None))
+        for i, tokens in accepted.items():
+            updates += self._commit(engine, out.scheduled[i].seq, tokens, len(spec[i][0]),
+                                    logits[i] if return_logits else None)
+        return updates, None
+
+    # ---- before the forward ----------------------------------------------------------------------------------
+    def _draft(self, engine: LLMEngine, out: SchedulerOutput) -> dict[int, tuple[list[int], Tensor | None]]:
+        """Propose for the eligible chunks and give the drafts KV slots; -> {index in out.scheduled: (drafts, q)}."""
+        budget = engine.config.max_num_batched_tokens - out.num_tokens
+        chosen, caps = [], []
+        for i, s in enumerate(out.scheduled):
+            seq = s.seq
+            if budget <= 0:
+                break
+            if s.num_tokens != 1 or not s.samples or s.num_samples != 1 or seq.request.needs_fork:
+                continue
+            room = min(seq.request.params.max_tokens - len(seq.output), engine.max_model_len - seq.num_tokens) - 1
+            k = min(self.config.num_speculative_tokens, room, budget)
+            if k >= 1:
+                chosen.append(i)
+                caps.append(k)
+                budget -= k
+        if not chosen:
+            return {}
+        proposal = self.proposer.propose([out.scheduled[i].seq for i in chosen], caps)
+        bm, spec = engine.block_manager, {}
+        for i, k, d, q in zip(chosen, caps, proposal.tokens, proposal.probs, strict=True):
+            d = list(d[:k])
+            seq = out.scheduled[i].seq
+            if not d or not bm.can_append(seq.seq_id, len(d)):
+                continue  # no guess, or no free blocks: decode plainly rather than preempt anyone
+            out.copies += bm.append_slots(seq.seq_id, d)
+            spec[i] = (d, None if q is None else q[: len(d)])
+        return spec
+
+    def _forward(self, engine: LLMEngine, out: SchedulerOutput, spec: dict) -> tuple[dict[int, Tensor], Tensor]:
+        """One packed forward with each drafting sequence fed [last, x_1..x_k]; -> ({index: target logits
+        [k+1, V] fp32}, plain sampling rows' logits [B_s, V] fp32)."""
+        runner = engine.runner
+        runner.kv.copy_blocks(out.copies)  # copy-on-write and swaps first, as ModelRunner.run
+        packed = SchedulerOutput(list(out.scheduled), [], out.preempted, out.num_padding)
+        for i, (d, _) in spec.items():
+            s = out.scheduled[i]
+            s.seq.token_ids.extend(d)  # tentative: only while the batch is packed
+            packed.scheduled[i] = ScheduledSeq(s.seq, s.start, 1 + len(d))
+        try:
+            input_ids, positions, meta, _ = runner.prepare(packed)
+        finally:
+            for i, (d, _) in spec.items():
+                del out.scheduled[i].seq.token_ids[-len(d):]
+        with torch.inference_mode():
+            cache = PagedAttention(runner.kv, meta, runner.model.kernel_ops())
+            hidden = runner.model.hidden_states(input_ids, positions, cache)[0]  # (T, hidden)
+            rows, spans, plain_rows, row = [], {}, [], 0
+            for i, s in enumerate(packed.scheduled):
+                row += s.num_tokens
+                if i in spec:
+                    spans[i] = (len(rows), len(rows) + s.num_tokens)
+                    rows += range(row - s.num_tokens, row)  # every row of the chunk: p_1 .. p_{k+1}
+                elif s.samples:
+                    plain_rows.append(row - 1)
+            logits = runner.model.compute_logits(hidden[rows + plain_rows]).float()  # (R, V)
+        return {i: logits[a:b] for i, (a, b) in spans.items()}, logits[len(rows):]
+
+    @staticmethod
+    def _sample_plain(plain: list[ScheduledSeq], logits: Tensor) -> list[list[int]]:
+        """The non-speculating sampling chunks, exactly as ``ModelRunner.run`` samples them (n for a fork)."""
+        samplers = [s for s in plain if s.samples]
+        rows, params, gens = [], [], []
+        for r, s in enumerate(samplers):
+            for j in range(s.num_samples):
+                rows.append(r)
+                params.append(s.seq.request.params)
+                gens.append(s.seq.request.generators[s.seq.index + j])
+        tokens = sample(logits[rows], params, gens) if rows else []
+        grouped, k = [], 0
+        for s in samplers:
+            grouped.append(tokens[k : k + s.num_samples])
+            k += s.num_samples
+        return grouped
+
+    # ---- after the forward -----------------------------------------------------------------------------------
+    @staticmethod
+    def _rollback(bm, out: SchedulerOutput, spec: dict, accepted: dict[int, list[int]]) -> None:
+        """Free the slots of rejected drafts: keep the last token + the accepted drafts (their K/V is right)."""
+        for i in spec:
+            seq = out.scheduled[i].seq
+            kept = len(accepted[i]) - 1 if i in accepted else 0
+            bm.truncate(seq.seq_id, seq.num_tokens + kept)
+
+    def _commit(self, engine: LLMEngine, seq, tokens: list[int], num_drafts: int,
+                logits: Tensor | None) -> list[StepOutput]:
+        """Commit ``tokens`` one at a time through the scheduler's postprocess and the engine's emit (each stop
+        rule applies per token; nothing after a stop is emitted); record the metrics."""
+        updates, emitted = [], 0
+        for j, token in enumerate(tokens):
+            if seq.status is not SequenceStatus.RUNNING:
+                break  # EOS, max_tokens or a stop string ended it: the rest is never emitted
+            one = SchedulerOutput([ScheduledSeq(seq, seq.num_tokens - 1, 1)], num_padding=0)
+            updates += engine._postprocess(one, StepResult([[token]], None if logits is None else logits[j : j + 1]))
+            emitted += 1
+        m, s = seq.metrics, self.stats
+        m.spec_verify_steps += 1
+        m.spec_draft_tokens += num_drafts
+        m.spec_accepted_tokens += len(tokens) - 1
+        s.verify_steps += 1
+        s.draft_tokens += num_drafts
+        s.accepted_tokens += len(tokens) - 1
+        s.emitted_tokens += emitted
+        if seq.status.finished and hasattr(self.proposer, "release"):
+            self.proposer.release(seq)
+        return updates
+
