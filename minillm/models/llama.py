@@ -110,8 +110,9 @@ class Transformer(nn.Module):
         """The implementations the layers call: ``kernels`` resolved for this device and dtype (cached)."""
         return ops_for(self.kernels, self.device, self.dtype)
 
-    def hidden_states(self, input_ids: Tensor, positions: Tensor, cache=None) -> Tensor:
-        """input_ids, positions [B, L] -> final-normed hidden states [B, L, hidden]."""
+    def hidden_states(self, input_ids: Tensor, positions: Tensor, cache=None, num_layers: int | None = None) -> Tensor:
+        """input_ids, positions [B, L] -> final-normed hidden states [B, L, hidden].  ``num_layers``: run only the
+        first k decoder layers, then the final norm (early exit: the self-drafting model of speculative decoding)."""
         if input_ids.dim() != 2 or positions.shape != input_ids.shape:
             raise ValueError(f"input_ids and positions must both be [B, L]; got {tuple(input_ids.shape)} "
                              f"and {tuple(positions.shape)}")
@@ -119,7 +120,7 @@ class Transformer(nn.Module):
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.model.rotary_emb(positions, x.dtype)  # once per forward, shared by every layer
         residual = None
-        for i, layer in enumerate(self.model.layers):
+        for i, layer in enumerate(self.model.layers[:num_layers]):
             x, residual = layer(x, residual, cos, sin, i, ops, cache)
         if residual is None:  # no layers
             return self.model.norm(x, ops)

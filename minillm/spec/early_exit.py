@@ -44,12 +44,7 @@ class EarlyExitModel:
 
     def hidden_states(self, input_ids: Tensor, positions: Tensor, cache=None) -> Tensor:
         """input_ids, positions [B, L] -> hidden [B, L, hidden] after the first ``num_layers`` layers + final norm."""
-        body, ops = self.target.model, self.kernel_ops()
-        x = body.embed_tokens(input_ids)
-        cos, sin = body.rotary_emb(positions, x.dtype)
-        for i, layer in enumerate(body.layers[: self.num_layers]):
-            x = layer(x, cos, sin, i, ops, cache)
-        return body.norm(x, ops)
+        return self.target.hidden_states(input_ids, positions, cache, num_layers=self.num_layers)
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
         """[..., hidden] -> [..., V] through the target's own LM head."""

@@ -74,14 +74,11 @@ def build_proposer(config: SpeculativeConfig, target: Transformer, max_len: int)
     if config.method == "early_exit":
         return DraftModelProposer(EarlyExitModel(target, config.num_layers), max_len)
     if config.method == "quantized":
-        try:
-            from minillm.quant import quantize_model  # the quantization issue's int4 model swap
-        except ImportError:
-            quantize_model = None
-        if quantize_model is None:
-            raise ValueError("speculative_config method 'quantized' needs quantization support "
-                             "(minillm.quant.quantize_model), which this build lacks: use 'early_exit' or 'draft'")
-        return DraftModelProposer(quantize_model(target, "int4"), max_len)
+        import copy
+
+        from minillm.quant.apply import quantize_model  # the target's int4 twin: its own packed weights
+
+        return DraftModelProposer(quantize_model(copy.deepcopy(target), "int4"), max_len)
     draft = config.model
     if not hasattr(draft, "hidden_states"):  # a path or hub id
         from minillm.models.loader import load_model

@@ -56,6 +56,7 @@ def assert_all_free(eng: LLMEngine) -> None:
 SPECS = {
     "ngram": dict(method="ngram", num_speculative_tokens=3, prompt_lookup_min=1, prompt_lookup_max=3),
     "early_exit": dict(method="early_exit", num_layers=1, num_speculative_tokens=4),
+    "quantized": dict(method="quantized", num_speculative_tokens=3),  # the target's int4 twin drafts
     "draft-other": "other",  # a different random model with the same vocabulary
     "draft-self": "self",  # the target drafting for itself: every draft is accepted
 }
@@ -181,8 +182,6 @@ def test_bad_speculative_configs_raise_value_errors_naming_the_fix(model):
         engine(model, dict(method="early_exit", num_layers=model.config.num_layers))
     with pytest.raises(ValueError, match="vocabulary"):
         engine(model, dict(model=tiny(2, 4, 2, vocab=V + 8)))
-    with pytest.raises(ValueError, match="quantization support"):
-        engine(model, dict(method="quantized"))
 
 
 def test_speculation_respects_the_steps_token_budget(model):
