@@ -20,8 +20,6 @@ isolation then finds the culprit).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 from torch import Tensor
 
@@ -33,21 +31,22 @@ from minillm.kv.paged_cache import PagedAttention
 from minillm.outputs import StepOutput
 from minillm.sampling.rejection import rejection_sample
 from minillm.sampling.sampler import sample
-from minillm.spec.proposer import SpecStats, build_proposer
-
-if TYPE_CHECKING:
-    from minillm.engine.llm_engine import LLMEngine
+from minillm.spec.build import build_proposer
+from minillm.spec.proposer import SpecStats
 
 
 class SpecDecoder:
-    """The proposer for ``config`` and the speculative step; ``stats`` counts over the engine's life."""
+    """The proposer for ``config`` and the speculative step; ``stats`` counts over the engine's life.
+
+    Its methods take the ``LLMEngine`` driving the step (``engine``: its scheduler, block manager, runner and
+    detokenizers); not imported here, which would make the two modules import each other."""
 
     def __init__(self, config: SpeculativeConfig, model, max_model_len: int):
         self.config = config
         self.proposer = build_proposer(config, model, max_model_len)
         self.stats = SpecStats()
 
-    def step(self, engine: LLMEngine, out: SchedulerOutput) -> tuple[list[StepOutput], SchedulerOutput | None]:
+    def step(self, engine, out: SchedulerOutput) -> tuple[list[StepOutput], SchedulerOutput | None]:
         """Run ``out`` speculatively -> (updates, None); or ([], what the engine should run plainly) when no
         sequence has drafts (or the speculative forward failed: then the block copies have already run)."""
         spec = self._draft(engine, out)
@@ -72,7 +71,7 @@ class SpecDecoder:
         return updates, None
 
     # ---- before the forward ----------------------------------------------------------------------------------
-    def _draft(self, engine: LLMEngine, out: SchedulerOutput) -> dict[int, tuple[list[int], Tensor | None]]:
+    def _draft(self, engine, out: SchedulerOutput) -> dict[int, tuple[list[int], Tensor | None]]:
         """Propose for the eligible chunks and give the drafts KV slots; -> {index in out.scheduled: (drafts, q)}."""
         budget = engine.config.max_num_batched_tokens - out.num_tokens
         chosen, caps = [], []
@@ -101,7 +100,7 @@ class SpecDecoder:
             spec[i] = (d, None if q is None else q[: len(d)])
         return spec
 
-    def _forward(self, engine: LLMEngine, out: SchedulerOutput, spec: dict) -> tuple[dict[int, Tensor], Tensor]:
+    def _forward(self, engine, out: SchedulerOutput, spec: dict) -> tuple[dict[int, Tensor], Tensor]:
         """One packed forward with each drafting sequence fed [last, x_1..x_k]; -> ({index: target logits
         [k+1, V] fp32}, plain sampling rows' logits [B_s, V] fp32)."""
         runner = engine.runner
@@ -156,7 +155,7 @@ class SpecDecoder:
             kept = len(accepted[i]) - 1 if i in accepted else 0
             bm.truncate(seq.seq_id, seq.num_tokens + kept)
 
-    def _commit(self, engine: LLMEngine, seq, tokens: list[int], num_drafts: int,
+    def _commit(self, engine, seq, tokens: list[int], num_drafts: int,
                 logits: Tensor | None) -> list[StepOutput]:
         """Commit ``tokens`` one at a time through the scheduler's postprocess and the engine's emit (each stop
         rule applies per token; nothing after a stop is emitted); record the metrics."""

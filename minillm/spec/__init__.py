@@ -6,6 +6,7 @@
 ``SpeculativeConfig`` into one; verification is ``sampling.rejection``, the engine step ``engine.spec_decode``.
 """
 
-from minillm.spec.proposer import Proposal, Proposer, SpecStats, build_proposer
+from minillm.spec.build import build_proposer
+from minillm.spec.proposer import Proposal, Proposer, SpecStats
 
 __all__ = ["Proposal", "Proposer", "SpecStats", "build_proposer"]
