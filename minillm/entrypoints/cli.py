@@ -144,6 +144,10 @@ def cmd_bench(a) -> int:
         from minillm.perf.bench.serving import bench_serving
 
         bench_serving(a.model, device=a.device, threads=a.threads, quick=a.quick)
+    elif a.what == "spec":
+        from minillm.perf.bench.spec import bench_spec
+
+        bench_spec(a.model, device=a.device, n_tokens=a.tokens, repeats=a.repeats)
     elif a.what == "tp":
         from minillm.perf.bench.tp import bench_tp
 
@@ -201,9 +205,9 @@ def build_parser() -> argparse.ArgumentParser:
     for flag in ("--max-num-seqs", "--max-num-batched-tokens", "--num-kv-blocks", "--max-model-len"):
         s.add_argument(flag, type=int, default=None, help="EngineConfig option")
     s.set_defaults(fn=cmd_serve)
-    b = sub.add_parser("bench", help="side-by-side benchmarks (decode | attention | serving | quant | tp | serve: a "
-                                     "load generator for any OpenAI-compatible server, see 'bench serve --help')")
-    b.add_argument("what", choices=["decode", "attention", "serving", "quant", "serve", "tp"])
+    b = sub.add_parser("bench", help="side-by-side benchmarks (decode | attention | serving | quant | spec | tp | "
+                                     "serve: a load generator for any OpenAI server, see 'bench serve --help')")
+    b.add_argument("what", choices=["decode", "attention", "serving", "quant", "spec", "serve", "tp"])
     b.add_argument("--model", default=None)
     b.add_argument("--device", default=None)
     b.add_argument("--dtypes", default="float32,bfloat16")
