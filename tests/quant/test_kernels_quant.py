@@ -1,3 +1,5 @@
+import platform
+
 import pytest
 import torch
 
@@ -11,7 +13,7 @@ def _targets() -> list[str | None]:
     """None: this CPU's build (VNNI or AVX2 intrinsics where present).  On x86 also "x86-64", the portable C path
     an AVX2-less or ARM machine compiles, and "x86-64-v3" (AVX2 without VNNI) where this CPU can run it: every
     variant of csrc/quant.c is tested on one machine."""
-    if native_quant.platform.machine() not in ("x86_64", "AMD64"):
+    if platform.machine() not in ("x86_64", "AMD64"):
         return [None]
     try:
         avx2 = " avx2 " in next(line for line in open("/proc/cpuinfo") if line.startswith("flags")) + " "

@@ -63,18 +63,19 @@ def build_flags() -> list[list[str]]:
     return [a + omp for omp in (["-fopenmp"], []) for a in arch + [[]]]
 
 
-def _compile(out: Path) -> None:
-    """Build ``csrc/native.c`` into the shared library ``out`` with the first of ``build_flags()`` that compiles;
-    warn once when that build has no OpenMP; RuntimeError with the compiler's messages when none compiles."""
+def _compile(out: Path, src: Path = _SRC, flags: list[list[str]] | None = None) -> None:
+    """Build ``src`` (default ``csrc/native.c``) into the shared library ``out`` with the first of ``flags``
+    (default ``build_flags()``) that compiles; warn once when that build has no OpenMP; RuntimeError with the
+    compiler's messages when none compiles.  ``kernels/cpu/quant.py`` builds ``csrc/quant.c`` through it too."""
     cc = compiler()
     if cc is None:
         raise RuntimeError("no C compiler found (set CC or install gcc)")
-    base = [cc, "-O3", "-ffast-math", "-shared", "-fPIC", str(_SRC)]
+    base = [cc, "-O3", "-ffast-math", "-shared", "-fPIC", str(src)]
     out.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
     errors = []
-    for extra in build_flags():
+    for extra in build_flags() if flags is None else flags:
         try:
             r = subprocess.run(base + extra + ["-o", tmp, "-lm"], capture_output=True, text=True)
         except OSError as e:  # CC names something that cannot run
@@ -91,7 +92,7 @@ def _compile(out: Path) -> None:
         said = r.stderr.strip()[-500:] or f"exit status {r.returncode}"
         errors.append(f"{' '.join(extra) or '(no extra flags)'}: {said}")
     os.unlink(tmp)
-    raise RuntimeError("could not compile the CPU kernels:\n" + "\n".join(errors))
+    raise RuntimeError(f"could not compile {src.name}:\n" + "\n".join(errors))
 
 
 @lru_cache(maxsize=1)

@@ -21,16 +21,13 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import os
-import platform
-import shutil
-import subprocess
-import tempfile
 from functools import lru_cache
 from pathlib import Path
 
 import torch
 from torch import Tensor
 
+from minillm.kernels.cpu import native
 from minillm.kernels.cpu.native import _cpu_key, cache_dir
 from minillm.quant.weight import BLOCK, Int4Weight, Int8Weight
 
@@ -41,29 +38,10 @@ SIMD_NAMES = {3: "int8 dot: AVX-512/AVX VNNI", 2: "int8 dot: AVX2", 0: "int8 dot
 
 
 def _compile(src: Path, out: Path, target: str | None) -> None:
-    # Same compiler and flags as native.py's build (which is hard-wired to native.c); OpenMP when available.
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
-    if cc is None:
-        raise RuntimeError("no C compiler found (set CC or install gcc)")
-    if target is not None:
-        march = [f"-march={target}"]
-    else:
-        march = ["-march=native"] if platform.machine() in ("x86_64", "AMD64") else ["-mcpu=native"]
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
-    os.close(fd)
-    errors = []
-    for extra in (march + ["-fopenmp"], march, [] if target is None else None):
-        if extra is None:
-            break  # an explicit target is never silently replaced by the compiler's default
-        r = subprocess.run([cc, "-O3", "-ffast-math", "-shared", "-fPIC", str(src), *extra, "-o", tmp, "-lm"],
-                           capture_output=True, text=True)
-        if r.returncode == 0:
-            os.replace(tmp, out)  # atomic: a concurrent process sees the old file or the new one
-            return
-        errors.append(r.stderr.strip()[-500:])
-    os.unlink(tmp)
-    raise RuntimeError(f"could not compile {src.name}:\n" + "\n".join(errors))
+    """native.py's build (same compiler, flags and OpenMP fallback); an explicit ``target`` (``-march=...``, for the
+    portability tests) is tried with and without OpenMP, never silently replaced by the compiler's default."""
+    flags = None if target is None else [[f"-march={target}", "-fopenmp"], [f"-march={target}"]]
+    native._compile(out, src, flags)
 
 
 @lru_cache(maxsize=4)
