@@ -11,7 +11,7 @@ import os
 from collections.abc import Iterator, Sequence
 
 from minillm.config import EngineConfig
-from minillm.engine.inputs import Prompt, merge_eos_token_ids, to_token_ids, validate_messages
+from minillm.engine.inputs import Prompt, chat_prompt_ids, merge_eos_token_ids, to_token_ids
 from minillm.engine.llm_engine import LLMEngine
 from minillm.models.loader import load_model, load_tokenizer
 from minillm.outputs import RequestOutput, StepOutput
@@ -68,11 +68,7 @@ class LLM:
 
     def apply_chat_template(self, messages: list[dict]) -> list[int]:
         """Messages [{"role": str, "content": str}] -> prompt ids ending with the assistant's turn."""
-        messages = validate_messages(messages)
-        if not getattr(self.tokenizer, "chat_template", None):
-            raise ValueError("this model's tokenizer has no chat template: use generate() with a plain prompt")
-        out = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        return list(out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out)
+        return chat_prompt_ids(self.tokenizer, messages)
 
     # --- generation ----------------------------------------------------------------------------------------
     def generate(self, prompts: Prompt | Sequence[Prompt],

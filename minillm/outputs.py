@@ -127,3 +127,26 @@ class CompletionOutput:
     finish_reason: str
     metrics: RequestMetrics = field(repr=False)
     error: str | None = None  # with finish_reason "error"
+
+
+@dataclass(frozen=True)
+class EngineState:
+    """The engine's load at one moment (``LLMEngine.state()``): what a server exports as gauges and an operator
+    watches — the batch, the queue, KV-block use, prefix-cache hits and speculation, since the engine started."""
+
+    running: int = 0  # sequences in the running batch
+    waiting: int = 0  # sequences waiting for admission (incl. recompute-preempted ones)
+    swapped: int = 0  # sequences swapped out to host memory
+    kv_blocks_used: int = 0
+    kv_blocks_total: int = 0
+    prefix_hit_rate: float = 0.0  # prompt tokens served from the prefix cache / prompt tokens looked up
+    steps: int = 0
+    preemptions: int = 0
+    spec_verify_steps: int = 0  # speculative decoding: sequence-steps that verified drafts
+    spec_draft_tokens: int = 0  # drafts proposed
+    spec_accepted_tokens: int = 0  # drafts the target accepted
+
+    @property
+    def spec_acceptance_rate(self) -> float | None:
+        """Accepted / proposed drafts (None before any, or without speculation)."""
+        return self.spec_accepted_tokens / self.spec_draft_tokens if self.spec_draft_tokens else None

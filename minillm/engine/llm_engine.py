@@ -40,7 +40,7 @@ from minillm.engine.sequence import Sequence as Seq
 from minillm.engine.spec_decode import SpecDecoder
 from minillm.kv.paged_cache import PagedKVCache, kv_bytes_per_block
 from minillm.models.llama import Transformer
-from minillm.outputs import CompletionOutput, RequestOutput, StepOutput
+from minillm.outputs import CompletionOutput, EngineState, RequestOutput, StepOutput
 from minillm.sampling.params import SamplingParams
 from minillm.sampling.sampler import make_generator, sample_seed
 from minillm.spec.proposer import SpecStats
@@ -103,6 +103,17 @@ class LLMEngine:
     def spec_stats(self) -> SpecStats | None:
         """Speculative decoding counters over the engine's life (None without a ``speculative_config``)."""
         return None if self.speculator is None else self.speculator.stats
+
+    def state(self) -> EngineState:
+        """The engine's load now (batch, queue, KV blocks, prefix hits, speculation): a frozen copy, safe to hand
+        to another thread (the OpenAI server's ``/metrics`` reads it while the loop thread steps)."""
+        s, bm, spec = self.scheduler, self.block_manager, self.spec_stats
+        return EngineState(
+            running=len(s.running), waiting=len(s.waiting), swapped=len(s.swapped),
+            kv_blocks_used=bm.device.num_used, kv_blocks_total=bm.device.num_blocks,
+            prefix_hit_rate=bm.prefix_stats.hit_rate, steps=s.stats.steps, preemptions=s.stats.preemptions,
+            spec_verify_steps=spec.verify_steps if spec else 0, spec_draft_tokens=spec.draft_tokens if spec else 0,
+            spec_accepted_tokens=spec.accepted_tokens if spec else 0)
 
     @property
     def num_live_requests(self) -> int:

@@ -208,6 +208,24 @@ def test_abort_frees_blocks_and_keeps_partial_output(model, workload):
     assert_all_free(eng)
 
 
+def test_state_reports_the_batch_the_queue_and_kv_use_as_they_change(model, workload):
+    prompts, _, _ = workload
+    eng = engine(model, max_num_seqs=2)
+    idle = eng.state()
+    assert (idle.running, idle.waiting, idle.kv_blocks_used, idle.steps) == (0, 0, 0, 0)
+    assert idle.kv_blocks_total == eng.block_manager.device.num_blocks and idle.spec_acceptance_rate is None
+    for p in prompts[:3]:
+        eng.add_request(p, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+    assert (eng.state().running, eng.state().waiting) == (0, 3)
+    eng.step()
+    busy = eng.state()
+    assert (busy.running, busy.waiting, busy.steps) == (2, 1, 1) and busy.kv_blocks_used > 0
+    while eng.has_unfinished_requests():
+        eng.step()
+    done = eng.state()
+    assert (done.running, done.waiting, done.kv_blocks_used) == (0, 0, 0) and done.steps > busy.steps
+
+
 @pytest.mark.parametrize("preemption", ["recompute", "swap"])
 def test_budget_for_a_single_sequence_completes_without_deadlock(model, workload, preemption):
     prompts, params, solo = workload

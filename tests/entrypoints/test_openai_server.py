@@ -23,7 +23,7 @@ uvicorn = pytest.importorskip("uvicorn")
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 from minillm import EngineConfig, LLMEngine, ModelConfig  # noqa: E402
-from minillm.entrypoints.openai.engine_loop import chat_prompt_ids  # noqa: E402
+from minillm.engine.inputs import chat_prompt_ids  # noqa: E402
 from minillm.entrypoints.openai.server import build_app  # noqa: E402
 from minillm.models.loader import build_model, load_tokenizer  # noqa: E402
 
@@ -167,6 +167,44 @@ def test_n_2_returns_two_choices_and_counts_both(live):
     assert r.usage.completion_tokens == 6
 
 
+def test_a_batch_of_prompts_answers_each_prompt_at_its_own_choice_indices(live):
+    kw = dict(model=MODEL, max_tokens=4, temperature=0, extra_body={"ignore_eos": True})
+    prompts = ["The sky is", "One, two,", "def main():"]
+    alone = [live.client().completions.create(prompt=q, **kw).choices[0].text for q in prompts]
+    r = live.client().completions.create(prompt=prompts, n=2, **kw)
+    by_index = {c.index: c.text for c in r.choices}
+    assert sorted(by_index) == list(range(6))  # choice k * n + j is prompt k's sample j
+    assert [by_index[2 * k] for k in range(3)] == alone and [by_index[2 * k + 1] for k in range(3)] == alone
+    prompt_tokens = sum(live.client().completions.create(prompt=q, **kw).usage.prompt_tokens for q in prompts)
+    assert r.usage.prompt_tokens == prompt_tokens and r.usage.completion_tokens == 6 * 4
+
+
+def test_a_streamed_batch_of_token_id_prompts_joins_to_the_non_streamed_choices(live):
+    kw = dict(model=MODEL, prompt=[[1, 2, 3], [4, 5, 6, 7]], max_tokens=5, temperature=0,
+              extra_body={"ignore_eos": True})
+    full = {c.index: c.text for c in live.client().completions.create(**kw).choices}
+    joined: dict[int, str] = {}
+    finish = {}
+    for chunk in live.client().completions.create(**kw, stream=True, stream_options={"include_usage": True}):
+        for c in chunk.choices:
+            joined[c.index] = joined.get(c.index, "") + c.text
+            if c.finish_reason is not None:
+                finish[c.index] = c.finish_reason
+        if chunk.usage is not None:
+            usage = chunk.usage
+    assert joined == full and finish == {0: "length", 1: "length"}
+    assert usage.prompt_tokens == 7 and usage.completion_tokens == 10
+
+
+def test_a_batch_with_one_bad_prompt_is_a_400_naming_it_and_leaves_nothing_running(live):
+    with pytest.raises(openai.BadRequestError) as e:
+        live.client().completions.create(model=MODEL, prompt=[[1, 2, 3], []], max_tokens=50,
+                                         extra_body={"ignore_eos": True})
+    assert e.value.status_code == 400 and e.value.body["param"] == "prompt[1]"
+    wait_until_idle(live)
+    assert_still_serves(live)
+
+
 def test_stop_string_ends_the_text_before_it(live):
     kw = dict(model=MODEL, prompt="Count with me:", max_tokens=24, temperature=0, extra_body={"ignore_eos": True})
     full = live.client().completions.create(**kw).choices[0].text
@@ -188,6 +226,26 @@ def test_models_health_and_metrics(live):
         assert name in text
     assert metric(text, "minillm_kv_blocks_total") > 0
     assert 'minillm_http_requests_total{path="/v1/completions",status="200"}' in text
+
+
+def test_metrics_report_speculative_acceptance_of_an_early_exit_engine(model, tokenizer):
+    spec = {"method": "early_exit", "num_speculative_tokens": 3, "num_layers": 1}  # drafts at every step
+    server = LiveServer(build_app(LLMEngine(model, tokenizer, EngineConfig(max_num_seqs=2, speculative_config=spec))))
+    try:
+        text = httpx.get(server.url + "/metrics").text
+        assert metric(text, "minillm_spec_decode_num_draft_tokens") == 0  # exported before any request too
+        server.client().completions.create(model=MODEL, prompt=[5, 6, 7, 8], max_tokens=24, temperature=0,
+                                           extra_body={"ignore_eos": True})
+        deadline = time.monotonic() + 10  # the loop thread publishes its state just after answering
+        while metric(text := httpx.get(server.url + "/metrics").text, "minillm_spec_decode_num_draft_tokens") == 0:
+            assert time.monotonic() < deadline, "no draft tokens were reported"
+            time.sleep(0.02)
+        drafted = metric(text, "minillm_spec_decode_num_draft_tokens")
+        accepted = metric(text, "minillm_spec_decode_num_accepted_tokens")
+        assert drafted > 0 and metric(text, "minillm_spec_decode_num_verify_steps") > 0
+        assert metric(text, "minillm_spec_decode_acceptance_rate") == pytest.approx(accepted / drafted)
+    finally:
+        server.stop()
 
 
 def test_sixteen_concurrent_streams_all_finish_with_their_own_lengths(live):

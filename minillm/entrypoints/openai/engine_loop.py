@@ -20,7 +20,8 @@ import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 
-from minillm.outputs import RequestOutput, StepOutput
+from minillm.engine.inputs import chat_prompt_ids
+from minillm.outputs import EngineState, RequestOutput, StepOutput
 from minillm.sampling.params import SamplingParams
 
 log = logging.getLogger("minillm.serve")
@@ -43,21 +44,6 @@ class PromptTooLong(ValueError):
 
 class EngineFailed(RuntimeError):
     """The engine raised inside ``step()``; every request in flight at that moment ends with this error."""
-
-
-@dataclass(frozen=True)
-class EngineSnapshot:
-    """What the loop thread publishes after every iteration, for ``/metrics`` (read without a lock: the loop
-    replaces the whole frozen object, and rebinding an attribute is atomic in CPython)."""
-
-    running: int = 0  # sequences in the running batch
-    waiting: int = 0  # sequences waiting for admission (incl. recompute-preempted ones)
-    swapped: int = 0
-    kv_blocks_used: int = 0
-    kv_blocks_total: int = 0
-    prefix_hit_rate: float = 0.0  # prompt tokens served from the prefix cache / prompt tokens looked up
-    requests: int = 0  # requests the loop is streaming
-    steps: int = 0
 
 
 @dataclass(frozen=True)
@@ -89,18 +75,6 @@ class _Finished:
 @dataclass(frozen=True)
 class _Failed:
     error: BaseException
-
-
-def chat_prompt_ids(tokenizer, messages: Sequence[dict]) -> list[int]:
-    """Messages -> prompt ids ending with the assistant's turn (as ``LLM.apply_chat_template``).
-    Raises ``ValueError`` when there is no template or the template rejects the conversation."""
-    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
-        raise ValueError("messages: this model's tokenizer has no chat template; use /v1/completions")
-    try:
-        out = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True)
-    except Exception as e:  # jinja raises TemplateError for e.g. unsupported roles: the caller's mistake
-        raise ValueError(f"messages: the chat template rejected them ({e})") from e
-    return list(out["input_ids"] if hasattr(out, "keys") else out)
 
 
 class RequestStream:
@@ -153,7 +127,9 @@ class EngineLoop:
         self.engine = engine  # touched only by the loop thread once start() has run
         self.max_model_len: int = engine.max_model_len  # constants, read once here
         self.capacity = engine.config.max_num_seqs + max_queue
-        self.snapshot = EngineSnapshot(kv_blocks_total=engine.block_manager.device.num_blocks)
+        # The engine's load after the loop's latest iteration, for /metrics: read without a lock — the loop thread
+        # replaces the whole frozen object, and rebinding an attribute is atomic in CPython.
+        self.snapshot: EngineState = engine.state()
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}  # loop thread only
         self._in_flight = 0  # event-loop thread only
@@ -344,8 +320,4 @@ class EngineLoop:
         self._publish()
 
     def _publish(self) -> None:
-        s, bm = self.engine.scheduler, self.engine.block_manager
-        self.snapshot = EngineSnapshot(
-            running=len(s.running), waiting=len(s.waiting), swapped=len(s.swapped),
-            kv_blocks_used=bm.device.num_used, kv_blocks_total=bm.device.num_blocks,
-            prefix_hit_rate=bm.prefix_stats.hit_rate, requests=len(self._streams), steps=s.stats.steps)
+        self.snapshot = self.engine.state()

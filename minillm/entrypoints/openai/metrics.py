@@ -1,14 +1,13 @@
 """``GET /metrics``: what to watch on a running server, in Prometheus' text format.
 
 Latencies are histograms (a scraper computes any percentile over any window from the bucket counts); engine
-state is gauges read from the loop thread's latest ``EngineSnapshot`` at scrape time.  Each app gets its own
+state is gauges read from the loop thread's latest ``EngineState`` at scrape time.  Each app gets its own
 ``CollectorRegistry``, so two servers in one process (tests) never share counters.
 """
 
 from __future__ import annotations
 
-from minillm.entrypoints.openai.engine_loop import EngineSnapshot
-from minillm.outputs import RequestOutput
+from minillm.outputs import EngineState, RequestOutput
 
 # Bucket edges in seconds: TTFT spans a cached short prompt (ms) to a long prefill behind a queue (tens of s);
 # per-token times span a GPU decode step (ms) to a loaded 2-core CPU (hundreds of ms).
@@ -52,6 +51,16 @@ class ServerMetrics:
         self.kv_total = Gauge("minillm_kv_blocks_total", "KV-cache blocks on the device", registry=r)
         self.prefix_hit_rate = Gauge("minillm_prefix_cache_hit_rate", "Prompt tokens served from the prefix cache "
                                      "/ prompt tokens looked up, since start", registry=r)
+        # Speculative decoding (zero without a speculative_config).  Engine-wide counts since start, exported as
+        # gauges because the engine owns the counting; rate() over them works the same in PromQL.
+        self.spec_draft = Gauge("minillm_spec_decode_num_draft_tokens", "Draft tokens proposed, since start",
+                                registry=r)
+        self.spec_accepted = Gauge("minillm_spec_decode_num_accepted_tokens", "Draft tokens the target accepted, "
+                                   "since start", registry=r)
+        self.spec_verify = Gauge("minillm_spec_decode_num_verify_steps", "Sequence-steps that verified drafts "
+                                 "(one target forward each), since start", registry=r)
+        self.spec_acceptance = Gauge("minillm_spec_decode_acceptance_rate", "Accepted / proposed draft tokens, "
+                                     "since start (0 before any)", registry=r)
 
     def count_response(self, path: str, status: int) -> None:
         self.http_requests.labels(path=path, status=str(status)).inc()
@@ -73,7 +82,7 @@ class ServerMetrics:
             for gap in m.itl_s:
                 self.itl.observe(gap)
 
-    def render(self, snapshot: EngineSnapshot, in_flight: int) -> bytes:
+    def render(self, snapshot: EngineState, in_flight: int) -> bytes:
         """The text exposition, with the gauges set from ``snapshot`` first."""
         from prometheus_client import generate_latest
 
@@ -84,4 +93,8 @@ class ServerMetrics:
         self.kv_used.set(snapshot.kv_blocks_used)
         self.kv_total.set(snapshot.kv_blocks_total)
         self.prefix_hit_rate.set(snapshot.prefix_hit_rate)
+        self.spec_draft.set(snapshot.spec_draft_tokens)
+        self.spec_accepted.set(snapshot.spec_accepted_tokens)
+        self.spec_verify.set(snapshot.spec_verify_steps)
+        self.spec_acceptance.set(snapshot.spec_acceptance_rate or 0.0)
         return generate_latest(self.registry)

@@ -115,14 +115,12 @@ def sampling_params(body: p.ChatCompletionRequest | p.CompletionRequest, max_tok
         raise APIError(400, str(e), param=_param_of(str(e))) from e
 
 
-def completion_prompt(prompt) -> str | list[int]:
-    """A completion's prompt: a string or token ids (a batch of one is unwrapped; larger batches are refused)."""
+def completion_prompts(prompt) -> list[str | list[int]]:
+    """A completion's prompts: one string or token-id list, or a batch of those (OpenAI's ``prompt`` takes all four
+    shapes).  Each prompt of a batch becomes its own engine request; choice ``i * n + j`` is prompt i's sample j."""
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-        if len(prompt) != 1:
-            raise APIError(400, f"prompt: batches of prompts are not supported (got {len(prompt)}); send one "
-                                "request per prompt", param="prompt")
-        prompt = prompt[0]
-    return prompt
+        return list(prompt)
+    return [prompt]
 
 
 def chat_messages(messages: Sequence[p.ChatMessage]) -> list[dict]:
@@ -140,11 +138,45 @@ def chat_messages(messages: Sequence[p.ChatMessage]) -> list[dict]:
     return out
 
 
-def usage(stream: RequestStream) -> p.UsageInfo:
-    out = stream.output
-    completion = sum(len(s.token_ids) for s in out.outputs) if out is not None else 0
-    prompt = len(stream.prompt_token_ids)
+def usage(streams: Sequence[RequestStream]) -> p.UsageInfo:
+    """Token counts summed over a request's prompts (a completion may carry several) and all their samples."""
+    prompt = sum(len(st.prompt_token_ids) for st in streams)
+    completion = sum(len(s.token_ids) for st in streams if st.output is not None for s in st.output.outputs)
     return p.UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+
+
+async def merged(streams: Sequence[RequestStream]) -> AsyncIterator[tuple[int, object]]:
+    """``(k, update)`` from several streams as they arrive (k: the stream's position).  One task per stream feeds
+    a shared queue; an engine failure in any stream is raised here, and leaving early cancels the tasks."""
+    if len(streams) == 1:  # the common case: no tasks
+        async for u in streams[0]:
+            yield 0, u
+        return
+    out: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(k: int, stream: RequestStream):
+        try:
+            async for u in stream:
+                await out.put((k, u))
+            await out.put((k, done))
+        except BaseException as e:  # EngineFailed (or cancellation): hand it to the consumer
+            await out.put((k, e))
+
+    tasks = [asyncio.ensure_future(pump(k, st)) for k, st in enumerate(streams)]
+    try:
+        left = len(streams)
+        while left:
+            k, item = await out.get()
+            if item is done:
+                left -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield k, item
+    finally:
+        for t in tasks:
+            t.cancel()
 
 
 def sse(item: BaseModel | str) -> str:
@@ -184,11 +216,28 @@ class Server:
             raise APIError(413, str(e), param=param, code="context_length_exceeded") from e
         except ValueError as e:  # the engine's checks: "prompt 0 is empty", "n=3 ... exceed max_num_seqs", ...
             msg = str(e)
-            raise APIError(400, msg, param=_param_of(msg) or (param if msg.startswith("prompt") else None)) from e
+            named = msg.startswith(("prompt", "messages", "this model's tokenizer"))
+            raise APIError(400, msg, param=_param_of(msg) or (param if named else None)) from e
 
-    async def collect(self, stream: RequestStream, request: Request) -> bool:
-        """Wait for a non-streamed request to finish; False if the client disconnected first (then abort)."""
-        done = asyncio.ensure_future(stream.result())
+    async def submit_all(self, prompts: Sequence, params: SamplingParams, request_id: str,
+                         param: str) -> list[RequestStream]:
+        """``submit`` each prompt (ids ``request_id``, or ``request_id-k`` for a batch); if one is refused, the
+        ones already admitted are aborted, so a bad batch leaves nothing running."""
+        if len(prompts) == 1:
+            return [await self.submit(prompts[0], params, request_id, param)]
+        streams: list[RequestStream] = []
+        try:
+            for k, prompt in enumerate(prompts):
+                streams.append(await self.submit(prompt, params, f"{request_id}-{k}", f"{param}[{k}]"))
+        except BaseException:
+            for st in streams:
+                st.close()
+            raise
+        return streams
+
+    async def collect(self, streams: Sequence[RequestStream], request: Request) -> bool:
+        """Wait for non-streamed requests to finish; False if the client disconnected first (then abort)."""
+        done = asyncio.ensure_future(asyncio.gather(*(st.result() for st in streams)))
         gone = asyncio.ensure_future(_disconnected(request))
         await asyncio.wait({done, gone}, return_when=asyncio.FIRST_COMPLETED)
         gone.cancel()
@@ -196,46 +245,51 @@ class Server:
             done.cancel()
             return False
         done.result()  # raises EngineFailed
-        self.metrics.observe(stream.output)
+        for st in streams:
+            self.metrics.observe(st.output)
         return True
 
-    async def events(self, stream: RequestStream, chunk, n: int, usage_chunk) -> AsyncIterator[str]:
-        """SSE: ``chunk(index, text, finish_reason)`` per update with text or an end, then the usage chunk
-        (``usage_chunk`` or None), then ``[DONE]``.  Closing the stream early (disconnect) aborts the request."""
+    async def events(self, streams: Sequence[RequestStream], chunk, n: int, usage_chunk) -> AsyncIterator[str]:
+        """SSE: ``chunk(index, text, finish_reason)`` per update with text or an end (choice index ``k * n + i``
+        for sample i of prompt k), then the usage chunk (``usage_chunk`` or None), then ``[DONE]``.  Closing the
+        stream early (disconnect) aborts the requests."""
         try:
-            for i in range(n):
+            for i in range(len(streams) * n):
                 first = chunk(i, None, None)
                 if first is not None:
                     yield sse(first)
-            async for u in stream:
+            async for k, u in merged(streams):
                 if u.text or u.finish_reason is not None:
-                    yield sse(chunk(u.index, u.text, u.finish_reason))
-            for sample in stream.output.outputs:  # aborted by the server (shutdown): say so, then end cleanly
-                if sample.finish_reason == "abort":
-                    yield sse(chunk(sample.index, "", "abort"))
-            self.metrics.observe(stream.output)
+                    yield sse(chunk(k * n + u.index, u.text, u.finish_reason))
+            for k, st in enumerate(streams):
+                for sample in st.output.outputs:  # aborted by the server (shutdown): say so, then end cleanly
+                    if sample.finish_reason == "abort":
+                        yield sse(chunk(k * n + sample.index, "", "abort"))
+                self.metrics.observe(st.output)
             if usage_chunk is not None:
-                yield sse(usage_chunk(usage(stream)))
+                yield sse(usage_chunk(usage(streams)))
         except EngineFailed as e:
             yield sse(p.ErrorResponse(error=p.ErrorInfo(message=str(e), type="server_error")))
         finally:
-            stream.close()
+            for st in streams:
+                st.close()
         yield sse("[DONE]")
 
 
 class EventStream(StreamingResponse):
-    """An SSE response that closes its ``RequestStream`` however the response ends — also when the client left
+    """An SSE response that closes its ``RequestStream``s however the response ends — also when the client left
     before the body generator ever started (then the generator's own ``finally`` never runs)."""
 
-    def __init__(self, events: AsyncIterator[str], stream: RequestStream):
+    def __init__(self, events: AsyncIterator[str], streams: Sequence[RequestStream]):
         super().__init__(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        self.request_stream = stream
+        self.request_streams = tuple(streams)
 
     async def __call__(self, scope, receive, send):
         try:
             await super().__call__(scope, receive, send)
         finally:
-            self.request_stream.close()
+            for st in self.request_streams:
+                st.close()
 
 
 async def _disconnected(request: Request) -> None:
@@ -323,7 +377,7 @@ def _add_routes(app: FastAPI, server: Server) -> None:
         server.check(body)
         params = sampling_params(body, 16 if body.max_tokens is None else body.max_tokens)
         rid, model = p.random_id("cmpl"), body.model
-        stream = await server.submit(completion_prompt(body.prompt), params, rid, "prompt")
+        streams = await server.submit_all(completion_prompts(body.prompt), params, rid, "prompt")
 
         def chunk(i, text, finish):
             if text is None:
@@ -335,15 +389,16 @@ def _add_routes(app: FastAPI, server: Server) -> None:
             opts = body.stream_options
             usage_chunk = ((lambda u: p.CompletionResponse(id=rid, model=model, choices=[], usage=u))
                            if opts is not None and opts.include_usage else None)
-            return EventStream(server.events(stream, chunk, params.n, usage_chunk), stream)
+            return EventStream(server.events(streams, chunk, params.n, usage_chunk), streams)
         try:
-            if not await server.collect(stream, request):
+            if not await server.collect(streams, request):
                 return Response(status_code=499)  # nginx's "client closed request"; nobody reads it
         finally:
-            stream.close()
-        choices = [p.CompletionChoice(index=s.index, text=s.text, finish_reason=s.finish_reason)
-                   for s in stream.output.outputs]
-        return p.CompletionResponse(id=rid, model=model, choices=choices, usage=usage(stream))
+            for st in streams:
+                st.close()
+        choices = [p.CompletionChoice(index=k * params.n + s.index, text=s.text, finish_reason=s.finish_reason)
+                   for k, st in enumerate(streams) for s in st.output.outputs]
+        return p.CompletionResponse(id=rid, model=model, choices=choices, usage=usage(streams))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: p.ChatCompletionRequest, request: Request):
@@ -352,7 +407,7 @@ def _add_routes(app: FastAPI, server: Server) -> None:
                           server.loop.max_model_len)  # neither: up to the context (the engine stops there)
         params = sampling_params(body, max_tokens)
         rid, model = p.random_id("chatcmpl"), body.model
-        stream = await server.submit(chat_messages(body.messages), params, rid, "messages")
+        streams = [await server.submit(chat_messages(body.messages), params, rid, "messages")]
 
         def chunk(i, text, finish):
             delta = p.DeltaMessage(role="assistant", content="") if text is None else p.DeltaMessage(content=text)
@@ -363,15 +418,15 @@ def _add_routes(app: FastAPI, server: Server) -> None:
             opts = body.stream_options
             usage_chunk = ((lambda u: p.ChatCompletionChunk(id=rid, model=model, choices=[], usage=u))
                            if opts is not None and opts.include_usage else None)
-            return EventStream(server.events(stream, chunk, params.n, usage_chunk), stream)
+            return EventStream(server.events(streams, chunk, params.n, usage_chunk), streams)
         try:
-            if not await server.collect(stream, request):
+            if not await server.collect(streams, request):
                 return Response(status_code=499)
         finally:
-            stream.close()
+            streams[0].close()
         choices = [p.ChatChoice(index=s.index, message=p.AssistantMessage(content=s.text),
-                                finish_reason=s.finish_reason) for s in stream.output.outputs]
-        return p.ChatCompletionResponse(id=rid, model=model, choices=choices, usage=usage(stream))
+                                finish_reason=s.finish_reason) for s in streams[0].output.outputs]
+        return p.ChatCompletionResponse(id=rid, model=model, choices=choices, usage=usage(streams))
 
 
 def run_server(llm_or_engine, *, host: str = "127.0.0.1", port: int = 8000, shutdown_timeout_s: float = 10.0,
