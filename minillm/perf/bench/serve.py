@@ -346,6 +346,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--result-dir", default=None, help="where the JSON goes (default benchmarks/results)")
     p.add_argument("--no-save", action="store_true")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--peers", default=None, metavar="NAMES",
+                   help="start these servers in turn and measure each on the same trace instead of --base-url: "
+                        "a comma list of minillm, transformers, llamacpp (perf/bench/peers.py)")
+    p.add_argument("--device", default="cpu", help="with --peers: the device every server runs on")
     return p
 
 
@@ -353,6 +357,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
     try:
         ttft, tpot = _slo(a.goodput)
+        if a.peers:
+            from minillm.perf.bench.peers import compare_servers
+
+            compare_servers([p.strip() for p in a.peers.split(",") if p.strip()], _rates(a.request_rate),
+                            a.num_prompts, device=a.device, save=not a.no_save,
+                            out_dir=Path(a.result_dir) if a.result_dir else None, seed=a.seed,
+                            max_tokens=a.max_tokens, endpoint=a.endpoint, burstiness=a.burstiness,
+                            ignore_eos=a.ignore_eos, ttft_slo_s=ttft, tpot_slo_s=tpot,
+                            max_concurrency=a.max_concurrency, progress=not a.no_progress)
+            return 0
         bench_serve(a.base_url, _rates(a.request_rate), a.num_prompts, model=a.model, seed=a.seed,
                     max_tokens=a.max_tokens, endpoint=a.endpoint, burstiness=a.burstiness, ignore_eos=a.ignore_eos,
                     ttft_slo_s=ttft, tpot_slo_s=tpot, api_key=a.api_key, max_concurrency=a.max_concurrency,

@@ -1,0 +1,219 @@
+"""``python -m minillm bench serve --peers minillm,transformers[,llamacpp]``: OpenAI-compatible servers side by side.
+
+Each server is started in turn as its own process on this machine, on the same weights (the default model: its
+GGUF for llama.cpp, the same weights dequantized for minillm and transformers), warmed up with one request, loaded
+by the same generator (``perf/bench/serve.py``) on the same trace at each request rate, and stopped.  One server
+runs at a time, so none steals the other's cores.  Peers:
+
+- ``minillm``: ``python -m minillm serve`` (this package, default engine options);
+- ``transformers``: ``transformers serve DIR --continuous-batching --device cpu|cuda`` (transformers 5's OpenAI
+  server; offline: DIR is minillm's converted checkpoint with ``architectures`` filled in, which GGUF-derived
+  configs lack and ``transformers serve`` needs);
+- ``llamacpp``: ``python -m llama_cpp.server`` on the GGUF itself, when ``llama-cpp-python[server]`` is installed
+  (the optional ``bench`` extra; skipped with a message otherwise).
+
+The result is each peer's ``bench serve`` summary per rate and minillm's ratios (output tokens/s, goodput).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+PEERS = ("minillm", "transformers", "llamacpp")
+
+
+@dataclass(frozen=True)
+class Peer:
+    """How to start one server: ``command`` listens on ``port``; clients send ``model`` as the model name."""
+
+    name: str
+    command: tuple[str, ...]
+    port: int
+    model: str
+    env: dict = field(default_factory=dict)
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def hf_directory(out: Path | None = None) -> Path:
+    """The default model as a transformers checkpoint directory: minillm's cached conversion of the GGUF, linked
+    into ``out`` with ``architectures`` set in config.json (the GGUF's config has none)."""
+    from minillm.models.loader import cache_root, resolve
+
+    src = resolve(None).directory
+    out = Path(out or cache_root() / "peers" / f"{src.name}-hf")
+    out.mkdir(parents=True, exist_ok=True)
+    for f in src.iterdir():
+        if f.name != "config.json" and not (out / f.name).exists():
+            (out / f.name).symlink_to(f.resolve())
+    config = json.loads((src / "config.json").read_text())
+    config["architectures"] = config.get("architectures") or ["LlamaForCausalLM"]
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    return out
+
+
+def make_peer(name: str, device: str = "cpu", port: int | None = None,
+              minillm_args: Sequence[str] = ()) -> Peer | None:
+    """The ``Peer`` for ``name`` (one of ``PEERS``), or None when it is not installed here."""
+    from minillm.entrypoints.openai.server import DEFAULT_MODEL_NAME
+    from minillm.models.loader import default_model_path
+
+    port = port or free_port()
+    common = ["--host", "127.0.0.1", "--port", str(port)]
+    if name == "minillm":
+        cmd = [sys.executable, "-m", "minillm", "serve", "--device", device, *common, *minillm_args]
+        return Peer(name, tuple(cmd), port, DEFAULT_MODEL_NAME)
+    if name == "transformers":
+        exe = Path(sys.executable).with_name("transformers")
+        if not exe.exists():
+            return None
+        d = hf_directory()
+        cmd = [str(exe), "serve", str(d), "--continuous-batching", "--device", device, *common]
+        return Peer(name, tuple(cmd), port, str(d), {"HF_HUB_OFFLINE": "1"})
+    if name == "llamacpp":
+        if importlib.util.find_spec("llama_cpp") is None:
+            return None
+        gguf = default_model_path()
+        cmd = [sys.executable, "-m", "llama_cpp.server", "--model", str(gguf), "--n_ctx", "8192", *common]
+        return Peer(name, tuple(cmd), port, str(gguf))
+    raise ValueError(f"unknown peer {name!r}; choose from {', '.join(PEERS)}")
+
+
+@contextlib.contextmanager
+def running(peer: Peer, log_path: Path, ready_timeout_s: float = 600.0) -> Iterator[Peer]:
+    """Start ``peer``'s process (output to ``log_path``), wait until ``GET /v1/models`` answers, yield; then
+    SIGTERM, and SIGKILL after 30 s.  A process that exits before it is ready raises with its log's tail."""
+    import httpx
+
+    env = {**os.environ, **peer.env}
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(peer.command, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                start_new_session=True)
+        try:
+            deadline = time.monotonic() + ready_timeout_s
+            while True:
+                if proc.poll() is not None:
+                    tail = log_path.read_text()[-2000:]
+                    raise RuntimeError(f"{peer.name} exited with {proc.returncode} before it was ready:\n{tail}")
+                try:
+                    if httpx.get(peer.base_url + "/v1/models", timeout=5).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{peer.name} was not ready after {ready_timeout_s:.0f} s (log: {log_path})")
+                time.sleep(1.0)
+            yield peer
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(10)
+
+
+def warm_up(peer: Peer, endpoint: str = "chat") -> float:
+    """One short request (lazy loading, first-call compilation); returns its seconds."""
+    import httpx
+
+    from minillm.perf.bench.serve import request_body
+
+    body = request_body(endpoint, peer.model, "Say hello.", 4, False)
+    body["stream"] = False
+    body.pop("stream_options", None)
+    path = "/v1/chat/completions" if endpoint == "chat" else "/v1/completions"
+    start = time.perf_counter()
+    httpx.post(peer.base_url + path, json=body, timeout=600).raise_for_status()
+    return time.perf_counter() - start
+
+
+def compare_servers(peers: Sequence[str] = ("minillm", "transformers", "llamacpp"),
+                    request_rates: Sequence[float] = (1.0,), num_prompts: int = 32, *, device: str = "cpu",
+                    minillm_args: Sequence[str] = (), out_dir: Path | None = None, save: bool = True,
+                    **bench_options) -> dict:
+    """Start each of ``peers`` in turn and run ``bench_serve`` against it with the same trace; return
+    ``{"peers": {name: bench payload}, "ratios": [...]}`` (ratios: minillm / peer, per rate) and save JSON."""
+    from minillm.perf.bench.decode import RESULTS_DIR, save_results
+    from minillm.perf.bench.serve import bench_serve
+
+    unknown = [p for p in peers if p not in PEERS]
+    if unknown:
+        raise ValueError(f"unknown peer {unknown[0]!r}; choose from {', '.join(PEERS)}")
+    logs = Path(out_dir or RESULTS_DIR) / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    results, skipped = {}, {}
+    for name in peers:
+        peer = make_peer(name, device, minillm_args=minillm_args)
+        if peer is None:
+            skipped[name] = "not installed here"
+            print(f"[{name}: not installed, skipped]")
+            continue
+        print(f"[{name}: {' '.join(peer.command)}]", flush=True)
+        with running(peer, logs / f"serve-{name}.log") as p:
+            print(f"[{name}: warm-up request {warm_up(p, bench_options.get('endpoint', 'chat')):.1f} s]", flush=True)
+            results[name] = bench_serve(p.base_url, request_rates, num_prompts, model=p.model, save=False,
+                                        **bench_options)
+            for run in results[name]["runs"]:
+                run.pop("requests", None)  # per-request rows stay out of the comparison file
+    ratios = []
+    if "minillm" in results:
+        for i, rate in enumerate(request_rates):
+            ours = results["minillm"]["runs"][i]
+            for name, payload in results.items():
+                if name == "minillm":
+                    continue
+                theirs = payload["runs"][i]
+                ratios.append({"request_rate": rate, "peer": name,
+                               "output_throughput": _ratio(ours["output_throughput"], theirs["output_throughput"]),
+                               "goodput": _ratio(ours["goodput"], theirs["goodput"])})
+    payload = {"benchmark": "serve-peers", "device": device, "request_rates": list(request_rates),
+               "num_prompts": num_prompts, "options": bench_options, "peers": results, "skipped": skipped,
+               "ratios": ratios}
+    print_comparison(payload)
+    if save:
+        rates = "-".join(f"{r:g}" for r in request_rates)
+        payload["path"] = str(save_results(f"serve-peers-{device}-rate{rates}", payload, out_dir))
+        print(f"saved {payload['path']}")
+    return payload
+
+
+def _ratio(a: float, b: float) -> float | None:
+    return a / b if b else None
+
+
+def print_comparison(payload: dict) -> None:
+    print("\nrate   server        out tok/s  goodput req/s  TTFT p50/p99 ms     TPOT p50/p99 ms   done/rejected")
+    for i, rate in enumerate(payload["request_rates"]):
+        for name, res in payload["peers"].items():
+            r = res["runs"][i]
+            t, o = r["ttft_ms"] or {}, r["tpot_ms"] or {}
+            print(f"{rate:<6g} {name:12s} {r['output_throughput']:10.1f} {r['goodput']:14.2f} "
+                  f"{t.get('p50', float('nan')):8.0f}/{t.get('p99', float('nan')):<8.0f} "
+                  f"{o.get('p50', float('nan')):8.0f}/{o.get('p99', float('nan')):<8.0f} "
+                  f"{r['completed']:4d}/{r['rejected']}")
+    for r in payload["ratios"]:
+        fmt = (lambda x: "-" if x is None else f"{x:.2f}x")
+        print(f"minillm / {r['peer']} at {r['request_rate']:g} req/s: output throughput "
+              f"{fmt(r['output_throughput'])}, goodput {fmt(r['goodput'])}")

@@ -1,0 +1,35 @@
+"""``bench serve --peers``: servers started in turn as real processes and measured on the same trace."""
+
+import json
+
+import pytest
+
+from minillm.perf.bench import peers
+
+pytest.importorskip("httpx")
+pytest.importorskip("uvicorn")
+
+
+def test_an_unknown_peer_is_a_value_error_naming_the_choices():
+    with pytest.raises(ValueError, match="minillm, transformers, llamacpp"):
+        peers.compare_servers(["vllm"], save=False)
+
+
+def test_the_transformers_directory_is_a_checkpoint_transformers_can_load(tmp_path):
+    from transformers import AutoConfig
+
+    d = peers.hf_directory(tmp_path / "smol")
+    assert json.loads((d / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
+    assert (d / "model.safetensors").exists() and (d / "tokenizer.json").exists()
+    assert AutoConfig.from_pretrained(d).num_hidden_layers == 30
+
+
+def test_minillm_is_started_measured_on_the_trace_and_stopped(tmp_path):
+    payload = peers.compare_servers(["minillm"], [float("inf")], 3, minillm_args=["--max-model-len", "512"],
+                                    out_dir=tmp_path, max_tokens=3, ignore_eos=True, progress=False)
+    run = payload["peers"]["minillm"]["runs"][0]
+    assert run["completed"] == 3 and run["failed"] == 0 and run["output_throughput"] > 0
+    saved = json.loads(open(payload["path"]).read())
+    assert saved["machine"] and saved["peers"]["minillm"]["runs"][0]["completed"] == 3
+    log = (tmp_path / "logs" / "serve-minillm.log").read_text()
+    assert "serving" in log  # the server's own banner: it was a real process
