@@ -1,13 +1,26 @@
-"""Build one HTML slide deck per solution notebook: ``solutions/NN_name.ipynb`` → ``slides/NN_name.html``.
+"""Build one lecture deck per solution notebook: ``solutions/NN_name.ipynb`` → ``slides/NN_name.html``.
 
     python course/slides.py [--check] [NAMES...]
 
-A new slide starts at every markdown cell that opens with a heading (``#``, ``##``, ``###``). A slide shows the
-markdown (rendered with mistune, which nbconvert already depends on) and the figures that the code cells after it
-produced (PNG outputs, inlined as base64). Code cells tagged ``slide`` also show their source, cells tagged
-``slide-output`` their printed text; cells tagged ``slide-skip`` are left out. The deck is one
-self-contained file — inline CSS and JS, no CDN, no network — viewable offline in any browser: arrow keys,
-space or a click to move, ``f`` for full screen, and printing gives one slide per page.
+The notebook is the deck's only source; the rule that turns it into slides (one idea per slide, at most
+``MAX_WORDS`` words of visible prose, the longer prose in speaker notes):
+
+- A heading (``#``, ``##``, ``###``, anywhere in a markdown cell) starts a section; every slide of the section
+  carries its heading as title. The first ``#`` section is the title slide.
+- Prose shows its **lead**: each paragraph and each list item contributes its first sentence, parentheticals
+  dropped, cut at a clause (``:``, ``;``, `` — ``) or at ``MAX_LEAD_WORDS`` words if still long. Leads fill a
+  slide up to ``MAX_WORDS`` words (title included) or ``MAX_POINTS`` points; the rest continue on the next
+  slide under the same title. The full text of every paragraph, list item, table and code block goes into the
+  slide's speaker notes (``<aside class="notes">``), so no prose is lost.
+- Evidence gets a slide of its own, in notebook order, titled by its section: every PNG figure a code cell
+  produced; the printed text of cells tagged ``slide-output``; the source of cells tagged ``slide``. Long text
+  is set in a smaller font (never below ``MIN_FONT_PX``) and, if it still does not fit, split over slides.
+- Cells tagged ``slide-skip`` or ``colab-badge`` are left out.
+
+A slide is a fixed 1280 × 720 px stage that the deck scales to the window, so what the headless-browser test
+(``tests/course/test_slides_browser.py``) measures is what a projector shows. The deck is one self-contained
+file — inline CSS and JS, figures as data URIs, no CDN — viewable offline: arrow keys, space or a click to
+move, ``n`` for the speaker notes, ``f`` for full screen; printing gives one slide per page.
 ``--check`` writes nothing and exits 1 when a deck differs from a fresh build.
 """
 
@@ -17,6 +30,7 @@ import argparse
 import html
 import re
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import mistune
@@ -24,46 +38,310 @@ import nbformat
 
 ROOT = Path(__file__).resolve().parent.parent
 SOLUTIONS, SLIDES = ROOT / "solutions", ROOT / "slides"
-HEADING = re.compile(r"^#{1,3} ")
 ANSI = re.compile(r"\x1b\[[0-9;]*m")  # terminal colour codes in stored outputs
 _markdown = mistune.create_markdown(plugins=["table", "strikethrough"])
+
+MAX_WORDS = 60  # visible prose per slide, title included (DESIGN.md: short bullets)
+MAX_POINTS = 4  # leads per slide
+MAX_LEAD_WORDS = 24  # a lead longer than this is cut at a clause, then at a word
+WIDTH, HEIGHT = 1280, 720  # the stage, px; the deck scales it to the window
+TEXT_W, TEXT_H = 1168, 540  # room for a <pre> under a one-line title (WIDTH − padding; HEIGHT − title − padding)
+MAX_FONT_PX, MIN_FONT_PX = 22, 12  # monospaced output: as large as fits, never smaller than readable
+MONO_EM, LINE_EM = 0.61, 1.3  # DejaVu Sans Mono's advance width and the line height, in ems (+1 % margin)
+
+HEADING = re.compile(r"^(#{1,3}) +(.*)$")
+ITEM = re.compile(r"^(?:[-*+]|(\d+)\.) +")
+ABBREVIATION = re.compile(r"(?:\be\.g|\bi\.e|\bet al|\bvs|\bcf|\bFig|\bapprox|\betc)\.$")
+
+
+@dataclass(frozen=True)
+class Block:
+    """One markdown block: ``kind`` is "heading", "para", "list" or "other" (table, code, html)."""
+
+    kind: str
+    text: str
+    level: int = 0  # heading level
+    items: tuple[str, ...] = ()  # list items' markdown
+    start: int | None = None  # an ordered list's first number
+
+
+@dataclass
+class Slide:
+    """A slide under construction: its title, the HTML of its body, its notes' HTML and its kind."""
+
+    title: str
+    kind: str  # "title", "text", "figure", "code"
+    body: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+
+def parse_blocks(source: str) -> list[Block]:
+    """Split a markdown cell into headings, paragraphs, lists and other blocks (tables, fenced code)."""
+    blocks: list[Block] = []
+    lines, i = source.splitlines(), 0
+    while i < len(lines):
+        line = lines[i]
+        if not line.strip():
+            i += 1
+        elif m := HEADING.match(line):
+            blocks.append(Block("heading", m[2].strip(), level=len(m[1])))
+            i += 1
+        elif line.startswith("```"):
+            end = next((j for j in range(i + 1, len(lines)) if lines[j].startswith("```")), len(lines) - 1)
+            blocks.append(Block("other", "\n".join(lines[i:end + 1])))
+            i = end + 1
+        else:
+            j = i
+            while j < len(lines) and lines[j].strip() and not HEADING.match(lines[j]) \
+                    and not lines[j].startswith("```"):
+                j += 1
+            blocks.append(_paragraph_or_list(lines[i:j]))
+            i = j
+    return blocks
+
+
+def _paragraph_or_list(lines: list[str]) -> Block:
+    text = "\n".join(lines)
+    if lines[0].startswith("|") or lines[0].startswith("<"):
+        return Block("other", text)
+    first = ITEM.match(lines[0])
+    if not first:
+        return Block("para", text)
+    items: list[list[str]] = []
+    for line in lines:  # an item runs until the next line that starts with a marker at column 0
+        if m := ITEM.match(line):
+            items.append([line[m.end():]])
+        else:
+            items[-1].append(line.strip())
+    return Block("list", text, items=tuple(" ".join(it) for it in items),
+                 start=int(first[1]) if first[1] else None)
+
+
+def _unclosed(text: str) -> str:
+    """Close what a cut left open: a code span, bold, emphasis."""
+    if text.count("`") % 2:
+        text += "`"
+    outside_code = re.sub(r"`[^`]*`", "", text)
+    if outside_code.count("**") % 2:
+        text += "**"
+    if re.sub(r"\*\*", "", outside_code).count("*") % 2:
+        text += "*"
+    return text
+
+
+def _outside_code(text: str, pos: int) -> bool:
+    return text[:pos].count("`") % 2 == 0
+
+
+def lead(markdown: str) -> str:
+    """A paragraph's or list item's visible part: its first sentence, shortened to ``MAX_LEAD_WORDS`` words."""
+    text = " ".join(markdown.split())
+    text = re.sub(r"(?<= )\([^()`]*\)(?=[ ,.;:]|$)", "", text)  # asides, not calls like min(a, b)
+    text = re.sub(r" +([,.;:])", r"\1", re.sub(r"  +", " ", text))
+    for m in re.finditer(r"[.!?](?= |$)", text):
+        if _outside_code(text, m.start()) and not ABBREVIATION.search(text[:m.end()]):
+            text = text[:m.end()]
+            break
+    if len(text.split()) > MAX_LEAD_WORDS:
+        for m in re.finditer(r"(?::|;| —) ", text):
+            if _outside_code(text, m.start()) and 5 <= len(text[:m.start()].split()) <= MAX_LEAD_WORDS:
+                text = text[:m.start()] + "."
+                break
+    if len(text.split()) > MAX_LEAD_WORDS:
+        words = text.split()[:MAX_LEAD_WORDS - 4]
+        text = _unclosed(" ".join(words).rstrip(",;:—(")) + " …"
+    return _unclosed(text.rstrip(":").rstrip())
+
+
+def words(markdown: str) -> int:
+    """Words a reader sees once ``markdown`` is rendered (markup characters do not count)."""
+    return len(re.sub(r"[*`_#]", "", markdown).split())
+
+
+class DeckBuilder:
+    """Walks a notebook's cells in order and collects its slides (see the module docstring for the rule)."""
+
+    def __init__(self) -> None:
+        self.slides: list[Slide] = []
+        self.title = ""
+        self.level = 1
+        self.shown = True  # the current heading already has a slide
+        self.points: list[tuple[str, str, int | None]] = []  # (lead, notes HTML, list id or None)
+        self.loose_notes: list[str] = []
+        self._lists = 0
+
+    def heading(self, block: Block) -> None:
+        self.flush()
+        if not self.shown:  # a heading with nothing under it still gets its slide (a section divider)
+            self.slides.append(Slide(self.title, "title" if self.level == 1 else "text"))
+        self.title, self.level, self.shown = block.text, block.level, False
+
+    def prose(self, block: Block) -> None:
+        if block.kind == "para":
+            self.points.append((lead(block.text), _markdown(block.text), None))
+        elif block.kind == "list":
+            self._lists += 1
+            tag = "ol" if block.start is not None else "ul"
+            for item in block.items:
+                self.points.append((lead(item), _markdown(item), (self._lists, tag, block.start)))
+        else:
+            self.loose_notes.append(_markdown(block.text))
+
+    def evidence(self, kind: str, body: str) -> None:
+        self.flush()
+        self.slides.append(Slide(self.title, kind, [body], self.loose_notes))
+        self.loose_notes, self.shown = [], True
+
+    def flush(self) -> None:
+        """Turn the pending prose into text slides of at most MAX_WORDS words and MAX_POINTS leads."""
+        pages: list[list[tuple]] = []
+        budget = MAX_WORDS - words(self.title)
+        for point in self.points:
+            if not pages or len(pages[-1]) == MAX_POINTS or sum(words(p[0]) for p in pages[-1]) + words(point[0]) > budget:
+                pages.append([])
+            pages[-1].append(point)
+        for k, page in enumerate(pages):
+            kind = "title" if self.level == 1 and not self.shown and k == 0 else "text"
+            self.slides.append(Slide(self.title, kind, [_points_html(page)], [p[1] for p in page]))
+        if pages:
+            self.slides[-1].notes += self.loose_notes
+            self.loose_notes, self.shown = [], True
+        elif self.loose_notes and self.slides:
+            self.slides[-1].notes += self.loose_notes
+            self.loose_notes = []
+        self.points = []
+
+
+def _points_html(page: list[tuple]) -> str:
+    out, open_list = [], None
+    for text, _, group in page:
+        if group != open_list and open_list is not None:
+            out.append(f"</{open_list[1]}>")
+        if group is not None and group != open_list:
+            start = f' start="{group[2]}"' if group[1] == "ol" and group[2] not in (None, 1) else ""
+            out.append(f"<{group[1]}{start}>")
+        inline = _markdown(text).strip().removeprefix("<p>").removesuffix("</p>")
+        out.append(f"<li>{inline}</li>" if group is not None else f"<p>{inline}</p>")
+        open_list = group
+    if open_list is not None:
+        out.append(f"</{open_list[1]}>")
+    return "\n".join(out)
+
+
+def text_pages(text: str, css_class: str) -> list[str]:
+    """``<pre>`` blocks for monospaced text, in the largest font that fits the stage, split if it cannot."""
+    lines = ANSI.sub("", text.rstrip()).expandtabs().split("\n")
+    widest = max(len(ln) for ln in lines) or 1
+    font = min(MAX_FONT_PX, int(TEXT_W / (MONO_EM * widest)), int(TEXT_H / (LINE_EM * len(lines))))
+    if font >= MIN_FONT_PX:
+        pages = [lines]
+    else:  # as small as allowed; long lines wrap, and the lines are shared out over slides
+        font = max(MIN_FONT_PX, min(MAX_FONT_PX, int(TEXT_W / (MONO_EM * widest))))
+        per_line = max(1, int(TEXT_W / (MONO_EM * font)))
+        rows, pages, used = int(TEXT_H / (LINE_EM * font)), [[]], 0
+        for ln in lines:
+            need = max(1, -(-len(ln) // per_line))
+            if used + need > rows and pages[-1]:
+                pages.append([])
+                used = 0
+            pages[-1].append(ln)
+            used += need
+    return [f'<pre class="{css_class}" style="font-size: {font}px">{html.escape(chr(10).join(p))}</pre>'
+            for p in pages]
+
+
+def build_slides(nb: nbformat.NotebookNode) -> list[Slide]:
+    """The deck's slides, in notebook order."""
+    deck = DeckBuilder()
+    for cell in nb.cells:
+        tags = cell.metadata.get("tags", [])
+        if "colab-badge" in tags or "slide-skip" in tags:
+            continue
+        if cell.cell_type == "markdown":
+            for block in parse_blocks(cell.source):
+                deck.heading(block) if block.kind == "heading" else deck.prose(block)
+        elif cell.cell_type == "code":
+            if "slide" in tags:
+                for page in text_pages(cell.source, "code"):
+                    deck.evidence("code", page)
+            if "slide-output" in tags:
+                text = "".join(o.get("text", "") for o in cell.get("outputs", []) if o.get("output_type") == "stream")
+                if text.strip():
+                    for page in text_pages(text, "output"):
+                        deck.evidence("code", page)
+            for out in cell.get("outputs", []):
+                png = out.get("data", {}).get("image/png")
+                if png:
+                    alt = html.escape(out.get("data", {}).get("text/plain", "figure"), quote=True)
+                    deck.evidence("figure", f'<img alt="{alt}" src="data:image/png;base64,{png.strip()}">')
+    deck.heading(Block("heading", "", level=1))  # flush the last section
+    return deck.slides
+
+
+def _slide_html(k: int, slide: Slide) -> str:
+    tag = "h1" if slide.kind == "title" else "h2"
+    title = _markdown(slide.title).strip().removeprefix("<p>").removesuffix("</p>")
+    notes = "\n".join(slide.notes)
+    return (f'<section class="slide {slide.kind}" id="s{k + 1}">\n<{tag}>{title}</{tag}>\n'
+            f'<div class="body">\n' + "\n".join(slide.body) + "\n</div>\n"
+            + (f'<aside class="notes">\n{notes}</aside>\n' if notes else "") + "</section>")
+
 
 CSS = """
 :root { --fg: #1d232b; --muted: #5b6570; --accent: #b3261e; --bg: #fdfdfc; }
 * { box-sizing: border-box; }
-html, body { margin: 0; height: 100%; background: #2b2f33; font-family: system-ui, -apple-system, "Segoe UI",
-  Roboto, sans-serif; color: var(--fg); }
-.slide { display: none; position: absolute; inset: 2vh 2vw; background: var(--bg); border-radius: 6px;
-  padding: 3vh 4vw; overflow: auto; font-size: clamp(14px, 1.55vw, 26px); line-height: 1.45; }
-.slide.active { display: block; }
-.slide h1 { font-size: 2.1em; margin: .2em 0 .5em; color: var(--accent); }
-.slide h2 { font-size: 1.6em; margin: .1em 0 .5em; color: var(--accent); }
-.slide h3 { font-size: 1.25em; margin: .1em 0 .4em; }
-.slide code { background: #eef0f2; padding: 0 .2em; border-radius: 3px; font-size: .9em; }
-.slide pre { background: #f3f4f6; padding: .6em .8em; border-radius: 4px; overflow-x: auto; font-size: .75em; }
-.slide pre code { background: none; padding: 0; }
-.slide pre.output { background: #f7f7f2; border-left: 3px solid var(--accent); }
-.slide table { border-collapse: collapse; } .slide td, .slide th { border: 1px solid #ccc; padding: .2em .6em; }
-.figures { display: flex; flex-wrap: wrap; gap: 1em; justify-content: center; margin-top: .6em; }
-.figures img { max-width: 100%; max-height: 62vh; }
+html, body { margin: 0; height: 100%; overflow: hidden; background: #2b2f33; color: var(--fg);
+  font-family: "DejaVu Sans", system-ui, -apple-system, "Segoe UI", Roboto, sans-serif; }
+#stage { position: absolute; left: 0; top: 0; width: 1280px; height: 720px; transform-origin: 0 0; }
+.slide { display: none; position: absolute; inset: 0; background: var(--bg); padding: 32px 56px 36px;
+  flex-direction: column; overflow: hidden; font-size: 28px; line-height: 1.35; }
+.slide.active { display: flex; }
+.slide h1, .slide h2 { margin: 0 0 20px; color: var(--accent); line-height: 1.2; flex: none; }
+.slide h2 { font-size: 36px; }
+.slide.figure h2, .slide.code h2 { font-size: 28px; margin-bottom: 14px; }
+.slide.title { justify-content: center; }
+.slide.title h1 { font-size: 56px; margin-bottom: 36px; }
+.slide.title .body { flex: none; color: var(--muted); }
+.body { flex: 1; min-height: 0; display: flex; flex-direction: column; }
+.body p { margin: 0 0 .6em; } .body ul, .body ol { margin: 0; padding-left: 1.2em; } .body li { margin-bottom: .45em; }
+.slide code { background: #eef0f2; padding: 0 .15em; border-radius: 3px; font-size: .9em; }
+.slide pre { margin: 0; padding: 10px 14px; background: #f3f4f6; border-radius: 4px; line-height: 1.3;
+  white-space: pre-wrap; overflow-wrap: anywhere; font-family: "DejaVu Sans Mono", monospace; }
+.slide pre.output { background: #f7f7f2; border-left: 4px solid var(--accent); }
+.slide.figure .body { align-items: center; justify-content: center; } .slide.code .body { justify-content: center; }
+.slide.figure img { width: 100%; height: 100%; min-height: 0; object-fit: contain; }  /* as large as fits */
+.slide .notes { display: none; }
+#notes { display: none; position: fixed; left: 0; right: 0; bottom: 0; height: 34vh; overflow: auto;
+  background: #f4f1e8; padding: 12px 24px; font-size: 17px; line-height: 1.45; border-top: 3px solid var(--accent); }
+body.notes-open #notes { display: block; }
 #bar { position: fixed; bottom: 0; left: 0; height: 4px; background: var(--accent); transition: width .2s; }
 #count { position: fixed; bottom: 8px; right: 14px; color: #ccc; font-size: 13px; }
 @media print {
-  html, body { background: white; }
-  .slide { display: block; position: relative; inset: auto; height: auto; page-break-after: always;
-    overflow: visible; border-radius: 0; }
-  #bar, #count { display: none; }
+  @page { size: 1280px 720px; margin: 0; }
+  html, body { background: white; overflow: visible; height: auto; }
+  #stage { position: static; transform: none !important; }
+  .slide { display: flex; position: relative; width: 1280px; height: 720px; page-break-after: always; }
+  #bar, #count, #notes { display: none !important; }
 }
 """
 
 JS = """
 (function () {
   const slides = Array.from(document.querySelectorAll('.slide'));
+  const stage = document.getElementById('stage'), notes = document.getElementById('notes');
   const bar = document.getElementById('bar'), count = document.getElementById('count');
   let i = Math.max(0, Math.min(slides.length - 1, (parseInt(location.hash.slice(1), 10) || 1) - 1));
+  function fit() {  // scale the 1280x720 stage to the window (above the notes panel when it is open)
+    const h = window.innerHeight * (document.body.classList.contains('notes-open') ? 0.66 : 1);
+    const s = Math.min(window.innerWidth / 1280, h / 720);
+    const x = (window.innerWidth - 1280 * s) / 2, y = (h - 720 * s) / 2;
+    stage.style.transform = 'translate(' + x + 'px,' + y + 'px) scale(' + s + ')';
+  }
   function show(n) {
     i = Math.max(0, Math.min(slides.length - 1, n));
     slides.forEach((s, k) => s.classList.toggle('active', k === i));
+    const aside = slides[i].querySelector('.notes');
+    notes.innerHTML = aside ? aside.innerHTML : '<p><em>No notes.</em></p>';
     bar.style.width = (100 * (i + 1) / slides.length) + '%';
     count.textContent = (i + 1) + ' / ' + slides.length;
     history.replaceState(null, '', '#' + (i + 1));
@@ -73,65 +351,32 @@ JS = """
     else if (['ArrowLeft', 'PageUp', 'ArrowUp'].includes(e.key)) { show(i - 1); e.preventDefault(); }
     else if (e.key === 'Home') show(0);
     else if (e.key === 'End') show(slides.length - 1);
+    else if (e.key === 'n') { document.body.classList.toggle('notes-open'); fit(); }
     else if (e.key === 'f' && document.documentElement.requestFullscreen) document.documentElement.requestFullscreen();
   });
   document.addEventListener('click', (e) => {
-    if (e.target.closest('a, pre, table')) return;
+    if (e.target.closest('a, pre, table, #notes')) return;
     show(e.clientX > window.innerWidth / 3 ? i + 1 : i - 1);
   });
+  window.addEventListener('resize', fit);
+  fit();
   show(i);
 })();
 """
 
 
-def split_slides(nb: nbformat.NotebookNode) -> list[list[str]]:
-    """HTML fragments per slide: rendered markdown, tagged code, and the figures of the cells in between."""
-    slides: list[list[str]] = []
-    figures: list[str] = []
-
-    def flush_figures():
-        if figures and slides:
-            slides[-1].append('<div class="figures">' + "".join(figures) + "</div>")
-        figures.clear()
-
-    for cell in nb.cells:
-        tags = cell.metadata.get("tags", [])
-        if "colab-badge" in tags or "slide-skip" in tags:
-            continue
-        if cell.cell_type == "markdown":
-            if HEADING.match(cell.source) or not slides:
-                flush_figures()
-                slides.append([])
-            slides[-1].append(_markdown(cell.source))
-        elif cell.cell_type == "code":
-            if "slide" in tags:
-                flush_figures()
-                slides[-1].append(f"<pre><code>{html.escape(cell.source)}</code></pre>")
-            if "slide-output" in tags:
-                text = "".join(o.get("text", "") for o in cell.get("outputs", []) if o.get("output_type") == "stream")
-                if text.strip():
-                    flush_figures()
-                    slides[-1].append(f'<pre class="output">{html.escape(ANSI.sub("", text.rstrip()))}</pre>')
-            for out in cell.get("outputs", []):
-                png = out.get("data", {}).get("image/png")
-                if png:
-                    alt = html.escape(out.get("data", {}).get("text/plain", "figure"), quote=True)
-                    figures.append(f'<img alt="{alt}" src="data:image/png;base64,{png.strip()}">')
-    flush_figures()
-    return [s for s in slides if s]
-
-
 def render_deck(nb: nbformat.NotebookNode, title: str) -> str:
     """The whole deck as one self-contained HTML document."""
-    body = "\n".join(f'<section class="slide" id="s{k + 1}">\n' + "\n".join(parts) + "\n</section>"
-                     for k, parts in enumerate(split_slides(nb)))
+    body = "\n".join(_slide_html(k, s) for k, s in enumerate(build_slides(nb)))
     return (f'<!DOCTYPE html>\n<html lang="en">\n<head>\n<meta charset="utf-8">\n'
             f'<meta name="viewport" content="width=device-width, initial-scale=1">\n'
-            f"<title>{html.escape(title)}</title>\n<style>{CSS}</style>\n</head>\n<body>\n{body}\n"
-            f'<div id="bar"></div><div id="count"></div>\n<script>{JS}</script>\n</body>\n</html>\n')
+            f"<title>{html.escape(title)}</title>\n<style>{CSS}</style>\n</head>\n<body>\n"
+            f'<div id="stage">\n{body}\n</div>\n<div id="notes"></div><div id="bar"></div><div id="count"></div>\n'
+            f"<script>{JS}</script>\n</body>\n</html>\n")
 
 
 def deck_title(nb: nbformat.NotebookNode, fallback: str) -> str:
+    """The notebook's ``#`` heading, else ``fallback``."""
     for cell in nb.cells:
         if cell.cell_type == "markdown" and cell.source.startswith("# "):
             return cell.source.split("\n", 1)[0][2:].strip()
@@ -139,6 +384,7 @@ def deck_title(nb: nbformat.NotebookNode, fallback: str) -> str:
 
 
 def build(names: list[str], *, check: bool, solutions: Path = SOLUTIONS, out_dir: Path = SLIDES) -> int:
+    """Render the decks of the notebooks matching ``names`` (all when empty); with ``check``, only compare."""
     notebooks = sorted(solutions.glob("[0-9][0-9]_*.ipynb"))
     if names:
         notebooks = [p for p in notebooks if any(p.stem.startswith(Path(n).stem) for n in names)]
@@ -163,6 +409,7 @@ def build(names: list[str], *, check: bool, solutions: Path = SOLUTIONS, out_dir
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Command line: ``python course/slides.py [--check] [--out DIR] [NAMES...]``."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("names", nargs="*", help="decks to build (e.g. 01); default: all")
     parser.add_argument("--check", action="store_true", help="write nothing; exit 1 if a deck is stale")
