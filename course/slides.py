@@ -154,8 +154,14 @@ def lead(markdown: str) -> str:
 
 
 def words(markdown: str) -> int:
-    """Words a reader sees once ``markdown`` is rendered (markup characters do not count)."""
-    return len(re.sub(r"[*`_#]", "", markdown).split())
+    """Words a reader sees once ``markdown`` is rendered: tokens with a letter or digit (so "—" and "×" are not)."""
+    return sum(1 for w in markdown.split() if re.search(r"[^\W_]", w))
+
+
+def inline(markdown: str) -> str:
+    """``markdown`` rendered as one line of inline HTML (a leading "1." is a number here, not a list)."""
+    escaped = re.sub(r"^(\d+)\.(?= )", r"\1\\.", markdown)
+    return _markdown(escaped).strip().removeprefix("<p>").removesuffix("</p>")
 
 
 class DeckBuilder:
@@ -220,8 +226,7 @@ def _points_html(page: list[tuple]) -> str:
         if group is not None and group != open_list:
             start = f' start="{group[2]}"' if group[1] == "ol" and group[2] not in (None, 1) else ""
             out.append(f"<{group[1]}{start}>")
-        inline = _markdown(text).strip().removeprefix("<p>").removesuffix("</p>")
-        out.append(f"<li>{inline}</li>" if group is not None else f"<p>{inline}</p>")
+        out.append(f"<li>{inline(text)}</li>" if group is not None else f"<p>{inline(text)}</p>")
         open_list = group
     if open_list is not None:
         out.append(f"</{open_list[1]}>")
@@ -280,7 +285,7 @@ def build_slides(nb: nbformat.NotebookNode) -> list[Slide]:
 
 def _slide_html(k: int, slide: Slide) -> str:
     tag = "h1" if slide.kind == "title" else "h2"
-    title = _markdown(slide.title).strip().removeprefix("<p>").removesuffix("</p>")
+    title = inline(slide.title)
     notes = "\n".join(slide.notes)
     return (f'<section class="slide {slide.kind}" id="s{k + 1}">\n<{tag}>{title}</{tag}>\n'
             f'<div class="body">\n' + "\n".join(slide.body) + "\n</div>\n"
