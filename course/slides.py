@@ -44,6 +44,7 @@ _markdown = mistune.create_markdown(plugins=["table", "strikethrough"])
 MAX_WORDS = 60  # visible prose per slide, title included (DESIGN.md: short bullets)
 MAX_POINTS = 4  # leads per slide
 MAX_LEAD_WORDS = 24  # a lead longer than this is cut at a clause, then at a word
+SHORT_LEAD_WORDS = 7  # a first sentence shorter than this is a label: the next sentence joins it
 WIDTH, HEIGHT = 1280, 720  # the stage, px; the deck scales it to the window
 TEXT_W, TEXT_H = 1168, 540  # room for a <pre> under a one-line title (WIDTH − padding; HEIGHT − title − padding)
 MAX_FONT_PX, MIN_FONT_PX = 22, 12  # monospaced output: as large as fits, never smaller than readable
@@ -134,23 +135,32 @@ def _outside_code(text: str, pos: int) -> bool:
 
 
 def lead(markdown: str) -> str:
-    """A paragraph's or list item's visible part: its first sentence, shortened to ``MAX_LEAD_WORDS`` words."""
+    """A paragraph's or list item's visible part: its first sentence, shortened to ``MAX_LEAD_WORDS`` words.
+
+    A short first sentence ("Two rules.") takes the next ones along; a long one loses its parenthetical asides
+    (not formulas like "(tok/s × 3600)"), then is cut at a clause, then at a word.
+    """
     text = " ".join(markdown.split())
-    text = re.sub(r"(?<= )\([^()`]*\)(?=[ ,.;:]|$)", "", text)  # asides, not calls like min(a, b)
-    text = re.sub(r" +([,.;:])", r"\1", re.sub(r"  +", " ", text))
-    for m in re.finditer(r"[.!?](?= |$)", text):
-        if _outside_code(text, m.start()) and not ABBREVIATION.search(text[:m.end()]):
-            text = text[:m.end()]
+    ends = [m.end() for m in re.finditer(r"[.!?](?= |$)", text)
+            if _outside_code(text, m.start()) and not ABBREVIATION.search(text[:m.end()])]
+    cut = ends[0] if ends else len(text)
+    for end in ends[1:]:
+        if len(text[:cut].split()) >= SHORT_LEAD_WORDS or len(text[:end].split()) > MAX_LEAD_WORDS:
             break
+        cut = end
+    text = text[:cut]
+    if len(text.split()) > MAX_LEAD_WORDS:  # asides, not calls like min(a, b) nor formulas
+        text = re.sub(r"(?<= )\([^()`×÷=·+−^]*\)(?=[ ,.;:]|$)", "", text)
+        text = re.sub(r" +([,.;:])", r"\1", re.sub(r"  +", " ", text))
     if len(text.split()) > MAX_LEAD_WORDS:
         for m in re.finditer(r"(?::|;| —) ", text):
-            if _outside_code(text, m.start()) and 5 <= len(text[:m.start()].split()) <= MAX_LEAD_WORDS:
+            if _outside_code(text, m.start()) and SHORT_LEAD_WORDS <= len(text[:m.start()].split()) <= MAX_LEAD_WORDS:
                 text = text[:m.start()] + "."
                 break
     if len(text.split()) > MAX_LEAD_WORDS:
-        words = text.split()[:MAX_LEAD_WORDS - 4]
-        text = _unclosed(" ".join(words).rstrip(",;:—(")) + " …"
-    return _unclosed(text.rstrip(":").rstrip())
+        text = _unclosed(" ".join(text.split()[:MAX_LEAD_WORDS - 4]).rstrip(",;:—(")) + " …"
+    text = _unclosed(text.rstrip(":").rstrip())
+    return text + ")" * (text.count("(") - text.count(")"))
 
 
 def words(markdown: str) -> int:
@@ -203,7 +213,8 @@ class DeckBuilder:
         pages: list[list[tuple]] = []
         budget = MAX_WORDS - words(self.title)
         for point in self.points:
-            if not pages or len(pages[-1]) == MAX_POINTS or sum(words(p[0]) for p in pages[-1]) + words(point[0]) > budget:
+            used = sum(words(p[0]) for p in pages[-1]) if pages else 0
+            if not pages or len(pages[-1]) == MAX_POINTS or used + words(point[0]) > budget:
                 pages.append([])
             pages[-1].append(point)
         for k, page in enumerate(pages):

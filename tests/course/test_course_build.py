@@ -167,9 +167,9 @@ def test_every_slide_shows_at_most_sixty_words_of_prose(name):
 
 
 def test_deck_rule_leads_on_the_slide_rest_in_notes_tags_respected():
-    long_para = ("Batching is the lever on throughput. " + "Every further sentence of detail goes to the notes. " * 6)
+    long_para = ("Batching is the main lever on throughput here. " + "Every further sentence of detail goes to the notes. " * 6)
     nb = nbformat.v4.new_notebook(cells=[
-        nbformat.v4.new_markdown_cell("# 99 — Title\n\nThe subtitle sentence (an aside). More detail here."),
+        nbformat.v4.new_markdown_cell("# 99 — Title\n\nThe subtitle states the deck's one idea. More detail here."),
         nbformat.v4.new_markdown_cell("## 1. Section\n\n" + long_para + "\n\n- **One**: first point. Detail.\n"
                                       "- **Two**: second point; with a clause\n  that continues."),
         nbformat.v4.new_code_cell("print(1)", metadata={"tags": ["slide-output"]}),
@@ -181,9 +181,9 @@ def test_deck_rule_leads_on_the_slide_rest_in_notes_tags_respected():
     nb.cells[4].outputs = [nbformat.v4.new_output("stream", name="stdout", text="\n".join(map(str, range(200))))]
     deck = slides.build_slides(nb)
     title, section, *rest = deck
-    assert title.kind == "title" and title.body == ["<p>The subtitle sentence.</p>"]
+    assert title.kind == "title" and title.body == ["<p>The subtitle states the deck's one idea.</p>"]
     assert "More detail here." in "".join(title.notes)
-    assert section.title == "1. Section" and "Batching is the lever on throughput." in section.body[0]
+    assert section.title == "1. Section" and "Batching is the main lever on throughput here." in section.body[0]
     assert "Every further sentence" not in section.body[0] and "Every further sentence" in "".join(section.notes)
     assert "<strong>Two</strong>: second point; with a clause that continues." in section.body[0]
     assert "shown output" in rest[0].body[0] and rest[0].title == "1. Section"
@@ -192,6 +192,17 @@ def test_deck_rule_leads_on_the_slide_rest_in_notes_tags_respected():
     assert len(rest) > 2, "200 lines of output were not split over slides"
     assert all(int(re.search(r"font-size: (\d+)px", s.body[0])[1]) >= slides.MIN_FONT_PX for s in rest)
     assert long_output
+
+
+def test_a_lead_is_one_sentence_without_asides_and_keeps_formulas():
+    long = ("A machine rented by the hour (an aside that goes) that produces tokens every second costs "
+            "$/h ÷ (tok/s × 3600) × 10⁶ per million tokens, which is the number the finance people ask for. Next.")
+    assert slides.lead(long).startswith("A machine rented by the hour that produces")
+    assert "(tok/s × 3600)" in slides.lead(long) and "Next" not in slides.lead(long)
+    assert slides.words(slides.lead(long)) <= slides.MAX_LEAD_WORDS
+    assert slides.lead("Two rules. The first one says this. The third is too much for one lead, far too much "
+                       "to fit.") == "Two rules. The first one says this."
+    assert slides.lead("See e.g. `x.y` and **bold: cut** here. Then more.") == "See e.g. `x.y` and **bold: cut** here."
 
 
 def test_committed_slides_are_up_to_date():

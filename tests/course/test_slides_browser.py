@@ -41,7 +41,8 @@ window.addEventListener('load', () => {
     if (k > 0) key('ArrowRight');
     const active = Array.from(document.querySelectorAll('.slide.active'));
     const slide = slides[k], box = slide.getBoundingClientRect(), problems = [];
-    if (active.length !== 1 || active[0] !== slide) problems.push('navigation did not make this slide the only active one');
+    if (active.length !== 1 || active[0] !== slide)
+      problems.push('navigation did not make this slide the only active one');
     if (box.left < -0.5 || box.top < -0.5 || box.right > innerWidth + 0.5 || box.bottom > innerHeight + 0.5)
       problems.push('slide box outside the viewport: ' + JSON.stringify(box));
     if (slide.scrollHeight > slide.clientHeight + 1 || slide.scrollWidth > slide.clientWidth + 1)
@@ -69,9 +70,10 @@ window.addEventListener('load', () => {
     });
     const prose = slide.cloneNode(true);
     prose.querySelectorAll('pre, .notes').forEach((el) => el.remove());
+    const notes = slide.querySelector('.notes');
     out.slides.push({problems, images, minFont, text: slide.innerText.trim().length,
                      words: prose.textContent.split(/\\s+/).filter((w) => /\\w/.test(w)).length,
-                     notes: slide.querySelector('.notes') ? slide.querySelector('.notes').textContent.trim().length : 0});
+                     notes: notes ? notes.textContent.trim().length : 0});
   });
   const pre = document.createElement('pre');
   pre.id = 'probe-result';
