@@ -167,7 +167,7 @@ def test_every_slide_shows_at_most_sixty_words_of_prose(name):
 
 
 def test_deck_rule_leads_on_the_slide_rest_in_notes_tags_respected():
-    long_para = ("Batching is the main lever on throughput here. " + "Every further sentence of detail goes to the notes. " * 6)
+    long_para = "Batching is the main lever on throughput here. " + "Every further sentence goes to the notes. " * 6
     nb = nbformat.v4.new_notebook(cells=[
         nbformat.v4.new_markdown_cell("# 99 — Title\n\nThe subtitle states the deck's one idea. More detail here."),
         nbformat.v4.new_markdown_cell("## 1. Section\n\n" + long_para + "\n\n- **One**: first point. Detail.\n"

@@ -75,6 +75,10 @@ window.addEventListener('load', () => {
                      words: prose.textContent.split(/\\s+/).filter((w) => /\\w/.test(w)).length,
                      notes: notes ? notes.textContent.trim().length : 0});
   });
+  key('n');  // the speaker notes open under the slide, showing the active slide's notes
+  const panel = document.getElementById('notes');
+  out.notesPanel = {shown: getComputedStyle(panel).display !== 'none', text: panel.textContent.trim().length,
+                    expected: slides[slides.length - 1].querySelector('.notes')?.textContent.trim().length || 0};
   const pre = document.createElement('pre');
   pre.id = 'probe-result';
   pre.textContent = JSON.stringify(out);
@@ -160,6 +164,8 @@ def test_every_slide_renders_inside_the_slide_with_its_figures_loaded(chromium, 
     assert not failures, "\n".join(failures)
     assert any(s["images"] for s in result["slides"]), f"{deck.name} shows none of its notebook's figures"
     assert any(s["notes"] for s in result["slides"]), f"{deck.name} has no speaker notes"
+    panel = result["notesPanel"]
+    assert panel["shown"] and panel["text"] >= panel["expected"], f"'n' did not show the notes: {panel}"
 
 
 def test_the_probe_reports_an_overflowing_slide(chromium, tmp_path):
