@@ -153,8 +153,8 @@ def lead(markdown: str) -> str:
         text = re.sub(r"(?<= )\([^()`×÷=·+−^]*\)(?=[ ,.;:]|$)", "", text)
         text = re.sub(r" +([,.;:])", r"\1", re.sub(r"  +", " ", text))
     if len(text.split()) > MAX_LEAD_WORDS:
-        for m in re.finditer(r"(?::|;| —) ", text):
-            if _outside_code(text, m.start()) and SHORT_LEAD_WORDS <= len(text[:m.start()].split()) <= MAX_LEAD_WORDS:
+        for m in re.finditer(r"(?::|;| —) ", text):  # the first clause of 5+ words: a claim, not a label
+            if _outside_code(text, m.start()) and 5 <= len(text[:m.start()].split()) <= MAX_LEAD_WORDS:
                 text = text[:m.start()] + "."
                 break
     if len(text.split()) > MAX_LEAD_WORDS:
