@@ -13,8 +13,9 @@ The notebook is the deck's only source; the rule that turns it into slides (one 
   slide under the same title. The full text of every paragraph, list item, table and code block goes into the
   slide's speaker notes (``<aside class="notes">``), so no prose is lost.
 - Evidence gets a slide of its own, in notebook order, titled by its section: every PNG figure a code cell
-  produced; the printed text of cells tagged ``slide-output``; the source of cells tagged ``slide``. Long text
-  is set in a smaller font (never below ``MIN_FONT_PX``) and, if it still does not fit, split over slides.
+  produced; the printed text of cells tagged ``slide-output``; the source of cells tagged ``slide``. The
+  paragraph just before it (the claim it supports) becomes its caption rather than a slide. Long text is set in
+  a smaller font (never below ``MIN_FONT_PX``) and, if it still does not fit, split over slides.
 - Cells tagged ``slide-skip`` or ``colab-badge`` are left out.
 
 A slide is a fixed 1280 × 720 px stage that the deck scales to the window, so what the headless-browser test
@@ -47,6 +48,7 @@ MAX_LEAD_WORDS = 24  # a lead longer than this is cut at a clause, then at a wor
 SHORT_LEAD_WORDS = 7  # a first sentence shorter than this is a label: the next sentence joins it
 WIDTH, HEIGHT = 1280, 720  # the stage, px; the deck scales it to the window
 TEXT_W, TEXT_H = 1168, 540  # room for a <pre> under a one-line title (WIDTH − padding; HEIGHT − title − padding)
+MAX_CAPTION_WORDS, CAPTION_H = 30, 90  # a lead this short captions the evidence after it; two 24-px lines + gap
 MAX_FONT_PX, MIN_FONT_PX = 22, 12  # monospaced output: as large as fits, never smaller than readable
 MONO_EM, LINE_EM = 0.61, 1.3  # DejaVu Sans Mono's advance width and the line height, in ems (+1 % margin)
 
@@ -71,7 +73,7 @@ class Slide:
     """A slide under construction: its title, the HTML of its body, its notes' HTML and its kind."""
 
     title: str
-    kind: str  # "title", "text", "figure", "code"
+    kind: str  # "title", "text", "statement" (a single claim), "figure", "code"
     body: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
 
@@ -203,9 +205,19 @@ class DeckBuilder:
         else:
             self.loose_notes.append(_markdown(block.text))
 
-    def evidence(self, kind: str, body: str) -> None:
+    def evidence(self, kind: str, content: str) -> None:
+        """A figure (``content`` is its ``<img>``) or monospaced text (``kind`` "code" or "output": the text) on
+        slides of its own; a short paragraph just before it becomes its caption instead of a slide."""
+        caption = None
+        if self.points and self.points[-1][2] is None and words(self.points[-1][0]) <= MAX_CAPTION_WORDS:
+            caption = self.points.pop()
         self.flush()
-        self.slides.append(Slide(self.title, kind, [body], self.loose_notes))
+        room = TEXT_H - (CAPTION_H if caption else 0)
+        bodies = [content] if kind == "figure" else text_pages(content, kind, room)
+        for k, body in enumerate(bodies):
+            top = f'<p class="caption">{inline(caption[0])}</p>\n' if caption and k == 0 else ""
+            notes = ([caption[1]] if caption and k == 0 else []) + (self.loose_notes if k == 0 else [])
+            self.slides.append(Slide(self.title, "figure" if kind == "figure" else "code", [top + body], notes))
         self.loose_notes, self.shown = [], True
 
     def flush(self) -> None:
@@ -218,7 +230,8 @@ class DeckBuilder:
                 pages.append([])
             pages[-1].append(point)
         for k, page in enumerate(pages):
-            kind = "title" if self.level == 1 and not self.shown and k == 0 else "text"
+            kind = "title" if self.level == 1 and not self.shown and k == 0 else \
+                "statement" if len(page) == 1 and page[0][2] is None else "text"  # one claim: say it big
             self.slides.append(Slide(self.title, kind, [_points_html(page)], [p[1] for p in page]))
         if pages:
             self.slides[-1].notes += self.loose_notes
@@ -244,17 +257,17 @@ def _points_html(page: list[tuple]) -> str:
     return "\n".join(out)
 
 
-def text_pages(text: str, css_class: str) -> list[str]:
+def text_pages(text: str, css_class: str, height: int = TEXT_H) -> list[str]:
     """``<pre>`` blocks for monospaced text, in the largest font that fits the stage, split if it cannot."""
     lines = ANSI.sub("", text.rstrip()).expandtabs().split("\n")
     widest = max(len(ln) for ln in lines) or 1
-    font = min(MAX_FONT_PX, int(TEXT_W / (MONO_EM * widest)), int(TEXT_H / (LINE_EM * len(lines))))
+    font = min(MAX_FONT_PX, int(TEXT_W / (MONO_EM * widest)), int(height / (LINE_EM * len(lines))))
     if font >= MIN_FONT_PX:
         pages = [lines]
     else:  # as small as allowed; long lines wrap, and the lines are shared out over slides
         font = max(MIN_FONT_PX, min(MAX_FONT_PX, int(TEXT_W / (MONO_EM * widest))))
         per_line = max(1, int(TEXT_W / (MONO_EM * font)))
-        rows, pages, used = int(TEXT_H / (LINE_EM * font)), [[]], 0
+        rows, pages, used = int(height / (LINE_EM * font)), [[]], 0
         for ln in lines:
             need = max(1, -(-len(ln) // per_line))
             if used + need > rows and pages[-1]:
@@ -278,13 +291,11 @@ def build_slides(nb: nbformat.NotebookNode) -> list[Slide]:
                 deck.heading(block) if block.kind == "heading" else deck.prose(block)
         elif cell.cell_type == "code":
             if "slide" in tags:
-                for page in text_pages(cell.source, "code"):
-                    deck.evidence("code", page)
+                deck.evidence("code", cell.source)
             if "slide-output" in tags:
                 text = "".join(o.get("text", "") for o in cell.get("outputs", []) if o.get("output_type") == "stream")
                 if text.strip():
-                    for page in text_pages(text, "output"):
-                        deck.evidence("code", page)
+                    deck.evidence("output", text)
             for out in cell.get("outputs", []):
                 png = out.get("data", {}).get("image/png")
                 if png:
@@ -325,7 +336,10 @@ html, body { margin: 0; height: 100%; overflow: hidden; background: #2b2f33; col
   white-space: pre-wrap; overflow-wrap: anywhere; font-family: "DejaVu Sans Mono", monospace; }
 .slide pre.output { background: #f7f7f2; border-left: 4px solid var(--accent); }
 .slide.figure .body { align-items: center; justify-content: center; } .slide.code .body { justify-content: center; }
-.slide.figure img { width: 100%; height: 100%; min-height: 0; object-fit: contain; }  /* as large as fits */
+.slide.figure img { flex: 1 1 0; width: 100%; min-height: 0; object-fit: contain; }  /* as large as fits */
+.caption { flex: none; align-self: stretch; margin: 0 0 14px; font-size: 24px; }
+.caption + pre { margin-bottom: auto; }  /* a captioned text sits under its caption, not centred */
+.slide.statement .body { justify-content: center; font-size: 34px; padding-bottom: 40px; }
 .slide .notes { display: none; }
 #notes { display: none; position: fixed; left: 0; right: 0; bottom: 0; height: 34vh; overflow: auto;
   background: #f4f1e8; padding: 12px 24px; font-size: 17px; line-height: 1.45; border-top: 3px solid var(--accent); }

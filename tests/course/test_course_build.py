@@ -172,13 +172,14 @@ def test_deck_rule_leads_on_the_slide_rest_in_notes_tags_respected():
         nbformat.v4.new_markdown_cell("# 99 — Title\n\nThe subtitle states the deck's one idea. More detail here."),
         nbformat.v4.new_markdown_cell("## 1. Section\n\n" + long_para + "\n\n- **One**: first point. Detail.\n"
                                       "- **Two**: second point; with a clause\n  that continues."),
+        nbformat.v4.new_markdown_cell("### Evidence\n\nThe output below supports the claim."),
         nbformat.v4.new_code_cell("print(1)", metadata={"tags": ["slide-output"]}),
         nbformat.v4.new_code_cell("secret()", metadata={"tags": ["slide-skip", "slide"]}),
         nbformat.v4.new_code_cell("print('\\n'.join(map(str, range(200))))", metadata={"tags": ["slide-output"]}),
     ])
-    nb.cells[2].outputs = [nbformat.v4.new_output("stream", name="stdout", text="shown output\n")]
-    nb.cells[3].outputs = [nbformat.v4.new_output("stream", name="stdout", text="skipped output\n")]
-    nb.cells[4].outputs = [nbformat.v4.new_output("stream", name="stdout", text="\n".join(map(str, range(200))))]
+    nb.cells[3].outputs = [nbformat.v4.new_output("stream", name="stdout", text="shown output\n")]
+    nb.cells[4].outputs = [nbformat.v4.new_output("stream", name="stdout", text="skipped output\n")]
+    nb.cells[5].outputs = [nbformat.v4.new_output("stream", name="stdout", text="\n".join(map(str, range(200))))]
     deck = slides.build_slides(nb)
     title, section, *rest = deck
     assert title.kind == "title" and title.body == ["<p>The subtitle states the deck's one idea.</p>"]
@@ -186,7 +187,8 @@ def test_deck_rule_leads_on_the_slide_rest_in_notes_tags_respected():
     assert section.title == "1. Section" and "Batching is the main lever on throughput here." in section.body[0]
     assert "Every further sentence" not in section.body[0] and "Every further sentence" in "".join(section.notes)
     assert "<strong>Two</strong>: second point; with a clause that continues." in section.body[0]
-    assert "shown output" in rest[0].body[0] and rest[0].title == "1. Section"
+    assert "shown output" in rest[0].body[0] and rest[0].title == "Evidence", "evidence titled by its section"
+    assert '<p class="caption">The output below supports the claim.</p>' in rest[0].body[0], "the claim captions it"
     assert not any("secret" in "".join(s.body) or "skipped output" in "".join(s.body) for s in deck)
     long_output = [s for s in rest if "199" in "".join(s.body) or "\n0\n" in "".join(s.body)]
     assert len(rest) > 2, "200 lines of output were not split over slides"
