@@ -20,8 +20,8 @@ The notebook is the deck's only source; the rule that turns it into slides (one 
 
 A slide is a fixed 1280 × 720 px stage that the deck scales to the window, so what the headless-browser test
 (``tests/course/test_slides_browser.py``) measures is what a projector shows. The deck is one self-contained
-file — inline CSS and JS, figures as data URIs, no CDN — viewable offline: arrow keys, space or a click to
-move, ``n`` for the speaker notes, ``f`` for full screen; printing gives one slide per page.
+file — course/deck/deck.css and deck.js inlined, figures as data URIs, no CDN — viewable offline: arrow keys,
+space or a click to move, ``n`` for the speaker notes, ``f`` for full screen; printing gives one slide per page.
 ``--check`` writes nothing and exits 1 when a deck differs from a fresh build.
 """
 
@@ -33,12 +33,14 @@ import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 import mistune
 import nbformat
 
 ROOT = Path(__file__).resolve().parent.parent
 SOLUTIONS, SLIDES = ROOT / "solutions", ROOT / "slides"
+RUNTIME = Path(__file__).resolve().parent / "deck"  # deck.css and deck.js, inlined into every deck
 ANSI = re.compile(r"\x1b\[[0-9;]*m")  # terminal colour codes in stored outputs
 _markdown = mistune.create_markdown(plugins=["table", "strikethrough"])
 
@@ -66,6 +68,14 @@ class Block:
     level: int = 0  # heading level
     items: tuple[str, ...] = ()  # list items' markdown
     start: int | None = None  # an ordered list's first number
+
+
+class Point(NamedTuple):
+    """One lead on a text slide: its markdown, the full block's HTML for the notes, and its list (or None)."""
+
+    lead: str
+    notes: str
+    group: tuple[int, str, int | None] | None  # (list number in the deck, "ul"/"ol", first number)
 
 
 @dataclass
@@ -184,24 +194,26 @@ class DeckBuilder:
         self.title = ""
         self.level = 1
         self.shown = True  # the current heading already has a slide
-        self.points: list[tuple[str, str, int | None]] = []  # (lead, notes HTML, list id or None)
+        self.points: list[Point] = []  # prose waiting for its slide
         self.loose_notes: list[str] = []
         self._lists = 0
 
     def heading(self, block: Block) -> None:
+        """Close the current section and open the one ``block`` heads."""
         self.flush()
         if not self.shown:  # a heading with nothing under it still gets its slide (a section divider)
             self.slides.append(Slide(self.title, "title" if self.level == 1 else "text"))
         self.title, self.level, self.shown = block.text, block.level, False
 
     def prose(self, block: Block) -> None:
+        """Queue a paragraph's or list's leads for the next text slide; tables and code go to the notes only."""
         if block.kind == "para":
-            self.points.append((lead(block.text), _markdown(block.text), None))
+            self.points.append(Point(lead(block.text), _markdown(block.text), None))
         elif block.kind == "list":
             self._lists += 1
             tag = "ol" if block.start is not None else "ul"
             for item in block.items:
-                self.points.append((lead(item), _markdown(item), (self._lists, tag, block.start)))
+                self.points.append(Point(lead(item), _markdown(item), (self._lists, tag, block.start)))
         else:
             self.loose_notes.append(_markdown(block.text))
 
@@ -209,30 +221,30 @@ class DeckBuilder:
         """A figure (``content`` is its ``<img>``) or monospaced text (``kind`` "code" or "output": the text) on
         slides of its own; a short paragraph just before it becomes its caption instead of a slide."""
         caption = None
-        if self.points and self.points[-1][2] is None and words(self.points[-1][0]) <= MAX_CAPTION_WORDS:
+        if self.points and self.points[-1].group is None and words(self.points[-1].lead) <= MAX_CAPTION_WORDS:
             caption = self.points.pop()
         self.flush()
         room = TEXT_H - (CAPTION_H if caption else 0)
         bodies = [content] if kind == "figure" else text_pages(content, kind, room)
         for k, body in enumerate(bodies):
-            top = f'<p class="caption">{inline(caption[0])}</p>\n' if caption and k == 0 else ""
-            notes = ([caption[1]] if caption and k == 0 else []) + (self.loose_notes if k == 0 else [])
+            top = f'<p class="caption">{inline(caption.lead)}</p>\n' if caption and k == 0 else ""
+            notes = ([caption.notes] if caption and k == 0 else []) + (self.loose_notes if k == 0 else [])
             self.slides.append(Slide(self.title, "figure" if kind == "figure" else "code", [top + body], notes))
         self.loose_notes, self.shown = [], True
 
     def flush(self) -> None:
         """Turn the pending prose into text slides of at most MAX_WORDS words and MAX_POINTS leads."""
-        pages: list[list[tuple]] = []
+        pages: list[list[Point]] = []
         budget = MAX_WORDS - words(self.title)
         for point in self.points:
-            used = sum(words(p[0]) for p in pages[-1]) if pages else 0
-            if not pages or len(pages[-1]) == MAX_POINTS or used + words(point[0]) > budget:
+            used = sum(words(p.lead) for p in pages[-1]) if pages else 0
+            if not pages or len(pages[-1]) == MAX_POINTS or used + words(point.lead) > budget:
                 pages.append([])
             pages[-1].append(point)
         for k, page in enumerate(pages):
             kind = "title" if self.level == 1 and not self.shown and k == 0 else \
-                "statement" if len(page) == 1 and page[0][2] is None else "text"  # one claim: say it big
-            self.slides.append(Slide(self.title, kind, [_points_html(page)], [p[1] for p in page]))
+                "statement" if len(page) == 1 and page[0].group is None else "text"  # one claim: say it big
+            self.slides.append(Slide(self.title, kind, [_points_html(page)], [p.notes for p in page]))
         if pages:
             self.slides[-1].notes += self.loose_notes
             self.loose_notes, self.shown = [], True
@@ -242,7 +254,8 @@ class DeckBuilder:
         self.points = []
 
 
-def _points_html(page: list[tuple]) -> str:
+def _points_html(page: list[Point]) -> str:
+    """The leads as paragraphs, and consecutive items of one list as one <ul>/<ol>."""
     out, open_list = [], None
     for text, _, group in page:
         if group != open_list and open_list is not None:
@@ -314,95 +327,18 @@ def _slide_html(k: int, slide: Slide) -> str:
             + (f'<aside class="notes">\n{notes}</aside>\n' if notes else "") + "</section>")
 
 
-CSS = """
-:root { --fg: #1d232b; --muted: #5b6570; --accent: #b3261e; --bg: #fdfdfc; }
-* { box-sizing: border-box; }
-html, body { margin: 0; height: 100%; overflow: hidden; background: #2b2f33; color: var(--fg);
-  font-family: "DejaVu Sans", system-ui, -apple-system, "Segoe UI", Roboto, sans-serif; }
-#stage { position: absolute; left: 0; top: 0; width: 1280px; height: 720px; transform-origin: 0 0; }
-.slide { display: none; position: absolute; inset: 0; background: var(--bg); padding: 32px 56px 36px;
-  flex-direction: column; overflow: hidden; font-size: 28px; line-height: 1.35; }
-.slide.active { display: flex; }
-.slide h1, .slide h2 { margin: 0 0 20px; color: var(--accent); line-height: 1.2; flex: none; }
-.slide h2 { font-size: 36px; }
-.slide.figure h2, .slide.code h2 { font-size: 28px; margin-bottom: 14px; }
-.slide.title { justify-content: center; }
-.slide.title h1 { font-size: 56px; margin-bottom: 36px; }
-.slide.title .body { flex: none; color: var(--muted); }
-.body { flex: 1; min-height: 0; display: flex; flex-direction: column; }
-.body p { margin: 0 0 .6em; } .body ul, .body ol { margin: 0; padding-left: 1.2em; } .body li { margin-bottom: .45em; }
-.slide code { background: #eef0f2; padding: 0 .15em; border-radius: 3px; font-size: .9em; }
-.slide pre { margin: 0; padding: 10px 14px; background: #f3f4f6; border-radius: 4px; line-height: 1.3;
-  white-space: pre-wrap; overflow-wrap: anywhere; font-family: "DejaVu Sans Mono", monospace; }
-.slide pre.output { background: #f7f7f2; border-left: 4px solid var(--accent); }
-.slide.figure .body { align-items: center; justify-content: center; } .slide.code .body { justify-content: center; }
-.slide.figure img { flex: 1 1 0; width: 100%; min-height: 0; object-fit: contain; }  /* as large as fits */
-.caption { flex: none; align-self: stretch; margin: 0 0 14px; font-size: 24px; }
-.caption + pre { margin-bottom: auto; }  /* a captioned text sits under its caption, not centred */
-.slide.statement .body { justify-content: center; font-size: 34px; padding-bottom: 40px; }
-.slide .notes { display: none; }
-#notes { display: none; position: fixed; left: 0; right: 0; bottom: 0; height: 34vh; overflow: auto;
-  background: #f4f1e8; padding: 12px 24px; font-size: 17px; line-height: 1.45; border-top: 3px solid var(--accent); }
-body.notes-open #notes { display: block; }
-#bar { position: fixed; bottom: 0; left: 0; height: 4px; background: var(--accent); transition: width .2s; }
-#count { position: fixed; bottom: 8px; right: 14px; color: #ccc; font-size: 13px; }
-@media print {
-  @page { size: 1280px 720px; margin: 0; }
-  html, body { background: white; overflow: visible; height: auto; }
-  #stage { position: static; transform: none !important; }
-  .slide { display: flex; position: relative; width: 1280px; height: 720px; page-break-after: always; }
-  #bar, #count, #notes { display: none !important; }
-}
-"""
 
-JS = """
-(function () {
-  const slides = Array.from(document.querySelectorAll('.slide'));
-  const stage = document.getElementById('stage'), notes = document.getElementById('notes');
-  const bar = document.getElementById('bar'), count = document.getElementById('count');
-  let i = Math.max(0, Math.min(slides.length - 1, (parseInt(location.hash.slice(1), 10) || 1) - 1));
-  function fit() {  // scale the 1280x720 stage to the window (above the notes panel when it is open)
-    const h = window.innerHeight * (document.body.classList.contains('notes-open') ? 0.66 : 1);
-    const s = Math.min(window.innerWidth / 1280, h / 720);
-    const x = (window.innerWidth - 1280 * s) / 2, y = (h - 720 * s) / 2;
-    stage.style.transform = 'translate(' + x + 'px,' + y + 'px) scale(' + s + ')';
-  }
-  function show(n) {
-    i = Math.max(0, Math.min(slides.length - 1, n));
-    slides.forEach((s, k) => s.classList.toggle('active', k === i));
-    const aside = slides[i].querySelector('.notes');
-    notes.innerHTML = aside ? aside.innerHTML : '<p><em>No notes.</em></p>';
-    bar.style.width = (100 * (i + 1) / slides.length) + '%';
-    count.textContent = (i + 1) + ' / ' + slides.length;
-    history.replaceState(null, '', '#' + (i + 1));
-  }
-  document.addEventListener('keydown', (e) => {
-    if (['ArrowRight', 'PageDown', ' ', 'ArrowDown'].includes(e.key)) { show(i + 1); e.preventDefault(); }
-    else if (['ArrowLeft', 'PageUp', 'ArrowUp'].includes(e.key)) { show(i - 1); e.preventDefault(); }
-    else if (e.key === 'Home') show(0);
-    else if (e.key === 'End') show(slides.length - 1);
-    else if (e.key === 'n') { document.body.classList.toggle('notes-open'); fit(); }
-    else if (e.key === 'f' && document.documentElement.requestFullscreen) document.documentElement.requestFullscreen();
-  });
-  document.addEventListener('click', (e) => {
-    if (e.target.closest('a, pre, table, #notes')) return;
-    show(e.clientX > window.innerWidth / 3 ? i + 1 : i - 1);
-  });
-  window.addEventListener('resize', fit);
-  fit();
-  show(i);
-})();
-"""
 
 
 def render_deck(nb: nbformat.NotebookNode, title: str) -> str:
     """The whole deck as one self-contained HTML document."""
     body = "\n".join(_slide_html(k, s) for k, s in enumerate(build_slides(nb)))
+    css, js = (RUNTIME / "deck.css").read_text(), (RUNTIME / "deck.js").read_text()
     return (f'<!DOCTYPE html>\n<html lang="en">\n<head>\n<meta charset="utf-8">\n'
             f'<meta name="viewport" content="width=device-width, initial-scale=1">\n'
-            f"<title>{html.escape(title)}</title>\n<style>{CSS}</style>\n</head>\n<body>\n"
+            f"<title>{html.escape(title)}</title>\n<style>\n{css}</style>\n</head>\n<body>\n"
             f'<div id="stage">\n{body}\n</div>\n<div id="notes"></div><div id="bar"></div><div id="count"></div>\n'
-            f"<script>{JS}</script>\n</body>\n</html>\n")
+            f"<script>\n{js}</script>\n</body>\n</html>\n")
 
 
 def deck_title(nb: nbformat.NotebookNode, fallback: str) -> str:
