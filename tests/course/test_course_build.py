@@ -131,18 +131,80 @@ def test_student_notebook_fails_only_on_unfinished_exercises(name):
     assert checked == mine, f"{name}: exercises without a failing check cell: {mine - checked}"
 
 
-def test_slides_build_offline_with_headings_and_figures(tmp_path):
+def test_slides_build_offline_with_headings_figures_and_notes(tmp_path):
+    """Every heading titles a slide, every figure is shown, every paragraph is in the speaker notes; offline."""
     assert slides.build([], check=False, out_dir=tmp_path) == 0
     for name in NAMES:
         deck = (tmp_path / f"{name}.html").read_text()
         nb = nbformat.read(ROOT / "solutions" / f"{name}.ipynb", as_version=4)
-        headings = [ln for c in nb.cells if c.cell_type == "markdown" for ln in c.source.splitlines()
-                    if re.match(r"#{1,3} ", ln)]
+        shown = [c for c in nb.cells if not {"slide-skip", "colab-badge"} & set(c.metadata.get("tags", []))]
+        headings = [m[2] for c in shown if c.cell_type == "markdown" for ln in c.source.splitlines()
+                    if (m := slides.HEADING.match(ln))]
         assert headings
-        for heading in headings:  # each heading, rendered as the deck renders it
-            assert slides._markdown(heading).strip() in deck, heading
-        assert '<img alt="' in deck and 'src="data:image/png;base64,' in deck
+        for heading in headings:  # each heading, rendered as the deck renders it, as a slide title
+            assert re.search(f"<h[12]>{re.escape(slides.inline(heading))}</h[12]>", deck), heading
+        for block in (b for c in shown if c.cell_type == "markdown" for b in slides.parse_blocks(c.source)):
+            if block.kind == "para":
+                assert slides._markdown(block.text) in deck, f"{name}: paragraph missing from the notes: {block.text}"
+        pngs = [o["data"]["image/png"].strip() for c in shown if c.cell_type == "code"
+                for o in c.get("outputs", []) if "image/png" in o.get("data", {})]
+        assert pngs and all(f"base64,{png}" in deck for png in pngs), f"{name}: a figure is missing"
+        assert '<aside class="notes">' in deck
         assert not re.search(r'<(script|link|img)[^>]+(src|href)="(https?:)?//', deck), "decks must be offline"
+
+
+def _visible_words(slide) -> int:
+    """Prose words on a slide (title and body, outputs in <pre> not counted), as a reader sees them."""
+    body = re.sub(r"<pre.*?</pre>", "", "".join(slide.body), flags=re.S)
+    return slides.words(slide.title) + sum(1 for w in re.sub(r"<[^>]+>", " ", body).split() if re.search(r"\w", w))
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_every_slide_shows_at_most_sixty_words_of_prose(name):
+    nb = nbformat.read(ROOT / "solutions" / f"{name}.ipynb", as_version=4)
+    for k, slide in enumerate(slides.build_slides(nb), start=1):
+        assert _visible_words(slide) <= slides.MAX_WORDS, f"{name} slide {k}: {_visible_words(slide)} words"
+
+
+def test_deck_rule_leads_on_the_slide_rest_in_notes_tags_respected():
+    long_para = "Batching is the main lever on throughput here. " + "Every further sentence goes to the notes. " * 6
+    nb = nbformat.v4.new_notebook(cells=[
+        nbformat.v4.new_markdown_cell("# 99 — Title\n\nThe subtitle states the deck's one idea. More detail here."),
+        nbformat.v4.new_markdown_cell("## 1. Section\n\n" + long_para + "\n\n- **One**: first point. Detail.\n"
+                                      "- **Two**: second point; with a clause\n  that continues."),
+        nbformat.v4.new_markdown_cell("### Evidence\n\nThe output below supports the claim."),
+        nbformat.v4.new_code_cell("print(1)", metadata={"tags": ["slide-output"]}),
+        nbformat.v4.new_code_cell("secret()", metadata={"tags": ["slide-skip", "slide"]}),
+        nbformat.v4.new_code_cell("print('\\n'.join(map(str, range(200))))", metadata={"tags": ["slide-output"]}),
+    ])
+    nb.cells[3].outputs = [nbformat.v4.new_output("stream", name="stdout", text="shown output\n")]
+    nb.cells[4].outputs = [nbformat.v4.new_output("stream", name="stdout", text="skipped output\n")]
+    nb.cells[5].outputs = [nbformat.v4.new_output("stream", name="stdout", text="\n".join(map(str, range(200))))]
+    deck = slides.build_slides(nb)
+    title, section, *rest = deck
+    assert title.kind == "title" and title.body == ["<p>The subtitle states the deck's one idea.</p>"]
+    assert "More detail here." in "".join(title.notes)
+    assert section.title == "1. Section" and "Batching is the main lever on throughput here." in section.body[0]
+    assert "Every further sentence" not in section.body[0] and "Every further sentence" in "".join(section.notes)
+    assert "<strong>Two</strong>: second point; with a clause that continues." in section.body[0]
+    assert "shown output" in rest[0].body[0] and rest[0].title == "Evidence", "evidence titled by its section"
+    assert '<p class="caption">The output below supports the claim.</p>' in rest[0].body[0], "the claim captions it"
+    assert not any("secret" in "".join(s.body) or "skipped output" in "".join(s.body) for s in deck)
+    long_output = [s for s in rest if "199" in "".join(s.body) or "\n0\n" in "".join(s.body)]
+    assert len(rest) > 2, "200 lines of output were not split over slides"
+    assert all(int(re.search(r"font-size: (\d+)px", s.body[0])[1]) >= slides.MIN_FONT_PX for s in rest)
+    assert long_output
+
+
+def test_a_lead_is_one_sentence_without_asides_and_keeps_formulas():
+    long = ("A machine rented by the hour (an aside that goes) that produces tokens every second costs "
+            "$/h ÷ (tok/s × 3600) × 10⁶ per million tokens, which is the number the finance people ask for. Next.")
+    assert slides.lead(long).startswith("A machine rented by the hour that produces")
+    assert "(tok/s × 3600)" in slides.lead(long) and "Next" not in slides.lead(long)
+    assert slides.words(slides.lead(long)) <= slides.MAX_LEAD_WORDS
+    assert slides.lead("Two rules. The first one says this. The third is too much for one lead, far too much "
+                       "to fit.") == "Two rules. The first one says this."
+    assert slides.lead("See e.g. `x.y` and **bold: cut** here. Then more.") == "See e.g. `x.y` and **bold: cut** here."
 
 
 def test_committed_slides_are_up_to_date():
