@@ -27,11 +27,9 @@ from __future__ import annotations
 
 import argparse
 import copy
-import inspect
 import os
 import re
 import sys
-import textwrap
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,13 +42,13 @@ COURSE, NOTEBOOKS, SOLUTIONS = ROOT / "course", ROOT / "notebooks", ROOT / "solu
 if str(ROOT) not in sys.path:  # build from a checkout without installing (CI installs it anyway)
     sys.path.insert(0, str(ROOT))
 
-from minillm.course.checks import EXERCISES, Exercise  # noqa: E402
+from minillm.course.checks import EXERCISES, Exercise, registry  # noqa: E402
 
 COLAB_URL = "https://colab.research.google.com/github/minillm-course/minillm/blob/main/{folder}/{name}.ipynb"
 BADGE = "[![Open In Colab](https://colab.research.google.com/assets/colab-badge.svg)]({url})"
 DIRECTIVE = re.compile(r"^# exercise (?P<number>\d+\.\d+): (?P<target>[A-Za-z_][\w.]*)\s*$")
 CHECK_CALL = re.compile(r"\bcheck_(?P<name>\w+)\(")
-BEGIN, END = "### BEGIN SOLUTION", "### END SOLUTION"
+BEGIN, END = registry.BEGIN, registry.END
 CHECK_OUTPUT = "# NBVAL_CHECK_OUTPUT"
 WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
 FAST_ENV = "MINILLM_COURSE_FAST"  # "1": notebooks shrink their sizes (used by the tests, see INSTRUCTORS.md)
@@ -68,46 +66,38 @@ class BuildError(Exception):
 
 # ------------------------------------------------------------------------------------------- exercises
 def split_fence(lines: list[str], where: str) -> tuple[int, int]:
-    """Indices of the single BEGIN and END fence lines in ``lines``."""
-    begins = [i for i, ln in enumerate(lines) if ln.strip() == BEGIN]
-    ends = [i for i, ln in enumerate(lines) if ln.strip() == END]
-    if len(begins) != 1 or len(ends) != 1 or begins[0] > ends[0]:
-        raise BuildError(f"{where}: need exactly one '{BEGIN}' followed by one '{END}', "
-                         f"found {len(begins)} and {len(ends)}")
-    return begins[0], ends[0]
+    """Indices of the single BEGIN and END fence lines in ``lines`` (``BuildError`` unless exactly one of each)."""
+    try:
+        return registry.split_fence(lines, where)
+    except ValueError as e:
+        raise BuildError(str(e)) from None
 
 
 def function_source(ex: Exercise) -> str:
     """The fenced function's source, dedented (a method keeps its own body indentation)."""
-    obj = ex.reference()
-    return textwrap.dedent(inspect.getsource(obj))
+    return ex.source()
 
 
 def render_exercise(ex: Exercise, student: bool) -> str:
-    """The code cell for exercise ``ex``: its function (or subclass with the method) as solution or stub."""
-    lines = function_source(ex).rstrip("\n").split("\n")
-    begin, end = split_fence(lines, ex.target)
-    if student:
-        indent = lines[begin][: len(lines[begin]) - len(lines[begin].lstrip())]
-        message = ex.stub_message.replace("\\", "\\\\").replace('"', '\\"')
-        body = [f'{indent}raise NotImplementedError("{message}")']
-        lines = lines[:begin] + body + lines[end + 1 :]
-    else:
-        lines = lines[:begin] + lines[begin + 1 : end] + lines[end + 1 :]
-    where = f"minillm/{ex.module.split('.', 1)[1].replace('.', '/')}.py"
+    """The code cell for exercise ``ex``: a comment header, then its function (or ``My<Class>`` subclass with
+    the method) as solution or stub (``Exercise.code``).  A method's subclass inherits the solved class, so a
+    ``super().method(...)`` call reaches the library's solution: the checker hides it (registry docstring)."""
     parts = ex.qualname.split(".")
+    if len(parts) > 2:
+        raise BuildError(f"{ex.target}: exercises are module functions or methods of a module-level class")
+    try:
+        code = ex.code(student)
+    except ValueError as e:
+        raise BuildError(str(e)) from None
+    where = f"minillm/{ex.module.split('.', 1)[1].replace('.', '/')}.py"
     header = [f"# Exercise {ex.number}: {ex.title} (the solution lives in {where}; the library runs it)."]
     if student:
         header.append("# Your version: replace the `raise NotImplementedError(...)` line with your code, run this "
                       "cell, then the check.")
-    if len(parts) == 2:  # a method: subclass the library's class and override just this method
+    if len(parts) == 2:
         cls, method = parts
         header.append(f"# My{cls} is the library's {cls} with your {method}(); nothing else changes.")
-        lines = [f"class My{cls}({cls}):", f'    """{cls} with your own `{method}` (exercise {ex.number})."""', ""] + \
-            ["    " + ln if ln else "" for ln in lines]
-    elif len(parts) != 1:
-        raise BuildError(f"{ex.target}: exercises are module functions or methods of a module-level class")
-    return "\n".join(header + lines)
+    return "\n".join(header) + "\n" + code
 
 
 def parse_directive(source: str, where: str) -> Exercise | None:
