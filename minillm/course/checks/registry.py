@@ -209,7 +209,8 @@ def _disarm(path: str, tripwire: _Tripwire) -> list[Callable[[], None]]:
     """Make the callable at ``path`` trip ``tripwire``; the functions that undo it.
 
     A Python function has its code swapped (every reference to it then fails, however it was obtained); a
-    wrapper (a cache, a jitted kernel) is also replaced wherever a ``minillm`` module or its class holds it."""
+    wrapper (a cache, a jitted kernel) is also replaced wherever its class or a module of the target's package
+    (``minillm``) holds it."""
     module = _module_of(path)
     owner = importlib.import_module(module)
     *outer, name = path[len(module) + 1 :].split(".")
@@ -227,7 +228,9 @@ def _disarm(path: str, tripwire: _Tripwire) -> list[Callable[[], None]]:
         undo.append(functools.partial(setattr, inner, "__code__", code))
         if raw is inner:
             return undo
-    holders = [owner] + [m for n, m in list(sys.modules.items()) if n.startswith("minillm") and m is not owner]
+    top = module.split(".")[0]  # the package whose modules may hold aliases: minillm for every exercise
+    holders = [owner] + [m for n, m in list(sys.modules.items())
+                         if (n == top or n.startswith(top + ".")) and m is not owner and m is not None]
     stand_in = _raiser(tripwire)
     for holder in holders:
         for key, value in list(vars(holder).items()):
