@@ -93,7 +93,7 @@ print(roofline.format_specs())
 
 # %% tags=["slide-output"]
 # NBVAL_IGNORE_OUTPUT
-spec = roofline.measure_device(device, quick=FAST)
+spec = roofline.machine_spec(device, quick=FAST, verbose=True)  # measured once per machine, cached
 print(roofline.format_measurement(spec))
 
 

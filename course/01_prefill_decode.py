@@ -69,7 +69,7 @@ print(f"{config.num_parameters() / 1e6:.0f}M parameters, {config.num_layers} lay
 
 # %% tags=["slide-output"]
 # NBVAL_IGNORE_OUTPUT
-spec = roofline.measure_device(device, quick=FAST)
+spec = roofline.machine_spec(device, quick=FAST, verbose=True)  # measured once per machine, cached
 print(roofline.format_measurement(spec))
 ridge = roofline.ridge_point(spec, dtype)
 print(f"\nridge point for {dtype}: {ridge:.1f} FLOP/byte (an H100 SXM in bf16: "

@@ -200,7 +200,7 @@ print(repr(llm.tokenizer.decode(tokens)))
 
 # %%
 # NBVAL_IGNORE_OUTPUT
-spec = roofline.measure_device(device, quick=FAST)
+spec = roofline.machine_spec(device, quick=FAST, verbose=True)  # measured once per machine, cached
 print(roofline.format_measurement(spec))
 
 

@@ -107,7 +107,7 @@ for name, h in [("MHA", 32), ("GQA", 8), ("MQA", 1)]:
 
 # %% tags=["slide-output"]
 # NBVAL_IGNORE_OUTPUT
-spec = roofline.measure_device(device, quick=FAST)
+spec = roofline.machine_spec(device, quick=FAST, verbose=True)  # measured once per machine, cached
 print(roofline.format_measurement(spec))
 # On a GPU this small model at small batch is bound by kernel launches, so a big batch makes the cache visible.
 B, S = (16, 4096) if device == "cuda" else ((1, 2048) if FAST else (2, 4096))  # GPU: 3 caches ≈ 6.5 GB in bf16

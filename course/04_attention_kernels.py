@@ -355,7 +355,7 @@ if triton_ok:
 
 # %%
 # NBVAL_IGNORE_OUTPUT
-spec = roofline.measure_device(device, quick=FAST)
+spec = roofline.machine_spec(device, quick=FAST, verbose=True)  # measured once per machine, cached
 print(roofline.format_measurement(spec))
 
 # %% tags=["slide-output"]

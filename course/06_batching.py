@@ -454,7 +454,7 @@ for chunked, budget in ((False, 1024), (True, 128)):
 
 # %% tags=["slide-output"]
 # NBVAL_IGNORE_OUTPUT
-spec = roofline.measure_device(device, quick=FAST)
+spec = roofline.machine_spec(device, quick=FAST, verbose=True)  # measured once per machine, cached
 print(roofline.format_measurement(spec))
 batches = [1, 4, 16] if FAST else [1, 2, 4, 8, 16, 32]
 step_s, costs = {}, {}

@@ -117,7 +117,7 @@ def engine_times(batch: int, prompt_tokens: int, repeats: int) -> tuple[float, f
     return min(prefills), min(steps)
 
 
-spec = roofline.measure_device(device, quick=FAST)
+spec = roofline.machine_spec(device, quick=FAST, verbose=True)  # measured once per machine, cached
 REPEATS = 2 if FAST else 3
 prefill_1, step_1 = engine_times(1, int(prompt_len), REPEATS)  # one typical prompt; decode at batch 1
 _, step_B = engine_times(MAX_SEQS, 16, REPEATS)  # decode at a full batch (short prompts: cheap to set up)

@@ -5,7 +5,9 @@ ridge (peak / bandwidth) a kernel is memory bound, above it compute bound. A dec
 at I ≈ batch size, far below any GPU's ridge (~295 FLOP/byte on an H100 SXM), so its speed is bandwidth / bytes.
 
 - Machines (from ``minillm.perf.hardware``, re-exported): ``HardwareSpec``, ``SPECS``, ``get_spec``, and this machine's
-  ``measure_device()`` → ``MeasuredSpec`` (read / copy / GEMV bandwidth, matmul FLOP/s per dtype).
+  ``measure_device()`` → ``MeasuredSpec`` (read / copy / GEMV bandwidth, matmul FLOP/s per dtype);
+  ``machine_spec()`` (``minillm.perf.machine``): the same, best of several runs, cached per machine on disk —
+  the one roof every notebook and benchmark uses.
 - The cost model, plain arithmetic: ``linear_cost``, ``attention_cost``, ``prefill_cost``, ``decode_step_cost``.
 - Helpers: ``ridge_point``, ``attainable_flops``, ``mbu``, ``mfu``, ``decode_tokens_per_s_bound``, ``plot_roofline``.
 """
@@ -38,6 +40,7 @@ from minillm.perf.hardware import (  # noqa: F401  (re-exported: the roofline is
     get_spec,
     measure_device,
 )
+from minillm.perf.machine import cache_path, describe, machine_spec  # noqa: F401  (re-exported: the cached roof)
 
 
 # ---------------------------------------------------------------------------------------------- cost model
@@ -341,15 +344,20 @@ def format_specs() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m minillm roofline [--device D] [--quick] [--json PATH]``: measure, print, optionally save."""
+    """``python -m minillm roofline [--device D] [--quick] [--remeasure] [--runs N] [--json PATH]``: this
+    machine's cached roofline (measured now if there is none, or with ``--remeasure``), printed, optionally saved."""
     parser = argparse.ArgumentParser(prog="python -m minillm roofline",
-                                     description="Measure this machine's bandwidth and FLOP/s; show reference specs.")
+                                     description="This machine's measured bandwidth and FLOP/s (cached per machine "
+                                                 "in $MINILLM_CACHE_DIR or ~/.cache/minillm); reference specs.")
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
-    parser.add_argument("--quick", action="store_true", help="small probes (~1 s), less accurate")
+    parser.add_argument("--quick", action="store_true", help="small probes (~1 s per run), less accurate")
+    parser.add_argument("--remeasure", action="store_true", help="measure again and replace the cached roofline")
+    parser.add_argument("--runs", type=int, default=3, help="measurements combined, each probe's best (default 3)")
     parser.add_argument("--json", type=Path, metavar="PATH", help="save measured and reference specs as JSON")
     args = parser.parse_args(argv)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    measured = measure_device(device, quick=args.quick)
+    measured = machine_spec(device, quick=args.quick, force=args.remeasure, runs=args.runs)
+    print(describe(measured, cache_path(device)))
     print(format_measurement(measured), format_specs(), sep="\n\n")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
