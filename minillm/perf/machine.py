@@ -7,7 +7,7 @@ machine did is what it can do; interference only slows it), stores the result un
 returns it from there on every later call, in every process: every notebook and benchmark prices its points
 against the same roof, which says when it was measured (``MeasuredSpec.measured_at``).
 
-- Cache directory: ``$MINILLM_CACHE_DIR`` or ``~/.cache/minillm``; one JSON file per machine key under
+- Cache directory: ``$MINILLM_CACHE_DIR`` (or ``$MINILLM_CACHE``) or ``~/.cache/minillm``; one JSON file per machine key under
   ``roofline/``.  The key is what changes the result: the device ("cpu", "cuda:0"), its name (CPU model and
   thread count, or GPU name) and torch's version.
 - ``force=True`` (or ``python -m minillm roofline --remeasure``) measures again and replaces the file.
@@ -34,8 +34,9 @@ FORMAT = 1  # bump when the stored fields change: older files are then measured 
 
 
 def cache_dir() -> Path:
-    """``$MINILLM_CACHE_DIR``, else ``~/.cache/minillm``."""
-    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "minillm")
+    """``$MINILLM_CACHE_DIR``, else ``$MINILLM_CACHE`` (the name the kernel and model caches read), else
+    ``~/.cache/minillm``."""
+    return Path(os.environ.get(CACHE_ENV) or os.environ.get("MINILLM_CACHE") or Path.home() / ".cache" / "minillm")
 
 
 def machine_key(device: str | torch.device = "cpu") -> dict[str, str]:

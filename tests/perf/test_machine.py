@@ -90,8 +90,11 @@ def test_a_torn_cache_file_is_measured_again(fake):
 
 def test_cache_dir_defaults_to_the_home_cache(monkeypatch, tmp_path):
     monkeypatch.delenv("MINILLM_CACHE_DIR", raising=False)
+    monkeypatch.delenv("MINILLM_CACHE", raising=False)
     monkeypatch.setenv("HOME", str(tmp_path))
     assert machine.cache_dir() == tmp_path / ".cache" / "minillm"
+    monkeypatch.setenv("MINILLM_CACHE", str(tmp_path / "shared"))  # the kernels' and models' variable
+    assert machine.cache_dir() == tmp_path / "shared"
 
 
 def test_describe_says_when_it_was_measured_and_how_to_redo_it(fake, capsys):
