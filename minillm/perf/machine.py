@@ -7,9 +7,9 @@ machine did is what it can do; interference only slows it), stores the result un
 returns it from there on every later call, in every process: every notebook and benchmark prices its points
 against the same roof, which says when it was measured (``MeasuredSpec.measured_at``).
 
-- Cache directory: ``$MINILLM_CACHE_DIR`` (or ``$MINILLM_CACHE``) or ``~/.cache/minillm``; one JSON file per machine key under
-  ``roofline/``.  The key is what changes the result: the device ("cpu", "cuda:0"), its name (CPU model and
-  thread count, or GPU name) and torch's version.
+- Cache directory: ``$MINILLM_CACHE_DIR`` (or ``$MINILLM_CACHE``) or ``~/.cache/minillm``; one JSON file per
+  machine key under ``roofline/``.  The key is what changes the result: the device ("cpu", "cuda:0"), its name
+  (CPU model and thread count, or GPU name) and torch's version.
 - ``force=True`` (or ``python -m minillm roofline --remeasure``) measures again and replaces the file.
 - A ``quick`` request is answered by any cached measurement; a full one only by a full one (it replaces a quick).
 """
