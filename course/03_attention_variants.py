@@ -49,7 +49,7 @@ from minillm.perf.metrics import decode_weight_bytes
 FAST = os.environ.get("MINILLM_COURSE_FAST") == "1"  # set by the course tests: same cells, smaller sizes
 random.seed(0)
 torch.manual_seed(0)
-plt.rcParams.update({"figure.dpi": 80, "figure.figsize": (7, 4)})
+plt.rcParams.update({"figure.dpi": 110, "figure.figsize": (7, 4)})  # readable figures: ≥ 110 dpi
 
 device = "cuda" if torch.cuda.is_available() else "cpu"
 llm = LLM(device=device)  # SmolLM2-135M-Instruct, offline, in the dtype minillm picks for this machine
