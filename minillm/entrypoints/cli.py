@@ -224,8 +224,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--window", type=int, default=512)
     e.add_argument("--stride", type=int, default=256)
     e.set_defaults(fn=cmd_eval)
-    sub.add_parser("roofline", help="measure this machine's peaks and print the reference specs "
-                                    "(options: --device, --quick, --json PATH)")
+    sub.add_parser("roofline", help="this machine's measured peaks (cached per machine; --remeasure to measure "
+                                    "again) and the reference specs (options: --device, --quick, --remeasure, "
+                                    "--runs N, --json PATH)")
     return p
 
 

@@ -232,11 +232,12 @@ def _disarm(path: str, tripwire: _Tripwire) -> list[Callable[[], None]]:
     holders = [owner] + [m for n, m in list(sys.modules.items())
                          if (n == top or n.startswith(top + ".")) and m is not owner and m is not None]
     stand_in = _raiser(tripwire)
+    if isinstance(raw, (staticmethod, classmethod)):  # keep the descriptor kind in the class's dict
+        stand_in = type(raw)(stand_in)
     for holder in holders:
         for key, value in list(vars(holder).items()):
-            if value is raw and (holder is owner or key == name or not key.startswith("__")):
-                setattr(holder, key, stand_in if holder is not owner or not isinstance(owner, type)
-                        else type(raw)(stand_in) if isinstance(raw, (staticmethod, classmethod)) else stand_in)
+            if value is raw and not (key.startswith("__") and key != name):
+                setattr(holder, key, stand_in)
                 undo.append(functools.partial(setattr, holder, key, value))
     return undo
 
