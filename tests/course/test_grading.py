@@ -117,6 +117,13 @@ class Box:
         return self.n + k
         ### END SOLUTION
 
+    @staticmethod
+    def unit(k):
+        """k boxes of one."""
+        ### BEGIN SOLUTION
+        return [1] * k
+        ### END SOLUTION
+
 
 @functools.lru_cache
 def cached_area(w):
@@ -182,6 +189,17 @@ def test_a_subclass_calling_super_is_caught_and_an_override_is_not(lib):
             solved.Box(1).grow(2)
         assert answer(1).grow(2) == 3  # the solution's copy is the student's own code: it runs
     assert solved.Box(1).grow(2) == 3
+
+
+def test_a_static_method_and_extra_hidden_paths_are_disarmed_too(lib):
+    solved, _ = lib
+    ex = Exercise("99.1", "minillm_fixture_lib.solved.Box.grow", "t", "h", lambda a: None,
+                  hide=("minillm_fixture_lib.solved.Box.unit", "minillm_fixture_lib.solved.area"))
+    with ex.hidden():
+        for route in (lambda: solved.Box.unit(2), lambda: solved.Box(1).unit(2), lambda: solved.area(1)):
+            with pytest.raises(LibrarySolutionCalled, match=r"\(minillm_fixture_lib\.solved\.Box\.grow\)"):
+                route()
+    assert solved.Box.unit(2) == [1, 1] and isinstance(vars(solved.Box)["unit"], staticmethod)
 
 
 def test_a_wrapped_solution_is_replaced_where_modules_hold_it(lib):
