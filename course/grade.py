@@ -1,15 +1,24 @@
-"""Grade students' notebooks: run each one and report every exercise as passed, unfinished or wrong.
+"""Grade students' notebooks: run each one and report every exercise as passed, unfinished, wrong or delegating.
 
-    python course/grade.py [--fast] [--csv FILE] NOTEBOOK.ipynb [...]
+    python course/grade.py [--fast] [--csv FILE] [--timeout S] PATH [PATH ...]
 
-Each notebook is executed top to bottom in a fresh kernel (errors do not stop it, as in ``pytest --nbval-lax``).
-An exercise is judged by its check cell (the cell that calls ``checks.check_<name>``):
-- **passed**: the cell printed "✓ Exercise N.k passed";
+A PATH is a notebook or a directory of them (searched recursively; ``.ipynb_checkpoints`` skipped), so an
+instructor grades forty submissions with ``python course/grade.py submissions/ --csv grades.csv``.  Each notebook
+is executed top to bottom in a fresh kernel (errors do not stop it, as in ``pytest --nbval-lax``).  An exercise is
+judged by its check cell (the cell that calls ``checks.check_<name>``):
+- **passed**: the cell printed "✓ Exercise N.k passed" and raised nothing;
 - **unfinished**: it raised the stub's ``NotImplementedError("Exercise N.k: …")``;
-- **wrong**: it raised anything else — usually the checker's ``AssertionError``, whose first line is reported.
-Check cells are found by their cell metadata (``minillm.course.checks``, written by the build) or, in a notebook whose
+- **delegates-to-library**: it raised ``LibrarySolutionCalled`` — the answer called the library's own solution,
+  which every checker hides while it runs (``minillm/course/checks/registry.py``);
+- **wrong**: it raised anything else — usually the checker's ``AssertionError``, whose first line is reported;
+- **missing**: the notebook has the exercise's cell but no cell calling its checker (deleted or renamed).
+Check cells are found by their cell metadata (``minillm.checks``, written by the build) or, in a notebook whose
 metadata was lost, by the checker names in their source.  ``--fast`` sets MINILLM_COURSE_FAST=1 (smaller
-measurements; the checks are the same).  Exit status: 0 when every exercise of every notebook passed, else 1.
+measurements; the checks are the same).
+
+Output: one line per notebook and exercise, then a table (one row per notebook, one column per exercise:
+✓ passed, · unfinished, ✗ wrong, ⇢ delegates, ? missing); ``--csv`` also writes ``notebook,exercise,status,detail``
+rows.  Exit status: 0 when every exercise of every notebook passed, 1 otherwise, 2 when no notebook was found.
 """
 
 from __future__ import annotations
@@ -24,53 +33,104 @@ import nbformat
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import build  # noqa: E402  (course/build.py: execute(), checker_exercises())
 
+STATUSES = ("passed", "unfinished", "wrong", "delegates-to-library", "missing")
+MARKS = {"passed": "✓", "unfinished": "·", "wrong": "✗", "delegates-to-library": "⇢", "missing": "?"}
+DELEGATION_ERROR = "LibrarySolutionCalled"  # minillm.course.checks.registry.LibrarySolutionCalled
 
-def grade(path: Path, fast: bool = False) -> dict[str, tuple[str, str]]:
+
+def find_notebooks(paths: list[Path]) -> list[Path]:
+    """The notebooks named by ``paths`` (files as given, directories searched recursively), in order."""
+    found: list[Path] = []
+    for path in paths:
+        if path.is_dir():
+            found += sorted(p for p in path.rglob("*.ipynb") if ".ipynb_checkpoints" not in p.parts)
+        elif path.suffix == ".ipynb" and path.exists():
+            found.append(path)
+        else:
+            raise FileNotFoundError(f"{path}: not a notebook or a directory")
+    return found
+
+
+def grade(path: Path, fast: bool = False, timeout: int = 900) -> dict[str, tuple[str, str]]:
     """{exercise number: (status, detail)} for one notebook, executed afresh."""
     nb = nbformat.read(path, as_version=4)
-    return judge(build.execute(nb, cwd=path.parent, fast=fast, allow_errors=True))
+    return judge(build.execute(nb, cwd=path.parent, fast=fast, allow_errors=True, timeout=timeout))
+
+
+def _status(number: str, text: str, errors: list) -> tuple[str, str]:
+    """One exercise's verdict from its check cell's printed text and error outputs."""
+    if errors:  # an error wins over a pass message (a checker may print it before the hiding's verdict)
+        e = errors[0]
+        first = (e.evalue.splitlines() or [""])[0][:300]
+        if e.ename == "NotImplementedError" and e.evalue.startswith(f"Exercise {number}:"):
+            return "unfinished", ""
+        if e.ename == DELEGATION_ERROR:
+            return "delegates-to-library", first
+        return "wrong", f"{e.ename}: {first}"
+    if f"✓ Exercise {number} passed" in text:
+        return "passed", ""
+    return "wrong", "the check printed no pass message"
 
 
 def judge(ran: nbformat.NotebookNode) -> dict[str, tuple[str, str]]:
-    """{exercise number: (status, detail)} from an executed notebook's check cells."""
+    """{exercise number: (status, detail)} from an executed notebook's exercise and check cells."""
     results: dict[str, tuple[str, str]] = {}
     for cell in ran.cells:
         if cell.cell_type != "code":
             continue
-        numbers = cell.metadata.get("minillm", {}).get("checks") or build.checker_exercises(cell.source)
+        meta = cell.metadata.get("minillm", {})
+        if "exercise" in meta:
+            results.setdefault(meta["exercise"], ("missing", "no cell calls this exercise's checker"))
+        numbers = meta.get("checks") or build.checker_exercises(cell.source)
         text = "".join(o.get("text", "") for o in cell.outputs if o.output_type == "stream")
         errors = [o for o in cell.outputs if o.output_type == "error"]
         for number in numbers:
-            if f"✓ Exercise {number} passed" in text:
-                results[number] = ("passed", "")
-            elif errors and errors[0].ename == "NotImplementedError" and \
-                    errors[0].evalue.startswith(f"Exercise {number}:"):
-                results[number] = ("unfinished", "")
-            elif errors:
-                results[number] = ("wrong", f"{errors[0].ename}: {errors[0].evalue.splitlines()[0][:300]}")
-            else:
-                results[number] = ("wrong", "the check printed no pass message")
-    return results
+            results[number] = _status(number, text, errors)
+    return dict(sorted(results.items(), key=lambda kv: tuple(int(x) for x in kv[0].split("."))))
+
+
+def table(graded: dict[str, dict[str, tuple[str, str]]]) -> str:
+    """One row per notebook, one column per exercise (marks as in the module docstring), then totals."""
+    numbers = sorted({n for r in graded.values() for n in r}, key=lambda n: tuple(int(x) for x in n.split(".")))
+    width = max([len("notebook"), *(len(k) for k in graded)])
+    lines = [f"{'notebook':{width}}  " + " ".join(f"{n:>5}" for n in numbers) + "  passed"]
+    for name, results in graded.items():
+        marks = [MARKS[results[n][0]] if n in results else "" for n in numbers]
+        done = sum(s == "passed" for s, _ in results.values())
+        lines.append(f"{name:{width}}  " + " ".join(f"{m:>5}" for m in marks) + f"  {done}/{len(results)}")
+    legend = ", ".join(f"{m} {s}" for s, m in MARKS.items())
+    return "\n".join(lines + [legend])
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("notebooks", nargs="+", type=Path)
+    parser.add_argument("paths", nargs="+", type=Path, help="notebooks, or directories of notebooks")
     parser.add_argument("--fast", action="store_true", help="run with MINILLM_COURSE_FAST=1")
     parser.add_argument("--csv", type=Path, help="also write notebook,exercise,status,detail rows here")
+    parser.add_argument("--timeout", type=int, default=900, help="seconds per cell before it is stopped")
     args = parser.parse_args(argv)
+    try:
+        notebooks = find_notebooks(args.paths)
+    except FileNotFoundError as e:
+        print(f"grade: {e}", file=sys.stderr)
+        return 2
+    if not notebooks:
+        print("grade: no notebooks found", file=sys.stderr)
+        return 2
+    graded: dict[str, dict[str, tuple[str, str]]] = {}
     rows, all_passed = [], True
-    for path in args.notebooks:
-        results = grade(path, fast=args.fast)
+    for path in notebooks:
+        results = grade(path, fast=args.fast, timeout=args.timeout)
+        graded[str(path)] = results
         print(path)
-        for number, (status, detail) in sorted(results.items()):
-            mark = {"passed": "✓", "unfinished": "·", "wrong": "✗"}[status]
-            print(f"  {mark} Exercise {number}: {status}{'  — ' + detail if detail else ''}")
+        for number, (status, detail) in results.items():
+            print(f"  {MARKS[status]} Exercise {number}: {status}{'  — ' + detail if detail else ''}")
             rows.append((str(path), number, status, detail))
             all_passed &= status == "passed"
         if not results:
-            print("  no check cells found")
+            print("  no exercises found")
             all_passed = False
+    print("\n" + table(graded))
     if args.csv:
         with args.csv.open("w", newline="") as f:
             csv.writer(f).writerows([("notebook", "exercise", "status", "detail"), *rows])

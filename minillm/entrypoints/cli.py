@@ -50,13 +50,13 @@ def _stream_reply(llm, prompt, params, out=sys.stdout):
 
 def _print_metrics(llm, m, out=sys.stderr) -> None:
     """TTFT, TPOT and decode rate of one reply, and the memory bandwidth its decode achieved (MBU)."""
-    from minillm.perf.hardware import measure_device
+    from minillm.perf.machine import machine_spec
     from minillm.perf.roofline import decode_step_cost
 
     line = (f"[{m.prompt_tokens} prompt + {m.output_tokens} output tokens] TTFT {m.ttft_s * 1e3:.0f} ms | "
             f"TPOT {m.tpot_s * 1e3:.1f} ms | decode {m.decode_tokens_per_s:.1f} tok/s")
     if m.output_tokens > 1:
-        spec = measure_device(str(llm.model.device), quick=True)
+        spec = machine_spec(str(llm.model.device), quick=True)
         bw = spec.memory_bandwidth
         step = decode_step_cost(llm.model.config, batch=1, kv_len=m.prompt_tokens + m.output_tokens // 2,
                                 dtype=llm.model.dtype)
@@ -224,8 +224,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--window", type=int, default=512)
     e.add_argument("--stride", type=int, default=256)
     e.set_defaults(fn=cmd_eval)
-    sub.add_parser("roofline", help="measure this machine's peaks and print the reference specs "
-                                    "(options: --device, --quick, --json PATH)")
+    sub.add_parser("roofline", help="this machine's measured peaks (cached per machine; --remeasure to measure "
+                                    "again) and the reference specs (options: --device, --quick, --remeasure, "
+                                    "--runs N, --json PATH)")
     return p
 
 

@@ -3,6 +3,8 @@
 - Reference machines: ``HardwareSpec``, ``SPECS``, ``get_spec`` (dense datasheet figures, sources in comments).
 - This machine: ``measure_device()`` → ``MeasuredSpec`` (read / copy / GEMV bandwidth, matmul FLOP/s per dtype),
   cached per process; ``matmul_flops()`` one quick matmul rate (e.g. to tell emulated bf16 from native).
+  Notebooks and benchmarks use ``minillm.perf.machine.machine_spec()``: best of several runs, cached on disk per
+  machine, so that every one of them prices its measurements against the same roof.
 - Dtype sizes: ``DTYPE_BYTES``, ``dtype_name``, ``dtype_bytes``.
 
 ``minillm.perf.roofline`` re-exports all of these next to the cost model and plots.
@@ -17,6 +19,7 @@ import statistics
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
+from datetime import datetime, timezone
 from functools import cache, partial
 from types import MappingProxyType
 from typing import Any
@@ -97,8 +100,8 @@ class HardwareSpec:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]):
-        """Inverse of ``to_dict`` (e.g. a measurement saved on another machine)."""
-        return cls(**{f.name: d[f.name] for f in fields(cls)})
+        """Inverse of ``to_dict`` (e.g. a measurement saved on another machine); fields with defaults may be absent."""
+        return cls(**{f.name: d[f.name] for f in fields(cls) if f.name in d})
 
 
 _T = 1e12
@@ -158,6 +161,7 @@ class MeasuredSpec(HardwareSpec):
     copy_bandwidth: float
     gemv_bandwidth: Mapping[str, Mapping[str, float]]
     method: Mapping[str, Any]
+    measured_at: str = ""  # ISO 8601, UTC: a roofline says when it was measured (machine.machine_spec caches it)
 
     def __post_init__(self):
         super().__post_init__()
@@ -388,6 +392,7 @@ def _measure(device: str, quick: bool) -> MeasuredSpec:
     return MeasuredSpec(
         name=name, peak_flops=peaks, memory_bandwidth=roof, memory_capacity=memory,
         source=f"measured by minillm.perf.hardware.measure_device({device!r}, quick={quick})",
+        measured_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
         device=device, read_bandwidth=read, read_by_impl=found["read"], copy_bandwidth=found["copy"],
         gemv_bandwidth=gemv, method={**plan, "gemv_shapes": [list(s) for s in plan["gemv_shapes"]],
                                      "gemv_layers_timed": gemv_layers_timed, "matmul_n_timed": matmul_n_timed,

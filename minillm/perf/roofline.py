@@ -5,7 +5,9 @@ ridge (peak / bandwidth) a kernel is memory bound, above it compute bound. A dec
 at I ≈ batch size, far below any GPU's ridge (~295 FLOP/byte on an H100 SXM), so its speed is bandwidth / bytes.
 
 - Machines (from ``minillm.perf.hardware``, re-exported): ``HardwareSpec``, ``SPECS``, ``get_spec``, and this machine's
-  ``measure_device()`` → ``MeasuredSpec`` (read / copy / GEMV bandwidth, matmul FLOP/s per dtype).
+  ``measure_device()`` → ``MeasuredSpec`` (read / copy / GEMV bandwidth, matmul FLOP/s per dtype);
+  ``machine_spec()`` (``minillm.perf.machine``): the same, best of several runs, cached per machine on disk —
+  the one roof every notebook and benchmark uses.
 - The cost model, plain arithmetic: ``linear_cost``, ``attention_cost``, ``prefill_cost``, ``decode_step_cost``.
 - Helpers: ``ridge_point``, ``attainable_flops``, ``mbu``, ``mfu``, ``decode_tokens_per_s_bound``, ``plot_roofline``.
 """
@@ -38,6 +40,7 @@ from minillm.perf.hardware import (  # noqa: F401  (re-exported: the roofline is
     get_spec,
     measure_device,
 )
+from minillm.perf.machine import cache_path, describe, machine_spec  # noqa: F401  (re-exported: the cached roof)
 
 
 # ---------------------------------------------------------------------------------------------- cost model
@@ -258,32 +261,49 @@ def decode_tokens_per_s_bound(config: ModelConfig, dtype: DType, bandwidth: floa
     return batch * positive_rate(bandwidth) / decode_step_cost(config, batch, kv_len, dtype, kv_dtype).bytes
 
 
+PHASE_COLORS: Mapping[str, str] = MappingProxyType(
+    {"prefill": "tab:blue", "decode": "tab:orange", "other": "tab:green"})  # one colour per phase, every plot
+
+
 @dataclass(frozen=True)
 class RooflinePoint:
-    """A measured kernel or step on the roofline: intensity (FLOP/byte) and achieved FLOP/s."""
+    """A measured kernel or step on the roofline: intensity (FLOP/byte) and achieved FLOP/s.
+
+    ``phase`` ("prefill", "decode" or "other") sets its colour; empty, it is read from the label ("prefill …",
+    "decode …"), else "other"."""
 
     label: str
     intensity: float
     flops_per_s: float
+    phase: str = ""
 
     def __post_init__(self):
         if not self.intensity > 0 or not self.flops_per_s > 0:
             raise ValueError(f"{self.label}: intensity and flops_per_s must be > 0 for a log-log plot")
+        if not self.phase:
+            words = self.label.lower()
+            object.__setattr__(self, "phase", next((p for p in ("prefill", "decode") if p in words), "other"))
+        if self.phase not in PHASE_COLORS:
+            raise ValueError(f"{self.label}: phase must be one of {', '.join(PHASE_COLORS)}, got {self.phase!r}")
 
     @classmethod
-    def from_cost(cls, label: str, cost: Cost, seconds: float) -> RooflinePoint:
+    def from_cost(cls, label: str, cost: Cost, seconds: float, phase: str = "") -> RooflinePoint:
         """The point of work ``cost`` that took ``seconds``."""
         if not seconds > 0:
             raise ValueError(f"seconds must be > 0, got {seconds}")
-        return cls(label, cost.intensity, cost.flops / seconds)
+        return cls(label, cost.intensity, cost.flops / seconds, phase)
 
 
 def plot_roofline(spec: HardwareSpec, points: Sequence[RooflinePoint] = (), dtype: str = "bfloat16", ax=None):
-    """Log-log roofline of ``spec`` for ``dtype`` (bandwidth roof, compute roof, ridge) with labelled ``points``.
+    """Log-log roofline of ``spec`` for ``dtype`` (bandwidth roof, compute roof, ridge) with labelled ``points``,
+    coloured by phase (``PHASE_COLORS``: prefill blue, decode orange), one legend entry per phase present.
 
-    Draws on ``ax`` (a new figure when None) and returns the Axes; never calls ``plt.show()``.
+    Point labels are spread apart (``minillm.perf.figures.spread_labels``) so that none covers another. Draws on
+    ``ax`` (a new figure when None) and returns the Axes; never calls ``plt.show()``.
     """
     import matplotlib.pyplot as plt
+
+    from minillm.perf.figures import spread_labels
 
     peak, bw = spec.peak(dtype), spec.memory_bandwidth
     ridge = peak / bw
@@ -297,13 +317,17 @@ def plot_roofline(spec: HardwareSpec, points: Sequence[RooflinePoint] = (), dtyp
     ax.axvline(ridge, color="grey", linestyle=":")
     ax.annotate(f"ridge {ridge:.3g} FLOP/B", (ridge, peak), textcoords="offset points", xytext=(4, -14),
                 color="grey")
-    if points:
-        ax.scatter([p.intensity for p in points], [p.flops_per_s for p in points], zorder=3, color="tab:red")
-        for p in points:
-            ax.annotate(p.label, (p.intensity, p.flops_per_s), textcoords="offset points", xytext=(5, 4))
+    for phase, color in PHASE_COLORS.items():
+        mine = [p for p in points if p.phase == phase]
+        if mine:
+            ax.scatter([p.intensity for p in mine], [p.flops_per_s for p in mine], zorder=3, color=color,
+                       label=phase)
+    labels = [ax.annotate(p.label, (p.intensity, p.flops_per_s), textcoords="offset points", xytext=(5, 4),
+                          color=PHASE_COLORS[p.phase]) for p in points if p.label.strip()]
     ax.set(xscale="log", yscale="log", xlabel="arithmetic intensity (FLOP/byte)", ylabel="FLOP/s",
            title=f"Roofline: {spec.name} ({dtype_name(dtype)})")
-    ax.legend(loc="lower right")
+    ax.legend(loc="lower right", fontsize="small")
+    spread_labels(ax, labels)
     return ax
 
 
@@ -341,15 +365,20 @@ def format_specs() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m minillm roofline [--device D] [--quick] [--json PATH]``: measure, print, optionally save."""
+    """``python -m minillm roofline [--device D] [--quick] [--remeasure] [--runs N] [--json PATH]``: this
+    machine's cached roofline (measured now if there is none, or with ``--remeasure``), printed, optionally saved."""
     parser = argparse.ArgumentParser(prog="python -m minillm roofline",
-                                     description="Measure this machine's bandwidth and FLOP/s; show reference specs.")
+                                     description="This machine's measured bandwidth and FLOP/s (cached per machine "
+                                                 "in $MINILLM_CACHE_DIR or ~/.cache/minillm); reference specs.")
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
-    parser.add_argument("--quick", action="store_true", help="small probes (~1 s), less accurate")
+    parser.add_argument("--quick", action="store_true", help="small probes (~1 s per run), less accurate")
+    parser.add_argument("--remeasure", action="store_true", help="measure again and replace the cached roofline")
+    parser.add_argument("--runs", type=int, default=3, help="measurements combined, each probe's best (default 3)")
     parser.add_argument("--json", type=Path, metavar="PATH", help="save measured and reference specs as JSON")
     args = parser.parse_args(argv)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    measured = measure_device(device, quick=args.quick)
+    measured = machine_spec(device, quick=args.quick, force=args.remeasure, runs=args.runs)
+    print(describe(measured, cache_path(device)))
     print(format_measurement(measured), format_specs(), sep="\n\n")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)

@@ -9,8 +9,10 @@ CI (see course/INSTRUCTORS.md):
 
 from __future__ import annotations
 
+import base64
 import importlib.util
 import re
+import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -99,6 +101,30 @@ def test_solution_notebook_is_executed_and_clean(name):
             text = "".join(o.get("text", "") for o in cell.outputs)
             assert f"✓ Exercise {number} passed" in text, f"{name}: check of {number} did not pass"
     assert any("image/png" in o.get("data", {}) for c in nb.cells if c.cell_type == "code" for o in c.outputs)
+
+
+def _png_header(data: bytes) -> tuple[int, int, float | None]:
+    """(width px, height px, dots per inch or None) from a PNG's IHDR and pHYs chunks (matplotlib writes both)."""
+    assert data[:8] == b"\x89PNG\r\n\x1a\n", "not a PNG"
+    width, height = struct.unpack(">II", data[16:24])
+    at = data.find(b"pHYs")
+    if at < 0:
+        return width, height, None
+    per_x, _, unit = struct.unpack(">IIB", data[at + 4 : at + 13])
+    return width, height, per_x * 0.0254 if unit == 1 else None  # unit 1: pixels per metre
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_solution_figures_are_stored_at_110_dpi_or_more(name):
+    """Readable at a glance: every stored figure at ≥ 110 dpi (``plt.rcParams["figure.dpi"]`` in the source's
+    setup cell; the inline backend saves at the figure's dpi) and at least 400 × 200 pixels."""
+    nb = nbformat.read(ROOT / "solutions" / f"{name}.ipynb", as_version=4)
+    pngs = [o["data"]["image/png"] for c in nb.cells if c.cell_type == "code" for o in c.outputs
+            if "image/png" in o.get("data", {})]
+    for i, data in enumerate(pngs):
+        width, height, dpi = _png_header(base64.b64decode(data))
+        assert dpi is not None and round(dpi) >= 110, f"{name} figure {i + 1}: {dpi} dpi, expected ≥ 110"
+        assert width >= 400 and height >= 200, f"{name} figure {i + 1}: {width} × {height} px is too small to read"
 
 
 @pytest.mark.slow

@@ -110,11 +110,11 @@ def bench_decode(model_name: str | None = None, dtypes=("float32", "bfloat16"), 
     from transformers import AutoModelForCausalLM
 
     from minillm.models.loader import load_model, resolve, resolve_device
-    from minillm.perf.hardware import measure_device
+    from minillm.perf.machine import machine_spec
     from minillm.perf.roofline import decode_step_cost
 
     dev = resolve_device(device)
-    peak = measure_device(str(dev))
+    peak = machine_spec(str(dev))  # this machine's roof, measured once and cached (perf.machine)
     bandwidth = peak.memory_bandwidth  # the highest read rate any probe reached here: the roof
     ckpt = resolve(model_name)
     gen = torch.Generator().manual_seed(0)

@@ -182,11 +182,11 @@ def bench_quant(model_name: str | None = None, device: str | None = None, scheme
     ``ppl_tokens`` held-out tokens (0 skips it).  Medians of ``repeats``.  Saved as JSON (``save_results``)."""
     from minillm.models.loader import default_model_path, load_tokenizer, resolve_device
     from minillm.perf.bench.decode import save_results
-    from minillm.perf.hardware import measure_device
+    from minillm.perf.machine import machine_spec
     from minillm.perf.perplexity import heldout_token_ids, perplexity
 
     dev = resolve_device(device)
-    bandwidth = measure_device(str(dev)).memory_bandwidth
+    bandwidth = machine_spec(str(dev)).memory_bandwidth  # the cached roof of this machine
     tokenizer = load_tokenizer(model_name)
     ppl_ids = heldout_token_ids(tokenizer, "evaluation", ppl_tokens) if ppl_tokens else None
     gen = torch.Generator().manual_seed(0)

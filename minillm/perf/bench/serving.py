@@ -357,10 +357,11 @@ def roofline_here(model, trace: Sequence[RequestSpec], config: EngineConfig) -> 
     (``measure_device(quick=True)``, no per-step overhead): what the cost model expects continuous / static to
     gain here.  A decode step's intensity is ≈ 2·B / bytes-per-weight FLOP/byte, so past the ridge it is compute
     bound and its cost grows with B — and a static batch that drops its finished rows gets cheap steps."""
-    from minillm.perf.hardware import dtype_bytes, dtype_name, measure_device
+    from minillm.perf.hardware import dtype_bytes, dtype_name
+    from minillm.perf.machine import machine_spec
     from minillm.perf.roofline import ridge_point
 
-    spec = measure_device(str(model.device), quick=True)
+    spec = machine_spec(str(model.device), quick=True)
     dtype = dtype_name(model.dtype)
     step = RooflineStepTime(model.config, spec, dtype)
     runs = {label: simulate(trace, model.config, replace(config, policy=p, pad_batches=pad), step, dtype=dtype)
