@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from minillm.kernels.select import KernelOps
 from minillm.kv.paged_cache import AttentionMetadata, PagedAttention, PagedKVCache
 from minillm.models.llama import Transformer
 
@@ -113,11 +114,11 @@ class DecodeGraphRunner:
         self.replays: Counter[int] = Counter()  # steps run per bucket (graph replays, or padded steps on CPU)
         self.capture_report = self.capture() if capture else None
 
-    def _step(self, B: int) -> Tensor:
+    def _step(self, B: int, ops: KernelOps) -> Tensor:
         """The bucketed decode forward on the static buffers -> logits [B, V] (padding rows included)."""
         meta = AttentionMetadata(self.slot_mapping[:B], self._rows[:B], self.block_tables[:B], self.seq_lens[:B],
                                  prefills=[], num_padding=0, decode_only=True)
-        cache = PagedAttention(self.kv, meta, self.model.kernel_ops())
+        cache = PagedAttention(self.kv, meta, ops)
         hidden = self.model.hidden_states(self.input_ids[None, :B], self.positions[None, :B], cache)  # (1, B, h)
         return self.model.compute_logits(hidden[0])  # (B, V)
 
@@ -131,11 +132,11 @@ class DecodeGraphRunner:
         t0 = time.perf_counter()
         pool = None
         for B in tqdm(sorted(self.buckets, reverse=True), desc="capturing decode graphs"):
-            self._run(B)  # warm-up outside the graph: Triton JIT, cuBLAS workspaces, lazy allocations
+            self._run(B, self.model.kernel_ops())  # warm-up outside the graph: Triton JIT, lazy allocations
             torch.cuda.synchronize()
             g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g, pool=pool):
-                self._graph_out[B] = self._run(B)
+                self._graph_out[B] = self._run(B, self.model.kernel_ops())
             pool = g.pool()
             self.graphs[B] = g
         torch.cuda.synchronize()
@@ -179,7 +180,7 @@ class DecodeGraphRunner:
         if bucket in self.graphs:
             self.graphs[bucket].replay()
             return self._graph_out[bucket][:B].clone()
-        return self._run(bucket)[:B].clone()
+        return self._run(bucket, self.model.kernel_ops())[:B].clone()
 
 
 def use_static_decode(enforce_eager: bool | None, device: torch.device, compiled: bool) -> bool:
