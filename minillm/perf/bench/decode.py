@@ -238,10 +238,11 @@ def _measure(where: tuple, impl: str, repeats: int, run) -> DecodeRow:
 
 def bench_decode(model_name: str | None = None, dtypes=None, n_tokens: int = 64, prompt_len: int = 32,
                  repeats: int = 1, device: str | None = None, save: bool = True,
-                 shapes=("default", "llama-3.2-1b"), batches=(1, 8, 32), modes=("eager", "graphs"),
+                 shapes=None, batches=(1, 8, 32), modes=("eager", "graphs"),
                  hf: bool = True, hf_compile: bool | None = None, out_dir: Path | None = None) -> dict:
     """Decode steps per implementation, side by side (see the module docstring).  ``shapes``: names of
-    ``SHAPES`` or LlamaConfig keyword dicts (random weights); ``model_name`` instead benchmarks that checkpoint
+    ``SHAPES`` or LlamaConfig keyword dicts (random weights; default both shapes on CUDA, the default model's on
+    CPU, where the 1B shape's fp32 copies take 10 GB and minutes per row); ``model_name`` instead benchmarks that checkpoint
     (minillm only).  ``dtypes``: default bf16 on CUDA, fp32 on CPU.  ``modes``: minillm's "eager", "graphs",
     "compiled".  ``hf_compile`` (default: on CUDA) adds transformers' static cache + compile; its failure is
     recorded in the row, not raised.  ``repeats`` > 1 takes the median step time over that many runs."""
@@ -253,6 +254,7 @@ def bench_decode(model_name: str | None = None, dtypes=None, n_tokens: int = 64,
     dev = resolve_device(device)
     dtypes = dtypes or (("bfloat16",) if dev.type == "cuda" else ("float32",))
     hf_compile = dev.type == "cuda" if hf_compile is None else hf_compile
+    shapes = shapes or (("default", "llama-3.2-1b") if dev.type == "cuda" else ("default",))
     copy_bw = copy_bandwidth(dev)
     rows: list[DecodeRow] = []
     plan = [(s, d) for s in ([model_name] if model_name else shapes) for d in dtypes]
