@@ -242,8 +242,8 @@ def bench_decode(model_name: str | None = None, dtypes=None, n_tokens: int = 64,
                  hf: bool = True, hf_compile: bool | None = None, out_dir: Path | None = None) -> dict:
     """Decode steps per implementation, side by side (see the module docstring).  ``shapes``: names of
     ``SHAPES`` or LlamaConfig keyword dicts (random weights; default both shapes on CUDA, the default model's on
-    CPU, where the 1B shape's fp32 copies take 10 GB and minutes per row); ``model_name`` instead benchmarks that checkpoint
-    (minillm only).  ``dtypes``: default bf16 on CUDA, fp32 on CPU.  ``modes``: minillm's "eager", "graphs",
+    CPU, where the 1B shape's fp32 copies take 10 GB and minutes per row); ``model_name`` instead benchmarks that
+    checkpoint (minillm only).  ``dtypes``: default bf16 on CUDA, fp32 on CPU.  ``modes``: minillm's "eager", "graphs",
     "compiled".  ``hf_compile`` (default: on CUDA) adds transformers' static cache + compile; its failure is
     recorded in the row, not raised.  ``repeats`` > 1 takes the median step time over that many runs."""
     from tqdm.auto import tqdm
