@@ -190,6 +190,9 @@ class EngineConfig:
       on the device) and back.
     - ``max_model_len``: cap on prompt + output tokens (default: the model's context).
     - ``return_logits``: each step update carries the fp32 logits its token was sampled from (tests, notebooks).
+    - ``enforce_eager`` (vLLM's name): True runs every step eagerly; False runs decode-only steps through static
+      buffers in batch buckets (``engine.cuda_graph``: CUDA graphs on a GPU, the same padded path uncaptured on
+      CPU); None (default): CUDA graphs on CUDA, eager on CPU unless the kernels are "compiled".
     The kernels are the model's choice (``load_model(kernels=...)``, ``Transformer.set_kernels``), not the engine's.
     """
 
@@ -207,6 +210,7 @@ class EngineConfig:
     pad_batches: bool = True
     max_model_len: int | None = None
     return_logits: bool = False
+    enforce_eager: bool | None = None
     speculative_config: SpeculativeConfig | dict | None = None  # a dict (vLLM's shape) becomes a SpeculativeConfig
 
     def __post_init__(self):
@@ -240,6 +244,8 @@ class EngineConfig:
         for name in ("enable_prefix_caching", "chunked_prefill", "pad_batches", "return_logits"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"EngineConfig.{name} must be True or False, got {getattr(self, name)!r}")
+        if self.enforce_eager is not None and not isinstance(self.enforce_eager, bool):
+            raise ValueError(f"EngineConfig.enforce_eager must be None, True or False, got {self.enforce_eager!r}")
 
     def resolve_num_blocks(self, bytes_per_block: int, max_model_len: int) -> int:
         """Device KV blocks: ``num_kv_blocks``, or the byte budget divided by ``bytes_per_block`` (K and V, all

@@ -23,12 +23,14 @@ class LLM:
 
     ``model``: None (the embedded SmolLM2-135M-Instruct, offline), a hub id, a local directory or a ``.gguf``.
     ``dtype``: "float32" | "float16" | "bfloat16" | None; ``device``: "cpu" | "cuda" | None (CUDA when present);
-    ``kernels``: "auto" | "torch" | "native" | "triton" (``kernels.select``); ``quantization``: None | "int8" |
-    "int4" | "awq" | "gptq" (weight-only, see ``load_model``: "int4" on the default model runs its own Q4_1 blocks).
+    ``kernels``: "auto" | "torch" | "native" | "triton" | "compiled" (``kernels.select``); ``quantization``: None |
+    "int8" | "int4" | "awq" | "gptq" (weight-only, see ``load_model``: "int4" on the default model runs its own Q4_1
+    blocks).
     Other keyword arguments are ``EngineConfig`` options (``policy``, ``block_size``, ``num_kv_blocks``,
     ``max_num_seqs``, ``max_model_len``, ...) for the ``LLMEngine`` that ``generate`` and ``stream`` run on —
     ``speculative_config={"method": "ngram" | "early_exit" | "draft" | "quantized", "num_speculative_tokens": γ,
-    ...}`` (vLLM's shape, ``SpeculativeConfig``) turns on speculative decoding.
+    ...}`` (vLLM's shape, ``SpeculativeConfig``) turns on speculative decoding; ``enforce_eager=True`` turns off
+    decode through static buffers (CUDA graphs on a GPU; ``engine.cuda_graph``).
 
     Thread model: ``generate``, ``stream`` and ``chat`` may be called from several threads at once; the engine's
     lock serialises each step and each call gets exactly its own requests' outputs (see ``LLMEngine``).

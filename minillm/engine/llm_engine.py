@@ -23,6 +23,7 @@ import torch
 from torch import Tensor
 
 from minillm.config import EngineConfig
+from minillm.engine.cuda_graph import DecodeGraphRunner, batch_buckets, use_static_decode
 from minillm.engine.detokenizer import IncrementalDetokenizer
 from minillm.engine.inputs import (
     Prompt,
@@ -38,6 +39,7 @@ from minillm.engine.scheduler import Scheduler, SchedulerOutput, SchedulerStats
 from minillm.engine.sequence import Request, SequenceStatus
 from minillm.engine.sequence import Sequence as Seq
 from minillm.engine.spec_decode import SpecDecoder
+from minillm.kernels.select import compiles
 from minillm.kv.paged_cache import PagedKVCache, kv_bytes_per_block
 from minillm.models.llama import Transformer
 from minillm.outputs import CompletionOutput, EngineState, RequestOutput, StepOutput
@@ -77,9 +79,15 @@ class LLMEngine:
         num_host = config.resolve_host_blocks(num_blocks)
         self.scheduler = Scheduler(config, num_blocks, self.max_model_len, num_host_blocks=num_host,
                                    eos_token_ids=self.eos_token_ids)
-        self.kv_cache = PagedKVCache(mc, num_blocks, config.block_size, dtype=model.dtype, device=model.device,
-                                     num_host_blocks=num_host)
-        self.runner = ModelRunner(model, self.kv_cache, self.scheduler.block_manager)
+        static = use_static_decode(config.enforce_eager, model.device, compiles(model.kernels))
+        # the static decode path's padding rows write K/V to one scratch block past the scheduler's pool
+        self.kv_cache = PagedKVCache(mc, num_blocks + static, config.block_size, dtype=model.dtype,
+                                     device=model.device, num_host_blocks=num_host)
+        graphs = DecodeGraphRunner(model, self.kv_cache, buckets=batch_buckets(config.max_num_seqs),
+                                   max_blocks=-(-self.max_model_len // config.block_size), scratch_block=num_blocks,
+                                   capture=model.device.type == "cuda", compile=compiles(model.kernels)) \
+            if static else None
+        self.runner = ModelRunner(model, self.kv_cache, self.scheduler.block_manager, graphs)
         spec = config.speculative_config
         self.speculator = SpecDecoder(spec, model, self.max_model_len) if spec is not None else None
         self._detoks: dict[Seq, IncrementalDetokenizer] = {}

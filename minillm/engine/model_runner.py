@@ -13,6 +13,10 @@ Attention is the only per-sequence operation; ``PagedAttention`` does it through
 
 Only the last row of each sequence that samples goes through the LM head (V × hidden, the largest matrix).
 
+Decode-only steps (every scheduled chunk one token) go through ``graphs``, a ``cuda_graph.DecodeGraphRunner`` when the
+engine made one: static buffers in batch buckets, replayed as CUDA graphs on a GPU (see that module).  Prefill and
+mixed steps, and decode batches past the largest bucket, run the packed eager forward below.
+
 Padding rows (``SchedulerOutput.num_padding``: finished members of a fixed-shape static/dynamic batch) are appended
 after the real tokens: a pad token at position 0 through every linear layer and the LM head, as a padded batch
 computes them, then discarded.  They own no KV slot and skip attention (their output there is zero); at the
@@ -26,6 +30,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from minillm.engine.cuda_graph import DecodeBatch, DecodeGraphRunner
 from minillm.engine.scheduler import SchedulerOutput
 from minillm.kv.block_manager import BlockManager
 from minillm.kv.paged_cache import AttentionMetadata, PagedAttention, PagedKVCache, PrefillChunk
@@ -44,10 +49,29 @@ class StepResult:
 
 class ModelRunner:
     """Runs a ``SchedulerOutput``: block copies, one packed forward, the LM head on sampling rows, sampling.
-    Attention runs on the model's kernels (``model.kernel_ops()``), the same the layers run on."""
+    Attention runs on the model's kernels (``model.kernel_ops()``), the same the layers run on.  ``graphs``: the
+    static-buffer decode path for decode-only steps (None: every step eager)."""
 
-    def __init__(self, model: Transformer, kv: PagedKVCache, block_manager: BlockManager):
-        self.model, self.kv, self.block_manager = model, kv, block_manager
+    def __init__(self, model: Transformer, kv: PagedKVCache, block_manager: BlockManager,
+                 graphs: DecodeGraphRunner | None = None):
+        self.model, self.kv, self.block_manager, self.graphs = model, kv, block_manager, graphs
+
+    def decode_batch(self, out: SchedulerOutput) -> DecodeBatch | None:
+        """The step as a ``DecodeBatch`` when the static path can run it (graphs on, every chunk one token, rows +
+        padding within the largest bucket); else None (the eager path runs it)."""
+        if self.graphs is None or not out.scheduled or any(s.num_tokens != 1 for s in out.scheduled) \
+                or len(out.scheduled) + out.num_padding > max(self.graphs.buckets):
+            return None
+        bm, bs = self.block_manager, self.kv.block_size
+        ids, positions, slots, tables, lens = [], [], [], [], []
+        for s in out.scheduled:
+            end = s.start + 1
+            ids.append(s.seq.token_ids[s.start])
+            positions.append(s.start)
+            slots += bm.slot_mapping(s.seq.seq_id, s.start, end)
+            tables.append(bm.block_table(s.seq.seq_id)[: -(-end // bs)])
+            lens.append(end)
+        return DecodeBatch(ids, positions, slots, tables, lens)
 
     def prepare(self, out: SchedulerOutput) -> tuple[Tensor, Tensor, AttentionMetadata, Tensor]:
         """Pack the scheduled chunks, then ``out.num_padding`` pad rows.
@@ -95,11 +119,16 @@ class ModelRunner:
         self.kv.copy_blocks(out.copies)  # before the forward: copy-on-write sources and swaps must land first
         if out.is_empty:
             return StepResult([], None)
-        input_ids, positions, meta, sample_rows = self.prepare(out)
-        cache = PagedAttention(self.kv, meta, self.model.kernel_ops())
-        hidden = self.model.hidden_states(input_ids, positions, cache)  # (1, T, hidden)
         samplers = [s for s in out.scheduled if s.samples]
-        logits = self.model.compute_logits(hidden[0, sample_rows]).float()[: len(samplers)]  # (B_s, V), pads cut
+        batch = self.decode_batch(out)
+        if batch is not None:  # static buffers, padded to a bucket (the scheduler's pad rows included)
+            logits = self.graphs.decode(batch, out.num_padding)  # (B, V)
+            logits = logits[[i for i, s in enumerate(out.scheduled) if s.samples]].float()  # (B_s, V)
+        else:
+            input_ids, positions, meta, sample_rows = self.prepare(out)
+            cache = PagedAttention(self.kv, meta, self.model.kernel_ops())
+            hidden = self.model.hidden_states(input_ids, positions, cache)  # (1, T, hidden)
+            logits = self.model.compute_logits(hidden[0, sample_rows]).float()[: len(samplers)]  # (B_s, V)
         rows, params, generators = [], [], []
         for i, s in enumerate(samplers):  # a parent about to fork draws n tokens from one row, generator i each
             for j in range(s.num_samples):

@@ -134,8 +134,8 @@ def cmd_bench(a) -> int:
     if a.what == "decode":
         from minillm.perf.bench.decode import bench_decode
 
-        bench_decode(a.model, dtypes=tuple(a.dtypes.split(",")), n_tokens=a.tokens, repeats=a.repeats,
-                     device=a.device)
+        bench_decode(a.model, dtypes=tuple(a.dtypes.split(",")) if a.dtypes else None, n_tokens=a.tokens,
+                     repeats=a.repeats, device=a.device)
     elif a.what == "attention":
         from minillm.perf.bench.attention import bench_attention
 
@@ -210,7 +210,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("what", choices=["decode", "attention", "serving", "quant", "spec", "serve", "tp"])
     b.add_argument("--model", default=None)
     b.add_argument("--device", default=None)
-    b.add_argument("--dtypes", default="float32,bfloat16")
+    b.add_argument("--dtypes", default=None, help="decode: comma-separated (default bfloat16 on CUDA, float32 on CPU)")
     b.add_argument("--tokens", type=int, default=64)
     b.add_argument("--repeats", type=int, default=3)
     b.add_argument("--threads", type=int, default=None, help="torch threads (serving; default: torch's)")

@@ -118,7 +118,7 @@ def test_resolution_is_cached_per_choice_device_and_dtype():
 
 @pytest.mark.parametrize("bad", ["fast", "cuda", "", "Torch"])
 def test_an_unknown_choice_is_a_value_error_naming_the_allowed_values(bad):
-    allowed = r"\('auto', 'torch', 'native', 'triton'\)"
+    allowed = r"\('auto', 'torch', 'native', 'triton', 'compiled'\)"
     with pytest.raises(ValueError, match=f"kernels must be one of {allowed}"):
         ops_for(bad, "cpu", torch.float32)
     with pytest.raises(ValueError, match=allowed):

@@ -1,7 +1,11 @@
 """Benchmarks: side-by-side comparisons in one run, reported as ratios and roofline units, saved as JSON.
 
-``python -m minillm bench decode``: minillm vs transformers ``generate`` on the same weights and dtype
-(batch-1 greedy decode tok/s, prefill tok/s, MBU against the read bandwidth measured here).
+``python -m minillm bench decode [--device cuda]``: greedy decode steps of the engine, eager against static buffers
+(CUDA graphs on a GPU, the uncaptured padded path on CPU), beside transformers ``generate`` eager and — on CUDA —
+with its static cache + ``torch.compile(mode="reduce-overhead")`` (gpt-fast's recipe), on the same random weights
+in the same dtype, for the default model's shape and Llama-3.2-1B's, at batch 1, 8 and 32.  Per row: tok/s, ms per
+step, µs per layer, kernels (ops) per step from ``torch.profiler``, GB/s from the cost model's bytes per step, and
+that as a % of the copy bandwidth measured in the same run.  ``--model PATH`` benchmarks a real checkpoint instead.
 """
 
 from __future__ import annotations
@@ -11,23 +15,40 @@ import json
 import platform
 import statistics
 import time
-from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
 
-from minillm.engine.simple import stream_cached
-from minillm.sampling.params import SamplingParams
-
 RESULTS_DIR = Path("benchmarks") / "results"
+
+# Shapes from the models' config.json (random weights: a decode step's time depends on shapes, not values).
+SHAPES: dict[str, dict] = {
+    "default": dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,  # SmolLM2-135M
+                    num_attention_heads=9, num_key_value_heads=3, rope_theta=100000.0, tie_word_embeddings=True,
+                    max_position_embeddings=8192, rms_norm_eps=1e-5),
+    "llama-3.2-1b": dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                         num_attention_heads=32, num_key_value_heads=8, head_dim=64, rope_theta=500000.0,
+                         tie_word_embeddings=True, max_position_embeddings=131072, rms_norm_eps=1e-5,
+                         rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                                       "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}),
+}
 
 
 def machine_info() -> dict:
+    """Python, torch, platform, CPU name, threads, date (and the GPU's name when there is one)."""
     info = {"python": platform.python_version(), "torch": torch.__version__, "platform": platform.platform(),
             "processor": _cpu_name(), "threads": torch.get_num_threads(),
             "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")}
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name()
+        try:
+            import triton
+
+            info["triton"] = triton.__version__
+        except ImportError:
+            pass
     return info
 
 
@@ -39,6 +60,7 @@ def _cpu_name() -> str:
 
 
 def save_results(name: str, payload: dict, out_dir: Path | None = None) -> Path:
+    """Write ``{"machine": machine_info(), **payload}`` to ``out_dir/name.json`` (default benchmarks/results)."""
     out_dir = Path(out_dir or RESULTS_DIR)
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / f"{name}.json"
@@ -51,123 +73,236 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
-# --- timing one decode run -------------------------------------------------------------------------------
-def time_minillm_decode(model, prompt: list[int], n_tokens: int) -> tuple[float, float]:
-    """Greedy batch-1 decode of ``n_tokens``; returns (ttft_s, decode tok/s over tokens 2..n)."""
+def copy_bandwidth(device: torch.device, nbytes: int | None = None, repeats: int = 5) -> float:
+    """Bytes/s of ``dst.copy_(src)`` counted as read + write (2 × size), median of ``repeats``: the practical
+    roof a decode step's bytes are compared with (an H100's copy reaches ~3.0 of its rated 3.35 TB/s)."""
+    nbytes = nbytes or (1 << 30 if device.type == "cuda" else 256 << 20)  # far past the L2 / last-level cache
+    src = torch.ones(nbytes // 4, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
     times = []
-    start = time.perf_counter()
-    for _ in stream_cached(model, [prompt], [SamplingParams(max_tokens=n_tokens, temperature=0, ignore_eos=True)]):
-        times.append(time.perf_counter())
-    return times[0] - start, _rate(times)
+    for _ in range(repeats):
+        _sync(device)
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    return 2 * nbytes / statistics.median(times)
 
 
-def _rate(times: list[float]) -> float:
-    """Tokens per second after the first token (nan with a single token)."""
-    return (len(times) - 1) / (times[-1] - times[0]) if len(times) > 1 else float("nan")
+def count_kernels(fn, device: torch.device) -> int:
+    """Kernels ``fn()`` runs: device kernels (CUDA, graph replays included) or, on CPU, ATen ops (nested ones
+    counted, as ``perf.profile``) plus native calls do not show (ctypes): a CPU count is a lower bound."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=acts) as prof:
+        fn()
+        _sync(device)
+    events = prof.events()
+    if device.type == "cuda":
+        return sum(1 for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
+    return sum(1 for e in events if e.name.startswith("aten::"))
 
 
-def time_hf_decode(hf_model, prompt: list[int], n_tokens: int) -> tuple[float, float]:
-    """The same through transformers ``generate`` (timestamps taken by a streamer as each token arrives)."""
+@dataclass(frozen=True)
+class DecodeRow:
+    """One implementation at one (shape, dtype, batch): greedy decode steps after the prefill."""
+
+    shape: str
+    dtype: str
+    batch: int
+    impl: str
+    tok_s: float  # batch × steps/s
+    ms_per_step: float
+    us_per_layer: float
+    kernels_per_step: float | None
+    gb_s: float  # the cost model's bytes per step × steps/s
+    pct_copy_bandwidth: float
+    error: str | None = None
+
+
+# ------------------------------------------------------------------------------------------------ the models
+def random_pair(shape: str | dict, dtype: torch.dtype, device: torch.device, with_hf: bool = True):
+    """(minillm Transformer, transformers LlamaForCausalLM or None) on the same random weights."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from minillm.config import ModelConfig
+    from minillm.models.loader import build_model
+
+    cfg = LlamaConfig(**(SHAPES[shape] if isinstance(shape, str) else shape))
+    torch.manual_seed(0)
+    with torch.device(device):
+        hf = LlamaForCausalLM(cfg).to(dtype).eval()
+    ours = build_model(ModelConfig.from_hf(cfg), hf.state_dict(), dtype=dtype, device=device)
+    return ours, (hf if with_hf else None)
+
+
+def _prompts(vocab: int, batch: int, prompt_len: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(0)
+    return torch.randint(100, vocab, (batch, prompt_len), generator=g).tolist()
+
+
+# ------------------------------------------------------------------------------------------------ minillm
+def time_engine(model, prompts: list[list[int]], n_tokens: int, mode: str) -> tuple[float, int | None]:
+    """Greedy decode of ``n_tokens`` for every prompt in one batch on an ``LLMEngine``; ``mode`` "eager" |
+    "graphs" (``enforce_eager=False``) | "compiled" (kernels="compiled").  -> (median seconds per decode step,
+    kernels of one decode step).  The whole batch prefills in the first step, so every later step is a decode."""
+    from minillm import EngineConfig, LLMEngine, SamplingParams
+
+    B, P = len(prompts), len(prompts[0])
+    kernels = model.kernels
+    if mode == "compiled":
+        model.set_kernels("compiled")
+    try:
+        cfg = EngineConfig(max_num_seqs=B, max_num_batched_tokens=max(512, B * P), enforce_eager=mode == "eager",
+                           max_model_len=P + n_tokens + 1, num_kv_blocks=B * (-(-(P + n_tokens + 1) // 16)) + 1)
+        eng = LLMEngine(model, config=cfg)
+        params = SamplingParams(max_tokens=n_tokens, temperature=0.0, ignore_eos=True)
+        for p in prompts:
+            eng.add_request(p, params)
+        eng.step()  # the prefill (and first tokens)
+        eng.step()  # the first decode step: compiles (kernels="compiled"), allocates
+        ops = count_kernels(eng.step, model.device) if n_tokens > 4 else None
+        times = []
+        while eng.has_unfinished_requests():
+            t0 = time.perf_counter()
+            eng.step()  # returns sampled tokens on the host: the device work of the step is done
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times), ops
+    finally:
+        model.set_kernels(kernels)
+
+
+# ------------------------------------------------------------------------------------------------ transformers
+def _hf_generate(hf, ids: torch.Tensor, n_tokens: int, streamer=None) -> None:
+    with torch.inference_mode():
+        hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n_tokens, min_new_tokens=n_tokens,
+                    do_sample=False, streamer=streamer, pad_token_id=0)
+
+
+def time_hf(hf, prompts: list[list[int]], n_tokens: int) -> tuple[float, float]:
+    """transformers ``generate`` on the batch: (median seconds between decode steps, kernels per decode step as
+    the difference between a 6-token and a 2-token generate, divided by 4)."""
     from transformers.generation.streamers import BaseStreamer
 
     class Clock(BaseStreamer):
         def __init__(self):
             self.times: list[float] = []
-            self.calls = 0
 
         def put(self, value):
-            self.calls += 1
-            if self.calls > 1:  # the first call carries the prompt
-                self.times.append(time.perf_counter())
+            self.times.append(time.perf_counter())  # the first put carries the prompt
 
         def end(self):
             pass
 
+    ids = torch.tensor(prompts, device=hf.device)
+    _hf_generate(hf, ids, 4)  # warm-up (and, compiled, the compilation)
     clock = Clock()
-    ids = torch.tensor([prompt], device=hf_model.device)
-    start = time.perf_counter()
-    with torch.inference_mode():
-        hf_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n_tokens,
-                          min_new_tokens=n_tokens, do_sample=False, streamer=clock, pad_token_id=0)
-    return clock.times[0] - start, _rate(clock.times)
+    _hf_generate(hf, ids, n_tokens, clock)
+    steps = [b - a for a, b in zip(clock.times[2:], clock.times[3:], strict=False)]  # decode steps only
+    long = count_kernels(lambda: _hf_generate(hf, ids, 6), hf.device)
+    short = count_kernels(lambda: _hf_generate(hf, ids, 2), hf.device)
+    return statistics.median(steps), (long - short) / 4
 
 
-def _median_runs(fn: Callable[[], tuple[float, float]], repeats: int) -> tuple[float, float]:
-    runs = [fn() for _ in range(repeats)]
-    return statistics.median(r[0] for r in runs), statistics.median(r[1] for r in runs)
+def hf_static_compiled(hf):
+    """transformers with a static KV cache and ``torch.compile(mode="reduce-overhead")`` (CUDA graphs) on its
+    forward: gpt-fast's recipe as transformers documents it.  Returns a callable that undoes it."""
+    forward, cache = hf.forward, hf.generation_config.cache_implementation
+    hf.generation_config.cache_implementation = "static"
+    hf.forward = torch.compile(hf.forward, mode="reduce-overhead", fullgraph=True)
+
+    def undo():
+        hf.forward = forward
+        hf.generation_config.cache_implementation = cache
+
+    return undo
 
 
-def bench_decode(model_name: str | None = None, dtypes=("float32", "bfloat16"), n_tokens: int = 64,
-                 prompt_len: int = 32, prefill_lens=(128, 512), repeats: int = 3, device: str | None = None,
-                 save: bool = True) -> dict:
-    """minillm vs transformers: batch-1 greedy decode tok/s and prefill tok/s per dtype, with MBU.
+# ------------------------------------------------------------------------------------------------ the benchmark
+def _measure(where: tuple, impl: str, repeats: int, run) -> DecodeRow:
+    """``run()`` -> (seconds per step, kernels per step), ``repeats`` times -> the row; an exception becomes the
+    row's ``error`` (a peer that fails here — no compiler, an unsupported transformers — is reported, not fatal).
+    ``where``: (shape, dtype, batch, cost-model bytes per step, copy bandwidth, layers)."""
+    shape, dtype, batch, cost_bytes, copy_bw, layers = where
+    try:
+        results = [run() for _ in range(repeats)]
+    except Exception as e:  # noqa: BLE001
+        nan = float("nan")
+        return DecodeRow(shape, dtype, batch, impl, nan, nan, nan, None, nan, nan, f"{type(e).__name__}: {e}")
+    step_s = statistics.median(r[0] for r in results)
+    return DecodeRow(shape, dtype, batch, impl, batch / step_s, step_s * 1e3, step_s * 1e6 / layers, results[0][1],
+                     cost_bytes / step_s / 1e9, 100 * cost_bytes / step_s / copy_bw)
 
-    Both run the same converted weights in the same dtype on the same device, alternating run by run so
-    drift in the machine's speed hits both alike.  MBU = bytes read per decode step (weights + KV cache, from
-    the cost model) × steps/s ÷ the read bandwidth measured on this machine now.
-    """
+
+def bench_decode(model_name: str | None = None, dtypes=None, n_tokens: int = 64, prompt_len: int = 32,
+                 repeats: int = 1, device: str | None = None, save: bool = True,
+                 shapes=None, batches=(1, 8, 32), modes=("eager", "graphs"),
+                 hf: bool = True, hf_compile: bool | None = None, out_dir: Path | None = None) -> dict:
+    """Decode steps per implementation, side by side (see the module docstring).  ``shapes``: names of
+    ``SHAPES`` or LlamaConfig keyword dicts (random weights; default both shapes on CUDA, the default model's on
+    CPU, where the 1B shape's fp32 copies take 10 GB and minutes per row); ``model_name`` instead benchmarks that
+    checkpoint (minillm only).  ``dtypes``: default bf16 on CUDA, fp32 on CPU.  ``modes``: minillm's "eager", "graphs",
+    "compiled".  ``hf_compile`` (default: on CUDA) adds transformers' static cache + compile; its failure is
+    recorded in the row, not raised.  ``repeats`` > 1 takes the median step time over that many runs."""
     from tqdm.auto import tqdm
-    from transformers import AutoModelForCausalLM
 
-    from minillm.models.loader import load_model, resolve, resolve_device
-    from minillm.perf.machine import machine_spec
+    from minillm.models.loader import load_model, resolve_device
     from minillm.perf.roofline import decode_step_cost
 
     dev = resolve_device(device)
-    peak = machine_spec(str(dev))  # this machine's roof, measured once and cached (perf.machine)
-    bandwidth = peak.memory_bandwidth  # the highest read rate any probe reached here: the roof
-    ckpt = resolve(model_name)
-    gen = torch.Generator().manual_seed(0)
-    rows = []
-    for dt in tqdm(dtypes, desc="bench decode"):
-        ours = load_model(model_name, dtype=dt, device=str(dev))
-        cfg = ours.config
-        theirs = AutoModelForCausalLM.from_pretrained(ckpt.directory, dtype=ours.dtype).to(dev).eval()
-        prompt = torch.randint(100, cfg.vocab_size, (prompt_len,), generator=gen).tolist()
-        time_minillm_decode(ours, prompt, 8)  # warm-up both (first-call allocations, native library load)
-        time_hf_decode(theirs, prompt, 8)
-        ours_runs, hf_runs = [], []
-        for _ in range(repeats):
-            ours_runs.append(time_minillm_decode(ours, prompt, n_tokens))
-            hf_runs.append(time_hf_decode(theirs, prompt, n_tokens))
-        ours_tps = statistics.median(r[1] for r in ours_runs)
-        hf_tps = statistics.median(r[1] for r in hf_runs)
-        step = decode_step_cost(cfg, batch=1, kv_len=prompt_len + n_tokens // 2, dtype=ours.dtype)
-        row = {"dtype": dt, "minillm_decode_tok_s": ours_tps, "hf_decode_tok_s": hf_tps,
-               "speedup": ours_tps / hf_tps, "bytes_per_step": step.bytes,
-               "minillm_gb_s": step.bytes * ours_tps / 1e9, "hf_gb_s": step.bytes * hf_tps / 1e9,
-               "minillm_mbu": step.bytes * ours_tps / bandwidth, "hf_mbu": step.bytes * hf_tps / bandwidth}
-        for n in prefill_lens:
-            p = torch.randint(100, cfg.vocab_size, (n,), generator=gen).tolist()
-            ours_ttft = statistics.median(time_minillm_decode(ours, p, 1)[0] for _ in range(repeats))
-            hf_ttft = statistics.median(time_hf_decode(theirs, p, 1)[0] for _ in range(repeats))
-            row[f"minillm_prefill_{n}_tok_s"] = n / ours_ttft
-            row[f"hf_prefill_{n}_tok_s"] = n / hf_ttft
-        rows.append(row)
-        del ours, theirs
-    result = {"benchmark": "decode", "model": model_name or "default (SmolLM2-135M-Instruct Q4_1 dequantized)",
-              "device": str(dev), "read_bandwidth_gb_s": bandwidth / 1e9, "n_tokens": n_tokens,
-              "prompt_len": prompt_len, "repeats": repeats, "rows": rows}
+    dtypes = dtypes or (("bfloat16",) if dev.type == "cuda" else ("float32",))
+    hf_compile = dev.type == "cuda" if hf_compile is None else hf_compile
+    shapes = shapes or (("default", "llama-3.2-1b") if dev.type == "cuda" else ("default",))
+    copy_bw = copy_bandwidth(dev)
+    rows: list[DecodeRow] = []
+    plan = [(s, d) for s in ([model_name] if model_name else shapes) for d in dtypes]
+    for shape, dt in tqdm(plan, desc="bench decode"):
+        dtype = getattr(torch, dt)
+        if model_name:
+            ours, theirs = load_model(model_name, dtype=dt, device=str(dev)), None
+        else:
+            ours, theirs = random_pair(shape, dtype, dev, with_hf=hf)
+        name = shape if isinstance(shape, str) else f"custom-{ours.config.num_layers}L"
+        for B in batches:
+            prompts = _prompts(ours.config.vocab_size, B, prompt_len)
+            cost = decode_step_cost(ours.config, batch=B, kv_len=prompt_len + n_tokens // 2, dtype=dtype).bytes
+            where = (name, dt, B, cost, copy_bw, ours.config.num_layers)
+            for mode in modes:
+                rows.append(_measure(where, f"minillm {mode}", repeats,
+                                     partial(time_engine, ours, prompts, n_tokens, mode)))
+            if theirs is not None:
+                rows.append(_measure(where, "hf eager", repeats, partial(time_hf, theirs, prompts, n_tokens)))
+                if hf_compile:
+                    undo = hf_static_compiled(theirs)
+                    try:
+                        rows.append(_measure(where, "hf static+compile", repeats,
+                                             partial(time_hf, theirs, prompts, n_tokens)))
+                    finally:
+                        undo()
+        ours = theirs = None  # free this shape's weights before the next is built
+    result = {"benchmark": "decode", "device": str(dev), "copy_bandwidth_gb_s": copy_bw / 1e9,
+              "n_tokens": n_tokens, "prompt_len": prompt_len, "repeats": repeats,
+              "rows": [asdict(r) for r in rows]}
     print_decode_table(result)
     if save:
-        print(f"saved {save_results('decode-' + str(dev.type), result)}")
+        print(f"saved {save_results('decode-' + dev.type, result, out_dir)}")
     return result
 
 
 def print_decode_table(result: dict) -> None:
-    print(f"\nbatch-1 greedy decode, {result['n_tokens']} tokens after a {result['prompt_len']}-token prompt, "
-          f"median of {result['repeats']}; device {result['device']}, measured read bandwidth "
-          f"{result['read_bandwidth_gb_s']:.1f} GB/s")
-    head = (f"{'dtype':<9} {'minillm tok/s':>13} {'HF tok/s':>9} {'ratio':>6} {'minillm GB/s':>12} {'MBU':>6} "
-            f"{'HF MBU':>7}")
-    print(head + "".join(f" {'prefill ' + k.split('_')[2]:>12}" for k in result["rows"][0] if
-                         k.startswith("minillm_prefill")))
+    """The rows as a table, with the copy bandwidth they are a percentage of."""
+    print(f"\ngreedy decode steps after a {result['prompt_len']}-token prompt ({result['n_tokens']} tokens), device "
+          f"{result['device']}, copy bandwidth measured now {result['copy_bandwidth_gb_s']:.1f} GB/s")
+    print(f"{'shape':<14} {'dtype':<9} {'B':>3} {'impl':<19} {'tok/s':>9} {'ms/step':>8} {'µs/layer':>9} "
+          f"{'kernels':>8} {'GB/s':>7} {'% copy':>7}")
     for r in result["rows"]:
-        line = (f"{r['dtype']:<9} {r['minillm_decode_tok_s']:>13.1f} {r['hf_decode_tok_s']:>9.1f} "
-                f"{r['speedup']:>5.2f}x {r['minillm_gb_s']:>12.1f} {r['minillm_mbu']:>6.0%} {r['hf_mbu']:>7.0%}")
-        for k in r:
-            if k.startswith("minillm_prefill"):
-                hf_k = k.replace("minillm", "hf")
-                line += f" {r[k]:>6.0f}/{r[hf_k]:<5.0f}"
-        print(line)
-    print("prefill columns: minillm/transformers prompt tok/s")
+        if r["error"]:
+            print(f"{r['shape']:<14} {r['dtype']:<9} {r['batch']:>3} {r['impl']:<19} failed: {r['error'][:80]}")
+            continue
+        k = "-" if r["kernels_per_step"] is None else f"{r['kernels_per_step']:.0f}"
+        print(f"{r['shape']:<14} {r['dtype']:<9} {r['batch']:>3} {r['impl']:<19} {r['tok_s']:>9.1f} "
+              f"{r['ms_per_step']:>8.2f} {r['us_per_layer']:>9.1f} {k:>8} {r['gb_s']:>7.1f} "
+              f"{r['pct_copy_bandwidth']:>6.1f}%")
+    print("kernels: CUDA kernels per decode step (graph replays included); on CPU, ATen ops (native calls unseen)")
