@@ -357,16 +357,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
     try:
         ttft, tpot = _slo(a.goodput)
-        if a.peers:
-            from minillm.perf.bench.peers import compare_servers
-
-            compare_servers([p.strip() for p in a.peers.split(",") if p.strip()], _rates(a.request_rate),
-                            a.num_prompts, device=a.device, save=not a.no_save,
-                            out_dir=Path(a.result_dir) if a.result_dir else None, seed=a.seed,
-                            max_tokens=a.max_tokens, endpoint=a.endpoint, burstiness=a.burstiness,
-                            ignore_eos=a.ignore_eos, ttft_slo_s=ttft, tpot_slo_s=tpot,
-                            max_concurrency=a.max_concurrency, progress=not a.no_progress)
-            return 0
         bench_serve(a.base_url, _rates(a.request_rate), a.num_prompts, model=a.model, seed=a.seed,
                     max_tokens=a.max_tokens, endpoint=a.endpoint, burstiness=a.burstiness, ignore_eos=a.ignore_eos,
                     ttft_slo_s=ttft, tpot_slo_s=tpot, api_key=a.api_key, max_concurrency=a.max_concurrency,
