@@ -283,9 +283,11 @@ class StageTiming:
 
 @torch.inference_mode()
 def stage_forward(ctx: ParallelContext, stage: PipelineStage, input_ids: Tensor, positions: Tensor,
-                  num_microbatches: int) -> tuple[Tensor | None, StageTiming]:
+                  num_microbatches: int, all_logits: bool = True) -> tuple[Tensor | None, StageTiming]:
     """One pipelined full causal forward (no cache) of input_ids, positions [B, L], the batch cut into micro-batches
-    (GPipe's forward).  -> (fp32 logits [B, L, V] on the last stage, else None; this stage's timing)."""
+    (GPipe's forward).  -> (fp32 logits [B, L, V] on the last stage, else None; this stage's timing).
+    ``all_logits=False``: logits of the last position only, [B, 1, V], as a prefill needs — the LM head over every
+    position (V × hidden per token) would make the last stage the slowest."""
     links, hidden_size = _Links(ctx), stage.config.hidden_size
     outs, compute = [], []
     comm.barrier(ctx)  # a common start: otherwise a stage's wall time includes the others' start-up
@@ -296,7 +298,7 @@ def stage_forward(ctx: ParallelContext, stage: PipelineStage, input_ids: Tensor,
         t = time.perf_counter()
         out = stage(inputs, pos)
         if stage.is_last:
-            out = stage.compute_logits(out).float()
+            out = stage.compute_logits(out if all_logits else out[:, -1:]).float()
         compute.append(time.perf_counter() - t)
         if stage.is_last:
             outs.append(out.cpu())
