@@ -59,6 +59,16 @@ def _allreduce_worker(ctx, hidden: int, iters: int) -> float:
     return statistics.median(times)
 
 
+def allreduce_worker(ctx, numels: list[int], iters: int) -> dict[int, float]:
+    """Median seconds of one all-reduce of ``n`` fp32 values, for each n in ``numels`` (run by ``run_workers``)."""
+    return {n: _allreduce_worker(ctx, n, iters) for n in numels}
+
+
+def decode_tok_s(ctx, model, n_tokens: int, repeats: int) -> float:
+    """Best decode tok/s of one request of ``n_tokens`` on this rank's shard of ``model`` (run by ``run_workers``)."""
+    return _decode_worker(ctx, model, n_tokens, repeats)
+
+
 def _decode_worker(ctx, model, n_tokens: int, repeats: int) -> float:
     from minillm.config import EngineConfig
     from minillm.distributed.executor import rank_model
