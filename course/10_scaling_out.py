@@ -237,7 +237,7 @@ print(f"communication alone: {config.num_layers} layers × 2 all-reduces × {tim
 # it is because two *threads* of one process synchronise inside every matmul and suffer more when other jobs
 # share the cores, not because splitting the model helped; against TP=1 on one core TP=2 has twice the cores. TP
 # pays when each rank brings its own memory bandwidth — a GPU each — and the link is fast. The cost model, on
-# paper, for bf16 decode of one request# with 1024 tokens of context:
+# paper, for bf16 decode of one request with 1024 tokens of context:
 
 # %% tags=["slide-output"]
 # NBVAL_IGNORE_OUTPUT
