@@ -349,3 +349,99 @@ print(f"PP=2 greedy tokens identical to one process: {pp_tokens == tokens_1}; lo
 assert pp_tokens == tokens_1
 torch.testing.assert_close(pp_logits, logits_1)
 print("PP=2 matches one process")
+
+# %% [markdown]
+# ## 5. Other levers: make the model smaller instead
+#
+# Spreading a model buys memory and bandwidth with money and communication. Three ways to need less, each measured
+# by the perplexity of the real SmolLM2-135M on held-out text (CPython's `pydoc_data.topics`, the evaluation half;
+# lower is better):
+#
+# - **Pruning** zeroes weights. *Unstructured* magnitude pruning drops the smallest |w| of each row — any pattern,
+#   which dense hardware cannot skip. **2:4** keeps the 2 largest of every 4 consecutive weights: exactly 50 %,
+#   the pattern NVIDIA's sparse tensor cores run up to 2× faster.
+# - **Early exit** stops after k of the 30 layers (speculative decoding's self-drafter in notebook 08).
+# - **Distillation** trains a smaller *student* to match a *teacher*'s whole next-token distribution (KL divergence
+#   to its logits) — here a student made by dropping 4 late layers, healed for under a minute.
+#
+# **Predict**: rank these by how much perplexity they cost — 25 % magnitude pruning, 2:4 pruning, exiting after 20
+# layers, dropping 4 layers.
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+from minillm.compress.distill import distill, drop_layers  # noqa: E402
+from minillm.compress.early_exit import exit_perplexities  # noqa: E402
+from minillm.compress.prune import prune_model, sparsity_of  # noqa: E402
+from minillm.models.loader import load_model, load_tokenizer  # noqa: E402
+from minillm.perf.perplexity import heldout_token_ids, perplexity  # noqa: E402
+
+smol, tokenizer = load_model(None, device="cpu", dtype="float32"), load_tokenizer(None)
+eval_ids = heldout_token_ids(tokenizer, "evaluation", 256 if FAST else 512)
+PPL = dict(window=128, stride=64) if FAST else dict(window=256, stride=128)
+base_ppl = perplexity(smol, eval_ids, **PPL).ppl
+print(f"SmolLM2-135M, {eval_ids.numel()} held-out tokens: perplexity {base_ppl:.1f}")
+
+# %% tags=["slide-output"]
+# NBVAL_IGNORE_OUTPUT
+pruned = {}
+for name, method, sparsity in (("magnitude 25 %", "magnitude", 0.25), ("magnitude 50 %", "magnitude", 0.5),
+                               ("2:4 (50 %)", "2:4", 0.5)):
+    p = prune_model(smol, method, sparsity)
+    pruned[name] = perplexity(p, eval_ids, **PPL).ppl
+    print(f"{name:15s}: {sparsity_of(p):4.0%} zeros, perplexity {pruned[name]:9.1f} ({pruned[name] / base_ppl:5.1f}×)")
+    del p
+EXITS = [10, 20, 26, 28, 30]
+exits = {k: r.ppl for k, r in exit_perplexities(smol, eval_ids, EXITS, **PPL).items()}
+for k, v in exits.items():
+    print(f"exit after {k:2d} of 30 layers: perplexity {v:12.1f}")
+
+# %% [markdown]
+# Early exit without training is brutal: the intermediate hidden states are not in the space the final norm and
+# LM head read, so even 26 of 30 layers give nonsense (models trained with an exit loss — LayerSkip, CALM — keep
+# far more). A small model has little redundancy to prune, and the 2:4 pattern forces half of *every* group of four
+# to go, important or not. Now the distillation: drop 4 late layers, measure, heal with KL to the teacher's logits
+# on the *calibration* half (never the text we evaluate on), measure again.
+
+# %% tags=["slide-output"]
+# NBVAL_IGNORE_OUTPUT
+DROP = [20, 22, 24, 26]
+student = drop_layers(smol, DROP)
+dropped_ppl = perplexity(student, eval_ids, **PPL).ppl
+calib_ids = heldout_token_ids(tokenizer, "calibration", 20_000)
+losses = distill(student, smol, calib_ids, steps=2 if FAST else 200, batch=2, seq_len=64 if FAST else 128,
+                 lr=5e-5, max_seconds=None if FAST else 45)
+healed_ppl = perplexity(student, eval_ids, **PPL).ppl
+print(f"dropped layers {DROP}: perplexity {dropped_ppl:.1f}; after {len(losses)} distillation steps "
+      f"(KL {losses[0]:.2f} -> {losses[-1]:.2f}): {healed_ppl:.1f}; teacher {base_ppl:.1f}")
+
+fig, ax = plt.subplots(figsize=(8, 4))
+bars = {"teacher": base_ppl, **pruned, "exit at 28": exits[28], "drop 4 layers": dropped_ppl,
+        "drop 4 + distill": healed_ppl}
+ax.bar(range(len(bars)), list(bars.values()), color=["k"] + ["tab:blue"] * len(pruned) + ["tab:orange"] +
+       ["tab:red", "tab:green"], label=None)
+ax.axhline(base_ppl, color="k", linestyle=":", label=f"teacher: {base_ppl:.1f}")
+ax.set_xticks(range(len(bars)), list(bars), rotation=25, ha="right")
+ax.set(yscale="log", ylabel="perplexity (log scale; lower is better)", title="What shrinking SmolLM2-135M costs")
+ax.legend(fontsize="small")
+plt.tight_layout()
+plt.show()
+
+# %% [markdown]
+# A short distillation recovers part of what dropping layers cost, and every further minute recovers more; the
+# published recipes heal for hours on billions of tokens. The pattern holds at scale: pruning and layer dropping
+# are cheap to apply and costly in quality unless you retrain; distillation costs training compute and gives the
+# best small models (most small open models today are distilled from larger ones).
+#
+# ## Takeaways
+#
+# - **Tensor parallelism** splits each layer: column-parallel then row-parallel, one all-reduce per pair — two per
+#   layer. Each rank holds 1/N of the weights and of the KV heads; the result is bit-for-bit the same computation
+#   up to the order of a sum. It pays when each rank adds memory bandwidth and the link's latency is small against
+#   a layer's compute: 8 H100s on NVLink for a 70B model, not two processes on one CPU.
+# - **A ring all-reduce** sends 2 (N − 1)/N × n bytes per rank, plus a latency per call; at decode the latency
+#   dominates, so the count of collectives matters more than their size.
+# - **Pipeline parallelism** splits the layers: little traffic (one activation per stage boundary), but idle
+#   bubbles of (p − 1)/(m + p − 1) that micro-batches shrink, and at decode at least p micro-batches in flight.
+# - **Replicas** need no communication at all: the first thing to try when the model fits.
+# - **Shrinking** is the other lever: pruning and early exit are cheap and cost quality unless the model is trained
+#   for them; distillation spends training compute to buy a small model that keeps more of the teacher.
