@@ -37,7 +37,8 @@ class LLM:
     """
 
     def __init__(self, model: str | os.PathLike | None = None, *, dtype=None, device=None, kernels: str = "auto",
-                 quantization: str | None = None, tensor_parallel_size: int = 1, **engine_options):
+                 quantization: str | None = None, tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,
+                 **engine_options):
         self.engine_config = EngineConfig(**engine_options)  # validated before the model loads
         self.model = load_model(model, dtype=dtype, device=device, kernels=kernels, quantization=quantization)
         self.tensor_parallel_size = tensor_parallel_size
@@ -45,15 +46,22 @@ class LLM:
             from minillm.layers.parallel import rank_config
 
             rank_config(self.model.config, tensor_parallel_size)
+        self.pipeline_parallel_size = pipeline_parallel_size
+        if pipeline_parallel_size != 1:  # ValueError naming the sizes that divide the layers
+            from minillm.distributed.pipeline import stage_layers
+
+            stage_layers(self.model.config, pipeline_parallel_size, 0)
+            if tensor_parallel_size != 1:
+                raise ValueError("tensor_parallel_size and pipeline_parallel_size cannot both be > 1 (yet)")
         self.tokenizer = load_tokenizer(model)
         self._engine: LLMEngine | None = None  # built on first use: the KV cache is allocated then
 
     @property
     def engine(self) -> LLMEngine:
         """The ``LLMEngine`` behind ``generate`` and ``stream`` (built on first use with this ``EngineConfig``)."""
-        if self.tensor_parallel_size != 1:
-            raise ValueError("with tensor_parallel_size > 1 the engines run in worker processes "
-                             "(distributed/executor.py): use generate() or chat()")
+        if self.tensor_parallel_size != 1 or self.pipeline_parallel_size != 1:
+            raise ValueError("with tensor_parallel_size or pipeline_parallel_size > 1 the model runs in worker "
+                             "processes (distributed/executor.py, pipeline.py): use generate() or chat()")
         if self._engine is None:
             self._engine = LLMEngine(self.model, self.tokenizer, self.engine_config)
         return self._engine
@@ -78,7 +86,14 @@ class LLM:
         """Generate for each prompt (a string or token ids, or a list of those) on the engine (continuous batching,
         paged KV, prefix caching); outputs in prompt order.  See ``LLMEngine.generate``.  With
         ``tensor_parallel_size`` > 1 each call spawns that many ranks, each running the engine on its shard
-        (``distributed.executor.tp_generate``: seconds of process start-up per call)."""
+        (``distributed.executor.tp_generate``: seconds of process start-up per call); with
+        ``pipeline_parallel_size`` > 1 each rank holds a slice of the layers (``distributed.pipeline.pp_generate``,
+        micro-batches of a static batch)."""
+        if self.pipeline_parallel_size != 1:
+            from minillm.distributed.pipeline import pp_generate
+
+            return pp_generate(self.model, prompts, sampling_params, self.pipeline_parallel_size,
+                               device=self.model.device.type, tokenizer=self.tokenizer)
         if self.tensor_parallel_size != 1:
             from minillm.distributed.executor import tp_generate
             from minillm.engine.inputs import prompt_list

@@ -60,10 +60,16 @@ def layer_allreduce_bytes(tp: int, tokens: int, hidden: int, dtype: DType) -> fl
 
 
 def layer_comm_time(tp: int, tokens: int, hidden: int, dtype: DType, link: Link) -> float:
-    """Seconds of communication per layer: each all-reduce costs α + bytes / β; zero at tp = 1."""
+    """Seconds one decoder layer spends in all-reduces at tensor-parallel size ``tp``: ``tokens`` rows of
+    ``hidden`` values in ``dtype`` (``dtype_bytes``), a ring all-reduce after each row-parallel layer, each costing
+    ``link.latency_s`` plus the bytes one rank sends over ``link.bandwidth``.  Zero at tp = 1 (nothing to reduce)."""
+    ### BEGIN SOLUTION
     if tp == 1:
         return 0.0
-    return ALLREDUCES_PER_LAYER * (link.latency_s + allreduce_bytes(tp, tokens, hidden, dtype) / link.bandwidth)
+    payload = tokens * hidden * dtype_bytes(dtype)  # the [tokens, hidden] activations being summed
+    per_rank = 2 * (tp - 1) / tp * payload  # ring: reduce-scatter then all-gather, (tp − 1)/tp of n each
+    return ALLREDUCES_PER_LAYER * (link.latency_s + per_rank / link.bandwidth)  # after o_proj and after down_proj
+    ### END SOLUTION
 
 
 def layer_decode_cost(config: ModelConfig, tp: int, batch: int, kv_len: int, dtype: DType) -> Cost:

@@ -91,8 +91,8 @@ def _collect(procs: list, results, timeout_s: float) -> list[Any]:
             status, rank, value = results.get(timeout=0.2)
         except queue.Empty:
             status, rank, value = "waiting", None, None
-        if status == "error":
-            raise WorkerError(f"worker rank {rank} raised:\n{value}")
+        if status == "error":  # often a peer's death seen as a broken connection: name the dead rank first
+            raise WorkerError(_dead_ranks(procs, rank) + f"worker rank {rank} raised:\n{value}")
         if status == "ok":
             out[rank] = value
             continue
@@ -102,6 +102,16 @@ def _collect(procs: list, results, timeout_s: float) -> list[Any]:
         if time.monotonic() > deadline:
             raise TimeoutError(f"workers did not finish within {timeout_s:.0f} s (ranks done: {sorted(out)})")
     return [out[r] for r in range(len(procs))]
+
+
+def _dead_ranks(procs: list, reporter: int, wait_s: float = 1.0) -> str:
+    """'worker rank r died with exit code c; ' for every other rank that exits within ``wait_s`` with an error."""
+    deadline = time.monotonic() + wait_s
+    for r, p in enumerate(procs):
+        if r != reporter:
+            p.join(timeout=max(0.0, deadline - time.monotonic()))
+    return "".join(f"worker rank {r} died with exit code {p.exitcode}; " for r, p in enumerate(procs)
+                   if r != reporter and p.exitcode not in (None, 0))
 
 
 def _stop(procs: list, grace_s: float = 5.0) -> None:

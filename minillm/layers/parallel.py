@@ -32,10 +32,31 @@ from minillm.layers.linear import Linear
 from minillm.models.llama import Transformer
 
 
-def _shard_rows(t: Tensor, parts: tuple[int, ...], ctx: ParallelContext) -> Tensor:
-    """t [sum(parts), ...] stacked from ``parts`` -> this rank's 1/tp of each part, stacked in the same order."""
-    chunks = t.split(list(parts), dim=0)
-    return torch.cat([c.chunk(ctx.world_size, dim=0)[ctx.rank] for c in chunks]).contiguous()
+def shard_linear(weight: Tensor, bias: Tensor | None, style: str, rank: int, world_size: int,
+                 parts: tuple[int, ...] | None = None) -> tuple[Tensor, Tensor | None]:
+    """Rank ``rank``'s share of a linear layer y = x W^T + b, W [N, K] (N output, K input features), b [N] or None.
+
+    style "column": the rank computes its own output features — W's rows.  A stacked projection (``parts``: the row
+    counts stacked in W, e.g. (q_size, kv_size, kv_size)) is split part by part, so the rank holds its 1/tp of
+    *each* part, stacked in the same order.  -> (W_r [N/tp, K], b_r [N/tp] or None); no communication afterwards.
+    style "row": the rank multiplies its 1/tp of the input features — W's columns — by its slice of x, giving a
+    partial sum of y; the all-reduce then adds the partials.  The bias must enter that sum once: rank 0 keeps it,
+    the others get None.  -> (W_r [N, K/tp], b on rank 0 else None).
+    Shards are contiguous copies in rank order; the inputs are not modified.
+    """
+    ### BEGIN SOLUTION
+    if style == "column":
+        parts = parts or (weight.shape[0],)
+
+        def split(t: Tensor) -> Tensor:  # this rank's 1/tp of every stacked part, stacked again
+            return torch.cat([c.chunk(world_size, dim=0)[rank] for c in t.split(list(parts), dim=0)]).contiguous()
+
+        return split(weight), None if bias is None else split(bias)
+    if style == "row":
+        shard = weight.chunk(world_size, dim=1)[rank].contiguous()  # (N, K/tp)
+        return shard, (bias.clone() if bias is not None and rank == 0 else None)
+    raise ValueError(f"style must be 'column' or 'row', got {style!r}")
+    ### END SOLUTION
 
 
 class ColumnParallelLinear(nn.Module):
@@ -52,8 +73,10 @@ class ColumnParallelLinear(nn.Module):
         if sum(parts) != weight.shape[0] or any(p % ctx.world_size for p in parts):
             raise ValueError(f"column-parallel parts {parts} must sum to the {weight.shape[0]} output features and "
                              f"each be divisible by tensor_parallel_size={ctx.world_size}")
-        self.weight = nn.Parameter(_shard_rows(weight, parts, ctx), requires_grad=False)  # (N/tp, K)
-        self.bias = None if bias is None else nn.Parameter(_shard_rows(bias, parts, ctx), requires_grad=False)
+        w, b = shard_linear(weight.detach(), None if bias is None else bias.detach(), "column", ctx.rank,
+                            ctx.world_size, parts)
+        self.weight = nn.Parameter(w, requires_grad=False)  # (N/tp, K)
+        self.bias = None if b is None else nn.Parameter(b, requires_grad=False)
         self.ctx = ctx
 
     @classmethod
@@ -70,7 +93,7 @@ class RowParallelLinear(nn.Module):
     """A linear layer holding 1/tp of the input features: x [..., K/tp] -> [..., N], all-reduced inside the layer.
 
     Each rank's ``x_r @ W_r.T`` is a partial sum of the full ``x @ W.T``; the all-reduce adds them (2 (tp − 1)/tp ×
-    N × elements bytes per rank per row), then the bias is added once.
+    N × elements bytes per rank per row).  Rank 0 adds the bias to its partial, so the sum holds it once.
     """
 
     def __init__(self, weight: Tensor, bias: Tensor | None, ctx: ParallelContext):
@@ -78,9 +101,10 @@ class RowParallelLinear(nn.Module):
         if weight.shape[1] % ctx.world_size:
             raise ValueError(f"row-parallel input features {weight.shape[1]} must be divisible by "
                              f"tensor_parallel_size={ctx.world_size}")
-        shard = weight.chunk(ctx.world_size, dim=1)[ctx.rank].contiguous()
-        self.weight = nn.Parameter(shard, requires_grad=False)  # (N, K/tp)
-        self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
+        w, b = shard_linear(weight.detach(), None if bias is None else bias.detach(), "row", ctx.rank,
+                            ctx.world_size)
+        self.weight = nn.Parameter(w, requires_grad=False)  # (N, K/tp)
+        self.bias = None if b is None else nn.Parameter(b, requires_grad=False)  # rank 0 only
         self.ctx = ctx
 
     @classmethod
@@ -90,8 +114,7 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: Tensor, ops: KernelOps) -> Tensor:
         """x [..., K/tp] (this rank's features) -> [..., N] (the full output, on every rank)."""
-        y = all_reduce(ops.linear(x, self.weight, None), self.ctx)
-        return y if self.bias is None else y + self.bias
+        return all_reduce(ops.linear(x, self.weight, self.bias), self.ctx)
 
 
 def valid_tp_sizes(config: ModelConfig) -> list[int]:

@@ -199,6 +199,7 @@ def _wrong_parse_stream(sent_s, lines, end_s):
 
 
 WRONG.update({"9.1": _wrong_arrival_times, "9.2": _wrong_parse_stream})  # notebook 09
+WRONG.update(__import__("test_checks_scaling").WRONG_10)  # notebook 10 (tests/course/test_checks_scaling.py)
 
 NUMBERS = sorted(EXERCISES)
 

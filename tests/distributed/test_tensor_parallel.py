@@ -47,8 +47,9 @@ def test_row_shards_partial_sums_add_up_to_the_whole_layer():
     torch.nn.init.normal_(lin.weight)
     torch.nn.init.normal_(lin.bias)
     parts = [RowParallelLinear.from_linear(lin, fake_rank(r, 3)) for r in range(3)]
-    partial = sum(OPS.linear(xs, p.weight, None) for xs, p in zip(x.chunk(3, dim=-1), parts, strict=True))
-    torch.testing.assert_close(partial + parts[0].bias, lin(x, OPS))
+    partial = sum(OPS.linear(xs, p.weight, p.bias) for xs, p in zip(x.chunk(3, dim=-1), parts, strict=True))
+    torch.testing.assert_close(partial, lin(x, OPS))  # the all-reduce's sum: rank 0's bias counted once
+    assert [p.bias is None for p in parts] == [False, True, True]
 
 
 def test_tp_one_shard_is_the_whole_model():

@@ -7,12 +7,15 @@
    so the bench uses 8 query / 2 K/V heads of 64 (hidden 576, 30 layers, MLP 1536, vocab 49152 as the default).
 3. The cost model's per-layer figures for Llama-2-7B and 70B on an H100 NVLink / PCIe node
    (``distributed/cost_model.py``).
+4. Pipeline parallelism over two processes: the bubble of a micro-batched forward measured at several micro-batch
+   counts m against GPipe's (p − 1)/(m + p − 1) and against ``gpipe_schedule`` fed the measured stage times.
 Results go to ``benchmarks/results/tp-cpu.json``.  On a shared machine both TP runs see the same neighbours only
 roughly: run it when the machine is quiet and read the ratio, not the absolute figures.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import statistics
 import time
@@ -56,6 +59,16 @@ def _allreduce_worker(ctx, hidden: int, iters: int) -> float:
     return statistics.median(times)
 
 
+def allreduce_worker(ctx, numels: list[int], iters: int) -> dict[int, float]:
+    """Median seconds of one all-reduce of ``n`` fp32 values, for each n in ``numels`` (run by ``run_workers``)."""
+    return {n: _allreduce_worker(ctx, n, iters) for n in numels}
+
+
+def decode_tok_s(ctx, model, n_tokens: int, repeats: int) -> float:
+    """Best decode tok/s of one request of ``n_tokens`` on this rank's shard of ``model`` (run by ``run_workers``)."""
+    return _decode_worker(ctx, model, n_tokens, repeats)
+
+
 def _decode_worker(ctx, model, n_tokens: int, repeats: int) -> float:
     from minillm.config import EngineConfig
     from minillm.distributed.executor import rank_model
@@ -69,6 +82,43 @@ def _decode_worker(ctx, model, n_tokens: int, repeats: int) -> float:
         out = engine.generate([PROMPT], params)[0]
         best = max(best, out.metrics.decode_tokens_per_s)
     return best
+
+
+def _bubble_worker(ctx, model, input_ids, positions, microbatches: list[int], repeats: int, all_logits: bool):
+    from minillm.distributed.pipeline import PipelineStage, stage_forward
+
+    stage = PipelineStage(model, ctx.rank, ctx.world_size)
+    stage_forward(ctx, stage, input_ids, positions, 1, all_logits)  # warm-up: first-touch and kernel builds
+    return {m: [stage_forward(ctx, stage, input_ids, positions, m, all_logits)[1] for _ in range(repeats)]
+            for m in microbatches}
+
+
+def measure_bubble(model, pp: int = 2, microbatches: tuple[int, ...] = (1, 2, 4, 8), batch: int = 8,
+                   seq_len: int = 32, repeats: int = 3, threads_per_worker: int = 1,
+                   all_logits: bool = False) -> list[dict]:
+    """The bubble of a pipelined forward of ``batch`` × ``seq_len`` tokens at each micro-batch count m, measured
+    (1 − Σ busy / (p × wall), the fastest of ``repeats``) beside GPipe's formula and ``gpipe_schedule``'s
+    prediction from the measured per-micro-batch stage times (which includes unequal stages; not transfers).
+    ``all_logits``: the last stage computes logits for every position (a heavier last stage) instead of the last."""
+    from minillm.distributed.pipeline import bubble_fraction, gpipe_bubble, gpipe_schedule
+    from minillm.distributed.worker import run_workers
+
+    torch.manual_seed(0)
+    ids = torch.randint(0, model.config.vocab_size, (batch, seq_len))
+    pos = torch.arange(seq_len).expand(batch, seq_len)
+    per_rank = run_workers(_bubble_worker, pp, (model, ids, pos, list(microbatches), repeats, all_logits),
+                           threads_per_worker=threads_per_worker)
+    rows = []
+    for m in microbatches:
+        runs = [[per_rank[r][m][k] for r in range(pp)] for k in range(repeats)]
+        best = min(runs, key=lambda stages: max(s.wall_s for s in stages))
+        wall = max(s.wall_s for s in best)
+        measured = 1 - sum(s.busy_s for s in best) / (pp * wall)
+        predicted = bubble_fraction(gpipe_schedule([s.compute_s for s in best]))
+        rows.append(dict(pp=pp, m=len(best[0].compute_s), all_logits=all_logits, measured=measured,
+                         formula=gpipe_bubble(pp, m), schedule=predicted, wall_ms=wall * 1e3,
+                         busy_ms=[s.busy_s * 1e3 for s in best]))
+    return rows
 
 
 def bench_tp(n_tokens: int = 32, repeats: int = 2, allreduce_iters: int = 500, save: bool = True) -> dict:
@@ -94,9 +144,14 @@ def bench_tp(n_tokens: int = 32, repeats: int = 2, allreduce_iters: int = 500, s
     for r in rows:
         print("{model:12s} {link:12s} tp={tp} layer: compute {compute_us:7.1f} µs, all-reduces {comm_us:5.1f} µs "
               "({comm_bytes:6.0f} B, {comm_fraction:4.0%} of the layer), speedup {layer_speedup:4.2f}×".format(**r))
+    bubble = measure_bubble(random_model(dataclasses.replace(cfg, num_layers=8)), batch=8, seq_len=16)
+    for r in bubble:
+        print("pipeline p={pp} m={m}: bubble measured {measured:5.1%}, GPipe formula {formula:5.1%}, schedule of the "
+              "measured stage times {schedule:5.1%} ({wall_ms:.1f} ms)".format(**r))
     result = {"benchmark": "tp", "cores": cores, "config": {k: v for k, v in vars(cfg).items() if k != "rope_scaling"},
               "allreduce_us": ar * 1e6, "allreduce_per_layer_us": 2 * ar * 1e6, "n_tokens": n_tokens,
-              "decode_tok_s": {f"tp{k}": v for k, v in tok_s.items()}, "cost_model": rows}
+              "decode_tok_s": {f"tp{k}": v for k, v in tok_s.items()}, "cost_model": rows,
+              "pipeline_bubble": bubble}
     if save:
         from minillm.perf.bench.decode import save_results
 
