@@ -167,9 +167,9 @@ def _check_seeded(rejection_sample: Callable, gen: torch.Generator) -> None:
 
 
 @exercise("8.1", "minillm.sampling.rejection.rejection_sample", "the speculative accept/resample rule",
-          "greedy: longest prefix equal to the argmax rows + the next argmax; else p = probabilities(target_logits, "
-          "params); accept x_i if u_i * q_i(x_i) < p_i(x_i); at the first rejection draw from max(0, p_i - q_i) "
-          "(q None: p_i with x_i zeroed) and stop; all accepted: a bonus token from p_γ")
+          "greedy: the longest prefix agreeing with the target's argmax, then one argmax; otherwise filter the "
+          "target with probabilities(), accept each guess with probability min(1, p/q), at the first rejection "
+          "draw one token from norm(max(0, p − q)) and stop; all accepted: a bonus token from the last row")
 def check_rejection_sample(rejection_sample: Callable) -> None:
     """``rejection_sample(target_logits, draft_tokens, draft_probs, params, generator)``: greedy on random rows
     (γ = 0 included), then 4000 seeded verification steps with a disagreeing draft model and with a point-mass
@@ -216,8 +216,8 @@ def _ngram_hint(tokens, k, n_min, n_max, got) -> str:
 
 
 @exercise("8.2", "minillm.spec.ngram.ngram_lookup", "the n-gram prompt-lookup proposer",
-          "for n from min(n_max, len - 1) down to n_min: scan start = len - n - 1 down to 0 for tokens[start:start "
-          "+ n] == the last n tokens; at the first hit return tokens[start + n : start + n + k]; none: []")
+          "longest n first; find the most recent earlier start of the last n tokens (it may overlap them) and "
+          "propose up to k of the tokens that followed it; nothing found for any n: []")
 def check_ngram_lookup(ngram_lookup: Callable) -> None:
     """``ngram_lookup(tokens, k, n_min, n_max)`` on hand-made contexts (the most recent copy, the longest n, an
     overlapping match, a continuation cut by the context's end, k = 0, one token) and on random contexts over
@@ -302,8 +302,8 @@ def _hint(key: str) -> str:
 
 
 @exercise("8.3", "minillm.kv.block_manager.BlockManager.truncate", "roll back rejected tokens' KV slots",
-          "keep = self._blocks_for(num_tokens); self.device.free each table.block_ids[keep:] tail first; cut "
-          "block_ids, token_ids to num_tokens, block_hashes to num_tokens // block_size; num_computed = min(...)")
+          "release the blocks the kept tokens no longer need with self.device.free, tail first; then cut the "
+          "table's tokens, blocks and hashes (full blocks of kept tokens only) and its num_computed")
 def check_truncate(manager_class: type) -> None:
     """A ``BlockManager`` subclass with the student's ``truncate`` against a reference written from the contract,
     on the same scripted and random histories: rejected drafts in a partial block, at a block boundary, into a
