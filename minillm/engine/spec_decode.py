@@ -20,6 +20,8 @@ isolation then finds the culprit).
 
 from __future__ import annotations
 
+from collections.abc import Callable, Hashable
+
 import torch
 from torch import Tensor
 
@@ -27,23 +29,32 @@ from minillm.config import SpeculativeConfig
 from minillm.engine.model_runner import StepResult
 from minillm.engine.scheduler import ScheduledSeq, SchedulerOutput
 from minillm.engine.sequence import SequenceStatus
+from minillm.kv.block_manager import BlockManager
 from minillm.kv.paged_cache import PagedAttention
 from minillm.outputs import StepOutput
 from minillm.sampling.rejection import rejection_sample
 from minillm.sampling.sampler import sample
 from minillm.spec.build import build_proposer
-from minillm.spec.proposer import SpecStats
+from minillm.spec.proposer import Proposer, SpecStats
 
 
 class SpecDecoder:
     """The proposer for ``config`` and the speculative step; ``stats`` counts over the engine's life.
 
     Its methods take the ``LLMEngine`` driving the step (``engine``: its scheduler, block manager, runner and
-    detokenizers); not imported here, which would make the two modules import each other."""
+    detokenizers); not imported here, which would make the two modules import each other.
 
-    def __init__(self, config: SpeculativeConfig, model, max_model_len: int):
+    The three parts are backends passed in (the course swaps its own versions in; the defaults are the library's):
+    ``proposer`` (a ``Proposer``; default: the one ``config`` names), ``verify`` (``rejection_sample``'s
+    signature) and ``truncate`` (``BlockManager.truncate``'s, called as ``truncate(block_manager, seq_id, n)``).
+    """
+
+    def __init__(self, config: SpeculativeConfig, model, max_model_len: int, *, proposer: Proposer | None = None,
+                 verify: Callable[..., list[int]] = rejection_sample,
+                 truncate: Callable[[BlockManager, Hashable, int], None] = BlockManager.truncate):
         self.config = config
-        self.proposer = build_proposer(config, model, max_model_len)
+        self.proposer = proposer if proposer is not None else build_proposer(config, model, max_model_len)
+        self.verify, self.truncate = verify, truncate
         self.stats = SpecStats()
 
     def step(self, engine, out: SchedulerOutput) -> tuple[list[StepOutput], SchedulerOutput | None]:
@@ -55,7 +66,7 @@ class SpecDecoder:
         plain = [s for i, s in enumerate(out.scheduled) if i not in spec]
         try:
             logits, plain_logits = self._forward(engine, out, spec)
-            accepted = {i: rejection_sample(logits[i], d, q, out.scheduled[i].seq.request.params,
+            accepted = {i: self.verify(logits[i], d, q, out.scheduled[i].seq.request.params,
                                             out.scheduled[i].seq.generator) for i, (d, q) in spec.items()}
             plain_tokens = self._sample_plain(plain, plain_logits)
         except Exception:  # noqa: BLE001 — fall back to a plain step, which isolates the failing request
@@ -147,13 +158,12 @@ class SpecDecoder:
         return grouped
 
     # ---- after the forward -----------------------------------------------------------------------------------
-    @staticmethod
-    def _rollback(bm, out: SchedulerOutput, spec: dict, accepted: dict[int, list[int]]) -> None:
+    def _rollback(self, bm, out: SchedulerOutput, spec: dict, accepted: dict[int, list[int]]) -> None:
         """Free the slots of rejected drafts: keep the last token + the accepted drafts (their K/V is right)."""
         for i in spec:
             seq = out.scheduled[i].seq
             kept = len(accepted[i]) - 1 if i in accepted else 0
-            bm.truncate(seq.seq_id, seq.num_tokens + kept)
+            self.truncate(bm, seq.seq_id, seq.num_tokens + kept)
 
     def _commit(self, engine, seq, tokens: list[int], num_drafts: int,
                 logits: Tensor | None) -> list[StepOutput]:

@@ -212,15 +212,26 @@ class BlockManager:
                                           parent.num_computed, list(parent.block_hashes))
 
     def truncate(self, seq_id: Hashable, num_tokens: int) -> None:
-        """Keep the first ``num_tokens`` tokens (roll back rejected speculative tokens); frees whole tail blocks."""
+        """Keep the first ``num_tokens`` tokens (roll back rejected speculative tokens); frees whole tail blocks.
+
+        Contract on ``table`` (``self._table(seq_id)``): afterwards ``table.token_ids`` holds its first
+        ``num_tokens`` tokens and ``table.block_ids`` just the blocks they need (``self._blocks_for(num_tokens)``:
+        a partly filled last block stays); every dropped block is released with ``self.device.free`` (tail
+        first: the prefix cache's LRU then evicts a chain's tail before its head; a block shared with a fork only
+        loses this sequence's reference). ``table.block_hashes`` keeps only the hashes of blocks still full of
+        kept tokens (``num_tokens // block_size`` at most): a prefix-cache hash must never cover a token that was
+        rolled back. ``table.num_computed`` cannot exceed ``num_tokens``.
+        """
         table = self._table(seq_id)
         if not 1 <= num_tokens <= len(table.token_ids):
             raise ValueError(f"num_tokens={num_tokens} must lie in [1, {len(table.token_ids)}]; use free() to drop all")
+        ### BEGIN SOLUTION
         keep = self._blocks_for(num_tokens)
         for block_id in reversed(table.block_ids[keep:]):
             self.device.free(block_id)
         del table.block_ids[keep:], table.token_ids[num_tokens:], table.block_hashes[num_tokens // self.block_size :]
         table.num_computed = min(table.num_computed, num_tokens)
+        ### END SOLUTION
 
     def free(self, seq_id: Hashable) -> None:
         """Release a finished, aborted or recompute-preempted sequence (device or host blocks)."""

@@ -37,34 +37,34 @@ def greedy_accept(target_logits: Tensor, draft_tokens: list[int]) -> list[int]:
     """Longest prefix of drafts equal to the target's argmaxes, then the target's next argmax.
 
     target_logits [γ+1, V] (row i: the distribution after draft i-1), draft_tokens γ ids -> 1..γ+1 token ids.
+    (``rejection_sample`` with temperature 0.)
     """
-    _check(target_logits, draft_tokens)
-    best = target_logits.argmax(dim=-1).tolist()  # one device sync for all γ+1 rows
-    out: list[int] = []
-    for x, b in zip(draft_tokens, best, strict=False):
-        if x != b:
-            break
-        out.append(x)
-    out.append(best[len(out)])  # the correction at the first disagreement, or the bonus token
-    return out
+    return rejection_sample(target_logits, draft_tokens, None, SamplingParams(temperature=0.0))
 
 
 def rejection_sample(target_logits: Tensor, draft_tokens: list[int], draft_probs: Tensor | None,
                      params: SamplingParams, generator: torch.Generator | None = None) -> list[int]:
     """Accept/resample γ draft tokens against the target; returns the accepted drafts + one more token.
 
-    target_logits [γ+1, V] raw target logits (filtered here with ``params``); draft_tokens γ ids; draft_probs
-    [γ, V] the draft's distributions *after* the same filtering (``probabilities(draft_logits, params)``), or None
-    for a deterministic proposer (n-gram: q is a point mass on each draft token).  Greedy params use
-    ``greedy_accept``.  -> between 1 and γ + 1 token ids, distributed as the target would sample them.
+    target_logits [γ+1, V] raw target logits (row i: the target's next-token logits after draft i-1; filter
+    them with ``probabilities(target_logits, params)``); draft_tokens γ ids; draft_probs [γ, V] the draft's
+    distributions *after* the same filtering, or None for a deterministic proposer (n-gram: q is a point mass on
+    each draft token, q(x_i) = 1).  -> between 1 and γ + 1 token ids, distributed as the target would sample them:
+
+    - greedy params (``params.greedy``): the longest prefix of drafts equal to the target's argmax rows, then the
+      argmax of the row after it (the correction, or the bonus token when every draft agrees).
+    - otherwise, for i = 0..γ-1: accept x_i when u_i < p_i(x_i) / q_i(x_i), u_i uniform in [0, 1) drawn from
+      ``generator`` (i.e. with probability min(1, p/q)); at the first rejection append ONE token drawn from
+      norm(max(0, p_i − q_i)) and stop (for q = δ(x_i): p_i with x_i zeroed); all accepted: append a bonus token
+      drawn from p_γ.  Draw every random number from ``generator`` (seeded requests must be reproducible).
     """
-    if params.greedy:
-        return greedy_accept(target_logits, draft_tokens)
-    _check(target_logits, draft_tokens)
+    check_verify_inputs(target_logits, draft_tokens, draft_probs)
     gamma = len(draft_tokens)
-    if draft_probs is not None and tuple(draft_probs.shape) != (gamma, target_logits.shape[-1]):
-        raise ValueError(f"draft_probs must be [γ={gamma}, V={target_logits.shape[-1]}], got "
-                         f"{tuple(draft_probs.shape)}")
+    ### BEGIN SOLUTION
+    if params.greedy:
+        best = target_logits.argmax(dim=-1).tolist()  # one device sync for all γ+1 rows
+        m = next((i for i, (x, b) in enumerate(zip(draft_tokens, best, strict=False)) if x != b), gamma)
+        return list(draft_tokens[:m]) + [best[m]]  # the correction at the first disagreement, or the bonus
     p = probabilities(target_logits, params)  # (γ+1, V): temperature → top-k → top-p, as plain sampling
     idx = torch.arange(gamma, device=p.device)
     x = torch.tensor(draft_tokens, dtype=torch.long, device=p.device)
@@ -75,9 +75,9 @@ def rejection_sample(target_logits: Tensor, draft_tokens: list[int], draft_probs
     # accept x_i  <=>  u_i < p(x_i) / q(x_i); written as u·q < p so q(x) = 0 (never sampled) cannot divide by 0
     accepted = (u * q_x < p_x).tolist()
     m = accepted.index(False) if False in accepted else gamma  # first rejection (γ: none)
-    out = draft_tokens[:m]
+    out = list(draft_tokens[:m])
     if m == gamma:  # every draft accepted: the bonus token comes from the last target row
-        return out + [_draw(p[gamma], generator)]
+        return out + [int(torch.multinomial(p[gamma], 1, generator=generator))]
     if draft_probs is None:  # q = δ(x_m): max(0, p - q) is p with x_m removed
         residual = p[m].clone()
         residual[draft_tokens[m]] = 0
@@ -85,14 +85,15 @@ def rejection_sample(target_logits: Tensor, draft_tokens: list[int], draft_probs
         residual = (p[m] - draft_probs[m].to(p.dtype)).clamp_(min=0)
     if not residual.sum() > 0:  # p == q up to rounding: rejection had ~0 probability; p is the exact answer
         residual = p[m]
-    return out + [_draw(residual, generator)]  # multinomial normalises: norm(max(0, p - q))
+    return out + [int(torch.multinomial(residual, 1, generator=generator))]  # multinomial normalises the weights
+    ### END SOLUTION
 
 
-def _draw(weights: Tensor, generator: torch.Generator | None) -> int:
-    return int(torch.multinomial(weights, 1, generator=generator))
-
-
-def _check(target_logits: Tensor, draft_tokens: list[int]) -> None:
-    if target_logits.dim() != 2 or target_logits.shape[0] != len(draft_tokens) + 1:
-        raise ValueError(f"target_logits must be [γ+1, V] for γ={len(draft_tokens)} drafts, got "
-                         f"{tuple(target_logits.shape)}")
+def check_verify_inputs(target_logits: Tensor, draft_tokens: list[int], draft_probs: Tensor | None) -> None:
+    """Raise ``ValueError`` unless target_logits is [γ+1, V] and draft_probs (when given) is [γ, V]."""
+    gamma = len(draft_tokens)
+    if target_logits.dim() != 2 or target_logits.shape[0] != gamma + 1:
+        raise ValueError(f"target_logits must be [γ+1, V] for γ={gamma} drafts, got {tuple(target_logits.shape)}")
+    if draft_probs is not None and tuple(draft_probs.shape) != (gamma, target_logits.shape[-1]):
+        raise ValueError(f"draft_probs must be [γ={gamma}, V={target_logits.shape[-1]}], got "
+                         f"{tuple(draft_probs.shape)}")

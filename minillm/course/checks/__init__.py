@@ -24,6 +24,7 @@ from minillm.course.checks.paged import check_append_slots, check_block_free, ch
 from minillm.course.checks.registry import CONFIGS, EXERCISES, LLAMA2_7B, SMOLLM2_135M, TINY_MQA, Exercise, exercise
 from minillm.course.checks.roofline import check_attainable_flops, check_linear_cost, check_mbu, check_ridge_point
 from minillm.course.checks.serving import check_arrival_times, check_parse_stream
+from minillm.course.checks.speculative import check_ngram_lookup, check_rejection_sample, check_truncate
 
 __all__ = ["CONFIGS", "EXERCISES", "Exercise", "LLAMA2_7B", "SMOLLM2_135M", "TINY_MQA", "check_append_slots",
            "check_attainable_flops", "check_batch_slots", "check_block_free", "check_cached_logits",
@@ -35,3 +36,4 @@ __all__ = ["CONFIGS", "EXERCISES", "Exercise", "LLAMA2_7B", "SMOLLM2_135M", "TIN
 __all__ += ["check_arrival_times", "check_parse_stream"]  # notebook 09
 from minillm.course.checks.scaling import check_gpipe_schedule, check_layer_comm_time, check_shard_linear  # noqa: E402, I001
 __all__ += ["check_gpipe_schedule", "check_layer_comm_time", "check_shard_linear"]  # notebook 10
+__all__ += ["check_ngram_lookup", "check_rejection_sample", "check_truncate"]  # notebook 08

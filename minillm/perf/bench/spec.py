@@ -1,7 +1,12 @@
 """Speculative decoding benchmark: acceptance α, tokens per target forward and tokens/s against γ, per proposer,
-on copy-heavy prompts (repeat a passage, edit code) and an open-ended one, at batch 1, greedy, with plain decode
-measured in the same run.  Each speculative row also shows the tokens per target call the acceptance predicts for
+on copy-heavy prompts (repeat a passage, edit code) and an open-ended one, greedy, with plain decode measured in the
+same run — at batch 1 (every prompt alone) and at batch 8 under continuous batching (eight requests of the same
+kind in one engine).  Each speculative row also shows the tokens per target call the acceptance predicts for
 i.i.d. acceptance, (1 − α^(γ+1)) / (1 − α), beside the measured mean accepted length.
+
+The peer is transformers' ``generate`` on the same chat prompts, batch 1, greedy: plain, with prompt lookup
+(``prompt_lookup_num_tokens=γ``) and, when ``hf_assistant`` names a checkpoint, assisted generation with that
+draft model.  A peer that fails to load or run is reported as an error row; the rest of the bench still runs.
 
 Not a test: it times, it asserts nothing.  On a shared machine the numbers move with the neighbours' load; the
 configurations take turns within every repeat and keep their best, so compare ratios within one run.
@@ -10,6 +15,8 @@ configurations take turns within every repeat and keep their best, so compare ra
 from __future__ import annotations
 
 import time
+
+import torch
 
 from minillm.config import EngineConfig
 from minillm.engine.llm_engine import LLMEngine
@@ -34,70 +41,174 @@ def predicted_tokens_per_call(alpha: float, gamma: int) -> float:
     return gamma + 1.0 if alpha >= 1 else (1 - alpha ** (gamma + 1)) / (1 - alpha)
 
 
-def _configs(num_layers: int, gammas: tuple[int, ...]) -> list[tuple[str, int, dict | None]]:
+def _configs(num_layers: int, gammas: tuple[int, ...], proposers: tuple[str, ...]
+             ) -> list[tuple[str, int, dict | None]]:
+    """(name, γ, speculative_config) per configuration: plain decode first, then each proposer at each γ."""
+    specs = {"ngram": ("ngram", {"method": "ngram", "prompt_lookup_max": 4}),
+             "early_exit": (f"early_exit({num_layers})", {"method": "early_exit", "num_layers": num_layers}),
+             "quantized": ("quantized(int4)", {"method": "quantized"})}
+    unknown = set(proposers) - set(specs)
+    if unknown:
+        raise ValueError(f"unknown proposers {sorted(unknown)}; choose from {sorted(specs)}")
     out: list[tuple[str, int, dict | None]] = [("plain", 0, None)]
-    for g in gammas:
-        out.append(("ngram", g, {"method": "ngram", "num_speculative_tokens": g, "prompt_lookup_max": 4}))
-    for g in gammas:
-        out.append((f"early_exit({num_layers})", g,
-                    {"method": "early_exit", "num_layers": num_layers, "num_speculative_tokens": g}))
+    for p in proposers:
+        name, spec = specs[p]
+        out += [(name, g, {**spec, "num_speculative_tokens": g}) for g in gammas]
     return out
 
 
-def _run(llm, spec: dict | None, prompt: list[int], n_tokens: int) -> dict:
-    eng = LLMEngine(llm.model, llm.tokenizer, EngineConfig(speculative_config=spec, max_num_seqs=1))
-    t0 = time.perf_counter()
-    out = eng.generate([prompt], SamplingParams(max_tokens=n_tokens, temperature=0, ignore_eos=True))[0]
-    wall = time.perf_counter() - t0
-    m = out.metrics
-    decode_s = (m.finish_s or 0) - (m.first_token_s or 0)
-    return {"tokens": out.token_ids, "tok_s": (m.output_tokens - 1) / decode_s if decode_s > 0 else 0.0,
-            "wall_s": wall, "alpha": m.acceptance_rate, "tokens_per_call": m.mean_accepted_length}
+def _run(llm, spec: dict | None, prompts: list[list[int]], n_tokens: int) -> dict:
+    """All ``prompts`` in one engine (continuous batching, max_num_seqs = their number), greedy, ``n_tokens`` each.
+    -> tokens per request, decode tok/s (output tokens after each request's first, over the span from the first
+    first-token to the last finish), engine-wide α and tokens per target call."""
+    eng = LLMEngine(llm.model, llm.tokenizer, EngineConfig(speculative_config=spec, max_num_seqs=len(prompts)))
+    eng.generate([prompts[0][:8]], SamplingParams(max_tokens=2))  # warm-up: kernels, the drafter's first call
+    outs = eng.generate(prompts, SamplingParams(max_tokens=n_tokens, temperature=0, ignore_eos=True))
+    ms = [o.metrics for o in outs]
+    span = max(m.finish_s or 0 for m in ms) - min(m.first_token_s or 0 for m in ms)
+    decoded = sum(m.output_tokens - 1 for m in ms)
+    st = eng.spec_stats
+    return {"tokens": [o.token_ids for o in outs], "tok_s": decoded / span if span > 0 else 0.0,
+            "alpha": None if st is None else st.acceptance_rate,
+            "tokens_per_call": None if st is None else st.mean_accepted_length}
+
+
+def batch_prompts(llm, kind: str, batch: int) -> list[list[int]]:
+    """``batch`` chat prompts of one kind; copies of the first vary its text (a rotated passage) so that no two
+    requests share a whole prompt (prefix caching would otherwise skip their prefill)."""
+    message = PROMPTS[kind]
+    out = []
+    for i in range(batch):
+        head, _, body = message.partition("\n\n")
+        words = body.split(" ")
+        k = (3 * i) % max(len(words), 1)
+        text = message if i == 0 or not body else head + "\n\n" + " ".join(words[k:] + words[:k])
+        out.append(llm.apply_chat_template([{"role": "user", "content": text}]))
+    return out
+
+
+def hf_generate_rates(checkpoint, prompts: dict[str, list[int]], n_tokens: int, gammas: tuple[int, ...],
+                      repeats: int, device, dtype, assistant=None) -> list[dict]:
+    """transformers ``generate`` at batch 1, greedy, on the same token ids: plain, prompt lookup per γ, and
+    assisted generation with ``assistant`` (a checkpoint) when given.  -> rows with decode tok/s (the first
+    token's time, measured as a 1-token generate, subtracted) or an ``error``."""
+    from transformers import AutoModelForCausalLM
+
+    rows = []
+    try:
+        hf = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=dtype).to(device).eval()
+        draft = (AutoModelForCausalLM.from_pretrained(assistant, dtype=dtype).to(device).eval()
+                 if assistant is not None else None)
+    except Exception as e:  # noqa: BLE001 — a peer that cannot load must not stop the bench
+        return [{"prompt": "-", "proposer": "transformers", "gamma": 0, "error": f"{type(e).__name__}: {e}"}]
+    variants = [("hf plain", 0, {})] + [("hf prompt_lookup", g, {"prompt_lookup_num_tokens": g}) for g in gammas]
+    if draft is not None:
+        variants += [("hf assisted", g, {"assistant_model": draft, "num_assistant_tokens": g,
+                                         "num_assistant_tokens_schedule": "constant"}) for g in gammas]
+    for kind, ids in prompts.items():
+        x = torch.tensor([ids], device=device)
+        best: dict[int, dict] = {}
+        for _ in range(repeats):
+            for i, (_, _, kwargs) in enumerate(variants):
+                try:
+                    r = _hf_once(hf, x, n_tokens, kwargs)
+                except Exception as e:  # noqa: BLE001 — one failing variant is one error row
+                    best[i] = {"error": f"{type(e).__name__}: {e}"}
+                    continue
+                if i not in best or r["tok_s"] > best[i].get("tok_s", -1):
+                    best[i] = r
+        for i, (name, g, _) in enumerate(variants):
+            rows.append({"prompt": kind, "proposer": name, "gamma": g, **best[i]})
+    plain = {r["prompt"]: r for r in rows if r["proposer"] == "hf plain" and "tok_s" in r}
+    for r in rows:
+        base = plain.get(r["prompt"])
+        r["speedup"] = r["tok_s"] / base["tok_s"] if "tok_s" in r and base and base["tok_s"] else None
+        if base is not None and "tokens" in r:
+            r["same_tokens_as_plain"] = r["tokens"] == base["tokens"]
+    return rows
+
+
+@torch.inference_mode()
+def _hf_once(hf, x, n_tokens: int, kwargs: dict) -> dict:
+    """One greedy generate of ``n_tokens`` (min = max, so EOS cannot end it early) and one of a single token."""
+    common = {"do_sample": False, "pad_token_id": hf.config.eos_token_id}
+    t = time.perf_counter()
+    hf.generate(x, max_new_tokens=1, min_new_tokens=1, **common)
+    first = time.perf_counter() - t
+    t = time.perf_counter()
+    out = hf.generate(x, max_new_tokens=n_tokens, min_new_tokens=n_tokens, **common, **kwargs)
+    total = time.perf_counter() - t
+    new = out[0, x.shape[1]:].tolist()
+    decode = max(total - first, 1e-9)
+    return {"tokens": new, "tok_s": (len(new) - 1) / decode}
 
 
 def bench_spec(model: str | None = None, device: str | None = None, gammas: tuple[int, ...] = (2, 4),
                n_tokens: int = 64, repeats: int = 2, early_exit_layers: int | None = None,
-               save: bool = True) -> list[dict]:
-    """Run every (prompt, configuration) ``repeats`` times, turns interleaved; keep each one's best decode tok/s.
-    Returns one row per (prompt kind, configuration) and prints the table."""
+               proposers: tuple[str, ...] = ("ngram", "early_exit", "quantized"), batch_sizes: tuple[int, ...] = (1, 8),
+               hf: bool = True, hf_assistant: str | None = None, save: bool = True) -> list[dict]:
+    """Run every (prompt kind, batch size, configuration) ``repeats`` times, turns interleaved; keep each one's
+    best decode tok/s.  Returns one row per (prompt kind, batch, configuration) — plus the transformers rows
+    (``batch`` 1, ``peer`` True) when ``hf`` — and prints the table."""
     from minillm.llm import LLM
 
     llm = LLM(model, device=device)
     layers = early_exit_layers or max(1, llm.model.config.num_layers // 4)
-    configs = _configs(layers, gammas)
+    configs = _configs(layers, gammas, proposers)
     rows = []
-    for kind, message in PROMPTS.items():
-        prompt = llm.apply_chat_template([{"role": "user", "content": message}])
-        best: dict[int, dict] = {}
-        for _ in range(repeats):
-            for i, (_, _, spec) in enumerate(configs):
-                r = _run(llm, spec, prompt, n_tokens)
-                if i not in best or r["tok_s"] > best[i]["tok_s"]:
-                    best[i] = r
-        plain = best[0]
-        for i, (name, gamma, _) in enumerate(configs):
-            r = best[i]
-            alpha = r["alpha"]
-            rows.append({"prompt": kind, "proposer": name, "gamma": gamma, "alpha": alpha,
-                         "tokens_per_call": r["tokens_per_call"],
-                         "predicted_tokens_per_call": None if alpha is None else predicted_tokens_per_call(alpha,
-                                                                                                           gamma),
-                         "tok_s": r["tok_s"], "speedup": r["tok_s"] / plain["tok_s"] if plain["tok_s"] else None,
-                         "same_tokens_as_plain": r["tokens"] == plain["tokens"]})
+    for kind in PROMPTS:
+        for batch in batch_sizes:
+            prompts = batch_prompts(llm, kind, batch)
+            best: dict[int, dict] = {}
+            for _ in range(repeats):
+                for i, (_, _, spec) in enumerate(configs):
+                    r = _run(llm, spec, prompts, n_tokens)
+                    if i not in best or r["tok_s"] > best[i]["tok_s"]:
+                        best[i] = r
+            plain = best[0]
+            for i, (name, gamma, _) in enumerate(configs):
+                r = best[i]
+                alpha = r["alpha"]
+                rows.append({"prompt": kind, "batch": batch, "proposer": name, "gamma": gamma, "alpha": alpha,
+                             "tokens_per_call": r["tokens_per_call"],
+                             "predicted_tokens_per_call": None if alpha is None else predicted_tokens_per_call(
+                                 alpha, gamma),
+                             "tok_s": r["tok_s"], "speedup": r["tok_s"] / plain["tok_s"] if plain["tok_s"] else None,
+                             "same_tokens_as_plain": r["tokens"] == plain["tokens"], "peer": False})
+    if hf:
+        from minillm.models.loader import resolve
+
+        try:
+            checkpoint = resolve(model).directory
+        except Exception as e:  # noqa: BLE001
+            peer = [{"prompt": "-", "proposer": "transformers", "gamma": 0, "error": f"{type(e).__name__}: {e}"}]
+        else:
+            prompts = {kind: batch_prompts(llm, kind, 1)[0] for kind in PROMPTS}
+            peer = hf_generate_rates(checkpoint, prompts, n_tokens, gammas, repeats, llm.model.device,
+                                     llm.model.dtype, hf_assistant)
+        rows += [{"batch": 1, "alpha": None, "tokens_per_call": None, "predicted_tokens_per_call": None,
+                  "speedup": None, "same_tokens_as_plain": None, **r, "peer": True} for r in peer]
+    for r in rows:
+        r.pop("tokens", None)
     print_spec_table(rows)
     if save:
-        print(f"saved {save_results('spec-' + str(llm.model.device.type), {'n_tokens': n_tokens, 'rows': rows})}")
+        payload = {"n_tokens": n_tokens, "gammas": list(gammas), "batch_sizes": list(batch_sizes), "rows": rows}
+        print(f"saved {save_results('spec-' + str(llm.model.device.type), payload)}")
     return rows
 
 
 def print_spec_table(rows: list[dict]) -> None:
-    """One line per (prompt, proposer, γ)."""
+    """One line per (prompt, batch, proposer, γ); transformers rows last, errors as text."""
     def f(x, fmt):
         return "-" if x is None else format(x, fmt)
 
-    print(f"{'prompt':<16} {'proposer':<14} {'γ':>2} {'α':>5} {'tok/call':>8} {'pred':>5} {'tok/s':>7} "
+    print(f"{'prompt':<16} {'B':>2} {'proposer':<17} {'γ':>2} {'α':>5} {'tok/call':>8} {'pred':>5} {'tok/s':>7} "
           f"{'speedup':>7}  same")
     for r in rows:
-        print(f"{r['prompt']:<16} {r['proposer']:<14} {r['gamma']:>2} {f(r['alpha'], '.2f'):>5} "
-              f"{f(r['tokens_per_call'], '.2f'):>8} {f(r['predicted_tokens_per_call'], '.2f'):>5} "
-              f"{r['tok_s']:>7.1f} {f(r['speedup'], '.2f'):>6}x  {r['same_tokens_as_plain']}")
+        head = f"{r['prompt']:<16} {r.get('batch', 1):>2} {r['proposer']:<17} {r['gamma']:>2}"
+        if "error" in r:
+            print(f"{head}  error: {r['error'][:120]}")
+            continue
+        print(f"{head} {f(r.get('alpha'), '.2f'):>5} {f(r.get('tokens_per_call'), '.2f'):>8} "
+              f"{f(r.get('predicted_tokens_per_call'), '.2f'):>5} {r['tok_s']:>7.1f} {f(r.get('speedup'), '.2f'):>6}x"
+              f"  {r.get('same_tokens_as_plain')}")

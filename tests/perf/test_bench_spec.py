@@ -1,0 +1,85 @@
+"""bench spec: the prediction formula, the configurations, batch prompts, and the whole benchmark end to end at a
+tiny size (a random 2-layer Llama with the default model's tokenizer) — batch 1 and continuous batching side by side,
+greedy speculation identical to plain decode, the transformers peer measured on the same prompts, and a failing
+peer reported as an error row instead of stopping the run."""
+
+import json
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from minillm.models.loader import load_tokenizer
+from minillm.perf.bench.spec import (
+    PROMPTS,
+    _configs,
+    batch_prompts,
+    bench_spec,
+    hf_generate_rates,
+    predicted_tokens_per_call,
+)
+
+
+@pytest.mark.parametrize("alpha, gamma", [(0.0, 3), (0.5, 1), (0.6, 4), (0.9, 7), (1.0, 4)])
+def test_predicted_tokens_per_call_is_the_geometric_sum(alpha, gamma):
+    assert predicted_tokens_per_call(alpha, gamma) == pytest.approx(sum(alpha**i for i in range(gamma + 1)))
+
+
+def test_configs_put_plain_first_then_each_proposer_at_each_gamma():
+    configs = _configs(3, (2, 4), ("ngram", "quantized"))
+    assert [(name, g) for name, g, _ in configs] == [("plain", 0), ("ngram", 2), ("ngram", 4),
+                                                      ("quantized(int4)", 2), ("quantized(int4)", 4)]
+    assert configs[0][2] is None and configs[2][2]["num_speculative_tokens"] == 4
+    with pytest.raises(ValueError, match="unknown proposers"):
+        _configs(3, (2,), ("medusa",))
+
+
+@pytest.fixture(scope="module")
+def tiny_checkpoint(tmp_path_factory):
+    """A random 2-layer Llama with the default model's vocabulary, saved with its tokenizer (chat template)."""
+    torch.manual_seed(0)
+    tokenizer = load_tokenizer(None)
+    cfg = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=1024,
+                      eos_token_id=tokenizer.eos_token_id, pad_token_id=0)
+    path = tmp_path_factory.mktemp("tiny-llama-spec")
+    LlamaForCausalLM(cfg).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def test_batch_prompts_differ_from_each_other_but_keep_the_task(tiny_checkpoint):
+    from minillm.llm import LLM
+
+    llm = LLM(str(tiny_checkpoint), device="cpu")
+    prompts = batch_prompts(llm, "copy: repeat", 4)
+    assert len({tuple(p) for p in prompts}) == 4
+    assert all("Repeat the following text" in llm.tokenizer.decode(p) for p in prompts)
+
+
+def test_bench_runs_batch_1_and_8_beside_plain_and_the_transformers_peer(tiny_checkpoint, tmp_path, monkeypatch):
+    import minillm.perf.bench.decode as decode
+
+    monkeypatch.setattr(decode, "RESULTS_DIR", tmp_path)
+    rows = bench_spec(str(tiny_checkpoint), device="cpu", gammas=(2,), n_tokens=6, repeats=1,
+                      proposers=("ngram",), batch_sizes=(1, 8), hf=True)
+    ours = [r for r in rows if not r["peer"]]
+    assert {(r["prompt"], r["batch"], r["proposer"]) for r in ours} == {
+        (kind, b, name) for kind in PROMPTS for b in (1, 8) for name in ("plain", "ngram")}
+    assert all(r["same_tokens_as_plain"] for r in ours), "greedy speculation must reproduce plain decoding"
+    assert all(r["tok_s"] > 0 for r in ours)
+    for r in ours:
+        if r["proposer"] == "ngram" and r["tokens_per_call"]:
+            assert 1.0 <= r["tokens_per_call"] <= 3.0  # 1 .. γ + 1 tokens per target call
+    peer = [r for r in rows if r["peer"]]
+    assert {(r["prompt"], r["proposer"]) for r in peer} == {
+        (kind, name) for kind in PROMPTS for name in ("hf plain", "hf prompt_lookup")}
+    assert all("error" not in r and r["tok_s"] > 0 for r in peer), peer
+    assert all(r["same_tokens_as_plain"] for r in peer if r["proposer"] == "hf prompt_lookup")
+    saved = json.loads((tmp_path / "spec-cpu.json").read_text())
+    assert saved["batch_sizes"] == [1, 8] and len(saved["rows"]) == len(rows) and "machine" in saved
+
+
+def test_a_peer_that_cannot_load_is_an_error_row(tmp_path):
+    rows = hf_generate_rates(tmp_path / "missing", {"open-ended": [1, 2, 3]}, 4, (2,), 1, "cpu", torch.float32)
+    assert len(rows) == 1 and "error" in rows[0] and rows[0]["proposer"] == "transformers"
