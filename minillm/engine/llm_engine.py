@@ -38,7 +38,7 @@ from minillm.engine.scheduler import Scheduler, SchedulerOutput, SchedulerStats
 from minillm.engine.sequence import Request, SequenceStatus
 from minillm.engine.sequence import Sequence as Seq
 from minillm.engine.spec_decode import SpecDecoder
-from minillm.kv.paged_cache import PagedKVCache, kv_bytes_per_block
+from minillm.kv.paged_cache import kv_bytes_per_block, make_paged_kv_cache
 from minillm.models.llama import Transformer
 from minillm.outputs import CompletionOutput, RequestOutput, StepOutput
 from minillm.sampling.params import SamplingParams
@@ -72,13 +72,14 @@ class LLMEngine:
             self.max_model_len = min(self.max_model_len, mc.sliding_window)
         self.eos_token_ids = (merge_eos_token_ids(mc.eos_token_ids, tokenizer) if eos_token_ids is None
                               else tuple(eos_token_ids))
-        num_blocks = config.resolve_num_blocks(kv_bytes_per_block(mc, config.block_size, model.dtype),
-                                               self.max_model_len)
+        block_bytes = kv_bytes_per_block(mc, config.block_size, model.dtype, config.kv_cache_dtype)
+        num_blocks = config.resolve_num_blocks(block_bytes, self.max_model_len)  # int8/fp8 KV: more blocks
         num_host = config.resolve_host_blocks(num_blocks)
         self.scheduler = Scheduler(config, num_blocks, self.max_model_len, num_host_blocks=num_host,
                                    eos_token_ids=self.eos_token_ids)
-        self.kv_cache = PagedKVCache(mc, num_blocks, config.block_size, dtype=model.dtype, device=model.device,
-                                     num_host_blocks=num_host)
+        self.kv_cache = make_paged_kv_cache(mc, num_blocks, config.block_size, dtype=model.dtype,
+                                            device=model.device, num_host_blocks=num_host,
+                                            kv_cache_dtype=config.kv_cache_dtype)
         self.runner = ModelRunner(model, self.kv_cache, self.scheduler.block_manager)
         spec = config.speculative_config
         self.speculator = SpecDecoder(spec, model, self.max_model_len) if spec is not None else None

@@ -170,9 +170,10 @@ def cmd_eval(a) -> int:
     model = load_model(a.model, dtype=a.dtype, device=a.device, kernels=a.kernels, quantization=a.quantization)
     ids = heldout_token_ids(load_tokenizer(a.model), "evaluation", a.max_tokens)
     t0 = time.perf_counter()
-    r = perplexity(model, ids, window=a.window, stride=a.stride)
+    r = perplexity(model, ids, window=a.window, stride=a.stride, kv_cache_dtype=a.kv_cache_dtype)
     print(f"perplexity {r.ppl:.4f} (nll {r.nll:.4f} nats/token) over {r.num_tokens} held-out tokens of "
-          f"pydoc_data.topics; {a.quantization or 'no'} quantization, {model.dtype}, {model.device}, "
+          f"pydoc_data.topics; {a.quantization or 'no'} quantization, KV {a.kv_cache_dtype}, {model.dtype}, "
+          f"{model.device}, "
           f"window {a.window} stride {a.stride}, {time.perf_counter() - t0:.1f} s")
     return 0
 
@@ -223,6 +224,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--max-tokens", type=int, default=None, help="score only the first N held-out tokens")
     e.add_argument("--window", type=int, default=512)
     e.add_argument("--stride", type=int, default=256)
+    e.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8", "fp8"],
+                   help="score through a KV cache stored as int8/fp8 (default auto: the model's dtype)")
     e.set_defaults(fn=cmd_eval)
     sub.add_parser("roofline", help="measure this machine's peaks and print the reference specs "
                                     "(options: --device, --quick, --json PATH)")
