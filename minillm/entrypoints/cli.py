@@ -157,9 +157,10 @@ def cmd_bench(a) -> int:
 
         return bench_serve_main([])
     elif a.what == "quant":
-        from minillm.perf.bench.quant import bench_quant
+        from minillm.perf.bench.quant import SCHEMES, bench_quant
 
-        bench_quant(a.model, device=a.device, n_tokens=a.tokens, repeats=a.repeats, ppl_tokens=a.ppl_tokens)
+        bench_quant(a.model, device=a.device, n_tokens=a.tokens, repeats=a.repeats, ppl_tokens=a.ppl_tokens,
+                    schemes=tuple(a.schemes.split(",")) if a.schemes else SCHEMES)
     return 0
 
 
@@ -217,6 +218,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--threads", type=int, default=None, help="torch threads (serving; default: torch's)")
     b.add_argument("--quick", action="store_true", help="serving: a small trace (~1 min)")
     b.add_argument("--ppl-tokens", type=int, default=2048, help="quant: held-out tokens for perplexity (0: skip)")
+    b.add_argument("--schemes", default=None, help="quant: comma-separated weight schemes (default: all of "
+                                                   "perf.bench.quant.SCHEMES)")
     b.set_defaults(fn=cmd_bench)
     e = sub.add_parser("eval", help="evaluate a model: perplexity on held-out text (pydoc_data.topics)")
     e.add_argument("what", choices=["perplexity"])
