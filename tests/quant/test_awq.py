@@ -106,3 +106,24 @@ def test_the_group_falls_back_to_the_largest_that_divides_k():
     assert fit_group_size(1536, 128) == 128 and fit_group_size(576, 128) == 64 and fit_group_size(96, 128) == 32
     with pytest.raises(ValueError, match="divides K=40"):
         fit_group_size(40, 128)
+
+
+@pytest.mark.parametrize("scheme", ["awq", "gptq"])
+def test_load_model_quantizes_on_load_with_the_checkpoints_tokenizer(scheme, tmp_path, default_model_dir):
+    """``load_model(path, quantization=...)`` calibrates on the calibration split, tokenized by the checkpoint's own
+    tokenizer (here the default model's, beside a tiny random 1-layer model of the same vocabulary)."""
+    from transformers import AutoTokenizer
+
+    from minillm.models.loader import load_model
+
+    tokenizer = AutoTokenizer.from_pretrained(default_model_dir)
+    cfg = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                      tie_word_embeddings=True)
+    torch.manual_seed(0)
+    LlamaForCausalLM(cfg).save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    model = load_model(tmp_path, dtype="float32", device="cpu", quantization=scheme)
+    packed = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    assert len(packed) == 5 and all(isinstance(m.packed_weight, Int4Weight) for m in packed[:4])
+    assert torch.isfinite(model(torch.tensor([[1, 2, 3]]), torch.arange(3)[None])).all()
