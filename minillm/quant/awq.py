@@ -37,7 +37,7 @@ def search_scales(w: Tensor, x: Tensor, group_size: int, grid: int = GRID, stat:
     raise to α (default: from x; o_proj passes its group-tied one).  The loss uses ``max_rows`` evenly spaced rows."""
     w, x = w.float(), x.float()
     stat = x.abs().mean(0) if stat is None else stat
-    rows = x[torch.linspace(0, x.shape[0] - 1, min(max_rows, x.shape[0])).long()]
+    rows = x[torch.linspace(0, x.shape[0] - 1, min(max_rows, x.shape[0]), device=x.device).long()]
     y = rows @ w.T
     best = (float("inf"), torch.ones_like(stat), 0.0)
     for i in range(grid):

@@ -64,13 +64,13 @@ def gptq_quantize(w: Tensor, h: Tensor, group_size: int = 128, damp: float = DAM
     W[:, dead] = 0
     H.diagonal().add_(damp * H.diagonal().mean())
     U = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(H)), upper=True)  # H⁻¹ = UᵀU
-    codes = torch.zeros(N, K)
-    d = torch.zeros(N, K // group_size, dtype=torch.float16)
+    codes = torch.zeros(N, K, device=W.device)
+    d = torch.zeros(N, K // group_size, dtype=torch.float16, device=W.device)
     m = torch.zeros_like(d)
     width = group_size * max(1, block_size // group_size)  # blocks hold whole groups
     for b0 in range(0, K, width):
         b1 = min(b0 + width, K)
-        Wb, Err = W[:, b0:b1].clone(), torch.zeros(N, b1 - b0)
+        Wb, Err = W[:, b0:b1].clone(), torch.zeros(N, b1 - b0, device=W.device)
         for j in range(b1 - b0):
             col = b0 + j
             if col % group_size == 0:  # a new group: its scale and minimum from its updated weights
