@@ -292,8 +292,8 @@ def load_model(model: str | os.PathLike | None = None, *, dtype: str | torch.dty
     (the default model included) uses the file's own Q4_1 blocks and Q8_0 head as they are; other checkpoints are
     quantized on load.  "awq" / "gptq" quantize the float weights on load to int4 groups of 128 (64 where 128 does
     not divide K), calibrated layer by layer on the calibration half of ``pydoc_data.topics`` with the model's
-    tokenizer (SmolLM2-135M on a shared 2-core CPU: AWQ ~3.5 min, GPTQ ~6.5 min); a GGUF (the default model's Q4_1 included) is first dequantized to
-    fp32, so they re-quantize already 4-bit weights.
+    tokenizer (SmolLM2-135M on a shared 2-core CPU: AWQ ~3.5 min, GPTQ ~6.5 min); a GGUF (the default model's Q4_1
+    included) is first dequantized to fp32, so they re-quantize already 4-bit weights.
     """
     check_quantization(quantization)
     ckpt = resolve(model)
