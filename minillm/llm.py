@@ -27,7 +27,9 @@ class LLM:
     "int8" | "int4" | "awq" | "gptq" (weight-only, see ``load_model``: "int4" on the default model runs its own Q4_1
     blocks).
     Other keyword arguments are ``EngineConfig`` options (``policy``, ``block_size``, ``num_kv_blocks``,
-    ``max_num_seqs``, ``max_model_len``, ...) for the ``LLMEngine`` that ``generate`` and ``stream`` run on —
+    ``max_num_seqs``, ``max_model_len``, ``kv_cache_dtype`` = "auto" | "int8" | "fp8" (K/V stored as 1-byte codes
+    with a scale per token and head: ~2×/4× the tokens of bf16/fp32 in the same memory), ...) for the
+    ``LLMEngine`` that ``generate`` and ``stream`` run on —
     ``speculative_config={"method": "ngram" | "early_exit" | "draft" | "quantized", "num_speculative_tokens": γ,
     ...}`` (vLLM's shape, ``SpeculativeConfig``) turns on speculative decoding; ``enforce_eager=True`` turns off
     decode through static buffers (CUDA graphs on a GPU; ``engine.cuda_graph``).

@@ -40,7 +40,7 @@ from minillm.engine.sequence import Request, SequenceStatus
 from minillm.engine.sequence import Sequence as Seq
 from minillm.engine.spec_decode import SpecDecoder
 from minillm.kernels.select import compiles
-from minillm.kv.paged_cache import PagedKVCache, kv_bytes_per_block
+from minillm.kv.paged_cache import kv_bytes_per_block, make_paged_kv_cache
 from minillm.models.llama import Transformer
 from minillm.outputs import CompletionOutput, EngineState, RequestOutput, StepOutput
 from minillm.sampling.params import SamplingParams
@@ -74,15 +74,21 @@ class LLMEngine:
             self.max_model_len = min(self.max_model_len, mc.sliding_window)
         self.eos_token_ids = (merge_eos_token_ids(mc.eos_token_ids, tokenizer) if eos_token_ids is None
                               else tuple(eos_token_ids))
-        num_blocks = config.resolve_num_blocks(kv_bytes_per_block(mc, config.block_size, model.dtype),
-                                               self.max_model_len)
+        block_bytes = kv_bytes_per_block(mc, config.block_size, model.dtype, config.kv_cache_dtype)
+        num_blocks = config.resolve_num_blocks(block_bytes, self.max_model_len)  # int8/fp8 KV: more blocks
         num_host = config.resolve_host_blocks(num_blocks)
         self.scheduler = Scheduler(config, num_blocks, self.max_model_len, num_host_blocks=num_host,
                                    eos_token_ids=self.eos_token_ids)
-        static = use_static_decode(config.enforce_eager, model.device, compiles(model.kernels))
+        if config.enforce_eager is False and config.kv_cache_dtype != "auto":
+            raise ValueError("enforce_eager=False (static decode buffers / CUDA graphs) needs kv_cache_dtype='auto': "
+                             "a quantized KV cache dequantizes the step's blocks into a pool sized per step; "
+                             "pass enforce_eager=None or True with a quantized KV cache")
+        static = config.kv_cache_dtype == "auto" and use_static_decode(config.enforce_eager, model.device,
+                                                                        compiles(model.kernels))
         # the static decode path's padding rows write K/V to one scratch block past the scheduler's pool
-        self.kv_cache = PagedKVCache(mc, num_blocks + static, config.block_size, dtype=model.dtype,
-                                     device=model.device, num_host_blocks=num_host)
+        self.kv_cache = make_paged_kv_cache(mc, num_blocks + static, config.block_size, dtype=model.dtype,
+                                            device=model.device, num_host_blocks=num_host,
+                                            kv_cache_dtype=config.kv_cache_dtype)
         graphs = DecodeGraphRunner(model, self.kv_cache, buckets=batch_buckets(config.max_num_seqs),
                                    max_blocks=-(-self.max_model_len // config.block_size), scratch_block=num_blocks,
                                    capture=model.device.type == "cuda", compile=compiles(model.kernels)) \

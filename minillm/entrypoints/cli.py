@@ -157,9 +157,10 @@ def cmd_bench(a) -> int:
 
         return bench_serve_main([])
     elif a.what == "quant":
-        from minillm.perf.bench.quant import bench_quant
+        from minillm.perf.bench.quant import SCHEMES, bench_quant
 
-        bench_quant(a.model, device=a.device, n_tokens=a.tokens, repeats=a.repeats, ppl_tokens=a.ppl_tokens)
+        bench_quant(a.model, device=a.device, n_tokens=a.tokens, repeats=a.repeats, ppl_tokens=a.ppl_tokens,
+                    schemes=tuple(a.schemes.split(",")) if a.schemes else SCHEMES)
     return 0
 
 
@@ -170,9 +171,10 @@ def cmd_eval(a) -> int:
     model = load_model(a.model, dtype=a.dtype, device=a.device, kernels=a.kernels, quantization=a.quantization)
     ids = heldout_token_ids(load_tokenizer(a.model), "evaluation", a.max_tokens)
     t0 = time.perf_counter()
-    r = perplexity(model, ids, window=a.window, stride=a.stride)
+    r = perplexity(model, ids, window=a.window, stride=a.stride, kv_cache_dtype=a.kv_cache_dtype)
     print(f"perplexity {r.ppl:.4f} (nll {r.nll:.4f} nats/token) over {r.num_tokens} held-out tokens of "
-          f"pydoc_data.topics; {a.quantization or 'no'} quantization, {model.dtype}, {model.device}, "
+          f"pydoc_data.topics; {a.quantization or 'no'} quantization, KV {a.kv_cache_dtype}, {model.dtype}, "
+          f"{model.device}, "
           f"window {a.window} stride {a.stride}, {time.perf_counter() - t0:.1f} s")
     return 0
 
@@ -216,6 +218,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--threads", type=int, default=None, help="torch threads (serving; default: torch's)")
     b.add_argument("--quick", action="store_true", help="serving: a small trace (~1 min)")
     b.add_argument("--ppl-tokens", type=int, default=2048, help="quant: held-out tokens for perplexity (0: skip)")
+    b.add_argument("--schemes", default=None, help="quant: comma-separated weight schemes (default: all of "
+                                                   "perf.bench.quant.SCHEMES)")
     b.set_defaults(fn=cmd_bench)
     e = sub.add_parser("eval", help="evaluate a model: perplexity on held-out text (pydoc_data.topics)")
     e.add_argument("what", choices=["perplexity"])
@@ -223,6 +227,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--max-tokens", type=int, default=None, help="score only the first N held-out tokens")
     e.add_argument("--window", type=int, default=512)
     e.add_argument("--stride", type=int, default=256)
+    e.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8", "fp8"],
+                   help="score through a KV cache stored as int8/fp8 (default auto: the model's dtype)")
     e.set_defaults(fn=cmd_eval)
     sub.add_parser("roofline", help="this machine's measured peaks (cached per machine; --remeasure to measure "
                                     "again) and the reference specs (options: --device, --quick, --remeasure, "

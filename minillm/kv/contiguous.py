@@ -3,6 +3,8 @@
 K and V are stored after RoPE, so a decode step computes K/V only for the new token and reads the rest:
 the step costs O(S) attention instead of recomputing O(S²).  Slot s of sequence b holds position s.
 Bytes per token = 2 (K and V) × layers × H_kv × D × bytes per element — see ``kv_bytes_per_token``.
+``QuantizedKVCache`` stores int8/fp8 codes and per-(token, head) scales instead (``make_kv_cache`` picks by
+``kv_cache_dtype``), and hands attention the dequantized rows.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from torch import Tensor
 from minillm.config import ModelConfig
 from minillm.kernels.reference import sdpa_attention
 from minillm.kernels.select import ops_for
+from minillm.kv.quant import KVQuantizer, kv_quantizer
 
 
 def kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype = torch.float16) -> int:
@@ -43,8 +46,7 @@ class KVCache:
             raise ValueError(f"KV cache length {max_len} exceeds the model's context "
                              f"({config.max_position_embeddings} tokens)")
         shape = (config.num_layers, batch_size, config.num_kv_heads, max_len, config.head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)  # (layers, B, H_kv, S_max, D)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self._allocate(shape, dtype, device)
         self.max_len = max_len
         self.ops = ops_for(kernels, self.k.device, dtype)
         self._positions: Tensor | None = None
@@ -53,6 +55,10 @@ class KVCache:
         self._used = 0
         self._start: int | None = None
         self._seq_lens: Tensor | None = None
+
+    def _allocate(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> None:
+        self.k = torch.zeros(shape, dtype=dtype, device=device)  # (layers, B, H_kv, S_max, D)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
 
     @property
     def nbytes(self) -> int:
@@ -107,6 +113,70 @@ class KVCache:
             vc[b, :, pos] = v.transpose(1, 2)
         return kc[:, :, : self._used], vc[:, :, : self._used], self._mask
         ### END SOLUTION
+
+
+class QuantizedKVCache(KVCache):
+    """A ``KVCache`` that stores K and V as int8 or fp8 codes with one fp32 scale per (token, KV head)
+    (``kv.quant.KVQuantizer``): ``k``, ``v`` are the codes (layers, B, H_kv, S_max, D) and ``k_scale``, ``v_scale``
+    (layers, B, H_kv, S_max, 1) their scales — 1 + 4/D bytes per element instead of 2 or 4.
+
+    ``update`` quantizes the new rows, stores them, and returns the filled slots *dequantized* to the activation
+    dtype, so every query (the new tokens' own included) attends to exactly the K/V a later step will read back,
+    and the decode/prefill kernels are the float cache's.  Cost: the dequantized copy is extra memory traffic —
+    per layer and step, B · H_kv · S · D float writes and reads beside the 1-byte code reads, so on a CPU a
+    quantized cache saves memory (capacity) but not decode time; a fused kernel would dequantize in registers.
+    """
+
+    def __init__(self, config: ModelConfig, batch_size: int, max_len: int, *, dtype: torch.dtype,
+                 device: torch.device | str, kernels: str = "auto", quantizer: KVQuantizer):
+        self.quantizer, self.dtype = quantizer, dtype
+        super().__init__(config, batch_size, max_len, dtype=dtype, device=device, kernels=kernels)
+
+    def _allocate(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> None:
+        code = self.quantizer.code_dtype
+        self.k = torch.zeros(shape, dtype=code, device=device)  # (layers, B, H_kv, S_max, D) codes
+        self.v = torch.zeros(shape, dtype=code, device=device)
+        self.k_scale = torch.zeros(*shape[:-1], 1, device=device)  # (layers, B, H_kv, S_max, 1) fp32
+        self.v_scale = torch.zeros(*shape[:-1], 1, device=device)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of codes and scales, K and V."""
+        return 2 * (self.k.nbytes + self.k_scale.nbytes)
+
+    def update(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
+        """Quantize and store k, v [B, H_kv, L, D] at the current positions; return the dequantized K, V
+        [B, H_kv, S, D] (S = slots used) in the activation dtype, and the mask."""
+        if self._positions is None:
+            raise RuntimeError("KVCache.begin(positions) must be called before the forward pass")
+        out = []
+        for x, codes, scales in ((k, self.k[layer], self.k_scale[layer]), (v, self.v[layer], self.v_scale[layer])):
+            q, s = self.quantizer.quantize(x)  # (B, H_kv, L, D) codes, (B, H_kv, L, 1) scales
+            self._store(codes, q)
+            self._store(scales, s)
+            out.append(self.quantizer.dequantize(codes[:, :, : self._used], scales[:, :, : self._used], self.dtype))
+        return out[0], out[1], self._mask
+
+    def _store(self, dst: Tensor, src: Tensor) -> None:
+        """dst (B, H_kv, S_max, X) <- src (B, H_kv, L, X) at the current positions (as ``KVCache.update``)."""
+        pos = self._positions
+        if pos.shape[0] == 1:  # one sequence: a contiguous run of positions
+            dst[:, :, self._start : self._start + src.shape[2]] = src
+        else:
+            b = torch.arange(pos.shape[0], device=pos.device)[:, None]  # (B, 1)
+            dst[b, :, pos] = src.transpose(1, 2)  # indexed view is (B, L, H_kv, X)
+
+
+def make_kv_cache(config: ModelConfig, batch_size: int, max_len: int, *, dtype: torch.dtype,
+                  device: torch.device | str, kernels: str = "auto", kv_cache_dtype: str = "auto") -> KVCache:
+    """A contiguous cache storing K/V as ``kv_cache_dtype``: "auto" a float ``KVCache`` in ``dtype``, "int8"/"fp8" a
+    ``QuantizedKVCache`` (attention still runs in ``dtype``).  ValueError for an unknown name or fp8 where torch
+    cannot run it."""
+    quantizer = kv_quantizer(kv_cache_dtype, device)
+    if quantizer is None:
+        return KVCache(config, batch_size, max_len, dtype=dtype, device=device, kernels=kernels)
+    return QuantizedKVCache(config, batch_size, max_len, dtype=dtype, device=device, kernels=kernels,
+                            quantizer=quantizer)
 
 
 class SlidingWindowKVCache:

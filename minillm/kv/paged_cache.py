@@ -1,6 +1,7 @@
 """Paged KV storage and attention over it: K/V tensors [layers, num_blocks, block_size, H_kv, D] addressed
 through block tables (the bookkeeping is ``kv.block_manager``), and ``PagedAttention``, the ``cache`` argument of
-one packed engine step."""
+one packed engine step.  ``QuantizedPagedKVCache`` stores int8/fp8 codes + per-(token, head) scales instead
+(``make_paged_kv_cache`` picks by ``kv_cache_dtype``)."""
 
 from __future__ import annotations
 
@@ -14,11 +15,18 @@ from minillm.config import ModelConfig
 from minillm.kernels.select import KernelOps
 from minillm.kv.block_allocator import BlockCopy, CopyKind
 from minillm.kv.contiguous import kv_bytes_per_token
+from minillm.kv.quant import KVQuantizer, kv_quantizer
+from minillm.kv.quant import kv_bytes_per_token as quant_kv_bytes_per_token
 
 
-def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    """K and V of every layer for one block: 2 × layers × block_size × H_kv × D × bytes/elem."""
-    return kv_bytes_per_token(config, dtype) * block_size
+def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> int:
+    """K and V of every layer for one block: 2 × layers × block_size × H_kv × D × bytes/elem, or with a quantized
+    ``kv_cache_dtype`` ("int8"/"fp8") 2 × layers × block_size × H_kv × (D + 4): 1-byte codes + an fp32 scale per
+    (token, head).  The engine divides its byte budget by this, so a quantized cache gets more blocks."""
+    if kv_cache_dtype == "auto":
+        return kv_bytes_per_token(config, dtype) * block_size
+    return block_size * quant_kv_bytes_per_token(config.num_layers, config.num_kv_heads, config.head_dim,
+                                                 kv_cache_dtype)
 
 
 class PagedKVCache:
@@ -26,57 +34,170 @@ class PagedKVCache:
 
     Zero-filled, not empty: attention multiplies never-written padding slots by a zero probability, and 0 × NaN
     garbage would still be NaN.
+
+    ``PagedAttention`` reaches the storage through three methods — ``write`` (new rows to their slots),
+    ``decode_kv`` (the pools and block tables the paged decode kernel reads) and ``context_kv`` (one prefill chunk's
+    keys and values) — so ``QuantizedPagedKVCache`` swaps the storage without touching attention or the model.
     """
 
     def __init__(self, config: ModelConfig, num_blocks: int, block_size: int, *, dtype: torch.dtype,
                  device: torch.device | str, num_host_blocks: int = 0):
         shape = (config.num_layers, num_blocks, block_size, config.num_kv_heads, config.head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
-        self.block_size = block_size
+        self.dtype, self.block_size = dtype, block_size
+        self.k, self.v = self._zeros(shape, device), self._zeros(shape, device)
         # per-layer views made once: indexing self.k[layer] in every layer of every step is 2 ATen ops each
         self.layer_k, self.layer_v = self.k.unbind(0), self.v.unbind(0)
         self.host_k = self.host_v = None
         if num_host_blocks:
             host_shape = (config.num_layers, num_host_blocks, *shape[2:])
             pin = torch.device(device).type == "cuda"  # page-locked: device<->host copies run at full PCIe speed
-            self.host_k = torch.zeros(host_shape, dtype=dtype, pin_memory=pin)
-            self.host_v = torch.zeros(host_shape, dtype=dtype, pin_memory=pin)
+            self.host_k, self.host_v = self._zeros(host_shape, "cpu", pin), self._zeros(host_shape, "cpu", pin)
+
+    def _zeros(self, shape: tuple[int, ...], device: torch.device | str, pin: bool = False) -> Tensor:
+        return torch.zeros(shape, dtype=self.dtype, device=device, pin_memory=pin)
+
+    def _stores(self) -> list[tuple[Tensor, Tensor | None]]:
+        """Every (device tensor, host tensor or None) pair indexed [layers, block, ...]: what a block copy moves."""
+        return [(self.k, self.host_k), (self.v, self.host_v)]
 
     @property
     def nbytes(self) -> int:
-        """Device bytes of K and V."""
-        return 2 * self.k.numel() * self.k.element_size()
+        """Device bytes of K and V (with their scales, when quantized)."""
+        return sum(t.nbytes for t, _ in self._stores())
 
+    # ---- what PagedAttention calls ---------------------------------------------------------------------------
+    def write(self, layer: int, k: Tensor, v: Tensor, slot_mapping: Tensor, ops: KernelOps) -> None:
+        """Store rows k, v [T, H_kv, D] at their flat slots [T] (native on CPU: one call, no index_put)."""
+        ops.write_kv(self.layer_k[layer], self.layer_v[layer], k, v, slot_mapping)
+
+    def decode_plan(self, block_tables: Tensor) -> object:
+        """Per-step work shared by every layer's decode (none here: the block tables as they are)."""
+        return block_tables
+
+    def decode_kv(self, layer: int, plan: object) -> tuple[Tensor, Tensor, Tensor]:
+        """(k_cache, v_cache [blocks, block_size, H_kv, D] in the activation dtype, block_tables [B_d, max_blocks])
+        for ``ops.paged_decode_attention``; ``plan`` is this step's ``decode_plan``."""
+        return self.layer_k[layer], self.layer_v[layer], plan
+
+    def context_kv(self, layer: int, chunk: PrefillChunk, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Keys and values [1, H_kv, S, D] a prefill chunk attends to: its own new rows k, v [1, H_kv, L, D] when it
+        has no earlier context, else its blocks gathered (whole blocks, the first ``context_len`` rows kept)."""
+        if chunk.fresh:
+            return k, v
+        kc, vc = self.layer_k[layer], self.layer_v[layer]
+        return (kc[chunk.block_ids].flatten(0, 1)[: chunk.context_len].transpose(0, 1)[None],
+                vc[chunk.block_ids].flatten(0, 1)[: chunk.context_len].transpose(0, 1)[None])
+
+    # ---- block copies ----------------------------------------------------------------------------------------
     def copy_blocks(self, copies: list[BlockCopy]) -> None:
         """Run the BlockManager's copies in order (all layers at once).  A run of same-kind copies becomes one
         gather + scatter when no copy reads a block an earlier one writes; swap copies move 2·layers·block bytes
         each over the host link, copy-on-write the same within device memory."""
         for kind, group in itertools.groupby(copies, key=lambda c: c.kind):
             group = list(group)
-            src_k, src_v, dst_k, dst_v = self._pools(kind)
+            pools = [self._pool_pair(kind, device, host) for device, host in self._stores()]
             srcs, dsts = [c.src for c in group], [c.dst for c in group]
             if kind is not CopyKind.COPY_ON_WRITE or set(dsts).isdisjoint(srcs):
-                src = torch.tensor(srcs, device=src_k.device)
-                dst = torch.tensor(dsts, device=dst_k.device)
                 # host->device may overlap (the forward waits on the stream); device->host must land before the
                 # host scatter reads it, so it blocks
                 asynchronous = kind is CopyKind.SWAP_IN
-                dst_k[:, dst] = src_k[:, src].to(dst_k.device, non_blocking=asynchronous)
-                dst_v[:, dst] = src_v[:, src].to(dst_v.device, non_blocking=asynchronous)
+                for src_pool, dst_pool in pools:
+                    src = torch.tensor(srcs, device=src_pool.device)
+                    dst = torch.tensor(dsts, device=dst_pool.device)
+                    dst_pool[:, dst] = src_pool[:, src].to(dst_pool.device, non_blocking=asynchronous)
             else:
                 for c in group:
-                    dst_k[:, c.dst] = src_k[:, c.src]
-                    dst_v[:, c.dst] = src_v[:, c.src]
+                    for src_pool, dst_pool in pools:
+                        dst_pool[:, c.dst] = src_pool[:, c.src]
 
-    def _pools(self, kind: CopyKind) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    @staticmethod
+    def _pool_pair(kind: CopyKind, device: Tensor, host: Tensor | None) -> tuple[Tensor, Tensor]:
+        """(source, destination) of one stored tensor for a copy of ``kind``."""
         if kind is CopyKind.COPY_ON_WRITE:
-            return self.k, self.v, self.k, self.v
-        if self.host_k is None:
+            return device, device
+        if host is None:
             raise RuntimeError("a swap was requested but the cache has no host blocks (num_host_blocks=0)")
-        if kind is CopyKind.SWAP_OUT:
-            return self.k, self.v, self.host_k, self.host_v
-        return self.host_k, self.host_v, self.k, self.v
+        return (device, host) if kind is CopyKind.SWAP_OUT else (host, device)
+
+
+class QuantizedPagedKVCache(PagedKVCache):
+    """A ``PagedKVCache`` storing int8/fp8 codes (``k``, ``v``: [layers, num_blocks, block_size, H_kv, D], 1 byte
+    each) and fp32 scales (``k_scale``, ``v_scale``: [..., H_kv, 1]), one per (token, KV head) (``kv.quant``).
+
+    Attention reads dequantized rows in the activation dtype, so the kernels are the float cache's:
+    - decode: the blocks this step's tables reference are dequantized once per layer into a compact float pool
+      and the tables renumbered into it (``decode_plan`` does the renumbering once per step); the paged decode
+      kernel ``kernels.select`` chose (native C on CPU, Triton on CUDA) then runs unchanged.  Cost: the touched
+      blocks are read as codes and written + read again as floats — on a CPU more traffic than a float cache,
+      so this buys capacity (~2× tokens vs bf16, ~4× vs fp32), not decode speed; a kernel that dequantizes in
+      registers would buy both.
+    - prefill: the chunk's blocks, its own new rows included, gathered and dequantized — every query sees exactly
+      the K/V a later decode step reads back, so chunked and whole prefills, and prefix-cache hits, agree.
+    """
+
+    def __init__(self, config: ModelConfig, num_blocks: int, block_size: int, *, dtype: torch.dtype,
+                 device: torch.device | str, num_host_blocks: int = 0, quantizer: KVQuantizer):
+        self.quantizer = quantizer
+        super().__init__(config, num_blocks, block_size, dtype=dtype, device=device, num_host_blocks=num_host_blocks)
+        scale_shape = (*self.k.shape[:-1], 1)
+        self.k_scale = torch.zeros(scale_shape, device=device)  # [layers, num_blocks, block_size, H_kv, 1] fp32
+        self.v_scale = torch.zeros(scale_shape, device=device)
+        self.layer_k_scale, self.layer_v_scale = self.k_scale.unbind(0), self.v_scale.unbind(0)
+        self.host_k_scale = self.host_v_scale = None
+        if num_host_blocks:
+            host_shape = (self.k.shape[0], num_host_blocks, *scale_shape[2:])
+            pin = torch.device(device).type == "cuda"
+            self.host_k_scale = torch.zeros(host_shape, pin_memory=pin)
+            self.host_v_scale = torch.zeros(host_shape, pin_memory=pin)
+
+    def _zeros(self, shape: tuple[int, ...], device: torch.device | str, pin: bool = False) -> Tensor:
+        return torch.zeros(shape, dtype=self.quantizer.code_dtype, device=device, pin_memory=pin)
+
+    def _stores(self) -> list[tuple[Tensor, Tensor | None]]:
+        return [*super()._stores(), (self.k_scale, self.host_k_scale), (self.v_scale, self.host_v_scale)]
+
+    def _layer(self, layer: int) -> tuple[tuple[Tensor, Tensor], tuple[Tensor, Tensor]]:
+        return ((self.layer_k[layer], self.layer_k_scale[layer]), (self.layer_v[layer], self.layer_v_scale[layer]))
+
+    def write(self, layer: int, k: Tensor, v: Tensor, slot_mapping: Tensor, ops: KernelOps) -> None:
+        """Quantize rows k, v [T, H_kv, D] and store codes and scales at their flat slots [T]."""
+        for x, (codes, scales) in zip((k, v), self._layer(layer), strict=True):
+            q, s = self.quantizer.quantize(x)  # (T, H_kv, D), (T, H_kv, 1)
+            codes.view(-1, *codes.shape[2:])[slot_mapping] = q  # (blocks · block_size, H_kv, D) flat slots
+            scales.view(-1, *scales.shape[2:])[slot_mapping] = s
+
+    def decode_plan(self, block_tables: Tensor) -> tuple[Tensor, Tensor]:
+        """(the distinct blocks the tables reference [U] long, the tables renumbered into 0..U-1 [B_d, max_blocks]
+        int32): computed once per step, used by every layer."""
+        blocks, inverse = torch.unique(block_tables.long(), return_inverse=True)
+        return blocks, inverse.to(torch.int32)
+
+    def decode_kv(self, layer: int, plan: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor, Tensor]:
+        """The referenced blocks dequantized: (k, v [U, block_size, H_kv, D] in the activation dtype, tables)."""
+        blocks, tables = plan
+        k, v = (self.quantizer.dequantize(codes[blocks], scales[blocks], self.dtype)
+                for codes, scales in self._layer(layer))
+        return k, v, tables
+
+    def context_kv(self, layer: int, chunk: PrefillChunk, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """The chunk's first ``context_len`` positions, read back from the cache (its own rows included) and
+        dequantized: [1, H_kv, S, D] each."""
+        n = chunk.context_len
+        return tuple(self.quantizer.dequantize(codes[chunk.block_ids].flatten(0, 1)[:n],
+                                               scales[chunk.block_ids].flatten(0, 1)[:n], self.dtype)
+                     .transpose(0, 1)[None] for codes, scales in self._layer(layer))
+
+
+def make_paged_kv_cache(config: ModelConfig, num_blocks: int, block_size: int, *, dtype: torch.dtype,
+                        device: torch.device | str, num_host_blocks: int = 0,
+                        kv_cache_dtype: str = "auto") -> PagedKVCache:
+    """The paged cache for ``kv_cache_dtype``: "auto" stores K/V in ``dtype``, "int8"/"fp8" a
+    ``QuantizedPagedKVCache``.  ValueError for an unknown name or fp8 where torch cannot run it."""
+    quantizer = kv_quantizer(kv_cache_dtype, device)
+    kw = {"dtype": dtype, "device": device, "num_host_blocks": num_host_blocks}
+    if quantizer is None:
+        return PagedKVCache(config, num_blocks, block_size, **kw)
+    return QuantizedPagedKVCache(config, num_blocks, block_size, **kw, quantizer=quantizer)
 
 
 @dataclass(frozen=True)
@@ -116,31 +237,29 @@ class PagedAttention:
 
     def __init__(self, kv: PagedKVCache, meta: AttentionMetadata, ops: KernelOps):
         self.kv, self.meta, self.ops = kv, meta, ops
+        self.decode_plan = kv.decode_plan(meta.block_tables)  # once per step, read by every layer
 
     def attention(self, layer: int, q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
         """Write k, v [1, H_kv, T, D] into their slots, then attend q [1, H_q, T, D] per sequence -> [1, H_q, T, D]."""
         _, Hq, T, D = q.shape
         m = self.meta
-        kc, vc = self.kv.layer_k[layer], self.kv.layer_v[layer]  # (num_blocks, block_size, H_kv, D)
         real = T - m.num_padding
-        # real rows (T - pads, H_kv, D) to their slots (native on CPU: one call, no index_put)
-        self.ops.write_kv(kc, vc, k[0, :, :real].transpose(0, 1), v[0, :, :real].transpose(0, 1), m.slot_mapping)
+        # real rows (T - pads, H_kv, D) to their slots
+        self.kv.write(layer, k[0, :, :real].transpose(0, 1), v[0, :, :real].transpose(0, 1), m.slot_mapping, self.ops)
+        if m.decode_rows.numel():
+            kc, vc, tables = self.kv.decode_kv(layer, self.decode_plan)  # (blocks, block_size, H_kv, D)
         if m.decode_only:  # a pure decode step (steady state): no scatter of rows, no prefill loop
-            out = self.ops.paged_decode_attention(q[0].transpose(0, 1), kc, vc, m.block_tables, m.seq_lens,
+            out = self.ops.paged_decode_attention(q[0].transpose(0, 1), kc, vc, tables, m.seq_lens,
                                                   sm_scale=scale)  # (T, H_q, D)
             return out.transpose(0, 1)[None]
         out = q.new_empty(T, Hq, D)
         out[real:] = 0
         qt = q[0].transpose(0, 1)  # (T, H_q, D)
         if m.decode_rows.numel():  # the block manager built the tables: no per-layer input checks (no syncs)
-            out[m.decode_rows] = self.ops.paged_decode_attention(qt[m.decode_rows], kc, vc, m.block_tables,
-                                                                 m.seq_lens, sm_scale=scale)
+            out[m.decode_rows] = self.ops.paged_decode_attention(qt[m.decode_rows], kc, vc, tables, m.seq_lens,
+                                                                 sm_scale=scale)
         for p in m.prefills:
-            if p.fresh:
-                kk, vv = k[:, :, p.start : p.end], v[:, :, p.start : p.end]  # (1, H_kv, L, D)
-            else:  # gather whole blocks, keep the first context_len rows: (1, H_kv, S, D)
-                kk = kc[p.block_ids].flatten(0, 1)[: p.context_len].transpose(0, 1)[None]
-                vv = vc[p.block_ids].flatten(0, 1)[: p.context_len].transpose(0, 1)[None]
+            kk, vv = self.kv.context_kv(layer, p, k[:, :, p.start : p.end], v[:, :, p.start : p.end])
             # causal with the L queries at the last L of the S keys (Triton on CUDA, SDPA elsewhere)
             o = self.ops.prefill_attention(q[:, :, p.start : p.end], kk, vv, causal=True, sm_scale=scale)
             out[p.start : p.end] = o[0].transpose(0, 1)

@@ -7,6 +7,9 @@ Schemes (``SCHEMES``):
 - ``"int4"``: W4A16, asymmetric 4-bit groups in llama.cpp's Q4_1 layout (``group_size`` 32 by default; 64 or 128
   where they divide every K).
 
+- ``"awq"`` / ``"gptq"``: the same int4 groups (group 128 by default, ``fit_group_size`` per K), their codes
+  chosen on calibration text (``quantize_model_calibrated``: ``quant/awq.py``, ``quant/gptq.py``).
+
 The LM head is quantized too, tied or not, with ``head_scheme`` ("int8" per channel by default whatever the body's
 scheme: its error lands directly on every logit, and llama.cpp's Q4 files keep it at 8 bits for the same reason —
 the default GGUF's head is Q8_0).  A *tied* embedding then reads its rows from the head's packed table
@@ -22,9 +25,11 @@ import torch
 from torch import Tensor, nn
 
 from minillm.layers.linear import Linear, PackedWeight, QuantEmbedding, QuantLinear
-from minillm.quant.weight import INT4_GROUP_SIZES, Int4Weight, Int8Weight, quantize_int4, quantize_int8
+from minillm.quant.weight import INT4_GROUP_SIZES, Int4Weight, Int8Weight, fit_group_size, quantize_int4, quantize_int8
 
 SCHEMES = ("int8", "int4")
+CALIBRATED_SCHEMES = ("awq", "gptq")
+CALIBRATED_GROUP_SIZE = 128  # AWQ's and GPTQ's usual group, where it divides K (else 64, then 32)
 
 
 def check_scheme(scheme: str, name: str = "scheme") -> str:
@@ -72,19 +77,25 @@ def tie_embedding(model: nn.Module) -> None:
 
 
 def quantize_model(model: nn.Module, scheme: str, group_size: int | None = None,
-                   head_scheme: str = "int8") -> nn.Module:
+                   head_scheme: str = "int8", fit_group: bool = False) -> nn.Module:
     """Swap every ``Linear`` of a ``Transformer`` (qkv_proj, o_proj, gate_up_proj, down_proj, lm_head) for a
     ``QuantLinear`` holding its ``scheme`` packed weight (the LM head: ``head_scheme``, per channel for int8, group
     32 for int4); a tied embedding then shares the head's packed rows.  In place; returns ``model``.
 
     ``group_size`` (the body's): int8 None = per channel; int4 None = 32, else one of 32/64/128 dividing every K.
-    Checked for every layer before any is swapped, so a bad group leaves the model as it was.
+    Checked for every layer before any is swapped, so a bad group leaves the model as it was.  ``fit_group``: each
+    layer uses ``fit_group_size(K, group_size)`` instead (the rule AWQ and GPTQ follow, for a like-for-like baseline).
     """
     check_scheme(scheme)
     check_scheme(head_scheme, "head_scheme")
     if scheme == "int4" and group_size is not None and group_size not in INT4_GROUP_SIZES:
         raise ValueError(f"int4 group_size must be one of {INT4_GROUP_SIZES}, got {group_size}")
     linears = {n: m for n, m in model.named_modules() if isinstance(m, Linear)}
+    if fit_group and group_size is not None:
+        fitted = {n: group_size if n == "lm_head" else fit_group_size(m.weight.shape[1], group_size)
+                  for n, m in linears.items()}
+        return _swap_with(model, lambda name, m: quantize_weight(
+            m.weight, head_scheme if name == "lm_head" else scheme, None if name == "lm_head" else fitted[name]))
     for name, m in linears.items():
         g = _group(name, scheme, group_size)
         K = m.weight.shape[1]
@@ -92,17 +103,42 @@ def quantize_model(model: nn.Module, scheme: str, group_size: int | None = None,
             fits = [s for s in INT4_GROUP_SIZES if all(x.weight.shape[1] % s == 0 for x in linears.values())]
             raise ValueError(f"group_size {g} does not divide K={K} of {name}: choose a group size that divides "
                              f"every K ({fits}), or None for the default")
-    tied = getattr(model.config, "tie_word_embeddings", False)
+    return _swap_with(model, lambda name, m: quantize_weight(
+        m.weight, head_scheme if name == "lm_head" else scheme, None if name == "lm_head" else group_size))
 
+
+def _swap_with(model: nn.Module, pack: Callable[[str, Linear], PackedWeight]) -> nn.Module:
+    """Swap every ``Linear`` for a ``QuantLinear`` over ``pack(name, linear)``; a tied embedding then reads the
+    head's packed rows."""
     def make(name: str, m: Linear) -> QuantLinear:
-        head = name == "lm_head"
-        w = quantize_weight(m.weight, head_scheme if head else scheme, None if head else group_size)
-        return QuantLinear(w, None if m.bias is None else m.bias.detach())
+        return QuantLinear(pack(name, m), None if m.bias is None else m.bias.detach())
 
     swap_linears(model, make)
-    if tied:
+    if getattr(model.config, "tie_word_embeddings", False):
         tie_embedding(model)
     return model
+
+
+def quantize_model_calibrated(model: nn.Module, scheme: str, calibration_ids: Tensor,
+                              group_size: int = CALIBRATED_GROUP_SIZE, head_scheme: str = "int8") -> nn.Module:
+    """AWQ or GPTQ (``scheme``) on a float ``Transformer``: layer by layer on ``calibration_ids`` [n, L]
+    (``calibrate.quantize_layers``), each decoder linear becomes int4 groups of ``fit_group_size(K, group_size)``;
+    then the LM head is rounded to ``head_scheme`` (int8 per channel) as in ``quantize_model``.  In place."""
+    from minillm.quant.calibrate import quantize_layers
+
+    if scheme not in CALIBRATED_SCHEMES:
+        raise ValueError(f"calibrated scheme must be one of {CALIBRATED_SCHEMES}, got {scheme!r}")
+    check_scheme(head_scheme, "head_scheme")
+    if scheme == "awq":
+        from minillm.quant.awq import awq_layer_quantizer
+
+        quantizer = awq_layer_quantizer(model.config, group_size)
+    else:
+        from minillm.quant.gptq import gptq_layer_quantizer
+
+        quantizer = gptq_layer_quantizer(group_size)
+    quantize_layers(model, calibration_ids, quantizer)
+    return _swap_with(model, lambda name, m: quantize_weight(m.weight, head_scheme))  # only the head is left
 
 
 def _group(name: str, scheme: str, group_size: int | None) -> int | None:

@@ -192,3 +192,13 @@ def int4_linear_ref(x: Tensor, w4: Int4Weight, bias: Tensor | None = None) -> Te
     """x [..., K] @ dequantized(w4).T (+ bias) -> [..., N] in x's dtype: the exact W4A16 reference."""
     _check_x(x, w4.shape[1])
     return F.linear(x, w4.dequantize(x.dtype), bias)
+
+
+def fit_group_size(K: int, group_size: int) -> int:
+    """The largest int4 group in ``INT4_GROUP_SIZES`` that is ≤ ``group_size`` and divides K (SmolLM2's K = 576 is
+    a multiple of 64 but not of 128: "g128" there means 128 for down_proj's K = 1536 and 64 elsewhere)."""
+    fits = [g for g in INT4_GROUP_SIZES if g <= group_size and K % g == 0]
+    if not fits:
+        raise ValueError(f"no int4 group size ≤ {group_size} in {INT4_GROUP_SIZES} divides K={K}: pad K to a "
+                         f"multiple of {INT4_GROUP_SIZES[0]}")
+    return max(fits)

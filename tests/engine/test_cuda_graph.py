@@ -94,6 +94,16 @@ def test_padding_rows_write_only_the_scratch_block():
     assert static.kv_cache.k[:, 40].abs().sum() > 0  # the padding rows' K went to the scratch block
 
 
+def test_a_quantized_kv_cache_decodes_eagerly_and_refuses_forced_static_buffers():
+    """The int8 cache dequantizes a step's blocks into a pool sized per step: not graph-safe, so the default runs it
+    eagerly and asking for static buffers explicitly is a ValueError naming both options."""
+    model = random_model(6)
+    eng = LLMEngine(model, config=EngineConfig(kv_cache_dtype="int8"))
+    assert eng.runner.graphs is None
+    with pytest.raises(ValueError, match="enforce_eager=False.*kv_cache_dtype='auto'"):
+        LLMEngine(model, config=EngineConfig(kv_cache_dtype="int8", enforce_eager=False))
+
+
 def test_static_batches_with_pad_rows_and_big_batches_fall_back_correctly():
     """pad_batches' finished rows ride in the bucket; a batch past the largest bucket runs eagerly."""
     model = random_model(5)

@@ -1,9 +1,11 @@
 """Quantization benchmarks.
 
 ``bench_quant`` (``python -m minillm bench quant``): the default model (or any) per scheme — fp32, bf16 where the
-device has it natively, int8, int4 g32 (quantized on load), int4 from the GGUF's own Q4_1 blocks — side by side in
-one run: weight MB (stored, packed), KV bytes per token, batch-1 and batch-8 greedy decode tok/s, prefill tok/s,
-GB/s and MBU counted in the bytes a decode step reads (packed weights + KV), and perplexity on held-out text;
+device has it natively, int8, int4 g32 (quantized on load), int4 from the GGUF's own Q4_1 blocks, and at group 128
+(64 where 128 does not divide K: ``apply.fit_group_size``) plain int4, AWQ and GPTQ (calibrated on load) — side by
+side in one run: weight MB (stored, packed), KV bytes per token, batch-1 and batch-8 greedy decode tok/s, prefill
+tok/s, GB/s and MBU counted in the bytes a decode step reads (packed weights + KV), and perplexity on held-out text;
+then the KV-cache rows (fp32 weights, ``kv_cache_dtype`` int8 / fp8): KV bytes per token and perplexity only;
 plus llama.cpp on the same GGUF when ``llama_cpp`` is importable.
 
 ``bench_quant_gemv``: the quantized GEMV alone — fp32 ``F.linear`` next to the native int8 and int4 (Q4_1)
@@ -104,7 +106,8 @@ def print_table(rows: list[dict]) -> None:
 
 
 # --------------------------------------------------------------------------------------------- whole-model bench
-SCHEMES = ("fp32", "bf16", "int8", "int4-g32", "int4-gguf")
+SCHEMES = ("fp32", "bf16", "int8", "int4-g32", "int4-gguf", "int4-g128", "awq-g128", "gptq-g128")
+KV_SCHEMES = ("int8", "fp8")  # kv_cache_dtype rows: fp32 weights, the cache quantized
 
 
 def bf16_is_native(device: torch.device) -> bool:
@@ -123,10 +126,13 @@ def _load(scheme: str, model_name: str | None, device: torch.device):
 
     dtype = "bfloat16" if scheme == "bf16" else "float32"
     quantization = {"int8": "int8", "int4-g32": "int4", "int4-gguf": "int4"}.get(scheme)
-    if scheme == "int4-g32":  # quantize the float checkpoint on load, not the GGUF's blocks
+    if scheme in ("int4-g32", "int4-g128"):  # quantize the float checkpoint on load, not the GGUF's blocks
         from minillm.quant.apply import quantize_model
 
-        return quantize_model(load_model(model_name, dtype=dtype, device=device), "int4", 32)
+        group = 32 if scheme == "int4-g32" else 128
+        return quantize_model(load_model(model_name, dtype=dtype, device=device), "int4", group, fit_group=True)
+    if scheme in ("awq-g128", "gptq-g128"):  # calibrated on load (a GGUF is dequantized to fp32 first)
+        return load_model(model_name, dtype=dtype, device=device, quantization=scheme.split("-")[0])
     return load_model(model_name, dtype=dtype, device=device, quantization=quantization)
 
 
@@ -176,10 +182,11 @@ def _llama_cpp_row(gguf, prompt: list[int], n_tokens: int, repeats: int) -> dict
 
 def bench_quant(model_name: str | None = None, device: str | None = None, schemes=SCHEMES, n_tokens: int = 32,
                 prompt_len: int = 32, prefill_len: int = 256, batch: int = 8, repeats: int = 3,
-                ppl_tokens: int = 2048, save: bool = True) -> dict:
+                ppl_tokens: int = 2048, kv_schemes=KV_SCHEMES, save: bool = True) -> dict:
     """Per scheme: weight MB, KV bytes/token, decode tok/s at batch 1 and ``batch``, prefill tok/s, GB/s and MBU
     (bytes per step ÷ the read bandwidth ``measure_device`` measured here), and perplexity on the first
-    ``ppl_tokens`` held-out tokens (0 skips it).  Medians of ``repeats``.  Saved as JSON (``save_results``)."""
+    ``ppl_tokens`` held-out tokens (0 skips it).  Then per ``kv_schemes`` cache dtype, fp32 weights: KV bytes/token
+    and perplexity through that cache.  Medians of ``repeats``.  Saved as JSON (``save_results``)."""
     from minillm.models.loader import default_model_path, load_tokenizer, resolve_device
     from minillm.perf.bench.decode import save_results
     from minillm.perf.machine import machine_spec
@@ -217,6 +224,7 @@ def bench_quant(model_name: str | None = None, device: str | None = None, scheme
         rows.append(row)
         print_quant_row(row, batch)
         del model
+    rows += _kv_rows(model_name, dev, kv_schemes, ppl_ids, batch)
     if model_name is None or str(model_name).endswith(".gguf"):
         gguf = default_model_path() if model_name is None else model_name
         peer = _llama_cpp_row(gguf, prompts[0], n_tokens, repeats)
@@ -226,7 +234,8 @@ def bench_quant(model_name: str | None = None, device: str | None = None, scheme
     base = next((r for r in rows if r["scheme"] == "fp32"), None)
     for r in rows:
         if base is not None:
-            r["b1_speedup_vs_fp32"] = r["decode_b1_tok_s"] / base["decode_b1_tok_s"]
+            if "decode_b1_tok_s" in r:  # the KV rows measure bytes and perplexity only
+                r["b1_speedup_vs_fp32"] = r["decode_b1_tok_s"] / base["decode_b1_tok_s"]
             if "perplexity" in r and "perplexity" in base:
                 r["ppl_vs_fp32"] = r["perplexity"] / base["perplexity"] - 1
     result = {"benchmark": "quant", "model": model_name or "default (SmolLM2-135M-Instruct Q4_1)",
@@ -236,6 +245,26 @@ def bench_quant(model_name: str | None = None, device: str | None = None, scheme
     if save:
         print(f"saved {save_results('quant-' + dev.type, result)}")
     return result
+
+
+def _kv_rows(model_name, dev: torch.device, kv_schemes, ppl_ids, batch: int) -> list[dict]:
+    """One row per quantized KV-cache dtype on the fp32 model: K+V bytes per token (codes + per-(token, head)
+    scales, ``kv.quant.kv_bytes_per_token``) and perplexity scored through that cache."""
+    from minillm.kv.quant import kv_bytes_per_token
+    from minillm.perf.perplexity import perplexity
+
+    if not kv_schemes:
+        return []
+    model = _load("fp32", model_name, dev)
+    cfg, rows = model.config, []
+    for kv in kv_schemes:
+        row = {"scheme": f"fp32 kv-{kv}", "dtype": "float32",
+               "kv_bytes_per_token": kv_bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, kv)}
+        if ppl_ids is not None:
+            row["perplexity"] = perplexity(model, ppl_ids, kv_cache_dtype=kv).ppl
+        rows.append(row)
+        print_quant_row(row, batch)
+    return rows
 
 
 def print_quant_row(r: dict, batch: int) -> None:
