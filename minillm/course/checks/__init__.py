@@ -33,3 +33,6 @@ __all__ = ["CONFIGS", "EXERCISES", "Exercise", "LLAMA2_7B", "SMOLLM2_135M", "TIN
            "check_prediction", "check_prediction_bytes", "check_prefill_chunk_len", "check_ridge_point",
            "check_roofline_prediction", "check_slot_mapping", "exercise"]
 __all__ += ["check_arrival_times", "check_parse_stream"]  # notebook 09
+from minillm.course.checks.quantization import check_int4_linear_ref, check_quantize, check_quantize_int4  # noqa: E402, I001
+
+__all__ += ["check_int4_linear_ref", "check_quantize", "check_quantize_int4"]  # notebook 07
