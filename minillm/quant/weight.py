@@ -28,7 +28,8 @@ BLOCK = 32  # weights per packing block (Q4_1's QK4_1): one byte pairs weight j 
 INT4_GROUP_SIZES = (32, 64, 128)
 
 
-def _check_group(K: int, group_size: int, multiple: int = 1) -> None:
+def check_group_size(K: int, group_size: int, multiple: int = 1) -> None:
+    """ValueError naming the fix unless ``group_size`` is a positive multiple of ``multiple`` that divides K."""
     if group_size < 1 or group_size % multiple:
         raise ValueError(f"group_size must be a positive multiple of {multiple}, got {group_size}")
     if K % group_size:
@@ -49,7 +50,7 @@ class Int8Weight:
         if self.qweight.dtype != torch.int8 or self.qweight.dim() != 2:
             raise ValueError(f"qweight must be int8 [N, K], got {self.qweight.dtype} {tuple(self.qweight.shape)}")
         N, K = self.qweight.shape
-        _check_group(K, self.group_size)
+        check_group_size(K, self.group_size)
         if self.scales.shape != (N, K // self.group_size) or self.scales.dtype not in (torch.float32, torch.float16):
             raise ValueError(f"scales must be fp32/fp16 [{N}, {K // self.group_size}], got {self.scales.dtype} "
                              f"{tuple(self.scales.shape)}")
@@ -89,7 +90,7 @@ class Int4Weight:
         if self.packed.dtype != torch.uint8 or self.packed.dim() != 2:
             raise ValueError(f"packed must be uint8 [N, K/2], got {self.packed.dtype} {tuple(self.packed.shape)}")
         N, K = self.shape
-        _check_group(K, self.group_size, BLOCK)
+        check_group_size(K, self.group_size, BLOCK)
         want = (N, K // self.group_size)
         for name, t in (("scales", self.scales), ("mins", self.mins)):
             if t.shape != want or t.dtype not in (torch.float16, torch.float32) or t.dtype != self.scales.dtype:
@@ -147,7 +148,7 @@ def quantize_int8(w: Tensor, group_size: int | None = None) -> Int8Weight:
         raise ValueError(f"quantize_int8 needs a float [N, K] weight, got {w.dtype} {tuple(w.shape)}")
     N, K = w.shape
     g = K if group_size is None else group_size
-    _check_group(K, g)
+    check_group_size(K, g)
     spec = QuantSpec(bits=8, symmetric=True, granularity=Granularity.GROUP, group_size=g)
     wg = group_view(w.float(), spec)  # [N, K/g, g]
     scale = (wg.abs().amax(-1) / spec.qmax).clamp_min(torch.finfo(torch.float32).tiny)  # [N, K/g]
@@ -173,7 +174,7 @@ def quantize_int4(w: Tensor, group_size: int = 32, scale_dtype: torch.dtype = to
     if scale_dtype not in (torch.float16, torch.float32):
         raise ValueError(f"scale_dtype must be torch.float16 or torch.float32, got {scale_dtype}")
     N, K = w.shape
-    _check_group(K, group_size, BLOCK)
+    check_group_size(K, group_size, BLOCK)
     ### BEGIN SOLUTION
     wg = w.float().view(N, K // group_size, group_size)
     lo, hi = wg.amin(-1), wg.amax(-1)
@@ -188,14 +189,15 @@ def quantize_int4(w: Tensor, group_size: int = 32, scale_dtype: torch.dtype = to
     ### END SOLUTION
 
 
-def _check_x(x: Tensor, K: int) -> None:
+def check_in_features(x: Tensor, K: int) -> None:
+    """ValueError unless x's last dimension is the weight's K."""
     if x.shape[-1] != K:
         raise ValueError(f"x has {x.shape[-1]} features but the weight expects K={K}")
 
 
 def int8_linear_ref(x: Tensor, w8: Int8Weight, bias: Tensor | None = None) -> Tensor:
     """x [..., K] @ dequantized(w8).T (+ bias) -> [..., N] in x's dtype: the exact W8A16 reference."""
-    _check_x(x, w8.shape[1])
+    check_in_features(x, w8.shape[1])
     return F.linear(x, w8.dequantize(x.dtype), bias)
 
 
@@ -208,7 +210,7 @@ def int4_linear_ref(x: Tensor, w4: Int4Weight, bias: Tensor | None = None) -> Te
     packed weight (K/2 + 4·K/g per row) is read, an [N, K] float weight is written and read back per call — what
     the native and Triton kernels avoid by dequantizing in registers.
     """
-    _check_x(x, w4.shape[1])
+    check_in_features(x, w4.shape[1])
     ### BEGIN SOLUTION
     N, K = w4.shape
     g = w4.group_size
