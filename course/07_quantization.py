@@ -473,8 +473,9 @@ plt.tight_layout()
 plt.show()
 
 # %% [markdown]
-# int8 keeps ≈ 4× the tokens of fp32 (≈ 2× bf16) at about 40 dB SQNR — as accurate as int8 weights; fp8 e4m3
-# (3 mantissa bits) gives up about 10 dB for a format GPUs multiply natively (H100, MI300). For a 7B model serving long contexts the cache, not the
+# int8 keeps ≈ 4× the tokens of fp32 (≈ 2× bf16) at close to 40 dB SQNR — as accurate as int8 weights; fp8 e4m3
+# (3 mantissa bits, but a floating grid that follows each value's magnitude) gives up a few dB for a format GPUs
+# multiply natively (H100, MI300). For a 7B model serving long contexts the cache, not the
 # weights, is most of the memory: halving it doubles the batch that fits, and with it the throughput (notebook 06).
 #
 # ## 8. Where the time goes once the weights are small
@@ -514,8 +515,9 @@ with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as
 print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=10, max_name_column_width=40))
 
 # %% [markdown]
-# The profile is the new roof: at int4 a token moves ~100 MB, a few milliseconds at this machine's bandwidth, and
-# the other costs are of the same size. That is why llama.cpp, written as one C loop per layer with no dispatcher,
+# The profile is the new roof: at int4 a token moves ~100 MB, and the table above shows the rest of the token
+# costing several times what those bytes need — more operators per token than fp32, not fewer (each quantized
+# linear adds its own views and allocations around the native call). That is why llama.cpp, written as one C loop per layer with no dispatcher,
 # gets so much more out of the same bytes, and why GPU engines capture the decode step in a CUDA graph.
 #
 # ## 9. llama.cpp on the same file
