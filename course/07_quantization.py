@@ -115,7 +115,7 @@ for n in floats:
     ax1.scatter(f.max, f.eps, s=30 * f.bits, label=f"{n} ({f.bits} bits)")
 ax1.set(xscale="log", yscale="log", xlabel="largest finite value (range)", ylabel="eps (relative step)",
         title="Float formats: range vs precision")
-ax1.legend(fontsize="small")
+ax1.legend(fontsize="small", markerscale=0.4)
 sqnr = [error_stats(w, cast_roundtrip(w, n)).sqnr_db for n in floats[1:]]
 ax2.bar(floats[1:], sqnr, color="tab:blue", label="cast of a real weight (layer 0 down_proj)")
 ax2.set(ylabel="SQNR (dB, higher is better)", title="Error of one cast, no scale")
@@ -417,7 +417,7 @@ for name, (bits, _) in variants.items():
     plt.scatter(bits, ppl[name], s=60, label=f"{name}: {ppl[name]:.2f}")
 plt.xscale("log", base=2)
 plt.xlabel("bits per weight (scales included)")
-plt.ylabel("perplexity on held-out text")
+plt.ylabel("perplexity on held-out text (lower is better)")
 plt.title("Perplexity vs bits: groups keep 4 bits usable")
 plt.legend(fontsize="small")
 plt.show()

@@ -137,6 +137,9 @@ def group_view(x: Tensor, spec: QuantSpec) -> Tensor:
     return x.reshape(*x.shape[:-1], K // g, g)
 
 
+_grouped = group_view  # its former private name, kept for code written against it on other branches
+
+
 def quantize(x: Tensor, spec: QuantSpec) -> Quantized:
     """x [..., K] float -> ``Quantized``: integer codes plus per-tensor/channel/group scale and zero point.
 

@@ -38,6 +38,9 @@ def check_group_size(K: int, group_size: int, multiple: int = 1) -> None:
                          f"{group_size}, or choose a group size that divides K" + (f" ({fits})" if fits else ""))
 
 
+_check_group = check_group_size  # former private name, kept for code written against it on other branches
+
+
 @dataclass(frozen=True)
 class Int8Weight:
     """W8A16 weight: ``qweight`` int8 [N, K], ``scales`` [N, K // group_size] (fp32 or fp16), w = scales · q."""
