@@ -122,8 +122,9 @@ class Quantized:
     spec: QuantSpec
 
 
-def _grouped(x: Tensor, spec: QuantSpec) -> Tensor:
-    """View ``x`` so the last dim is one scale's elements: tensor [1, numel], channel [..., K], group [..., G, g]."""
+def group_view(x: Tensor, spec: QuantSpec) -> Tensor:
+    """View ``x`` [..., K] so that the last dim holds the elements of one scale: TENSOR [1, numel], CHANNEL
+    [..., K], GROUP [..., K // g, g].  ValueError (naming the fix) when ``spec.group_size`` does not divide K."""
     if spec.granularity is Granularity.TENSOR:
         return x.reshape(1, -1)
     if spec.granularity is Granularity.CHANNEL:
@@ -136,13 +137,31 @@ def _grouped(x: Tensor, spec: QuantSpec) -> Tensor:
     return x.reshape(*x.shape[:-1], K // g, g)
 
 
+_grouped = group_view  # its former private name, kept for code written against it on other branches
+
+
 def quantize(x: Tensor, spec: QuantSpec) -> Quantized:
-    """x [..., K] float -> codes in [spec.qmin, spec.qmax] plus per-tensor/channel/group scale and zero point."""
+    """x [..., K] float -> ``Quantized``: integer codes plus per-tensor/channel/group scale and zero point.
+
+    Contract (the module docstring gives the two maps):
+    - the statistics are taken in fp32 over the elements that share a scale: the whole tensor (TENSOR), one row
+      along the last dim (CHANNEL), or each run of ``spec.group_size`` consecutive elements along it (GROUP; a
+      group that does not divide K -> ValueError naming the fix);
+    - symmetric: ``scale = clip_ratio · max|x| / qmax``, zero point 0.  Asymmetric: the range [lo, hi] is
+      [min(x), max(x)] widened to include 0 (so 0 is exact) and multiplied by ``clip_ratio``;
+      ``scale = (hi - lo) / (qmax - qmin)``, ``zero_point = qmin - round(lo / scale)`` clamped to [qmin, qmax];
+    - scales are clamped below at ``torch.finfo(torch.float32).tiny`` (an all-zero group must not divide by 0);
+    - ``q = clamp(round(x / scale) + zero_point, qmin, qmax)`` (round half to even, as ``torch.round``), stored as
+      int8 — uint8 for asymmetric 4-bit (codes 0..15) — with x's shape;
+    - ``scale``/``zero_point`` fp32: TENSOR [1, ..., 1] (x.dim() ones), CHANNEL [..., 1], GROUP [..., K // g].
+    ``dequantize`` inverts it: x̂ = (q - zero_point) · scale.  Non-float or 0-d x -> ValueError.
+    """
     if not x.is_floating_point():
         raise ValueError(f"quantize needs a floating tensor, got {x.dtype}")
     if x.dim() == 0:
         raise ValueError("quantize needs at least one dimension")
-    xg = _grouped(x.float(), spec)
+    ### BEGIN SOLUTION
+    xg = group_view(x.float(), spec)  # the last dim is one scale's elements: [1, numel], [..., K] or [..., G, g]
     if spec.symmetric:
         amax = xg.abs().amax(-1, keepdim=True) * spec.clip_ratio
         scale = amax.clamp_min(torch.finfo(torch.float32).tiny) / spec.qmax
@@ -161,6 +180,7 @@ def quantize(x: Tensor, spec: QuantSpec) -> Quantized:
         q = q.reshape(x.shape)
         scale, zero = scale.squeeze(-1), zero.squeeze(-1)
     return Quantized(q, scale, zero, spec)
+    ### END SOLUTION
 
 
 def dequantize(qt: Quantized, dtype: torch.dtype = torch.float32) -> Tensor:

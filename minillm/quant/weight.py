@@ -22,19 +22,23 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from minillm.quant.formats import Granularity, QuantSpec, _grouped
+from minillm.quant.formats import Granularity, QuantSpec, group_view
 
 BLOCK = 32  # weights per packing block (Q4_1's QK4_1): one byte pairs weight j with weight j + 16
 INT4_GROUP_SIZES = (32, 64, 128)
 
 
-def _check_group(K: int, group_size: int, multiple: int = 1) -> None:
+def check_group_size(K: int, group_size: int, multiple: int = 1) -> None:
+    """ValueError naming the fix unless ``group_size`` is a positive multiple of ``multiple`` that divides K."""
     if group_size < 1 or group_size % multiple:
         raise ValueError(f"group_size must be a positive multiple of {multiple}, got {group_size}")
     if K % group_size:
         fits = [g for g in INT4_GROUP_SIZES if K % g == 0]
         raise ValueError(f"group_size {group_size} does not divide K={K}: pad K with zero columns to a multiple of "
                          f"{group_size}, or choose a group size that divides K" + (f" ({fits})" if fits else ""))
+
+
+_check_group = check_group_size  # former private name, kept for code written against it on other branches
 
 
 @dataclass(frozen=True)
@@ -49,7 +53,7 @@ class Int8Weight:
         if self.qweight.dtype != torch.int8 or self.qweight.dim() != 2:
             raise ValueError(f"qweight must be int8 [N, K], got {self.qweight.dtype} {tuple(self.qweight.shape)}")
         N, K = self.qweight.shape
-        _check_group(K, self.group_size)
+        check_group_size(K, self.group_size)
         if self.scales.shape != (N, K // self.group_size) or self.scales.dtype not in (torch.float32, torch.float16):
             raise ValueError(f"scales must be fp32/fp16 [{N}, {K // self.group_size}], got {self.scales.dtype} "
                              f"{tuple(self.scales.shape)}")
@@ -89,7 +93,7 @@ class Int4Weight:
         if self.packed.dtype != torch.uint8 or self.packed.dim() != 2:
             raise ValueError(f"packed must be uint8 [N, K/2], got {self.packed.dtype} {tuple(self.packed.shape)}")
         N, K = self.shape
-        _check_group(K, self.group_size, BLOCK)
+        check_group_size(K, self.group_size, BLOCK)
         want = (N, K // self.group_size)
         for name, t in (("scales", self.scales), ("mins", self.mins)):
             if t.shape != want or t.dtype not in (torch.float16, torch.float32) or t.dtype != self.scales.dtype:
@@ -147,26 +151,34 @@ def quantize_int8(w: Tensor, group_size: int | None = None) -> Int8Weight:
         raise ValueError(f"quantize_int8 needs a float [N, K] weight, got {w.dtype} {tuple(w.shape)}")
     N, K = w.shape
     g = K if group_size is None else group_size
-    _check_group(K, g)
+    check_group_size(K, g)
     spec = QuantSpec(bits=8, symmetric=True, granularity=Granularity.GROUP, group_size=g)
-    wg = _grouped(w.float(), spec)  # [N, K/g, g]
+    wg = group_view(w.float(), spec)  # [N, K/g, g]
     scale = (wg.abs().amax(-1) / spec.qmax).clamp_min(torch.finfo(torch.float32).tiny)  # [N, K/g]
     q = torch.clamp(torch.round(wg / scale.unsqueeze(-1)), spec.qmin, spec.qmax).to(torch.int8)
     return Int8Weight(q.reshape(N, K), scale, g)
 
 
 def quantize_int4(w: Tensor, group_size: int = 32, scale_dtype: torch.dtype = torch.float16) -> Int4Weight:
-    """w [N, K] float -> asymmetric 4-bit Q4_1-style groups: d = (max - min) / 15, m = min, q = round((w - m) / d).
+    """w [N, K] float -> ``Int4Weight``: asymmetric 4-bit groups in llama.cpp's Q4_1 layout.
 
-    d and m are rounded to ``scale_dtype`` first and q is computed from the rounded values, so the stored
-    (d, m, q) are the best codes for the scales actually kept.  ``group_size`` a multiple of 32 dividing K.
+    Contract, per row and group of ``group_size`` consecutive weights (a multiple of 32 that divides K, else
+    ValueError naming the fix; w must be a float [N, K] tensor, ``scale_dtype`` fp16 or fp32, else ValueError):
+    - ``d = (max - min) / 15`` and ``m = min``, computed in fp32 then rounded to ``scale_dtype``; ``scales`` and
+      ``mins`` are those rounded values, [N, K // group_size];
+    - codes ``q = clamp(round((w - m) / d), 0, 15)`` with the *rounded* d and m (the best codes for the scales
+      actually stored); a constant group (d == 0) gets every code 0, so it dequantizes to m;
+    - ``packed`` [N, K / 2] uint8: per block of 32 weights (whatever the group size), byte j (0..15) holds weight
+      j in its low nibble and weight j + 16 in its high nibble — byte for byte the ``qs`` of a GGUF Q4_1 block.
+    Dequantized: w ≈ d · q + m, within d / 2 of w.
     """
     if w.dim() != 2 or not w.is_floating_point():
         raise ValueError(f"quantize_int4 needs a float [N, K] weight, got {w.dtype} {tuple(w.shape)}")
     if scale_dtype not in (torch.float16, torch.float32):
         raise ValueError(f"scale_dtype must be torch.float16 or torch.float32, got {scale_dtype}")
     N, K = w.shape
-    _check_group(K, group_size, BLOCK)
+    check_group_size(K, group_size, BLOCK)
+    ### BEGIN SOLUTION
     wg = w.float().view(N, K // group_size, group_size)
     lo, hi = wg.amin(-1), wg.amax(-1)
     d = ((hi - lo) / 15).to(scale_dtype)
@@ -174,24 +186,43 @@ def quantize_int4(w: Tensor, group_size: int = 32, scale_dtype: torch.dtype = to
     df, mf = d.float().unsqueeze(-1), m.float().unsqueeze(-1)
     inv = torch.where(df > 0, 1 / df, torch.zeros_like(df))  # a constant group: every code 0, w = m
     q = torch.clamp(torch.round((wg - mf) * inv), 0, 15).to(torch.uint8)
-    return Int4Weight(pack_int4(q.view(N, K)), d, m, group_size)
+    qb = q.view(N, K // BLOCK, 2, BLOCK // 2)  # [N, blocks, low/high half of the block, 16]
+    packed = (qb[:, :, 0] | (qb[:, :, 1] << 4)).reshape(N, K // 2)  # byte j = q[j] | q[j + 16] << 4
+    return Int4Weight(packed, d, m, group_size)
+    ### END SOLUTION
 
 
-def _check_x(x: Tensor, K: int) -> None:
+def check_in_features(x: Tensor, K: int) -> None:
+    """ValueError unless x's last dimension is the weight's K."""
     if x.shape[-1] != K:
         raise ValueError(f"x has {x.shape[-1]} features but the weight expects K={K}")
 
 
 def int8_linear_ref(x: Tensor, w8: Int8Weight, bias: Tensor | None = None) -> Tensor:
     """x [..., K] @ dequantized(w8).T (+ bias) -> [..., N] in x's dtype: the exact W8A16 reference."""
-    _check_x(x, w8.shape[1])
+    check_in_features(x, w8.shape[1])
     return F.linear(x, w8.dequantize(x.dtype), bias)
 
 
 def int4_linear_ref(x: Tensor, w4: Int4Weight, bias: Tensor | None = None) -> Tensor:
-    """x [..., K] @ dequantized(w4).T (+ bias) -> [..., N] in x's dtype: the exact W4A16 reference."""
-    _check_x(x, w4.shape[1])
-    return F.linear(x, w4.dequantize(x.dtype), bias)
+    """x [..., K] @ dequantized(w4).T (+ bias) -> [..., N] in x's dtype: the exact W4A16 reference.
+
+    Contract: unpack the nibbles of ``w4.packed`` [N, K/2] (per 32-weight block, byte j holds weight j low and
+    j + 16 high), dequantize per group in fp32 (w = d · q + m with d, m = ``w4.scales``, ``w4.mins`` [N, K // g]),
+    then y = x · wᵀ (+ bias) with w cast to x's dtype.  x's last dim must be K (else ValueError).  Bytes: the
+    packed weight (K/2 + 4·K/g per row) is read, an [N, K] float weight is written and read back per call — what
+    the native and Triton kernels avoid by dequantizing in registers.
+    """
+    check_in_features(x, w4.shape[1])
+    ### BEGIN SOLUTION
+    N, K = w4.shape
+    g = w4.group_size
+    blocks = w4.packed.view(N, K // BLOCK, BLOCK // 2)  # [N, blocks, 16]
+    q = torch.cat([blocks & 0x0F, blocks >> 4], dim=-1)  # [N, blocks, 32] in weight order: low nibbles first
+    q = q.view(N, K // g, g).float()
+    w = q * w4.scales.float().unsqueeze(-1) + w4.mins.float().unsqueeze(-1)  # [N, K/g, g] fp32, as gguf computes
+    return F.linear(x, w.view(N, K).to(x.dtype), bias)
+    ### END SOLUTION
 
 
 def fit_group_size(K: int, group_size: int) -> int:

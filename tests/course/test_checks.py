@@ -204,6 +204,35 @@ from test_checks_speculative import WRONG_08  # noqa: E402  (notebook 08's wrong
 
 WRONG.update(WRONG_08)
 
+
+def _wrong_quantize(x, spec):
+    from minillm.quant.formats import Quantized, quantize
+
+    ok = quantize(x, spec)  # right scales, codes without the zero point
+    return Quantized(torch.clamp(torch.round(x.float() / _expand(ok.scale, x, spec)), spec.qmin, spec.qmax)
+                     .to(ok.q.dtype), ok.scale, torch.zeros_like(ok.zero_point), spec)
+
+
+def _expand(v, x, spec):
+    return v.repeat_interleave(spec.group_size, -1) if spec.granularity.value == "group" else v
+
+
+def _wrong_quantize_int4(w, group_size=32, scale_dtype=torch.float16):
+    from minillm.quant.weight import Int4Weight, quantize_int4
+
+    ok = quantize_int4(w, group_size, scale_dtype)  # nibbles swapped: byte j = q[j] << 4 | q[j + 16]
+    return Int4Weight((ok.packed << 4) | (ok.packed >> 4), ok.scales, ok.mins, group_size)
+
+
+def _wrong_int4_linear(x, w4, bias=None):
+    N, K = w4.shape  # forgets the group minimum m: w = d · q
+    b = w4.packed.view(N, K // 32, 16)
+    q = torch.cat([b & 0x0F, b >> 4], dim=-1).view(N, K // w4.group_size, w4.group_size).float()
+    return torch.nn.functional.linear(x, (q * w4.scales.float().unsqueeze(-1)).view(N, K).to(x.dtype), bias)
+
+
+WRONG.update({"7.1": _wrong_quantize, "7.2": _wrong_quantize_int4, "7.3": _wrong_int4_linear})  # notebook 07
+
 NUMBERS = sorted(EXERCISES)
 
 

@@ -37,3 +37,6 @@ __all__ += ["check_arrival_times", "check_parse_stream"]  # notebook 09
 from minillm.course.checks.scaling import check_gpipe_schedule, check_layer_comm_time, check_shard_linear  # noqa: E402, I001
 __all__ += ["check_gpipe_schedule", "check_layer_comm_time", "check_shard_linear"]  # notebook 10
 __all__ += ["check_ngram_lookup", "check_rejection_sample", "check_truncate"]  # notebook 08
+from minillm.course.checks.quantization import check_int4_linear_ref, check_quantize, check_quantize_int4  # noqa: E402, I001
+
+__all__ += ["check_int4_linear_ref", "check_quantize", "check_quantize_int4"]  # notebook 07

