@@ -22,7 +22,8 @@ source is dropped.  Other conventions: cell tags from the source are kept (the s
 builder reads ``slide``, ``slide-output`` and ``slide-skip``); ``# NBVAL_CHECK_OUTPUT`` markers are kept in
 solutions (nbval compares those outputs there) and removed from student notebooks (whose outputs are empty).
 
-Solutions are executed when ``--execute`` is given or when their cell sources changed; otherwise the stored
+Solutions are executed when ``--execute`` is given or when their cell sources changed (a change confined to the
+Colab badge and install cells, which do nothing elsewhere, keeps the stored outputs); otherwise the stored
 outputs are kept.  ``--check`` writes nothing and exits 1 naming every stale file: a student notebook must be
 byte-identical to a fresh render, a solution must have the same cell sources.
 """
@@ -248,6 +249,35 @@ def cell_sources(nb: nbformat.NotebookNode) -> list[tuple[str, str]]:
     return [(c.cell_type, c.source) for c in nb.cells]
 
 
+def _runs_outside_colab(cell) -> bool:
+    """False for the Colab badge and install cells (generated, or a hand-written install cell of an older build):
+    outside Colab they do nothing and print nothing, so they never change what a solution's other cells output."""
+    if {"colab-badge", "colab-install"} & set(cell.metadata.get("tags", [])):
+        return False
+    if cell.cell_type == "markdown":
+        return not cell.source.startswith("[![Open In Colab]")
+    return not is_colab_install_cell(cell.source)
+
+
+def with_stored_outputs(new: nbformat.NotebookNode, old: nbformat.NotebookNode) -> nbformat.NotebookNode | None:
+    """``new`` carrying ``old``'s outputs when the two differ only in their Colab cells (badge, install source):
+    no re-execution is needed then.  None when any other cell differs."""
+    kept = [c for c in new.cells if _runs_outside_colab(c)]
+    stored = [c for c in old.cells if _runs_outside_colab(c)]
+    if [(c.cell_type, c.source) for c in kept] != [(c.cell_type, c.source) for c in stored]:
+        return None
+    out = copy.deepcopy(new)
+    cells = iter(stored)
+    for cell in out.cells:
+        if _runs_outside_colab(cell):
+            src = next(cells)
+            if cell.cell_type == "code":
+                cell.outputs, cell.execution_count = copy.deepcopy(src.outputs), src.get("execution_count")
+            elif "attachments" in src:
+                cell.attachments = copy.deepcopy(src.attachments)
+    return out
+
+
 def execute(nb: nbformat.NotebookNode, *, cwd: Path = SOLUTIONS, fast: bool = False, allow_errors: bool = False,
             timeout: int = 900, extra_env: dict[str, str] | None = None) -> nbformat.NotebookNode:
     """Run ``nb`` in a fresh kernel of this Python (jupyter_client maps the "python" of the ipykernel spec to
@@ -288,7 +318,11 @@ def build(paths: list[Path], *, check: bool, force_execute: bool) -> int:
         sol_stale = old is None or cell_sources(old) != cell_sources(r.solution) or old.metadata != r.solution.metadata
         if sol_stale:
             stale.append(str(sol_file.relative_to(ROOT)))
-        if not check and (sol_stale or force_execute):
+        refreshed = None if old is None or force_execute or not sol_stale else with_stored_outputs(r.solution, old)
+        if not check and refreshed is not None:  # only the Colab cells changed: keep the executed outputs
+            sol_file.write_text(dumps(refreshed))
+            print(f"wrote {sol_file.relative_to(ROOT)} (Colab cells only; outputs kept)")
+        elif not check and (sol_stale or force_execute):
             t0 = time.perf_counter()
             print(f"executing {sol_file.relative_to(ROOT)} ...", flush=True)
             done = execute(r.solution)

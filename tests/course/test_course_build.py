@@ -10,6 +10,7 @@ CI (see course/INSTRUCTORS.md):
 from __future__ import annotations
 
 import base64
+import copy
 import importlib.util
 import re
 import struct
@@ -52,6 +53,26 @@ def test_generated_notebooks_are_up_to_date():
     """`course/build.py --check`: run `python course/build.py` after editing a source or a fenced function."""
     result = subprocess.run([PYTHON, "course/build.py", "--check"], cwd=ROOT, capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_a_change_to_the_colab_cells_alone_keeps_the_stored_outputs():
+    """The install source is an instructor's setting: changing it must not force forty minutes of re-execution,
+    since the Colab cells do nothing outside Colab; any other changed cell still does."""
+    new = build.render(SOURCES[0]).solution
+    old = copy.deepcopy(new)
+    for i, cell in enumerate(old.cells):
+        if cell.cell_type == "code":
+            cell.outputs = [nbformat.v4.new_output("stream", name="stdout", text=f"cell {i}\n")]
+        if "colab-install" in cell.metadata.get("tags", []):
+            cell.source = cell.source.replace("pip", "pip3")  # an older install source
+    kept = build.with_stored_outputs(new, old)
+    assert kept is not None and build.cell_sources(kept) == build.cell_sources(new)
+    outputs = [(c.source, c.outputs) for c in kept.cells if c.cell_type == "code" and "colab-install" not in
+               c.metadata.get("tags", [])]
+    assert outputs and all(out and out[0].text.startswith("cell ") for _, out in outputs)
+    code = next(c for c in old.cells if c.cell_type == "code" and "colab-install" not in c.metadata.get("tags", []))
+    code.source += "\nprint('changed')"
+    assert build.with_stored_outputs(new, old) is None
 
 
 def test_check_mode_names_a_stale_file(tmp_path, monkeypatch, capsys):
