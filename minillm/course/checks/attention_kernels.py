@@ -16,14 +16,13 @@ def _softmax_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale:
 
 
 @exercise("4.1", "minillm.kernels.reference.merge_attention_partials", "merge partial softmax results",
-          "M = the largest m over the splits; weight each split by exp(m − M) (0 for an empty split); divide the "
-          "weighted sum of o by the weighted sum of den")
+          "bring every split to one common max before adding; an empty split must weigh nothing")
 def check_merge_attention_partials(merge_attention_partials: Callable) -> None:
     """``merge_attention_partials(m, den, o)`` of splits from ``attention_partial`` equals softmax attention over
     all keys: two halves, one split, empty splits first and in the middle, uneven splits, scores whose exp overflows."""
     from minillm.kernels.reference import attention_partial
 
-    g = torch.Generator().manual_seed(0)
+    g = torch.Generator().manual_seed(torch.seed() % 2**31)  # fresh inputs each run
     cases = [  # name, split edges over N = 40 keys, scale
         ("two halves", [0, 20, 40], 0.25),
         ("a single split (nothing to merge)", [0, 40], 0.25),
@@ -58,16 +57,23 @@ def check_merge_attention_partials(merge_attention_partials: Callable) -> None:
 
 
 @exercise("4.2", "minillm.kernels.reference.flash_tile_step", "one tile of FlashAttention's online softmax",
-          "this tile's scores in fp32; each row's new max; rescale den and acc by exp(old max − new max), then add "
-          "the tile's exp(score − new max), summed (den) and multiplied by v_tile (acc)")
+          "everything summed so far is relative to the old max: when a tile raises the max, correct the sums "
+          "before adding the tile")
 def check_flash_tile_step(flash_tile_step: Callable) -> None:
     """``flash_tile_step`` from the empty state equals ``attention_partial`` of the first tile; folded over all
     tiles (sizes 1 to all keys, ragged, growing scores, GQA-shaped leading dims) the state matches the library's
     step after every tile and acc / den equals softmax attention."""
     from minillm.kernels.reference import attention_partial
-    from minillm.kernels.reference import flash_tile_step as reference
 
-    g = torch.Generator().manual_seed(0)
+    def reference(m, den, acc, q, kt, vt, scale):  # the checker's own fold, in fp64
+        s = (q.double() @ kt.double().transpose(-1, -2)) * scale
+        m_new = torch.maximum(m.double(), s.amax(-1))
+        p = torch.exp(s - m_new[..., None])
+        keep = torch.exp(m.double() - m_new)
+        return m_new.float(), (den.double() * keep + p.sum(-1)).float(), (acc.double() * keep[..., None]
+                                                                             + p @ vt.double()).float()
+
+    g = torch.Generator().manual_seed(torch.seed() % 2**31)  # fresh inputs each run
     cases = [  # name, q shape [..., M, D], N keys, tile size, scale, key growth
         ("one tile holding every key", (2, 4, 16), 40, 40, 0.25, False),
         ("tiles of 16 keys, the last one ragged (8)", (2, 4, 16), 40, 16, 0.25, False),

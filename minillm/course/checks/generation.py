@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Callable
 from types import SimpleNamespace
@@ -15,7 +16,12 @@ from minillm.course.checks.registry import CONFIGS, _close, _passed, exercise
           "every linear and norm weight once, the LM head in full, the embedding table not at all; × bytes per element")
 def check_decode_weight_bytes(decode_weight_bytes: Callable) -> None:
     """``decode_weight_bytes(config, dtype)`` within 0.5 % of the reference (tied and untied embeddings)."""
-    from minillm.perf.metrics import decode_weight_bytes as reference
+    def reference(config, dtype):  # the checker's own count, from the config's shapes
+        c, size = config, torch.empty(0, dtype=dtype).element_size()
+        q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        layer = c.hidden_size * (q + 2 * kv) + q * c.hidden_size + 3 * c.hidden_size * c.intermediate_size
+        layer += 2 * c.hidden_size  # two RMSNorm weights
+        return size * (c.num_layers * layer + c.hidden_size + c.vocab_size * c.hidden_size)
 
     for name, config in CONFIGS.items():
         for dtype in (torch.float16, torch.float32, torch.bfloat16):
@@ -34,7 +40,12 @@ def check_decode_weight_bytes(decode_weight_bytes: Callable) -> None:
           "sort, then interpolate between the values at floor and ceil of q/100 × (n − 1)")
 def check_percentile(percentile: Callable) -> None:
     """``percentile(values, q)`` against the reference on hand-made and random inputs."""
-    from minillm.perf.metrics import percentile as reference
+    def reference(values, q):
+        xs = sorted(values)
+        pos = q / 100 * (len(xs) - 1)
+        lo = math.floor(pos)
+        hi = min(lo + 1, len(xs) - 1)
+        return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
 
     rng = random.Random(0)
     cases = [([7.0], 50), ([7.0], 0), ([1, 2, 3, 4], 50), ([3, 1, 2], 0), ([3, 1, 2], 100), ([10, 20], 25),
@@ -56,7 +67,8 @@ def check_percentile(percentile: Callable) -> None:
           "count the requests with ttft_s <= ttft_slo_s and tpot_s <= tpot_slo_s, divide by duration_s")
 def check_goodput(goodput: Callable) -> None:
     """``goodput(requests, duration_s, ttft_slo_s=, tpot_slo_s=)`` on requests just inside/outside each limit."""
-    from minillm.perf.metrics import goodput as reference
+    def reference(requests, duration, ttft_slo_s=0.2, tpot_slo_s=0.1):
+        return sum(r.ttft_s <= ttft_slo_s and r.tpot_s <= tpot_slo_s for r in requests) / duration
 
     def req(ttft, tpot):
         return SimpleNamespace(ttft_s=ttft, tpot_s=tpot)
@@ -86,7 +98,8 @@ def check_goodput(goodput: Callable) -> None:
           "tokens per hour = tokens_per_s × 3600; price per token = dollars_per_hour / tokens per hour")
 def check_cost_per_million_tokens(cost_per_million_tokens: Callable) -> None:
     """``cost_per_million_tokens($/h, tok/s)``: the $2/h at 100 tok/s ≈ $5.56 example and others."""
-    from minillm.perf.metrics import cost_per_million_tokens as reference
+    def reference(dollars, tps):
+        return dollars / (tps * 3600) * 1e6
 
     for dollars, tps in [(2.0, 100.0), (0.0, 50.0), (3.5, 1000.0), (40.0, 2500.0), (1.0, 0.5)]:
         got = cost_per_million_tokens(dollars, tps)

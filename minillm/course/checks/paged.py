@@ -22,14 +22,24 @@ def _compare_allocators(mine, ref, where: str, hint: str) -> None:
 
 
 @exercise("5.1", "minillm.kv.block_allocator.BlockAllocator.free", "free a block: reference counts",
-          "self._ref[block_id] -= 1; at zero, a cached block (self.is_cached) goes to the end of self._evictable "
-          "(self._evictable[block_id] = None), any other block to the end of self._free")
+          "only the last owner's free releases a block; a released prefix-cache entry must stay findable for "
+          "later hits")
 def check_block_free(allocator_class: type) -> None:
     """A ``BlockAllocator`` subclass with the student's ``free`` against the library's, on a scripted story
     (shared blocks, cached blocks, LRU order, reuse) and on random operation sequences; every observable state
     (ref counts, free-list and LRU order, cache entries) must match after every operation."""
-    from minillm.kv.block_allocator import BlockAllocator as Reference
-    from minillm.kv.block_allocator import hash_block_tokens
+    from minillm.kv.block_allocator import BlockAllocator, hash_block_tokens
+
+    class Reference(BlockAllocator):  # the library's allocator with the checker's own free (never the fenced one)
+        def free(self, block_id):
+            if self._ref[block_id] == 0:
+                raise RuntimeError(f"double free of block {block_id}")
+            self._ref[block_id] -= 1
+            if self._ref[block_id] == 0:
+                if self.is_cached(block_id):
+                    self._evictable[block_id] = None
+                else:
+                    self._free.append(block_id)
 
     mine, ref = allocator_class(4, 2), Reference(4, 2)
     shared = "a shared block survives until its last owner frees it; only the last free releases it"
@@ -112,15 +122,32 @@ def _manager_state(m, seq_ids) -> dict:
 
 @exercise("5.2", "minillm.kv.block_manager.BlockManager.append_slots",
           "grow a sequence: blocks on demand, copy-on-write",
-          "copy-on-write first: when self._needs_copy(table), put a block from self.device.allocate() in the "
-          "table's last place, free the shared one, record BlockCopy(shared, new, CopyKind.COPY_ON_WRITE); then "
-          "give each token a new block only when the last one is full, and append it to table.token_ids")
+          "never write into a block someone else can still read; take a new block only when the last one is full")
 def check_append_slots(manager_class: type) -> None:
     """A ``BlockManager`` subclass with the student's ``append_slots`` against the library's: decode appends one
     token at a time, multi-token appends across block boundaries, forks (parallel sampling) whose first write
     copies the shared partial block, and random operation sequences.  Returned copies, block tables, tokens,
     ref counts and free blocks must match after every call."""
-    from minillm.kv.block_manager import BlockManager as Reference
+    from minillm.kv.block_allocator import BlockCopy, CopyKind
+    from minillm.kv.block_manager import BlockManager
+
+    class Reference(BlockManager):  # the library's manager with the checker's own append_slots
+        def append_slots(self, seq_id, token_ids):
+            table = self._table(seq_id)
+            copies = []
+            last_partial = len(table.token_ids) % self.block_size != 0
+            if token_ids and last_partial:
+                last = table.block_ids[-1]
+                if self.device.ref_count(last) > 1 or self.device.is_cached(last):
+                    new = self.device.allocate()
+                    table.block_ids[-1] = new
+                    self.device.free(last)
+                    copies.append(BlockCopy(last, new, CopyKind.COPY_ON_WRITE))
+            for t in token_ids:
+                if len(table.token_ids) == len(table.block_ids) * self.block_size:
+                    table.block_ids.append(self.device.allocate())
+                table.token_ids.append(t)
+            return copies
 
     def run(script, num_blocks=12, bs=4, caching=True):
         mine = manager_class(num_blocks, bs, enable_prefix_caching=caching)
@@ -187,12 +214,14 @@ def check_append_slots(manager_class: type) -> None:
 
 
 @exercise("5.3", "minillm.kv.block_allocator.slot_mapping", "slot mapping from a block table",
-          "position p: block_ids[p // block_size] * block_size + p % block_size, for p in range(start, end)")
+          "which logical block holds position p, where that block lives, and where p sits inside it")
 def check_slot_mapping(slot_mapping: Callable) -> None:
-    """``slot_mapping(block_ids, start, end, block_size)`` against the library's on hand-made and random tables."""
-    from minillm.kv.block_allocator import slot_mapping as reference
+    """``slot_mapping(block_ids, start, end, block_size)`` against the checker's own on hand-made and fresh random tables."""
+    def reference(block_ids, start, end, bs):
+        flat = [b * bs + i for b in block_ids for i in range(bs)]  # every slot of the table, in position order
+        return flat[start:end]
 
-    rng = random.Random(0)
+    rng = random.Random()
     cases = [([7, 2, 9], 0, 12, 4), ([7, 2, 9], 3, 6, 4), ([7, 2, 9], 5, 5, 4), ([7, 2, 9], 11, 12, 4),
              ([3], 0, 16, 16), ([5, 0, 4, 1], 0, 4, 1), ([0, 1, 2], 0, 40, 16)]
     cases += [(rng.sample(range(64), n), s, e, bs) for n, bs in ((5, 16), (9, 4), (3, 2))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from types import SimpleNamespace
 
 import torch
 
@@ -29,7 +30,14 @@ def _check_specs() -> list:
 def check_linear_cost(linear_cost: Callable) -> None:
     """``linear_cost(M, K, N, dtype, weight_dtype=, bias=)``: FLOPs, bytes and their split, exactly, on decode,
     batched, prefill and square shapes, with a bias and with quantized weights; then intensity ≈ M when M ≪ K, N."""
-    from minillm.perf.roofline import linear_cost as reference
+    from minillm.perf.roofline import dtype_bytes
+
+    def reference(M, K, N, dtype, weight_dtype=None, bias=False):  # the checker's own count
+        a = dtype_bytes(dtype)
+        w = a if weight_dtype is None else dtype_bytes(weight_dtype)
+        weights, acts = K * N * w + (N * a if bias else 0), (M * K + M * N) * a
+        return SimpleNamespace(flops=2 * M * K * N + (M * N if bias else 0), bytes=weights + acts,
+                               breakdown={"weights": weights, "activations": acts})
 
     cases = [
         ("decode GEMV (Llama-2-7B q_proj, batch 1)", (1, 4096, 4096, "bfloat16"), {}),
@@ -65,11 +73,13 @@ def check_linear_cost(linear_cost: Callable) -> None:
 
 
 @exercise("0.2", "minillm.perf.roofline.ridge_point", "the ridge point",
-          "peak FLOP/s for the dtype (spec.peak(dtype)) divided by the memory bandwidth in bytes/s")
+          "the intensity at which the two roofs of the plot meet; the spec knows each dtype's peak")
 def check_ridge_point(ridge_point: Callable) -> None:
     """``ridge_point(spec, dtype)``: H100 SXM bf16 ≈ 295 FLOP/byte, then every reference GPU and dtype."""
     from minillm.perf.hardware import get_spec
-    from minillm.perf.roofline import ridge_point as reference
+
+    def reference(spec, dtype):
+        return spec.peak(dtype) / spec.memory_bandwidth
 
     got = ridge_point(get_spec("H100-SXM"), "bfloat16")
     assert _close(got, 989e12 / 3.35e12, rel=1e-9), (
@@ -84,10 +94,11 @@ def check_ridge_point(ridge_point: Callable) -> None:
 
 
 @exercise("0.3", "minillm.perf.roofline.attainable_flops", "attainable FLOP/s (the roofline)",
-          "the lower of the two roofs: min(spec.peak(dtype), intensity × spec.memory_bandwidth)")
+          "a kernel is limited by whichever roof is lower at its intensity")
 def check_attainable_flops(attainable_flops: Callable) -> None:
     """``attainable_flops(spec, intensity, dtype)`` below, at and above the ridge, for every reference GPU and dtype."""
-    from minillm.perf.roofline import attainable_flops as reference
+    def reference(spec, intensity, dtype):
+        return min(spec.peak(dtype), intensity * spec.memory_bandwidth)
 
     for name, spec, dtype in _check_specs():
         ridge = spec.peak(dtype) / spec.memory_bandwidth
@@ -107,7 +118,9 @@ def check_mbu(mbu: Callable) -> None:
     """``mbu(bytes_per_step, steps_per_s, bandwidth)``: the 7B / 100 tok/s / A100 example (70 %), then others,
     with the bandwidth given as a number and as a ``HardwareSpec``."""
     from minillm.perf.hardware import get_spec
-    from minillm.perf.roofline import mbu as reference
+
+    def reference(nbytes, steps, bandwidth):
+        return nbytes * steps / getattr(bandwidth, "memory_bandwidth", bandwidth)
 
     got = mbu(7e9 * 2, 100, 2e12)
     assert _close(got, 0.7, rel=1e-9), (
