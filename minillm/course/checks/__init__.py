@@ -4,7 +4,11 @@
 checker; importing this package registers every notebook's exercises.
 """
 
-from minillm.course.checks.attention_kernels import check_flash_tile_step, check_merge_attention_partials
+from minillm.course.checks.attention_kernels import (
+    check_decode_partial_program,
+    check_flash_tile_step,
+    check_merge_attention_partials,
+)
 from minillm.course.checks.attention_variants import check_grouped_attention, check_kv_bytes_gqa
 from minillm.course.checks.batching import check_admit, check_batch_slots, check_prefill_chunk_len
 from minillm.course.checks.generation import (
@@ -20,12 +24,18 @@ from minillm.course.checks.kv_cache import (
     check_kv_cache_update,
     check_prediction_bytes,
 )
-from minillm.course.checks.paged import check_append_slots, check_block_free, check_prediction, check_slot_mapping
+from minillm.course.checks.paged import (
+    check_append_slots,
+    check_block_free,
+    check_paged_decode_attention,
+    check_prediction,
+    check_slot_mapping,
+)
 from minillm.course.checks.registry import CONFIGS, EXERCISES, LLAMA2_7B, SMOLLM2_135M, TINY_MQA, Exercise, exercise
 from minillm.course.checks.roofline import check_attainable_flops, check_linear_cost, check_mbu, check_ridge_point
 from minillm.course.checks.serving import check_arrival_times, check_parse_stream
 
-__all__ = ["check_admit", "CONFIGS", "EXERCISES", "Exercise", "LLAMA2_7B", "SMOLLM2_135M", "TINY_MQA", "check_append_slots",
+__all__ = ["check_admit", "check_decode_partial_program", "check_paged_decode_attention", "CONFIGS", "EXERCISES", "Exercise", "LLAMA2_7B", "SMOLLM2_135M", "TINY_MQA", "check_append_slots",
            "check_attainable_flops", "check_batch_slots", "check_block_free", "check_cached_logits",
            "check_cost_per_million_tokens", "check_decode_weight_bytes", "check_flash_tile_step", "check_goodput",
            "check_grouped_attention", "check_kv_bytes_gqa", "check_kv_bytes_per_token", "check_kv_cache_update",

@@ -116,3 +116,66 @@ def check_flash_tile_step(flash_tile_step: Callable) -> None:
                                    msg=lambda msg, where=where: f"{where}: acc / den after the last tile differs "
                                    f"from softmax attention over all keys. {msg}")
     _passed("4.2")
+
+
+def _reference_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: list[int]) -> torch.Tensor:
+    """The checker's own decode attention in fp64: q [B, H_q, D] over each row's first lens[b] keys -> fp32."""
+    B, Hq, D = q.shape
+    G = Hq // k.shape[1]
+    out = torch.empty(B, Hq, D, dtype=torch.float64)
+    for b in range(B):
+        for h in range(Hq):
+            kk, vv = k[b, h // G, : lens[b]].double(), v[b, h // G, : lens[b]].double()
+            out[b, h] = ((kk @ q[b, h].double()) * D**-0.5).softmax(0) @ vv
+    return out.float()
+
+
+@exercise("4.3", "minillm.kernels.triton.decode.decode_partial_program", "the flash-decoding tile loop in Triton",
+          "the same online softmax as exercise 4.2, one [BLOCK_N, D] tile of K and V at a time, in base 2; "
+          "masked loads for the ragged last tile")
+def check_decode_partial_program(decode_partial_program: Callable) -> None:
+    """Your pass-1 program, compiled with ``triton.jit`` and launched by the library's flash-decoding (its merge
+    kernel included), against the checker's own fp64 attention: GQA, MHA and MQA groups, splits and tiles that cut
+    sequences anywhere, a split past a short sequence (must write m = -inf, l = 0), one-key sequences, a head dim
+    that is not a power of two.  On CPU it runs in Triton's interpreter (TRITON_INTERPRET=1 before the kernels
+    are defined)."""
+    import importlib.util
+    import os
+
+    if importlib.util.find_spec("triton") is None:
+        raise RuntimeError("exercise 4.3 needs the triton package (pip install triton; on CPU it runs interpreted)")
+    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        raise RuntimeError("exercise 4.3 on CPU needs TRITON_INTERPRET=1 set before triton is imported: restart "
+                           "the kernel and run the notebook's first cells (they set it)")
+    import triton
+
+    from minillm.kernels.triton.decode import decode_attention_triton
+
+    kernel = triton.jit(decode_partial_program)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    cases = [  # name, (H_q, H_kv, S_max, D), seq_lens, split_size, block_n
+        ("grouped-query, one split, ragged last tile", (6, 2, 40, 16), [40, 23], 64, 16),
+        ("splits and tiles cutting the keys anywhere", (4, 2, 70, 16), [70, 45, 1], 24, 16),
+        ("a split past a short sequence (empty range: m = -inf, l = 0, acc = 0)", (4, 1, 64, 16), [64, 5], 16, 16),
+        ("multi-head (G = 1), the head dim not a power of two", (3, 3, 33, 24), [33, 17], 32, 16),
+        ("multi-query (H_kv = 1), the SmolLM2 group of 3", (3, 1, 50, 64), [50, 49, 2], 20, 32),
+    ]
+    for name, (Hq, Hkv, S, D), lens, split, block in cases:
+        B = len(lens)
+        q = torch.randn(B, Hq, D, generator=gen)
+        k, v = torch.randn(B, Hkv, S, D, generator=gen), torch.randn(B, Hkv, S, D, generator=gen)
+        expected = _reference_decode(q, k, v, lens)
+        got = decode_attention_triton(q.to(device), k.to(device), v.to(device),
+                                      torch.tensor(lens, dtype=torch.int32, device=device), split_size=split,
+                                      block_n=block, partial_kernel=kernel).cpu()
+        where = (f"{name}: q {tuple(q.shape)}, k/v {tuple(k.shape)}, seq_lens {lens}, {split} keys per split, "
+                 f"tiles of {block}")
+        assert torch.isfinite(got).all(), (
+            f"{where}: the output has inf/NaN at {(~torch.isfinite(got)).nonzero()[:3].tolist()}: an empty key range "
+            "must leave m_i = -inf, l_i = 0, acc = 0, and keys past `end` must score -inf (mask them).")
+        tol = {} if device == "cpu" else {"rtol": 1e-3, "atol": 1e-3}  # GPU: fp32 dots may run in TF32
+        torch.testing.assert_close(got, expected, **tol, msg=lambda m, where=where: (
+            f"{where}: the output differs from softmax attention over each sequence's keys. Rescale l_i and acc by "
+            f"2^(m_old − m_new) when the max rises; mask keys ≥ end in the scores and in the loads. {m}"))
+    _passed("4.3")

@@ -5,6 +5,8 @@ from __future__ import annotations
 import random
 from collections.abc import Callable
 
+import torch
+
 from minillm.course.checks.registry import _passed, exercise
 
 
@@ -233,6 +235,68 @@ def check_slot_mapping(slot_mapping: Callable) -> None:
             f"expected {expected}: position p lives in physical block block_ids[p // block_size], at offset "
             "p % block_size, and a block is block_size slots wide.")
     _passed("5.3")
+
+
+def _reference_paged_attention(q, k_cache, v_cache, block_tables, seq_lens, scale):
+    """The checker's own paged decode attention: one sequence and one query head at a time, in fp64."""
+    B, H_q, D = q.shape
+    bs, H_kv = k_cache.shape[1], k_cache.shape[2]
+    out = torch.empty(B, H_q, D, dtype=torch.float64)
+    for b in range(B):
+        n = int(seq_lens[b])
+        blocks = [int(x) for x in block_tables[b, : -(-n // bs)]]
+        k = torch.cat([k_cache[x] for x in blocks])[:n].double()  # (n, H_kv, D)
+        v = torch.cat([v_cache[x] for x in blocks])[:n].double()
+        for h in range(H_q):
+            kv_head = h // (H_q // H_kv)
+            p = ((k[:, kv_head] @ q[b, h].double()) * scale).softmax(0)  # (n,)
+            out[b, h] = p @ v[:, kv_head]
+    return out
+
+
+@exercise("5.4", "minillm.kernels.reference.paged_decode_attention_ref", "decode attention through block tables",
+          "gather each sequence's K/V rows into position order through its table (only the blocks it uses), "
+          "then attend over the first seq_lens[b] positions")
+def check_paged_decode_attention(paged_decode_attention: Callable) -> None:
+    """``paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale)`` against the checker's own
+    per-sequence loop on fresh random pools: MHA, GQA and MQA heads, lengths at and across block boundaries, one
+    token, shuffled and interleaved blocks, tables padded with ids past the pool (never read), an explicit scale."""
+    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    cases = [  # name, (H_q, H_kv, D, block_size, num_blocks), seq_lens, padding id, scale
+        ("grouped-query heads, lengths inside, at and past a block boundary", (6, 2, 8, 4, 24), [5, 8, 9], 0, None),
+        ("multi-head (H_kv = H_q), one-token and full sequences", (4, 4, 16, 8, 12), [1, 16, 7], 0, None),
+        ("multi-query (H_kv = 1), an explicit scale", (8, 1, 8, 4, 20), [13, 3], 0, 0.3),
+        ("tables padded with ids past the pool: entries past a sequence's last block are never read",
+         (6, 3, 8, 4, 16), [2, 11, 6], 10_000, None),
+        ("the SmolLM2 head layout, 16-token blocks", (9, 3, 64, 16, 10), [33, 17], 0, None),
+    ]
+    for name, (Hq, Hkv, D, bs, nb), lens, pad, scale in cases:
+        k_cache, v_cache = torch.randn(nb, bs, Hkv, D, generator=gen), torch.randn(nb, bs, Hkv, D, generator=gen)
+        q = torch.randn(len(lens), Hq, D, generator=gen)
+        order = torch.randperm(nb, generator=gen).tolist()  # blocks scattered over the pool
+        width = max(-(-n // bs) for n in lens) + 1  # one spare column: every row is padded
+        rows = []
+        for n in lens:
+            used = [order.pop() for _ in range(-(-n // bs))]
+            rows.append(used + [pad] * (width - len(used)))
+        tables, seq_lens = torch.tensor(rows, dtype=torch.int32), torch.tensor(lens, dtype=torch.int32)
+        expected = _reference_paged_attention(q, k_cache, v_cache, tables, seq_lens,
+                                              D**-0.5 if scale is None else scale).float()
+        where = (f"{name}: q {tuple(q.shape)}, caches {tuple(k_cache.shape)} = [num_blocks, block_size, H_kv, D], "
+                 f"block_tables {rows}, seq_lens {lens}, scale {scale}")
+        try:
+            got = paged_decode_attention(q.clone(), k_cache.clone(), v_cache.clone(), tables.clone(),
+                                         seq_lens.clone(), scale=scale)
+        except IndexError as e:
+            raise AssertionError(f"{where}: raised IndexError ({e}): a table entry past a sequence's last block was "
+                                 "read; only the first ceil(seq_lens[b] / block_size) entries are blocks.") from e
+        assert isinstance(got, torch.Tensor) and got.shape == expected.shape, (
+            f"{where}: returned {tuple(got.shape) if isinstance(got, torch.Tensor) else type(got).__name__}, "
+            f"expected a tensor of shape {tuple(expected.shape)} = [B, H_q, D].")
+        torch.testing.assert_close(got.float(), expected, msg=lambda m, where=where: (
+            f"{where}: the output differs from attention over each sequence's own positions. Position p of "
+            f"sequence b is in its table's block p // block_size; keys past seq_lens[b] must get no weight. {m}"))
+    _passed("5.4")
 
 
 def check_prediction(predicted: float, measured: float, *, what: str, tolerance: float = 0.1) -> None:
