@@ -14,6 +14,7 @@ from minillm.course.checks.batching import check_admit, check_batch_slots, check
 from minillm.course.checks.generation import (
     check_cost_per_million_tokens,
     check_decode_weight_bytes,
+    check_generation_loop,
     check_goodput,
     check_percentile,
     check_roofline_prediction,
@@ -35,11 +36,13 @@ from minillm.course.checks.registry import CONFIGS, EXERCISES, LLAMA2_7B, SMOLLM
 from minillm.course.checks.roofline import check_attainable_flops, check_linear_cost, check_mbu, check_ridge_point
 from minillm.course.checks.serving import check_arrival_times, check_parse_stream
 
-__all__ = ["check_admit", "check_decode_partial_program", "check_paged_decode_attention", "CONFIGS", "EXERCISES", "Exercise", "LLAMA2_7B", "SMOLLM2_135M", "TINY_MQA", "check_append_slots",
+__all__ = ["CONFIGS", "EXERCISES", "Exercise", "LLAMA2_7B", "SMOLLM2_135M", "TINY_MQA", "check_append_slots",
            "check_attainable_flops", "check_batch_slots", "check_block_free", "check_cached_logits",
            "check_cost_per_million_tokens", "check_decode_weight_bytes", "check_flash_tile_step", "check_goodput",
            "check_grouped_attention", "check_kv_bytes_gqa", "check_kv_bytes_per_token", "check_kv_cache_update",
            "check_linear_cost", "check_mbu", "check_merge_attention_partials", "check_percentile",
            "check_prediction", "check_prediction_bytes", "check_prefill_chunk_len", "check_ridge_point",
            "check_roofline_prediction", "check_slot_mapping", "exercise"]
+__all__ += ["check_admit", "check_decode_partial_program", "check_generation_loop",  # the written exercises
+            "check_paged_decode_attention"]
 __all__ += ["check_arrival_times", "check_parse_stream"]  # notebook 09

@@ -131,3 +131,94 @@ def check_roofline_prediction(predicted: float, measured: float, *, what: str = 
             f"measured {what} {measured:.4g} is only {ratio:.0%} of the predicted bound {predicted:.4g} "
             f"(expected at least {lower:.0%} on CPU): the prediction counts too few bytes, or the machine is busy.")
     print(f"✓ prediction holds: measured {what} = {ratio:.0%} of the roofline bound")
+
+
+def _tiny_model(seed: int):
+    """A 2-layer random Llama (vocab 64, GQA 4 → 2 heads) with lively logits, fp32 on CPU."""
+    from minillm.config import ModelConfig
+    from minillm.models.llama import Transformer
+
+    config = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
+                         num_kv_heads=2, head_dim=8, max_position_embeddings=40)
+    model = Transformer(config).eval()
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    return model.set_kernels("torch")
+
+
+@torch.inference_mode()
+def _reference_generation(model, prompt: list[int], params, eos: frozenset[int]) -> tuple[list[int], str]:
+    """The checker's own loop, one request at a time, full forward every step: (tokens, finish reason)."""
+    from minillm.sampling.sampler import make_generator, sample
+
+    gen, out = make_generator(params), []
+    while True:
+        ids = torch.tensor([prompt + out])
+        logits = model(ids, torch.arange(ids.shape[1])[None])[:, -1].float()  # (1, V): the last token's
+        token = sample(logits, [params], [gen])[0]
+        out.append(token)
+        if token in eos and not params.ignore_eos:
+            return out, "stop"
+        if len(out) >= params.max_tokens or len(prompt) + len(out) >= model.config.max_position_embeddings:
+            return out, "length"
+
+
+@exercise("1.5", "minillm.engine.simple.stream_naive", "the generation loop: prefill, decode, sample",
+          "one forward per step over the unfinished requests; each row's next token comes from its own last real "
+          "position, not from the padding")
+def check_generation_loop(stream_naive: Callable) -> None:
+    """``stream_naive(model, prompts, params, eos_ids)`` on a small random model against the checker's own
+    one-request-at-a-time loop: prompts of different lengths (padding), greedy and seeded sampling side by side,
+    an EOS that stops one request early (and one that ignores it), max_tokens = 1, a request that reaches the
+    context length; the yielded tokens, their order, and the returned states must match."""
+    from minillm.sampling.params import SamplingParams
+
+    model = _tiny_model(torch.seed() % 2**31)
+    rng = random.Random()
+    greedy = SamplingParams(max_tokens=6, temperature=0)
+    first_token = _reference_generation(model, [5, 9, 2], greedy, frozenset())[0]
+    cases = [
+        ("one prompt, greedy", [[5, 9, 2]], [greedy], ()),
+        ("prompts of different lengths (1, 7 and 3 tokens), greedy: rows are right-padded",
+         [[3], [rng.randrange(64) for _ in range(7)], [11, 12, 13]], [greedy] * 3, ()),
+        ("seeded sampling beside greedy, different lengths",
+         [[1, 2, 3, 4, 5], [7, 8]], [SamplingParams(max_tokens=5, temperature=1.0, seed=rng.randrange(1000)),
+                                     SamplingParams(max_tokens=7, temperature=0)], ()),
+        ("an EOS token stops the first request; the second ignores it",
+         [[5, 9, 2], [5, 9, 2]], [greedy, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)],
+         (first_token[1],)),
+        ("max_tokens = 1: only the prefill's token", [[4, 4, 4], [9]],
+         [SamplingParams(max_tokens=1, temperature=0)] * 2, ()),
+        ("a request that runs into the context length (40 positions)", [list(range(1, 37)), [2]],
+         [SamplingParams(max_tokens=20, temperature=0)] * 2, ()),
+    ]
+    for name, prompts, params, eos in cases:
+        loop = stream_naive(model, [list(p) for p in prompts], list(params), list(eos))
+        yielded = []
+        while True:
+            try:
+                yielded.append(next(loop))
+            except StopIteration as done:
+                states = done.value
+                break
+        where = f"{name}: prompts {prompts}, eos_ids {list(eos)}"
+        expected = [_reference_generation(model, p, sp, frozenset(eos)) for p, sp in zip(prompts, params, strict=True)]
+        assert isinstance(states, list) and len(states) == len(prompts), (
+            f"{where}: the loop must end by returning the list of final SequenceStates (one per prompt), got "
+            f"{type(states).__name__}")
+        for r, (tokens, reason) in enumerate(expected):
+            got = list(states[r].output)
+            assert got == tokens, (
+                f"{where}: request {r} generated {got}, expected {tokens}. Take each row's logits at its own last "
+                "real token (shorter prompts are right-padded), sample with that request's params and generator, "
+                "and stop a request as soon as _append says it is done.")
+            assert states[r].finish_reason == reason, (
+                f"{where}: request {r} finished with {states[r].finish_reason!r}, expected {reason!r}")
+        streamed = {r: [t for u in yielded if u.request_id == str(r) for t in u.token_ids] for r in range(len(prompts))}
+        assert all(streamed[r] == expected[r][0] for r in streamed), (
+            f"{where}: the yielded StepOutputs carry {streamed}, expected each request's tokens in order "
+            f"{ {r: e[0] for r, e in enumerate(expected)} }: yield every token as it is produced.")
+    _passed("1.5")

@@ -15,7 +15,8 @@ from minillm.course.checks.registry import CONFIGS, LLAMA2_7B, _passed, exercise
 def check_kv_bytes_per_token(kv_bytes_per_token: Callable) -> None:
     """``kv_bytes_per_token(config, dtype)`` exactly, for MHA, GQA and MQA models in three dtypes."""
     def reference(config, dtype):  # K and V, per layer, per K/V head, head_dim elements
-        return 2 * config.num_layers * config.num_kv_heads * config.head_dim * torch.empty(0, dtype=dtype).element_size()
+        size = torch.empty(0, dtype=dtype).element_size()
+        return 2 * config.num_layers * config.num_kv_heads * config.head_dim * size
 
     got = kv_bytes_per_token(LLAMA2_7B, torch.float16)
     assert got == 512 * 1024, (

@@ -218,7 +218,8 @@ def check_append_slots(manager_class: type) -> None:
 @exercise("5.3", "minillm.kv.block_allocator.slot_mapping", "slot mapping from a block table",
           "which logical block holds position p, where that block lives, and where p sits inside it")
 def check_slot_mapping(slot_mapping: Callable) -> None:
-    """``slot_mapping(block_ids, start, end, block_size)`` against the checker's own on hand-made and fresh random tables."""
+    """``slot_mapping(block_ids, start, end, block_size)`` against the checker's own, on hand-made and fresh random
+    tables."""
     def reference(block_ids, start, end, bs):
         flat = [b * bs + i for b in block_ids for i in range(bs)]  # every slot of the table, in position order
         return flat[start:end]
