@@ -7,6 +7,7 @@ from collections.abc import Callable
 import torch
 
 from minillm.course.checks.registry import _passed, exercise
+from minillm.course.checks.roofline import prediction_checker
 
 
 def _softmax_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
@@ -179,3 +180,8 @@ def check_decode_partial_program(decode_partial_program: Callable) -> None:
             f"{where}: the output differs from softmax attention over each sequence's keys. Rescale l_i and acc by "
             f"2^(m_old − m_new) when the max rises; mask keys ≥ end in the scores and in the loads. {m}"))
     _passed("4.3")
+
+
+check_prediction_attention = prediction_checker(
+    "4.0", "prediction_attention", "minillm.course.predictions.predict_attention_gb_s",
+    "the GB/s of K/V decode attention reads", "GB/s")

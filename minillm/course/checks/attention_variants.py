@@ -7,6 +7,7 @@ from collections.abc import Callable
 import torch
 
 from minillm.course.checks.registry import CONFIGS, LLAMA2_7B, _close, _passed, exercise
+from minillm.course.checks.roofline import prediction_checker
 
 
 @exercise("3.1", "minillm.models.attention_variants.kv_bytes_gqa", "KV bytes per token for any number of K/V heads",
@@ -125,3 +126,8 @@ def check_grouped_attention(grouped_attention: Callable) -> None:
             "multiplying by kᵀ directly: repeat_interleave copies K/V, and so does torch.matmul when it broadcasts "
             "an operand over an extra group dimension.")
     _passed("3.2")
+
+
+check_prediction_mqa = prediction_checker(
+    "3.0", "prediction_mqa", "minillm.course.predictions.predict_mqa_speedup",
+    "the multi-query over multi-head decode speedup", "×")

@@ -6,6 +6,7 @@ import random
 from collections.abc import Callable
 
 from minillm.course.checks.registry import _passed, exercise
+from minillm.course.checks.roofline import prediction_checker
 
 
 def _reference_batch_slots(slots, remaining, waiting, policy="continuous"):
@@ -217,3 +218,8 @@ def check_admit(scheduler_class: type) -> None:
                     "waiting queue only; stop at the first one that may not start.")
         assert len(got) == len(expected), f"{name}: ran {len(got)} steps, expected {len(expected)}"
     _passed("6.3")
+
+
+check_prediction_batching = prediction_checker(
+    "6.0", "prediction_batching", "minillm.course.predictions.predict_continuous_speedup",
+    "the continuous ÷ static throughput", "×")

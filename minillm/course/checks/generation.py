@@ -10,6 +10,7 @@ from types import SimpleNamespace
 import torch
 
 from minillm.course.checks.registry import CONFIGS, _close, _passed, exercise
+from minillm.course.checks.roofline import prediction_checker
 
 
 @exercise("1.1", "minillm.perf.metrics.decode_weight_bytes", "weight bytes read per decode step",
@@ -111,26 +112,29 @@ def check_cost_per_million_tokens(cost_per_million_tokens: Callable) -> None:
 
 
 def check_roofline_prediction(predicted: float, measured: float, *, what: str = "decode tokens/s",
-                              device: str = "cpu", upper: float = 1.25, lower: float = 0.1) -> None:
-    """A "predict, then measure" check: the roofline bound ``predicted`` against the ``measured`` rate.
+                              device: str = "cpu", upper: float = 1.25, see: str = "") -> float:
+    """Place a measured rate against the roofline bound ``predicted`` and say honestly what the gap means.
 
     A bound cannot be beaten: ``measured`` may exceed ``predicted`` by at most ``upper`` − 1 (25 %: bandwidth and
-    speed are measured at different moments, on a machine that may be shared).  On CPU the engine should also
-    reach ``lower`` (10 %) of it; a quiet CPU gives 40–70 %.  On a GPU a small model at batch 1 is bound by
-    kernel-launch overhead (~5 µs × hundreds of kernels per step), far below the bandwidth bound, so no lower
-    limit applies there.
+    speed are measured at different moments, on a machine that may be shared) — past that the cost model is
+    wrong, and this raises.  Below the bound nothing passes or fails: the verdict reports the fraction reached
+    (≥ 80 % bandwidth bound, 50–80 % mostly so, < 50 % overhead dominates; ``see`` points at the explanation).
+    On a GPU a small model at batch 1 pays ~5 µs of launch overhead for each of hundreds of kernels per step.
+    Returns the fraction of the bound reached.
     """
+    from minillm.course.checks.roofline import gap_verdict
+
     assert predicted > 0 and measured > 0, f"need positive rates, got predicted={predicted}, measured={measured}"
     ratio = measured / predicted
     assert ratio <= upper, (
         f"measured {what} {measured:.4g} beats the predicted bound {predicted:.4g} by {ratio - 1:.0%} "
         f"(allowed {upper - 1:.0%}): the prediction counts more bytes than the step reads, or the bandwidth "
         "measurement is too low.")
-    if str(device).startswith("cpu"):
-        assert ratio >= lower, (
-            f"measured {what} {measured:.4g} is only {ratio:.0%} of the predicted bound {predicted:.4g} "
-            f"(expected at least {lower:.0%} on CPU): the prediction counts too few bytes, or the machine is busy.")
-    print(f"✓ prediction holds: measured {what} = {ratio:.0%} of the roofline bound")
+    why = gap_verdict(ratio)
+    if ratio < 0.5 and str(device).startswith("cuda"):
+        why += " (kernel launches: hundreds per step at ~5 µs each)"
+    print(f"measured {what} at {ratio:.0%} of the roofline bound: {why}" + (f" — {see}" if see else ""))
+    return ratio
 
 
 def _tiny_model(seed: int):
@@ -222,3 +226,8 @@ def check_generation_loop(stream_naive: Callable) -> None:
             f"{where}: the yielded StepOutputs carry {streamed}, expected each request's tokens in order "
             f"{ {r: e[0] for r, e in enumerate(expected)} }: yield every token as it is produced.")
     _passed("1.5")
+
+
+check_prediction_decode = prediction_checker(
+    "1.0", "prediction_decode", "minillm.course.predictions.predict_decode_tok_s",
+    "decode tokens/s at batch 1", "tokens/s")

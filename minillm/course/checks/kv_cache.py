@@ -8,6 +8,7 @@ import torch
 
 from minillm.config import ModelConfig
 from minillm.course.checks.registry import CONFIGS, LLAMA2_7B, _passed, exercise
+from minillm.course.checks.roofline import prediction_checker
 
 
 @exercise("2.1", "minillm.kv.contiguous.kv_bytes_per_token", "KV-cache bytes per token",
@@ -127,3 +128,8 @@ def check_prediction_bytes(predicted: float, measured: float, *, tolerance: floa
         f"predicted {what} {predicted / 2**20:,.1f} MiB but the allocation grew memory by {measured / 2**20:,.1f} "
         f"MiB ({err:.1%} off, tolerance {tolerance:.0%}).")
     print(f"✓ prediction holds: {what} within {err:.1%} of the measurement")
+
+
+check_prediction_step = prediction_checker(
+    "2.0", "prediction_step", "minillm.course.predictions.predict_decode_step_ms",
+    "the decode step over the longest cache", "ms")

@@ -8,6 +8,7 @@ from collections.abc import Callable
 import torch
 
 from minillm.course.checks.registry import _passed, exercise
+from minillm.course.checks.roofline import prediction_checker
 
 
 def _allocator_state(a) -> dict:
@@ -308,3 +309,8 @@ def check_prediction(predicted: float, measured: float, *, what: str, tolerance:
         f"predicted {what} {predicted:,.4g}, measured {measured:,.4g} ({err:.1%} off, tolerance {tolerance:.0%}): "
         "recheck the formula behind the prediction.")
     print(f"✓ prediction holds: {what} within {err:.1%} of the measurement")
+
+
+check_prediction_paged = prediction_checker(
+    "5.0", "prediction_paged", "minillm.course.predictions.predict_paged_sequences",
+    "the paged sequences that fit", "sequences")

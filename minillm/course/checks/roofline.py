@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
+from dataclasses import dataclass
 from types import SimpleNamespace
 
 import torch
@@ -136,3 +138,100 @@ def check_mbu(mbu: Callable) -> None:
             f"mbu(bytes_per_step={nbytes:g}, steps_per_s={steps:g}, bandwidth={shown}) returned {got!r}, "
             f"expected {expected:.4g}: bytes per step × steps per second ÷ peak bandwidth (bytes/s).")
     _passed("0.4")
+
+
+# ------------------------------------------------------------------------------ the student's predictions
+@dataclass(frozen=True)
+class Verdict:
+    """A prediction set against a measurement and a model's value (the roofline bound, usually).
+
+    ``of_bound``: how much of the bound's speed was reached (1 = at the bound); ``of_prediction``: measured ÷
+    predicted speed (1 = exact; < 1: the prediction was optimistic).  ``text``: what the notebook prints.
+    """
+
+    mine: float
+    measured: float
+    bound: float | None
+    of_bound: float | None
+    of_prediction: float
+    text: str
+
+
+def gap_verdict(of_bound: float) -> str:
+    """What reaching ``of_bound`` of a bandwidth bound means: ≥ 80 % bandwidth bound, 50–80 % mostly so (the rest
+    is fixed per-step cost), below 50 % overhead dominates."""
+    if of_bound >= 0.8:
+        return "bandwidth bound: the roofline explains the time"
+    if of_bound >= 0.5:
+        return f"mostly bandwidth bound; the other {1 - of_bound:.0%} is fixed per-step cost"
+    return "overhead dominates, not bandwidth"
+
+
+def _speed(x: float, lower_is_faster: bool) -> float:
+    return 1 / x if lower_is_faster else x
+
+
+def judge_prediction(mine: float | None, measured: float, *, bound: float | None = None, what: str,
+                     unit: str = "", lower_is_faster: bool = False, bound_name: str = "the roofline bound",
+                     see: str = "", upper: float = 1.25) -> Verdict:
+    """Compare the student's prediction ``mine`` with ``measured`` and with ``bound``, and say what the gaps mean.
+
+    No band passes or fails the student: the verdict states how far each number is from the others (ratios
+    computed here) — a prediction within 15 % "held"; a measurement at ≥ 80 % of the bound is bandwidth bound,
+    50–80 % mostly so, below 50 % overhead dominates (``see`` points at where the notebook explains it).  The only
+    assertion is on the model: a measurement beating a bound by more than ``upper`` − 1 means the bound counts
+    the wrong bytes.  ``lower_is_faster``: the quantities are times (ms), not rates.  Raises ``ValueError`` when
+    no prediction was written (``mine`` is None).
+    """
+    if mine is None or isinstance(mine, bool) or not isinstance(mine, int | float) or not mine > 0:
+        raise ValueError(f"write your prediction of {what} first (a positive number, in {unit or 'the unit asked'}), "
+                         f"then run this cell; got {mine!r}")
+    assert measured > 0, f"the measurement of {what} must be positive, got {measured}"
+    fmt = (lambda x: f"{x:,.4g} {unit}".rstrip())
+    of_prediction = _speed(measured, lower_is_faster) / _speed(mine, lower_is_faster)
+    lines = [f"{what}: you predicted {fmt(mine)}, measured {fmt(measured)}"]
+    if 1 / 1.15 <= of_prediction <= 1.15:
+        lines.append(f"  your prediction held: within {abs(of_prediction - 1):.0%} of the measurement")
+    elif of_prediction < 1:
+        lines.append(f"  your prediction was {1 / of_prediction:.1f}× too optimistic")
+    else:
+        lines.append(f"  your prediction was {of_prediction:.1f}× too pessimistic")
+    of_bound = None
+    if bound is not None:
+        assert bound > 0, f"the bound must be positive, got {bound}"
+        of_bound = _speed(measured, lower_is_faster) / _speed(bound, lower_is_faster)
+        assert of_bound <= upper, (
+            f"measured {what} {fmt(measured)} beats {bound_name} {fmt(bound)} by {of_bound - 1:.0%} (more than "
+            f"{upper - 1:.0%} of noise): the bound counts more bytes than the work reads, or the bandwidth "
+            "measurement is too low.")
+        if _speed(mine, lower_is_faster) > _speed(bound, lower_is_faster) * 1.05:
+            lines.append(f"  your prediction is beyond {bound_name} ({fmt(bound)}): nothing on this machine can "
+                         "reach it — recheck the bytes and the bandwidth behind it")
+        gap = gap_verdict(of_bound)
+        lines.append(f"  measured at {of_bound:.0%} of {bound_name} ({fmt(bound)}): {gap}" + (f" — {see}" if see
+                                                                                              else ""))
+    text = "\n".join(lines)
+    print(text)
+    return Verdict(mine, measured, bound, of_bound, of_prediction, text)
+
+
+def prediction_checker(number: str, name: str, target: str, what: str, unit: str) -> Callable:
+    """Make and register the checker of prediction ``number`` (e.g. "1.0", the function ``target``): it calls the
+    student's function with the notebook's arguments, insists on a positive finite number, records and returns
+    it.  The checker of a prediction grades nothing else: the verdict comes after the measurement."""
+
+    def check(predict: Callable, *args: float) -> float:
+        value = predict(*args)
+        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value <= 0:
+            raise AssertionError(f"your prediction of {what} must be a positive number of {unit}, got {value!r}")
+        print(f"✓ Exercise {number}: your prediction of {what} is recorded: {value:,.4g} {unit}")
+        return float(value)
+
+    check.__name__ = check.__qualname__ = f"check_{name}"
+    check.__doc__ = f"Record the student's prediction of {what} ({unit}) from ``{target.rsplit('.', 1)[1]}``."
+    return exercise(number, target, f"your prediction: {what}",
+                    "write your own number (or formula from the arguments) before the measurement")(check)
+
+
+check_prediction_gemv = prediction_checker("0.0", "prediction_gemv", "minillm.course.predictions.predict_gemv_gb_s",
+                                           "the GB/s of a batch-1 F.linear pass", "GB/s")
