@@ -215,16 +215,18 @@ def judge_prediction(mine: float | None, measured: float, *, bound: float | None
     return Verdict(mine, measured, bound, of_bound, of_prediction, text)
 
 
-def prediction_checker(number: str, name: str, target: str, what: str, unit: str) -> Callable:
+def prediction_checker(number: str, name: str, target: str, what: str, unit: str,
+                       example: tuple[float, ...] = (40.0,)) -> Callable:
     """Make and register the checker of prediction ``number`` (e.g. "1.0", the function ``target``): it calls the
-    student's function with the notebook's arguments, insists on a positive finite number, records and returns
-    it.  The checker of a prediction grades nothing else: the verdict comes after the measurement."""
+    student's function with the notebook's arguments (``example`` when none are given, as a grader does),
+    insists on a positive finite number, records and returns it.  The checker of a prediction grades nothing
+    else: the verdict comes after the measurement (``judge_prediction``)."""
 
     def check(predict: Callable, *args: float) -> float:
-        value = predict(*args)
+        value = predict(*(args or example))
         if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value <= 0:
-            raise AssertionError(f"your prediction of {what} must be a positive number of {unit}, got {value!r}")
-        print(f"✓ Exercise {number}: your prediction of {what} is recorded: {value:,.4g} {unit}")
+            raise AssertionError(f"your prediction of {what}: expected a positive number of {unit}, got {value!r}")
+        print(f"✓ Exercise {number} passed: your prediction of {what} is recorded: {value:,.4g} {unit}")
         return float(value)
 
     check.__name__ = check.__qualname__ = f"check_{name}"
