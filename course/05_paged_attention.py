@@ -275,7 +275,7 @@ print(f"  {'paged, measured':32}           {measured:6d} sequences "
 checks.check_prediction(predicted["paged, 16-token blocks"], measured, what="paged sequences that fit")
 verdict = checks.judge_prediction(my_prediction, measured, bound=budget_tokens / mean_len,
                                   what="paged sequences that fit", unit="sequences",
-                                  bound_name="the no-waste limit (budget ÷ mean length)",
+                                  bound_name="the no-waste limit (budget ÷ mean length)", bandwidth=False,
                                   see="only each sequence's last, partial block is wasted (section 1)")
 
 # %% [markdown]

@@ -238,7 +238,7 @@ ratio = measured["continuous"][0].output_tok_s / measured["static"][0].output_to
 print(f"measured throughput, continuous ÷ static: {ratio:.2f}× (the step counts: "
       f"{len(measured['static'][1]) / len(measured['continuous'][1]):.2f}×)")
 verdict = checks.judge_prediction(my_prediction, ratio, bound=step_ratio, what="continuous ÷ static throughput",
-                                  unit="×", bound_name="the step-count ratio", upper=1.5,
+                                  unit="×", bound_name="the step-count ratio", upper=1.5, bandwidth=False,
                                   see="both runs prefill every prompt once (the next paragraph), and a fuller step "
                                       "costs more on this CPU (section 6)")
 dropped = min((serve("static", slots, trace, pad_batches=False) for _ in range(REPEATS)),

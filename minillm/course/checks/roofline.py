@@ -173,21 +173,25 @@ def _speed(x: float, lower_is_faster: bool) -> float:
 
 def judge_prediction(mine: float | None, measured: float, *, bound: float | None = None, what: str,
                      unit: str = "", lower_is_faster: bool = False, bound_name: str = "the roofline bound",
-                     see: str = "", upper: float = 1.25) -> Verdict:
+                     see: str = "", upper: float = 1.25, bandwidth: bool = True) -> Verdict:
     """Compare the student's prediction ``mine`` with ``measured`` and with ``bound``, and say what the gaps mean.
 
     No band passes or fails the student: the verdict states how far each number is from the others (ratios
     computed here) — a prediction within 15 % "held"; a measurement at ≥ 80 % of the bound is bandwidth bound,
     50–80 % mostly so, below 50 % overhead dominates (``see`` points at where the notebook explains it).  The only
     assertion is on the model: a measurement beating a bound by more than ``upper`` − 1 means the bound counts
-    the wrong bytes.  ``lower_is_faster``: the quantities are times (ms), not rates.  Raises ``ValueError`` when
-    no prediction was written (``mine`` is None).
+    the wrong bytes.  ``lower_is_faster``: the quantities are times (ms), not rates.  ``bandwidth=False``: the
+    bound is another model's limit (a ratio of step counts, a no-waste capacity), so the verdict says how close
+    the measurement came without calling it bandwidth bound.  Raises ``ValueError`` when no prediction was
+    written (``mine`` is None).
     """
     if mine is None or isinstance(mine, bool) or not isinstance(mine, int | float) or not mine > 0:
         raise ValueError(f"write your prediction of {what} first (a positive number, in {unit or 'the unit asked'}), "
                          f"then run this cell; got {mine!r}")
     assert measured > 0, f"the measurement of {what} must be positive, got {measured}"
-    fmt = (lambda x: f"{x:,.4g} {unit}".rstrip())
+    def fmt(x: float) -> str:
+        return f"{x:,.4g}×" if unit == "×" else f"{x:,.4g} {unit}".rstrip()
+
     of_prediction = _speed(measured, lower_is_faster) / _speed(mine, lower_is_faster)
     lines = [f"{what}: you predicted {fmt(mine)}, measured {fmt(measured)}"]
     if 1 / 1.15 <= of_prediction <= 1.15:
@@ -207,7 +211,10 @@ def judge_prediction(mine: float | None, measured: float, *, bound: float | None
         if _speed(mine, lower_is_faster) > _speed(bound, lower_is_faster) * 1.05:
             lines.append(f"  your prediction is beyond {bound_name} ({fmt(bound)}): nothing on this machine can "
                          "reach it — recheck the bytes and the bandwidth behind it")
-        gap = gap_verdict(of_bound)
+        if bandwidth:
+            gap = gap_verdict(of_bound)
+        else:
+            gap = "close to it" if of_bound >= 0.8 else ("part of the way" if of_bound >= 0.5 else "far below it")
         lines.append(f"  measured at {of_bound:.0%} of {bound_name} ({fmt(bound)}): {gap}" + (f" — {see}" if see
                                                                                               else ""))
     text = "\n".join(lines)
