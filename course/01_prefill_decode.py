@@ -220,7 +220,7 @@ plt.show()
 # %% [markdown]
 # <details><summary>Hints (optional)</summary>
 #
-# - `while active := [i for i, s in enumerate(seqs) if not s.done]:` — finished requests leave the batch.
+# - Loop while some request is not `done`, and feed only those: finished requests leave the batch.
 # - `_right_pad(rows, model.device)` returns ids, positions and `last`, each row's last real index: take
 #   `hidden[torch.arange(len(active)), last]`, not `hidden[:, -1]`, which is padding for shorter rows.
 # - `_append(seqs[i], token, eos, max_len, i)` returns the `StepOutput` to yield.

@@ -367,8 +367,8 @@ if triton_ok:
 # <details><summary>Hints (optional)</summary>
 #
 # - Initialise `m_i` to -inf, `l_i` and `acc` to zeros (fp32), then `for start_n in range(start, end, BLOCK_N):`.
-# - Keys `offs_n = start_n + tl.arange(0, BLOCK_N)`; load with `mask=(offs_n < end)[:, None] & d_mask[None, :]`,
-#   `other=0.0`; set masked scores to -inf with `tl.where` so they weigh nothing.
+# - A tile's key indices are `start_n` plus `tl.arange(0, BLOCK_N)`; load with a mask that is false past `end`
+#   (and past D), `other=0.0`; set masked scores to -inf with `tl.where` so they weigh nothing.
 # - `tl.trans(k)` for Kᵀ; `tl.max(s, 1)`, `tl.sum(p, 1)`; `tl.dot(p.to(v.dtype), v, acc * alpha[:, None])` adds
 #   into the rescaled accumulator.
 # </details>

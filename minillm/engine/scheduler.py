@@ -326,7 +326,7 @@ class Scheduler:
         - without ``chunked_prefill`` its prompt must fit the budget left whole — a prompt longer than a whole
           step's budget is split only from an untouched budget (``prefill_chunk_len``, exercise 6.2);
         - starting it: ``self.block_manager.allocate`` returns how many leading tokens the prefix cache already
-          holds; leave the queue, ``self._start_running(seq, hits, now)``, then ``self._schedule_chunk`` spends
+          holds; leave the queue, ``self._start_running`` (given those hits), then ``self._schedule_chunk`` spends
           the budget (it returns the tokens it scheduled).
         Returns nothing: the chunks go into ``out.scheduled``.
         """
