@@ -119,9 +119,10 @@ checks.check_decode_weight_bytes(decode_weight_bytes)
 # exercise 1.0: minillm.course.predictions.predict_decode_tok_s
 
 # %%
-bound_tok_s = spec.memory_bandwidth / decode_weight_bytes(config, model.dtype)
+weight_bytes = metrics.decode_weight_bytes(config, model.dtype)  # the library's count: your 1.1 may be unfinished
+bound_tok_s = spec.memory_bandwidth / weight_bytes
 print(f"roofline bound: {bound_tok_s:.1f} decode tokens/s ({spec.memory_bandwidth / 1e9:.1f} GB/s ÷ "
-      f"{decode_weight_bytes(config, model.dtype) / 1e6:.0f} MB per step)")
+      f"{weight_bytes / 1e6:.0f} MB per step)")
 my_prediction = checks.check_prediction_decode(predict_decode_tok_s, bound_tok_s)
 
 # %% [markdown]
