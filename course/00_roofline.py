@@ -34,6 +34,7 @@ import torch
 
 from minillm import LLM, SamplingParams
 from minillm.course import checks
+from minillm.course.predictions import predict_gemv_gb_s
 from minillm.kernels.cpu import native
 from minillm.models.loader import choose_dtype
 from minillm.perf import metrics, roofline
@@ -265,6 +266,19 @@ for B in batches:
           f"-> predicted ≥ {predicted_seconds(B) * 1e3:7.2f} ms ({side} bound)")
 
 # %% [markdown]
+# ### Your prediction
+#
+# The roofline says how fast the stack *could* stream its weights. Plain PyTorch at batch 1 calls `F.linear`
+# 120 times in a row: how many GB/s of weights do you expect it to reach on this machine? Write your number (or
+# a formula from the roof) before the next cell measures it.
+
+# %%
+# exercise 0.0: minillm.course.predictions.predict_gemv_gb_s
+
+# %%
+my_prediction = checks.check_prediction_gemv(predict_gemv_gb_s, spec.memory_bandwidth / 1e9)
+
+# %% [markdown]
 # Now **measure**: the same stack, weights filled with a constant (a GEMV's time depends on how much it reads, not
 # on the values), timed with PyTorch's `F.linear` and, on CPU, minillm's native GEMV — the kernel the engine uses
 # for decode batches up to 8 rows. Same bytes, two implementations.
@@ -299,10 +313,10 @@ for B in batches:
                                         for impl, times in gemv_s.items() if B in times))
 
 # %% [markdown]
-# The check, on the decode case (batch 1) with plain PyTorch, which runs everywhere: a roofline time is a **lower
-# bound**, so the measurement may not beat it (by more than 25 %, for noise: the roofs were measured at another
-# moment, on a machine that may be shared — rerun the two cells above if a busy neighbour tripped it), and on a CPU
-# it should reach at least 10 % of the predicted speed. The native kernel, where there is one, comes closer to the
+# Your number, the measurement and the roof, on the decode case (batch 1) with plain PyTorch, which runs
+# everywhere: a roofline time is a **lower bound**, so the measurement may not beat it (by more than 25 %, for
+# noise: the roofs were measured at another moment, on a machine that may be shared — rerun the two cells above
+# if a busy neighbour tripped it); below it, the verdict says what the fraction reached means. The native kernel, where there is one, comes closer to the
 # roof: same bytes, better code. On a GPU, a pass of 120 small kernels launched one by one from Python pays ~5 µs of
 # launch overhead each, more than the reads themselves take at batch 1: the measurement lands well under the roof
 # (`measure_device` captures its GEMV stack in a CUDA graph to remove that overhead; serving engines do the same).
@@ -313,8 +327,10 @@ for B in (batches[0], batches[-1]):
     print(f"batch {B}: predicted ≥ {predicted_seconds(B) * 1e3:.2f} ms; measured " + ", ".join(
         f"{impl} {times[B] * 1e3:.2f} ms ({predicted_seconds(B) / times[B]:.0%} of the roofline's speed)"
         for impl, times in gemv_s.items() if B in times))
-checks.check_roofline_prediction(1 / predicted_seconds(1), 1 / gemv_s["torch"][1], device=device,
-                                 what="GEMV-stack passes/s at batch 1 (F.linear)")
+verdict = checks.judge_prediction(my_prediction, weight_bytes / gemv_s["torch"][1] / 1e9,
+                                  bound=weight_bytes / predicted_seconds(1) / 1e9, unit="GB/s",
+                                  what="weights streamed by a batch-1 F.linear pass",
+                                  see="each of the 120 calls pays a fixed cost (on a GPU a ~5 µs launch)")
 
 # %% [markdown]
 # ## 6. MBU and MFU: how much of the machine a model uses

@@ -13,7 +13,8 @@
 #
 # **In this notebook** you compute the cache's size (exercise 2.1) and check the prediction against the memory
 # really allocated, write the cache's update (2.2) and prove cached decoding exact, then measure the speedup
-# over recomputation and the cost of reading a long cache, and place decode steps on the roofline.
+# over recomputation and — after writing down your own prediction (2.0) — the cost of reading a long cache, and
+# place decode steps on the roofline.
 # Runs in about two minutes on a 2-core CPU; on a GPU it uses the GPU.
 
 # %%
@@ -31,6 +32,7 @@ from torch import Tensor
 from minillm import LLM, SamplingParams
 from minillm.config import ModelConfig
 from minillm.course import checks
+from minillm.course.predictions import predict_decode_step_ms
 from minillm.engine.simple import generate
 from minillm.kv.contiguous import KVCache
 from minillm.perf import metrics, roofline
@@ -234,9 +236,22 @@ plt.show()
 # and 07 shrink). The cache is filled with random numbers: a step's cost depends on how much it reads, not on
 # what the values are.
 
+# %% [markdown]
+# Your prediction first: how long will one decode step over the longest cache take on this machine? The cell
+# below prints the roofline's bound for it.
+
+# %%
+# exercise 2.0: minillm.course.predictions.predict_decode_step_ms
+
+# %%
+contexts = [1, 2048] if FAST else [1, 1024, 2048, 4096, 8191]
+step_bound_ms = roofline.decode_step_cost(config, 1, contexts[-1] + 1, dtype).bytes / spec.memory_bandwidth * 1e3
+print(f"S = {contexts[-1]}: the step reads at least "
+      f"{roofline.decode_step_cost(config, 1, contexts[-1] + 1, dtype).bytes / 1e6:.0f} MB: ≥ {step_bound_ms:.1f} ms")
+my_prediction = checks.check_prediction_step(predict_decode_step_ms, step_bound_ms)
+
 # %% tags=["slide-output"]
 # NBVAL_IGNORE_OUTPUT
-contexts = [1, 2048] if FAST else [1, 1024, 2048, 4096, 8191]
 
 
 @torch.inference_mode()
@@ -261,6 +276,9 @@ for S in contexts:
     kv = costs[S].breakdown["kv_cache"]
     print(f"S = {S:5d}: {step_s[S] * 1e3:6.1f} ms per step; reads {costs[S].bytes / 1e6:6.1f} MB "
           f"({kv / costs[S].bytes:4.0%} of it KV cache) -> {costs[S].bytes / step_s[S] / 1e9:5.1f} GB/s")
+verdict = checks.judge_prediction(my_prediction, step_s[contexts[-1]] * 1e3, bound=step_bound_ms, unit="ms",
+                                  lower_is_faster=True, what=f"the decode step over S = {contexts[-1]} cached tokens",
+                                  see="a step also pays fixed costs per op, whatever S (notebook 01, section 2)")
 plt.plot(contexts, [step_s[S] * 1e3 for S in contexts], "o-", label="measured")
 plt.plot(contexts, [costs[S].bytes / spec.memory_bandwidth * 1e3 for S in contexts], "k--",
          label="roofline bound: bytes ÷ bandwidth")

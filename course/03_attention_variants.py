@@ -16,7 +16,7 @@
 #
 # **In this notebook** you compute the cache for any H_kv (exercise 3.1), write attention that shares K/V heads
 # without copying them (3.2), then turn SmolLM2 into an MHA model (H_kv = 9, identical outputs) and an MQA model
-# (H_kv = 1, pooled heads), predict and measure their cache memory and decode speed, measure what pooling costs
+# (H_kv = 1, pooled heads), predict (3.0) and measure their cache memory and decode speed, measure what pooling costs
 # in perplexity, size the other variants with calculators, and see on the roofline why batching does not help
 # attention. Runs in about two minutes on a 2-core CPU; on a GPU it uses the GPU.
 
@@ -39,6 +39,7 @@ from torch import Tensor, nn
 
 from minillm import LLM, SamplingParams, kernels
 from minillm.course import checks
+from minillm.course.predictions import predict_mqa_speedup
 from minillm.engine.simple import generate
 from minillm.kernels.reference import check_qkv  # grouped_attention's shape check (the exercise's first line)
 from minillm.kv.contiguous import KVCache
@@ -215,9 +216,29 @@ for h, m in models.items():
 #
 # For each model: predict the cache of B sequences of S + 1 tokens from `kv_bytes_gqa`, allocate it and measure
 # the memory the process gained (5 % tolerance); then predict decode tokens/s from bytes ÷ bandwidth and time one
-# decode step with S tokens cached (the bound may not be beaten by more than 25 %; on a CPU the engine should
-# reach at least 10 % of it). The cache is filled with zeros: a step's cost depends on how much it reads, not on
+# decode step with S tokens cached (the bound may not be beaten by more than 25 %; below it, each line says what
+# the fraction reached means). The cache is filled with zeros: a step's cost depends on how much it reads, not on
 # the values.
+
+# %% [markdown]
+# Your prediction first. The bandwidth bounds say how much faster the multi-query model's decode step should be
+# than the multi-head one's (the cell prints their ratio); how much faster will it really be here?
+
+# %%
+# exercise 3.0: minillm.course.predictions.predict_mqa_speedup
+
+# %%
+def bound_tok_s(h: int) -> float:
+    """The bandwidth bound on decode tokens/s with ``h`` K/V heads: B tokens per (weights + B·S cached K/V) read."""
+    m = models[h]
+    return B * spec.memory_bandwidth / (decode_weight_bytes(m.config, m.dtype) + B * S * kv_bytes_gqa(config, h, elt))
+
+
+h_mha, h_mqa = max(models), min(models)
+bound_ratio = bound_tok_s(h_mqa) / bound_tok_s(h_mha)
+print(f"bounds: H_kv = {h_mha}: {bound_tok_s(h_mha):.1f} tok/s, H_kv = {h_mqa}: {bound_tok_s(h_mqa):.1f} tok/s "
+      f"-> {bound_ratio:.2f}×")
+my_prediction = checks.check_prediction_mqa(predict_mqa_speedup, bound_ratio)
 
 # %% tags=["slide-output"]
 # NBVAL_IGNORE_OUTPUT
@@ -258,6 +279,11 @@ for h, m in models.items():
     print(f"H_kv = {h}: decode predicted ≤ {predicted_tok_s:6.1f} tok/s, measured {measured_tok_s:6.1f} tok/s")
     checks.check_roofline_prediction(predicted_tok_s, measured_tok_s, device=device)
 del caches, steps
+verdict = checks.judge_prediction(my_prediction, results[h_mqa]["tok_s"] / results[h_mha]["tok_s"], unit="×",
+                                  bound=bound_ratio, bound_name="the ratio of the bounds", upper=1.5, bandwidth=False,
+                                  what=f"decode speedup of H_kv = {h_mqa} over H_kv = {h_mha}",
+                                  see="the weights' fixed costs, and attention turning compute bound on a CPU "
+                                      "(the next paragraph)")
 
 # %%
 # NBVAL_IGNORE_OUTPUT

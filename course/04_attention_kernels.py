@@ -15,7 +15,8 @@
 # **In this notebook** you predict the bytes naive and fused attention move, write the merge of two partial
 # softmax results (exercise 4.1) and one tile step of FlashAttention (4.2) in PyTorch, plug both into the
 # model's decode, read and run minillm's Triton kernels (on a CPU through Triton's interpreter, at tiny sizes),
-# then time attention on this device and place it on the roofline.
+# write flash-decoding's tile loop in Triton (4.3) and decode the model through it, then predict (4.0) and time
+# attention on this device and place it on the roofline.
 # Runs in about two minutes on a 2-core CPU; on a GPU it uses the GPU and times the Triton kernels.
 
 # %%
@@ -38,6 +39,7 @@ from torch import Tensor
 
 from minillm import LLM, SamplingParams, kernels
 from minillm.course import checks
+from minillm.course.predictions import predict_attention_gb_s
 from minillm.engine.simple import generate
 from minillm.kernels.reference import attention_partial, grouped_attention
 from minillm.perf.bench.attention import bench_attention
@@ -54,6 +56,9 @@ llm = LLM(device=device)  # SmolLM2-135M-Instruct, offline, in the dtype minillm
 model, config = llm.model, llm.model.config
 dtype = roofline.dtype_name(model.dtype)
 triton_ok = kernels.triton_available()
+if triton_ok:
+    import triton
+    import triton.language as tl  # the names exercise 4.3's Triton program uses
 print(f"{dtype} on {device}; Triton {'installed' if triton_ok else 'not installed'}"
       + (" (interpreter: kernels run on CPU, slowly, at tiny sizes)" if triton_ok and device == "cpu" else ""))
 
@@ -335,6 +340,60 @@ if triton_ok:
           f"as accurate as the reference (max |Δ| = {err:.1e})")
 
 # %% [markdown]
+# ### Exercise 4.3 — the flash-decoding tile loop, in Triton
+#
+# Now write pass 1 yourself: the loop over key tiles inside one program of `decode_partial_program` — your
+# `flash_tile_step` (4.2) again, but on a `[BLOCK_G, D]` tile of the query heads that share one K/V head, one
+# `[BLOCK_N, D]` tile of K and V at a time, with masked loads for the ragged end and base-2 exponentials. The code
+# before the fence (program ids, offsets, the query tile) and the stores after it are given. The checker compiles
+# it with `triton.jit` and launches it through the library's flash-decoding (split sizes and tiles that cut the
+# keys anywhere); on a CPU it runs in Triton's interpreter, set up in this notebook's first cell.
+
+# %%
+# exercise 4.3: minillm.kernels.triton.decode.decode_partial_program
+
+# %% [markdown]
+# <details><summary>Hints (optional)</summary>
+#
+# - Initialise `m_i` to -inf, `l_i` and `acc` to zeros (fp32), then `for start_n in range(start, end, BLOCK_N):`.
+# - A tile's key indices are `start_n` plus `tl.arange(0, BLOCK_N)`; load with a mask that is false past `end`
+#   (and past D), `other=0.0`; set masked scores to -inf with `tl.where` so they weigh nothing.
+# - `tl.trans(k)` for Kᵀ; `tl.max(s, 1)`, `tl.sum(p, 1)`; `tl.dot(p.to(v.dtype), v, acc * alpha[:, None])` adds
+#   into the rescaled accumulator.
+# </details>
+
+# %%
+# NBVAL_CHECK_OUTPUT
+if triton_ok:
+    checks.check_decode_partial_program(decode_partial_program)
+else:
+    print("triton is not installed here (pip install 'minillm[gpu]'): exercise 4.3 cannot run")
+
+# %% [markdown]
+# ### Plug it in: the model decodes through your Triton loop
+#
+# Your program, compiled, becomes the decode attention of every layer at every decode step (prefill stays on the
+# library's kernels). Greedy decoding must pick the library's tokens. On a CPU every kernel call is interpreted,
+# so only a few tokens.
+
+# %% tags=["slide-output"]
+# NBVAL_IGNORE_OUTPUT
+if triton_ok:
+    your_kernel = triton.jit(decode_partial_program)
+
+    def your_triton_decode(q: Tensor, k: Tensor, v: Tensor, *, scale: float) -> Tensor:
+        """q [B, H_q, 1, D] over every key of k, v [B, H_kv, S, D] through your pass 1 and the library's merge."""
+        lens = torch.full((q.shape[0],), k.shape[2], dtype=torch.int32, device=q.device)
+        return triton_decode_attention.decode_attention_triton(q[:, :, 0], k, v, lens, sm_scale=scale,
+                                                               partial_kernel=your_kernel)[:, :, None]
+
+    n_triton = 3 if device == "cpu" else n_new
+    mine = greedy_tokens(exact, prompt, n_triton, your_triton_decode)
+    assert mine == library[:n_triton], f"your Triton decode: {mine} != the library's {library[:n_triton]}"
+    print(f"✓ your Triton flash-decoding loop: the same {n_triton} greedy tokens as the library, through all "
+          f"{config.num_layers} layers")
+
+# %% [markdown]
 # ## 6. Measure: attention on this device, on the roofline
 #
 # `minillm.perf.bench.attention.bench_attention` times decode (contiguous and paged) and causal prefill attention next to
@@ -347,12 +406,29 @@ if triton_ok:
 spec = roofline.machine_spec(device, quick=FAST, verbose=True)  # measured once per machine, cached
 print(roofline.format_measurement(spec))
 
+# %% [markdown]
+# Your prediction first: what fraction of this machine's bandwidth roof will decode attention reach, at the biggest
+# batch and longest context benchmarked? Give it in GB/s of K/V read.
+
+# %%
+# exercise 4.0: minillm.course.predictions.predict_attention_gb_s
+
+# %%
+my_prediction = checks.check_prediction_attention(predict_attention_gb_s, spec.memory_bandwidth / 1e9)
+
 # %% tags=["slide-output"]
 # NBVAL_IGNORE_OUTPUT
 if device == "cuda":
     rows = bench_attention(device, seq_lens=(1024, 8192) if FAST else (1024, 8192, 32768))
 else:
     rows = bench_attention(device, seq_lens=(128, 256) if FAST else (256, 1024), batch_sizes=(1, 8))
+decode_rows = [r for r in rows if r["op"] == "decode" and r["impl"] != "sdpa"]
+top = max(decode_rows, key=lambda r: (r["B"], r["S"]))  # the engine's decode kernel at its biggest workload
+verdict = checks.judge_prediction(my_prediction, top["GB/s"], bound=spec.memory_bandwidth / 1e9,
+                                  what=f"decode attention ({top['impl']}, B = {top['B']}, S = {top['S']})",
+                                  unit="GB/s", bound_name="the bandwidth roof",
+                                  see="per (sequence, head) a decode reads only S × D elements, and every kernel "
+                                      "call has a fixed cost (section 5)")
 
 # %% [markdown]
 # Each row becomes a point: x = the cost model's intensity (fused, or naive for the row that materialises the

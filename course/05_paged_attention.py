@@ -21,9 +21,10 @@
 #
 # **In this notebook** you measure the waste of both layouts on a realistic length distribution, write the
 # allocator's `free` with reference counts (exercise 5.1), a sequence's growth with copy-on-write (5.2) and the
-# slot mapping that turns a block table into cache addresses (5.3); then you predict and measure how many
+# slot mapping that turns a block table into cache addresses (5.3); you predict (5.0) and measure how many
 # sequences fit a GPU's KV budget, draw block tables shared after a fork, run paged attention through your slot
-# mapping, and measure what prefix hits do to the time to first token on the real engine.
+# mapping, write the engine's paged decode attention (5.4) and let the engine decode through it, and measure what
+# prefix hits do to the time to first token on the real engine.
 # Runs in about a minute on a 2-core CPU; on a GPU it uses the GPU.
 
 # %%
@@ -39,6 +40,9 @@ from matplotlib.patches import Rectangle
 
 from minillm import LLM, EngineConfig, LLMEngine, SamplingParams, kernels
 from minillm.course import checks
+from minillm.course.predictions import predict_paged_sequences
+from minillm.kernels import reference
+from minillm.kernels.reference import decode_attention
 from minillm.kv.block_allocator import (
     BlockAllocator,
     BlockCopy,
@@ -230,21 +234,38 @@ print(f"a contiguous cache would reserve {n_requests * RESERVE:,} slots for them
 # `budget ÷ (mean length + 7.5)`. Then measure: your block manager admits the requests in order until the pool is
 # full.
 
-# %% tags=["slide-output"]
+# %%
 # NBVAL_CHECK_OUTPUT
 budget_bytes = kv_cache_budget(llama, h100, "float16")
 budget_tokens = budget_bytes // kv_bytes_per_token(llama, torch.float16)
+print(f"KV budget {budget_bytes / 1e9:.1f} GB = {budget_tokens:,} tokens of Llama-2-7B (fp16); the requests' final "
+      f"lengths average {mean_len:.1f} tokens")
+
+# %% [markdown]
+# Your prediction first: how many paged sequences fit, in blocks of 16 tokens?
+
+# %%
+# exercise 5.0: minillm.course.predictions.predict_paged_sequences
+
+# %%
+my_prediction = checks.check_prediction_paged(predict_paged_sequences, budget_tokens, mean_len, 16)
+
+# %% tags=["slide-output"]
+# NBVAL_CHECK_OUTPUT
 predicted = {"contiguous, 2048 reserved": budget_tokens // RESERVE,
              "contiguous, 4096 (full context)": budget_tokens // 4096,
              "paged, 16-token blocks": budget_tokens / (mean_len + 7.5)}
 pool = MyBlockManager(budget_tokens // 16, 16, enable_prefix_caching=False, allocator=MyBlockAllocator)
 measured = lay_out(pool, prompt_lens * 2, output_lens * 2)  # the trace twice: more requests than fit
-print(f"KV budget {budget_bytes / 1e9:.1f} GB = {budget_tokens:,} tokens of Llama-2-7B (fp16)")
 for name, n in predicted.items():
     print(f"  {name:32} predicted {n:6.0f} sequences")
 print(f"  {'paged, measured':32}           {measured:6d} sequences "
       f"({measured / predicted['contiguous, 2048 reserved']:.1f}× the 2048-token reservation)")
 checks.check_prediction(predicted["paged, 16-token blocks"], measured, what="paged sequences that fit")
+verdict = checks.judge_prediction(my_prediction, measured, bound=budget_tokens / mean_len,
+                                  what="paged sequences that fit", unit="sequences",
+                                  bound_name="the no-waste limit (budget ÷ mean length)", bandwidth=False,
+                                  see="only each sequence's last, partial block is wasted (section 1)")
 
 # %% [markdown]
 # More sequences in flight means a bigger decode batch, and a decode step's weight reads are shared by the whole
@@ -381,6 +402,70 @@ tolerance = {} if device == "cpu" else {"rtol": 1e-3, "atol": 1e-3}
 torch.testing.assert_close(paged_out, dense_out, **tolerance)
 print(f"paged attention through your slot mapping = dense attention (max |Δ| = "
       f"{(paged_out - dense_out).abs().max().item():.1e})")
+
+# %% [markdown]
+# ### Exercise 5.4 — decode attention through the block tables
+#
+# That kernel is the engine's decode attention. Its plain PyTorch version — what the engine runs with
+# `kernels="torch"`, and what every fast kernel is tested against — gathers each sequence's blocks into a
+# contiguous copy, then attends. Write it: the shapes are in the docstring; `decode_attention` (contiguous K/V,
+# one query per sequence) is there to finish with.
+
+# %%
+# exercise 5.4: minillm.kernels.reference.paged_decode_attention_ref
+
+# %% [markdown]
+# <details><summary>Hints (optional)</summary>
+#
+# - Sequence b uses only its first ⌈seq_lens[b] / block_size⌉ table entries; replace the others by a valid id
+#   (any block: its keys are masked) before indexing the cache — padding may point past the pool.
+# - `k_cache[ids]` with ids [B, max_blocks] gives [B, max_blocks, block_size, H_kv, D]; flatten the two block
+#   axes into positions, then move H_kv before them.
+# </details>
+
+# %%
+# NBVAL_CHECK_OUTPUT
+checks.check_paged_decode_attention(paged_decode_attention_ref)
+
+# %% [markdown]
+# ### Plug it in: the engine decodes through your gather
+#
+# The engine generates for three prompts with the PyTorch kernels, once as shipped and once with your function in
+# the library's place: every decode step of every layer then reads the paged cache through your code. Same tokens.
+
+# %% tags=["slide-output"]
+# NBVAL_CHECK_OUTPUT
+gen_prompts = [torch.randint(100, config.vocab_size, (n,), generator=torch.Generator().manual_seed(n)).tolist()
+               for n in (5, 23, 40)]
+gen_params = SamplingParams(max_tokens=8 if FAST else 24, temperature=0, ignore_eos=True)
+
+
+def engine_tokens() -> list[list[int]]:
+    """Greedy tokens of the three prompts from a fresh engine (paged cache, 16-token blocks)."""
+    engine = LLMEngine(model, llm.tokenizer, EngineConfig(num_kv_blocks=32, enable_prefix_caching=False))
+    outs = engine.generate(gen_prompts, gen_params)
+    failed = [out.error for out in outs if out.finish_reason == "error"]
+    if failed:  # the engine ends a failing request alone and runs on: surface what your code raised
+        if "NotImplementedError" in failed[0] and "Exercise " in failed[0]:
+            raise NotImplementedError(failed[0][failed[0].index("Exercise ") :])
+        raise RuntimeError(failed[0])
+    return [out.token_ids for out in outs]
+
+
+shipped_kernels = model.kernels
+model.set_kernels("torch")  # the references: paged decode goes through reference.paged_decode_attention_ref
+try:
+    library_tokens = engine_tokens()
+    original = reference.paged_decode_attention_ref
+    reference.paged_decode_attention_ref = paged_decode_attention_ref  # yours, for these runs only
+    try:
+        your_tokens = engine_tokens()
+    finally:
+        reference.paged_decode_attention_ref = original
+finally:
+    model.set_kernels(shipped_kernels)
+assert your_tokens == library_tokens, "the engine produced different tokens through your paged attention"
+print(f"{len(gen_prompts)} prompts through your gather: every greedy token identical to the library's")
 
 # %% [markdown]
 # ## 6. Prefix caching: what a hit saves

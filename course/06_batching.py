@@ -18,10 +18,12 @@
 #   splitting it into chunks that share each step's token budget with the decodes bounds the stall.
 #
 # **In this notebook** you build one step of static and continuous batching (exercise 6.1), predict from a
-# trace's output lengths how many steps each needs and how big the bubble is, and check it against the real
-# engine step for step; you draw both timelines, measure throughput–latency curves on this machine next to a
-# roofline-modelled Llama-2-7B on an H100, compare TTFT/TPOT percentiles and goodput under an SLO, write the
-# chunked-prefill budget (6.2) and measure the stall it removes, and place decode steps of growing batches on
+# trace's output lengths how many steps each needs and how big the bubble is, write down your own prediction of
+# the throughput gain (6.0), and check it against the real engine step for step; you draw both timelines,
+# measure throughput–latency curves on this machine next to a roofline-modelled Llama-2-7B on an H100, compare
+# TTFT/TPOT percentiles and goodput under an SLO, write the chunked-prefill budget (6.2) and the scheduler's
+# admission step (6.3, run inside the engine), measure the stall chunking removes, and place decode steps of
+# growing batches on
 # the roofline (MBU and MFU). Runs in about two minutes on a 2-core CPU; on a GPU it uses the GPU.
 
 # %%
@@ -39,7 +41,8 @@ import torch
 from minillm import LLM, EngineConfig, LLMEngine, SamplingParams
 from minillm.course import checks
 from minillm.course.slot_model import slot_timeline
-from minillm.engine.scheduler import Scheduler
+from minillm.course.predictions import predict_continuous_speedup
+from minillm.engine.scheduler import Policy, Scheduler
 from minillm.engine.sequence import Request
 from minillm.perf import roofline
 from minillm.perf.simulate import (
@@ -142,6 +145,20 @@ print(f"if every step cost the same, continuous batching would finish "
       f"{predicted_steps['static'] / predicted_steps['continuous']:.2f}× sooner")
 
 # %% [markdown]
+# ### Your prediction
+#
+# Every step does not cost the same: both policies prefill every prompt once, and on this machine a step with more
+# rows costs more. How many times the static throughput will continuous batching reach on this trace? Write your
+# number (or a formula from the step ratio) before the engine runs.
+
+# %%
+# exercise 6.0: minillm.course.predictions.predict_continuous_speedup
+
+# %%
+step_ratio = predicted_steps["static"] / predicted_steps["continuous"]
+my_prediction = checks.check_prediction_batching(predict_continuous_speedup, step_ratio)
+
+# %% [markdown]
 # ### Measure: the real engine, step by step
 #
 # Now the engine serves the same trace under each policy, with one step's token budget large enough for every
@@ -209,6 +226,10 @@ for policy, (report, steps, _) in measured.items():
 ratio = measured["continuous"][0].output_tok_s / measured["static"][0].output_tok_s
 print(f"measured throughput, continuous ÷ static: {ratio:.2f}× (the step counts: "
       f"{len(measured['static'][1]) / len(measured['continuous'][1]):.2f}×)")
+verdict = checks.judge_prediction(my_prediction, ratio, bound=step_ratio, what="continuous ÷ static throughput",
+                                  unit="×", bound_name="the step-count ratio", upper=1.5, bandwidth=False,
+                                  see="both runs prefill every prompt once (the next paragraph), and a fuller step "
+                                      "costs more on this CPU (section 6)")
 dropped = min((serve("static", slots, trace, pad_batches=False) for _ in range(REPEATS)),
               key=lambda run: run[0].duration_s)
 assert dropped[1] == measured["static"][1], "dropping finished rows changes the steps' cost, not which requests run"
@@ -400,6 +421,63 @@ budget_walk(chunked=False, steps=3)
 # step 0 and waits a step; P40, first come first served, waits behind it for two. (Without chunking a prompt
 # longer than the whole budget could never run: the scheduler rejects it when the request is added.)
 #
+# ### Exercise 6.3 — admission: `Scheduler._admit`
+#
+# The step's last phase. After the decodes and the running prefills have spent their share of the budget, which
+# waiting requests start now? Write the scheduler's admission loop: it walks the waiting queue, stops at the first
+# request that may not start (its docstring lists why one may not), and gives each one it starts its first prefill
+# chunk through your `prefill_chunk_len`. The checker drives your scheduler and its own through named scenarios
+# and fresh random traces and compares every step.
+
+# %%
+# exercise 6.3: minillm.engine.scheduler.Scheduler._admit
+
+# %% [markdown]
+# <details><summary>Hints (optional)</summary>
+#
+# - Look only at `self.waiting[0]`; `return` (not `continue`) when it cannot start — first come, first served.
+# - Seats count `seq.seq_slots` (a request with `n > 1` samples takes `n`), not 1.
+# - Without chunked prefill the head must fit the budget left whole, except the over-long case of exercise 6.2.
+# - `_schedule_chunk` returns how many tokens it scheduled: subtract them from the budget.
+# </details>
+
+# %%
+# NBVAL_CHECK_OUTPUT
+checks.check_admit(MyScheduler)
+
+# %% [markdown]
+# ### Plug it in: the engine admits through your code
+#
+# The engine serves the trace again with a tight step budget (32 tokens, chunked prefill) and a small KV pool, so
+# admission is decided by seats, blocks and the budget at once — once with the library's scheduler, once with
+# yours swapped in (the same object, its class switched to `MyScheduler`: only `_admit` differs). Same requests
+# each step, same tokens.
+
+# %% tags=["slide-output"]
+# NBVAL_CHECK_OUTPUT
+def serve_tight(scheduler_class: type) -> tuple[list, dict]:
+    """Serve ``trace`` with a 32-token budget and 24 KV blocks; -> (per step the requests that ran, tokens)."""
+    engine = LLMEngine(model, llm.tokenizer, EngineConfig(max_num_seqs=4, max_num_batched_tokens=32,
+                                                          num_kv_blocks=24, block_size=8,
+                                                          enable_prefix_caching=False))
+    engine.scheduler.__class__ = scheduler_class  # a subclass with one method replaced: no other state changes
+    for i, r in enumerate(trace):
+        engine.add_request(list(r.prompt_token_ids), SamplingParams(max_tokens=r.max_tokens, temperature=0,
+                                                                    ignore_eos=True), request_id=str(i))
+    steps, tokens = [], {}
+    while engine.has_unfinished_requests():
+        updates = engine.step()
+        steps.append(sorted(int(u.request_id) for u in updates))
+        tokens.update({u.request_id: engine.pop_output(u.request_id).token_ids for u in updates if u.finished})
+    return steps, tokens
+
+
+library_run, your_run = serve_tight(Scheduler), serve_tight(MyScheduler)
+assert your_run == library_run, "with your _admit the engine ran different requests or produced different tokens"
+print(f"{len(trace)} requests in {len(your_run[0])} engine steps with your admission: every step and every token "
+      "as with the library's")
+
+# %% [markdown]
 # ### Measure: the stall chunking removes
 #
 # Four requests are decoding when a long prompt arrives. Unchunked, its whole prefill runs in one step, and

@@ -313,7 +313,24 @@ class Scheduler:
         return budget
 
     def _admit(self, out: SchedulerOutput, budget: int, now: float) -> None:
-        """Admit waiting sequences first-come-first-served while seats, blocks and ``budget`` allow."""
+        """Admit waiting sequences into the running batch while seats, KV blocks and ``budget`` allow, scheduling
+        each one's first prefill chunk this step (exercise 6.3).
+
+        ``self.waiting`` is a deque in admission order; ``budget`` is what this step's token budget has left after
+        the decodes and running prefills.  The contract:
+        - first come, first served: only the head of the queue may start; when it cannot, admission stops for this
+          step (nothing overtakes it, or a long prompt would starve behind short ones);
+        - static/dynamic policies (``self.policy``) start only members of the batch in flight (``self.batch``);
+        - a sequence occupies ``seq.seq_slots`` of ``self.config.max_num_seqs`` seats (``self._num_seq_slots()``
+          counts those taken) and needs KV blocks for its tokens (``self.block_manager.can_allocate``);
+        - without ``chunked_prefill`` its prompt must fit the budget left whole — a prompt longer than a whole
+          step's budget is split only from an untouched budget (``prefill_chunk_len``, exercise 6.2);
+        - starting it: ``self.block_manager.allocate`` returns how many leading tokens the prefix cache already
+          holds; leave the queue, ``self._start_running`` (given those hits), then ``self._schedule_chunk`` spends
+          the budget (it returns the tokens it scheduled).
+        Returns nothing: the chunks go into ``out.scheduled``.
+        """
+        ### BEGIN SOLUTION
         bm, c = self.block_manager, self.config
         while self.waiting and budget > 0:
             seq = self.waiting[0]
@@ -325,13 +342,19 @@ class Scheduler:
                 return
             hits = bm.allocate(seq.seq_id, seq.token_ids)
             self.waiting.popleft()
-            seq.num_computed = hits
-            seq.status = SequenceStatus.RUNNING
-            if seq.metrics.first_scheduled_s is None:
-                seq.metrics.first_scheduled_s = now
-                seq.metrics.prefix_hit_tokens = hits
-            bisect.insort(self.running, seq, key=lambda s: s.priority)
+            self._start_running(seq, hits, now)
             budget -= self._schedule_chunk(seq, out, budget)
+        ### END SOLUTION
+
+    def _start_running(self, seq: Sequence, hits: int, now: float) -> None:
+        """``seq`` (just allocated, out of the waiting queue) joins ``running`` with its first ``hits`` tokens
+        already in the prefix cache; the first admission sets its scheduling metrics."""
+        seq.num_computed = hits
+        seq.status = SequenceStatus.RUNNING
+        if seq.metrics.first_scheduled_s is None:
+            seq.metrics.first_scheduled_s = now
+            seq.metrics.prefix_hit_tokens = hits
+        bisect.insort(self.running, seq, key=lambda s: s.priority)
 
     def _form_batch(self, now: float) -> None:
         """Static/dynamic: when no batch is in flight, start one from the head of the waiting queue."""

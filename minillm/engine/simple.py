@@ -89,9 +89,19 @@ def _right_pad(rows: list[list[int]], device) -> tuple[Tensor, Tensor, Tensor]:
 def stream_naive(model: Transformer, prompts: Sequence[Sequence[int]],
                  params: SamplingParams | Sequence[SamplingParams], eos_ids: Sequence[int] = ()) -> Stream:
     """Recompute the whole sequence every step (no cache): the reference.  Yields tokens as produced and
-    returns the final ``SequenceState``s."""
+    returns the final ``SequenceState``s (exercise 1.5).
+
+    Every step runs one forward pass over the unfinished requests only, each fed its whole sequence so far
+    (prompt + output; rows of different lengths right-padded by ``_right_pad``, which also gives each row's
+    last real position).  The first step is the prefill, every later one recomputes it all: O(T²).  The next
+    token of a row comes from the logits at its *last real* token (``model.hidden_states`` [B, L, hidden] then
+    ``model.compute_logits`` [B, V], in fp32), drawn by ``sample`` with the request's params and generator.
+    ``_append`` records a token (and decides whether the request has finished: EOS, ``max_tokens``, context);
+    yield its ``StepOutput`` as soon as the token exists, in request order; stop when every request is done.
+    """
     seqs = _start(model, prompts, params)
     eos, max_len = frozenset(eos_ids), model.config.max_position_embeddings
+    ### BEGIN SOLUTION
     while active := [i for i, s in enumerate(seqs) if not s.done]:
         ids, positions, last = _right_pad([seqs[i].prompt + seqs[i].output for i in active], model.device)
         hidden = model.hidden_states(ids, positions)  # (B, L, hidden): every token, every step
@@ -100,6 +110,7 @@ def stream_naive(model: Transformer, prompts: Sequence[Sequence[int]],
         for i, t in zip(active, tokens, strict=True):
             yield _append(seqs[i], t, eos, max_len, i)
     return seqs
+    ### END SOLUTION
 
 
 @torch.inference_mode()

@@ -77,9 +77,12 @@ def paged_decode_attention_ref(q: Tensor, k_cache: Tensor, v_cache: Tensor, bloc
 
     q [B, H_q, D]; k_cache/v_cache [num_blocks, block_size, H_kv, D]; block_tables [B, max_blocks] (logical
     block j of sequence b is physical block block_tables[b, j]); seq_lens [B] -> [B, H_q, D].  Entries past a
-    sequence's last block are never read (engines pad tables with anything).  The gather copies
-    B·max_blocks·block_size·H_kv·D elements per tensor — the traffic a paged kernel avoids.
+    sequence's last block are never read (engines pad tables with anything, even ids past the pool).  Sequence
+    b's position p is row ``p % block_size`` of physical block ``block_tables[b, p // block_size]``.  The gather
+    copies B·max_blocks·block_size·H_kv·D elements per tensor — the traffic a paged kernel avoids.  The output
+    equals ``decode_attention`` over the same K/V stored contiguously (exercise 5.4: the engine's torch path).
     """
+    ### BEGIN SOLUTION
     B, max_blocks = block_tables.shape
     block_size = k_cache.shape[1]
     n_used = (seq_lens.to(block_tables.device) + block_size - 1) // block_size
@@ -91,6 +94,7 @@ def paged_decode_attention_ref(q: Tensor, k_cache: Tensor, v_cache: Tensor, bloc
         return x.transpose(1, 2)
 
     return decode_attention(q, gather(k_cache), gather(v_cache), seq_lens, scale=scale)
+    ### END SOLUTION
 
 
 def attention_partial(q: Tensor, k: Tensor, v: Tensor, *, scale: float | None = None) -> tuple[Tensor, Tensor, Tensor]:

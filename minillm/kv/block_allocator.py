@@ -278,10 +278,9 @@ class MemoryStats:
 def slot_mapping(block_ids: Sequence[int], start: int, end: int, block_size: int) -> list[int]:
     """Flat cache slot of each token position in [start, end) of a sequence whose block table is ``block_ids``.
 
-    The cache is one pool of ``num_blocks × block_size`` slots; position p sits in logical block
-    ``p // block_size`` at offset ``p % block_size``, and logical block i lives in physical block
-    ``block_ids[i]``, so its slot is ``block_ids[p // block_size] * block_size + p % block_size``.
-    ``block_ids`` must cover every position asked for.
+    The cache is one pool of ``num_blocks × block_size`` slots, physical block b owning slots
+    ``b·block_size … (b+1)·block_size − 1``; the sequence's positions fill its blocks in table order, each block
+    ``block_size`` positions.  ``block_ids`` must cover every position asked for.  -> ``end − start`` slot ids.
     """
     if not 0 <= start <= end <= len(block_ids) * block_size:
         raise ValueError(f"positions [{start}, {end}) are outside the {len(block_ids)} blocks of {block_size} slots")

@@ -233,6 +233,104 @@ def _wrong_int4_linear(x, w4, bias=None):
 
 WRONG.update({"7.1": _wrong_quantize, "7.2": _wrong_quantize_int4, "7.3": _wrong_int4_linear})  # notebook 07
 
+
+# --- the exercises students write in full (1.5, 4.3, 5.4, 6.3) and the predictions (N.0) -----------------------
+def _wrong_stream_naive(model, prompts, params, eos_ids=()):
+    from minillm.engine.simple import _append, _right_pad, _start
+    from minillm.sampling.sampler import sample
+
+    seqs = _start(model, prompts, params)
+    eos, max_len = frozenset(eos_ids), model.config.max_position_embeddings
+    while active := [i for i, s in enumerate(seqs) if not s.done]:
+        ids, positions, _ = _right_pad([seqs[i].prompt + seqs[i].output for i in active], model.device)
+        logits = model.compute_logits(model.hidden_states(ids, positions)[:, -1]).float()  # padding, not the last
+        tokens = sample(logits, [seqs[i].params for i in active], [seqs[i].generator for i in active])
+        for i, t in zip(active, tokens, strict=True):
+            yield _append(seqs[i], t, eos, max_len, i)
+    return seqs
+
+
+def _wrong_paged_attention(q, k_cache, v_cache, block_tables, seq_lens, scale=None):
+    from minillm.kernels.reference import decode_attention
+
+    def gather(cache):  # reads every table entry, padding included, and attends to whole blocks
+        return cache[block_tables.long()].flatten(1, 2).transpose(1, 2)
+
+    full = torch.full_like(seq_lens, block_tables.shape[1] * k_cache.shape[1])
+    return decode_attention(q, gather(k_cache), gather(v_cache), full, scale=scale)
+
+
+from minillm.engine.scheduler import Scheduler  # noqa: E402
+
+
+class _WrongScheduler(Scheduler):
+    """Admits whoever fits, skipping a blocked head of the queue: a long prompt can starve behind short ones."""
+
+    def _admit(self, out, budget, now):
+        for seq in list(self.waiting):
+            if budget <= 0:
+                return
+            if self._num_seq_slots() + seq.seq_slots > self.config.max_num_seqs:
+                return
+            if not self.block_manager.can_allocate(seq.token_ids):
+                continue
+            if not self.config.chunked_prefill and budget < min(seq.num_tokens, self.config.max_num_batched_tokens):
+                continue
+            hits = self.block_manager.allocate(seq.seq_id, seq.token_ids)
+            self.waiting.remove(seq)
+            self._start_running(seq, hits, now)
+            budget -= self._schedule_chunk(seq, out, budget)
+
+
+def _no_prediction(*numbers):
+    return None  # the stub's cell run with the line deleted and nothing written
+
+
+WRONG.update({"1.5": _wrong_stream_naive, "5.4": _wrong_paged_attention, "6.3": _WrongScheduler})
+WRONG.update({n: _no_prediction for n in EXERCISES if n.endswith(".0")})
+if importlib.util.find_spec("triton") is not None:  # conftest set TRITON_INTERPRET=1 on machines without CUDA
+    import triton.language as tl  # noqa: E402
+
+    def _wrong_decode_partial_program(Q, K, V, SeqLens, Mp, Lp, Op, sqb, sqh, skb, skh, skn, svb, svh, svn,
+                                      H_kv, D, GROUP, split_size, num_splits, qk_scale,
+                                      BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                                      DOT_PRECISION: tl.constexpr):
+        """The tile loop without the rescale of acc when the max rises (right only for one tile per split)."""
+        pid, split = tl.program_id(0), tl.program_id(1)
+        b, h_kv = pid // H_kv, pid % H_kv
+        seq_len = tl.load(SeqLens + b).to(tl.int32)
+        start = split * split_size
+        end = tl.minimum(start + split_size, seq_len)
+        offs_g, offs_d = tl.arange(0, BLOCK_G), tl.arange(0, BLOCK_D)
+        heads = h_kv * GROUP + offs_g
+        g_mask, d_mask = offs_g < GROUP, offs_d < D
+        b64 = b.to(tl.int64)
+        q = tl.load(Q + b64 * sqb + heads[:, None] * sqh + offs_d[None, :], mask=g_mask[:, None] & d_mask[None, :],
+                    other=0.0)
+        k_base, v_base = K + b64 * skb + h_kv * skh, V + b64 * svb + h_kv * svh
+        m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_G], tl.float32)
+        acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+        for start_n in range(start, end, BLOCK_N):
+            offs_n = start_n + tl.arange(0, BLOCK_N)
+            n_mask = offs_n < end
+            kv_mask = n_mask[:, None] & d_mask[None, :]
+            k = tl.load(k_base + offs_n[:, None] * skn + offs_d[None, :], mask=kv_mask, other=0.0)
+            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+            s = tl.where(n_mask[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            p = tl.exp2(s - m_new[:, None])
+            l_i = l_i * tl.exp2(m_i - m_new) + tl.sum(p, 1)
+            v = tl.load(v_base + offs_n[:, None] * svn + offs_d[None, :], mask=kv_mask, other=0.0)
+            acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)  # acc not rescaled
+            m_i = m_new
+        row = (b64 * H_kv * GROUP + heads) * num_splits + split
+        tl.store(Mp + row, m_i, mask=g_mask)
+        tl.store(Lp + row, l_i, mask=g_mask)
+        tl.store(Op + row[:, None] * D + offs_d[None, :], acc, mask=g_mask[:, None] & d_mask[None, :])
+
+    WRONG["4.3"] = _wrong_decode_partial_program
+
 NUMBERS = sorted(EXERCISES)
 
 
@@ -306,14 +404,43 @@ def test_stub_message_survives_unchanged_through_a_checker():
     assert str(info.value) == ex.stub_message
 
 
-def test_roofline_prediction_is_a_bound_with_a_floor_on_cpu(capsys):
-    checks.check_roofline_prediction(100.0, 60.0, device="cpu")
-    assert "✓" in capsys.readouterr().out
+def test_roofline_prediction_is_a_bound_and_reports_the_fraction_honestly(capsys):
+    assert checks.check_roofline_prediction(100.0, 85.0, device="cpu") == pytest.approx(0.85)
+    assert "at 85% of the roofline bound: bandwidth bound" in capsys.readouterr().out
     with pytest.raises(AssertionError, match="beats the predicted bound"):
         checks.check_roofline_prediction(100.0, 130.0, device="cpu")
-    with pytest.raises(AssertionError, match="only 5%"):
-        checks.check_roofline_prediction(100.0, 5.0, device="cpu")
-    checks.check_roofline_prediction(100.0, 5.0, device="cuda")  # launch-bound GPUs have no floor
+    checks.check_roofline_prediction(100.0, 32.0, device="cpu")  # no band to pass: a verdict, never "✓ holds"
+    out = capsys.readouterr().out
+    assert "at 32% of the roofline bound: overhead dominates" in out and "✓" not in out
+    checks.check_roofline_prediction(100.0, 5.0, device="cuda", see="§4")
+    assert "kernel launches" in capsys.readouterr().out
+
+
+def test_judge_prediction_computes_its_verdict_from_the_numbers(capsys):
+    v = checks.judge_prediction(20.0, 14.0, bound=40.0, what="decode tokens/s", unit="tok/s", see="§5")
+    assert (v.of_bound, round(v.of_prediction, 3)) == (0.35, 0.7)
+    assert "1.4× too optimistic" in v.text and "35% of the roofline bound" in v.text
+    assert "overhead dominates" in v.text and v.text.endswith("§5")
+    v = checks.judge_prediction(30.0, 31.0, bound=40.0, what="x", unit="tok/s")
+    assert "held: within 3%" in v.text and "mostly bandwidth bound; the other 22%" in v.text
+    v = checks.judge_prediction(50.0, 34.0, bound=40.0, what="x")
+    assert "beyond the roofline bound" in v.text and "85% of the roofline bound (40): bandwidth bound" in v.text
+    v = checks.judge_prediction(12.0, 10.0, bound=6.0, what="step", unit="ms", lower_is_faster=True)
+    assert "1.2× too pessimistic" in v.text and v.of_bound == pytest.approx(0.6)
+    with pytest.raises(AssertionError, match="beats"):
+        checks.judge_prediction(10.0, 60.0, bound=40.0, what="x")
+    with pytest.raises(ValueError, match="write your prediction"):
+        checks.judge_prediction(None, 10.0, bound=40.0, what="x")
+
+
+@pytest.mark.parametrize("number", [n for n in NUMBERS if n.endswith(".0")])
+def test_prediction_checker_records_the_students_number(number, capsys):
+    ex = EXERCISES[number]
+    assert ex.check(lambda *numbers: 12.5) == 12.5
+    assert "12.5" in capsys.readouterr().out
+    for bad in (None, -1.0, float("nan"), "40", True):
+        with pytest.raises(AssertionError, match="expected a positive number"):
+            ex.check(lambda *numbers, bad=bad: bad)
 
 
 def test_prediction_bytes_tolerance():
@@ -329,3 +456,22 @@ def test_cached_logits_check_catches_a_divergence():
     b[2, 7] += 0.5
     with pytest.raises(AssertionError, match="cached decoding diverged"):
         checks.check_cached_logits(a, b)
+
+
+@pytest.mark.parametrize("number", NUMBERS)
+def test_checker_never_computes_its_expectation_with_the_fenced_target(number, monkeypatch, capsys):
+    """With the library's solved symbol replaced by one that raises (as grading hides it), the solution still
+    passes: every checker carries its own reference, so a student answer delegating to the library cannot."""
+    ex = EXERCISES[number]
+    solution = rendered(ex, student=False)
+
+    def hidden(*args, **kwargs):
+        raise AssertionError(f"the checker of exercise {number} called the library's solved {ex.target}")
+
+    owner = importlib.import_module(ex.module)
+    *path, name = ex.qualname.split(".")
+    for part in path:
+        owner = getattr(owner, part)
+    monkeypatch.setattr(owner, name, hidden)
+    ex.check(solution)
+    assert f"✓ Exercise {number} passed" in capsys.readouterr().out

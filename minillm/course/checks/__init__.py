@@ -1,17 +1,30 @@
 """Exercise checkers, shared by the course notebooks and the test suite: one module per notebook.
 
 ``EXERCISES`` (``registry.py``) maps each exercise number to the fenced function it targets, its title, hint and
-checker; importing this package registers every notebook's exercises.
+checker; importing this package registers every notebook's exercises.  Exercise N.0 of each notebook is the
+student's prediction (``minillm.course.predictions``), set against the measurement by ``judge_prediction``.
 """
 
-from minillm.course.checks.attention_kernels import check_flash_tile_step, check_merge_attention_partials
-from minillm.course.checks.attention_variants import check_grouped_attention, check_kv_bytes_gqa
-from minillm.course.checks.batching import check_batch_slots, check_prefill_chunk_len
+from minillm.course.checks.attention_kernels import (
+    check_decode_partial_program,
+    check_flash_tile_step,
+    check_merge_attention_partials,
+    check_prediction_attention,
+)
+from minillm.course.checks.attention_variants import check_grouped_attention, check_kv_bytes_gqa, check_prediction_mqa
+from minillm.course.checks.batching import (
+    check_admit,
+    check_batch_slots,
+    check_prediction_batching,
+    check_prefill_chunk_len,
+)
 from minillm.course.checks.generation import (
     check_cost_per_million_tokens,
     check_decode_weight_bytes,
+    check_generation_loop,
     check_goodput,
     check_percentile,
+    check_prediction_decode,
     check_roofline_prediction,
 )
 from minillm.course.checks.kv_cache import (
@@ -19,20 +32,39 @@ from minillm.course.checks.kv_cache import (
     check_kv_bytes_per_token,
     check_kv_cache_update,
     check_prediction_bytes,
+    check_prediction_step,
 )
-from minillm.course.checks.paged import check_append_slots, check_block_free, check_prediction, check_slot_mapping
+from minillm.course.checks.paged import (
+    check_append_slots,
+    check_block_free,
+    check_paged_decode_attention,
+    check_prediction,
+    check_prediction_paged,
+    check_slot_mapping,
+)
 from minillm.course.checks.registry import CONFIGS, EXERCISES, LLAMA2_7B, SMOLLM2_135M, TINY_MQA, Exercise, exercise
-from minillm.course.checks.roofline import check_attainable_flops, check_linear_cost, check_mbu, check_ridge_point
+from minillm.course.checks.roofline import (
+    Verdict,
+    check_attainable_flops,
+    check_linear_cost,
+    check_mbu,
+    check_prediction_gemv,
+    check_ridge_point,
+    judge_prediction,
+)
 from minillm.course.checks.serving import check_arrival_times, check_parse_stream
 from minillm.course.checks.speculative import check_ngram_lookup, check_rejection_sample, check_truncate
 
-__all__ = ["CONFIGS", "EXERCISES", "Exercise", "LLAMA2_7B", "SMOLLM2_135M", "TINY_MQA", "check_append_slots",
-           "check_attainable_flops", "check_batch_slots", "check_block_free", "check_cached_logits",
-           "check_cost_per_million_tokens", "check_decode_weight_bytes", "check_flash_tile_step", "check_goodput",
+__all__ = ["CONFIGS", "EXERCISES", "Exercise", "LLAMA2_7B", "SMOLLM2_135M", "TINY_MQA", "Verdict", "check_admit",
+           "check_append_slots", "check_attainable_flops", "check_batch_slots", "check_block_free",
+           "check_cached_logits", "check_cost_per_million_tokens", "check_decode_partial_program",
+           "check_decode_weight_bytes", "check_flash_tile_step", "check_generation_loop", "check_goodput",
            "check_grouped_attention", "check_kv_bytes_gqa", "check_kv_bytes_per_token", "check_kv_cache_update",
-           "check_linear_cost", "check_mbu", "check_merge_attention_partials", "check_percentile",
-           "check_prediction", "check_prediction_bytes", "check_prefill_chunk_len", "check_ridge_point",
-           "check_roofline_prediction", "check_slot_mapping", "exercise"]
+           "check_linear_cost", "check_mbu", "check_merge_attention_partials", "check_paged_decode_attention",
+           "check_percentile", "check_prediction", "check_prediction_attention", "check_prediction_batching",
+           "check_prediction_bytes", "check_prediction_decode", "check_prediction_gemv", "check_prediction_mqa",
+           "check_prediction_paged", "check_prediction_step", "check_prefill_chunk_len", "check_ridge_point",
+           "check_roofline_prediction", "check_slot_mapping", "exercise", "judge_prediction"]
 __all__ += ["check_arrival_times", "check_parse_stream"]  # notebook 09
 from minillm.course.checks.scaling import check_gpipe_schedule, check_layer_comm_time, check_shard_linear  # noqa: E402, I001
 __all__ += ["check_gpipe_schedule", "check_layer_comm_time", "check_shard_linear"]  # notebook 10

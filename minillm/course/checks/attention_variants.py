@@ -7,13 +7,15 @@ from collections.abc import Callable
 import torch
 
 from minillm.course.checks.registry import CONFIGS, LLAMA2_7B, _close, _passed, exercise
+from minillm.course.checks.roofline import prediction_checker
 
 
 @exercise("3.1", "minillm.models.attention_variants.kv_bytes_gqa", "KV bytes per token for any number of K/V heads",
           "exercise 2.1's count with the num_kv_heads argument as H_kv and bytes_per_elem as the element size")
 def check_kv_bytes_gqa(kv_bytes_gqa: Callable) -> None:
     """``kv_bytes_gqa(config, num_kv_heads, bytes_per_elem)`` for every H_kv dividing H_q, four element sizes."""
-    from minillm.models.attention_variants import kv_bytes_gqa as reference
+    def reference(config, h, size):
+        return 2 * config.num_layers * h * config.head_dim * size
 
     got = kv_bytes_gqa(LLAMA2_7B, 8, 2)
     assert _close(got, 128 * 1024), (
@@ -66,17 +68,26 @@ def _lengths_mask(lengths: list[int], L: int, S: int) -> torch.Tensor:
     return (torch.arange(S)[None, :] < torch.tensor(lengths)[:, None])[:, None, None, :].expand(-1, 1, L, S)
 
 
+def _reference_attention(q, k, v, mask=None, *, causal=False, scale=None):
+    """The checker's own attention in fp64: K/V heads repeated for their query heads (a copy is fine here)."""
+    B, Hq, L, D = q.shape
+    S, G = k.shape[2], Hq // k.shape[1]
+    kk, vv = k.double().repeat_interleave(G, dim=1), v.double().repeat_interleave(G, dim=1)  # (B, H_q, S, D)
+    s = (q.double() @ kk.transpose(-1, -2)) * (D**-0.5 if scale is None else scale)  # (B, H_q, L, S)
+    if causal:
+        s = s.masked_fill(torch.arange(S)[None, :] > torch.arange(L)[:, None] + (S - L), float("-inf"))
+    if mask is not None:
+        s = s.masked_fill(~mask, float("-inf"))
+    return (s.softmax(-1) @ vv).to(q.dtype)
+
+
 @exercise("3.2", "minillm.kernels.reference.grouped_attention", "grouped-query attention by broadcasting",
-          "G = H_q // H_kv; view q as [B, H_kv, G·L, D] (consecutive query heads share a K/V head), scores "
-          "(q @ kᵀ) in fp32 × scale viewed as [B, H_kv, G, L, S], -inf where causal or mask forbid "
-          "(mask[:, :, None]), softmax, cast to v's dtype, @ v, view back to [B, H_q, L, D]")
+          "consecutive query heads share a K/V head; let a view of q do the sharing, never a copy of K or V")
 def check_grouped_attention(grouped_attention: Callable) -> None:
     """``grouped_attention(q, k, v, mask, causal=, scale=)`` against the library's on MHA, GQA and MQA shapes,
     decode and (chunked) causal prefill, masks of different lengths; then that it makes no copy of K or V for
     the query heads: no tensor as large as K repeated G times may be created."""
-    from minillm.kernels.reference import grouped_attention as reference
-
-    g = torch.Generator().manual_seed(0)
+    g = torch.Generator().manual_seed(torch.seed() % 2**31)  # fresh inputs each run
     cases = [  # name, (B, H_q, H_kv, L, S, D), mask lengths or None, causal, scale
         ("multi-head decode (H_kv = H_q)", (2, 4, 4, 1, 9, 8), None, False, None),
         ("grouped-query prefill, causal, L = S", (1, 6, 2, 7, 7, 8), None, True, None),
@@ -92,7 +103,7 @@ def check_grouped_attention(grouped_attention: Callable) -> None:
         k, v = torch.randn(B, Hkv, S, D, generator=g), torch.randn(B, Hkv, S, D, generator=g)
         mask = None if lengths is None else _lengths_mask(lengths, L, S)
         got = grouped_attention(q.clone(), k.clone(), v.clone(), mask, causal=causal, scale=scale)
-        expected = reference(q, k, v, mask, causal=causal, scale=scale)
+        expected = _reference_attention(q, k, v, mask, causal=causal, scale=scale)
         where = (f"{name}: q {tuple(q.shape)}, k/v {tuple(k.shape)}, causal={causal}, scale={scale}"
                  + ("" if lengths is None else f", mask lengths {lengths}"))
         assert isinstance(got, torch.Tensor) and got.shape == expected.shape, (
@@ -115,3 +126,8 @@ def check_grouped_attention(grouped_attention: Callable) -> None:
             "multiplying by kᵀ directly: repeat_interleave copies K/V, and so does torch.matmul when it broadcasts "
             "an operand over an extra group dimension.")
     _passed("3.2")
+
+
+check_prediction_mqa = prediction_checker(
+    "3.0", "prediction_mqa", "minillm.course.predictions.predict_mqa_speedup",
+    "the multi-query over multi-head decode speedup", "×")

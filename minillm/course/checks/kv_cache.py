@@ -8,13 +8,16 @@ import torch
 
 from minillm.config import ModelConfig
 from minillm.course.checks.registry import CONFIGS, LLAMA2_7B, _passed, exercise
+from minillm.course.checks.roofline import prediction_checker
 
 
 @exercise("2.1", "minillm.kv.contiguous.kv_bytes_per_token", "KV-cache bytes per token",
           "K and V, for every layer and every KV head, head_dim elements of the dtype's size")
 def check_kv_bytes_per_token(kv_bytes_per_token: Callable) -> None:
     """``kv_bytes_per_token(config, dtype)`` exactly, for MHA, GQA and MQA models in three dtypes."""
-    from minillm.kv.contiguous import kv_bytes_per_token as reference
+    def reference(config, dtype):  # K and V, per layer, per K/V head, head_dim elements
+        size = torch.empty(0, dtype=dtype).element_size()
+        return 2 * config.num_layers * config.num_kv_heads * config.head_dim * size
 
     got = kv_bytes_per_token(LLAMA2_7B, torch.float16)
     assert got == 512 * 1024, (
@@ -44,14 +47,22 @@ def _kv_cache_script(config: ModelConfig, batch: int) -> list[tuple[torch.Tensor
 
 
 @exercise("2.2", "minillm.kv.contiguous.KVCache.update", "write K/V into the cache",
-          "store k, v [B, H_kv, L, D] at slots positions[b] of self.k[layer] / self.v[layer]; "
-          "return the filled slots [:, :, :self._used] and self._mask")
+          "each row's new K/V go to the slots its own positions name, in this layer only; return what the "
+          "attention needs to read, no more (begin() set what is used and the mask)")
 def check_kv_cache_update(cache_class: type) -> None:
     """A ``KVCache`` subclass with the student's ``update`` against the library's, on prefill and decode steps.
 
     After every call the returned K, V and mask, and the whole cache contents, must equal the reference's.
     """
-    from minillm.kv.contiguous import KVCache as Reference
+    from minillm.kv.contiguous import KVCache
+
+    class Reference(KVCache):  # the library's cache with the checker's own update (never the fenced one)
+        def update(self, layer, k, v):
+            pos = self._positions
+            for b in range(pos.shape[0]):  # row b's tokens go to its own slots, one row at a time
+                self.k[layer][b, :, pos[b]] = k[b]
+                self.v[layer][b, :, pos[b]] = v[b]
+            return self.k[layer][:, :, : self._used], self.v[layer][:, :, : self._used], self._mask
 
     config = ModelConfig(vocab_size=100, hidden_size=32, intermediate_size=64, num_layers=3, num_heads=4,
                          num_kv_heads=2, head_dim=8, max_position_embeddings=64)
@@ -117,3 +128,8 @@ def check_prediction_bytes(predicted: float, measured: float, *, tolerance: floa
         f"predicted {what} {predicted / 2**20:,.1f} MiB but the allocation grew memory by {measured / 2**20:,.1f} "
         f"MiB ({err:.1%} off, tolerance {tolerance:.0%}).")
     print(f"✓ prediction holds: {what} within {err:.1%} of the measurement")
+
+
+check_prediction_step = prediction_checker(
+    "2.0", "prediction_step", "minillm.course.predictions.predict_decode_step_ms",
+    "the decode step over the longest cache", "ms")

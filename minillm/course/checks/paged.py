@@ -5,7 +5,10 @@ from __future__ import annotations
 import random
 from collections.abc import Callable
 
+import torch
+
 from minillm.course.checks.registry import _passed, exercise
+from minillm.course.checks.roofline import prediction_checker
 
 
 def _allocator_state(a) -> dict:
@@ -22,14 +25,24 @@ def _compare_allocators(mine, ref, where: str, hint: str) -> None:
 
 
 @exercise("5.1", "minillm.kv.block_allocator.BlockAllocator.free", "free a block: reference counts",
-          "self._ref[block_id] -= 1; at zero, a cached block (self.is_cached) goes to the end of self._evictable "
-          "(self._evictable[block_id] = None), any other block to the end of self._free")
+          "only the last owner's free releases a block; a released prefix-cache entry must stay findable for "
+          "later hits")
 def check_block_free(allocator_class: type) -> None:
     """A ``BlockAllocator`` subclass with the student's ``free`` against the library's, on a scripted story
     (shared blocks, cached blocks, LRU order, reuse) and on random operation sequences; every observable state
     (ref counts, free-list and LRU order, cache entries) must match after every operation."""
-    from minillm.kv.block_allocator import BlockAllocator as Reference
-    from minillm.kv.block_allocator import hash_block_tokens
+    from minillm.kv.block_allocator import BlockAllocator, hash_block_tokens
+
+    class Reference(BlockAllocator):  # the library's allocator with the checker's own free (never the fenced one)
+        def free(self, block_id):
+            if self._ref[block_id] == 0:
+                raise RuntimeError(f"double free of block {block_id}")
+            self._ref[block_id] -= 1
+            if self._ref[block_id] == 0:
+                if self.is_cached(block_id):
+                    self._evictable[block_id] = None
+                else:
+                    self._free.append(block_id)
 
     mine, ref = allocator_class(4, 2), Reference(4, 2)
     shared = "a shared block survives until its last owner frees it; only the last free releases it"
@@ -112,15 +125,32 @@ def _manager_state(m, seq_ids) -> dict:
 
 @exercise("5.2", "minillm.kv.block_manager.BlockManager.append_slots",
           "grow a sequence: blocks on demand, copy-on-write",
-          "copy-on-write first: when self._needs_copy(table), put a block from self.device.allocate() in the "
-          "table's last place, free the shared one, record BlockCopy(shared, new, CopyKind.COPY_ON_WRITE); then "
-          "give each token a new block only when the last one is full, and append it to table.token_ids")
+          "never write into a block someone else can still read; take a new block only when the last one is full")
 def check_append_slots(manager_class: type) -> None:
     """A ``BlockManager`` subclass with the student's ``append_slots`` against the library's: decode appends one
     token at a time, multi-token appends across block boundaries, forks (parallel sampling) whose first write
     copies the shared partial block, and random operation sequences.  Returned copies, block tables, tokens,
     ref counts and free blocks must match after every call."""
-    from minillm.kv.block_manager import BlockManager as Reference
+    from minillm.kv.block_allocator import BlockCopy, CopyKind
+    from minillm.kv.block_manager import BlockManager
+
+    class Reference(BlockManager):  # the library's manager with the checker's own append_slots
+        def append_slots(self, seq_id, token_ids):
+            table = self._table(seq_id)
+            copies = []
+            last_partial = len(table.token_ids) % self.block_size != 0
+            if token_ids and last_partial:
+                last = table.block_ids[-1]
+                if self.device.ref_count(last) > 1 or self.device.is_cached(last):
+                    new = self.device.allocate()
+                    table.block_ids[-1] = new
+                    self.device.free(last)
+                    copies.append(BlockCopy(last, new, CopyKind.COPY_ON_WRITE))
+            for t in token_ids:
+                if len(table.token_ids) == len(table.block_ids) * self.block_size:
+                    table.block_ids.append(self.device.allocate())
+                table.token_ids.append(t)
+            return copies
 
     def run(script, num_blocks=12, bs=4, caching=True):
         mine = manager_class(num_blocks, bs, enable_prefix_caching=caching)
@@ -187,12 +217,15 @@ def check_append_slots(manager_class: type) -> None:
 
 
 @exercise("5.3", "minillm.kv.block_allocator.slot_mapping", "slot mapping from a block table",
-          "position p: block_ids[p // block_size] * block_size + p % block_size, for p in range(start, end)")
+          "which logical block holds position p, where that block lives, and where p sits inside it")
 def check_slot_mapping(slot_mapping: Callable) -> None:
-    """``slot_mapping(block_ids, start, end, block_size)`` against the library's on hand-made and random tables."""
-    from minillm.kv.block_allocator import slot_mapping as reference
+    """``slot_mapping(block_ids, start, end, block_size)`` against the checker's own, on hand-made and fresh random
+    tables."""
+    def reference(block_ids, start, end, bs):
+        flat = [b * bs + i for b in block_ids for i in range(bs)]  # every slot of the table, in position order
+        return flat[start:end]
 
-    rng = random.Random(0)
+    rng = random.Random()
     cases = [([7, 2, 9], 0, 12, 4), ([7, 2, 9], 3, 6, 4), ([7, 2, 9], 5, 5, 4), ([7, 2, 9], 11, 12, 4),
              ([3], 0, 16, 16), ([5, 0, 4, 1], 0, 4, 1), ([0, 1, 2], 0, 40, 16)]
     cases += [(rng.sample(range(64), n), s, e, bs) for n, bs in ((5, 16), (9, 4), (3, 2))
@@ -206,6 +239,68 @@ def check_slot_mapping(slot_mapping: Callable) -> None:
     _passed("5.3")
 
 
+def _reference_paged_attention(q, k_cache, v_cache, block_tables, seq_lens, scale):
+    """The checker's own paged decode attention: one sequence and one query head at a time, in fp64."""
+    B, H_q, D = q.shape
+    bs, H_kv = k_cache.shape[1], k_cache.shape[2]
+    out = torch.empty(B, H_q, D, dtype=torch.float64)
+    for b in range(B):
+        n = int(seq_lens[b])
+        blocks = [int(x) for x in block_tables[b, : -(-n // bs)]]
+        k = torch.cat([k_cache[x] for x in blocks])[:n].double()  # (n, H_kv, D)
+        v = torch.cat([v_cache[x] for x in blocks])[:n].double()
+        for h in range(H_q):
+            kv_head = h // (H_q // H_kv)
+            p = ((k[:, kv_head] @ q[b, h].double()) * scale).softmax(0)  # (n,)
+            out[b, h] = p @ v[:, kv_head]
+    return out
+
+
+@exercise("5.4", "minillm.kernels.reference.paged_decode_attention_ref", "decode attention through block tables",
+          "gather each sequence's K/V rows into position order through its table (only the blocks it uses), "
+          "then attend over the first seq_lens[b] positions")
+def check_paged_decode_attention(paged_decode_attention: Callable) -> None:
+    """``paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale)`` against the checker's own
+    per-sequence loop on fresh random pools: MHA, GQA and MQA heads, lengths at and across block boundaries, one
+    token, shuffled and interleaved blocks, tables padded with ids past the pool (never read), an explicit scale."""
+    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    cases = [  # name, (H_q, H_kv, D, block_size, num_blocks), seq_lens, padding id, scale
+        ("grouped-query heads, lengths inside, at and past a block boundary", (6, 2, 8, 4, 24), [5, 8, 9], 0, None),
+        ("multi-head (H_kv = H_q), one-token and full sequences", (4, 4, 16, 8, 12), [1, 16, 7], 0, None),
+        ("multi-query (H_kv = 1), an explicit scale", (8, 1, 8, 4, 20), [13, 3], 0, 0.3),
+        ("tables padded with ids past the pool: entries past a sequence's last block are never read",
+         (6, 3, 8, 4, 16), [2, 11, 6], 10_000, None),
+        ("the SmolLM2 head layout, 16-token blocks", (9, 3, 64, 16, 10), [33, 17], 0, None),
+    ]
+    for name, (Hq, Hkv, D, bs, nb), lens, pad, scale in cases:
+        k_cache, v_cache = torch.randn(nb, bs, Hkv, D, generator=gen), torch.randn(nb, bs, Hkv, D, generator=gen)
+        q = torch.randn(len(lens), Hq, D, generator=gen)
+        order = torch.randperm(nb, generator=gen).tolist()  # blocks scattered over the pool
+        width = max(-(-n // bs) for n in lens) + 1  # one spare column: every row is padded
+        rows = []
+        for n in lens:
+            used = [order.pop() for _ in range(-(-n // bs))]
+            rows.append(used + [pad] * (width - len(used)))
+        tables, seq_lens = torch.tensor(rows, dtype=torch.int32), torch.tensor(lens, dtype=torch.int32)
+        expected = _reference_paged_attention(q, k_cache, v_cache, tables, seq_lens,
+                                              D**-0.5 if scale is None else scale).float()
+        where = (f"{name}: q {tuple(q.shape)}, caches {tuple(k_cache.shape)} = [num_blocks, block_size, H_kv, D], "
+                 f"block_tables {rows}, seq_lens {lens}, scale {scale}")
+        try:
+            got = paged_decode_attention(q.clone(), k_cache.clone(), v_cache.clone(), tables.clone(),
+                                         seq_lens.clone(), scale=scale)
+        except IndexError as e:
+            raise AssertionError(f"{where}: raised IndexError ({e}): a table entry past a sequence's last block was "
+                                 "read; only the first ceil(seq_lens[b] / block_size) entries are blocks.") from e
+        assert isinstance(got, torch.Tensor) and got.shape == expected.shape, (
+            f"{where}: returned {tuple(got.shape) if isinstance(got, torch.Tensor) else type(got).__name__}, "
+            f"expected a tensor of shape {tuple(expected.shape)} = [B, H_q, D].")
+        torch.testing.assert_close(got.float(), expected, msg=lambda m, where=where: (
+            f"{where}: the output differs from attention over each sequence's own positions. Position p of "
+            f"sequence b is in its table's block p // block_size; keys past seq_lens[b] must get no weight. {m}"))
+    _passed("5.4")
+
+
 def check_prediction(predicted: float, measured: float, *, what: str, tolerance: float = 0.1) -> None:
     """A "predict, then measure" check: ``measured`` within ``tolerance`` (relative, default 10 %) of ``predicted``."""
     assert predicted > 0, f"the prediction of {what} must be positive, got {predicted}"
@@ -214,3 +309,8 @@ def check_prediction(predicted: float, measured: float, *, what: str, tolerance:
         f"predicted {what} {predicted:,.4g}, measured {measured:,.4g} ({err:.1%} off, tolerance {tolerance:.0%}): "
         "recheck the formula behind the prediction.")
     print(f"✓ prediction holds: {what} within {err:.1%} of the measurement")
+
+
+check_prediction_paged = prediction_checker(
+    "5.0", "prediction_paged", "minillm.course.predictions.predict_paged_sequences",
+    "the paged sequences that fit", "sequences", example=(1_000_000, 300.0, 16))

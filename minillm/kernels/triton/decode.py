@@ -41,11 +41,23 @@ MIN_SPLIT = 128  # keys per split at least: below this the partials' write/merge
 PROGRAMS_PER_SM = 4  # target B·H_kv·num_splits ≈ this × SM count (enough waves to hide the last one)
 
 
-@triton.jit
-def _decode_partial_kernel(Q, K, V, SeqLens, Mp, Lp, Op, sqb, sqh, skb, skh, skn, svb, svh, svn,
+def decode_partial_program(Q, K, V, SeqLens, Mp, Lp, Op, sqb, sqh, skb, skh, skn, svb, svh, svn,
                            H_kv, D, GROUP, split_size, num_splits, qk_scale,
                            BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                            DOT_PRECISION: tl.constexpr):
+    """Pass 1 of flash-decoding, one program per (sequence b · K/V head, split): the body of
+    ``_decode_partial_kernel`` (= ``triton.jit(decode_partial_program)``; exercise 4.3).
+
+    Given (computed before the fence): ``q`` [BLOCK_G, BLOCK_D], the G = GROUP query heads sharing K/V head
+    ``h_kv`` (rows ≥ GROUP and columns ≥ D are zero padding); ``k_base`` / ``v_base`` point at key/value 0 of this
+    (b, h_kv), key n's row at ``+ n * skn`` / ``+ n * svn``, its elements contiguous; this program's keys are
+    ``[start, end)`` (empty when the split lies past the sequence); ``d_mask`` marks the D real columns.
+    Leave for the stores after the fence, all fp32: ``m_i`` [BLOCK_G] the running max of the scores in **log2
+    units** (``qk_scale`` already includes log2(e): use ``tl.exp2``), ``l_i`` [BLOCK_G] = Σ 2^(s − m_i) and
+    ``acc`` [BLOCK_G, BLOCK_D] = Σ 2^(s − m_i) v.  An empty range must leave m_i = -inf, l_i = 0, acc = 0.
+    Walk the keys in tiles of BLOCK_N (a tile may be ragged at ``end``: mask what lies past it), loading each
+    K and V tile once for the whole group; ``tl.dot(..., input_precision=DOT_PRECISION)`` multiplies tiles.
+    """
     pid = tl.program_id(0)
     split = tl.program_id(1)
     b = pid // H_kv
@@ -65,6 +77,7 @@ def _decode_partial_kernel(Q, K, V, SeqLens, Mp, Lp, Op, sqb, sqh, skb, skh, skn
     k_base = K + b64 * skb + h_kv * skh
     v_base = V + b64 * svb + h_kv * svh
 
+    ### BEGIN SOLUTION
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
@@ -82,11 +95,15 @@ def _decode_partial_kernel(Q, K, V, SeqLens, Mp, Lp, Op, sqb, sqh, skb, skh, skn
         v = tl.load(v_base + offs_n[:, None] * svn + offs_d[None, :], mask=kv_mask, other=0.0)
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
         m_i = m_new
+    ### END SOLUTION
 
     row = (b64 * H_kv * GROUP + heads) * num_splits + split  # partials are [B, H_q, num_splits(, D)], contiguous
     tl.store(Mp + row, m_i, mask=g_mask)
     tl.store(Lp + row, l_i, mask=g_mask)
     tl.store(Op + row[:, None] * D + offs_d[None, :], acc, mask=g_mask[:, None] & d_mask[None, :])
+
+
+_decode_partial_kernel = triton.jit(decode_partial_program)
 
 
 @triton.jit
@@ -129,11 +146,13 @@ def merge_partials(m: Tensor, den: Tensor, o: Tensor, out: Tensor) -> Tensor:
 
 
 def decode_attention_triton(q: Tensor, k: Tensor, v: Tensor, seq_lens: Tensor, *, sm_scale: float | None = None,
-                            split_size: int | None = None, block_n: int | None = None) -> Tensor:
+                            split_size: int | None = None, block_n: int | None = None,
+                            partial_kernel=None) -> Tensor:
     """Launch flash-decoding. q [B, H_q, D], k/v [B, H_kv, S_max, D], seq_lens [B] -> new [B, H_q, D].
 
     ``split_size`` (keys per split, any value ≥ 1) and ``block_n`` (keys per tile, power of two ≥ 16) override
-    the defaults; tests use them to put split and tile edges everywhere.
+    the defaults; tests use them to put split and tile edges everywhere.  ``partial_kernel`` replaces pass 1
+    (``triton.jit`` of a function with ``decode_partial_program``'s signature: notebook 04 runs the student's).
     """
     B, Hq, Hkv, S_max, D = check_decode(q, k, v, seq_lens)
     require_runnable(q.device, _interpreted())
@@ -148,7 +167,7 @@ def decode_attention_triton(q: Tensor, k: Tensor, v: Tensor, seq_lens: Tensor, *
     m = torch.empty(B, Hq, num_splits, dtype=torch.float32, device=q.device)
     den = torch.empty_like(m)
     o_part = torch.empty(B, Hq, num_splits, D, dtype=torch.float32, device=q.device)
-    _decode_partial_kernel[(B * Hkv, num_splits)](
+    (partial_kernel or _decode_partial_kernel)[(B * Hkv, num_splits)](
         q, k, v, seq_lens, m, den, o_part, q.stride(0), q.stride(1), *k.stride()[:3], *v.stride()[:3],
         Hkv, D, G, split_size, num_splits, scale * LOG2E,
         BLOCK_G=max(16, triton.next_power_of_2(G)), BLOCK_N=block_n, BLOCK_D=max(16, triton.next_power_of_2(D)),
