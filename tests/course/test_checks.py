@@ -105,8 +105,11 @@ def _wrong_kv_bytes_gqa(config, num_kv_heads, bytes_per_elem=2):
     return 2 * config.num_layers * config.num_kv_heads * config.head_dim * bytes_per_elem  # the model's H_kv
 
 
+SOLVED_GROUPED_ATTENTION = EXERCISES["3.2"].answer()  # a copy: the library's own is hidden while a checker runs
+
+
 def _wrong_grouped_attention(q, k, v, mask=None, *, causal=False, scale=None):
-    from minillm.kernels.reference import grouped_attention
+    grouped_attention = SOLVED_GROUPED_ATTENTION
 
     G = q.shape[1] // k.shape[1]  # right values, but K/V copied for every query head: G× the bytes
     return grouped_attention(q, k.repeat_interleave(G, 1), v.repeat_interleave(G, 1), mask, causal=causal,
@@ -205,10 +208,14 @@ from test_checks_speculative import WRONG_08  # noqa: E402  (notebook 08's wrong
 WRONG.update(WRONG_08)
 
 
-def _wrong_quantize(x, spec):
-    from minillm.quant.formats import Quantized, quantize
+# copies of the solutions made outside any check (while a checker runs, the library's own functions are hidden)
+SOLVED_QUANTIZE, SOLVED_QUANTIZE_INT4 = EXERCISES["7.1"].answer(), EXERCISES["7.2"].answer()
 
-    ok = quantize(x, spec)  # right scales, codes without the zero point
+
+def _wrong_quantize(x, spec):
+    from minillm.quant.formats import Quantized
+
+    ok = SOLVED_QUANTIZE(x, spec)  # a copy (the library's is hidden): right scales, no zero point
     return Quantized(torch.clamp(torch.round(x.float() / _expand(ok.scale, x, spec)), spec.qmin, spec.qmax)
                      .to(ok.q.dtype), ok.scale, torch.zeros_like(ok.zero_point), spec)
 
@@ -218,9 +225,9 @@ def _expand(v, x, spec):
 
 
 def _wrong_quantize_int4(w, group_size=32, scale_dtype=torch.float16):
-    from minillm.quant.weight import Int4Weight, quantize_int4
+    from minillm.quant.weight import Int4Weight
 
-    ok = quantize_int4(w, group_size, scale_dtype)  # nibbles swapped: byte j = q[j] << 4 | q[j + 16]
+    ok = SOLVED_QUANTIZE_INT4(w, group_size, scale_dtype)  # copy; swapped: q[j] << 4 | q[j+16]
     return Int4Weight((ok.packed << 4) | (ok.packed >> 4), ok.scales, ok.mins, group_size)
 
 

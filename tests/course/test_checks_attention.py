@@ -9,8 +9,11 @@ import pytest
 import torch
 
 from minillm.course import checks
+from minillm.course.checks import EXERCISES
 from minillm.course.checks.attention_variants import _largest_new_tensor
-from minillm.kernels.reference import grouped_attention
+
+# A copy of the solution, made outside any check: the library's own is hidden while a checker runs.
+grouped_attention = EXERCISES["3.2"].answer()
 
 
 def _tiled_heads(q, k, v, mask=None, *, causal=False, scale=None):

@@ -10,8 +10,9 @@ import torch
 from minillm.course import checks
 from minillm.course.checks import EXERCISES
 from minillm.distributed.cost_model import ALLREDUCES_PER_LAYER
-from minillm.layers.parallel import shard_linear as solved_split  # bound now: the checker hides the module's name
-from minillm.perf.hardware import dtype_bytes
+
+solved_split = EXERCISES["10.1"].answer()  # a copy: the library's own is hidden while a checker runs
+from minillm.perf.hardware import dtype_bytes  # noqa: E402
 
 
 # ---- 10.1: the split
@@ -113,9 +114,11 @@ def test_schedule_mistakes_fail_the_checker(wrong):
 @pytest.mark.parametrize("number", ["10.1", "10.2", "10.3"])
 def test_library_solutions_pass_and_the_hidden_symbol_is_restored(number, capsys):
     ex = EXERCISES[number]
+    solved = ex.reference()
+    code = solved.__code__
     ex.check(ex.answer())
     assert f"✓ Exercise {number} passed" in capsys.readouterr().out
-    assert ex.reference() is ex.answer() and "refuse" not in ex.reference().__name__
+    assert ex.reference() is solved and solved.__code__ is code  # restored after the check
 
 
 def test_a_split_with_the_wrong_dim_cannot_hide_behind_square_shapes():

@@ -7,6 +7,7 @@ from __future__ import annotations
 import csv
 import functools
 import importlib.util
+import inspect
 import re
 import sys
 import textwrap
@@ -23,14 +24,9 @@ NUMBERS = sorted(EXERCISES, key=lambda n: tuple(int(x) for x in n.split(".")))
 
 # Checkers that still compute their expected values with the library's own solution, so they fail the library's
 # own (hidden) solution too.  Their owner is making them independent; strict: a fixed one XPASSes, so delete it.
-COMPARES_WITH_LIBRARY = {"0.1", "0.2", "0.3", "0.4", "1.1", "1.2", "1.3", "1.4", "2.1", "2.2", "3.1", "3.2", "4.2",
-                         "5.1", "5.2", "5.3", "6.1", "6.2"}
-
-
-def _solution_cases() -> list:
-    reason = "the checker compares with the library's own solution, which is hidden while it runs"
-    return [pytest.param(n, marks=pytest.mark.xfail(raises=LibrarySolutionCalled, strict=True, reason=reason))
-            if n in COMPARES_WITH_LIBRARY else n for n in NUMBERS]
+# Exercises whose generic delegating answer (``Exercise.delegate``: a ``*args, **kwargs`` wrapper) cannot run at all.
+NOT_WRAPPABLE = {"4.3": "a Triton program: triton.jit refuses a **kwargs wrapper, so the generic delegate cannot "
+                        "be launched (a student program calling the library's is still caught: its code is swapped)"}
 
 
 def _load(name: str):
@@ -51,7 +47,7 @@ def test_exercises_are_registered():
     assert NUMBERS, "no exercises registered"
 
 
-@pytest.mark.parametrize("number", _solution_cases())
+@pytest.mark.parametrize("number", NUMBERS)
 def test_checker_passes_the_library_solution(number, capsys):
     EXERCISES[number].check(EXERCISES[number].answer())
     assert f"✓ Exercise {number} passed" in capsys.readouterr().out
@@ -66,6 +62,8 @@ def test_checker_fails_the_stub_with_its_not_implemented_error(number):
 
 @pytest.mark.parametrize("number", NUMBERS)
 def test_checker_fails_an_answer_that_delegates_to_the_library(number, capsys):
+    if number in NOT_WRAPPABLE:
+        pytest.skip(NOT_WRAPPABLE[number])
     ex = EXERCISES[number]
     with pytest.raises(LibrarySolutionCalled, match=rf"^Exercise {re.escape(number)}: your answer calls the "
                                                     r"library's solution \(.*\); write it yourself$"):
@@ -88,7 +86,8 @@ def test_solution_and_stub_copies_are_not_the_library_function(number):
     solved = ex.reference()
     for copy in (ex.answer(), ex.stub()):
         own = getattr(copy, ex.qualname.split(".")[-1]) if isinstance(copy, type) else copy
-        assert own is not solved and own.__code__ is not solved.__code__
+        # decorated functions (torch.no_grad) share the decorator's wrapper code: compare what they wrap
+        assert own is not solved and inspect.unwrap(own).__code__ is not inspect.unwrap(solved).__code__
 
 
 # ------------------------------------------------------------------------------------- the mechanism
