@@ -276,6 +276,7 @@ for B in batches:
 # exercise 0.0: minillm.course.predictions.predict_gemv_gb_s
 
 # %%
+my_prediction = None  # stays None while the prediction exercise is unwritten
 my_prediction = checks.check_prediction_gemv(predict_gemv_gb_s, spec.memory_bandwidth / 1e9)
 
 # %% [markdown]

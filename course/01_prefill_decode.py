@@ -112,6 +112,7 @@ weight_bytes = metrics.decode_weight_bytes(config, model.dtype)  # the library's
 bound_tok_s = spec.memory_bandwidth / weight_bytes
 print(f"roofline bound: {bound_tok_s:.1f} decode tokens/s ({spec.memory_bandwidth / 1e9:.1f} GB/s ÷ "
       f"{weight_bytes / 1e6:.0f} MB per step)")
+my_prediction = None  # stays None while the prediction exercise is unwritten
 my_prediction = checks.check_prediction_decode(predict_decode_tok_s, bound_tok_s)
 
 # %% [markdown]

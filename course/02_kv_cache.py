@@ -248,6 +248,7 @@ contexts = [1, 2048] if FAST else [1, 1024, 2048, 4096, 8191]
 step_bound_ms = roofline.decode_step_cost(config, 1, contexts[-1] + 1, dtype).bytes / spec.memory_bandwidth * 1e3
 print(f"S = {contexts[-1]}: the step reads at least "
       f"{roofline.decode_step_cost(config, 1, contexts[-1] + 1, dtype).bytes / 1e6:.0f} MB: ≥ {step_bound_ms:.1f} ms")
+my_prediction = None  # stays None while the prediction exercise is unwritten
 my_prediction = checks.check_prediction_step(predict_decode_step_ms, step_bound_ms)
 
 # %% tags=["slide-output"]

@@ -238,6 +238,7 @@ h_mha, h_mqa = max(models), min(models)
 bound_ratio = bound_tok_s(h_mqa) / bound_tok_s(h_mha)
 print(f"bounds: H_kv = {h_mha}: {bound_tok_s(h_mha):.1f} tok/s, H_kv = {h_mqa}: {bound_tok_s(h_mqa):.1f} tok/s "
       f"-> {bound_ratio:.2f}×")
+my_prediction = None  # stays None while the prediction exercise is unwritten
 my_prediction = checks.check_prediction_mqa(predict_mqa_speedup, bound_ratio)
 
 # %% tags=["slide-output"]

@@ -414,6 +414,7 @@ print(roofline.format_measurement(spec))
 # exercise 4.0: minillm.course.predictions.predict_attention_gb_s
 
 # %%
+my_prediction = None  # stays None while the prediction exercise is unwritten
 my_prediction = checks.check_prediction_attention(predict_attention_gb_s, spec.memory_bandwidth / 1e9)
 
 # %% tags=["slide-output"]

@@ -248,6 +248,7 @@ print(f"KV budget {budget_bytes / 1e9:.1f} GB = {budget_tokens:,} tokens of Llam
 # exercise 5.0: minillm.course.predictions.predict_paged_sequences
 
 # %%
+my_prediction = None  # stays None while the prediction exercise is unwritten
 my_prediction = checks.check_prediction_paged(predict_paged_sequences, budget_tokens, mean_len, 16)
 
 # %% tags=["slide-output"]

@@ -437,7 +437,9 @@ def test_judge_prediction_computes_its_verdict_from_the_numbers(capsys):
     with pytest.raises(AssertionError, match="beats"):
         checks.judge_prediction(10.0, 60.0, bound=40.0, what="x")
     with pytest.raises(ValueError, match="write your prediction"):
-        checks.judge_prediction(None, 10.0, bound=40.0, what="x")
+        checks.judge_prediction(-3.0, 10.0, bound=40.0, what="x")
+    v = checks.judge_prediction(None, 10.0, bound=40.0, what="x")  # not written yet: the measurement still placed
+    assert "not written a prediction" in v.text and "25% of the roofline bound" in v.text and v.of_prediction is None
 
 
 @pytest.mark.parametrize("number", [n for n in NUMBERS if n.endswith(".0")])

@@ -182,19 +182,24 @@ def judge_prediction(mine: float | None, measured: float, *, bound: float | None
     assertion is on the model: a measurement beating a bandwidth bound by more than ``upper`` − 1 means the bound
     counts the wrong bytes.  ``lower_is_faster``: the quantities are times (ms), not rates.  ``bandwidth=False``: the
     bound is another model's limit (a ratio of step counts, a no-waste capacity), so the verdict says how close
-    the measurement came without calling it bandwidth bound.  Raises ``ValueError`` when no prediction was
-    written (``mine`` is None).
+    the measurement came without calling it bandwidth bound.  ``mine`` None (the prediction exercise is not written
+    yet): the measurement is still placed against the bound, with a reminder.  Raises ``ValueError`` for anything
+    else that is not a positive number.
     """
-    if mine is None or isinstance(mine, bool) or not isinstance(mine, int | float) or not mine > 0:
+    if mine is not None and (isinstance(mine, bool) or not isinstance(mine, int | float) or not mine > 0):
         raise ValueError(f"write your prediction of {what} first (a positive number, in {unit or 'the unit asked'}), "
                          f"then run this cell; got {mine!r}")
     assert measured > 0, f"the measurement of {what} must be positive, got {measured}"
     def fmt(x: float) -> str:
         return f"{x:,.4g}×" if unit == "×" else f"{x:,.4g} {unit}".rstrip()
 
-    of_prediction = _speed(measured, lower_is_faster) / _speed(mine, lower_is_faster)
-    lines = [f"{what}: you predicted {fmt(mine)}, measured {fmt(measured)}"]
-    if 1 / 1.15 <= of_prediction <= 1.15:
+    of_prediction = None if mine is None else _speed(measured, lower_is_faster) / _speed(mine, lower_is_faster)
+    lines = [f"{what}: you predicted {fmt(mine)}, measured {fmt(measured)}" if mine is not None else
+             f"{what}: measured {fmt(measured)}; you have not written a prediction yet — write the prediction "
+             "exercise above first, then run this cell again"]
+    if of_prediction is None:
+        pass
+    elif 1 / 1.15 <= of_prediction <= 1.15:
         lines.append(f"  your prediction held: within {abs(of_prediction - 1):.0%} of the measurement")
     elif of_prediction < 1:
         lines.append(f"  your prediction was {1 / of_prediction:.1f}× too optimistic")
@@ -208,7 +213,7 @@ def judge_prediction(mine: float | None, measured: float, *, bound: float | None
             f"measured {what} {fmt(measured)} beats {bound_name} {fmt(bound)} by {of_bound - 1:.0%} (more than "
             f"{upper - 1:.0%} of noise): the bound counts more bytes than the work reads, or the bandwidth "
             "measurement is too low.")
-        if _speed(mine, lower_is_faster) > _speed(bound, lower_is_faster) * 1.05:
+        if mine is not None and _speed(mine, lower_is_faster) > _speed(bound, lower_is_faster) * 1.05:
             lines.append(f"  your prediction is beyond {bound_name} ({fmt(bound)}): nothing on this machine can "
                          "reach it — recheck the bytes and the bandwidth behind it")
         if bandwidth:
