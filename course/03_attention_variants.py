@@ -228,10 +228,14 @@ for h, m in models.items():
 # exercise 3.0: minillm.course.predictions.predict_mqa_speedup
 
 # %%
+from minillm.models import attention_variants as library_variants  # noqa: E402
+
+
 def bound_tok_s(h: int) -> float:
     """The bandwidth bound on decode tokens/s with ``h`` K/V heads: B tokens per (weights + B·S cached K/V) read."""
     m = models[h]
-    return B * spec.memory_bandwidth / (decode_weight_bytes(m.config, m.dtype) + B * S * kv_bytes_gqa(config, h, elt))
+    kv = library_variants.kv_bytes_gqa(config, h, elt)  # the library's count: your 3.1 may be unfinished
+    return B * spec.memory_bandwidth / (decode_weight_bytes(m.config, m.dtype) + B * S * kv)
 
 
 h_mha, h_mqa = max(models), min(models)

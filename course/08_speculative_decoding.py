@@ -72,7 +72,7 @@ torch.manual_seed(0)
 plt.rcParams.update({"figure.dpi": 110, "figure.figsize": (7, 4)})
 
 device = "cuda" if torch.cuda.is_available() else "cpu"
-llm = LLM(device=device, dtype="bfloat16" if device == "cuda" else None)
+llm = LLM(device=device)  # minillm picks the dtype: fp32 on this CPU, bf16 on a GPU that has it, fp16 on a T4
 model, config, tok = llm.model, llm.model.config, llm.tokenizer
 dtype = roofline.dtype_name(model.dtype)
 llama, h100 = llama2_7b_config(), roofline.get_spec("H100-SXM")  # the modelled large-scale counterpart

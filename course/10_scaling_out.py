@@ -61,6 +61,7 @@ random.seed(0)
 torch.manual_seed(0)
 plt.rcParams.update({"figure.dpi": 110, "figure.figsize": (7, 4)})
 CORES = os.cpu_count() or 1
+device = "cpu"  # the ranks are CPU processes talking gloo, even beside a GPU (NCCL wants one GPU per rank)
 
 # SmolLM2-135M's shape with heads that 2 divides (its 9 query / 3 K/V heads do not: see section 2), random weights.
 config = dataclasses.replace(tp_bench.default_like_config(), num_layers=4 if FAST else 8)
