@@ -86,9 +86,14 @@ def make_peer(name: str, device: str = "cpu", port: int | None = None,
         exe = Path(sys.executable).with_name("transformers")
         if not exe.exists():
             return None
+        from minillm.models.loader import cache_root
+
         d = hf_directory()
+        # /v1/models scans the hub cache and fails when the directory is missing: give it an existing (empty) one
+        hub = cache_root() / "peers" / "hf-hub"
+        hub.mkdir(parents=True, exist_ok=True)
         cmd = [str(exe), "serve", str(d), "--continuous-batching", "--device", device, *common]
-        return Peer(name, tuple(cmd), port, str(d), {"HF_HUB_OFFLINE": "1"})
+        return Peer(name, tuple(cmd), port, str(d), {"HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(hub)})
     if name == "llamacpp":
         if importlib.util.find_spec("llama_cpp") is None:
             return None
