@@ -42,6 +42,7 @@ from minillm.course.checks.paged import (
     check_prediction_paged,
     check_slot_mapping,
 )
+from minillm.course.checks.quantization import check_int4_linear_ref, check_quantize, check_quantize_int4
 from minillm.course.checks.registry import CONFIGS, EXERCISES, LLAMA2_7B, SMOLLM2_135M, TINY_MQA, Exercise, exercise
 from minillm.course.checks.roofline import (
     Verdict,
@@ -52,6 +53,7 @@ from minillm.course.checks.roofline import (
     check_ridge_point,
     judge_prediction,
 )
+from minillm.course.checks.scaling import check_gpipe_schedule, check_layer_comm_time, check_shard_linear
 from minillm.course.checks.serving import check_arrival_times, check_parse_stream
 from minillm.course.checks.speculative import check_ngram_lookup, check_rejection_sample, check_truncate
 
@@ -65,10 +67,7 @@ __all__ = ["CONFIGS", "EXERCISES", "Exercise", "LLAMA2_7B", "SMOLLM2_135M", "TIN
            "check_prediction_bytes", "check_prediction_decode", "check_prediction_gemv", "check_prediction_mqa",
            "check_prediction_paged", "check_prediction_step", "check_prefill_chunk_len", "check_ridge_point",
            "check_roofline_prediction", "check_slot_mapping", "exercise", "judge_prediction"]
-__all__ += ["check_arrival_times", "check_parse_stream"]  # notebook 09
-from minillm.course.checks.scaling import check_gpipe_schedule, check_layer_comm_time, check_shard_linear  # noqa: E402, I001
-__all__ += ["check_gpipe_schedule", "check_layer_comm_time", "check_shard_linear"]  # notebook 10
-__all__ += ["check_ngram_lookup", "check_rejection_sample", "check_truncate"]  # notebook 08
-from minillm.course.checks.quantization import check_int4_linear_ref, check_quantize, check_quantize_int4  # noqa: E402, I001
-
 __all__ += ["check_int4_linear_ref", "check_quantize", "check_quantize_int4"]  # notebook 07
+__all__ += ["check_ngram_lookup", "check_rejection_sample", "check_truncate"]  # notebook 08
+__all__ += ["check_arrival_times", "check_parse_stream"]  # notebook 09
+__all__ += ["check_gpipe_schedule", "check_layer_comm_time", "check_shard_linear"]  # notebook 10
