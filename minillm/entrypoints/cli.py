@@ -115,7 +115,26 @@ def cmd_chat(a) -> int:
             _print_metrics(llm, metrics)
 
 
+def _replica_args(a) -> list[str]:
+    """The serve options each replica gets: the model and engine options, not the front's host, port or routing."""
+    names = ("dtype", "device", "kernels", "quantization", "api_key", "max_queue", "shutdown_timeout",
+             "max_num_seqs", "max_num_batched_tokens", "num_kv_blocks", "max_model_len")
+    args = [a.model_path or a.model] if (a.model_path or a.model) else []
+    for name in names:
+        if getattr(a, name) is not None:
+            args += [f"--{name.replace('_', '-')}", str(getattr(a, name))]
+    return args
+
+
 def cmd_serve(a) -> int:
+    if a.replicas is not None and a.replicas < 1:
+        raise ValueError(f"--replicas must be >= 1, got {a.replicas}")
+    if a.replicas is not None and a.replicas > 1:  # a router in front of N single servers (openai/router.py)
+        from minillm.entrypoints.openai.router import run_router
+
+        run_router(_replica_args(a), replicas=a.replicas, routing=a.routing, host=a.host, port=a.port,
+                   shutdown_timeout_s=a.shutdown_timeout, log_level=a.log_level)
+        return 0
     from minillm.entrypoints.openai.server import DEFAULT_MODEL_NAME, run_server
     from minillm.llm import LLM
 
@@ -126,7 +145,8 @@ def cmd_serve(a) -> int:
     print(f"[serving {model or DEFAULT_MODEL_NAME} ({llm.model.dtype}, {llm.model.device}) on "
           f"http://{a.host}:{a.port}/v1]", file=sys.stderr)
     run_server(llm, host=a.host, port=a.port, api_key=a.api_key, max_queue=a.max_queue,
-               shutdown_timeout_s=a.shutdown_timeout, served_model_name=str(model) if model else DEFAULT_MODEL_NAME)
+               shutdown_timeout_s=a.shutdown_timeout, served_model_name=str(model) if model else DEFAULT_MODEL_NAME,
+               log_level=a.log_level)
     return 0
 
 
@@ -206,6 +226,11 @@ def build_parser() -> argparse.ArgumentParser:
                                                                         "after SIGTERM before they are aborted")
     for flag in ("--max-num-seqs", "--max-num-batched-tokens", "--num-kv-blocks", "--max-model-len"):
         s.add_argument(flag, type=int, default=None, help="EngineConfig option")
+    s.add_argument("--replicas", type=int, default=None, help="N > 1: N server processes (a model each, the cores "
+                                                               "split among them) behind a router on --port")
+    s.add_argument("--routing", default="least_loaded", choices=["least_loaded", "round_robin"],
+                   help="with --replicas: least_loaded (fewest requests in flight) or round_robin")
+    s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     s.set_defaults(fn=cmd_serve)
     b = sub.add_parser("bench", help="side-by-side benchmarks (decode | attention | serving | quant | spec | tp | "
                                      "serve: a load generator for any OpenAI server, see 'bench serve --help')")
