@@ -242,6 +242,26 @@ def test_a_client_that_hangs_up_mid_stream_aborts_the_request_on_its_replica(fro
     assert value(front.metrics(), "minillm_generation_tokens_total", replica=replica) - tokens_before < 100
 
 
+def test_a_non_streaming_client_that_hangs_up_aborts_the_request_on_its_replica(front):
+    body = {"model": front.model, "prompt": "A long story:", "max_tokens": CONTEXT - 10, "ignore_eos": True}
+    before = front.metrics()
+    with pytest.raises(httpx.ReadTimeout):  # the answer sends nothing until it is done: the client gives up
+        httpx.post(front.url + "/v1/completions", json=body, timeout=httpx.Timeout(60, read=0.5))
+
+    def idle():
+        text = front.metrics()
+        return all(value(text, "minillm_num_requests_in_flight", replica=i) == 0
+                   and value(text, "minillm_router_requests_in_flight", replica=i) == 0 for i in (0, 1))
+
+    wait_for(idle, what="the replica to abort the abandoned request")
+    after = front.metrics()
+    sent = sum(value(after, "minillm_router_requests_total", replica=i)
+               - value(before, "minillm_router_requests_total", replica=i) for i in (0, 1))
+    tokens = sum(value(after, "minillm_generation_tokens_total", replica=i)
+                 - value(before, "minillm_generation_tokens_total", replica=i) for i in (0, 1))
+    assert sent == 1 and tokens < 100  # forwarded, then stopped: its ~2000 tokens were never counted
+
+
 # ---- breaking it (these run last) ----------------------------------------------------------------------------------
 def test_killing_a_replica_fails_its_in_flight_requests_and_the_other_keeps_serving(front):
     long = {"model": front.model, "prompt": "A long story:", "max_tokens": CONTEXT - 10, "ignore_eos": True}
