@@ -186,6 +186,20 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
+async def send_unless_gone(client, upstream_request, request: Request):
+    """``client.send(upstream_request, stream=True)``: the replica's response once its headers are in, or None if
+    the client hung up first.  A non-streamed answer's headers come only when it is done, so the hang-up must be
+    watched here: it cancels the send, which closes the connection, which aborts the request on the replica."""
+    sending = asyncio.ensure_future(client.send(upstream_request, stream=True))
+    gone = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({sending, gone}, return_when=asyncio.FIRST_COMPLETED)
+        return sending.result() if sending.done() else None
+    finally:
+        gone.cancel()
+        sending.cancel()  # no-op once done; else (hang-up, or this handler cancelled) it closes the connection
+
+
 async def forward(client, pool: ReplicaPool, metrics: RouterMetrics, request: Request, path: str) -> Response:
     """Send ``request`` to a replica and relay its answer (see the module docstring for the failure rules)."""
     import httpx
@@ -193,37 +207,27 @@ async def forward(client, pool: ReplicaPool, metrics: RouterMetrics, request: Re
     body = await request.body()
     headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_HEADERS}
     tried: list[Replica] = []
-    while True:
-        rep = pool.pick(exclude=tried)
-        if rep is None:
-            alive = len(pool.live())
-            raise APIError(503, f"no replica can take the request ({alive} of {len(pool.replicas)} in rotation)",
-                           type="server_error", code="no_replica")
+    while (rep := pool.pick(exclude=tried)) is not None:
         tried.append(rep)
         rep.in_flight += 1
         metrics.requests.labels(str(rep.index)).inc()
-        upstream_request = client.build_request(request.method, rep.url + path, content=body, headers=headers)
-        sending = asyncio.ensure_future(client.send(upstream_request, stream=True))
-        gone = asyncio.ensure_future(_disconnected(request))
         try:
-            # A non-streamed answer's headers come only when it is done: a client hang-up meanwhile cancels the
-            # send, which closes the connection, which aborts the request on the replica.
-            await asyncio.wait({sending, gone}, return_when=asyncio.FIRST_COMPLETED)
-            if not sending.done():
-                sending.cancel()
-                rep.in_flight -= 1
-                return Response(status_code=499)  # nginx's "client closed request"; nobody reads it
-            upstream = sending.result()
-        except httpx.ConnectError as e:  # never delivered: safe to try the next replica
+            upstream = await send_unless_gone(
+                client, client.build_request(request.method, rep.url + path, content=body, headers=headers), request)
+        except BaseException as e:
             rep.in_flight -= 1
-            replica_failed(rep, e, metrics)
-            continue
-        except httpx.TransportError as e:
+            if isinstance(e, (httpx.ConnectError, httpx.ConnectTimeout)):  # never delivered: try the next one
+                replica_failed(rep, e, metrics)
+                continue
+            if isinstance(e, httpx.TransportError):
+                raise replica_failed(rep, e, metrics) from e
+            raise
+        if upstream is None:
             rep.in_flight -= 1
-            raise replica_failed(rep, e, metrics) from e
-        finally:
-            gone.cancel()
+            return Response(status_code=499)  # nginx's "client closed request"; nobody reads it
         return relay(upstream, rep, metrics)
+    raise APIError(503, f"no replica can take the request ({len(pool.live())} of {len(pool.replicas)} in "
+                        f"rotation)", type="server_error", code="no_replica")
 
 
 def relay(upstream, rep: Replica, metrics: RouterMetrics) -> Upstream:
