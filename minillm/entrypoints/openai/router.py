@@ -56,7 +56,7 @@ HOP_HEADERS = frozenset({"connection", "keep-alive", "proxy-authenticate", "prox
                          "transfer-encoding", "upgrade", "host", "content-length", "date", "server"})
 
 
-@dataclass
+@dataclass(eq=False)  # identity: two replicas are never "equal"
 class Replica:
     """The router's view of one replica: where it is, and its load and health as the router sees them."""
 
