@@ -155,7 +155,10 @@ def check_cached_attention(cached_attention: Callable) -> None:
             f"{where}: returned "
             f"{f'{tuple(got.shape)} {got.dtype}' if isinstance(got, torch.Tensor) else type(got).__name__}, "
             f"expected a {dtype} tensor of shape {tuple(expected.shape)} = [B, H_q, L, D].")
-        torch.testing.assert_close(got, expected, msg=lambda m, where=where: (
+        # bf16: the probabilities may be rounded to bf16 before multiplying V (as the library does): outputs near
+        # 0 then carry absolute errors of ~1e-3, beyond assert_close's bf16 atol of 1e-5
+        tol = {"rtol": 1.6e-2, "atol": 1e-2} if dtype == torch.bfloat16 else {}
+        torch.testing.assert_close(got, expected, **tol, msg=lambda m, where=where: (
             f"{where}: the output differs from the expected one. The query at position p sees slots 0..p of its "
             f"own row (not the last L slots of the cache: rows end at different places); query head h reads K/V "
             f"head h // (H_q / H_kv); the scores are multiplied by scale. {m}"))
