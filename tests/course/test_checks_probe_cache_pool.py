@@ -245,7 +245,9 @@ def test_pooling_a_model_goes_through_the_pool_it_is_given():
     config = ModelConfig(vocab_size=50, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
                          num_kv_heads=2, head_dim=8, max_position_embeddings=64)
     torch.manual_seed(0)
-    model = Transformer(config).eval()
+    model = Transformer(config).eval().requires_grad_(False)
+    for param in model.parameters():  # the constructor leaves memory uninitialised (a loader fills it)
+        param.normal_(0, 0.02)
     calls = []
 
     def spy(weight, *args):
