@@ -140,8 +140,8 @@ def _reference_pool(w: torch.Tensor, Hq: int, Hkv: int, new: int, D: int) -> tor
 
 
 @exercise("3.3", "minillm.models.attention_variants.pool_kv_weight", "MHA → GQA/MQA: mean-pool K/V heads",
-          "split the rows into q | k | v; view k (and v) as [new, r, D, ...] — r consecutive heads per group — and "
-          "average over r in fp32; q untouched; validate first")
+          "q rows as they are; each new K/V head the mean of its group of old heads; the weight's dtype; "
+          "validate first (optional hints below the exercise)")
 def check_pool_kv_weight(pool_kv_weight: Callable) -> None:
     """``pool_kv_weight(weight, H_q, H_kv, new, D)`` against a head-by-head fp64 reference: MHA → GQA, MHA → MQA,
     GQA → MQA, the identity (new = H_kv), a 1-D bias, a bf16 weight (dtype kept); the q rows exactly unchanged;

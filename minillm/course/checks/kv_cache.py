@@ -120,8 +120,8 @@ def _reference_cached_attention(q, k, v, positions, scale):
 
 
 @exercise("2.3", "minillm.kv.contiguous.cached_attention", "attention of one step over the cache",
-          "scores of every new query against every slot; a query at position p may only see slots s ≤ p (mask "
-          "the rest with -inf before the softmax); query head h reads K/V head h // (H_q / H_kv)")
+          "a query at position p sees slots 0..p of its own row, whatever the other slots hold (optional hints "
+          "below the exercise)")
 def check_cached_attention(cached_attention: Callable) -> None:
     """``cached_attention(q, k, v, positions, scale=)`` against a one-query-at-a-time fp64 reference: decode of
     one sequence and of rows of different lengths (stale slots past a short row's end hold large values that

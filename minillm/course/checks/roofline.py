@@ -76,8 +76,8 @@ def check_linear_cost(linear_cost: Callable) -> None:
 
 
 @exercise("0.2", "minillm.perf.roofline.attainable_flops", "the roofline: attainable FLOP/s over intensities",
-          "each byte from memory feeds `intensity` FLOPs, and the arithmetic units have a ceiling of their own; "
-          "loop over a sequence, and validate every value")
+          "one number in, one float out; a sequence in, one value per intensity out, in order; validate every "
+          "intensity (optional hints below the exercise)")
 def check_attainable_flops(attainable_flops: Callable) -> None:
     """``attainable_flops(spec, intensity, dtype)`` for every reference GPU and dtype (and a made-up laptop): one
     number below, at and above the ridge; then sequences of intensities (list, tuple, tensor, numpy array) → a
@@ -163,8 +163,8 @@ def _own_read_rate(buffer: torch.Tensor, repeats: int) -> float:
 
 
 @exercise("0.3", "minillm.perf.hardware.read_bandwidth", "the read-bandwidth probe",
-          "warm up once, then time `repeats` passes of reduce(buffer) with time.perf_counter (synchronising "
-          "CUDA around each); bytes of the buffer ÷ the fastest pass")
+          "the docstring's contract: a warm-up, timed passes over the whole buffer, the fastest one, bytes per "
+          "second (optional hints below the exercise)")
 def check_read_bandwidth(read_bandwidth: Callable) -> None:
     """``read_bandwidth(buffer, repeats=, reduce=)`` with a stand-in ``reduce`` whose passes take known times
     (sleeps: exact on any machine, however busy): one warm-up then ``repeats`` passes, each over the whole buffer,
