@@ -169,8 +169,9 @@ def check_read_bandwidth(read_bandwidth: Callable) -> None:
     """``read_bandwidth(buffer, repeats=, reduce=)`` with a stand-in ``reduce`` whose passes take known times
     (sleeps: exact on any machine, however busy): one warm-up then ``repeats`` passes, each over the whole buffer,
     the fastest pass kept, bytes (not elements) counted, in bytes/s; then a real sum over a 32 MiB buffer (and a
-    1 GiB one on a GPU) against the checker's own measurement in the same call, within 3× (noise, not speed, is
-    what the factor allows for); ``repeats`` < 1 and an empty buffer → ValueError."""
+    1 GiB one on a GPU) against the checker's own measurement in the same call, within 4× (noise, not speed, is
+    what the factor allows for: a rate in GB/s instead of bytes/s is 1e9× off, a CUDA timing without a sync
+    hundreds of times); ``repeats`` < 1 and an empty buffer → ValueError."""
     cases = [  # buffer, repeats, seconds per call (warm-up first): the fastest pass appears twice (a late wake-up)
         ("float32 [250 000]", torch.ones(250_000), 5, [0.1, 0.09, 0.02, 0.09, 0.02, 0.09]),
         ("float64 [40, 500] (8 bytes per element)", torch.ones(40, 500, dtype=torch.float64), 3,
@@ -185,8 +186,8 @@ def check_read_bandwidth(read_bandwidth: Callable) -> None:
         assert len(reduce.args) == repeats + 1, (
             f"{call} called reduce {len(reduce.args)} times, expected {repeats + 1}: one untimed warm-up call "
             "(it pays first-call costs), then one call per timed repeat.")
-        whole = [x is buffer or (isinstance(x, torch.Tensor) and x.data_ptr() == buffer.data_ptr()
-                                 and x.shape == buffer.shape) for x in reduce.args]
+        whole = [isinstance(x, torch.Tensor) and x.data_ptr() == buffer.data_ptr() and x.numel() == buffer.numel()
+                 for x in reduce.args]  # the buffer itself, or a view of all of it (flattened, say)
         assert all(whole), (
             f"{call}: call {whole.index(False) + 1} of reduce got something other than the whole buffer; expected "
             "every pass to read the buffer itself (its bytes are what the rate counts).")
@@ -202,12 +203,12 @@ def check_read_bandwidth(read_bandwidth: Callable) -> None:
     for device in devices:  # a real measurement, the default reduce (a sum)
         n = (32 if device == "cpu" else 1024) * 2**20 // 4
         buffer = torch.ones(n, device=device)
-        before = _own_read_rate(buffer, 5)
-        got = read_bandwidth(buffer, repeats=5)
-        own = max(before, _own_read_rate(buffer, 5))
-        assert isinstance(got, int | float) and own / 3 <= got <= 3 * own, (
-            f"read_bandwidth(<{buffer.nbytes // 2**20} MiB of float32 on {device}>, repeats=5) with the default "
-            f"reduce returned {got!r}, expected within 3× of the checker's own measurement just before and after, "
+        before = _own_read_rate(buffer, 10)
+        got = read_bandwidth(buffer, repeats=10)
+        own = max(before, _own_read_rate(buffer, 10))
+        assert isinstance(got, int | float) and own / 4 <= got <= 4 * own, (
+            f"read_bandwidth(<{buffer.nbytes // 2**20} MiB of float32 on {device}>, repeats=10) with the default "
+            f"reduce returned {got!r}, expected within 4× of the checker's own measurement just before and after, "
             f"{own / 1e9:.1f} GB/s (in bytes/s: {own:,.0f})" + (
                 "; on CUDA a launch returns before the sum has run: synchronise before reading the clock"
                 if device == "cuda" else "") + ".")
