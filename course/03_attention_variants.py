@@ -233,13 +233,22 @@ def repeat_kv_heads(m, times: int):
     return out
 
 
-models = {9: repeat_kv_heads(model, 3), 3: model, 1: pool_kv_heads(model, 1, pool=pool_kv_weight)}  # your pool
+models = {9: repeat_kv_heads(model, 3), 3: model}
+try:
+    models[1] = pool_kv_heads(model, 1, pool=pool_kv_weight)  # MQA: your pool_kv_weight, in every layer
+except NotImplementedError:
+    models[1] = pool_kv_heads(model, 1)  # the library's, only so that the sections below run until you write 3.3
+    raise
+
+# %%
 for mha, original in zip(models[9].model.layers, model.model.layers, strict=True):  # MHA copies pooled back to 3
     pooled = pool_kv_weight(mha.self_attn.qkv_proj.weight, config.num_heads, 9, 3, config.head_dim)
     # (x + x + x) / 3 in fp32 can differ from x in the last bit: equal within rounding, not bit for bit
     torch.testing.assert_close(pooled, original.self_attn.qkv_proj.weight, msg=lambda m: (
         f"pooling the MHA copies back to 3 heads must return the checkpoint's weights: {m}"))
 print("✓ pooling the H_kv = 9 copy back to 3 heads with your pool_kv_weight returns the checkpoint's weights")
+
+# %%
 prompt = llm.encode("Grouped-query attention lets several query heads share one key/value head, so")
 with torch.inference_mode():  # the library's own forward (its kernels, no cache) as the reference
     library = model(torch.tensor([prompt], device=device), torch.arange(len(prompt), device=device)[None])[0].float()
