@@ -15,19 +15,22 @@
 # - attainable FLOP/s = min(peak FLOP/s, I × bandwidth);
 # - the **ridge point** = peak ÷ bandwidth: work left of it is memory bound, right of it compute bound.
 #
-# **In this notebook** you measure this machine's roofs, write the cost model of a linear layer (exercise 0.1), the
-# ridge point (0.2) and the roofline itself (0.3), use them to predict how long a decode step's matrix–vector
-# products take and check the prediction against a measurement, define model bandwidth utilisation (0.4) and spot a
-# textbook's arithmetic slip, then place every measurement on the roofline and explore other machines with sliders.
+# **In this notebook** you measure this machine's roofs, write the cost model of a linear layer (exercise 0.1) and
+# the roofline itself (0.2), use them to predict how long a decode step's matrix–vector products take, write the
+# probe that measures this machine's read bandwidth (0.3) and check the prediction against a measurement under
+# your own roof, define model bandwidth utilisation (0.4) and spot a textbook's arithmetic slip, then place every
+# measurement on the roofline and explore other machines with sliders.
 # Runs in about a minute on a 2-core CPU; on a GPU it uses the GPU.
 
 # %%
 from __future__ import annotations
 
+import math
 import os
 import random
 import re
 import statistics
+import time
 
 import matplotlib.pyplot as plt
 import torch
@@ -42,7 +45,7 @@ from minillm.perf.hardware import (
     DECODE_GEMV_SHAPES,
     dtype_bytes,  # used by the exercises' code
 )
-from minillm.perf.roofline import Cost, check_sizes, positive_rate
+from minillm.perf.roofline import Cost, check_sizes, positive_rate, ridge_point
 
 FAST = os.environ.get("MINILLM_COURSE_FAST") == "1"  # set by the course tests: same cells, smaller sizes
 random.seed(0)
@@ -170,26 +173,31 @@ for M in (1, 8, 64, 256, 512, 4096):
 # %% [markdown]
 # ## 4. The roofline
 #
-# ### Exercise 0.2 — the ridge point
+# A piece of work of intensity I (FLOP per byte moved) gets its bytes at the memory's rate, and each byte feeds
+# I FLOPs; the arithmetic units have a ceiling of their own, per dtype (`spec.peak(dtype)`, in FLOP/s;
+# `spec.memory_bandwidth` in bytes/s). The intensity where the two limits meet is the **ridge point**
+# (`ridge_point(spec, dtype)`, imported from the library).
 #
-# Write `ridge_point(spec, dtype)`: the intensity where the two roofs meet. `spec.peak(dtype)` is the peak
-# FLOP/s for a dtype, `spec.memory_bandwidth` the bandwidth in bytes/s.
+# ### Exercise 0.2 — the roofline
+#
+# Write `attainable_flops(spec, intensity, dtype)`: the most FLOP/s that work of that intensity can reach on
+# `spec`. It takes one intensity (and returns a float) or a whole sequence of them — a list, a tuple, a numpy array
+# or a tensor — and returns a list, one value per intensity, in order: the plots below draw every machine's roof
+# through it, and so does the library's `plot_roofline`. Reject an intensity that is negative or not a number
+# with a `ValueError`.
 
 # %%
-# exercise 0.2: minillm.perf.roofline.ridge_point
-
-# %%
-# NBVAL_CHECK_OUTPUT
-checks.check_ridge_point(ridge_point)
+# exercise 0.2: minillm.perf.roofline.attainable_flops
 
 # %% [markdown]
-# ### Exercise 0.3 — attainable FLOP/s
+# <details><summary>Hints (optional)</summary>
 #
-# Write `attainable_flops(spec, intensity, dtype)`: the most FLOP/s work of this intensity can reach on `spec`.
-# Memory delivers `bandwidth` bytes per second, each worth `intensity` FLOPs; the arithmetic units cap the rest.
-
-# %%
-# exercise 0.3: minillm.perf.roofline.attainable_flops
+# - Try to iterate over `intensity` and catch the `TypeError` that a plain number (or a 0-d tensor) raises:
+#   that tells the two calling forms apart without listing every sequence type.
+# - `float(x)` turns a numpy scalar or a one-element tensor into a Python number; `not x >= 0` is true for a
+#   negative number and for NaN alike.
+# - Below the ridge memory is the limit, above it the arithmetic: which of the two products is smaller?
+# </details>
 
 # %%
 # NBVAL_CHECK_OUTPUT
@@ -223,7 +231,7 @@ ax.set(xscale="log", yscale="log", xlabel="arithmetic intensity (FLOP/byte)", yl
        title="Rooflines: reference GPUs and this machine")
 for s, dt in machines:
     mine = s is spec
-    line, = ax.plot(intensities, [attainable_flops(s, i, dt) for i in intensities], linewidth=2.5 if mine else 1.5,
+    line, = ax.plot(intensities, attainable_flops(s, intensities, dt), linewidth=2.5 if mine else 1.5,
                     linestyle="--" if mine else "-",
                     label=f"{'this machine' if mine else s.name} ({short[dt]}): ridge {ridge_point(s, dt):.3g} FLOP/B")
     ax.plot(ridge_point(s, dt), s.peak(dt), "o", color=line.get_color())
@@ -280,6 +288,52 @@ my_prediction = None  # stays None while the prediction exercise is unwritten
 my_prediction = checks.check_prediction_gemv(predict_gemv_gb_s, spec.memory_bandwidth / 1e9)
 
 # %% [markdown]
+# ### Exercise 0.3 — the read-bandwidth probe
+#
+# The bound above used the cached roof that `machine_spec` measured once for this machine. Build the probe behind
+# that number yourself: write `read_bandwidth(buffer, repeats=, reduce=)`, which returns how many **bytes per
+# second** `reduce(buffer)` (a sum by default) reads. The docstring states the contract: one untimed warm-up call,
+# then `repeats` timed calls, each a whole pass over the buffer; the fastest pass counts (a busy neighbour only
+# ever slows a pass down); on CUDA the clock may be read only once the GPU has finished (`torch.cuda.synchronize`);
+# a bad argument is a `ValueError`. The library's `measure_device` runs this very function as its read probe.
+
+# %%
+# exercise 0.3: minillm.perf.hardware.read_bandwidth
+
+# %% [markdown]
+# <details><summary>Hints (optional)</summary>
+#
+# - `time.perf_counter()` is the clock to use: monotonic, sub-microsecond.
+# - Keep the best time, not a list of rates: bytes ÷ the fastest pass is the highest rate.
+# - `buffer.nbytes` is its size in bytes (`numel()` counts elements: 4 bytes each in fp32, 2 in bf16).
+# - `buffer.is_cuda` says whether there is anything to synchronise.
+# </details>
+
+# %%
+# NBVAL_CHECK_OUTPUT
+checks.check_read_bandwidth(read_bandwidth)
+
+# %% [markdown]
+# Your probe on a buffer far larger than any last-level cache (256 MiB; 1 GiB on a GPU), next to the figure
+# `machine_spec` cached for this machine (its read probe is this function too, best of several runs, and the roof
+# is the best of the read and GEMV probes). A figure from one run on a shared machine may come out lower than the
+# cached best: that spread is why the library measures once, keeps the best, and reuses it everywhere.
+
+# %% tags=["slide-output"]
+# NBVAL_IGNORE_OUTPUT
+print(f"machine_spec's cached read probe: {spec.read_bandwidth / 1e9:.1f} GB/s, its roof "
+      f"{spec.memory_bandwidth / 1e9:.1f} GB/s (measured {spec.measured_at or 'at an unknown time'})")
+probe_mib = (1024 if device == "cuda" else 256) // (4 if FAST else 1)
+probe_buffer = torch.full((probe_mib * 2**20 // 4,), 1.0, device=device)  # written: every page mapped
+my_roof = None  # stays None while exercise 0.3 is unwritten
+try:
+    my_roof = read_bandwidth(probe_buffer, repeats=3 if FAST else 10)
+finally:
+    del probe_buffer  # 256 MiB to 1 GiB: not kept for the rest of the notebook
+print(f"your read_bandwidth over {probe_mib} MiB: {my_roof / 1e9:.1f} GB/s, "
+      f"{my_roof / spec.read_bandwidth:.0%} of the cached read figure")
+
+# %% [markdown]
 # Now **measure**: the same stack, weights filled with a constant (a GEMV's time depends on how much it reads, not
 # on the values), timed with PyTorch's `F.linear` and, on CPU, minillm's native GEMV — the kernel the engine uses
 # for decode batches up to 8 rows. Same bytes, two implementations.
@@ -328,6 +382,10 @@ for B in (batches[0], batches[-1]):
     print(f"batch {B}: predicted ≥ {predicted_seconds(B) * 1e3:.2f} ms; measured " + ", ".join(
         f"{impl} {times[B] * 1e3:.2f} ms ({predicted_seconds(B) / times[B]:.0%} of the roofline's speed)"
         for impl, times in gemv_s.items() if B in times))
+if my_roof is not None:  # exercise 0.3 written: the same stream under the roof you measured
+    print(f"batch 1 under your own roof ({my_roof / 1e9:.1f} GB/s from your probe): " + ", ".join(
+        f"{impl} streams {weight_bytes / times[1] / 1e9:.1f} GB/s = {weight_bytes / times[1] / my_roof:.0%} of it"
+        for impl, times in gemv_s.items() if 1 in times))
 verdict = checks.judge_prediction(my_prediction, weight_bytes / gemv_s["torch"][1] / 1e9,
                                   bound=weight_bytes / predicted_seconds(1) / 1e9, unit="GB/s",
                                   what="weights streamed by a batch-1 F.linear pass",
@@ -539,7 +597,8 @@ display(widgets.interactive(
 # - A linear layer's intensity ≈ **M**, the tokens it processes at once (in a 16-bit dtype). Decode has M = batch:
 #   far left of any GPU's ridge, **memory bound**, so its time is bytes ÷ bandwidth. Prefill has M = prompt length:
 #   compute bound. Batching moves decode's linears right; attention stays at ≈ 1 whatever the batch.
-# - Measure the machine: roofs from measured peaks are honest, and the same bytes streamed by two implementations
-#   can differ by 2× — a roofline tells you how much is left to win.
+# - Measure the machine: roofs from measured peaks are honest (a read probe keeps the fastest of repeated passes
+#   over a buffer far beyond the cache), and the same bytes streamed by two implementations can differ by 2× — a
+#   roofline tells you how much is left to win.
 # - Judge decode by **MBU** (7B × 2 bytes × 100 tok/s = 1.4 TB/s = 70 % of an A100's 2 TB/s — check the
 #   arithmetic), prefill and training by **MFU**; `nvidia-smi`'s utilisation is time busy, not either.

@@ -12,7 +12,8 @@
 # weights, decides how many requests fit on a GPU.
 #
 # **In this notebook** you compute the cache's size (exercise 2.1) and check the prediction against the memory
-# really allocated, write the cache's update (2.2) and prove cached decoding exact, then measure the speedup
+# really allocated, write the cache's update (2.2) and the attention of a step over the cache (2.3), run the
+# model's cached decode loop on them and prove it exact, then measure the speedup
 # over recomputation and — after writing down your own prediction (2.0) — the cost of reading a long cache, and
 # place decode steps on the roofline.
 # Runs in about two minutes on a 2-core CPU; on a GPU it uses the GPU.
@@ -137,24 +138,64 @@ del cache
 checks.check_kv_cache_update(MyKVCache)
 
 # %% [markdown]
-# ### Plug it in: cached decoding with your cache is exact
+# ### Exercise 2.3 — attention over the cache
 #
-# The model takes any cache object as an explicit argument: `model.hidden_states(ids, positions, cache)`.
-# Here is the whole cached greedy loop — a prefill, then one token per step — running on *your* cache.
-# Then the same tokens go through a full forward without any cache: the logits that picked each token must
-# agree (within the dtype's tolerance), and so must the tokens the library's own cached loop generates.
+# Each layer's attention now has the new tokens' queries q `[B, H_q, L, D]` and, from `update`, every filled slot
+# of the cache, k and v `[B, H_kv, S, D]` (the new tokens' own K/V included, at their positions). Write
+# `cached_attention(q, k, v, positions, scale=)`: softmax(q·kᵀ × scale) · v over the slots **each query may
+# see**. A decode step has L = 1; a prompt fed in chunks has L > 1 queries that sit *after* the chunks already
+# cached — the causal mask is offset by their positions, not anchored at slot 0. In a batch, rows end at
+# different slots, and what lies past a row's end is stale. SmolLM2 has fewer K/V heads than query heads
+# (notebook 03 explains why): query head h reads K/V head h // (H_q / H_kv); copying K/V heads to match
+# (`repeat_interleave`) is fine here.
 
 # %%
-@torch.inference_mode()
-def greedy_decode(model, prompt: list[int], n_new: int, cache) -> tuple[list[int], Tensor]:
-    """Prefill ``prompt`` into ``cache``, then decode ``n_new`` greedy tokens one at a time.
+# exercise 2.3: minillm.kv.contiguous.cached_attention
 
-    Returns the new tokens and the logits that chose them, [n_new, V] in fp32.
+# %% [markdown]
+# <details><summary>Hints (optional)</summary>
+#
+# - `torch.arange(S)` compared with `positions[:, None, None, :, None]` (or a shape that suits your layout)
+#   gives a boolean "slot s may be seen from position p" for every row, head and query at once.
+# - `scores.masked_fill(~visible, float("-inf"))` before the softmax gives those slots exactly zero weight;
+#   every query sees at least slot 0, so no row is all `-inf`.
+# - Compute the scores in fp32 (`.float()`) and cast the probabilities back to v's dtype before multiplying.
+# </details>
+
+# %%
+# NBVAL_CHECK_OUTPUT
+checks.check_cached_attention(cached_attention)
+
+# %% [markdown]
+# ### Plug it in: cached decoding on your cache and your attention is exact
+#
+# The model takes any cache object as an explicit argument: `model.hidden_states(ids, positions, cache)`.
+# Below, `MyCache` stores K/V with your `update` (2.2) and attends with your `cached_attention` (2.3) in every
+# layer. The whole cached greedy loop runs on it: the prompt goes in as chunks of 4 tokens (each chunk attends to
+# the chunks before it: the offset causal mask), then one token per step. Then the same tokens go through a full
+# forward without any cache: the logits that picked each token must agree (within the dtype's tolerance), the
+# greedy tokens must be the same, and so must the tokens the library's own cached loop generates.
+
+# %%
+class MyCache(MyKVCache):
+    """The library's KVCache with your ``update`` (exercise 2.2) and your ``cached_attention`` (2.3)."""
+
+    def attention(self, layer: int, q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
+        k_all, v_all, _ = self.update(layer, k, v)  # (B, H_kv, S, D): every filled slot, the new tokens' included
+        return cached_attention(q, k_all, v_all, self._positions, scale=scale)  # (B, H_q, L, D)
+
+
+@torch.inference_mode()
+def greedy_decode(model, prompt: list[int], n_new: int, cache, chunk: int = 4) -> tuple[list[int], Tensor]:
+    """Prefill ``prompt`` into ``cache`` in chunks of ``chunk`` tokens, then decode ``n_new`` greedy tokens one at
+    a time.  Returns the new tokens and the logits that chose them, [n_new, V] in fp32.
     """
-    ids = torch.tensor([prompt], device=model.device)  # (1, L)
-    positions = torch.arange(len(prompt), device=model.device)[None]  # (1, L)
-    cache.begin(positions)
-    logits = model.compute_logits(model.hidden_states(ids, positions, cache)[:, -1])  # (1, V): last row only
+    for start in range(0, len(prompt), chunk):  # each chunk attends to the chunks cached before it
+        ids = torch.tensor([prompt[start : start + chunk]], device=model.device)  # (1, L)
+        positions = torch.arange(start, start + ids.shape[1], device=model.device)[None]  # (1, L)
+        cache.begin(positions)
+        hidden = model.hidden_states(ids, positions, cache)  # (1, L, hidden)
+    logits = model.compute_logits(hidden[:, -1])  # (1, V): the prompt's last token only
     tokens, chosen = [], []
     for step in range(n_new):
         chosen.append(logits[0].float())
@@ -172,12 +213,13 @@ def greedy_decode(model, prompt: list[int], n_new: int, cache) -> tuple[list[int
 exact = model if model.dtype == torch.float32 else copy.deepcopy(model).float().set_kernels("torch")
 n_new = 8 if FAST else 24
 prompt = llm.encode("The key-value cache of a transformer stores")
-cache = MyKVCache(config, 1, len(prompt) + n_new, dtype=exact.dtype, device=device, kernels=exact.kernels)
+cache = MyCache(config, 1, len(prompt) + n_new, dtype=exact.dtype, device=device, kernels=exact.kernels)
 tokens, cached_logits = greedy_decode(exact, prompt, n_new, cache)
 with torch.inference_mode():
     full = torch.tensor([prompt + tokens], device=device)  # (1, T): everything, recomputed from scratch
     recomputed = exact(full, torch.arange(full.shape[1], device=device)[None])[0, len(prompt) - 1 : -1].float()
 checks.check_cached_logits(cached_logits, recomputed)
+assert recomputed.argmax(-1).tolist() == tokens, "the uncached forward picks different greedy tokens"
 library = generate(exact, [prompt], SamplingParams(max_tokens=n_new, temperature=0, ignore_eos=True))[0]
 assert library.output == tokens, "the library's cached loop picks different greedy tokens than yours"
 print(repr(llm.tokenizer.decode(tokens)))

@@ -15,10 +15,10 @@
 # (MLA), K/V shared across layers, sliding windows.
 #
 # **In this notebook** you compute the cache for any H_kv (exercise 3.1), write attention that shares K/V heads
-# without copying them (3.2), then turn SmolLM2 into an MHA model (H_kv = 9, identical outputs) and an MQA model
-# (H_kv = 1, pooled heads), predict (3.0) and measure their cache memory and decode speed, measure what pooling costs
-# in perplexity, size the other variants with calculators, and see on the roofline why batching does not help
-# attention. Runs in about two minutes on a 2-core CPU; on a GPU it uses the GPU.
+# without copying them (3.2), then turn SmolLM2 into an MHA model (H_kv = 9, identical outputs) and, with your own
+# conversion of a checkpoint by mean-pooling K/V heads (3.3), into an MQA model (H_kv = 1), predict (3.0) and
+# measure their cache memory and decode speed, measure what pooling costs in perplexity, size the other variants
+# with calculators, and see on the roofline why batching does not help attention. Runs in about two minutes on a 2-core CPU; on a GPU it uses the GPU.
 
 # %%
 from __future__ import annotations
@@ -168,10 +168,48 @@ def forward_logits(m, ids: list[int], attention) -> Tensor:
 
 
 # %% [markdown]
+# ## 3. Build: convert a checkpoint by mean-pooling K/V heads
+#
+# The GQA paper turns a trained multi-head checkpoint into a grouped one without training from scratch: each
+# group of r = H_kv / H_kv' consecutive K/V heads is replaced by their **mean** (its key and value projections
+# averaged, weight and bias), and the model is then "uptrained" for ~5 % of its pre-training compute to recover.
+# Consecutive, because query head h reads K/V head h // G: a group of query heads then reads the mean of exactly
+# the heads it read before.
+#
+# In minillm each layer stores q, k and v as one fused projection `qkv_proj`: weight rows
+# `[q: H_q·D | k: H_kv·D | v: H_kv·D]` (D rows per head, heads in order), and a bias with the same rows where the
+# model has one.
+#
+# ### Exercise 3.3 — mean-pool K/V heads
+#
+# Write `pool_kv_weight(weight, num_heads, num_kv_heads, new_kv_heads, head_dim)` for one fused weight (2-D) or
+# bias (1-D): the q rows unchanged, the k and v rows pooled to `new_kv_heads` heads, in the weight's dtype (average
+# in fp32). `pool_kv_heads(model, h, pool=...)` does the rest of the conversion (a new config, every layer's
+# projection through `pool`, the tied embeddings) and calls **your** function for every layer.
+
+# %%
+# exercise 3.3: minillm.models.attention_variants.pool_kv_weight
+
+# %% [markdown]
+# <details><summary>Hints (optional)</summary>
+#
+# - `weight.split([H_q·D, H_kv·D, H_kv·D])` gives the three blocks (along dim 0, whatever the trailing dims).
+# - A block of H_kv·D rows viewed as `[new, r, D, *rest]` (`*weight.shape[1:]` is `hidden` or nothing) puts
+#   the r heads of each group on one axis: `.float().mean(1)`, then view it back to `[new·D, *rest]`.
+# - Validate first: `new_kv_heads` must divide H_kv (H_kv = 4 → 3 heads is not a grouping), and the weight must
+#   have (H_q + 2·H_kv)·D rows.
+# </details>
+
+# %%
+# NBVAL_CHECK_OUTPUT
+checks.check_pool_kv_weight(pool_kv_weight)
+
+# %% [markdown]
 # Now three models from one checkpoint. **MHA** (H_kv = 9): copy each of SmolLM2's 3 K/V heads to the 3 query
-# heads of its group — the same function, so the same logits, with a 3× larger cache. **MQA** (H_kv = 1):
-# `minillm.models.attention_variants.pool_kv_heads` averages the 3 K/V projections into one, the GQA paper's starting
-# point for converting a checkpoint (there it is followed by "uptraining", ~5 % of the pre-training compute).
+# heads of its group — the same function, so the same logits, with a 3× larger cache. Pooling that MHA model back
+# to 3 heads with your function must give the checkpoint's weights again (to the last bit's rounding): the mean of
+# three copies of a head is that head. **MQA** (H_kv = 1): your function averages the 3 K/V heads into one — the starting point of the
+# conversion (the paper then uptrains; we do not, and section 5 measures what that costs).
 
 # %%
 @torch.inference_mode()
@@ -195,7 +233,22 @@ def repeat_kv_heads(m, times: int):
     return out
 
 
-models = {9: repeat_kv_heads(model, 3), 3: model, 1: pool_kv_heads(model, 1)}
+models = {9: repeat_kv_heads(model, 3), 3: model}
+try:
+    models[1] = pool_kv_heads(model, 1, pool=pool_kv_weight)  # MQA: your pool_kv_weight, in every layer
+except NotImplementedError:
+    models[1] = pool_kv_heads(model, 1)  # the library's, only so that the sections below run until you write 3.3
+    raise
+
+# %%
+for mha, original in zip(models[9].model.layers, model.model.layers, strict=True):  # MHA copies pooled back to 3
+    pooled = pool_kv_weight(mha.self_attn.qkv_proj.weight, config.num_heads, 9, 3, config.head_dim)
+    # (x + x + x) / 3 in fp32 can differ from x in the last bit: equal within rounding, not bit for bit
+    torch.testing.assert_close(pooled, original.self_attn.qkv_proj.weight, msg=lambda m: (
+        f"pooling the MHA copies back to 3 heads must return the checkpoint's weights: {m}"))
+print("✓ pooling the H_kv = 9 copy back to 3 heads with your pool_kv_weight returns the checkpoint's weights")
+
+# %%
 prompt = llm.encode("Grouped-query attention lets several query heads share one key/value head, so")
 with torch.inference_mode():  # the library's own forward (its kernels, no cache) as the reference
     library = model(torch.tensor([prompt], device=device), torch.arange(len(prompt), device=device)[None])[0].float()
@@ -210,7 +263,7 @@ for h, m in models.items():
           f"greedy next token after the prompt: {llm.tokenizer.decode([int(logits[h][-1].argmax())])!r}")
 
 # %% [markdown]
-# ## 3. Measure: cache memory and decode speed for H_kv = 9, 3, 1
+# ## 4. Measure: cache memory and decode speed for H_kv = 9, 3, 1
 #
 # ### Predict, then measure
 #
@@ -310,11 +363,11 @@ plt.show()
 # Fewer K/V heads: a smaller cache, exactly as predicted, and faster decode steps. The measured speedup is smaller
 # than the bound's wherever a step is not purely bandwidth bound: the weights' GEMVs have fixed costs, and on a
 # CPU — whose ridge is a few FLOP/byte — attention with G = 9 query heads per K/V head does 2·9 FLOPs per K/V
-# element, 4.5 FLOP/byte in fp32: MQA's attention becomes compute bound there (section 6 shows it). On a GPU,
+# element, 4.5 FLOP/byte in fp32: MQA's attention becomes compute bound there (section 7 shows it). On a GPU,
 # with its ridge near 300 FLOP/byte, every variant stays bandwidth bound.
 
 # %% [markdown]
-# ## 4. The price: what pooling K/V heads costs in quality
+# ## 5. The price: what pooling K/V heads costs in quality
 #
 # MHA → GQA by copying is free and exact; GQA → MQA by averaging is not: the three K/V heads of a group learned
 # different things, and their mean is none of them. Perplexity (exp of the mean negative log-likelihood of each
@@ -358,7 +411,7 @@ for h in (3, 1):
 # quality (the paper's result, on T5-XXL); MQA loses more and trains less stably.
 
 # %% [markdown]
-# ## 5. Friends: other ways to shrink the cache
+# ## 6. Friends: other ways to shrink the cache
 #
 # Every variant cuts one factor of layers × (K/V values per token per layer) × tokens kept × bytes:
 #
@@ -410,7 +463,7 @@ plt.tight_layout()
 plt.show()
 
 # %% [markdown]
-# ## 6. On the roofline: batching does not help attention
+# ## 7. On the roofline: batching does not help attention
 #
 # A decode step's linear layers read each weight once for the whole batch: B tokens × 2 FLOPs per weight, so
 # their intensity grows with B (notebook 01). Attention is different: every sequence has **its own** cache, so

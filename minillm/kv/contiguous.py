@@ -28,6 +28,34 @@ def kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype = torch.float16) 
     ### END SOLUTION
 
 
+def cached_attention(q: Tensor, k: Tensor, v: Tensor, positions: Tensor, *, scale: float) -> Tensor:
+    """The attention of one step over the cache: L new queries per sequence against every filled slot.
+
+    q [B, H_q, L, D]: the queries of the new tokens, which sit at ``positions`` [B, L] (int64) of their sequences;
+    k, v [B, H_kv, S, D]: the cache's first S slots, the new tokens' K/V already written (slot s holds position s).
+    Returns [B, H_q, L, D] in q's dtype.  Invariants: the query at position p attends to slots s ≤ p only — its
+    own past and itself; slots beyond p are its future in a prefill chunk, or stale data past a shorter row's end
+    in a batch of different lengths.  Query head h reads K/V head h // (H_q / H_kv) (H_q a multiple of H_kv; more
+    in notebook 03).  Scores are scaled by ``scale`` and softmaxed in fp32.  Every position p ≥ 0 sees slot 0, so
+    no row is empty.  Cost: B·H_q·L·S scores in memory — a plain reference; the kernels avoid that.
+    """
+    B, Hq, L, D = q.shape
+    _, Hkv, S, _ = k.shape
+    if positions.shape != (B, L) or k.shape != v.shape or k.shape[0] != B or Hq % Hkv:
+        raise ValueError(f"need q [B, H_q, L, D], k, v [B, H_kv, S, D] and positions [B, L]; got {tuple(q.shape)}, "
+                         f"{tuple(k.shape)}, {tuple(v.shape)}, {tuple(positions.shape)}")
+    ### BEGIN SOLUTION
+    G = Hq // Hkv
+    qg = q.reshape(B, Hkv, G * L, D)  # the G query heads of a K/V head become extra rows: K/V are not copied
+    scores = (qg @ k.transpose(-1, -2)).float().view(B, Hkv, G, L, S) * scale
+    slots = torch.arange(S, device=q.device)
+    visible = slots <= positions.to(q.device)[:, None, None, :, None]  # (B, 1, 1, L, S): slot s ≤ position p
+    scores = scores.masked_fill(~visible, float("-inf"))
+    probs = scores.softmax(dim=-1).to(v.dtype).view(B, Hkv, G * L, S)
+    return (probs @ v).view(B, Hq, L, D)
+    ### END SOLUTION
+
+
 class KVCache:
     """Preallocated K/V for ``batch_size`` sequences of up to ``max_len`` tokens.
 
@@ -88,13 +116,14 @@ class KVCache:
 
     def attention(self, layer: int, q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
         """Store k, v [B, H_kv, L, D] at the current positions, then attend q [B, H_q, L, D] -> [B, H_q, L, D]."""
-        k_all, v_all, mask = self.update(layer, k, v)
+        k_all, v_all, _ = self.update(layer, k, v)  # the mask is cached_attention's positions rule
         if q.shape[2] == 1:  # decode: one query per sequence over its first position + 1 slots
             # native on CPU (SDPA's fixed ~50 µs is several times the work here), flash-decoding on CUDA
             return self.ops.decode_attention(q[:, :, 0], k_all, v_all, self._seq_lens, sm_scale=scale)[:, :, None]
         if self._causal:  # Triton FlashAttention on CUDA, SDPA elsewhere
             return self.ops.prefill_attention(q, k_all, v_all, causal=True, sm_scale=scale)
-        return sdpa_attention(q, k_all, v_all, mask, scale=scale)
+        # rows at different positions (a chunk after rows of different lengths): each query sees slots ≤ its own
+        return cached_attention(q, k_all, v_all, self._positions, scale=scale)
 
     def update(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
         """Write k, v [B, H_kv, L, D] at the current positions; return K, V [B, H_kv, S, D] and the mask."""

@@ -8,34 +8,64 @@ KV bytes per token for standard attention = 2 (K and V) × layers × H_kv × D �
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import torch
+from torch import Tensor
 
 from minillm.config import ModelConfig
 from minillm.models.llama import Transformer
 
 
-def pool_kv_heads(model: Transformer, num_kv_heads: int) -> Transformer:
+def pool_kv_weight(weight: Tensor, num_heads: int, num_kv_heads: int, new_kv_heads: int,
+                   head_dim: int) -> Tensor:
+    """Mean-pool the K and V heads of a fused q/k/v projection from ``num_kv_heads`` to ``new_kv_heads`` heads.
+
+    ``weight``: the projection's weight [(H_q + 2·H_kv)·D, hidden] or its bias [(H_q + 2·H_kv)·D], rows stacked as
+    [q: H_q heads | k: H_kv heads | v: H_kv heads], D = ``head_dim`` rows per head, heads in order.  Returns the
+    same layout with H_kv replaced by ``new_kv_heads``: [(H_q + 2·new)·D, hidden] (or [(H_q + 2·new)·D]).
+    Invariants: the q rows are returned unchanged; with r = H_kv / new, new K head j is the element-wise mean of
+    old K heads j·r … j·r + r − 1 (consecutive heads, so that query head h, which read K/V head h // (H_q / H_kv),
+    now reads the pooled head of its old one), and likewise for V; the mean is taken in fp32 and the result has
+    ``weight``'s dtype; ``new_kv_heads`` = H_kv returns equal values.  ``ValueError`` unless ``new_kv_heads`` ≥ 1
+    divides H_kv, H_kv divides H_q, and ``weight`` has (H_q + 2·H_kv)·D rows.
+    """
+    ### BEGIN SOLUTION
+    if new_kv_heads < 1 or num_kv_heads % new_kv_heads or num_heads % num_kv_heads:
+        raise ValueError(f"new_kv_heads must divide H_kv = {num_kv_heads}, which must divide H_q = {num_heads}; "
+                         f"got {new_kv_heads}")
+    q_rows, kv_rows = num_heads * head_dim, num_kv_heads * head_dim
+    if weight.shape[0] != q_rows + 2 * kv_rows:
+        raise ValueError(f"weight has {weight.shape[0]} rows, expected (H_q + 2·H_kv)·D = {q_rows + 2 * kv_rows}")
+    q, k, v = weight.split([q_rows, kv_rows, kv_rows])
+    r, rest = num_kv_heads // new_kv_heads, weight.shape[1:]
+
+    def pool(x: Tensor) -> Tensor:  # (H_kv·D, *rest) -> (new·D, *rest): groups of r consecutive heads averaged
+        return x.reshape(new_kv_heads, r, head_dim, *rest).float().mean(1).reshape(-1, *rest).to(weight.dtype)
+
+    return torch.cat([q, pool(k), pool(v)])
+    ### END SOLUTION
+
+
+def pool_kv_heads(model: Transformer, num_kv_heads: int, *,
+                  pool: Callable[[Tensor, int, int, int, int], Tensor] = pool_kv_weight) -> Transformer:
     """A copy of ``model`` whose K/V projections are mean-pooled into ``num_kv_heads`` heads.
 
     Each new K/V head is the mean of the r = H_kv / num_kv_heads old heads it replaces (the GQA paper's
     starting point for "uptraining" an MHA checkpoint into GQA, ~5 % of pre-training compute to recover
     quality). Query heads keep their weights; query head h now reads pooled head h // (H_q / num_kv_heads).
-    The KV cache shrinks by r. Pooling to the current H_kv returns identical weights.
+    The KV cache shrinks by r. Pooling to the current H_kv returns identical weights.  ``pool`` pools one fused
+    q/k/v weight or bias (``pool_kv_weight``, the default; notebook 03 passes the student's).
     """
     c = model.config
     if not isinstance(num_kv_heads, int) or num_kv_heads < 1 or c.num_kv_heads % num_kv_heads:
         raise ValueError(f"num_kv_heads must divide the model's H_kv = {c.num_kv_heads} "
                          f"(choose from {[d for d in range(1, c.num_kv_heads + 1) if c.num_kv_heads % d == 0]})")
-    r, D = c.num_kv_heads // num_kv_heads, c.head_dim
     new_config = dataclasses.replace(c, num_kv_heads=num_kv_heads)
     state = {}
     for name, t in model.state_dict().items():
-        if ".qkv_proj." in name:  # rows: [q (H_q·D) | k (H_kv·D) | v (H_kv·D)]
-            q, k, v = t.split([c.q_size, c.kv_size, c.kv_size])
-            pool = lambda x: x.reshape(num_kv_heads, r, D, *x.shape[1:]).float().mean(1)  # noqa: E731
-            t = torch.cat([q, pool(k).reshape(-1, *t.shape[1:]).to(t.dtype),
-                           pool(v).reshape(-1, *t.shape[1:]).to(t.dtype)])
+        if ".qkv_proj." in name:  # rows: [q (H_q·D) | k (H_kv·D) | v (H_kv·D)], weight and bias alike
+            t = pool(t, c.num_heads, c.num_kv_heads, num_kv_heads, c.head_dim)
         state[name] = t
     with torch.device("meta"):
         out = Transformer(new_config)

@@ -2,7 +2,8 @@
 
 - Reference machines: ``HardwareSpec``, ``SPECS``, ``get_spec`` (dense datasheet figures, sources in comments).
 - This machine: ``measure_device()`` → ``MeasuredSpec`` (read / copy / GEMV bandwidth, matmul FLOP/s per dtype),
-  cached per process; ``matmul_flops()`` one quick matmul rate (e.g. to tell emulated bf16 from native).
+  cached per process; ``read_bandwidth()`` its read probe (the fastest of repeated passes of a reduction over a
+  large buffer); ``matmul_flops()`` one quick matmul rate (e.g. to tell emulated bf16 from native).
   Notebooks and benchmarks use ``minillm.perf.machine.machine_spec()``: best of several runs, cached on disk per
   machine, so that every one of them prices its measurements against the same roof.
 - Dtype sizes: ``DTYPE_BYTES``, ``dtype_name``, ``dtype_bytes``.
@@ -236,14 +237,44 @@ def _graphed(fn: Callable[[], object], device: str) -> Callable[[], object]:
     return graph.replay
 
 
+def read_bandwidth(buffer: torch.Tensor, *, repeats: int = 5,
+                   reduce: Callable[[torch.Tensor], object] = torch.sum) -> float:
+    """Streaming read bandwidth of ``buffer``'s device, in bytes per second: how fast ``reduce`` reads it all.
+
+    ``buffer``: any tensor, ideally a few times larger than the last-level cache (else the figure is the
+    cache's speed, not memory's); its pages should be written beforehand so that the first pass does not pay for
+    mapping them. ``reduce(buffer)`` must read every byte once (default ``torch.sum``; on CPU
+    ``native.read_sum`` is an alternative). The contract: one untimed warm-up call, then ``repeats`` timed calls,
+    each a whole pass over the buffer (on CUDA, wait for the GPU before reading the clock: launches are
+    asynchronous); the rate of the **fastest** pass is returned, since interference from other work only ever
+    slows a pass down. ``ValueError`` for ``repeats`` < 1 or an empty buffer.
+    """
+    ### BEGIN SOLUTION
+    if not isinstance(repeats, int) or isinstance(repeats, bool) or repeats < 1:
+        raise ValueError(f"repeats must be an int >= 1, got {repeats!r}")
+    if buffer.numel() == 0:
+        raise ValueError("read_bandwidth needs a non-empty buffer (0 bytes read: no rate)")
+    sync = torch.cuda.synchronize if buffer.is_cuda else (lambda: None)
+    reduce(buffer)  # warm-up: first-call costs (allocations, kernel selection, page faults) are not bandwidth
+    best = math.inf
+    for _ in range(repeats):
+        sync()
+        t0 = time.perf_counter()
+        reduce(buffer)
+        sync()  # a CUDA launch returns at once; the read has finished only after the sync
+        best = min(best, time.perf_counter() - t0)
+    return buffer.nbytes / max(best, 1e-12)  # bytes of one pass ÷ its fastest time
+    ### END SOLUTION
+
+
 def _probe_read(device: str, plan: dict) -> dict[str, float]:
     from minillm.kernels.cpu import native
 
     a = torch.full((plan["read_bytes"] // 4,), 1.0, device=device)  # written, so every page is really mapped
-    impls: dict[str, Callable[[], object]] = {"torch": a.sum}
+    impls: dict[str, Callable[[torch.Tensor], object]] = {"torch": torch.sum}
     if device == "cpu" and native.available():
-        impls["native"] = lambda: native.read_sum(a)
-    return {k: a.nbytes / _median_seconds(f, device, plan) for k, f in impls.items()}
+        impls["native"] = native.read_sum
+    return {k: read_bandwidth(a, repeats=plan["repeats"], reduce=f) for k, f in impls.items()}
 
 
 def _probe_copy(device: str, plan: dict) -> float:
@@ -363,10 +394,11 @@ def _device_name_and_memory(device: str) -> tuple[str, int]:
 def measure_device(device: str | torch.device = "cpu", quick: bool = False) -> MeasuredSpec:
     """Measure this machine's read / copy / GEMV bandwidth and matmul FLOP/s on ``device`` ("cpu", "cuda", ...).
 
-    Read: a sum over a buffer far beyond the last-level cache (CPU: best of ``torch.sum`` and the native
-    ``native.read_sum``). Copy: ``dst.copy_(src)``, read + write bytes. GEMV: one batch-1 decode step's
-    linears of SmolLM2-135M ([576→960], [576→576], [576→3072], [1536→576] × layers) through ``F.linear`` and,
-    on CPU, ``native.linear``. Matmul: n×n @ n×n per dtype. Each probe: warm-up, then the median of repeats.
+    Read: ``read_bandwidth``, a sum over a buffer far beyond the last-level cache (CPU: best of ``torch.sum`` and
+    the native ``native.read_sum``). Copy: ``dst.copy_(src)``, read + write bytes. GEMV: one batch-1 decode
+    step's linears of SmolLM2-135M ([576→960], [576→576], [576→3072], [1536→576] × layers) through ``F.linear``
+    and, on CPU, ``native.linear``. Matmul: n×n @ n×n per dtype. Each probe: warm-up, then the median of repeats
+    (read: the fastest repeat).
     A full CPU run takes ~10 s, ``quick=True`` ~1 s (smaller buffers and GEMMs, fewer repeats). Results are
     cached per process and (device, quick), so notebooks and benchmarks pay for a measurement once.
     """

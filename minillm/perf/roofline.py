@@ -210,17 +210,31 @@ def arithmetic_intensity(cost: Cost) -> float:
 
 def ridge_point(spec: HardwareSpec, dtype: str | torch.dtype) -> float:
     """Intensity (FLOP/byte) where the roofs meet: peak / bandwidth. H100 SXM bf16: 989e12 / 3.35e12 ≈ 295."""
-    ### BEGIN SOLUTION
     return spec.peak(dtype) / spec.memory_bandwidth
-    ### END SOLUTION
 
 
-def attainable_flops(spec: HardwareSpec, intensity: float, dtype: str | torch.dtype) -> float:
-    """min(peak FLOP/s, intensity × bandwidth): the most a kernel of this intensity can reach on ``spec``."""
-    if intensity < 0:
-        raise ValueError(f"intensity must be ≥ 0, got {intensity}")
+def attainable_flops(spec: HardwareSpec, intensity: float | Sequence[float] | torch.Tensor,
+                     dtype: str | torch.dtype) -> float | list[float]:
+    """The roofline of ``spec`` in ``dtype``: the most FLOP/s that work of arithmetic intensity ``intensity``
+    (FLOP per byte moved) can reach on that machine.
+
+    ``intensity``: one number (→ a float), or a sequence of them — a list, a tuple, a 1-D numpy array or tensor —
+    (→ a list of floats, one per intensity, in order: what a plot draws). Intensity 0 (pure data movement)
+    reaches 0 FLOP/s. ``spec.peak(dtype)`` is the machine's FLOP/s ceiling for ``dtype`` (a ``ValueError`` when
+    the spec lists none), ``spec.memory_bandwidth`` its bytes/s. ``ValueError`` naming any intensity that is
+    negative or not a number.
+    """
     ### BEGIN SOLUTION
-    return min(spec.peak(dtype), intensity * spec.memory_bandwidth)
+    try:  # a sequence (0-d tensors and arrays refuse iteration: they are one number)
+        values, many = [float(i) for i in intensity], True
+    except TypeError:
+        values, many = [float(intensity)], False
+    bad = [i for i in values if not i >= 0]  # catches NaN too: every comparison with NaN is False
+    if bad:
+        raise ValueError(f"intensity must be >= 0 FLOP/byte, got {bad[0]}")
+    peak, bandwidth = spec.peak(dtype), spec.memory_bandwidth
+    roof = [min(peak, i * bandwidth) for i in values]  # memory feeds i FLOPs per byte, until the arithmetic caps it
+    return roof if many else roof[0]
     ### END SOLUTION
 
 
@@ -312,7 +326,8 @@ def plot_roofline(spec: HardwareSpec, points: Sequence[RooflinePoint] = (), dtyp
     lo = min([ridge / 1e3, *(p.intensity for p in points)]) / 2
     hi = max([ridge * 30, *(p.intensity for p in points)]) * 2
     # y = I·bw is a straight line on log-log axes, so three vertices draw both roofs exactly.
-    ax.plot([lo, ridge, hi], [lo * bw, peak, peak], color="black",
+    xs = [lo, ridge, hi]
+    ax.plot(xs, attainable_flops(spec, xs, dtype), color="black",
             label=f"{spec.name}: {bw / 1e9:.4g} GB/s, {peak / 1e12:.4g} TFLOP/s {dtype_name(dtype)}")
     ax.axvline(ridge, color="grey", linestyle=":")
     ax.annotate(f"ridge {ridge:.3g} FLOP/B", (ridge, peak), textcoords="offset points", xytext=(4, -14),

@@ -50,12 +50,24 @@ def _wrong_linear_cost(M, K, N, dtype, *, weight_dtype=None, bias=False):
     return Cost(flops, weights + acts, {"weights": weights, "activations": acts}, {"linear": flops})
 
 
-def _wrong_ridge_point(spec, dtype):
-    return spec.memory_bandwidth / spec.peak(dtype)  # upside down: bytes per FLOP
-
-
 def _wrong_attainable_flops(spec, intensity, dtype):
-    return intensity * spec.memory_bandwidth  # forgot the compute roof
+    values = list(intensity) if hasattr(intensity, "__len__") else [intensity]
+    roof = [float(i) * spec.memory_bandwidth for i in values]  # forgot the compute roof
+    return roof if hasattr(intensity, "__len__") else roof[0]
+
+
+def _wrong_read_bandwidth(buffer, *, repeats=5, reduce=torch.sum):
+    import time
+
+    if repeats < 1 or buffer.numel() == 0:
+        raise ValueError("bad argument")
+    reduce(buffer)
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        reduce(buffer)
+        times.append(time.perf_counter() - t0)
+    return buffer.nbytes / (sum(times) / len(times))  # the mean pass: a neighbour's burst counts against the roof
 
 
 def _wrong_mbu(bytes_per_step, steps_per_s, bandwidth):
@@ -97,8 +109,32 @@ class _WrongKVCache(KVCache):
 
 WRONG = {"1.1": _wrong_decode_weight_bytes, "1.2": _wrong_percentile, "1.3": _wrong_goodput, "1.4": _wrong_cost,
          "2.1": _wrong_kv_bytes, "2.2": _WrongKVCache}
-WRONG.update({"0.1": _wrong_linear_cost, "0.2": _wrong_ridge_point, "0.3": _wrong_attainable_flops,
+WRONG.update({"0.1": _wrong_linear_cost, "0.2": _wrong_attainable_flops, "0.3": _wrong_read_bandwidth,
               "0.4": _wrong_mbu})  # notebook 00
+
+
+def _wrong_cached_attention(q, k, v, positions, *, scale):
+    L, S = q.shape[2], k.shape[2]
+    causal = torch.ones(L, S, dtype=torch.bool).tril(S - L)  # every row's queries taken as the last L slots
+    G = q.shape[1] // k.shape[1]
+    s = (q.float() @ k.repeat_interleave(G, 1).float().transpose(-1, -2)) * scale
+    p = s.masked_fill(~causal, float("-inf")).softmax(-1)
+    return (p @ v.repeat_interleave(G, 1).float()).to(q.dtype)
+
+
+def _wrong_pool_kv_weight(weight, num_heads, num_kv_heads, new_kv_heads, head_dim):
+    if new_kv_heads < 1 or num_kv_heads % new_kv_heads:
+        raise ValueError("bad head count")
+    q, k, v = weight.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim])
+    r, rest = num_kv_heads // new_kv_heads, weight.shape[1:]
+
+    def pool(x):  # heads j, j + new, j + 2·new, … averaged: strided groups, not consecutive ones
+        return x.reshape(r, new_kv_heads, head_dim, *rest).float().mean(0).reshape(-1, *rest).to(weight.dtype)
+
+    return torch.cat([q, pool(k), pool(v)])
+
+
+WRONG.update({"2.3": _wrong_cached_attention, "3.3": _wrong_pool_kv_weight})
 
 
 def _wrong_kv_bytes_gqa(config, num_kv_heads, bytes_per_elem=2):

@@ -11,7 +11,12 @@ from minillm.course.checks.attention_kernels import (
     check_merge_attention_partials,
     check_prediction_attention,
 )
-from minillm.course.checks.attention_variants import check_grouped_attention, check_kv_bytes_gqa, check_prediction_mqa
+from minillm.course.checks.attention_variants import (
+    check_grouped_attention,
+    check_kv_bytes_gqa,
+    check_pool_kv_weight,
+    check_prediction_mqa,
+)
 from minillm.course.checks.batching import (
     check_admit,
     check_batch_slots,
@@ -28,6 +33,7 @@ from minillm.course.checks.generation import (
     check_roofline_prediction,
 )
 from minillm.course.checks.kv_cache import (
+    check_cached_attention,
     check_cached_logits,
     check_kv_bytes_per_token,
     check_kv_cache_update,
@@ -50,7 +56,7 @@ from minillm.course.checks.roofline import (
     check_linear_cost,
     check_mbu,
     check_prediction_gemv,
-    check_ridge_point,
+    check_read_bandwidth,
     judge_prediction,
 )
 from minillm.course.checks.scaling import check_gpipe_schedule, check_layer_comm_time, check_shard_linear
@@ -65,8 +71,9 @@ __all__ = ["CONFIGS", "EXERCISES", "Exercise", "LLAMA2_7B", "SMOLLM2_135M", "TIN
            "check_linear_cost", "check_mbu", "check_merge_attention_partials", "check_paged_decode_attention",
            "check_percentile", "check_prediction", "check_prediction_attention", "check_prediction_batching",
            "check_prediction_bytes", "check_prediction_decode", "check_prediction_gemv", "check_prediction_mqa",
-           "check_prediction_paged", "check_prediction_step", "check_prefill_chunk_len", "check_ridge_point",
+           "check_prediction_paged", "check_prediction_step", "check_prefill_chunk_len",
            "check_roofline_prediction", "check_slot_mapping", "exercise", "judge_prediction"]
+__all__ += ["check_cached_attention", "check_pool_kv_weight", "check_read_bandwidth"]  # 02, 03, 00
 __all__ += ["check_int4_linear_ref", "check_quantize", "check_quantize_int4"]  # notebook 07
 __all__ += ["check_ngram_lookup", "check_rejection_sample", "check_truncate"]  # notebook 08
 __all__ += ["check_arrival_times", "check_parse_stream"]  # notebook 09

@@ -128,6 +128,64 @@ def check_grouped_attention(grouped_attention: Callable) -> None:
     _passed("3.2")
 
 
+def _reference_pool(w: torch.Tensor, Hq: int, Hkv: int, new: int, D: int) -> torch.Tensor:
+    """The checker's own pooling in fp64, head by head: new head j = mean of old heads j·r … j·r + r − 1."""
+    r, x = Hkv // new, w.double()
+    q, k, v = x[: Hq * D], x[Hq * D : (Hq + Hkv) * D], x[(Hq + Hkv) * D :]
+
+    def pool(t):
+        return torch.cat([sum(t[(j * r + i) * D : (j * r + i + 1) * D] for i in range(r)) / r for j in range(new)])
+
+    return torch.cat([q, pool(k), pool(v)])
+
+
+@exercise("3.3", "minillm.models.attention_variants.pool_kv_weight", "MHA → GQA/MQA: mean-pool K/V heads",
+          "q rows as they are; each new K/V head the mean of its group of old heads; the weight's dtype; "
+          "validate first (optional hints below the exercise)")
+def check_pool_kv_weight(pool_kv_weight: Callable) -> None:
+    """``pool_kv_weight(weight, H_q, H_kv, new, D)`` against a head-by-head fp64 reference: MHA → GQA, MHA → MQA,
+    GQA → MQA, the identity (new = H_kv), a 1-D bias, a bf16 weight (dtype kept); the q rows exactly unchanged;
+    ValueError for a new head count that does not divide H_kv, for 0, and for a weight with the wrong rows."""
+    g = torch.Generator().manual_seed(torch.seed() % 2**31)  # fresh inputs each run
+    cases = [  # name, H_q, H_kv, new, D, trailing shape (hidden; () for a bias), dtype
+        ("MHA → GQA (8 heads → 2)", 8, 8, 2, 4, (12,), torch.float32),
+        ("MHA → MQA (6 heads → 1)", 6, 6, 1, 8, (10,), torch.float32),
+        ("GQA → MQA (SmolLM2's 9 query / 3 K/V heads → 1)", 9, 3, 1, 8, (16,), torch.float32),
+        ("GQA → GQA (12 / 6 → 3)", 12, 6, 3, 4, (7,), torch.float32),
+        ("the identity (new = H_kv)", 4, 4, 4, 8, (6,), torch.float32),
+        ("a bias (1-D), 8 / 4 → 2", 8, 4, 2, 8, (), torch.float32),
+        ("a bfloat16 weight, 8 → 2", 8, 8, 2, 16, (24,), torch.bfloat16),
+    ]
+    for name, Hq, Hkv, new, D, rest, dtype in cases:
+        w = torch.randn((Hq + 2 * Hkv) * D, *rest, generator=g).to(dtype)
+        got = pool_kv_weight(w.clone(), Hq, Hkv, new, D)
+        expected = _reference_pool(w, Hq, Hkv, new, D)
+        where = (f"{name}: pool_kv_weight(<{dtype} {tuple(w.shape)}>, num_heads={Hq}, num_kv_heads={Hkv}, "
+                 f"new_kv_heads={new}, head_dim={D})")
+        assert isinstance(got, torch.Tensor) and got.shape == expected.shape and got.dtype == dtype, (
+            f"{where} returned "
+            f"{f'{tuple(got.shape)} {got.dtype}' if isinstance(got, torch.Tensor) else type(got).__name__}, "
+            f"expected a {dtype} tensor of shape {tuple(expected.shape)} = "
+            f"[(H_q + 2·new)·D{', hidden' if rest else ''}].")
+        assert torch.equal(got[: Hq * D], w[: Hq * D]), (
+            f"{where}: the first H_q·D = {Hq * D} rows (the query heads) changed; expected them returned as "
+            "they are.")
+        torch.testing.assert_close(got, expected.to(dtype), msg=lambda m, where=where: (
+            f"{where}: the pooled K/V rows differ from the expected ones. New head j is the mean of the r = H_kv / "
+            "new consecutive old heads j·r … j·r + r − 1 (query head h read K/V head h // G, so a group of query "
+            f"heads keeps reading its own heads' mean), K and V alike, each head D rows. {m}"))
+    for args, why in (((8, 4, 3, 4), "3 does not divide H_kv = 4"), ((8, 4, 0, 4), "0 K/V heads"),
+                      ((8, 4, 2, 8), "the weight has the rows of head_dim 4, not 8")):
+        w = torch.randn((args[0] + 2 * args[1]) * 4, 5, generator=g)
+        try:
+            pool_kv_weight(w, *args)
+        except ValueError:
+            continue
+        raise AssertionError(f"pool_kv_weight(<{tuple(w.shape)}>, {', '.join(map(str, args))}) returned without a "
+                             f"ValueError; expected one ({why}).")
+    _passed("3.3")
+
+
 check_prediction_mqa = prediction_checker(
     "3.0", "prediction_mqa", "minillm.course.predictions.predict_mqa_speedup",
     "the multi-query over multi-head decode speedup", "×")

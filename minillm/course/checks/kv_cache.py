@@ -104,6 +104,67 @@ def check_kv_cache_update(cache_class: type) -> None:
     _passed("2.2")
 
 
+def _reference_cached_attention(q, k, v, positions, scale):
+    """The checker's own answer in fp64, one query at a time: position p reads slots 0..p of its row's K/V head."""
+    B, Hq, L, D = q.shape
+    G = Hq // k.shape[1]
+    out = torch.empty(B, Hq, L, D, dtype=torch.float64)
+    for b in range(B):
+        for h in range(Hq):
+            for i in range(L):
+                p = int(positions[b, i])
+                keys, values = k[b, h // G, : p + 1].double(), v[b, h // G, : p + 1].double()  # (p + 1, D)
+                weights = ((keys @ q[b, h, i].double()) * scale).softmax(0)  # (p + 1,)
+                out[b, h, i] = weights @ values
+    return out
+
+
+@exercise("2.3", "minillm.kv.contiguous.cached_attention", "attention of one step over the cache",
+          "a query at position p sees slots 0..p of its own row, whatever the other slots hold (optional hints "
+          "below the exercise)")
+def check_cached_attention(cached_attention: Callable) -> None:
+    """``cached_attention(q, k, v, positions, scale=)`` against a one-query-at-a-time fp64 reference: decode of
+    one sequence and of rows of different lengths (stale slots past a short row's end hold large values that
+    must not leak in), a prefill chunk after a cached prefix (the causal offset), a first chunk, chunks at
+    different offsets in one batch; MHA, GQA and MQA heads; a bf16 case (output in q's dtype)."""
+    g = torch.Generator().manual_seed(torch.seed() % 2**31)  # fresh inputs each run
+    cases = [  # name, (H_q, H_kv, D), positions [B, L], dtype
+        ("decode, one sequence, multi-head", (4, 4, 8), [[6]], torch.float32),
+        ("decode, three rows of different lengths (grouped heads)", (6, 2, 8), [[8], [3], [0]], torch.float32),
+        ("a prefill chunk of 4 tokens after 5 cached ones (the causal offset)", (4, 2, 8), [[5, 6, 7, 8]],
+         torch.float32),
+        ("the first chunk of two prompts, multi-query", (4, 1, 16), [[0, 1, 2, 3, 4]] * 2, torch.float32),
+        ("chunks of 3 at different offsets in one batch", (6, 3, 4), [[2, 3, 4], [6, 7, 8]], torch.float32),
+        ("decode and a chunk in bfloat16", (4, 2, 8), [[4, 5]], torch.bfloat16),
+    ]
+    for name, (Hq, Hkv, D), pos, dtype in cases:
+        positions = torch.tensor(pos)
+        B, L = positions.shape
+        S = int(positions.max()) + 1
+        q = torch.randn(B, Hq, L, D, generator=g)
+        k, v = torch.randn(B, Hkv, S, D, generator=g), torch.randn(B, Hkv, S, D, generator=g)
+        for b in range(B):  # slots past a row's last position: stale data from a longer row, never to be read
+            k[b, :, int(positions[b].max()) + 1 :] = 30.0
+            v[b, :, int(positions[b].max()) + 1 :] = 1e3
+        scale = D**-0.5 if "offset" not in name else 0.3
+        q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+        got = cached_attention(q.clone(), k.clone(), v.clone(), positions.clone(), scale=scale)
+        expected = _reference_cached_attention(q, k, v, positions, scale).to(dtype)
+        where = (f"{name}: q {tuple(q.shape)}, k/v {tuple(k.shape)} ({dtype}), positions {pos}, scale {scale:.3g}")
+        assert isinstance(got, torch.Tensor) and got.shape == expected.shape and got.dtype == dtype, (
+            f"{where}: returned "
+            f"{f'{tuple(got.shape)} {got.dtype}' if isinstance(got, torch.Tensor) else type(got).__name__}, "
+            f"expected a {dtype} tensor of shape {tuple(expected.shape)} = [B, H_q, L, D].")
+        # bf16: the probabilities may be rounded to bf16 before multiplying V (as the library does): outputs near
+        # 0 then carry absolute errors of ~1e-3, beyond assert_close's bf16 atol of 1e-5
+        tol = {"rtol": 1.6e-2, "atol": 1e-2} if dtype == torch.bfloat16 else {}
+        torch.testing.assert_close(got, expected, **tol, msg=lambda m, where=where: (
+            f"{where}: the output differs from the expected one. The query at position p sees slots 0..p of its "
+            f"own row (not the last L slots of the cache: rows end at different places); query head h reads K/V "
+            f"head h // (H_q / H_kv); the scores are multiplied by scale. {m}"))
+    _passed("2.3")
+
+
 def check_cached_logits(cached: torch.Tensor, recomputed: torch.Tensor) -> None:
     """Exactness: logits from cached decoding equal a full recomputation within the dtype's tolerance.
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -74,42 +75,157 @@ def check_linear_cost(linear_cost: Callable) -> None:
     _passed("0.1")
 
 
-@exercise("0.2", "minillm.perf.roofline.ridge_point", "the ridge point",
-          "the intensity at which the two roofs of the plot meet; the spec knows each dtype's peak")
-def check_ridge_point(ridge_point: Callable) -> None:
-    """``ridge_point(spec, dtype)``: H100 SXM bf16 ≈ 295 FLOP/byte, then every reference GPU and dtype."""
-    from minillm.perf.hardware import get_spec
-
-    def reference(spec, dtype):
-        return spec.peak(dtype) / spec.memory_bandwidth
-
-    got = ridge_point(get_spec("H100-SXM"), "bfloat16")
-    assert _close(got, 989e12 / 3.35e12, rel=1e-9), (
-        f"H100 SXM in bfloat16 (989 TFLOP/s dense, 3.35 TB/s): ridge_point returned {got!r}, expected "
-        f"{989e12 / 3.35e12:.1f} FLOP/byte = peak FLOP/s ÷ bandwidth (bytes/s).")
-    for name, spec, dtype in _check_specs():
-        got, expected = ridge_point(spec, dtype), reference(spec, dtype)
-        assert _close(got, expected), (
-            f"{name} in {dtype} ({spec.peak(dtype) / 1e12:g} TFLOP/s, {spec.memory_bandwidth / 1e12:g} TB/s): "
-            f"ridge_point returned {got!r}, expected {expected:.4g} FLOP/byte (use the peak of the dtype asked for).")
-    _passed("0.2")
-
-
-@exercise("0.3", "minillm.perf.roofline.attainable_flops", "attainable FLOP/s (the roofline)",
-          "a kernel is limited by whichever roof is lower at its intensity")
+@exercise("0.2", "minillm.perf.roofline.attainable_flops", "the roofline: attainable FLOP/s over intensities",
+          "one number in, one float out; a sequence in, one value per intensity out, in order; validate every "
+          "intensity (optional hints below the exercise)")
 def check_attainable_flops(attainable_flops: Callable) -> None:
-    """``attainable_flops(spec, intensity, dtype)`` below, at and above the ridge, for every reference GPU and dtype."""
+    """``attainable_flops(spec, intensity, dtype)`` for every reference GPU and dtype (and a made-up laptop): one
+    number below, at and above the ridge; then sequences of intensities (list, tuple, tensor, numpy array) → a
+    list in order; a 0-d tensor → one float; a negative or NaN intensity, and a dtype the spec lacks → ValueError."""
+    import numpy as np
+
     def reference(spec, intensity, dtype):
         return min(spec.peak(dtype), intensity * spec.memory_bandwidth)
 
     for name, spec, dtype in _check_specs():
         ridge = spec.peak(dtype) / spec.memory_bandwidth
-        for intensity in (0.0, 0.5, 1.0, ridge / 3, ridge, 2 * ridge, 1e5):
+        grid = (0.0, 0.5, 1.0, ridge / 3, ridge, 2 * ridge, 1e5)
+        for intensity in grid:
             got, expected = attainable_flops(spec, intensity, dtype), reference(spec, intensity, dtype)
-            side = "below the ridge: intensity × bandwidth" if intensity < ridge else "at or above the ridge: the peak"
+            side = "below the ridge: memory bound" if intensity < ridge else "at or above the ridge: compute bound"
             assert _close(got, expected, rel=1e-9), (
-                f"{name} in {dtype} (ridge {ridge:.3g} FLOP/byte): attainable_flops(intensity={intensity:.4g}) "
-                f"returned {got!r}, expected {expected:.4g} FLOP/s ({side}).")
+                f"{name} in {dtype} ({spec.peak(dtype) / 1e12:g} TFLOP/s, {spec.memory_bandwidth / 1e12:g} TB/s, "
+                f"ridge {ridge:.3g} FLOP/byte): attainable_flops(intensity={intensity:.4g}) returned {got!r}, "
+                f"expected {expected:.4g} FLOP/s ({side}).")
+        shuffled = [grid[i] for i in (3, 0, 6, 1, 5, 2, 4)]  # out of order: the answer must keep the order
+        for kind, seq in (("a list", shuffled), ("a tuple", tuple(shuffled)),
+                          ("a 1-D tensor", torch.tensor(shuffled, dtype=torch.float64)),
+                          ("a numpy array", np.array(shuffled))):
+            got = attainable_flops(spec, seq, dtype)
+            expected = [reference(spec, i, dtype) for i in shuffled]
+            assert isinstance(got, list) and len(got) == len(expected), (
+                f"{name} in {dtype}: attainable_flops(spec, {kind} of {len(expected)} intensities, dtype) returned "
+                f"{type(got).__name__}{'' if not hasattr(got, '__len__') else f' of length {len(got)}'}, expected "
+                f"a list of {len(expected)} floats, one per intensity, in order.")
+            bad = [(i, g, e) for i, g, e in zip(shuffled, got, expected, strict=True) if not _close(g, e, rel=1e-9)]
+            assert not bad, (
+                f"{name} in {dtype}: for {kind} of intensities, the value at intensity {bad[0][0]:.4g} is "
+                f"{bad[0][1]!r}, expected {bad[0][2]:.4g} FLOP/s (the roofline at that intensity, in order).")
+    h100 = next(s for n, s, _ in _check_specs() if n == "H100-SXM")
+    got = attainable_flops(h100, torch.tensor(2.0), "bfloat16")
+    assert _close(got, 2 * 3.35e12) and not isinstance(got, list), (
+        f"a 0-d tensor is one intensity: attainable_flops(H100-SXM, torch.tensor(2.0), 'bfloat16') returned {got!r}, "
+        f"expected one number, {2 * 3.35e12:.4g} FLOP/s.")
+    for bad_value in (-1.0, float("nan"), [1.0, -0.5, 3.0]):
+        try:
+            attainable_flops(h100, bad_value, "bfloat16")
+        except ValueError:
+            continue
+        raise AssertionError(f"attainable_flops(H100-SXM, {bad_value!r}, 'bfloat16') returned without a ValueError; "
+                             "expected a ValueError naming the intensity (it must be a number >= 0).")
+    try:
+        attainable_flops(next(s for n, s, _ in _check_specs() if n == "T4"), 1.0, "bfloat16")
+    except ValueError:
+        pass
+    else:
+        raise AssertionError("attainable_flops(T4, 1.0, 'bfloat16') returned without a ValueError; expected one: "
+                             "the T4 has no bf16 peak (spec.peak raises for a dtype the spec does not list).")
+    _passed("0.2")
+
+
+class _TimedPasses:
+    """A stand-in ``reduce`` whose calls take known times: ``seconds[i]`` for call i (the last value after that).
+
+    It records every call's argument, so a checker can tell the number of passes and whether each read the whole
+    buffer.  Sleeping makes the expected rate exact up to the scheduler's wake-up delay, on any machine."""
+
+    def __init__(self, seconds: list[float]):
+        self.seconds, self.args = seconds, []
+
+    def __call__(self, x):
+        self.args.append(x)
+        time.sleep(self.seconds[min(len(self.args) - 1, len(self.seconds) - 1)])
+        return 0.0
+
+
+def _own_read_rate(buffer: torch.Tensor, repeats: int) -> float:
+    """The checker's own measurement: the fastest of ``repeats`` timed sums of ``buffer`` after a warm-up."""
+    sync = torch.cuda.synchronize if buffer.is_cuda else (lambda: None)
+    buffer.sum()
+    best = math.inf
+    for _ in range(repeats):
+        sync()
+        t0 = time.perf_counter()
+        buffer.sum()
+        sync()
+        best = min(best, time.perf_counter() - t0)
+    return buffer.nbytes / best
+
+
+@exercise("0.3", "minillm.perf.hardware.read_bandwidth", "the read-bandwidth probe",
+          "the docstring's contract: a warm-up, timed passes over the whole buffer, the fastest one, bytes per "
+          "second (optional hints below the exercise)")
+def check_read_bandwidth(read_bandwidth: Callable) -> None:
+    """``read_bandwidth(buffer, repeats=, reduce=)`` with a stand-in ``reduce`` whose passes take known times
+    (sleeps: exact on any machine, however busy): one warm-up then ``repeats`` passes, each over the whole buffer,
+    the fastest pass kept, bytes (not elements) counted, in bytes/s; then a real sum over a 32 MiB buffer (and a
+    1 GiB one on a GPU) against the checker's own measurement in the same call, within 4× (noise, not speed, is
+    what the factor allows for: a rate in GB/s instead of bytes/s is 1e9× off, a CUDA timing without a sync
+    hundreds of times); ``repeats`` < 1 and an empty buffer → ValueError."""
+    cases = [  # buffer, repeats, seconds per call (warm-up first): the fastest pass appears twice (a late wake-up)
+        ("float32 [250 000]", torch.ones(250_000), 5, [0.1, 0.09, 0.02, 0.09, 0.02, 0.09]),
+        ("float64 [40, 500] (8 bytes per element)", torch.ones(40, 500, dtype=torch.float64), 3,
+         [0.1, 0.06, 0.02, 0.06]),
+        ("bfloat16 [3000] (2 bytes per element), one repeat", torch.ones(3000, dtype=torch.bfloat16), 1, [0.1, 0.03]),
+    ]
+    for name, buffer, repeats, seconds in cases:
+        reduce = _TimedPasses(seconds)
+        got = read_bandwidth(buffer, repeats=repeats, reduce=reduce)
+        call = f"read_bandwidth(<{name}, {buffer.nbytes:,} bytes>, repeats={repeats}, reduce=<passes of " \
+               f"{', '.join(f'{t * 1e3:g}' for t in seconds)} ms>)"
+        assert len(reduce.args) == repeats + 1, (
+            f"{call} called reduce {len(reduce.args)} times, expected {repeats + 1}: one untimed warm-up call "
+            "(it pays first-call costs), then one call per timed repeat.")
+        whole = [isinstance(x, torch.Tensor) and x.data_ptr() == buffer.data_ptr() and x.numel() == buffer.numel()
+                 for x in reduce.args]  # the buffer itself, or a view of all of it (flattened, say)
+        assert all(whole), (
+            f"{call}: call {whole.index(False) + 1} of reduce got something other than the whole buffer; expected "
+            "every pass to read the buffer itself (its bytes are what the rate counts).")
+        fastest = min(seconds[1:])
+        expected = buffer.nbytes / fastest
+        ok = isinstance(got, int | float) and not isinstance(got, bool) and 0.5 * expected <= got <= 1.02 * expected
+        assert ok, (
+            f"{call} returned {got!r}, expected about {expected:,.0f} bytes/s: the buffer's {buffer.nbytes:,} "
+            f"bytes (nbytes, not elements) ÷ the fastest timed pass, {fastest * 1e3:g} ms (not the mean, the "
+            "median or the warm-up: interference only slows passes down). The wake-up from a sleep may add a few "
+            "ms, which the check allows for.")
+    devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+    for device in devices:  # a real measurement, the default reduce (a sum)
+        n = (32 if device == "cpu" else 1024) * 2**20 // 4
+        buffer = torch.ones(n, device=device)
+        before = _own_read_rate(buffer, 10)
+        got = read_bandwidth(buffer, repeats=10)
+        own = max(before, _own_read_rate(buffer, 10))
+        assert isinstance(got, int | float) and own / 4 <= got <= 4 * own, (
+            f"read_bandwidth(<{buffer.nbytes // 2**20} MiB of float32 on {device}>, repeats=10) with the default "
+            f"reduce returned {got!r}, expected within 4× of the checker's own measurement just before and after, "
+            f"{own / 1e9:.1f} GB/s (in bytes/s: {own:,.0f})" + (
+                "; on CUDA a launch returns before the sum has run: synchronise before reading the clock"
+                if device == "cuda" else "") + ".")
+    for kwargs, what in (({"repeats": 0}, "repeats=0"), ({"repeats": -2}, "repeats=-2")):
+        try:
+            read_bandwidth(torch.ones(1000), **kwargs)
+        except ValueError:
+            continue
+        raise AssertionError(f"read_bandwidth(<4000 bytes>, {what}) returned without a ValueError; expected one "
+                             "(no pass timed, no rate).")
+    try:
+        read_bandwidth(torch.ones(0), repeats=2)
+    except ValueError:
+        pass
+    else:
+        raise AssertionError("read_bandwidth(<an empty buffer>, repeats=2) returned without a ValueError; expected "
+                             "one (0 bytes read: there is no rate to report).")
     _passed("0.3")
 
 
