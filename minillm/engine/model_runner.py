@@ -13,9 +13,11 @@ Attention is the only per-sequence operation; ``PagedAttention`` does it through
 
 Only the last row of each sequence that samples goes through the LM head (V × hidden, the largest matrix).
 
-Decode-only steps (every scheduled chunk one token) go through ``graphs``, a ``cuda_graph.DecodeGraphRunner`` when the
-engine made one: static buffers in batch buckets, replayed as CUDA graphs on a GPU (see that module).  Prefill and
-mixed steps, and decode batches past the largest bucket, run the packed eager forward below.
+Decode-only steps (every scheduled chunk one token) go through ``graphs`` when the engine made one: a
+``cuda_graph.DecodeGraphRunner`` (static buffers in batch buckets, replayed as CUDA graphs on a GPU; see that module)
+or, on CPU, a ``kernels.cpu.fused.NativeDecodeRunner`` (the whole decoder stack in one native call: no per-layer
+Python).  Both answer ``buckets`` and ``decode(batch, num_padding) -> logits``.  Prefill and mixed steps, and decode
+batches past the largest bucket, run the packed eager forward below.
 
 Padding rows (``SchedulerOutput.num_padding``: finished members of a fixed-shape static/dynamic batch) are appended
 after the real tokens: a pad token at position 0 through every linear layer and the LM head, as a padded batch
@@ -32,6 +34,7 @@ from torch import Tensor
 
 from minillm.engine.cuda_graph import DecodeBatch, DecodeGraphRunner
 from minillm.engine.scheduler import SchedulerOutput
+from minillm.kernels.cpu.fused import NativeDecodeRunner
 from minillm.kv.block_manager import BlockManager
 from minillm.kv.paged_cache import AttentionMetadata, PagedAttention, PagedKVCache, PrefillChunk
 from minillm.models.llama import Transformer
@@ -50,17 +53,17 @@ class StepResult:
 class ModelRunner:
     """Runs a ``SchedulerOutput``: block copies, one packed forward, the LM head on sampling rows, sampling.
     Attention runs on the model's kernels (``model.kernel_ops()``), the same the layers run on.  ``graphs``: the
-    static-buffer decode path for decode-only steps (None: every step eager)."""
+    decode path for decode-only steps, a ``DecodeGraphRunner`` or a ``NativeDecodeRunner`` (None: every step eager)."""
 
     def __init__(self, model: Transformer, kv: PagedKVCache, block_manager: BlockManager,
-                 graphs: DecodeGraphRunner | None = None):
+                 graphs: DecodeGraphRunner | NativeDecodeRunner | None = None):
         self.model, self.kv, self.block_manager, self.graphs = model, kv, block_manager, graphs
 
     def decode_batch(self, out: SchedulerOutput) -> DecodeBatch | None:
-        """The step as a ``DecodeBatch`` when the static path can run it (graphs on, every chunk one token, rows +
-        padding within the largest bucket); else None (the eager path runs it)."""
+        """The step as a ``DecodeBatch`` when the decode path can run it (one made, every chunk one token, rows +
+        padding within its largest bucket; no buckets: it is off for now); else None (the eager path runs it)."""
         if self.graphs is None or not out.scheduled or any(s.num_tokens != 1 for s in out.scheduled) \
-                or len(out.scheduled) + out.num_padding > max(self.graphs.buckets):
+                or len(out.scheduled) + out.num_padding > max(self.graphs.buckets, default=0):
             return None
         bm, bs = self.block_manager, self.kv.block_size
         ids, positions, slots, tables, lens = [], [], [], [], []
