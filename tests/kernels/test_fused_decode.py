@@ -254,8 +254,8 @@ def test_speculative_verification_runs_fused_and_keeps_the_greedy_tokens(scheme,
     want, _ = greedy(model, prompts, [22, 20, 24])
     spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
     seen = []
-    run = fused.NativeDecodeRunner._run
-    monkeypatch.setattr(fused.NativeDecodeRunner, "_run", lambda self, b, **kw: seen.append(b) or run(self, b, **kw))
+    run = fused.NativeDecodeRunner.run_rows
+    monkeypatch.setattr(fused.NativeDecodeRunner, "run_rows", lambda self, b, **k: seen.append(b) or run(self, b, **k))
     got, eng = greedy(model, prompts, [22, 20, 24], speculative_config=spec)
     assert got == want and eng.spec_stats.draft_tokens > 0
     # some call verified drafts: consecutive positions of one sequence (same table) as rows of one call

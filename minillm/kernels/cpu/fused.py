@@ -275,13 +275,13 @@ class NativeDecodeRunner:
         """Rows (``DecodeBatch``: token ids, positions, KV slots, block tables, context lengths; B ≤ max_rows) ->
         final-normed hidden states [B, hidden] (fresh).  Writes each row's K/V to its slot, then row i attends to
         the first ``seq_lens[i]`` positions of its table: consecutive rows of one sequence are causal."""
-        return self._run(batch, with_head=False)[0]
+        return self.run_rows(batch, with_head=False)[0]
 
     @torch.inference_mode()
     def logits(self, batch) -> Tensor:
         """``hidden``'s rows through the LM head as well -> logits [B, V] (fresh), in the same call when the head is
         an fp32 or int8/int4 linear (the usual case), else by the model's own module."""
-        hidden, logits = self._run(batch, with_head=self._head is not None)
+        hidden, logits = self.run_rows(batch, with_head=self._head is not None)
         return logits if logits is not None else self.model.compute_logits(hidden)
 
     def decode(self, batch, num_padding: int = 0) -> Tensor:
@@ -289,8 +289,9 @@ class NativeDecodeRunner:
         batch's finished members) are not computed: the caller drops their logits anyway."""
         return self.logits(batch)
 
-    def _run(self, batch, with_head: bool) -> tuple[Tensor, Tensor | None]:
-        """-> (hidden [B, hidden], logits [B, V] when ``with_head`` else None): one native call."""
+    def run_rows(self, batch, with_head: bool) -> tuple[Tensor, Tensor | None]:
+        """The one native call: rows -> (hidden [B, hidden], logits [B, V] when ``with_head`` else None).  Only the
+        embedding lookup runs in Python (``perf.profile`` times this as the step's forward)."""
         B = len(batch)
         if not 1 <= B <= self.max_rows:
             raise ValueError(f"the fused decode step takes 1..{self.max_rows} rows, got {B}")
