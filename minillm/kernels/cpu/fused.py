@@ -16,8 +16,10 @@ What it runs (``unsupported_reason`` says why not, and the engine then keeps the
 of the plain Llama modules on CPU in fp32 whose kernel choice allows native code ("auto"/"native"), no sliding
 window, every linear fp32 (``Linear``) or int8 / Q4_1 int4 (``QuantLinear``), an fp32 ``PagedKVCache`` (not a
 quantized one), and the native libraries built here.  The C table holds raw pointers: if the model's tensors are
-replaced afterwards (``.to()``, ``quantize_model``, a module swap), ``hidden`` notices (one pointer per linear and
-norm compared, ~30 µs) and rebuilds the table, or raises when the model is no longer one it can run.
+replaced afterwards (``.to()``, ``quantize_model``, a module swap), the next call notices (the ids and first
+tensors' addresses of the final norm, the LM head and the first and last layers' modules are compared each call:
+~20 attribute reads, a few µs — a swap of a middle layer alone is not seen) and rebuilds the table, or raises when
+the model is no longer one it can run.
 """
 
 from __future__ import annotations
@@ -167,12 +169,25 @@ def _linears(layer) -> list[tuple[str, object]]:
             ("down_proj", m.down_proj)]
 
 
-def _address(lin) -> int:
-    """The address of a linear's weight (what a move or a swap replaces); the module's id for other modules."""
-    if isinstance(getattr(lin, "weight", None), Tensor):
-        return lin.weight.data_ptr()
-    pw = getattr(lin, "packed_weight", None)
-    return id(lin) if pw is None else (pw.packed if hasattr(pw, "packed") else pw.qweight).data_ptr()
+def _watch_list(model) -> list[tuple[object, str]]:
+    """(parent module, attribute) pairs whose value a swap replaces and whose tensors a move re-allocates: the final
+    norm, the LM head, the first and last layers' norms and linears."""
+    body = model.model
+    n = len(body.layers)
+    out = [(model, "model"), (body, "norm"), (model, "lm_head"), (body, "layers")]
+    out += [(body.layers, str(i)) for i in sorted({0, n - 1}) if n]
+    for layer in (body.layers[0], body.layers[-1]) if n else ():
+        out += [(layer, "input_layernorm"), (layer, "post_attention_layernorm"), (layer.self_attn, "qkv_proj"),
+                (layer.self_attn, "o_proj"), (layer.mlp, "gate_up_proj"), (layer.mlp, "down_proj")]
+    return out
+
+
+def _first_tensor(module) -> Tensor | None:
+    """The tensor whose address identifies a module's weight (its weight, or a packed linear's codes)."""
+    w = module._parameters.get("weight")
+    if w is None:
+        w = next(iter(module._buffers.values()), None)  # QuantLinear: packed / qweight first
+    return w
 
 
 def _linear_struct(lin, keep: list[Tensor]) -> _Linear:
@@ -230,15 +245,12 @@ class NativeDecodeRunner:
         self._cos, self._sin = cos[0, :, 0].contiguous(), sin[0, :, 0].contiguous()
 
     def _probe(self) -> tuple[int, ...]:
-        """Addresses that change when the model's tensors are moved or its modules swapped: the final norm, the
-        first and last layers' norms and linears, the KV cache (a cheap check per call, not every layer)."""
-        body = self.model.model
-        ptrs = [body.norm.weight.data_ptr(), self.kv.k.data_ptr(), self.kv.v.data_ptr(),
-                _address(self.model.lm_head), id(self.model.lm_head)]
-        for layer in (body.layers[0], body.layers[-1]) if len(body.layers) else ():
-            ptrs += [layer.input_layernorm.weight.data_ptr(), layer.post_attention_layernorm.weight.data_ptr()]
-            ptrs += [_address(lin) for _, lin in _linears(layer)]
-        return (len(body.layers), *ptrs)
+        """Addresses that change when the model's tensors are moved or its modules swapped (a check per call of
+        ~18 attribute reads, not every layer): the watched modules' ids and first tensors, the layer count, the KV
+        cache."""
+        ids = [id(getattr(parent, name)) for parent, name in self._watch]
+        ptrs = [t.data_ptr() for t in self._watched_tensors]
+        return (len(self.model.model.layers), self.kv.k.data_ptr(), self.kv.v.data_ptr(), *ids, *ptrs)
 
     def _build(self) -> None:
         """The C layer table, pointing at the model's tensors as they are now (kept alive in ``_keep``)."""
@@ -258,6 +270,8 @@ class NativeDecodeRunner:
         self._vocab = self.model.config.vocab_size
         self._layers, self._keep, self._final = layers, keep + [self.kv.k, self.kv.v], final
         self._eps, self._scale = float(body.norm.eps), self.model.config.head_dim**-0.5
+        self._watch = _watch_list(self.model)
+        self._watched_tensors = [t for t in (_first_tensor(getattr(p, n)) for p, n in self._watch) if t is not None]
         self._probed = self._probe()
 
     def _refresh(self) -> None:
