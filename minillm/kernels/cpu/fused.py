@@ -267,7 +267,7 @@ class NativeDecodeRunner:
         # the LM head too when it is a linear the table can hold (else decode() runs the model's module)
         head = self.model.lm_head
         self._head = ctypes.pointer(_linear_struct(head, keep)) if _linear_kind(head) is not None else None
-        self._vocab = self.model.config.vocab_size
+        self._vocab = self._head.contents.N if self._head is not None else 0
         self._layers, self._keep, self._final = layers, keep + [self.kv.k, self.kv.v], final
         self._eps, self._scale = float(body.norm.eps), self.model.config.head_dim**-0.5
         self._watch = _watch_list(self.model)
@@ -284,7 +284,6 @@ class NativeDecodeRunner:
                                f"{reason}; build the engine again")
         self._build()
 
-    @torch.inference_mode()
     def hidden(self, batch) -> Tensor:
         """Rows (``DecodeBatch``: token ids, positions, KV slots, block tables, context lengths; B ≤ max_rows) ->
         final-normed hidden states [B, hidden] (fresh).  Writes each row's K/V to its slot, then row i attends to
@@ -303,12 +302,17 @@ class NativeDecodeRunner:
         batch's finished members) are not computed: the caller drops their logits anyway."""
         return self.logits(batch)
 
+    @torch.inference_mode()
     def run_rows(self, batch, with_head: bool) -> tuple[Tensor, Tensor | None]:
         """The one native call: rows -> (hidden [B, hidden], logits [B, V] when ``with_head`` else None).  Only the
-        embedding lookup runs in Python (``perf.profile`` times this as the step's forward)."""
+        embedding lookup runs in Python (``perf.profile`` times this as the step's forward).  As for the per-layer
+        native kernels, the caller guarantees valid slots, tables and lengths (the engine's block manager does):
+        checking them would cost what this call saves."""
         B = len(batch)
         if not 1 <= B <= self.max_rows:
             raise ValueError(f"the fused decode step takes 1..{self.max_rows} rows, got {B}")
+        if min(batch.positions) < 0:
+            raise ValueError(f"positions must be >= 0, got {batch.positions}")
         self._refresh()
         top = max(batch.positions)
         if top >= self._cos.shape[0]:
