@@ -39,6 +39,7 @@ from minillm.engine.scheduler import Scheduler, SchedulerOutput, SchedulerStats
 from minillm.engine.sequence import Request, SequenceStatus
 from minillm.engine.sequence import Sequence as Seq
 from minillm.engine.spec_decode import SpecDecoder
+from minillm.kernels.cpu import fused
 from minillm.kernels.select import compiles
 from minillm.kv.paged_cache import kv_bytes_per_block, make_paged_kv_cache
 from minillm.models.llama import Transformer
@@ -93,6 +94,11 @@ class LLMEngine:
                                    max_blocks=-(-self.max_model_len // config.block_size), scratch_block=num_blocks,
                                    capture=model.device.type == "cuda", compile=compiles(model.kernels)) \
             if static else None
+        if graphs is None and config.enforce_eager is None and fused.supports(model, self.kv_cache):
+            # CPU decode steps as one native call for the whole stack (kernels/cpu/fused.py); enforce_eager=True
+            # keeps the layer-by-layer path (to profile or teach it)
+            graphs = fused.NativeDecodeRunner(model, self.kv_cache, max_rows=min(fused.MAX_ROWS, config.max_num_seqs),
+                                              max_positions=self.max_model_len)
         self.runner = ModelRunner(model, self.kv_cache, self.scheduler.block_manager, graphs)
         spec = config.speculative_config
         self.speculator = SpecDecoder(spec, model, self.max_model_len) if spec is not None else None

@@ -13,9 +13,11 @@ Attention is the only per-sequence operation; ``PagedAttention`` does it through
 
 Only the last row of each sequence that samples goes through the LM head (V × hidden, the largest matrix).
 
-Decode-only steps (every scheduled chunk one token) go through ``graphs``, a ``cuda_graph.DecodeGraphRunner`` when the
-engine made one: static buffers in batch buckets, replayed as CUDA graphs on a GPU (see that module).  Prefill and
-mixed steps, and decode batches past the largest bucket, run the packed eager forward below.
+Decode-only steps (every scheduled chunk one token) go through ``graphs`` when the engine made one: a
+``cuda_graph.DecodeGraphRunner`` (static buffers in batch buckets, replayed as CUDA graphs on a GPU; see that module)
+or, on CPU, a ``kernels.cpu.fused.NativeDecodeRunner`` (the whole decoder stack in one native call: no per-layer
+Python).  Both answer ``buckets`` and ``decode(batch, num_padding) -> logits``.  Prefill and mixed steps, and decode
+batches past the largest bucket, run the packed eager forward below.
 
 Padding rows (``SchedulerOutput.num_padding``: finished members of a fixed-shape static/dynamic batch) are appended
 after the real tokens: a pad token at position 0 through every linear layer and the LM head, as a padded batch
@@ -32,6 +34,7 @@ from torch import Tensor
 
 from minillm.engine.cuda_graph import DecodeBatch, DecodeGraphRunner
 from minillm.engine.scheduler import SchedulerOutput
+from minillm.kernels.cpu.fused import NativeDecodeRunner
 from minillm.kv.block_manager import BlockManager
 from minillm.kv.paged_cache import AttentionMetadata, PagedAttention, PagedKVCache, PrefillChunk
 from minillm.models.llama import Transformer
@@ -50,27 +53,43 @@ class StepResult:
 class ModelRunner:
     """Runs a ``SchedulerOutput``: block copies, one packed forward, the LM head on sampling rows, sampling.
     Attention runs on the model's kernels (``model.kernel_ops()``), the same the layers run on.  ``graphs``: the
-    static-buffer decode path for decode-only steps (None: every step eager)."""
+    decode path for decode-only steps, a ``DecodeGraphRunner`` or a ``NativeDecodeRunner`` (None: every step eager)."""
 
     def __init__(self, model: Transformer, kv: PagedKVCache, block_manager: BlockManager,
-                 graphs: DecodeGraphRunner | None = None):
+                 graphs: DecodeGraphRunner | NativeDecodeRunner | None = None):
         self.model, self.kv, self.block_manager, self.graphs = model, kv, block_manager, graphs
 
     def decode_batch(self, out: SchedulerOutput) -> DecodeBatch | None:
-        """The step as a ``DecodeBatch`` when the static path can run it (graphs on, every chunk one token, rows +
-        padding within the largest bucket); else None (the eager path runs it)."""
+        """The step as a ``DecodeBatch`` when the decode path can run it (one made, every chunk one token, rows +
+        padding within its largest bucket; no buckets: it is off for now); else None (the eager path runs it)."""
         if self.graphs is None or not out.scheduled or any(s.num_tokens != 1 for s in out.scheduled) \
-                or len(out.scheduled) + out.num_padding > max(self.graphs.buckets):
+                or len(out.scheduled) + out.num_padding > max(self.graphs.buckets, default=0):
             return None
+        return self._rows(out)
+
+    def fused_rows(self, out: SchedulerOutput) -> DecodeBatch | None:
+        """Every scheduled token as one row (a chunk of n tokens of one sequence is n rows, each attending to the
+        positions before it) when the fused native step can run them all in one call: it is this runner's decode
+        path and the rows fit its bucket.  Speculative verification feeds [last, drafts] chunks through it, so the
+        verify pass costs about one decode step.  Else None."""
+        g = self.graphs
+        if not isinstance(g, NativeDecodeRunner) or not out.scheduled or out.num_tokens > max(g.buckets, default=0):
+            return None
+        return self._rows(out)
+
+    def _rows(self, out: SchedulerOutput) -> DecodeBatch:
+        """The scheduled chunks' tokens, in packing order, as rows: id, position, slot, block table (the blocks up
+        to the chunk's end) and context length (position + 1)."""
         bm, bs = self.block_manager, self.kv.block_size
         ids, positions, slots, tables, lens = [], [], [], [], []
         for s in out.scheduled:
-            end = s.start + 1
-            ids.append(s.seq.token_ids[s.start])
-            positions.append(s.start)
+            end = s.start + s.num_tokens
+            ids += s.seq.token_ids[s.start : end]
+            positions += range(s.start, end)
             slots += bm.slot_mapping(s.seq.seq_id, s.start, end)
-            tables.append(bm.block_table(s.seq.seq_id)[: -(-end // bs)])
-            lens.append(end)
+            table = bm.block_table(s.seq.seq_id)[: -(-end // bs)]
+            tables += [table] * s.num_tokens
+            lens += range(s.start + 1, end + 1)
         return DecodeBatch(ids, positions, slots, tables, lens)
 
     def prepare(self, out: SchedulerOutput) -> tuple[Tensor, Tensor, AttentionMetadata, Tensor]:

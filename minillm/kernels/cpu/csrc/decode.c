@@ -1,0 +1,120 @@
+/* One native call per decode step for the whole decoder stack (all layers), on CPU, fp32 activations.
+ *
+ * Why: once the weights are int4, a decode token of a 135M model reads ~80 MB and the GEMVs take ~9 ms, but the
+ * layer-by-layer Python path around them costs as much again: per layer ~120 ATen ops (views, transposes,
+ * empty), ctypes wrappers and their checks, module calls — ~9 ms per token over 30 layers.  This file runs the same
+ * kernels (quant.c's GEMVs, native.c's norm / RoPE / KV write / paged attention) in the same order on the same
+ * inputs from one C loop, so the result equals the per-layer native path up to nothing (the same functions in the
+ * same order: bit for bit) and Python pays one ctypes call per step instead of ~3600 ops.
+ *
+ * One translation unit: both sources are included, not copied, so a faster quant.c GEMV speeds this up too.
+ * Reference: ``Transformer.hidden_states`` on the model's kernels (``minillm/kernels/cpu/fused.py`` drives this).
+ *
+ * Rows: M ≤ 32 (token, position, KV slot, block table, context length) tuples.  Row r attends to the first lens[r]
+ * positions of its sequence (its own included), read through its block table; all rows' K/V are written before
+ * any row attends, so several consecutive rows of one sequence (speculative verification) are exactly causal.
+ */
+#include "quant.c"
+#include "native.c"
+
+enum { LIN_F32 = 0, LIN_INT8 = 1, LIN_INT4 = 2 };
+
+/* One linear layer y [M, N] = x [M, K] @ W^T (+ bias): fp32 W [N, K]; int8 codes [N, K] with scales [N, K/G];
+ * Q4_1 packed [N, K/2] with scales and mins [N, K/G] (fp16 when scale_f16, else fp32).  bias fp32 [N] or NULL. */
+typedef struct {
+    int64_t kind, scale_f16, N, K, G;
+    const void *w, *scales, *mins;
+    const float *bias;
+} linear_t;
+
+/* One decoder layer: its two RMSNorm weights [hidden], four linears and its K/V caches
+ * [num_blocks, block_size, H_kv, D] fp32. */
+typedef struct {
+    const float *input_norm, *post_norm;
+    linear_t qkv, o, gate_up, down;
+    float *k_cache, *v_cache;
+} layer_t;
+
+/* Quantized weights always take the int8-activation kernels (kernels/select.py's choice for decode rows), for any
+ * M: those kernels quantize each row of x on its own and sum each row in the same order whatever M is, so a row's
+ * result does not depend on the rows beside it — speculative verification (γ + 1 rows) then gives exactly the
+ * logits plain one-row decode steps give, and greedy output is the same with and without speculation.  (The
+ * per-layer path switches to the dequantizing reference past quant.py's MAX_ROWS = 8 rows, a different rounding.)
+ * int8 shapes not in blocks of 32 run exact, as there. */
+static void linear_run(const linear_t *l, const float *x, float *y, int64_t M) {
+    if (l->kind == LIN_F32) {
+        gemv_f32((const float *)l->w, x, l->bias, y, M, l->N, l->K);
+        return;
+    }
+    if (l->kind == LIN_INT8) {
+        if (l->K % QB || l->G % QB)
+            q8_gemm((const int8_t *)l->w, l->scales, (int)l->scale_f16, x, 0, y, M, l->N, l->K, l->G);
+        else
+            q8_gemm_q8((const int8_t *)l->w, l->scales, (int)l->scale_f16, x, 0, y, M, l->N, l->K, l->G);
+    } else {
+        q4_gemm_q8((const uint8_t *)l->w, l->scales, l->mins, (int)l->scale_f16, x, 0, y, M, l->N, l->K, l->G);
+    }
+    if (l->bias) /* the per-layer path adds the bias after the quantized GEMV: y + bias */
+        for (int64_t m = 0; m < M; m++)
+            for (int64_t n = 0; n < l->N; n++) y[m * l->N + n] += l->bias[n];
+}
+
+/* Floats of scratch decode_stack needs for M rows (the caller allocates it once for its largest M). */
+int64_t decode_scratch_floats(int64_t M, int64_t hidden, int64_t Hq, int64_t Hkv, int64_t D, int64_t F) {
+    return M * (4 * hidden + (Hq + 2 * Hkv) * D + (Hq + Hkv) * D + Hq * D + 3 * F + 2 * D);
+}
+
+/* The decoder stack for M rows: x [M, hidden] (the token embeddings) -> out [M, hidden], the final-normed hidden
+ * states, and when head is not NULL the LM head's logits [M, V] = out @ head^T (the head stays with the rest: a
+ * Python call would pick another kernel past 8 rows and cost its own dispatch).  cos_tab / sin_tab [P, D]: RoPE's tables for positions 0..P-1 (rows picked by positions [M]); slots [M]
+ * int64 flat KV slots; tables [M, W] int32 block tables; lens [M] int32 context lengths.  eps: every RMSNorm's;
+ * scale: attention's softmax scale.  scratch: decode_scratch_floats(M, ...) floats.  Per layer, as
+ * models/llama.py DecoderLayer: (add +) RMSNorm, qkv, RoPE on q and k, K/V to their slots, paged attention,
+ * o_proj, add + RMSNorm, gate_up, SiLU·mul, down; then the final add + norm. */
+void decode_stack(const layer_t *layers, int64_t n_layers, const float *x, const float *final_norm,
+                  const float *cos_tab, const float *sin_tab, const int64_t *positions, const int64_t *slots,
+                  const int32_t *tables, const int32_t *lens, int64_t M, int64_t W, int64_t hidden, int64_t Hq,
+                  int64_t Hkv, int64_t D, int64_t F, int64_t block_size, float eps, float scale,
+                  const linear_t *head, float *scratch, float *out, float *logits) {
+    const int64_t nqk = (Hq + Hkv) * D, nqkv = (Hq + 2 * Hkv) * D;
+    float *res_a = scratch, *res_b = res_a + M * hidden, *h = res_b + M * hidden, *mo = h + M * hidden;
+    float *qkv = mo + M * hidden, *qk = qkv + M * nqkv, *att = qk + M * nqk, *gu = att + M * Hq * D;
+    float *act = gu + 2 * M * F, *cs = act + M * F, *sn = cs + M * D;
+    for (int64_t m = 0; m < M; m++) { /* this step's RoPE rows, [M, D] each */
+        memcpy(cs + m * D, cos_tab + positions[m] * D, sizeof(float) * D);
+        memcpy(sn + m * D, sin_tab + positions[m] * D, sizeof(float) * D);
+    }
+    if (n_layers == 0) {
+        rms_norm_f32(x, final_norm, out, M, hidden, eps);
+        if (head) linear_run(head, out, logits, M);
+        return;
+    }
+    /* the residual stream ping-pongs between two buffers: add_rms_norm's output may not alias its inputs */
+    const float *res = x;
+    float *spare = res_a;
+    for (int64_t l = 0; l < n_layers; l++) {
+        const layer_t *L = layers + l;
+        if (l == 0) {
+            rms_norm_f32(x, L->input_norm, h, M, hidden, eps);
+        } else {
+            add_rms_norm_f32(mo, res, L->input_norm, h, spare, M, hidden, eps);
+            res = spare;
+            spare = spare == res_a ? res_b : res_a;
+        }
+        linear_run(&L->qkv, h, qkv, M); /* (M, (H_q + 2 H_kv) D) */
+        rope_f32(qkv, cs, sn, qk, M, Hq + Hkv, D, nqkv); /* q and k rotated: (M, H_q + H_kv, D) */
+        write_kv((const char *)(qk + Hq * D), (const char *)(qkv + nqk), (char *)L->k_cache, (char *)L->v_cache,
+                 slots, M, Hkv * D, nqk, nqkv, sizeof(float));
+        paged_decode_attention_f32(qk, L->k_cache, L->v_cache, tables, lens, att, M, Hq, Hkv, D, block_size, W,
+                                   scale, nqk, D); /* (M, H_q, D) */
+        linear_run(&L->o, att, mo, M);
+        add_rms_norm_f32(mo, res, L->post_norm, h, spare, M, hidden, eps);
+        res = spare;
+        spare = spare == res_a ? res_b : res_a;
+        linear_run(&L->gate_up, h, gu, M); /* (M, 2F) */
+        silu_mul_f32(gu, act, M, F);
+        linear_run(&L->down, act, mo, M);
+    }
+    add_rms_norm_f32(mo, res, final_norm, out, spare, M, hidden, eps);
+    if (head) linear_run(head, out, logits, M); /* (M, V) */
+}

@@ -1,0 +1,263 @@
+"""The fused native decode step (kernels/cpu/fused.py, csrc/decode.c): the whole decoder stack in one call must
+give the per-layer path's hidden states, K/V and greedy tokens, and refuse what it cannot run."""
+
+import random
+
+import pytest
+import torch
+
+from minillm import EngineConfig, LLMEngine, ModelConfig, SamplingParams
+from minillm.engine.cuda_graph import DecodeBatch
+from minillm.kernels.cpu import fused
+from minillm.kv.paged_cache import AttentionMetadata, PagedAttention, PagedKVCache, make_paged_kv_cache
+from minillm.models.llama import Transformer
+from minillm.quant.apply import quantize_model
+
+pytestmark = pytest.mark.skipif(not fused.available(), reason="the native decode library did not build here")
+
+# (hidden, H_q, H_kv, D, F, layers, qkv_bias, tied): GQA, MQA and MHA; head_dim 64 and 32; Qwen2's qkv bias.
+# Every K is a multiple of 32 so int4 (Q4_1, groups of 32) quantizes every linear.
+CONFIGS = {
+    "gqa-d64": (128, 4, 2, 64, 96, 3, False, False),
+    "mqa-d32-bias": (96, 6, 1, 32, 64, 2, True, True),
+    "mha-d32": (64, 2, 2, 32, 128, 2, False, False),
+}
+BLOCK = 4  # small blocks: every context below crosses block boundaries
+
+
+def make_model(name: str, scheme: str = "fp32", seed: int = 0) -> Transformer:
+    hidden, hq, hkv, d, f, layers, bias, tied = CONFIGS[name]
+    cfg = ModelConfig(vocab_size=97, hidden_size=hidden, intermediate_size=f, num_layers=layers, num_heads=hq,
+                      num_kv_heads=hkv, head_dim=d, max_position_embeddings=64, rms_norm_eps=1e-5,
+                      qkv_bias=bias, tie_word_embeddings=tied, model_type="qwen2" if bias else "llama")
+    torch.manual_seed(seed)
+    model = Transformer(cfg)
+    with torch.no_grad():
+        for n, p in model.named_parameters():  # norms near 1, the rest small: logits of a trained model's size
+            p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in n else 0.2 * torch.randn_like(p))
+    model.requires_grad_(False)
+    return model if scheme == "fp32" else quantize_model(model, scheme)
+
+
+def random_rows(lens: list[int], seed: int, vocab: int = 97) -> DecodeBatch:
+    """One decode row per context length: sequence i owns blocks [8i, 8i + 8), its new token at position L - 1."""
+    rng = random.Random(seed)
+    tables = [[8 * i + j for j in range(-(-L // BLOCK))] for i, L in enumerate(lens)]
+    slots = [t[(L - 1) // BLOCK] * BLOCK + (L - 1) % BLOCK for t, L in zip(tables, lens, strict=True)]
+    return DecodeBatch([rng.randrange(vocab) for _ in lens], [L - 1 for L in lens], slots, tables, list(lens))
+
+
+def filled_caches(model: Transformer, seed: int) -> tuple[PagedKVCache, PagedKVCache]:
+    """Two equal paged caches holding random K/V (the earlier context every row attends to)."""
+    a, b = (PagedKVCache(model.config, 8 * 32, BLOCK, dtype=torch.float32, device="cpu") for _ in range(2))
+    g = torch.Generator().manual_seed(seed)
+    a.k.copy_(torch.randn(a.k.shape, generator=g))
+    a.v.copy_(torch.randn(a.v.shape, generator=g))
+    b.k.copy_(a.k)
+    b.v.copy_(a.v)
+    return a, b
+
+
+def per_layer_hidden(model: Transformer, kv: PagedKVCache, batch: DecodeBatch) -> torch.Tensor:
+    """The reference: ``model.hidden_states`` through ``PagedAttention`` on the model's kernels -> [B, hidden]."""
+    W = max(len(t) for t in batch.block_tables)
+    tables = torch.tensor([t + [0] * (W - len(t)) for t in batch.block_tables], dtype=torch.int32)
+    meta = AttentionMetadata(torch.tensor(batch.slot_mapping), torch.arange(len(batch)), tables,
+                             torch.tensor(batch.seq_lens, dtype=torch.int32), [], 0, decode_only=True)
+    with torch.inference_mode():
+        cache = PagedAttention(kv, meta, model.kernel_ops())
+        return model.hidden_states(torch.tensor([batch.input_ids]), torch.tensor([batch.positions]), cache)[0]
+
+
+@pytest.mark.parametrize("scheme", ["fp32", "int8", "int4"])
+@pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.parametrize("lens", [[7], [1, 4, 5, 9, 17]], ids=["b1", "b5"])
+def test_one_fused_call_equals_the_per_layer_native_path_bit_for_bit(name, scheme, lens):
+    """Same kernels, same order, same inputs: the hidden states and the K/V written are identical."""
+    model = make_model(name, scheme)
+    kv_ref, kv_fused = filled_caches(model, 1)
+    batch = random_rows(lens, 2)
+    want = per_layer_hidden(model, kv_ref, batch)
+    got = fused.NativeDecodeRunner(model, kv_fused).hidden(batch)
+    assert torch.equal(got, want)
+    assert torch.equal(kv_fused.k, kv_ref.k) and torch.equal(kv_fused.v, kv_ref.v)
+    assert not torch.equal(kv_fused.k, filled_caches(model, 1)[0].k)  # the step did write its rows
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_fused_hidden_states_match_the_torch_reference_in_fp32(name):
+    model = make_model(name)
+    kv_ref, kv_fused = filled_caches(model, 3)
+    batch = random_rows([2, 5, 8, 13, 4], 4)
+    got = fused.NativeDecodeRunner(model, kv_fused).hidden(batch)
+    torch.testing.assert_close(got, per_layer_hidden(model.set_kernels("torch"), kv_ref, batch))
+    torch.testing.assert_close(kv_fused.k, kv_ref.k)
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_a_quantized_rows_result_does_not_depend_on_the_rows_beside_it(scheme):
+    """Quantized linears take the int8-activation kernels at every row count (each row rounded and summed on its
+    own), LM head included: 12 rows in one call give each row's logits exactly as 12 one-row calls do — what keeps
+    speculative verification's γ + 1 rows equal to plain decode steps."""
+    model = make_model("gqa-d64", scheme)
+    kv_all, kv_one = filled_caches(model, 5)
+    batch = random_rows([3 + i for i in range(12)], 6)
+    together = fused.NativeDecodeRunner(model, kv_all).logits(batch)
+    runner = fused.NativeDecodeRunner(model, kv_one)
+    alone = torch.cat([runner.logits(DecodeBatch(*([f[i]] for f in (batch.input_ids, batch.positions,
+                                                                      batch.slot_mapping, batch.block_tables,
+                                                                      batch.seq_lens))))
+                       for i in range(len(batch))])
+    assert torch.equal(together, alone)
+
+
+@pytest.mark.parametrize("scheme", ["fp32", "int8", "int4"])
+def test_the_lm_head_in_the_same_call_gives_the_models_logits(scheme):
+    model = make_model("mqa-d32-bias", scheme)
+    kv_ref, kv_fused = filled_caches(model, 8)
+    batch = random_rows([2, 6, 11], 9)
+    with torch.inference_mode():
+        want = model.compute_logits(per_layer_hidden(model, kv_ref, batch))
+    assert torch.equal(fused.NativeDecodeRunner(model, kv_fused).logits(batch), want)
+
+
+def test_rows_of_one_sequence_attend_causally_as_a_prefill_chunk_does():
+    """The general form (speculative verification): rows t..t+3 of one sequence, each attending to the positions
+    before it, give what the packed forward gives for a 4-token chunk after the same context."""
+    model = make_model("gqa-d64")
+    kv_ref, kv_fused = filled_caches(model, 7)
+    table, start = list(range(8)), 9  # context 0..8 already cached, 4 new tokens at positions 9..12
+    ids = [5, 17, 33, 2]
+    pos = list(range(start, start + 4))
+    batch = DecodeBatch(ids, pos, [table[p // BLOCK] * BLOCK + p % BLOCK for p in pos], [table] * 4,
+                        [p + 1 for p in pos])
+    got = fused.NativeDecodeRunner(model, kv_fused).hidden(batch)
+    from minillm.kv.paged_cache import PrefillChunk
+
+    meta = AttentionMetadata(torch.tensor(batch.slot_mapping), torch.zeros(0, dtype=torch.long),
+                             torch.zeros(0, 1, dtype=torch.int32), torch.zeros(0, dtype=torch.int32),
+                             [PrefillChunk(0, 4, start + 4, torch.tensor(table[: -(-(start + 4) // BLOCK)]))])
+    with torch.inference_mode():
+        want = model.hidden_states(torch.tensor([ids]), torch.tensor([pos]),
+                                   PagedAttention(kv_ref, meta, model.kernel_ops()))[0]
+    torch.testing.assert_close(got, want)
+
+
+# ------------------------------------------------------------------------------------------------ through the engine
+def greedy(model, prompts, max_tokens, **config):
+    eng = LLMEngine(model, config=EngineConfig(**{"block_size": BLOCK, **config}))
+    params = [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True) for m in max_tokens]
+    return [o.token_ids for o in eng.generate(prompts, params)], eng
+
+
+@pytest.mark.parametrize("scheme", ["fp32", "int8", "int4"])
+@pytest.mark.parametrize("name", ["gqa-d64", "mqa-d32-bias"])
+@pytest.mark.parametrize("batch", [1, 5])
+def test_the_engine_decodes_through_the_fused_step_with_the_per_layer_greedy_tokens(name, scheme, batch):
+    model = make_model(name, scheme)
+    rng = random.Random(batch)
+    prompts = [[rng.randrange(97) for _ in range(rng.randint(2, 11))] for _ in range(batch)]
+    lengths = [24 - 3 * i for i in range(batch)]  # members finish at different steps
+    want, eager = greedy(model, prompts, lengths, enforce_eager=True)
+    got, eng = greedy(model, prompts, lengths)
+    assert eager.runner.graphs is None and isinstance(eng.runner.graphs, fused.NativeDecodeRunner)
+    assert eng.runner.graphs.calls >= 20  # decode steps ran fused (not the per-layer path twice)
+    assert got == want
+
+
+def test_static_batches_skip_their_padding_rows_and_keep_the_tokens():
+    model = make_model("gqa-d64")
+    prompts = [[1, 2, 3], [4, 5, 6, 7, 8], [9, 10]]
+    want, _ = greedy(model, prompts, [20, 4, 9], enforce_eager=True, policy="static", max_num_seqs=3)
+    got, eng = greedy(model, prompts, [20, 4, 9], policy="static", max_num_seqs=3)
+    assert got == want and eng.runner.graphs.calls >= 19
+
+
+def test_the_default_int4_model_gives_the_same_greedy_text_fused_and_per_layer():
+    from minillm.models.loader import load_model
+
+    model = load_model(None, quantization="int4")
+    prompt = [[1, 504, 3458, 282, 4649, 314]]
+    want, _ = greedy(model, prompt, [24], enforce_eager=True, block_size=16)
+    got, eng = greedy(model, prompt, [24], block_size=16)
+    assert got == want and eng.runner.graphs.calls == 23
+
+
+# ------------------------------------------------------------------------------------------------ what it refuses
+def test_it_refuses_what_it_cannot_run_and_the_engine_keeps_the_per_layer_path():
+    model = make_model("gqa-d64")
+    kv = PagedKVCache(model.config, 8, BLOCK, dtype=torch.float32, device="cpu")
+    assert fused.supports(model, kv)
+    q8kv = make_paged_kv_cache(model.config, 8, BLOCK, dtype=torch.float32, device="cpu", kv_cache_dtype="int8")
+    assert "PagedKVCache" in fused.unsupported_reason(model, q8kv)
+    assert "torch" in fused.unsupported_reason(make_model("gqa-d64").set_kernels("torch"), kv)
+    assert "fp32" in fused.unsupported_reason(make_model("gqa-d64").to(torch.bfloat16), kv)
+    assert "CPU" in fused.unsupported_reason(make_model("gqa-d64").to("meta"), kv)  # CUDA, or any other device
+    with pytest.raises(ValueError, match="cannot run"):
+        fused.NativeDecodeRunner(model, q8kv)
+    for config in ({"kv_cache_dtype": "int8"}, {"enforce_eager": True}):
+        assert LLMEngine(model, config=EngineConfig(**config)).runner.graphs is None
+    assert LLMEngine(make_model("gqa-d64").set_kernels("torch")).runner.graphs is None
+
+
+def test_a_sliding_window_or_a_swapped_layer_is_refused():
+    import dataclasses
+
+    model = make_model("gqa-d64")
+    kv = PagedKVCache(model.config, 8, BLOCK, dtype=torch.float32, device="cpu")
+    model.config = dataclasses.replace(model.config, sliding_window=8)
+    assert "sliding" in fused.unsupported_reason(model, kv)
+    model = make_model("gqa-d64")
+    model.model.layers[1].mlp.down_proj = torch.nn.Identity()
+    assert "layer 1" in fused.unsupported_reason(model, kv)
+
+
+def test_replaced_weights_rebuild_the_table_and_an_unrunnable_change_raises():
+    model = make_model("gqa-d64")
+    kv_a, kv_b = filled_caches(model, 8)
+    runner = fused.NativeDecodeRunner(model, kv_a)
+    batch = random_rows([6, 11], 9)
+    quantize_model(model, "int8")  # swaps every Linear for a QuantLinear after the table was built
+    got = runner.hidden(batch)
+    assert torch.equal(got, per_layer_hidden(model, kv_b, batch))
+    model.to(torch.bfloat16)
+    with pytest.raises(RuntimeError, match="changed"):
+        runner.hidden(batch)
+
+
+def test_set_kernels_torch_after_the_engine_is_built_turns_the_fused_step_off():
+    model = make_model("gqa-d64")
+    eng = LLMEngine(model, config=EngineConfig(block_size=BLOCK))
+    model.set_kernels("torch")
+    eng.generate([[1, 2, 3]], SamplingParams(max_tokens=5, temperature=0))
+    assert eng.runner.graphs.calls == 0 and eng.runner.graphs.buckets == ()
+
+
+def test_the_library_is_rebuilt_when_an_included_source_changes(tmp_path, monkeypatch):
+    for name in ("decode.c", *fused._INCLUDED):
+        (tmp_path / name).write_text((fused._CSRC / name).read_text())
+    monkeypatch.setattr(fused, "_CSRC", tmp_path)
+    monkeypatch.setattr(fused, "_SRC", tmp_path / "decode.c")
+    before = fused._source_digest()
+    (tmp_path / "quant.c").write_text((tmp_path / "quant.c").read_text() + "\n/* a faster GEMV */\n")
+    assert fused._source_digest() != before
+
+
+# ------------------------------------------------------------------------------------------ speculative verification
+@pytest.mark.parametrize("scheme", ["fp32", "int4"])
+def test_speculative_verification_runs_fused_and_keeps_the_greedy_tokens(scheme, monkeypatch):
+    """ngram drafts verified as γ + 1 rows of one sequence in one fused call: output equal to plain decoding."""
+    model = make_model("gqa-d64", scheme)
+    rng = random.Random(3)
+    pattern = [rng.randrange(97) for _ in range(4)]
+    prompts = [(pattern * 6)[:19], [rng.randrange(97) for _ in range(9)], (pattern * 5)[:13]]
+    want, _ = greedy(model, prompts, [22, 20, 24])
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    seen = []
+    run = fused.NativeDecodeRunner.run_rows
+    monkeypatch.setattr(fused.NativeDecodeRunner, "run_rows", lambda self, b, **k: seen.append(b) or run(self, b, **k))
+    got, eng = greedy(model, prompts, [22, 20, 24], speculative_config=spec)
+    assert got == want and eng.spec_stats.draft_tokens > 0
+    # some call verified drafts: consecutive positions of one sequence (same table) as rows of one call
+    assert any(b.block_tables[i] == b.block_tables[i + 1] and b.positions[i + 1] == b.positions[i] + 1
+               for b in seen for i in range(len(b) - 1))
