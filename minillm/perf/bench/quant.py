@@ -151,17 +151,31 @@ def weight_bytes_per_step(model) -> int:
 
 
 def _decode_rate(model, prompts: list[list[int]], n_tokens: int) -> tuple[float, float]:
-    """(seconds to the first token, decode tokens/s summed over the batch after it) for a greedy batch."""
-    from minillm.engine.simple import stream_cached
+    """(seconds to the first token, decode tokens/s summed over the batch after it) for a greedy batch, through
+    ``LLMEngine`` — the path a user's ``LLM.generate`` takes (paged KV, the scheduler, and on CPU the fused native
+    decode step where ``kernels.cpu.fused`` supports the model).  The engine is made before the clock starts."""
+    from minillm.config import EngineConfig
+    from minillm.engine.llm_engine import LLMEngine
     from minillm.sampling.params import SamplingParams
 
     B = len(prompts)
-    params = [SamplingParams(max_tokens=n_tokens, temperature=0, ignore_eos=True)] * B
-    times, start = [], time.perf_counter()
-    for _ in stream_cached(model, prompts, params):  # one yield per sequence per step
-        times.append(time.perf_counter())
-    later = len(times) - B  # tokens after the first step, which ends at times[B - 1]
-    return times[0] - start, (later / (times[-1] - times[B - 1]) if later else float("nan"))
+    longest = max(len(p) for p in prompts) + n_tokens
+    engine = LLMEngine(model, None, EngineConfig(max_model_len=longest, max_num_seqs=max(B, 1)), eos_token_ids=())
+    params = SamplingParams(max_tokens=n_tokens, temperature=0, ignore_eos=True)
+    start = time.perf_counter()
+    for p in prompts:
+        engine.add_request(p, params)
+    first = None  # the end of the step that gave every sequence its first token
+    produced = later = 0
+    while engine.has_unfinished_requests():
+        n = sum(len(u.token_ids) for u in engine.step())
+        produced += n
+        if first is None and produced >= B:
+            first, later = time.perf_counter(), 0
+        elif first is not None:
+            later += n
+    end = time.perf_counter()
+    return first - start, (later / (end - first) if later else float("nan"))
 
 
 def _llama_cpp_row(gguf, prompt: list[int], n_tokens: int, repeats: int) -> dict | None:

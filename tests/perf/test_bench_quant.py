@@ -1,0 +1,38 @@
+"""``bench quant``'s decode timing runs through the engine a user runs (and so through the fused step on CPU)."""
+
+import math
+
+import torch
+
+from minillm import ModelConfig
+from minillm.models.llama import Transformer
+from minillm.perf.bench import quant as bench
+
+
+def tiny_model() -> Transformer:
+    cfg = ModelConfig(vocab_size=97, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=2,
+                      num_kv_heads=1, head_dim=32, max_position_embeddings=64, rms_norm_eps=1e-5)
+    torch.manual_seed(0)
+    return Transformer(cfg).requires_grad_(False)
+
+
+def test_decode_rate_times_every_sequence_through_the_engine(monkeypatch):
+    from minillm.engine import llm_engine
+
+    steps = []
+    real_step = llm_engine.LLMEngine.step
+
+    def counting_step(self):
+        updates = real_step(self)
+        steps.append(sum(len(u.token_ids) for u in updates))
+        return updates
+
+    monkeypatch.setattr(llm_engine.LLMEngine, "step", counting_step)
+    ttft, rate = bench._decode_rate(tiny_model(), [[1, 2, 3], [4, 5, 6, 7, 8]], 6)
+    assert sum(steps) == 2 * 6  # every token of both sequences came from engine steps
+    assert ttft > 0 and math.isfinite(rate) and rate > 0
+
+
+def test_decode_rate_of_one_token_has_a_first_token_time_and_no_rate():
+    ttft, rate = bench._decode_rate(tiny_model(), [[1, 2, 3, 4]], 1)
+    assert ttft > 0 and math.isnan(rate)
