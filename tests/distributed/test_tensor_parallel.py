@@ -1,20 +1,37 @@
-"""Tensor parallelism: shards add up to the whole layer, TP=2 over two real gloo processes equals TP=1, bad sizes
-are refused before any process starts, and a worker's exception reaches the parent with its traceback."""
+"""Tensor parallelism: shards add up to the whole layer (vocabulary included), TP=2 over real gloo processes equals
+TP=1, the driver's one scheduler runs every policy over persistent workers, bad sizes are refused before any process
+starts, and a worker's exception or death reaches the driver as an error naming its rank — never a hang."""
+
+import multiprocessing
+import os
+import random
+import shutil
+import signal
+import threading
+import time
 
 import pytest
 import torch
 import tp_workers
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from minillm import ModelConfig, SamplingParams
+from minillm import LLM, EngineConfig, ModelConfig, SamplingParams
 from minillm.distributed import comm
+from minillm.distributed.driver import TPDriver
 from minillm.distributed.executor import tp_generate
 from minillm.distributed.parallel_state import ParallelContext
 from minillm.distributed.worker import WorkerError, run_workers
 from minillm.engine.llm_engine import LLMEngine
 from minillm.kernels.select import ops_for
 from minillm.layers.linear import Linear
-from minillm.layers.parallel import ColumnParallelLinear, RowParallelLinear, rank_config, shard_model
+from minillm.layers.parallel import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    VocabParallelLMHead,
+    rank_config,
+    shard_model,
+)
 from minillm.models.loader import build_model
 
 CFG = LlamaConfig(vocab_size=100, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
@@ -107,17 +124,142 @@ def test_collectives_are_the_identity_at_world_size_one():
     assert comm.all_reduce(x, ctx) is x and comm.all_gather(x, ctx) is x and comm.broadcast(x, ctx) is x
 
 
-def test_llm_with_tensor_parallel_size_two_generates_the_single_process_tokens(tmp_path, default_model_dir):
-    import shutil
+def tp_children(besides: list | None = None) -> list:
+    """This process's live tensor-parallel worker processes, except those in ``besides`` (other tests' drivers)."""
+    return [p for p in multiprocessing.active_children()
+            if p.name.startswith("minillm-tp-rank") and p not in (besides or [])]
 
-    from minillm import LLM
 
-    torch.manual_seed(0)  # random weights over the default model's vocabulary, so its tokenizer fits
-    LlamaForCausalLM(LlamaConfig(**{**CFG.to_dict(), "vocab_size": 49152})).save_pretrained(tmp_path)
+def finishes_within(seconds: float, fn) -> dict:
+    """Run ``fn`` in a thread; fail the test if it still runs after ``seconds`` (a hang) -> {"value" | "error"}."""
+    box = {}
+
+    def run():
+        try:
+            box["value"] = fn()
+        except BaseException as e:  # noqa: BLE001 — handed to the test
+            box["error"] = e
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert not thread.is_alive(), f"still running after {seconds} s: a hang"
+    return box
+
+
+def test_vocab_shards_hold_their_rows_of_the_padded_table_and_tied_heads_share_the_shard():
+    cfg = LlamaConfig(**{**CFG.to_dict(), "vocab_size": 101, "tie_word_embeddings": True})
+    torch.manual_seed(0)
+    model = build_model(ModelConfig.from_hf(cfg), LlamaForCausalLM(cfg).state_dict(), dtype=torch.float32,
+                        device="cpu")
+    table = model.model.embed_tokens.weight
+    shards = [shard_model(model, fake_rank(r)) for r in range(2)]
+    for s in shards:
+        assert isinstance(s.model.embed_tokens, VocabParallelEmbedding) and isinstance(s.lm_head, VocabParallelLMHead)
+        assert s.lm_head.weight is s.model.embed_tokens.weight  # tied: one shard, two uses
+    rows = torch.cat([s.model.embed_tokens.weight for s in shards])  # (102, hidden): 101 padded to 2 × 51
+    torch.testing.assert_close(rows[:101], table)
+    assert rows[101].abs().sum() == 0 and shards[1].model.embed_tokens.start == 51
+
+
+def test_vocab_parallel_logits_over_two_processes_equal_the_full_head_with_a_padded_vocabulary(driver):
+    tp, model = driver
+    ids = torch.randint(0, 101, (2, 6), generator=torch.Generator().manual_seed(3))
+    ids[0, :3] = torch.tensor([0, 50, 100])  # the first id of each shard and the last of the vocabulary
+    pos = torch.arange(6).expand(2, 6)
+    with torch.inference_mode():
+        want = model(ids, pos)
+    got = tp.forward(ids, pos)
+    assert got.shape == want.shape == (2, 6, 101)  # the padding column is cut off
+    torch.testing.assert_close(got, want)
+
+
+@pytest.fixture(scope="module")
+def driver():
+    """One persistent TP=2 driver over a tied, odd-vocabulary (101 = 2 × 51 − 1) model, shared by the tests below."""
+    cfg = LlamaConfig(**{**CFG.to_dict(), "vocab_size": 101, "tie_word_embeddings": True})
+    torch.manual_seed(2)
+    model = build_model(ModelConfig.from_hf(cfg), LlamaForCausalLM(cfg).state_dict(), dtype=torch.float32,
+                        device="cpu")
+    tp = TPDriver(model, 2, threads_per_worker=1)
+    yield tp, model
+    tp.shutdown()
+
+
+def workload():
+    """10 greedy requests of mixed prompt (3..30) and output (1..12) lengths."""
+    rng = random.Random(0)
+    prompts = [[rng.randrange(101) for _ in range(rng.randint(3, 30))] for _ in range(10)]
+    return prompts, [SamplingParams(max_tokens=rng.randint(1, 12), temperature=0, ignore_eos=True) for _ in prompts]
+
+
+ENGINES = {  # block_size 4: prompts span many blocks, so chunking, prefix hits and preemption happen at small sizes
+    "dynamic": dict(policy="dynamic", max_num_seqs=4, max_num_batched_tokens=32, dynamic_window_s=0.01),
+    "preempt-swap": dict(max_num_seqs=8, max_num_batched_tokens=16, num_kv_blocks=16, preemption="swap"),
+    "static": dict(policy="static", max_num_seqs=3, max_num_batched_tokens=32),
+}
+
+
+@pytest.mark.parametrize("mode", ENGINES)
+def test_the_driver_schedules_once_and_gives_the_single_process_tokens(driver, mode):
+    tp, model = driver
+    prompts, params = workload()
+    config = EngineConfig(block_size=4, **ENGINES[mode])
+    want = [o.token_ids for o in LLMEngine(model, config=config).generate(prompts, params)]
+    engine = tp.engine(None, config)
+    assert [o.token_ids for o in engine.generate(prompts, params)] == want
+    if mode == "preempt-swap":  # the workers ran the swap copies too, or their K/V would give other tokens
+        assert engine.stats.swaps_out > 0
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory, default_model_dir):
+    """Random weights over the default model's vocabulary (so its tokenizer fits), saved with that tokenizer."""
+    path = tmp_path_factory.mktemp("tp-model")
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(**{**CFG.to_dict(), "vocab_size": 49152})).save_pretrained(path)
     for f in default_model_dir.glob("*token*"):
-        shutil.copy(f, tmp_path)
-    llm = LLM(str(tmp_path), dtype="float32", device="cpu", tensor_parallel_size=2)
-    assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)] == \
-        [o.outputs[0].token_ids for o in LLMEngine(llm.model).generate(PROMPTS, GREEDY)]
+        shutil.copy(f, path)
+    return path
+
+
+def test_llm_workers_persist_across_calls_and_shutdown_leaves_no_child_processes(model_dir):
+    others = tp_children()
+    llm = LLM(str(model_dir), dtype="float32", device="cpu", tensor_parallel_size=2, policy="dynamic")
+    assert tp_children(others) == []  # nothing starts before the first call
+    want = [o.outputs[0].token_ids for o in LLMEngine(llm.model).generate(PROMPTS, GREEDY)]
+    assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)] == want
+    pids = [p.pid for p in tp_children(others)]
+    assert len(pids) == 1
+    assert [o.text for o in llm.generate(["Hello"], GREEDY)][0]  # a string prompt: the driver's tokenizer
+    assert [p.pid for p in tp_children(others)] == pids  # the same worker served both calls
+    llm.shutdown()
+    assert tp_children(others) == []
+    with pytest.raises(RuntimeError, match="shut down"):
+        llm.generate(PROMPTS, GREEDY)
+
+
+def test_a_killed_worker_raises_a_runtime_error_naming_its_rank_instead_of_hanging(model_dir):
+    others = tp_children()
+    with LLM(str(model_dir), dtype="float32", device="cpu", tensor_parallel_size=2) as llm:
+        llm.generate([[1, 2, 3]], GREEDY)
+        (worker,) = tp_children(others)
+        os.kill(worker.pid, signal.SIGKILL)
+        started = time.monotonic()
+        box = finishes_within(60, lambda: llm.generate(PROMPTS, GREEDY))
+        assert isinstance(box.get("error"), RuntimeError), box
+        assert "rank 1" in str(box["error"]) and "exit code" in str(box["error"])
+        assert time.monotonic() - started < 60
+        with pytest.raises(RuntimeError, match="rank 1"):  # refused from then on, with the same message
+            llm.generate(PROMPTS, GREEDY)
+    assert tp_children(others) == []
+
+
+def test_sizes_and_options_the_workers_cannot_run_are_refused_before_any_process_starts(model_dir):
+    others = tp_children()
     with pytest.raises(ValueError, match=r"use one of \[1, 2\]"):
-        LLM(str(tmp_path), dtype="float32", device="cpu", tensor_parallel_size=3)
+        LLM(str(model_dir), dtype="float32", device="cpu", tensor_parallel_size=3)
+    with pytest.raises(ValueError, match="speculative_config"):
+        LLM(str(model_dir), dtype="float32", device="cpu", tensor_parallel_size=2,
+            speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+    assert tp_children(others) == []
