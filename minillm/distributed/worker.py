@@ -1,4 +1,7 @@
-"""Spawned worker processes: ``run_workers(fn, world_size, args)`` runs ``fn(ctx, *args)`` on every rank.
+"""Spawned worker processes: ``run_workers(fn, world_size, args)`` runs ``fn(ctx, *args)`` on every rank, once.
+
+One-shot SPMD runs (tests, benchmarks, pipeline parallelism); ``LLM(tensor_parallel_size=N)`` keeps its workers
+between calls instead (``driver.py``), reusing this module's ``free_port`` and ``WorkerError``.
 
 The launcher does what ``torchrun`` does, in-process: pick a free port on 127.0.0.1, spawn ``world_size`` processes
 (``torch.multiprocessing``, the "spawn" start method: a fresh interpreter per rank, as CUDA requires), and let each

@@ -4,21 +4,21 @@ A transformer block has two matmul pairs, attention (qkv → o) and MLP (gate_up
 of each pair by output features (column-parallel: each rank computes some heads / some of the F hidden units, no
 communication) and the second by input features (row-parallel: each rank multiplies its slice of the activations
 by its slice of the weight, giving a partial sum of the full output).  One all-reduce per pair sums the partials:
-two all-reduces of [B, L, hidden] per layer, and nothing else moves.
+two all-reduces of [B, L, hidden] per layer, and nothing else moves inside the stack.
 
 Per rank, a layer then looks exactly like a smaller model's layer: H_q/tp query heads, H_kv/tp K/V heads,
 F/tp MLP units.  So ``shard_model`` builds the rank's model from a per-rank ``ModelConfig`` (``rank_config``) —
 attention, MLP and the KV caches size themselves from it unchanged — and swaps in the parallel linears.
 
 The embedding and the LM head are split by vocabulary (Megatron's vocab-parallel layers): V is padded up to a
-multiple of tp (``padded_vocab``) and each rank holds V_p/tp consecutive rows of the table — for SmolLM2-135M's
-tied 49152 × 576 table that is 14 MB of fp32 per rank at tp=2 instead of 28 MB (the table is 21 % of the model).
+multiple of tp (``padded_vocab``) and each rank holds V_p/tp consecutive rows of the table — SmolLM2-135M's tied
+49152 × 576 table is 28 M of its 135 M parameters (113 MB in fp32); at tp=2 each rank holds 14 M.
 - ``VocabParallelEmbedding``: a rank looks up the ids that fall in its rows and writes zeros for the rest; an
   all-reduce of [B, L, hidden] sums the one non-zero contribution per token (exact: the other terms are 0).
 - ``VocabParallelLMHead``: each rank computes its [..., V_p/tp] slice of the logits, an all-gather concatenates
   them in rank order and the padding columns are cut off: [..., V] on every rank.  The gather moves
-  (tp − 1)/tp × B_s × V_p × bytes per rank — for one decode token of SmolLM2 in fp32, 98 KB at tp=2, more than
-  all 60 of its layers' all-reduces together (60 × 2.3 KB).  Gathering to the sampling rank only, or sampling
+  (tp − 1)/tp × B_s × V_p × bytes per rank — for one decode token of SmolLM2 in fp32, 98 KB at tp=2, about 70 %
+  of what all 60 of its layers' all-reduces move (60 × 2.3 KB).  Gathering to the sampling rank only, or sampling
   on the shards and gathering (value, index) pairs, would cut that; minillm keeps the plain gather, which leaves
   identical logits on every rank.
 Tied embeddings stay tied: the head's shard is the embedding's shard (one parameter).
