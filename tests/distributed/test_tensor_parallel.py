@@ -2,6 +2,7 @@
 TP=1, the driver's one scheduler runs every policy over persistent workers, bad sizes are refused before any process
 starts, and a worker's exception or death reaches the driver as an error naming its rank — never a hang."""
 
+import dataclasses
 import multiprocessing
 import os
 import random
@@ -20,9 +21,12 @@ from minillm.distributed import comm
 from minillm.distributed.driver import TPDriver
 from minillm.distributed.executor import tp_generate
 from minillm.distributed.parallel_state import ParallelContext
+from minillm.distributed.step import StepInputs, pack_step, payload_size, unpack_step
 from minillm.distributed.worker import WorkerError, run_workers
 from minillm.engine.llm_engine import LLMEngine
 from minillm.kernels.select import ops_for
+from minillm.kv.block_allocator import BlockCopy, CopyKind
+from minillm.kv.paged_cache import AttentionMetadata, PrefillChunk
 from minillm.layers.linear import Linear
 from minillm.layers.parallel import (
     ColumnParallelLinear,
@@ -32,6 +36,7 @@ from minillm.layers.parallel import (
     rank_config,
     shard_model,
 )
+from minillm.models.llama import Transformer
 from minillm.models.loader import build_model
 
 CFG = LlamaConfig(vocab_size=100, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
@@ -124,6 +129,29 @@ def test_collectives_are_the_identity_at_world_size_one():
     assert comm.all_reduce(x, ctx) is x and comm.all_gather(x, ctx) is x and comm.broadcast(x, ctx) is x
 
 
+def test_a_packed_step_unpacks_to_the_same_inputs_and_its_header_gives_the_payload_size():
+    t = lambda *x: torch.tensor(x)  # noqa: E731
+    meta = AttentionMetadata(t(8, 9, 12, 13, 14, 20, 21), t(0, 1), torch.tensor([[2, 0], [3, 5]], dtype=torch.int32),
+                             torch.tensor([1, 6], dtype=torch.int32),
+                             [PrefillChunk(2, 5, 3, t(3)), PrefillChunk(5, 7, 6, t(5, 4))], 1, False)
+    step = StepInputs([BlockCopy(4, 6, CopyKind.SWAP_IN), BlockCopy(1, 2, CopyKind.COPY_ON_WRITE)],
+                      t(list(range(10, 18))).view(1, 8), t(list(range(8))).view(1, 8), meta, t(0, 1, 4, 6, 7))
+    header, payload = pack_step(step, "cpu")
+    assert payload_size(header) == payload.numel()
+    got = unpack_step(header, payload)
+    assert got.copies == step.copies
+    for name in ("input_ids", "positions", "sample_rows"):
+        assert torch.equal(getattr(got, name), getattr(step, name))
+    for name in ("slot_mapping", "decode_rows", "block_tables", "seq_lens"):
+        want = getattr(meta, name)
+        assert torch.equal(getattr(got.meta, name), want) and getattr(got.meta, name).dtype == want.dtype
+    assert [(c.start, c.end, c.context_len, c.block_ids.tolist()) for c in got.meta.prefills] == \
+        [(2, 5, 3, [3]), (5, 7, 6, [5, 4])]
+    assert (got.meta.num_padding, got.meta.decode_only) == (1, False)
+    copies_only = unpack_step(*pack_step(StepInputs(step.copies), "cpu"))
+    assert copies_only.copies == step.copies and not copies_only.has_forward
+
+
 def tp_children(besides: list | None = None) -> list:
     """This process's live tensor-parallel worker processes, except those in ``besides`` (other tests' drivers)."""
     return [p for p in multiprocessing.active_children()
@@ -176,40 +204,50 @@ def test_vocab_parallel_logits_over_two_processes_equal_the_full_head_with_a_pad
 
 @pytest.fixture(scope="module")
 def driver():
-    """One persistent TP=2 driver over a tied, odd-vocabulary (101 = 2 × 51 − 1) model, shared by the tests below."""
-    cfg = LlamaConfig(**{**CFG.to_dict(), "vocab_size": 101, "tie_word_embeddings": True})
+    """One persistent TP=2 driver over a tied, odd-vocabulary (101 = 2 × 51 − 1) model, shared by the tests below.
+    Weights N(0, 0.3), not Hugging Face's 0.02: peaked logits, so a K/V row a worker got wrong changes tokens."""
+    cfg = ModelConfig.from_hf(LlamaConfig(**{**CFG.to_dict(), "vocab_size": 101, "tie_word_embeddings": True}))
     torch.manual_seed(2)
-    model = build_model(ModelConfig.from_hf(cfg), LlamaForCausalLM(cfg).state_dict(), dtype=torch.float32,
-                        device="cpu")
+    model = Transformer(cfg)
+    for name, p in model.named_parameters():
+        torch.nn.init.ones_(p) if "norm" in name else torch.nn.init.normal_(p, std=0.3)
+    model.requires_grad_(False).eval()
     tp = TPDriver(model, 2, threads_per_worker=1)
     yield tp, model
     tp.shutdown()
 
 
-def workload():
-    """10 greedy requests of mixed prompt (3..30) and output (1..12) lengths."""
+def workload(sampled: bool):
+    """10 requests of mixed prompt (3..30) and output (1..12) lengths: greedy, or two seeded samples each (forks
+    share their prompt's last block until copy-on-write splits it, and sampled tokens follow the K/V closely: a
+    worker that skipped a copy-on-write or swap copy changes them)."""
     rng = random.Random(0)
     prompts = [[rng.randrange(101) for _ in range(rng.randint(3, 30))] for _ in range(10)]
-    return prompts, [SamplingParams(max_tokens=rng.randint(1, 12), temperature=0, ignore_eos=True) for _ in prompts]
+    params = [SamplingParams(max_tokens=rng.randint(1, 12), temperature=0, ignore_eos=True) for _ in prompts]
+    if sampled:
+        params = [dataclasses.replace(p, n=2, temperature=1.0, seed=i) for i, p in enumerate(params)]
+    return prompts, params
 
 
 ENGINES = {  # block_size 4: prompts span many blocks, so chunking, prefix hits and preemption happen at small sizes
     "dynamic": dict(policy="dynamic", max_num_seqs=4, max_num_batched_tokens=32, dynamic_window_s=0.01),
     "preempt-swap": dict(max_num_seqs=8, max_num_batched_tokens=16, num_kv_blocks=16, preemption="swap"),
     "static": dict(policy="static", max_num_seqs=3, max_num_batched_tokens=32),
+    "fork-copy-on-write": dict(max_num_seqs=8, max_num_batched_tokens=32),
 }
 
 
 @pytest.mark.parametrize("mode", ENGINES)
 def test_the_driver_schedules_once_and_gives_the_single_process_tokens(driver, mode):
     tp, model = driver
-    prompts, params = workload()
+    prompts, params = workload(sampled=mode in ("preempt-swap", "fork-copy-on-write"))
     config = EngineConfig(block_size=4, **ENGINES[mode])
-    want = [o.token_ids for o in LLMEngine(model, config=config).generate(prompts, params)]
+    tokens = lambda outs: [[c.token_ids for c in o.outputs] for o in outs]  # noqa: E731
+    want = tokens(LLMEngine(model, config=config).generate(prompts, params))
     engine = tp.engine(None, config)
-    assert [o.token_ids for o in engine.generate(prompts, params)] == want
-    if mode == "preempt-swap":  # the workers ran the swap copies too, or their K/V would give other tokens
-        assert engine.stats.swaps_out > 0
+    assert tokens(engine.generate(prompts, params)) == want
+    if mode == "preempt-swap":
+        assert engine.stats.swaps_out > 0, "the budget was meant to force swapping"
 
 
 @pytest.fixture(scope="module")
