@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import sys
 import threading
 import time
 import traceback
@@ -335,8 +336,10 @@ def _worker_main(rank: int, world_size: int, port: int, backend: str, threads: i
         with torch.inference_mode():
             while True:
                 kind, value = conn.recv()
-                if kind == "stop":
-                    return
+                if kind == "stop":  # leave at once: tearing down the gloo group and torch at exit takes seconds
+                    sys.stdout.flush()
+                    sys.stderr.flush()
+                    os._exit(0)
                 if kind == "step":
                     payload = torch.empty(payload_size(value), dtype=torch.long, device=ctx.device)
                     run_step(shard, kv, unpack_step(value, broadcast(payload, ctx)))
