@@ -134,7 +134,8 @@ class TPDriver:
             while not conn.poll(0.1):
                 self._raise_if_dead(f"before answering {kind!r}")
                 if time.monotonic() > deadline:
-                    raise self._fail(f"worker rank {rank} did not answer {kind!r} in time")
+                    raise self._fail(f"worker rank {rank} did not answer {kind!r} in time (stuck in a collective "
+                                     "rank 0 left, or still starting): the ranks no longer agree")
             values.append(self._receive(rank, conn, kind))
         return values
 
@@ -212,7 +213,14 @@ class TPDriver:
                 conn.send(("step", header))
             broadcast(payload, self.ctx)
         except Exception as e:  # noqa: BLE001 — a dead worker: broken pipe or a reset connection
-            raise self.diagnose(e) from e
+            self.reraise(e)
+
+    def reraise(self, error: Exception):
+        """Raise what ``diagnose(error)`` finds: the ``WorkerError`` (caused by ``error``) or ``error`` itself."""
+        failure = self.diagnose(error)
+        if failure is error:
+            raise error
+        raise failure from error
 
     def engine(self, tokenizer=None, config: EngineConfig | None = None) -> LLMEngine:
         """A ``TPEngine`` over rank 0's shard with ``config``; the workers (re)allocate their K/V caches to match,
@@ -241,7 +249,7 @@ class TPDriver:
             broadcast(ids, self.ctx)
             return self.model(ids[0], ids[1])
         except Exception as e:  # noqa: BLE001
-            raise self.diagnose(e) from e
+            self.reraise(e)
 
     # ---- the end -------------------------------------------------------------------------------------------
     def shutdown(self) -> None:
@@ -303,10 +311,7 @@ class DriverRunner(ModelRunner):
         except WorkerError:
             raise
         except Exception as e:  # noqa: BLE001 — rank 0's own error, or a peer's death seen by a collective
-            failure = self.driver.diagnose(e)
-            if failure is e:
-                raise
-            raise failure from e
+            self.driver.reraise(e)
 
     def prepare(self, out: SchedulerOutput):
         """``ModelRunner.prepare``, then the packed step (with this step's block copies) to every worker."""
