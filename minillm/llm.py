@@ -46,9 +46,9 @@ class LLM:
         self.tensor_parallel_size = tensor_parallel_size
         if tensor_parallel_size != 1:  # ValueError naming the valid sizes (or the options TP refuses), no process yet
             from minillm.distributed.driver import check_engine_config
-            from minillm.layers.parallel import rank_config
+            from minillm.layers.parallel import check_shardable
 
-            rank_config(self.model.config, tensor_parallel_size)
+            check_shardable(self.model, tensor_parallel_size)
             check_engine_config(self.engine_config)
         self.pipeline_parallel_size = pipeline_parallel_size
         if pipeline_parallel_size != 1:  # ValueError naming the sizes that divide the layers

@@ -54,7 +54,7 @@ from minillm.distributed.worker import WorkerError, free_port
 from minillm.engine.llm_engine import LLMEngine
 from minillm.engine.model_runner import ModelRunner, StepResult
 from minillm.engine.scheduler import SchedulerOutput
-from minillm.layers.parallel import rank_config, shard_model
+from minillm.layers.parallel import check_shardable, shard_model
 from minillm.models.llama import Transformer
 
 PING_TIMEOUT_S = 5.0  # an idle worker answers in milliseconds; one still in a collective never does
@@ -66,14 +66,15 @@ class TPDriver:
     ``model``: the loaded whole model (its weights reach the workers through shared memory, each keeps its shard).
     ``threads_per_worker``: torch threads per worker (default: the cores divided among the ranks; this process's
     own setting is left alone).  ``timeout_s`` bounds every collective; ``start_timeout_s`` the start-up.
-    ValueError (before any process starts) for a size that does not divide the heads, naming the valid sizes.
+    ValueError (before any process starts) for a size that does not divide the heads, naming the valid sizes, or a
+    weight-quantized model (``check_shardable``).
     """
 
     def __init__(self, model: Transformer, tensor_parallel_size: int, *, threads_per_worker: int | None = None,
                  timeout_s: float = 60.0, start_timeout_s: float = 300.0):
         import torch.multiprocessing as mp
 
-        rank_config(model.config, tensor_parallel_size)
+        check_shardable(model, tensor_parallel_size)  # before any process starts
         self.world_size, self.timeout_s = tensor_parallel_size, timeout_s
         self.failure: RuntimeError | None = None  # set once: every later call raises it
         self._epoch = 0  # which engine's K/V the workers hold (a new engine replaces them)

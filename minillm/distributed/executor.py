@@ -25,7 +25,7 @@ from torch import Tensor
 
 from minillm.config import EngineConfig
 from minillm.distributed.parallel_state import ParallelContext
-from minillm.layers.parallel import rank_config
+from minillm.layers.parallel import check_shardable, rank_config
 from minillm.models.llama import Transformer
 
 ModelSource = Transformer | str | os.PathLike | None  # a loaded model (shared with the workers) or load_model's path
@@ -58,7 +58,7 @@ def _driver_model(source: ModelSource, dtype, kernels: str, device: str) -> Tran
 def _check(source: ModelSource, tp: int) -> None:
     """Reject a size that cannot shard before anything loads or starts (same ValueError as ``rank_config``)."""
     if isinstance(source, Transformer):
-        rank_config(source.config, tp)
+        check_shardable(source, tp)
     else:
         from minillm.models.loader import load_config, resolve
 

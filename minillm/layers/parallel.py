@@ -208,6 +208,18 @@ def rank_config(config: ModelConfig, tp: int) -> ModelConfig:
                                intermediate_size=config.intermediate_size // tp)
 
 
+def check_shardable(model: Transformer, tp: int) -> ModelConfig:
+    """``rank_config(model.config, tp)`` (ValueError naming the valid sizes), and ValueError if the model's linears
+    are not float ``Linear`` layers (weight-quantized ones have no rows to cut here).  -> the rank's config."""
+    cfg = rank_config(model.config, tp)
+    linears = [model.lm_head, *(m for layer in model.model.layers for m in (
+        layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj))]
+    if tp > 1 and any(type(m) is not Linear for m in linears):
+        raise ValueError("tensor parallelism splits float Linear weights: load the model without quantization "
+                         "to shard it (tensor_parallel_size > 1 with a quantized model is not supported)")
+    return cfg
+
+
 def shard_model(model: Transformer, ctx: ParallelContext) -> Transformer:
     """This rank's share of a loaded ``model``: a ``Transformer`` of ``rank_config`` whose qkv/gate_up are
     ``ColumnParallelLinear``, o/down ``RowParallelLinear``, embedding and LM head ``VocabParallelEmbedding`` /
@@ -217,12 +229,7 @@ def shard_model(model: Transformer, ctx: ParallelContext) -> Transformer:
     weight-quantized linears (the split cuts float ``Linear`` weights).
     """
     full = model.config
-    cfg = rank_config(full, ctx.world_size)
-    linears = [model.lm_head, *(m for layer in model.model.layers for m in (
-        layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj))]
-    if any(type(m) is not Linear for m in linears):
-        raise ValueError("tensor parallelism splits float Linear weights: load the model without quantization "
-                         "to shard it (tensor_parallel_size > 1 with a quantized model is not supported)")
+    cfg = check_shardable(model, ctx.world_size)
     with torch.device("meta"):  # every weight below is assigned: no allocation for the placeholders
         out = Transformer(cfg)
     split = ("qkv_proj.weight", "qkv_proj.bias", "o_proj.weight", "gate_up_proj.weight", "down_proj.weight",

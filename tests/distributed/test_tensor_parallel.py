@@ -300,4 +300,6 @@ def test_sizes_and_options_the_workers_cannot_run_are_refused_before_any_process
     with pytest.raises(ValueError, match="speculative_config"):
         LLM(str(model_dir), dtype="float32", device="cpu", tensor_parallel_size=2,
             speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+    with pytest.raises(ValueError, match="quantiz"):
+        LLM(str(model_dir), dtype="float32", device="cpu", tensor_parallel_size=2, quantization="int8")
     assert tp_children(others) == []
