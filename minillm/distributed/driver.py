@@ -36,10 +36,8 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import sys
 import threading
 import time
-import traceback
 import weakref
 from multiprocessing.connection import wait
 
@@ -49,8 +47,8 @@ from torch import Tensor
 from minillm.config import EngineConfig
 from minillm.distributed.comm import broadcast
 from minillm.distributed.parallel_state import ParallelContext, default_backend, init_parallel
-from minillm.distributed.step import StepInputs, pack_step, payload_size, run_step, unpack_step
-from minillm.distributed.worker import WorkerError, free_port
+from minillm.distributed.step import StepInputs, pack_step
+from minillm.distributed.worker import WorkerError, free_port, serve_steps
 from minillm.engine.llm_engine import LLMEngine
 from minillm.engine.model_runner import ModelRunner, StepResult
 from minillm.engine.scheduler import SchedulerOutput
@@ -84,7 +82,7 @@ class TPDriver:
         self._procs, self._conns = [], []
         for rank in range(1, tensor_parallel_size):
             conn, child = mpc.Pipe()
-            self._procs.append(mpc.Process(target=_worker_main, name=f"minillm-tp-rank{rank}", daemon=True,
+            self._procs.append(mpc.Process(target=serve_steps, name=f"minillm-tp-rank{rank}", daemon=True,
                                            args=(rank, tensor_parallel_size, port, backend, threads, model, child,
                                                  timeout_s)))
             self._procs[-1].start()
@@ -319,52 +317,6 @@ class DriverRunner(ModelRunner):
         packed = super().prepare(out)
         self.driver.send(StepInputs(out.copies, *packed), self.epoch)
         return packed
-
-
-def _worker_main(rank: int, world_size: int, port: int, backend: str, threads: int, model: Transformer, conn,
-                 timeout_s: float) -> None:
-    """A worker rank: join, keep its shard, say "ready", then serve the driver's messages until "stop".
-
-    Messages (kind, value): "step" (header) -> receive the broadcast, run it; "kv" (kwargs) -> build the K/V cache,
-    answer "ok"; "forward" (shape) -> receive ids and positions, run the whole forward; "ping" -> "pong".
-    Any exception is sent back as ("error", traceback) and ends the process with exit code 1; a closed pipe (the
-    driver is gone) ends it quietly.
-    """
-    from minillm.kv.paged_cache import make_paged_kv_cache
-
-    try:
-        torch.set_num_threads(threads)
-        ctx = init_parallel(rank, world_size, port=port, backend=backend, timeout_s=timeout_s)
-        shard = shard_model(model if ctx.device.type == "cpu" else model.to(ctx.device), ctx)
-        del model  # the whole model's shared memory stays the driver's; this process keeps only its shard
-        conn.send(("ready", os.getpid()))
-        kv = None
-        with torch.inference_mode():
-            while True:
-                kind, value = conn.recv()
-                if kind == "stop":  # leave at once: tearing down the gloo group and torch at exit takes seconds
-                    sys.stdout.flush()
-                    sys.stderr.flush()
-                    os._exit(0)
-                if kind == "step":
-                    payload = torch.empty(payload_size(value), dtype=torch.long, device=ctx.device)
-                    run_step(shard, kv, unpack_step(value, broadcast(payload, ctx)))
-                elif kind == "kv":
-                    kv = None  # free the old cache before the new one is allocated
-                    kv = make_paged_kv_cache(shard.config, device=ctx.device, **value)
-                    conn.send(("ok", None))
-                elif kind == "forward":
-                    ids = broadcast(torch.empty(value, dtype=torch.long, device=ctx.device), ctx)
-                    shard(ids[0], ids[1])
-                elif kind == "ping":
-                    conn.send(("pong", None))
-    except (EOFError, BrokenPipeError):
-        return  # the driver is gone: nobody to report to
-    except BaseException:  # noqa: BLE001 — everything must reach the driver, KeyboardInterrupt included
-        try:
-            conn.send(("error", traceback.format_exc()))
-        finally:
-            os._exit(1)  # skip interpreter teardown: a half-finished collective can block it
 
 
 def _watchdog(procs: list, stop_reader, group) -> None:
