@@ -8,9 +8,10 @@
 What runs where:
 - rank 0 (the calling process): the whole ``LLMEngine`` — scheduler, block manager, detokenizer, sampling — over
   its shard of the model (H_q/tp and H_kv/tp heads, F/tp MLP units, V/tp vocabulary rows) and its heads' K/V.
-- ranks 1..N−1 (spawned once, ``torch.multiprocessing`` "spawn"): their shard and their heads' K/V, nothing else.
-  Each waits on its pipe for a step header, receives the step's tensor (one broadcast), runs the block copies and
-  the forward (``step.run_step``) and waits again; it never schedules, samples or detokenizes.
+- ranks 1..N−1 (spawned once, ``torch.multiprocessing`` "spawn", running ``worker.serve_steps``): their shard and
+  their heads' K/V, nothing else.  Each waits on its pipe for a step header, receives the step's tensor (one
+  broadcast), runs the block copies and the forward (``step.run_step``) and waits again; it never schedules,
+  samples or detokenizes.
 Per step: a ~100-byte header down each worker's pipe, one broadcast of the packed step (``step.py``: 8 · B (6 + w)
 bytes for a decode batch of B whose longest block table has w entries), then the forward's own collectives —
 one all-reduce of [T, hidden] for the embedding, two per layer, one all-gather of the [B_s, V] logits.  Only rank 0
@@ -26,7 +27,8 @@ Failure, so that nothing hangs and nothing fails silently:
 - every step first checks that each worker is alive (``Process.is_alive``: a ``waitpid``, microseconds);
 - a worker that dies mid-step closes its sockets, so gloo raises at once in rank 0's next collective; a worker
   that raises sends its traceback before it exits; every collective is bounded by ``timeout_s``; a watchdog thread
-  aborts an NCCL group when a worker exits (NCCL would otherwise wait for a dead peer);
+  aborts an NCCL group when a worker exits (NCCL would otherwise wait for a dead peer; that path is untested
+  here, for want of a machine with two GPUs);
 - on an error the driver names the rank (its exit code or traceback) in a ``WorkerError`` (a ``RuntimeError``),
   stops the other workers (they would wait forever in a collective) and refuses every later call with that error.
   An error in rank 0 alone (a request it cannot sample) is told apart by a ping: idle workers answer at once.
