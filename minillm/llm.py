@@ -44,10 +44,12 @@ class LLM:
         self.engine_config = EngineConfig(**engine_options)  # validated before the model loads
         self.model = load_model(model, dtype=dtype, device=device, kernels=kernels, quantization=quantization)
         self.tensor_parallel_size = tensor_parallel_size
-        if tensor_parallel_size != 1:  # ValueError naming the valid sizes, before any process starts
-            from minillm.layers.parallel import rank_config
+        if tensor_parallel_size != 1:  # ValueError naming the valid sizes (or the options TP refuses), no process yet
+            from minillm.distributed.driver import check_engine_config
+            from minillm.layers.parallel import check_shardable
 
-            rank_config(self.model.config, tensor_parallel_size)
+            check_shardable(self.model, tensor_parallel_size)
+            check_engine_config(self.engine_config)
         self.pipeline_parallel_size = pipeline_parallel_size
         if pipeline_parallel_size != 1:  # ValueError naming the sizes that divide the layers
             from minillm.distributed.pipeline import stage_layers
@@ -57,16 +59,48 @@ class LLM:
                 raise ValueError("tensor_parallel_size and pipeline_parallel_size cannot both be > 1 (yet)")
         self.tokenizer = load_tokenizer(model)
         self._engine: LLMEngine | None = None  # built on first use: the KV cache is allocated then
+        self._tp_driver = None  # tensor_parallel_size > 1: the worker processes, started with the engine
+        self._closed = False
 
     @property
     def engine(self) -> LLMEngine:
-        """The ``LLMEngine`` behind ``generate`` and ``stream`` (built on first use with this ``EngineConfig``)."""
-        if self.tensor_parallel_size != 1 or self.pipeline_parallel_size != 1:
-            raise ValueError("with tensor_parallel_size or pipeline_parallel_size > 1 the model runs in worker "
-                             "processes (distributed/executor.py, pipeline.py): use generate() or chat()")
+        """The ``LLMEngine`` behind ``generate`` and ``stream`` (built on first use with this ``EngineConfig``).
+        With ``tensor_parallel_size`` > 1 it runs here on rank 0's shard and the worker processes start with it
+        (``distributed.driver``): once per ``LLM``, reused by every call until ``shutdown``."""
+        if self._closed:
+            raise RuntimeError("this LLM was shut down (LLM.shutdown()): create a new LLM to generate again")
+        if self.pipeline_parallel_size != 1:
+            raise ValueError("with pipeline_parallel_size > 1 the model runs in worker processes "
+                             "(distributed/pipeline.py): use generate() or chat()")
+        self._check_workers()
+        if self._engine is None and self.tensor_parallel_size != 1:
+            from minillm.distributed.driver import TPDriver
+
+            self._tp_driver = TPDriver(self.model, self.tensor_parallel_size)
+            self._engine = self._tp_driver.engine(self.tokenizer, self.engine_config)
         if self._engine is None:
             self._engine = LLMEngine(self.model, self.tokenizer, self.engine_config)
         return self._engine
+
+    def _check_workers(self) -> None:
+        """Raise the tensor-parallel workers' failure (``WorkerError`` naming the rank), if any."""
+        if self._tp_driver is not None:
+            self._tp_driver.check()
+
+    def shutdown(self) -> None:
+        """Free the engine and stop the tensor-parallel worker processes; later calls raise ``RuntimeError``.
+        Also runs on ``with LLM(...) as llm:`` exit; an LLM that is garbage collected, or alive at interpreter
+        exit, stops its workers too (a ``weakref.finalize`` in the driver)."""
+        self._closed = True
+        if self._tp_driver is not None:
+            self._tp_driver.shutdown()
+        self._engine = None
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
@@ -87,31 +121,26 @@ class LLM:
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
         """Generate for each prompt (a string or token ids, or a list of those) on the engine (continuous batching,
         paged KV, prefix caching); outputs in prompt order.  See ``LLMEngine.generate``.  With
-        ``tensor_parallel_size`` > 1 each call spawns that many ranks, each running the engine on its shard
-        (``distributed.executor.tp_generate``: seconds of process start-up per call); with
-        ``pipeline_parallel_size`` > 1 each rank holds a slice of the layers (``distributed.pipeline.pp_generate``,
-        micro-batches of a static batch)."""
+        ``tensor_parallel_size`` > 1 the engine schedules here and every step runs on all ranks (the workers start
+        on the first call, seconds, and are reused); a worker that dies raises ``WorkerError`` (a RuntimeError)
+        naming its rank, and every later call raises it too.  With ``pipeline_parallel_size`` > 1 each rank holds
+        a slice of the layers (``distributed.pipeline.pp_generate``, micro-batches of a static batch)."""
         if self.pipeline_parallel_size != 1:
             from minillm.distributed.pipeline import pp_generate
 
             return pp_generate(self.model, prompts, sampling_params, self.pipeline_parallel_size,
                                device=self.model.device.type, tokenizer=self.tokenizer)
-        if self.tensor_parallel_size != 1:
-            from minillm.distributed.executor import tp_generate
-            from minillm.engine.inputs import prompt_list
-
-            prompts = prompt_list(prompts)
-            options = {f: getattr(self.engine_config, f) for f in self.engine_config.__dataclass_fields__}
-            return tp_generate(self.model, prompts, sampling_params, self.tensor_parallel_size,
-                               device=self.model.device.type, tokenizer=self.tokenizer, **options)
-        return self.engine.generate(prompts, sampling_params)
+        outputs = self.engine.generate(prompts, sampling_params)
+        self._check_workers()  # a worker lost mid-call ends the requests with errors in the engine: raise it
+        return outputs
 
     def stream(self, prompts: Prompt | Sequence[Prompt],
                sampling_params: SamplingParams | Sequence[SamplingParams] | None = None) -> Iterator[StepOutput]:
         """Yield ``StepOutput`` updates (request_id, sample index, new token ids, text delta, finish_reason; the
         last update of a sample carries its metrics) as the engine produces them.  The concatenated deltas of a
         request equal ``generate``'s text.  Closing the generator early aborts the unfinished requests."""
-        return self.engine.stream(prompts, sampling_params)
+        yield from self.engine.stream(prompts, sampling_params)
+        self._check_workers()
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | None = None) -> list[RequestOutput]:

@@ -1,1 +1,2 @@
-"""Scaling out with torch.distributed: a rank's context, collectives, spawned workers, the cost model."""
+"""Scaling out with torch.distributed: a rank's context, collectives, spawned workers, the tensor-parallel driver
+and its step messages, pipeline stages, the cost model."""

@@ -1,18 +1,19 @@
-"""Tensor-parallel generation over spawned workers: every rank runs the same program on its shard (SPMD).
+"""Tensor-parallel generation: one scheduler in the driver, persistent worker ranks (``driver.TPDriver``).
 
-    tp_generate(model, prompts, params, tensor_parallel_size=2)   # -> list[RequestOutput], as LLM.generate
+    LLM(path, tensor_parallel_size=2).generate(...)            # the usual way: workers start once, reused
+    tp_generate(model, prompts, params, tensor_parallel_size=2)  # one call: start, generate, shut down
+    tp_forward(model, input_ids, positions, tensor_parallel_size=2)   # the sharded full forward, for tests
 
-Each rank loads the model, keeps its shard (``layers.parallel.shard_model``: H_q/tp, H_kv/tp heads, F/tp MLP units)
-and runs an ordinary ``LLMEngine`` on it — the paged KV cache is sized from the rank's config, so each rank holds
-only its heads' K/V.  The two all-reduces per layer leave identical hidden states and logits on every rank, so
-every rank samples the same token (greedy, or seeded sampling with the same generator) and its scheduler makes the
-same decision next step: no step metadata has to be sent, because every rank computes it.  That is how torchrun
-programs are written; vLLM instead runs the scheduler once in a driver and broadcasts each step's metadata, which
-matters when scheduling is costly or depends on wall-clock time.  Here the scheduler must be deterministic, so the
-"dynamic" policy (it waits on the wall clock, which differs between processes) is refused.
+Each rank holds its shard (``layers.parallel.shard_model``: H_q/tp and H_kv/tp heads, F/tp MLP units, V/tp
+vocabulary rows of the embedding and LM head) and a paged KV cache sized from its own config, so it holds only its
+heads' K/V.  The driver — rank 0, the calling process — runs the one ``LLMEngine`` (scheduler, block manager,
+detokenizer, sampling); each step it sends the packed inputs once (``step.py``: a small header, one broadcast)
+and every rank runs the forward with its collectives.  That is vLLM's shape; the alternative, every rank running
+its own scheduler on identical logits (SPMD, as ``torchrun`` programs and ``pipeline.py`` do), needs no step
+messages but breaks as soon as scheduling is not deterministic (the "dynamic" policy waits on each process's clock).
 
-Cost: every rank loads the whole checkpoint before keeping its shard (simple; a large model would read only its
-slices), and the embeddings and LM head are replicated (see ``layers/parallel.py``).
+Cost: the workers start once per ``LLM`` (seconds: a fresh interpreter each, importing torch), not per call; every
+rank keeps the loaded model's memory mapped while it cuts its shard (a large model would read only its slices).
 """
 
 from __future__ import annotations
@@ -20,13 +21,11 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 
-import torch
 from torch import Tensor
 
 from minillm.config import EngineConfig
-from minillm.distributed.parallel_state import ParallelContext, default_backend
-from minillm.distributed.worker import run_workers
-from minillm.layers.parallel import rank_config
+from minillm.distributed.parallel_state import ParallelContext
+from minillm.layers.parallel import check_shardable, rank_config
 from minillm.models.llama import Transformer
 
 ModelSource = Transformer | str | os.PathLike | None  # a loaded model (shared with the workers) or load_model's path
@@ -47,30 +46,19 @@ def rank_model(ctx: ParallelContext, source: ModelSource, dtype=None, kernels: s
     return shard_model(_full_model(source, ctx, dtype, kernels), ctx)
 
 
-def _forward_worker(ctx: ParallelContext, source, input_ids: Tensor, positions: Tensor, dtype, kernels):
-    model = rank_model(ctx, source, dtype, kernels)
-    with torch.inference_mode():
-        logits = model(input_ids.to(ctx.device), positions.to(ctx.device)).float().cpu()
-    return logits if ctx.is_driver else None  # identical on every rank: only the driver's travels back
+def _driver_model(source: ModelSource, dtype, kernels: str, device: str) -> Transformer:
+    """The whole model in the driver process (rank 0's device: CPU, or the first GPU under NCCL)."""
+    if isinstance(source, Transformer):
+        return source
+    from minillm.models.loader import load_model
 
-
-def _generate_worker(ctx: ParallelContext, source, prompts, params, engine_config: EngineConfig, dtype, kernels,
-                     tokenizer):
-    from minillm.engine.llm_engine import LLMEngine
-
-    model = rank_model(ctx, source, dtype, kernels)
-    if tokenizer is None and not isinstance(source, Transformer) and any(isinstance(p, str) for p in prompts):
-        from minillm.models.loader import load_tokenizer
-
-        tokenizer = load_tokenizer(source)
-    outputs = LLMEngine(model, tokenizer, engine_config).generate(prompts, params)
-    return outputs if ctx.is_driver else None
+    return load_model(source, dtype=dtype, device=device, kernels=kernels)
 
 
 def _check(source: ModelSource, tp: int) -> None:
-    """Reject a size that cannot shard before any process starts (same ValueError as ``rank_config``)."""
+    """Reject a size that cannot shard before anything loads or starts (same ValueError as ``rank_config``)."""
     if isinstance(source, Transformer):
-        rank_config(source.config, tp)
+        check_shardable(source, tp)
     else:
         from minillm.models.loader import load_config, resolve
 
@@ -79,26 +67,41 @@ def _check(source: ModelSource, tp: int) -> None:
 
 def tp_forward(model: ModelSource, input_ids: Tensor, positions: Tensor, tensor_parallel_size: int = 2, *,
                dtype=None, kernels: str = "auto", device: str = "cpu") -> Tensor:
-    """The full causal forward of ``model`` run sharded over ``tensor_parallel_size`` processes:
-    input_ids, positions [B, L] -> fp32 logits [B, L, V] (on CPU).  For tests and the notebook."""
+    """The full causal forward of ``model`` run sharded over ``tensor_parallel_size`` processes (this one is rank
+    0): input_ids, positions [B, L] -> fp32 logits [B, L, V] on CPU.  For tests and the notebook."""
+    from minillm.distributed.driver import TPDriver
+
     _check(model, tensor_parallel_size)
-    return run_workers(_forward_worker, tensor_parallel_size, (model, input_ids, positions, dtype, kernels),
-                       backend=default_backend(device))[0]
+    driver = TPDriver(_driver_model(model, dtype, kernels, device), tensor_parallel_size)
+    try:
+        return driver.forward(input_ids, positions).float().cpu()
+    finally:
+        driver.shutdown()
 
 
 def tp_generate(model: ModelSource, prompts: Sequence, params=None, tensor_parallel_size: int = 2, *, dtype=None,
                 kernels: str = "auto", device: str = "cpu", tokenizer=None, **engine_options):
-    """``LLMEngine.generate`` on ``tensor_parallel_size`` ranks: -> list[RequestOutput] in prompt order.
+    """``LLMEngine.generate`` over ``tensor_parallel_size`` ranks, workers started for this call and stopped after
+    it: -> list[RequestOutput] in prompt order.  (``LLM(..., tensor_parallel_size=N)`` keeps them between calls.)
 
     ``model``: a loaded ``Transformer`` (its weights reach the workers through shared memory) or a path / hub id /
-    None for ``load_model``; string prompts need a ``tokenizer`` (pickled to each rank) or a path to load it from.
-    ``engine_options``: ``EngineConfig`` fields.  ValueError for a size that does not divide the heads, or the
-    wall-clock "dynamic" policy.
+    None for ``load_model``; string prompts need a ``tokenizer`` or a path to load it from.  ``engine_options``:
+    ``EngineConfig`` fields (any policy, "dynamic" included).  ValueError for a size that does not divide the
+    heads (naming the valid ones) or a speculative config; ``WorkerError`` (a RuntimeError) when a worker dies.
     """
-    config = EngineConfig(**engine_options)
-    if config.policy == "dynamic":
-        raise ValueError("policy='dynamic' waits on the wall clock, which differs between ranks: with "
-                         "tensor_parallel_size > 1 use 'continuous' or 'static'")
+    from minillm.distributed.driver import TPDriver, check_engine_config
+
+    config = check_engine_config(EngineConfig(**engine_options))
     _check(model, tensor_parallel_size)
-    args = (model, list(prompts), params, config, dtype, kernels, tokenizer)
-    return run_workers(_generate_worker, tensor_parallel_size, args, backend=default_backend(device))[0]
+    if tokenizer is None and not isinstance(model, Transformer) and any(isinstance(p, str) for p in prompts):
+        from minillm.models.loader import load_tokenizer
+
+        tokenizer = load_tokenizer(model)
+    driver = TPDriver(_driver_model(model, dtype, kernels, device), tensor_parallel_size)
+    try:
+        outputs = driver.engine(tokenizer, config).generate(list(prompts), params)
+        driver.check()  # a worker lost mid-call fails its requests in the engine: raise it here
+        return outputs
+    finally:
+        driver.shutdown()
+

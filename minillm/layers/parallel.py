@@ -4,17 +4,24 @@ A transformer block has two matmul pairs, attention (qkv → o) and MLP (gate_up
 of each pair by output features (column-parallel: each rank computes some heads / some of the F hidden units, no
 communication) and the second by input features (row-parallel: each rank multiplies its slice of the activations
 by its slice of the weight, giving a partial sum of the full output).  One all-reduce per pair sums the partials:
-two all-reduces of [B, L, hidden] per layer, and nothing else moves.
+two all-reduces of [B, L, hidden] per layer, and nothing else moves inside the stack.
 
 Per rank, a layer then looks exactly like a smaller model's layer: H_q/tp query heads, H_kv/tp K/V heads,
 F/tp MLP units.  So ``shard_model`` builds the rank's model from a per-rank ``ModelConfig`` (``rank_config``) —
 attention, MLP and the KV caches size themselves from it unchanged — and swaps in the parallel linears.
 
-Embeddings and the LM head are *replicated* (every rank holds all V × hidden): the row-parallel all-reduce leaves
-the full hidden state on every rank, so each computes identical logits and samples the same token with no further
-communication.  The cost is memory: SmolLM2-135M's tied embedding is 28 M of its 135 M parameters on every rank.
-Vocabulary-parallel (V/tp rows each, an all-gather of [B, V/tp] logits per step; a masked lookup plus an all-reduce
-for the embedding) saves that memory and is the next step for large vocabularies.
+The embedding and the LM head are split by vocabulary (Megatron's vocab-parallel layers): V is padded up to a
+multiple of tp (``padded_vocab``) and each rank holds V_p/tp consecutive rows of the table — SmolLM2-135M's tied
+49152 × 576 table is 28 M of its 135 M parameters (113 MB in fp32); at tp=2 each rank holds 14 M.
+- ``VocabParallelEmbedding``: a rank looks up the ids that fall in its rows and writes zeros for the rest; an
+  all-reduce of [B, L, hidden] sums the one non-zero contribution per token (exact: the other terms are 0).
+- ``VocabParallelLMHead``: each rank computes its [..., V_p/tp] slice of the logits, an all-gather concatenates
+  them in rank order and the padding columns are cut off: [..., V] on every rank.  The gather moves
+  (tp − 1)/tp × B_s × V_p × bytes per rank — for one decode token of SmolLM2 in fp32, 98 KB at tp=2, about 70 %
+  of what all 60 of its layers' all-reduces move (60 × 2.3 KB).  Gathering to the sampling rank only, or sampling
+  on the shards and gathering (value, index) pairs, would cut that; minillm keeps the plain gather, which leaves
+  identical logits on every rank.
+Tied embeddings stay tied: the head's shard is the embedding's shard (one parameter).
 """
 
 from __future__ import annotations
@@ -25,7 +32,7 @@ import torch
 from torch import Tensor, nn
 
 from minillm.config import ModelConfig
-from minillm.distributed.comm import all_reduce
+from minillm.distributed.comm import all_gather, all_reduce
 from minillm.distributed.parallel_state import ParallelContext
 from minillm.kernels.select import KernelOps
 from minillm.layers.linear import Linear
@@ -117,6 +124,68 @@ class RowParallelLinear(nn.Module):
         return all_reduce(ops.linear(x, self.weight, self.bias), self.ctx)
 
 
+def padded_vocab(vocab_size: int, tp: int) -> int:
+    """V rounded up to a multiple of ``tp``: every rank holds the same number of vocabulary rows (the padding
+    rows are zeros, their logits are cut off after the gather)."""
+    return -(-vocab_size // tp) * tp
+
+
+def vocab_shard(weight: Tensor, rank: int, world_size: int) -> Tensor:
+    """Rank ``rank``'s rows of a [V, hidden] table: rows [rank·V_p/tp, (rank + 1)·V_p/tp) of the table padded
+    with zero rows to ``padded_vocab`` -> [V_p/tp, hidden], a contiguous copy (``weight`` is not modified)."""
+    vocab, per = weight.shape[0], padded_vocab(weight.shape[0], world_size) // world_size
+    shard = weight.new_zeros(per, weight.shape[1])
+    start = rank * per
+    rows = weight[start : min(start + per, vocab)]  # (≤ V_p/tp, hidden); the last rank may hold padding only
+    shard[: rows.shape[0]] = rows
+    return shard
+
+
+class VocabParallelEmbedding(nn.Module):
+    """An embedding table split by vocabulary rows: ids [...] -> [..., hidden], all-reduced inside the layer.
+
+    The rank holds rows [start, start + V_p/tp) of the padded table; ids outside them look up row 0 and are
+    zeroed, so the all-reduce (2 (tp − 1)/tp × tokens × hidden × bytes per rank) adds exactly one row per token.
+    """
+
+    def __init__(self, weight: Tensor, ctx: ParallelContext):
+        super().__init__()
+        self.weight = nn.Parameter(vocab_shard(weight.detach(), ctx.rank, ctx.world_size), requires_grad=False)
+        self.vocab_size = weight.shape[0]
+        self.start = ctx.rank * self.weight.shape[0]  # the first vocabulary id this rank holds
+        self.ctx = ctx
+
+    def forward(self, input_ids: Tensor) -> Tensor:
+        """input_ids [...] (any id in [0, V)) -> embeddings [..., hidden], identical on every rank."""
+        local = input_ids - self.start
+        mine = (local >= 0) & (local < self.weight.shape[0])
+        x = nn.functional.embedding(local.where(mine, 0), self.weight)  # (..., hidden)
+        return all_reduce(x * mine.unsqueeze(-1).to(x.dtype), self.ctx)
+
+
+class VocabParallelLMHead(nn.Module):
+    """The LM head split by vocabulary rows: hidden [..., hidden] -> logits [..., V], all-gathered inside the layer.
+
+    ``weight``: the whole [V, hidden] head, or (tied embeddings) the rank's ``VocabParallelEmbedding`` whose shard
+    it then shares.  Each rank computes its [..., V_p/tp] logits; the all-gather concatenates them in rank order.
+    """
+
+    def __init__(self, weight: Tensor | VocabParallelEmbedding, ctx: ParallelContext):
+        super().__init__()
+        if isinstance(weight, VocabParallelEmbedding):
+            self.weight, self.vocab_size = weight.weight, weight.vocab_size  # tied: one shard, two uses
+        else:
+            self.weight = nn.Parameter(vocab_shard(weight.detach(), ctx.rank, ctx.world_size), requires_grad=False)
+            self.vocab_size = weight.shape[0]
+        self.bias = None
+        self.ctx = ctx
+
+    def forward(self, hidden: Tensor, ops: KernelOps) -> Tensor:
+        """hidden [..., hidden] -> logits [..., V] (the padding columns cut off), identical on every rank."""
+        local = ops.linear(hidden, self.weight, None)  # (..., V_p/tp)
+        return all_gather(local, self.ctx, dim=-1)[..., : self.vocab_size]
+
+
 def valid_tp_sizes(config: ModelConfig) -> list[int]:
     """The tensor-parallel sizes that give every rank whole heads: the common divisors of H_q, H_kv and F."""
     return [n for n in range(1, config.num_kv_heads + 1)
@@ -139,22 +208,37 @@ def rank_config(config: ModelConfig, tp: int) -> ModelConfig:
                                intermediate_size=config.intermediate_size // tp)
 
 
+def check_shardable(model: Transformer, tp: int) -> ModelConfig:
+    """``rank_config(model.config, tp)`` (ValueError naming the valid sizes), and ValueError if the model's linears
+    are not float ``Linear`` layers (weight-quantized ones have no rows to cut here).  -> the rank's config."""
+    cfg = rank_config(model.config, tp)
+    linears = [model.lm_head, *(m for layer in model.model.layers for m in (
+        layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj))]
+    if tp > 1 and any(type(m) is not Linear for m in linears):
+        raise ValueError("tensor parallelism splits float Linear weights: load the model without quantization "
+                         "to shard it (tensor_parallel_size > 1 with a quantized model is not supported)")
+    return cfg
+
+
 def shard_model(model: Transformer, ctx: ParallelContext) -> Transformer:
     """This rank's share of a loaded ``model``: a ``Transformer`` of ``rank_config`` whose qkv/gate_up are
-    ``ColumnParallelLinear`` and o/down ``RowParallelLinear``; norms, embeddings and LM head shared with ``model``
+    ``ColumnParallelLinear``, o/down ``RowParallelLinear``, embedding and LM head ``VocabParallelEmbedding`` /
+    ``VocabParallelLMHead`` (one shared shard when tied); norms and rotary tables shared with ``model``
     (replicated).  ``model(input_ids, positions)`` on every rank then gives the whole model's logits [B, L, V].
-    ``model`` is left as it was.  ValueError for a ``ctx.world_size`` that does not divide the heads.
+    ``model`` is left as it was.  ValueError for a ``ctx.world_size`` that does not divide the heads, or for
+    weight-quantized linears (the split cuts float ``Linear`` weights).
     """
     full = model.config
-    cfg = rank_config(full, ctx.world_size)
+    cfg = check_shardable(model, ctx.world_size)
     with torch.device("meta"):  # every weight below is assigned: no allocation for the placeholders
         out = Transformer(cfg)
-    shared = {k: v for k, v in model.state_dict(keep_vars=True).items()
-              if not k.endswith(("qkv_proj.weight", "qkv_proj.bias", "o_proj.weight", "gate_up_proj.weight",
-                                 "down_proj.weight"))}
+    split = ("qkv_proj.weight", "qkv_proj.bias", "o_proj.weight", "gate_up_proj.weight", "down_proj.weight",
+             "embed_tokens.weight", "lm_head.weight")
+    shared = {k: v for k, v in model.state_dict(keep_vars=True).items() if not k.endswith(split)}
     out.load_state_dict(shared, strict=False, assign=True)
-    if full.tie_word_embeddings:
-        out.lm_head.weight = out.model.embed_tokens.weight
+    out.model.embed_tokens = VocabParallelEmbedding(model.model.embed_tokens.weight, ctx)
+    out.lm_head = VocabParallelLMHead(out.model.embed_tokens if full.tie_word_embeddings else model.lm_head.weight,
+                                      ctx)
     out.model.rotary_emb = model.model.rotary_emb  # depends on D and RoPE settings only, not on the heads
     for mine, theirs in zip(out.model.layers, model.model.layers, strict=True):
         attn, mlp = mine.self_attn, mine.mlp

@@ -3,8 +3,10 @@
 1. The all-reduce a row-parallel layer does, timed over two gloo processes: [1, hidden] fp32 (one decode token),
    median of many calls; a decoder layer does two.
 2. Decode tok/s of one request at TP=1 (one process, all cores) and TP=2 (two processes, cores split), on a model
-   of the default model's size with random weights.  SmolLM2-135M has 9 query / 3 K/V heads, which 2 does not divide,
-   so the bench uses 8 query / 2 K/V heads of 64 (hidden 576, 30 layers, MLP 1536, vocab 49152 as the default).
+   of the default model's size with random weights — TP=2 twice: SPMD (each rank runs its own engine, no step
+   messages) and through ``TPDriver`` as ``LLM`` runs it (one scheduler; each step's inputs sent once).
+   SmolLM2-135M has 9 query / 3 K/V heads, which 2 does not divide, so the bench uses 8 query / 2 K/V heads of 64
+   (hidden 576, 30 layers, MLP 1536, vocab 49152 as the default).
 3. The cost model's per-layer figures for Llama-2-7B and 70B on an H100 NVLink / PCIe node
    (``distributed/cost_model.py``).
 4. Pipeline parallelism over two processes: the bubble of a micro-batched forward measured at several micro-batch
@@ -73,15 +75,38 @@ def _decode_worker(ctx, model, n_tokens: int, repeats: int) -> float:
     from minillm.config import EngineConfig
     from minillm.distributed.executor import rank_model
     from minillm.engine.llm_engine import LLMEngine
+
+    return _best_decode(LLMEngine(rank_model(ctx, model), None, EngineConfig(max_num_seqs=1, num_kv_blocks=64)),
+                        n_tokens, repeats)
+
+
+def _best_decode(engine, n_tokens: int, repeats: int) -> float:
+    """Best decode tok/s of one request of ``n_tokens`` over ``repeats`` runs after a warm-up run."""
     from minillm.sampling.params import SamplingParams
 
-    engine = LLMEngine(rank_model(ctx, model), None, EngineConfig(max_num_seqs=1, num_kv_blocks=64))
     params = SamplingParams(max_tokens=n_tokens, temperature=0.0, ignore_eos=True)
     best = 0.0
     for _ in range(repeats + 1):  # the first run warms caches and the native kernels' build
         out = engine.generate([PROMPT], params)[0]
         best = max(best, out.metrics.decode_tokens_per_s)
     return best
+
+
+def driver_decode_tok_s(model, n_tokens: int, repeats: int, tp: int = 2, threads: int = 1) -> float:
+    """Best decode tok/s of one request through ``TPDriver`` (what ``LLM(tensor_parallel_size=tp)`` runs): this
+    process is rank 0 and schedules, samples and sends each step (a pipe header and one broadcast) to ``tp − 1``
+    persistent workers; ``threads`` torch threads per rank, this process's own restored afterwards."""
+    from minillm.config import EngineConfig
+    from minillm.distributed.driver import TPDriver
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    driver = TPDriver(model, tp, threads_per_worker=threads)
+    try:
+        return _best_decode(driver.engine(None, EngineConfig(max_num_seqs=1, num_kv_blocks=64)), n_tokens, repeats)
+    finally:
+        driver.shutdown()
+        torch.set_num_threads(before)
 
 
 def _bubble_worker(ctx, model, input_ids, positions, microbatches: list[int], repeats: int, all_logits: bool):
@@ -140,6 +165,9 @@ def bench_tp(n_tokens: int = 32, repeats: int = 2, allreduce_iters: int = 500, s
         print(f"decode, 1 request, TP={tp} ({tp} process(es) × {max(1, cores // tp)} thread(s)): "
               f"{tok_s[tp]:.1f} tok/s")
     print(f"TP=2 / TP=1: {tok_s[2] / tok_s[1]:.2f}×  (a shared machine: other processes compete for the cores)")
+    driver = driver_decode_tok_s(model, n_tokens, repeats, 2, max(1, cores // 2))
+    print(f"decode, 1 request, TP=2 through the driver (this process schedules and sends each step to a persistent "
+          f"worker, as LLM does): {driver:.1f} tok/s, {driver / tok_s[2]:.2f}× the SPMD TP=2 above")
     rows = report()
     for r in rows:
         print("{model:12s} {link:12s} tp={tp} layer: compute {compute_us:7.1f} µs, all-reduces {comm_us:5.1f} µs "
@@ -150,7 +178,7 @@ def bench_tp(n_tokens: int = 32, repeats: int = 2, allreduce_iters: int = 500, s
               "measured stage times {schedule:5.1%} ({wall_ms:.1f} ms)".format(**r))
     result = {"benchmark": "tp", "cores": cores, "config": {k: v for k, v in vars(cfg).items() if k != "rope_scaling"},
               "allreduce_us": ar * 1e6, "allreduce_per_layer_us": 2 * ar * 1e6, "n_tokens": n_tokens,
-              "decode_tok_s": {f"tp{k}": v for k, v in tok_s.items()}, "cost_model": rows,
+              "decode_tok_s": {**{f"tp{k}": v for k, v in tok_s.items()}, "tp2_driver": driver}, "cost_model": rows,
               "pipeline_bubble": bubble}
     if save:
         from minillm.perf.bench.decode import save_results
