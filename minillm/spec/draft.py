@@ -191,9 +191,13 @@ class FusedDrafter:
             self.blocks.free(sid)
         self.held.pop(sid, None)
 
-    def _sweep(self) -> None:
-        """Free the blocks of sequences that were garbage-collected without a ``release`` (aborted, finished in a
-        plain step)."""
+    def sweep(self) -> None:
+        """Free the blocks of sequences that finished or were garbage-collected without a ``release`` (a request
+        that ended in a plain step, an abort); ``propose`` runs it first."""
+        for seq in list(self._ids.keys()):
+            status = getattr(seq, "status", None)
+            if status is not None and status.finished:
+                del self._ids[seq]
         live = set(self._ids.values())
         for sid in [s for s in self.held if s not in live]:
             self._drop(sid)
@@ -202,7 +206,7 @@ class FusedDrafter:
     def propose(self, seqs: Sequence, k: Sequence[int]) -> Proposal:
         """Up to ``k[i]`` tokens per sequence (as ``DraftModelProposer.propose``): one catch-up for every
         drafting sequence, then one fused call per further draft position for all of them."""
-        self._sweep()
+        self.sweep()
         cap = min(self.max_len + 1, self.model.config.max_position_embeddings)  # positions the drafts may take
         jobs, out = [], [None] * len(seqs)
         for i, (seq, ki) in enumerate(zip(seqs, k, strict=True)):
