@@ -11,7 +11,8 @@ catch-up, usually 1–2 tokens: the last accepted draft and the target's correct
   the per-layer Python around an int4 drafter's GEMVs cost as much as 5–8 fp32 target decode steps per draft, which
   made quantized-self drafting slower than plain decode.  A long catch-up (a new sequence's prompt) runs as one
   prefill chunk through the model's own forward over the same pool (GEMMs instead of 32-row GEMV calls).
-- the per-sequence path (anything the fused step cannot run: CUDA, bf16, early exit, a quantized KV cache): a
+  Early exit runs there too, as a ``Transformer`` over the target's first layers (``EarlyExitModel.as_transformer``).
+- the per-sequence path (anything the fused step cannot run: CUDA, bf16, a swapped or parallel module): a
   contiguous ``KVCache`` per sequence, sized for its prompt + max_tokens + γ, and the model's own forward, one
   sequence at a time.
 """
@@ -56,7 +57,8 @@ def draw(logits: Tensor, seq) -> tuple[int, Tensor | None]:
 class DraftModelProposer:
     """``Proposer`` running ``model`` (a ``Transformer`` or ``EarlyExitModel``) as the drafter.
 
-    ``fused``: None runs the ``FusedDrafter`` where it supports the model (else the per-sequence path), True
+    ``fused``: None runs the ``FusedDrafter`` where it supports the model (an ``EarlyExitModel`` through its
+    ``as_transformer()`` view), else the per-sequence path; True
     requires it (ValueError naming why not), False always takes the per-sequence path.  Drafts are sampled from the
     request's filtered distribution q (``probabilities``) with the sequence's own generator — greedy requests take
     the argmax — and q is returned for the rejection rule.
@@ -68,7 +70,8 @@ class DraftModelProposer:
         self.fused: FusedDrafter | None = None
         if fused is not False:
             try:
-                self.fused = FusedDrafter(model, max_len)
+                plain = model.as_transformer() if hasattr(model, "as_transformer") else model  # early exit
+                self.fused = FusedDrafter(plain, max_len)
             except ValueError:
                 if fused:
                     raise

@@ -110,14 +110,26 @@ def sampled_seq(tokens, seed):
 def test_fused_drafter_runs_the_quantized_twin_and_declines_what_it_cannot_run():
     model = default_like()
     assert DraftModelProposer(int4_twin(model), 128).fused is not None
-    ee = DraftModelProposer(EarlyExitModel(model, 2), 128)  # not a plain Transformer: the per-sequence path
-    assert ee.fused is None
-    try:
-        DraftModelProposer(EarlyExitModel(model, 2), 128, fused=True)
-    except ValueError as e:
-        assert "not a minillm Transformer" in str(e)
-    else:
-        raise AssertionError("fused=True must refuse a model the fused step cannot run")
+    reference = copy.deepcopy(model).set_kernels("torch")  # no native code: the per-sequence path
+    assert DraftModelProposer(reference, 128).fused is None
+    with pytest.raises(ValueError, match="kernels are 'torch'"):
+        DraftModelProposer(reference, 128, fused=True)
+
+
+def test_early_exit_drafts_on_the_fused_step_over_the_targets_first_layers():
+    model = default_like(layers=3, vocab=256)
+    proposer = DraftModelProposer(EarlyExitModel(model, 2), 128)
+    assert proposer.fused is not None
+    view = proposer.fused.model
+    assert len(view.model.layers) == 2 and view.model.layers[1] is model.model.layers[1]  # shared, not copied
+    assert not any(p is q for p in view.parameters() for q in model.model.layers[2].parameters())
+    truncated = copy.deepcopy(model)
+    truncated.model.layers = truncated.model.layers[:2]
+    seqs = [fake_seq(p) for p in prompts_of([6, 18], 256, seed=2)]
+    tokens = proposer.propose(seqs, [3, 2]).tokens
+    assert tokens == [greedy_continuation(truncated, s.token_ids, k) for s, k in zip(seqs, [3, 2], strict=True)]
+    model.set_kernels("torch")  # the view follows the target's kernel choice
+    assert view.kernels == "torch"
 
 
 @pytest.mark.parametrize("weights,lengths", [("fp32", [5, 23, 11]), ("int4", [3, 20, 4])])
