@@ -65,15 +65,31 @@ class ModelRunner:
         if self.graphs is None or not out.scheduled or any(s.num_tokens != 1 for s in out.scheduled) \
                 or len(out.scheduled) + out.num_padding > max(self.graphs.buckets, default=0):
             return None
+        return self._rows(out)
+
+    def fused_rows(self, out: SchedulerOutput) -> DecodeBatch | None:
+        """Every scheduled token as one row (a chunk of n tokens of one sequence is n rows, each attending to the
+        positions before it) when the fused native step can run them all in one call: it is this runner's decode
+        path and the rows fit its bucket.  Speculative verification feeds [last, drafts] chunks through it, so the
+        verify pass costs about one decode step.  Else None."""
+        g = self.graphs
+        if not isinstance(g, NativeDecodeRunner) or not out.scheduled or out.num_tokens > max(g.buckets, default=0):
+            return None
+        return self._rows(out)
+
+    def _rows(self, out: SchedulerOutput) -> DecodeBatch:
+        """The scheduled chunks' tokens, in packing order, as rows: id, position, slot, block table (the blocks up
+        to the chunk's end) and context length (position + 1)."""
         bm, bs = self.block_manager, self.kv.block_size
         ids, positions, slots, tables, lens = [], [], [], [], []
         for s in out.scheduled:
-            end = s.start + 1
-            ids.append(s.seq.token_ids[s.start])
-            positions.append(s.start)
+            end = s.start + s.num_tokens
+            ids += s.seq.token_ids[s.start : end]
+            positions += range(s.start, end)
             slots += bm.slot_mapping(s.seq.seq_id, s.start, end)
-            tables.append(bm.block_table(s.seq.seq_id)[: -(-end // bs)])
-            lens.append(end)
+            table = bm.block_table(s.seq.seq_id)[: -(-end // bs)]
+            tables += [table] * s.num_tokens
+            lens += range(s.start + 1, end + 1)
         return DecodeBatch(ids, positions, slots, tables, lens)
 
     def prepare(self, out: SchedulerOutput) -> tuple[Tensor, Tensor, AttentionMetadata, Tensor]:

@@ -11,6 +11,10 @@ the last.  Committing one token at a time through the scheduler's own ``postproc
 detokenizer — so a run can never emit past them, and ``mark_computed`` only ever covers committed tokens, so the
 prefix cache never hashes a draft.  The drafts are in ``seq.token_ids`` only while the batch is packed.
 
+On CPU, when every other chunk of the step is a one-token decode and the rows fit, the whole step runs through the
+fused native decode step (``kernels/cpu/fused.py``, ``ModelRunner.fused_rows``): a row per token, each attending to
+the positions before it, so verifying γ drafts costs about one decode step (the weights are read once for all rows).
+
 Which sequences speculate: single-sample chunks that end at the sequence's last token (decodes; not a parent about
 to fork), with γ cut so that prompt + output never passes max_tokens or the context, the step's token budget
 holds, and free blocks suffice without preempting anyone (else the sequence decodes plainly this step).  If the
@@ -122,23 +126,31 @@ class SpecDecoder:
             s.seq.token_ids.extend(d)  # tentative: only while the batch is packed
             packed.scheduled[i] = ScheduledSeq(s.seq, s.start, 1 + len(d))
         try:
-            input_ids, positions, meta, _ = runner.prepare(packed)
+            # every row at once through the fused native step when it can take them (CPU: the verify pass costs
+            # about one decode step, not a layer-by-layer prefill-path forward); else the packed forward
+            decode_like = all(s.num_tokens == 1 for i, s in enumerate(packed.scheduled) if i not in spec)
+            rows = runner.fused_rows(packed) if decode_like else None
+            prepared = runner.prepare(packed) if rows is None else None
         finally:
             for i, (d, _) in spec.items():
                 del out.scheduled[i].seq.token_ids[-len(d):]
+        keep, spans, plain_rows, row = [], {}, [], 0  # the rows whose logits are used, in the packing order
+        for i, s in enumerate(packed.scheduled):
+            row += s.num_tokens
+            if i in spec:
+                spans[i] = (len(keep), len(keep) + s.num_tokens)
+                keep += range(row - s.num_tokens, row)  # every row of the chunk: p_1 .. p_{k+1}
+            elif s.samples:
+                plain_rows.append(row - 1)
         with torch.inference_mode():
-            cache = PagedAttention(runner.kv, meta, runner.model.kernel_ops())
-            hidden = runner.model.hidden_states(input_ids, positions, cache)[0]  # (T, hidden)
-            rows, spans, plain_rows, row = [], {}, [], 0
-            for i, s in enumerate(packed.scheduled):
-                row += s.num_tokens
-                if i in spec:
-                    spans[i] = (len(rows), len(rows) + s.num_tokens)
-                    rows += range(row - s.num_tokens, row)  # every row of the chunk: p_1 .. p_{k+1}
-                elif s.samples:
-                    plain_rows.append(row - 1)
-            logits = runner.model.compute_logits(hidden[rows + plain_rows]).float()  # (R, V)
-        return {i: logits[a:b] for i, (a, b) in spans.items()}, logits[len(rows):]
+            if rows is not None:  # every real row through the head in the same call (pad rows: never sampled)
+                logits = runner.graphs.logits(rows)[keep + plain_rows].float()  # (R, V)
+            else:
+                input_ids, positions, meta, _ = prepared
+                cache = PagedAttention(runner.kv, meta, runner.model.kernel_ops())
+                hidden = runner.model.hidden_states(input_ids, positions, cache)[0]  # (T, hidden)
+                logits = runner.model.compute_logits(hidden[keep + plain_rows]).float()  # (R, V)
+        return {i: logits[a:b] for i, (a, b) in spans.items()}, logits[len(keep):]
 
     @staticmethod
     def _sample_plain(plain: list[ScheduledSeq], logits: Tensor) -> list[list[int]]:

@@ -95,16 +95,30 @@ def test_fused_hidden_states_match_the_torch_reference_in_fp32(name):
 
 
 @pytest.mark.parametrize("scheme", ["int8", "int4"])
-def test_quantized_rows_past_the_int8_activation_limit_match_the_reference_gemm(scheme):
-    """Past quant.MAX_ROWS rows the per-layer path dequantizes and calls F.linear; the fused step runs the exact
-    native kernel there (same sums, fp32 order), never the int8-activation rounding."""
-    from minillm.kernels.cpu import quant
-
+def test_a_quantized_rows_result_does_not_depend_on_the_rows_beside_it(scheme):
+    """Quantized linears take the int8-activation kernels at every row count (each row rounded and summed on its
+    own), LM head included: 12 rows in one call give each row's logits exactly as 12 one-row calls do — what keeps
+    speculative verification's γ + 1 rows equal to plain decode steps."""
     model = make_model("gqa-d64", scheme)
-    kv_ref, kv_fused = filled_caches(model, 5)
-    batch = random_rows([3 + i for i in range(quant.MAX_ROWS + 4)], 6)
-    got = fused.NativeDecodeRunner(model, kv_fused).hidden(batch)
-    torch.testing.assert_close(got, per_layer_hidden(model, kv_ref, batch))
+    kv_all, kv_one = filled_caches(model, 5)
+    batch = random_rows([3 + i for i in range(12)], 6)
+    together = fused.NativeDecodeRunner(model, kv_all).logits(batch)
+    runner = fused.NativeDecodeRunner(model, kv_one)
+    alone = torch.cat([runner.logits(DecodeBatch(*([f[i]] for f in (batch.input_ids, batch.positions,
+                                                                      batch.slot_mapping, batch.block_tables,
+                                                                      batch.seq_lens))))
+                       for i in range(len(batch))])
+    assert torch.equal(together, alone)
+
+
+@pytest.mark.parametrize("scheme", ["fp32", "int8", "int4"])
+def test_the_lm_head_in_the_same_call_gives_the_models_logits(scheme):
+    model = make_model("mqa-d32-bias", scheme)
+    kv_ref, kv_fused = filled_caches(model, 8)
+    batch = random_rows([2, 6, 11], 9)
+    with torch.inference_mode():
+        want = model.compute_logits(per_layer_hidden(model, kv_ref, batch))
+    assert torch.equal(fused.NativeDecodeRunner(model, kv_fused).logits(batch), want)
 
 
 def test_rows_of_one_sequence_attend_causally_as_a_prefill_chunk_does():
@@ -227,3 +241,23 @@ def test_the_library_is_rebuilt_when_an_included_source_changes(tmp_path, monkey
     before = fused._source_digest()
     (tmp_path / "quant.c").write_text((tmp_path / "quant.c").read_text() + "\n/* a faster GEMV */\n")
     assert fused._source_digest() != before
+
+
+# ------------------------------------------------------------------------------------------ speculative verification
+@pytest.mark.parametrize("scheme", ["fp32", "int4"])
+def test_speculative_verification_runs_fused_and_keeps_the_greedy_tokens(scheme, monkeypatch):
+    """ngram drafts verified as γ + 1 rows of one sequence in one fused call: output equal to plain decoding."""
+    model = make_model("gqa-d64", scheme)
+    rng = random.Random(3)
+    pattern = [rng.randrange(97) for _ in range(4)]
+    prompts = [(pattern * 6)[:19], [rng.randrange(97) for _ in range(9)], (pattern * 5)[:13]]
+    want, _ = greedy(model, prompts, [22, 20, 24])
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    seen = []
+    run = fused.NativeDecodeRunner.run_rows
+    monkeypatch.setattr(fused.NativeDecodeRunner, "run_rows", lambda self, b, **k: seen.append(b) or run(self, b, **k))
+    got, eng = greedy(model, prompts, [22, 20, 24], speculative_config=spec)
+    assert got == want and eng.spec_stats.draft_tokens > 0
+    # some call verified drafts: consecutive positions of one sequence (same table) as rows of one call
+    assert any(b.block_tables[i] == b.block_tables[i + 1] and b.positions[i + 1] == b.positions[i] + 1
+               for b in seen for i in range(len(b) - 1))

@@ -16,7 +16,7 @@ def llm():
 def test_profile_decode_counts_ops_per_decode_token_and_splits_the_time_that_it_measured(llm, path):
     report = profile_decode(llm, path, n_tokens=4, prompt_len=8, repeats=1, top=5)
     assert report.n_tokens == 3  # the first token carries the prefill and is left out
-    assert report.aten_ops_per_token > llm.model.config.num_layers  # at least one op per layer
+    assert report.aten_ops_per_token >= 1  # (the fused CPU decode step runs every layer in one native call)
     assert len(report.top_ops) == 5 and all(name.startswith("aten::") for name, _ in report.top_ops)
     assert report.split_ms["forward"] > 0
     assert sum(report.split_ms.values()) == pytest.approx(report.ms_per_token)

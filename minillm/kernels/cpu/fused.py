@@ -85,7 +85,7 @@ def _lib() -> ctypes.CDLL | None:
     lib.decode_scratch_floats.argtypes = [i64] * 6
     lib.decode_scratch_floats.restype = i64
     lib.decode_stack.argtypes = [ctypes.POINTER(_Layer), i64, vp, vp, vp, vp, p64, p64, p32, p32] + [i64] * 8 \
-        + [ctypes.c_float, ctypes.c_float, i64, vp, vp]
+        + [ctypes.c_float, ctypes.c_float, ctypes.POINTER(_Linear), vp, vp, vp]
     lib.decode_stack.restype = None
     return lib
 
@@ -167,9 +167,12 @@ def _linears(layer) -> list[tuple[str, object]]:
             ("down_proj", m.down_proj)]
 
 
-def _main_tensor(lin) -> Tensor:
-    """The tensor whose address identifies a linear's weight (what a move or a swap replaces)."""
-    return lin.weight if hasattr(lin, "weight") and isinstance(lin.weight, Tensor) else next(iter(lin.buffers()))
+def _address(lin) -> int:
+    """The address of a linear's weight (what a move or a swap replaces); the module's id for other modules."""
+    if isinstance(getattr(lin, "weight", None), Tensor):
+        return lin.weight.data_ptr()
+    pw = getattr(lin, "packed_weight", None)
+    return id(lin) if pw is None else (pw.packed if hasattr(pw, "packed") else pw.qweight).data_ptr()
 
 
 def _linear_struct(lin, keep: list[Tensor]) -> _Linear:
@@ -230,10 +233,11 @@ class NativeDecodeRunner:
         """Addresses that change when the model's tensors are moved or its modules swapped: the final norm, the
         first and last layers' norms and linears, the KV cache (a cheap check per call, not every layer)."""
         body = self.model.model
-        ptrs = [body.norm.weight.data_ptr(), self.kv.k.data_ptr(), self.kv.v.data_ptr()]
+        ptrs = [body.norm.weight.data_ptr(), self.kv.k.data_ptr(), self.kv.v.data_ptr(),
+                _address(self.model.lm_head), id(self.model.lm_head)]
         for layer in (body.layers[0], body.layers[-1]) if len(body.layers) else ():
             ptrs += [layer.input_layernorm.weight.data_ptr(), layer.post_attention_layernorm.weight.data_ptr()]
-            ptrs += [_main_tensor(lin).data_ptr() for _, lin in _linears(layer)]
+            ptrs += [_address(lin) for _, lin in _linears(layer)]
         return (len(body.layers), *ptrs)
 
     def _build(self) -> None:
@@ -248,6 +252,10 @@ class NativeDecodeRunner:
             layers[i] = _Layer(norms[0].data_ptr(), norms[1].data_ptr(), *lins,
                                self.kv.layer_k[i].data_ptr(), self.kv.layer_v[i].data_ptr())
         final = body.norm.weight.detach().contiguous()
+        # the LM head too when it is a linear the table can hold (else decode() runs the model's module)
+        head = self.model.lm_head
+        self._head = ctypes.pointer(_linear_struct(head, keep)) if _linear_kind(head) is not None else None
+        self._vocab = self.model.config.vocab_size
         self._layers, self._keep, self._final = layers, keep + [self.kv.k, self.kv.v], final
         self._eps, self._scale = float(body.norm.eps), self.model.config.head_dim**-0.5
         self._probed = self._probe()
@@ -267,6 +275,23 @@ class NativeDecodeRunner:
         """Rows (``DecodeBatch``: token ids, positions, KV slots, block tables, context lengths; B ≤ max_rows) ->
         final-normed hidden states [B, hidden] (fresh).  Writes each row's K/V to its slot, then row i attends to
         the first ``seq_lens[i]`` positions of its table: consecutive rows of one sequence are causal."""
+        return self.run_rows(batch, with_head=False)[0]
+
+    @torch.inference_mode()
+    def logits(self, batch) -> Tensor:
+        """``hidden``'s rows through the LM head as well -> logits [B, V] (fresh), in the same call when the head is
+        an fp32 or int8/int4 linear (the usual case), else by the model's own module."""
+        hidden, logits = self.run_rows(batch, with_head=self._head is not None)
+        return logits if logits is not None else self.model.compute_logits(hidden)
+
+    def decode(self, batch, num_padding: int = 0) -> Tensor:
+        """One decode step -> logits [B, V] of the batch's rows (``logits``).  ``num_padding`` rows (a static
+        batch's finished members) are not computed: the caller drops their logits anyway."""
+        return self.logits(batch)
+
+    def run_rows(self, batch, with_head: bool) -> tuple[Tensor, Tensor | None]:
+        """The one native call: rows -> (hidden [B, hidden], logits [B, V] when ``with_head`` else None).  Only the
+        embedding lookup runs in Python (``perf.profile`` times this as the step's forward)."""
         B = len(batch)
         if not 1 <= B <= self.max_rows:
             raise ValueError(f"the fused decode step takes 1..{self.max_rows} rows, got {B}")
@@ -277,18 +302,14 @@ class NativeDecodeRunner:
         W = max(len(t) for t in batch.block_tables)
         flat = [b for t in batch.block_tables for b in (*t, *[0] * (W - len(t)))]  # (B, W), padded with block 0
         x = self.model.model.embed_tokens(torch.tensor(batch.input_ids)).contiguous()  # (B, hidden)
-        out = torch.empty(B, self._dims[0])
         H, Hq, Hkv, D, F = self._dims
+        out = torch.empty(B, H)
+        lg = torch.empty(B, self._vocab) if with_head else None
         _lib().decode_stack(self._layers, len(self.model.model.layers), x.data_ptr(), self._final.data_ptr(),
                             self._cos.data_ptr(), self._sin.data_ptr(), (ctypes.c_int64 * B)(*batch.positions),
                             (ctypes.c_int64 * B)(*batch.slot_mapping), (ctypes.c_int32 * (B * W))(*flat),
                             (ctypes.c_int32 * B)(*batch.seq_lens), B, W, H, Hq, Hkv, D, F, self.kv.block_size,
-                            self._eps, self._scale, native_quant.MAX_ROWS, self._scratch.data_ptr(), out.data_ptr())
+                            self._eps, self._scale, self._head if with_head else None, self._scratch.data_ptr(),
+                            out.data_ptr(), None if lg is None else lg.data_ptr())
         self.calls += 1
-        return out
-
-    @torch.inference_mode()
-    def decode(self, batch, num_padding: int = 0) -> Tensor:
-        """One decode step -> logits [B, V] of the batch's rows (fresh), the LM head run by the model's own module.
-        ``num_padding`` rows (a static batch's finished members) are not computed: the caller drops their logits."""
-        return self.model.compute_logits(self.hidden(batch))
+        return out, lg

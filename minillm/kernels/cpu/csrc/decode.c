@@ -35,22 +35,22 @@ typedef struct {
     float *k_cache, *v_cache;
 } layer_t;
 
-/* The per-layer native path's choices, made per call as kernels/select.py makes them: quantized weights use the
- * int8-activation kernels up to q8_rows rows (quant.py's MAX_ROWS) and the exact ones past that (where the per-layer
- * path runs the dequantizing reference: the same sums up to fp32 order); int8 shapes not in blocks of 32 are exact. */
-static void linear_run(const linear_t *l, const float *x, float *y, int64_t M, int64_t q8_rows) {
-    const int exact = M > q8_rows;
+/* Quantized weights always take the int8-activation kernels (kernels/select.py's choice for decode rows), for any
+ * M: those kernels quantize each row of x on its own and sum each row in the same order whatever M is, so a row's
+ * result does not depend on the rows beside it — speculative verification (γ + 1 rows) then gives exactly the
+ * logits plain one-row decode steps give, and greedy output is the same with and without speculation.  (The
+ * per-layer path switches to the dequantizing reference past quant.py's MAX_ROWS = 8 rows, a different rounding.)
+ * int8 shapes not in blocks of 32 run exact, as there. */
+static void linear_run(const linear_t *l, const float *x, float *y, int64_t M) {
     if (l->kind == LIN_F32) {
         gemv_f32((const float *)l->w, x, l->bias, y, M, l->N, l->K);
         return;
     }
     if (l->kind == LIN_INT8) {
-        if (exact || l->K % QB || l->G % QB)
+        if (l->K % QB || l->G % QB)
             q8_gemm((const int8_t *)l->w, l->scales, (int)l->scale_f16, x, 0, y, M, l->N, l->K, l->G);
         else
             q8_gemm_q8((const int8_t *)l->w, l->scales, (int)l->scale_f16, x, 0, y, M, l->N, l->K, l->G);
-    } else if (exact) {
-        q4_gemm((const uint8_t *)l->w, l->scales, l->mins, (int)l->scale_f16, x, 0, y, M, l->N, l->K, l->G);
     } else {
         q4_gemm_q8((const uint8_t *)l->w, l->scales, l->mins, (int)l->scale_f16, x, 0, y, M, l->N, l->K, l->G);
     }
@@ -65,7 +65,8 @@ int64_t decode_scratch_floats(int64_t M, int64_t hidden, int64_t Hq, int64_t Hkv
 }
 
 /* The decoder stack for M rows: x [M, hidden] (the token embeddings) -> out [M, hidden], the final-normed hidden
- * states.  cos_tab / sin_tab [P, D]: RoPE's tables for positions 0..P-1 (rows picked by positions [M]); slots [M]
+ * states, and when head is not NULL the LM head's logits [M, V] = out @ head^T (the head stays with the rest: a
+ * Python call would pick another kernel past 8 rows and cost its own dispatch).  cos_tab / sin_tab [P, D]: RoPE's tables for positions 0..P-1 (rows picked by positions [M]); slots [M]
  * int64 flat KV slots; tables [M, W] int32 block tables; lens [M] int32 context lengths.  eps: every RMSNorm's;
  * scale: attention's softmax scale.  scratch: decode_scratch_floats(M, ...) floats.  Per layer, as
  * models/llama.py DecoderLayer: (add +) RMSNorm, qkv, RoPE on q and k, K/V to their slots, paged attention,
@@ -73,8 +74,8 @@ int64_t decode_scratch_floats(int64_t M, int64_t hidden, int64_t Hq, int64_t Hkv
 void decode_stack(const layer_t *layers, int64_t n_layers, const float *x, const float *final_norm,
                   const float *cos_tab, const float *sin_tab, const int64_t *positions, const int64_t *slots,
                   const int32_t *tables, const int32_t *lens, int64_t M, int64_t W, int64_t hidden, int64_t Hq,
-                  int64_t Hkv, int64_t D, int64_t F, int64_t block_size, float eps, float scale, int64_t q8_rows,
-                  float *scratch, float *out) {
+                  int64_t Hkv, int64_t D, int64_t F, int64_t block_size, float eps, float scale,
+                  const linear_t *head, float *scratch, float *out, float *logits) {
     const int64_t nqk = (Hq + Hkv) * D, nqkv = (Hq + 2 * Hkv) * D;
     float *res_a = scratch, *res_b = res_a + M * hidden, *h = res_b + M * hidden, *mo = h + M * hidden;
     float *qkv = mo + M * hidden, *qk = qkv + M * nqkv, *att = qk + M * nqk, *gu = att + M * Hq * D;
@@ -85,6 +86,7 @@ void decode_stack(const layer_t *layers, int64_t n_layers, const float *x, const
     }
     if (n_layers == 0) {
         rms_norm_f32(x, final_norm, out, M, hidden, eps);
+        if (head) linear_run(head, out, logits, M);
         return;
     }
     /* the residual stream ping-pongs between two buffers: add_rms_norm's output may not alias its inputs */
@@ -99,19 +101,20 @@ void decode_stack(const layer_t *layers, int64_t n_layers, const float *x, const
             res = spare;
             spare = spare == res_a ? res_b : res_a;
         }
-        linear_run(&L->qkv, h, qkv, M, q8_rows); /* (M, (H_q + 2 H_kv) D) */
+        linear_run(&L->qkv, h, qkv, M); /* (M, (H_q + 2 H_kv) D) */
         rope_f32(qkv, cs, sn, qk, M, Hq + Hkv, D, nqkv); /* q and k rotated: (M, H_q + H_kv, D) */
         write_kv((const char *)(qk + Hq * D), (const char *)(qkv + nqk), (char *)L->k_cache, (char *)L->v_cache,
                  slots, M, Hkv * D, nqk, nqkv, sizeof(float));
         paged_decode_attention_f32(qk, L->k_cache, L->v_cache, tables, lens, att, M, Hq, Hkv, D, block_size, W,
                                    scale, nqk, D); /* (M, H_q, D) */
-        linear_run(&L->o, att, mo, M, q8_rows);
+        linear_run(&L->o, att, mo, M);
         add_rms_norm_f32(mo, res, L->post_norm, h, spare, M, hidden, eps);
         res = spare;
         spare = spare == res_a ? res_b : res_a;
-        linear_run(&L->gate_up, h, gu, M, q8_rows); /* (M, 2F) */
+        linear_run(&L->gate_up, h, gu, M); /* (M, 2F) */
         silu_mul_f32(gu, act, M, F);
-        linear_run(&L->down, act, mo, M, q8_rows);
+        linear_run(&L->down, act, mo, M);
     }
     add_rms_norm_f32(mo, res, final_norm, out, spare, M, hidden, eps);
+    if (head) linear_run(head, out, logits, M); /* (M, V) */
 }
