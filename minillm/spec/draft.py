@@ -253,7 +253,7 @@ class FusedDrafter:
                 return
             for job in fed:  # the draft just drawn is fed to draw the next one
                 self._reserve(job.sid, [job.drafts[-1]])
-            logits = self._logits(self._fused([(j.sid, [j.drafts[-1]], len(self.held[j.sid]) - 1) for j in fed]))
+            logits = self._fused([(j.sid, [j.drafts[-1]], len(self.held[j.sid]) - 1) for j in fed])
             active = fed
 
     def _rollback(self, sid: int, ids: Sequence[int]) -> tuple[int, list[int], int]:
@@ -310,18 +310,18 @@ class FusedDrafter:
         Short feeds share fused calls; long ones (new prompts) prefill together through the model's forward."""
         short = [i for i, f in enumerate(feeds) if len(f[1]) <= LONG_FEED]
         long = [i for i, f in enumerate(feeds) if len(f[1]) > LONG_FEED]
-        hidden = torch.empty(len(feeds), self.model.config.hidden_size)
+        logits = torch.empty(len(feeds), self.model.config.vocab_size)
         if short:
-            rows = self._fused([feeds[i] for i in short], every_row=True)
+            rows = self._fused([feeds[i] for i in short])  # every row's logits: a catch-up is 1-2 rows each
             ends = list(itertools.accumulate(len(feeds[i][1]) for i in short))
-            hidden[short] = rows[[e - 1 for e in ends]]
+            logits[short] = rows[[e - 1 for e in ends]]
         if long:
-            hidden[long] = self._prefill([feeds[i] for i in long])
-        return self._logits(hidden)
+            logits[long] = self._logits(self._prefill([feeds[i] for i in long]))
+        return logits
 
-    def _fused(self, feeds: list[tuple[int, list[int], int]], every_row: bool = False) -> Tensor:
+    def _fused(self, feeds: list[tuple[int, list[int], int]]) -> Tensor:
         """Feeds as decode rows (row r of a sequence at position start + r attends to start + r + 1 keys), in calls
-        of at most ``runner.max_rows`` rows -> final-normed hidden [rows, hidden] (every row; the caller picks)."""
+        of at most ``runner.max_rows`` rows, the LM head in the same call -> fp32 logits [rows, V]."""
         from minillm.engine.cuda_graph import DecodeBatch
 
         rows = []
@@ -332,10 +332,10 @@ class FusedDrafter:
         out = []
         for a in range(0, len(rows), self.runner.max_rows):
             chunk = rows[a : a + self.runner.max_rows]
-            out.append(self.runner.hidden(DecodeBatch([r[0] for r in chunk], [r[1] for r in chunk],
+            out.append(self.runner.logits(DecodeBatch([r[0] for r in chunk], [r[1] for r in chunk],
                                                       [r[2] for r in chunk], [r[3] for r in chunk],
                                                       [r[1] + 1 for r in chunk])))
-        return torch.cat(out)
+        return torch.cat(out).float()
 
     def _prefill(self, feeds: list[tuple[int, list[int], int]]) -> Tensor:
         """Feeds as prefill chunks of one packed forward of the model over the pool -> hidden [len(feeds), hidden]

@@ -136,9 +136,9 @@ def test_early_exit_drafts_on_the_fused_step_over_the_targets_first_layers():
 def test_fused_drafts_equal_per_sequence_drafts_through_rejections_at_batch_three(weights, lengths):
     """Each round accepts a different prefix of each sequence's drafts and appends a correction, so the pool rolls
     back and catches up one or two rows per sequence; the 20+ token prompts take the prefill catch-up.  int4 prompt
-    lengths keep every call on the same side of the int8-activation cut (quant.MAX_ROWS = 8 rows) in both paths:
-    the per-layer path quantizes a 5-row call's activations to int8 but not a 16-row call's, and that rounding
-    alone flips a random model's near-tied argmax."""
+    lengths keep every call on the int8-activation side in both paths: the fused step quantizes activations to int8
+    at any row count, the per-layer path only up to quant.MAX_ROWS = 8 rows (an 11-row catch-up runs exact), and
+    that rounding alone flips a random model's near-tied argmax."""
     draft = default_like() if weights == "fp32" else int4_twin(default_like())
     fused, plain = DraftModelProposer(draft, 128), DraftModelProposer(draft, 128, fused=False)
     assert fused.fused is not None and plain.fused is None
