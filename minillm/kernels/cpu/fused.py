@@ -16,8 +16,10 @@ What it runs (``unsupported_reason`` says why not, and the engine then keeps the
 of the plain Llama modules on CPU in fp32 whose kernel choice allows native code ("auto"/"native"), no sliding
 window, every linear fp32 (``Linear``) or int8 / Q4_1 int4 (``QuantLinear``), an fp32 ``PagedKVCache`` (not a
 quantized one), and the native libraries built here.  The C table holds raw pointers: if the model's tensors are
-replaced afterwards (``.to()``, ``quantize_model``, a module swap), ``hidden`` notices (one pointer per linear and
-norm compared, ~30 µs) and rebuilds the table, or raises when the model is no longer one it can run.
+replaced afterwards (``.to()``, ``quantize_model``, a module swap), the next call notices (the ids and first
+tensors' addresses of the final norm, the LM head and the first and last layers' modules are compared each call:
+~20 attribute reads, a few µs — a swap of a middle layer alone is not seen) and rebuilds the table, or raises when
+the model is no longer one it can run.
 """
 
 from __future__ import annotations
@@ -167,12 +169,25 @@ def _linears(layer) -> list[tuple[str, object]]:
             ("down_proj", m.down_proj)]
 
 
-def _address(lin) -> int:
-    """The address of a linear's weight (what a move or a swap replaces); the module's id for other modules."""
-    if isinstance(getattr(lin, "weight", None), Tensor):
-        return lin.weight.data_ptr()
-    pw = getattr(lin, "packed_weight", None)
-    return id(lin) if pw is None else (pw.packed if hasattr(pw, "packed") else pw.qweight).data_ptr()
+def _watch_list(model) -> list[tuple[object, str]]:
+    """(parent module, attribute) pairs whose value a swap replaces and whose tensors a move re-allocates: the final
+    norm, the LM head, the first and last layers' norms and linears."""
+    body = model.model
+    n = len(body.layers)
+    out = [(model, "model"), (body, "norm"), (model, "lm_head"), (body, "layers")]
+    out += [(body.layers, str(i)) for i in sorted({0, n - 1}) if n]
+    for layer in (body.layers[0], body.layers[-1]) if n else ():
+        out += [(layer, "input_layernorm"), (layer, "post_attention_layernorm"), (layer.self_attn, "qkv_proj"),
+                (layer.self_attn, "o_proj"), (layer.mlp, "gate_up_proj"), (layer.mlp, "down_proj")]
+    return out
+
+
+def _first_tensor(module) -> Tensor | None:
+    """The tensor whose address identifies a module's weight (its weight, or a packed linear's codes)."""
+    w = module._parameters.get("weight")
+    if w is None:
+        w = next(iter(module._buffers.values()), None)  # QuantLinear: packed / qweight first
+    return w
 
 
 def _linear_struct(lin, keep: list[Tensor]) -> _Linear:
@@ -230,15 +245,12 @@ class NativeDecodeRunner:
         self._cos, self._sin = cos[0, :, 0].contiguous(), sin[0, :, 0].contiguous()
 
     def _probe(self) -> tuple[int, ...]:
-        """Addresses that change when the model's tensors are moved or its modules swapped: the final norm, the
-        first and last layers' norms and linears, the KV cache (a cheap check per call, not every layer)."""
-        body = self.model.model
-        ptrs = [body.norm.weight.data_ptr(), self.kv.k.data_ptr(), self.kv.v.data_ptr(),
-                _address(self.model.lm_head), id(self.model.lm_head)]
-        for layer in (body.layers[0], body.layers[-1]) if len(body.layers) else ():
-            ptrs += [layer.input_layernorm.weight.data_ptr(), layer.post_attention_layernorm.weight.data_ptr()]
-            ptrs += [_address(lin) for _, lin in _linears(layer)]
-        return (len(body.layers), *ptrs)
+        """Addresses that change when the model's tensors are moved or its modules swapped (a check per call of
+        ~18 attribute reads, not every layer): the watched modules' ids and first tensors, the layer count, the KV
+        cache."""
+        ids = [id(getattr(parent, name)) for parent, name in self._watch]
+        ptrs = [t.data_ptr() for t in self._watched_tensors]
+        return (len(self.model.model.layers), self.kv.k.data_ptr(), self.kv.v.data_ptr(), *ids, *ptrs)
 
     def _build(self) -> None:
         """The C layer table, pointing at the model's tensors as they are now (kept alive in ``_keep``)."""
@@ -255,9 +267,11 @@ class NativeDecodeRunner:
         # the LM head too when it is a linear the table can hold (else decode() runs the model's module)
         head = self.model.lm_head
         self._head = ctypes.pointer(_linear_struct(head, keep)) if _linear_kind(head) is not None else None
-        self._vocab = self.model.config.vocab_size
+        self._vocab = self._head.contents.N if self._head is not None else 0
         self._layers, self._keep, self._final = layers, keep + [self.kv.k, self.kv.v], final
         self._eps, self._scale = float(body.norm.eps), self.model.config.head_dim**-0.5
+        self._watch = _watch_list(self.model)
+        self._watched_tensors = [t for t in (_first_tensor(getattr(p, n)) for p, n in self._watch) if t is not None]
         self._probed = self._probe()
 
     def _refresh(self) -> None:
@@ -270,7 +284,6 @@ class NativeDecodeRunner:
                                f"{reason}; build the engine again")
         self._build()
 
-    @torch.inference_mode()
     def hidden(self, batch) -> Tensor:
         """Rows (``DecodeBatch``: token ids, positions, KV slots, block tables, context lengths; B ≤ max_rows) ->
         final-normed hidden states [B, hidden] (fresh).  Writes each row's K/V to its slot, then row i attends to
@@ -289,12 +302,17 @@ class NativeDecodeRunner:
         batch's finished members) are not computed: the caller drops their logits anyway."""
         return self.logits(batch)
 
+    @torch.inference_mode()
     def run_rows(self, batch, with_head: bool) -> tuple[Tensor, Tensor | None]:
         """The one native call: rows -> (hidden [B, hidden], logits [B, V] when ``with_head`` else None).  Only the
-        embedding lookup runs in Python (``perf.profile`` times this as the step's forward)."""
+        embedding lookup runs in Python (``perf.profile`` times this as the step's forward).  As for the per-layer
+        native kernels, the caller guarantees valid slots, tables and lengths (the engine's block manager does):
+        checking them would cost what this call saves."""
         B = len(batch)
         if not 1 <= B <= self.max_rows:
             raise ValueError(f"the fused decode step takes 1..{self.max_rows} rows, got {B}")
+        if min(batch.positions) < 0:
+            raise ValueError(f"positions must be >= 0, got {batch.positions}")
         self._refresh()
         top = max(batch.positions)
         if top >= self._cos.shape[0]:
