@@ -10,7 +10,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from minillm import ModelConfig, SamplingParams
 from minillm.models.loader import build_model
-from minillm.spec.draft import DraftModelProposer
+from minillm.spec.draft import LONG_FEED, DraftModelProposer
 from minillm.spec.early_exit import EarlyExitModel
 from minillm.spec.ngram import NgramProposer, ngram_lookup
 
@@ -132,13 +132,14 @@ def test_early_exit_drafts_on_the_fused_step_over_the_targets_first_layers():
     assert view.kernels == "torch"
 
 
-@pytest.mark.parametrize("weights,lengths", [("fp32", [5, 23, 11]), ("int4", [3, 20, 4])])
+@pytest.mark.parametrize("weights,lengths", [("fp32", [5, 70, 11]), ("int4", [3, 70, 4])])
 def test_fused_drafts_equal_per_sequence_drafts_through_rejections_at_batch_three(weights, lengths):
     """Each round accepts a different prefix of each sequence's drafts and appends a correction, so the pool rolls
-    back and catches up one or two rows per sequence; the 20+ token prompts take the prefill catch-up.  int4 prompt
+    back and catches up one or two rows per sequence; the 70-token prompts take the prefill catch-up.  int4 prompt
     lengths keep every call on the int8-activation side in both paths: the fused step quantizes activations to int8
     at any row count, the per-layer path only up to quant.MAX_ROWS = 8 rows (an 11-row catch-up runs exact), and
     that rounding alone flips a random model's near-tied argmax."""
+    assert max(lengths) > LONG_FEED >= sorted(lengths)[1]
     draft = default_like() if weights == "fp32" else int4_twin(default_like())
     fused, plain = DraftModelProposer(draft, 128), DraftModelProposer(draft, 128, fused=False)
     assert fused.fused is not None and plain.fused is None
@@ -164,7 +165,7 @@ def test_fused_greedy_drafts_equal_the_models_own_greedy_continuation_after_the_
     model = default_like(layers=2, vocab=256)
     proposer = DraftModelProposer(model, 128)
     proposer.fused = type(proposer.fused)(model, 128, block_size=4, num_blocks=2)  # 8 slots: must grow at once
-    seqs = [fake_seq(p) for p in prompts_of([9, 3, 30], 256, seed=4)]
+    seqs = [fake_seq(p) for p in prompts_of([9, 3, 70], 256, seed=4)]
     tokens = proposer.propose(seqs, [3, 5, 2]).tokens
     assert tokens == [greedy_continuation(model, s.token_ids, k) for s, k in zip(seqs, [3, 5, 2], strict=True)]
     assert proposer.fused.blocks.device.num_blocks > 2
@@ -174,7 +175,7 @@ def test_release_and_garbage_collection_free_the_fused_drafters_blocks():
     import gc
 
     proposer = DraftModelProposer(default_like(layers=2, vocab=256), 128)
-    seqs = [fake_seq(p) for p in prompts_of([6, 20], 256)]
+    seqs = [fake_seq(p) for p in prompts_of([6, 70], 256)]
     proposer.propose(seqs, [3, 3])
     pool = proposer.fused
     assert pool.blocks.device.num_used > 0
@@ -200,7 +201,7 @@ def test_fused_sampled_drafts_and_their_distributions_equal_the_per_sequence_one
         torch.testing.assert_close(q, r, atol=1e-5, rtol=1e-4)  # int4 GEMV rows vs GEMM: fp32 summation order
 
 
-@pytest.mark.parametrize("lengths", [[9], [4, 30, 13]], ids=["batch-1", "batch-3"])
+@pytest.mark.parametrize("lengths", [[9], [4, 70, 13]], ids=["batch-1", "batch-3"])
 def test_quantized_self_speculation_on_the_fused_drafter_gives_plain_greedy_output(lengths):
     from minillm import EngineConfig, LLMEngine
 
