@@ -217,3 +217,22 @@ def test_quantized_self_speculation_on_the_fused_drafter_gives_plain_greedy_outp
     assert drafter is not None and drafter.runner.calls > 0 and eng.spec_stats.draft_tokens > 0
     drafter.sweep()  # requests that finished in a plain step (no draft committed) are freed here
     assert drafter.blocks.device.num_used == 0 and not drafter.held
+
+
+def test_a_batch_one_verify_pass_runs_on_the_fused_step_not_the_packed_forward():
+    """max_num_seqs=1 and γ=3: the target's fused runner takes the 4 verify rows, so after the prompt's prefill no
+    step packs a forward for the per-layer path."""
+    from minillm import EngineConfig, LLMEngine
+
+    model = default_like(layers=2, vocab=256)
+    spec = {"method": "quantized", "num_speculative_tokens": 3}
+    eng = LLMEngine(model, config=EngineConfig(block_size=16, max_num_seqs=1, speculative_config=spec))
+    prepare, packed = eng.runner.prepare, []
+
+    def recording(out):
+        packed.append(out.num_tokens)
+        return prepare(out)
+
+    eng.runner.prepare = recording
+    eng.generate([prompts_of([12], 256)[0]], SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))
+    assert eng.spec_stats.verify_steps > 0 and packed == [12]
