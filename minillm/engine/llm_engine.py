@@ -97,7 +97,9 @@ class LLMEngine:
         if graphs is None and config.enforce_eager is None and fused.supports(model, self.kv_cache):
             # CPU decode steps as one native call for the whole stack (kernels/cpu/fused.py); enforce_eager=True
             # keeps the layer-by-layer path (to profile or teach it)
-            graphs = fused.NativeDecodeRunner(model, self.kv_cache, max_rows=min(fused.MAX_ROWS, config.max_num_seqs),
+            gamma = getattr(config.speculative_config, "num_speculative_tokens", 0)  # 0 without speculation
+            rows = config.max_num_seqs * (1 + gamma)  # a verify pass feeds γ + 1 rows per sequence
+            graphs = fused.NativeDecodeRunner(model, self.kv_cache, max_rows=min(fused.MAX_ROWS, rows),
                                               max_positions=self.max_model_len)
         self.runner = ModelRunner(model, self.kv_cache, self.scheduler.block_manager, graphs)
         spec = config.speculative_config

@@ -1,16 +1,25 @@
 """Draft-model proposals: a small model with the target's vocabulary guesses γ tokens autoregressively.
 
-Each sequence gets its own contiguous K/V in the drafter (``kv.contiguous.KVCache``, batch 1, sized for the
-sequence's prompt + max_tokens + γ), remembered with the tokens it holds.  Rollback is implicit: before proposing,
-the drafter keeps the longest common prefix of what it cached and the sequence's committed tokens (rejected drafts
-fall off; stale slots beyond it are masked, then overwritten) and feeds the rest as one chunk.  A step costs
-one catch-up forward (usually 1–2 tokens: the last accepted draft and the target's correction/bonus) plus γ − 1
-single-token forwards.  Sequences run one at a time (no batching across sequences in the drafter): simple, and at
-batch 1 — where speculation pays — nothing is lost.
+Two ways to run the drafter, one rollback rule.  Before proposing, the drafter keeps the longest common prefix of
+the tokens it holds K/V for and the sequence's committed tokens (rejected drafts fall off) and feeds the rest — the
+catch-up, usually 1–2 tokens: the last accepted draft and the target's correction/bonus — then γ − 1 single drafts.
+
+- ``FusedDrafter`` (CPU, fp32 activations, a plain ``Transformer`` with fp32/int8/int4 linears: the quantized-self
+  drafter, most draft models): a paged K/V pool of its own (``PagedKVCache`` + a ``BlockManager`` without prefix
+  caching, one block table per sequence, grown when it fills) and ``kernels.cpu.fused.NativeDecodeRunner``: every
+  sequence of the step drafts together, one native call per draft position for the whole batch.  Why: at batch 1
+  the per-layer Python around an int4 drafter's GEMVs cost as much as 5–8 fp32 target decode steps per draft, which
+  made quantized-self drafting slower than plain decode.  A long catch-up (a new sequence's prompt) runs as one
+  prefill chunk through the model's own forward over the same pool (GEMMs instead of 32-row GEMV calls).
+  Early exit runs there too, as a ``Transformer`` over the target's first layers (``EarlyExitModel.as_transformer``).
+- the per-sequence path (anything the fused step cannot run: CUDA, bf16, a swapped or parallel module): a
+  contiguous ``KVCache`` per sequence, sized for its prompt + max_tokens + γ, and the model's own forward, one
+  sequence at a time.
 """
 
 from __future__ import annotations
 
+import itertools
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -18,32 +27,77 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from minillm.kv.block_manager import BlockManager, OutOfBlocks
 from minillm.kv.contiguous import KVCache
+from minillm.kv.paged_cache import AttentionMetadata, PagedAttention, PagedKVCache, PrefillChunk
 from minillm.sampling.sampler import probabilities
 from minillm.spec.proposer import Proposal
 
+# catch-up rows above which a sequence prefills through the model's forward rather than as fused rows: fused rows
+# cost ~5 ms each for SmolLM2-135M int4 (2-core AVX-512 host: 40 rows 222 ms vs 393 ms as a prefill), the prefill
+# grows slower (100 rows: 888 vs 835 ms; 300: 3.3 s vs 2.0 s)
+LONG_FEED = 64
 
-@dataclass
-class _DraftState:
-    cache: KVCache
-    tokens: list[int]  # the tokens whose K/V the cache holds, positions 0 .. len - 1
+
+def common_prefix(held: Sequence[int], ids: Sequence[int]) -> int:
+    """Length of the longest common prefix of two token lists (the drafter's K/V still valid for ``ids``)."""
+    n = min(len(held), len(ids))
+    if list(held[:n]) == list(ids[:n]):  # the usual case (nothing rejected past the cache): one C comparison
+        return n
+    return next(i for i, (a, b) in enumerate(zip(held, ids, strict=False)) if a != b)
+
+
+def draw(logits: Tensor, seq) -> tuple[int, Tensor | None]:
+    """One draft from fp32 logits [V]: the argmax for a greedy request, else a sample from its filtered
+    distribution q with the sequence's own generator -> (token, q [V] or None)."""
+    params = seq.request.params
+    if params.greedy:
+        return int(logits.argmax()), None
+    q = probabilities(logits, params)
+    return int(torch.multinomial(q, 1, generator=seq.generator)), q
 
 
 class DraftModelProposer:
-    """``Proposer`` running ``model`` (a ``Transformer`` or ``EarlyExitModel``) with a K/V cache per sequence.
+    """``Proposer`` running ``model`` (a ``Transformer`` or ``EarlyExitModel``) as the drafter.
 
-    Drafts are sampled from the request's filtered distribution q (``probabilities``) with the sequence's own
-    generator — greedy requests take the argmax — and q is returned for the rejection rule.
+    ``fused``: None runs the ``FusedDrafter`` where it supports the model (an ``EarlyExitModel`` through its
+    ``as_transformer()`` view), else the per-sequence path; True
+    requires it (ValueError naming why not), False always takes the per-sequence path.  Drafts are sampled from the
+    request's filtered distribution q (``probabilities``) with the sequence's own generator — greedy requests take
+    the argmax — and q is returned for the rejection rule.
     """
 
-    def __init__(self, model, max_len: int):
+    def __init__(self, model, max_len: int, *, fused: bool | None = None):
         self.model, self.max_len = model, max_len
         self._states: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # Sequence -> _DraftState
+        self.fused: FusedDrafter | None = None
+        if fused is not False:
+            try:
+                plain = model.as_transformer() if hasattr(model, "as_transformer") else model  # early exit
+                self.fused = FusedDrafter(plain, max_len)
+            except ValueError:
+                if fused:
+                    raise
 
     def release(self, seq) -> None:
         """Drop a finished sequence's draft K/V now (it would also go when the sequence is garbage-collected)."""
         self._states.pop(seq, None)
+        if self.fused is not None:
+            self.fused.release(seq)
 
+    @torch.inference_mode()
+    def propose(self, seqs: Sequence, k: Sequence[int]) -> Proposal:
+        """Up to ``k[i]`` tokens per sequence, with their draft distributions (None for greedy requests)."""
+        if self.fused is not None:
+            return self.fused.propose(seqs, k)
+        tokens, probs = [], []
+        for seq, ki in zip(seqs, k, strict=True):
+            t, q = self._propose_one(seq, ki) if ki > 0 else ([], None)
+            tokens.append(t)
+            probs.append(q)
+        return Proposal(tokens, probs)
+
+    # ---- the per-sequence path ---------------------------------------------------------------------------------
     def _state(self, seq) -> _DraftState:
         state = self._states.get(seq)
         if state is None:
@@ -55,39 +109,19 @@ class DraftModelProposer:
             state = self._states[seq] = _DraftState(cache, [])
         return state
 
-    @torch.inference_mode()
-    def propose(self, seqs: Sequence, k: Sequence[int]) -> Proposal:
-        """Up to ``k[i]`` tokens per sequence, with their draft distributions (None for greedy requests)."""
-        tokens, probs = [], []
-        for seq, ki in zip(seqs, k, strict=True):
-            t, q = self._propose_one(seq, ki) if ki > 0 else ([], None)
-            tokens.append(t)
-            probs.append(q)
-        return Proposal(tokens, probs)
-
     def _propose_one(self, seq, k: int) -> tuple[list[int], Tensor | None]:
         state = self._state(seq)
         ids = seq.token_ids
         k = min(k, state.cache.max_len - len(ids))  # the drafts' positions must fit the drafter's cache
         if k < 1:
             return [], None
-        keep = 0
-        for a, b in zip(state.tokens, ids, strict=False):  # rollback: the longest prefix still valid
-            if a != b:
-                break
-            keep += 1
-        keep = min(keep, len(ids) - 1)  # feed at least the last token: its logits give the first draft
+        keep = min(common_prefix(state.tokens, ids), len(ids) - 1)  # feed at least the last token
         feed, start = ids[keep:], keep
-        params, gen = seq.request.params, seq.generator
         drafts: list[int] = []
         qs: list[Tensor] = []
         for _ in range(k):
-            logits = self._forward(state.cache, feed, start)  # (V,) after the last fed token
-            if params.greedy:
-                token = int(logits.argmax())
-            else:
-                q = probabilities(logits, params)
-                token = int(torch.multinomial(q, 1, generator=gen))
+            token, q = draw(self._forward(state.cache, feed, start), seq)  # logits (V,) after the last fed token
+            if q is not None:
                 qs.append(q)
             start += len(feed)
             feed = [token]
@@ -103,3 +137,223 @@ class DraftModelProposer:
         cache.begin(positions)
         hidden = self.model.hidden_states(input_ids, positions, cache)  # (1, L, hidden)
         return self.model.compute_logits(hidden[0, -1]).float()
+
+
+@dataclass
+class _DraftState:
+    cache: KVCache
+    tokens: list[int]  # the tokens whose K/V the cache holds, positions 0 .. len - 1
+
+
+@dataclass
+class _Job:
+    """One sequence drafting this step: its id in the pool, how many drafts, what it drew so far."""
+
+    seq: object
+    sid: int
+    k: int
+    drafts: list[int]
+    qs: list[Tensor]
+
+
+class FusedDrafter:
+    """Drafts for all sequences of a step together on ``NativeDecodeRunner`` over a paged K/V pool of its own.
+
+    The pool starts at ``num_blocks`` blocks of ``block_size`` and doubles when a sequence needs more (live block
+    tables are copied over; a sequence's blocks go on ``release`` or once the sequence is garbage-collected).
+    ``held[sid]`` lists the tokens that have slots in the pool, positions 0..n-1 (the block manager's own token
+    list, kept here to compare without copying).  Raises ``ValueError`` naming the reason when the fused step
+    cannot run ``model`` (``kernels.cpu.fused.unsupported_reason``).
+    """
+
+    def __init__(self, model, max_len: int, *, block_size: int = 16, num_blocks: int = 64):
+        from minillm.kernels.cpu.fused import NativeDecodeRunner, unsupported_reason
+
+        self.model, self.max_len = model, max_len
+        kv = PagedKVCache(model.config, num_blocks, block_size, dtype=model.dtype, device=model.device)
+        reason = unsupported_reason(model, kv)
+        if reason is not None:
+            raise ValueError(f"the fused drafter cannot run this draft model: {reason}")
+        self._make_runner = NativeDecodeRunner
+        self.runner = NativeDecodeRunner(model, kv)
+        self.blocks = BlockManager(num_blocks, block_size, enable_prefix_caching=False)
+        self._ids: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # Sequence -> sid
+        self._next_id = itertools.count()
+        self.held: dict[int, list[int]] = {}
+
+    @property
+    def kv(self) -> PagedKVCache:
+        """The drafter's K/V pool [layers, num_blocks, block_size, H_kv, D]."""
+        return self.runner.kv
+
+    def release(self, seq) -> None:
+        """Free ``seq``'s blocks in the drafter's pool now."""
+        sid = self._ids.pop(seq, None)
+        if sid is not None:
+            self._drop(sid)
+
+    def _drop(self, sid: int) -> None:
+        if sid in self.blocks:
+            self.blocks.free(sid)
+        self.held.pop(sid, None)
+
+    def sweep(self) -> None:
+        """Free the blocks of sequences that finished or were garbage-collected without a ``release`` (a request
+        that ended in a plain step, an abort); ``propose`` runs it first."""
+        for seq in list(self._ids.keys()):
+            status = getattr(seq, "status", None)
+            if status is not None and status.finished:
+                del self._ids[seq]
+        live = set(self._ids.values())
+        for sid in [s for s in self.held if s not in live]:
+            self._drop(sid)
+
+    @torch.inference_mode()
+    def propose(self, seqs: Sequence, k: Sequence[int]) -> Proposal:
+        """Up to ``k[i]`` tokens per sequence (as ``DraftModelProposer.propose``): one catch-up for every
+        drafting sequence, then one fused call per further draft position for all of them."""
+        self.sweep()
+        cap = min(self.max_len + 1, self.model.config.max_position_embeddings)  # positions the drafts may take
+        jobs, out = [], [None] * len(seqs)
+        for i, (seq, ki) in enumerate(zip(seqs, k, strict=True)):
+            ki = min(ki, cap - len(seq.token_ids))
+            if ki >= 1:
+                jobs.append((i, _Job(seq, self._sid(seq), ki, [], [])))
+        try:
+            self._draft([j for _, j in jobs])
+        except BaseException:
+            for _, j in jobs:  # slots were reserved for K/V that may not be written: forget these sequences
+                self._drop(j.sid)
+            raise
+        for i, j in jobs:
+            out[i] = j
+        return Proposal([[] if j is None else j.drafts for j in out],
+                        [torch.stack(j.qs) if j is not None and j.qs else None for j in out])
+
+    def _sid(self, seq) -> int:
+        sid = self._ids.get(seq)
+        if sid is None:
+            sid = self._ids[seq] = next(self._next_id)
+        return sid
+
+    def _draft(self, jobs: list[_Job]) -> None:
+        """Catch every job up, then draw drafts position by position; fills ``job.drafts`` / ``job.qs``."""
+        if not jobs:
+            return
+        feeds = [self._rollback(j.sid, j.seq.token_ids) for j in jobs]  # (sid, tokens to feed, first position)
+        logits = self._feed(feeds)  # (J, V) after each sequence's last token
+        active = jobs
+        while True:
+            fed = []
+            for job, row in zip(active, logits, strict=True):
+                token, q = draw(row, job.seq)
+                job.drafts.append(token)
+                if q is not None:
+                    job.qs.append(q)
+                if len(job.drafts) < job.k:
+                    fed.append(job)
+            if not fed:
+                return
+            for job in fed:  # the draft just drawn is fed to draw the next one
+                self._reserve(job.sid, [job.drafts[-1]])
+            logits = self._fused([(j.sid, [j.drafts[-1]], len(self.held[j.sid]) - 1) for j in fed])
+            active = fed
+
+    def _rollback(self, sid: int, ids: Sequence[int]) -> tuple[int, list[int], int]:
+        """Keep the longest valid prefix of the pool's tokens, reserve slots for the rest of ``ids`` ->
+        (sid, the tokens to feed, the position of the first)."""
+        held = self.held.get(sid, [])
+        keep = min(common_prefix(held, ids), len(ids) - 1)  # feed at least the last token: its logits draw draft 1
+        if sid in self.blocks and keep < len(held):
+            if keep == 0:
+                self._drop(sid)
+            else:
+                self.blocks.truncate(sid, keep)  # whole tail blocks freed
+                del held[keep:]
+        feed = list(ids[keep:])
+        self._reserve(sid, feed)
+        return sid, feed, keep
+
+    def _reserve(self, sid: int, tokens: list[int]) -> None:
+        """Slots for ``tokens`` after the sequence's held ones (a new table for a new sequence), growing the pool
+        when it is full."""
+        while True:
+            try:
+                if sid in self.blocks:
+                    self.blocks.append_slots(sid, tokens)  # no copies: no forks or prefix cache in this pool
+                else:
+                    self.blocks.allocate(sid, tokens)
+                break
+            except OutOfBlocks:
+                self._grow(-(-len(tokens) // self.blocks.block_size) + 1)
+        self.held.setdefault(sid, []).extend(tokens)
+
+    def _grow(self, at_least: int) -> None:
+        """Double the pool (or add ``at_least`` blocks, if more): new K/V tensors and block manager, every live
+        table re-allocated and its blocks copied over, a runner for the new pool."""
+        old_kv, old = self.kv, self.blocks
+        n = max(2 * old.device.num_blocks, old.device.num_blocks + at_least)
+        kv = PagedKVCache(self.model.config, n, old.block_size, dtype=old_kv.dtype, device=old_kv.k.device)
+        blocks = BlockManager(n, old.block_size, enable_prefix_caching=False)
+        for sid in self.held:
+            if sid in old:
+                blocks.allocate(sid, old.sequence(sid).token_ids)
+                src, dst = old.block_table(sid), blocks.block_table(sid)
+                kv.k[:, dst], kv.v[:, dst] = old_kv.k[:, src], old_kv.v[:, src]
+        self.runner = self._make_runner(self.model, kv)
+        self.blocks = blocks
+
+    # ---- forwards ----------------------------------------------------------------------------------------------
+    def _logits(self, hidden: Tensor) -> Tensor:
+        """[R, hidden] -> fp32 logits [R, V] through the drafter's LM head."""
+        return self.model.compute_logits(hidden).float()
+
+    def _feed(self, feeds: list[tuple[int, list[int], int]]) -> Tensor:
+        """Run each (sid, tokens, start) into the pool -> fp32 logits [len(feeds), V] after each last token.
+        Short feeds share fused calls; long ones (new prompts) prefill together through the model's forward."""
+        short = [i for i, f in enumerate(feeds) if len(f[1]) <= LONG_FEED]
+        long = [i for i, f in enumerate(feeds) if len(f[1]) > LONG_FEED]
+        logits = torch.empty(len(feeds), self.model.config.vocab_size)
+        if short:
+            rows = self._fused([feeds[i] for i in short])  # every row's logits: a catch-up is 1-2 rows each
+            ends = list(itertools.accumulate(len(feeds[i][1]) for i in short))
+            logits[short] = rows[[e - 1 for e in ends]]
+        if long:
+            logits[long] = self._logits(self._prefill([feeds[i] for i in long]))
+        return logits
+
+    def _fused(self, feeds: list[tuple[int, list[int], int]]) -> Tensor:
+        """Feeds as decode rows (row r of a sequence at position start + r attends to start + r + 1 keys), in calls
+        of at most ``runner.max_rows`` rows, the LM head in the same call -> fp32 logits [rows, V]."""
+        from minillm.engine.cuda_graph import DecodeBatch
+
+        rows = []
+        for sid, tokens, start in feeds:
+            table = self.blocks.block_table(sid)
+            slots = self.blocks.slot_mapping(sid, start, start + len(tokens))
+            rows += [(t, start + r, s, table) for r, (t, s) in enumerate(zip(tokens, slots, strict=True))]
+        out = []
+        for a in range(0, len(rows), self.runner.max_rows):
+            chunk = rows[a : a + self.runner.max_rows]
+            out.append(self.runner.logits(DecodeBatch([r[0] for r in chunk], [r[1] for r in chunk],
+                                                      [r[2] for r in chunk], [r[3] for r in chunk],
+                                                      [r[1] + 1 for r in chunk])))
+        return torch.cat(out).float()
+
+    def _prefill(self, feeds: list[tuple[int, list[int], int]]) -> Tensor:
+        """Feeds as prefill chunks of one packed forward of the model over the pool -> hidden [len(feeds), hidden]
+        after each chunk's last token."""
+        bs = self.blocks.block_size
+        ids, positions, slots, chunks, last = [], [], [], [], []
+        for sid, tokens, start in feeds:
+            row, end = len(ids), start + len(tokens)
+            ids += tokens
+            positions += range(start, end)
+            slots += self.blocks.slot_mapping(sid, start, end)
+            chunks.append(PrefillChunk(row, len(ids), end, torch.tensor(self.blocks.block_table(sid)[: -(-end // bs)])))
+            last.append(len(ids) - 1)
+        meta = AttentionMetadata(torch.tensor(slots), torch.zeros(0, dtype=torch.long),
+                                 torch.zeros(0, 1, dtype=torch.int32), torch.zeros(0, dtype=torch.int32), chunks)
+        cache = PagedAttention(self.kv, meta, self.model.kernel_ops())
+        hidden = self.model.hidden_states(torch.tensor([ids]), torch.tensor([positions]), cache)  # (1, T, hidden)
+        return hidden[0, last]
