@@ -1,0 +1,116 @@
+"""SLO-aware admission (load shedding): refuse a request at once when it could not get its first token in time.
+
+A count-bounded queue (``max_queue``) bounds memory, not latency: ten waiting 2,000-token prompts hold a newcomer
+a hundred times longer than ten 20-token ones.  What a newcomer waits for is the prefill work queued ahead of it,
+and the engine clears that work at a rate the loop can watch step by step:
+
+    estimated TTFT = step_s + (prompt tokens queued ahead + its own prompt tokens) / prefill tokens per second
+
+``step_s`` stands for the step in flight when the request arrives (it cannot join it) and the decodes that share
+its last prefill step.  Both rates are exponentially weighted moving averages (EWMA) of recent steps, so the
+estimate follows the machine: a busier host, longer decode batches or a slower model lower the measured rate and
+the server sheds sooner.  Under a TTFT budget the server answers 429 ("overloaded", with ``Retry-After``) in
+microseconds instead of letting the request wait past the SLO — and, since refused requests add no work, the ones
+it does admit keep their TTFT: shedding protects goodput, where an unbounded queue lets every request miss.
+
+Two deliberate blind spots, both in the request's favour: before any prefill step has been measured everything is
+admitted (there is no rate to divide by yet), and a request with nothing queued ahead of it is always admitted,
+however long its prompt (refusing it helps no one: it would be refused again forever on an idle server).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+
+@dataclass(frozen=True)
+class TTFTEstimator:
+    """Estimates a new request's TTFT from the engine's recent steps and the prefill work queued ahead of it.
+
+    Immutable: ``observe`` returns an updated estimator, so the loop thread can publish each one by rebinding an
+    attribute and request handlers on another thread read a consistent value without a lock.
+
+    ``alpha``: the EWMA weight of the newest step (0.2: the last ~5 steps dominate, so a change of load shows up
+    within about a second of CPU steps, while one odd step moves the estimate by a fifth only).
+    The prefill rate is the ratio of two EWMAs — prefill tokens per step over seconds per step, of the steps that
+    prefilled — rather than an average of per-step rates: a step that prefills the 3-token tail of a prompt beside
+    thirty decodes says little about throughput and weighs little in the ratio.
+    """
+
+    alpha: float = 0.2
+    prefill_tokens: float = 0.0  # EWMA of prompt tokens prefilled, over steps that prefilled any
+    prefill_s: float = 0.0  # EWMA of those steps' durations
+    step_s: float = 0.0  # EWMA of every step's duration
+    prefill_steps: int = 0  # steps that prefilled (0: no rate measured yet)
+    steps: int = 0
+
+    def __post_init__(self):
+        if not isinstance(self.alpha, (int, float)) or not 0.0 < self.alpha <= 1.0:
+            raise ValueError(f"alpha must be a number in (0, 1], got {self.alpha!r}")
+
+    def observe(self, prefill_tokens: int, duration_s: float) -> TTFTEstimator:
+        """The estimator after one engine step that took ``duration_s`` seconds and prefilled ``prefill_tokens``
+        prompt tokens (0 for a decode-only step: then only the step time moves)."""
+        if prefill_tokens < 0 or not duration_s >= 0:
+            raise ValueError(f"need prefill_tokens >= 0 and duration_s >= 0, got {prefill_tokens}, {duration_s}")
+        step_s = _ewma(self.step_s, duration_s, self.alpha, first=self.steps == 0)
+        if prefill_tokens == 0:
+            return replace(self, step_s=step_s, steps=self.steps + 1)
+        first = self.prefill_steps == 0
+        return replace(self, step_s=step_s, steps=self.steps + 1, prefill_steps=self.prefill_steps + 1,
+                        prefill_tokens=_ewma(self.prefill_tokens, prefill_tokens, self.alpha, first),
+                        prefill_s=_ewma(self.prefill_s, duration_s, self.alpha, first))
+
+    @property
+    def tokens_per_s(self) -> float | None:
+        """Measured prefill throughput (prompt tokens per second); None before any prefill step."""
+        if self.prefill_steps == 0 or self.prefill_s <= 0.0:
+            return None
+        return self.prefill_tokens / self.prefill_s
+
+    def estimate_s(self, tokens_ahead: int, prompt_tokens: int) -> float | None:
+        """Estimated TTFT (s) of a request with ``prompt_tokens`` prompt tokens behind ``tokens_ahead`` queued
+        prefill tokens; None before any prefill step has been measured."""
+        rate = self.tokens_per_s
+        if rate is None:
+            return None
+        return self.step_s + (tokens_ahead + prompt_tokens) / rate
+
+    def admits(self, budget_s: float, tokens_ahead: int, prompt_tokens: int) -> bool:
+        """Whether the request fits the TTFT budget — always when nothing is queued ahead or nothing is measured
+        yet (the module docstring says why)."""
+        estimate = self.estimate_s(tokens_ahead, prompt_tokens)
+        return tokens_ahead == 0 or estimate is None or estimate <= budget_s
+
+    def retry_after_s(self, budget_s: float, tokens_ahead: int, prompt_tokens: int) -> int:
+        """Whole seconds until the queue ahead has drained enough for the request to fit (>= 1): the
+        ``Retry-After`` a refused client is told."""
+        estimate = self.estimate_s(tokens_ahead, prompt_tokens)
+        excess = 0.0 if estimate is None else estimate - budget_s
+        return max(1, math.ceil(excess))
+
+
+def _ewma(old: float, new: float, alpha: float, first: bool) -> float:
+    return float(new) if first else (1.0 - alpha) * old + alpha * new  # the first sample is the start, not 0
+
+
+def queued_prefill_tokens(scheduler) -> int:
+    """Prompt tokens the scheduler still has to prefill: every uncomputed token of waiting sequences (a sequence
+    preempted by recompute counts its outputs too: they are prefilled again) and the rest of the prompts of
+    running sequences still in prefill.  A decoding sequence's one uncomputed token (its newest sample) is decode
+    work, not queued prefill; swapped sequences keep their K/V and need none.
+
+    Reads ``scheduler.waiting`` and ``scheduler.running``: call it on the thread that steps the engine.
+    """
+    waiting = sum(seq.num_tokens - seq.num_computed for seq in scheduler.waiting)
+    running = sum(left for seq in scheduler.running if (left := seq.num_tokens - seq.num_computed) > 1)
+    return waiting + running
+
+
+@dataclass(frozen=True)
+class AdmissionState:
+    """What the loop thread publishes after each iteration: the estimator and the prefill tokens queued then."""
+
+    estimator: TTFTEstimator = TTFTEstimator()
+    tokens_ahead: int = 0
