@@ -471,16 +471,16 @@ def test_load_generator_counts_refusals_as_rejected_not_failed(strict, tmp_path)
     wait_until_idle(strict)
 
 
-def test_load_generator_overload_runs_at_a_multiple_of_the_measured_capacity(shedding):
+def test_load_generator_overload_runs_at_a_multiple_of_the_measured_capacity(live):
     from minillm.perf.bench.serve import bench_serve
 
-    result = bench_serve(shedding.url, [4.0], 6, seed=2, max_tokens=3, ignore_eos=True, ttft_slo_s=5.0,
+    result = bench_serve(live.url, [4.0], 6, seed=2, max_tokens=3, ignore_eos=True, ttft_slo_s=5.0,
                          overload=2.0, progress=False, save=False)
     assert result["runs"][0]["completed"] == 6  # the tiny model meets a 5 s SLO at 4 req/s: capacity 4
     over = result["overload"]
     assert over["capacity_rate"] == 4.0 and over["request_rate"] == 8.0 and over["factor"] == 2.0
     assert over["completed"] + over["rejected"] + over["failed"] == 6 and over["failed"] == 0
-    wait_until_idle(shedding)
+    wait_until_idle(live)
 
 
 def test_serve_command_answers_then_exits_on_sigterm(tmp_path, tokenizer):
