@@ -122,3 +122,9 @@ def test_queued_prefill_drains_as_the_engine_prefills_in_chunks(engine):
         engine.step()
     assert queued_prefill_tokens(engine.scheduler) == 0
     engine.pop_output("a"), engine.pop_output("b")
+
+
+def test_time_already_waited_for_a_step_counts_against_the_budget():
+    est = steps(TTFTEstimator(), 5, tokens=100, seconds=0.1)  # 1,000 tokens/s
+    assert est.admits(1.0, tokens_ahead=500, prompt_tokens=100)  # 0.7 s from now
+    assert not est.admits(1.0, tokens_ahead=500, prompt_tokens=100, waited_s=0.5)  # it arrived mid-step 0.5 s ago

@@ -4,14 +4,16 @@ A count-bounded queue (``max_queue``) bounds memory, not latency: ten waiting 2,
 a hundred times longer than ten 20-token ones.  What a newcomer waits for is the prefill work queued ahead of it,
 and the engine clears that work at a rate the loop can watch step by step:
 
-    estimated TTFT = step_s + (prompt tokens queued ahead + its own prompt tokens) / prefill tokens per second
+    estimated TTFT = waited + step_s + (prompt tokens queued ahead + its own prompt tokens) / prefill tokens per second
 
-``step_s`` stands for the step in flight when the request arrives (it cannot join it) and the decodes that share
-its last prefill step.  Both rates are exponentially weighted moving averages (EWMA) of recent steps, so the
-estimate follows the machine: a busier host, longer decode batches or a slower model lower the measured rate and
-the server sheds sooner.  Under a TTFT budget the server answers 429 ("overloaded", with ``Retry-After``) in
-microseconds instead of letting the request wait past the SLO — and, since refused requests add no work, the ones
-it does admit keep their TTFT: shedding protects goodput, where an unbounded queue lets every request miss.
+``waited`` is the time since the request arrived: the loop thread decides between steps, so a request that came
+during a long prefill step has already spent part of its budget waiting for it.  ``step_s`` stands for the fixed
+cost of the step that carries its last prefill chunk (every running sequence decodes in it too).  Both rates are
+exponentially weighted moving averages (EWMA) of recent steps, so the estimate follows the machine: a busier host,
+longer decode batches or a slower model lower the measured rate and the server sheds sooner.  Under a TTFT budget
+the server answers 429 ("overloaded", with ``Retry-After``) at once instead of letting the request wait past the
+SLO — and, since refused requests add no work, the ones it admits keep their TTFT: shedding protects goodput,
+where an unbounded queue lets every request miss.
 
 Two deliberate blind spots, both in the request's favour: before any prefill step has been measured everything is
 admitted (there is no rate to divide by yet), and a request with nothing queued ahead of it is always admitted,
@@ -69,23 +71,23 @@ class TTFTEstimator:
             return None
         return self.prefill_tokens / self.prefill_s
 
-    def estimate_s(self, tokens_ahead: int, prompt_tokens: int) -> float | None:
+    def estimate_s(self, tokens_ahead: int, prompt_tokens: int, waited_s: float = 0.0) -> float | None:
         """Estimated TTFT (s) of a request with ``prompt_tokens`` prompt tokens behind ``tokens_ahead`` queued
-        prefill tokens; None before any prefill step has been measured."""
+        prefill tokens that arrived ``waited_s`` seconds ago; None before any prefill step has been measured."""
         rate = self.tokens_per_s
         if rate is None:
             return None
-        return self.step_s + (tokens_ahead + prompt_tokens) / rate
+        return waited_s + self.step_s + (tokens_ahead + prompt_tokens) / rate
 
-    def admits(self, budget_s: float, tokens_ahead: int, prompt_tokens: int) -> bool:
+    def admits(self, budget_s: float, tokens_ahead: int, prompt_tokens: int, waited_s: float = 0.0) -> bool:
         """Whether the request fits the TTFT budget — always when nothing is queued ahead or nothing is measured
         yet (the module docstring says why)."""
-        estimate = self.estimate_s(tokens_ahead, prompt_tokens)
+        estimate = self.estimate_s(tokens_ahead, prompt_tokens, waited_s)
         return tokens_ahead == 0 or estimate is None or estimate <= budget_s
 
     def retry_after_s(self, budget_s: float, tokens_ahead: int, prompt_tokens: int) -> int:
-        """Whole seconds until the queue ahead has drained enough for the request to fit (>= 1): the
-        ``Retry-After`` a refused client is told."""
+        """Whole seconds until the queue ahead has drained enough for a new request of this size to fit (>= 1):
+        the ``Retry-After`` a refused client is told."""
         estimate = self.estimate_s(tokens_ahead, prompt_tokens)
         excess = 0.0 if estimate is None else estimate - budget_s
         return max(1, math.ceil(excess))

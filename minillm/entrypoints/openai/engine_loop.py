@@ -208,13 +208,15 @@ class EngineLoop:
         if not finished:
             self.abort(request_id)
 
-    def _shed(self, admission: AdmissionState, prompt_tokens: int) -> None:
-        """Raise ``Overloaded`` if shedding is on and a ``prompt_tokens`` prompt would miss the TTFT budget."""
+    def _shed(self, admission: AdmissionState, prompt_tokens: int, waited_s: float = 0.0) -> None:
+        """Raise ``Overloaded`` if shedding is on and a ``prompt_tokens`` prompt that arrived ``waited_s`` ago would
+        miss the TTFT budget."""
         budget, est, ahead = self.ttft_slo_s, admission.estimator, admission.tokens_ahead
-        if budget is None or est.admits(budget, ahead, prompt_tokens):
+        if budget is None or est.admits(budget, ahead, prompt_tokens, waited_s):
             return
+        estimate = est.estimate_s(ahead, prompt_tokens, waited_s)
         raise Overloaded(f"the server is overloaded: {ahead} prompt tokens are queued ahead of this request, "
-                         f"an estimated time to first token of {est.estimate_s(ahead, prompt_tokens):.2f} s at "
+                         f"an estimated time to first token of {estimate:.2f} s at "
                          f"{est.tokens_per_s:.0f} prefill tokens/s, over the {budget:g} s budget; retry later",
                          est.retry_after_s(budget, ahead, prompt_tokens))
 
@@ -295,7 +297,7 @@ class EngineLoop:
             if len(ids) >= self.max_model_len:
                 raise PromptTooLong(f"the prompt has {len(ids)} tokens but the model's context is "
                                     f"{self.max_model_len} tokens (room is needed for at least one output token)")
-            self._shed(self.admission, len(ids))
+            self._shed(self.admission, len(ids), time.perf_counter() - c.arrival_time)
             self.engine.add_request(ids, c.params, c.request_id, c.arrival_time)
         except Exception as e:
             c.reply.set_exception(e)
