@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from minillm import EngineConfig, LLMEngine, ModelConfig, SamplingParams
-from minillm.entrypoints.openai.admission import TTFTEstimator, queued_prefill_tokens
+from minillm.entrypoints.openai.admission import TTFTEstimator, queued_prefill_tokens, steps_to_seat
 
 
 def steps(est: TTFTEstimator, n: int, tokens: int, seconds: float) -> TTFTEstimator:
@@ -95,6 +95,40 @@ def test_queued_prefill_counts_waiting_and_unfinished_prompts_but_not_decodes():
                                 running=[seq(300, 128),  # a prompt halfway through chunked prefill: 172 left
                                          seq(51, 50)])  # decoding: its newest token is decode work
     assert queued_prefill_tokens(scheduler) == 100 + 40 + 172
+
+
+def test_a_full_batch_sheds_even_with_no_prefill_queued():
+    est = steps(TTFTEstimator(), 5, tokens=100, seconds=0.1)  # 1,000 tokens/s, 0.1 s steps
+    assert est.admits(1.0, tokens_ahead=0, prompt_tokens=100, steps_to_seat=0)
+    assert not est.admits(1.0, tokens_ahead=0, prompt_tokens=100, steps_to_seat=20)  # 2 s of decode steps first
+    assert est.estimate_s(0, 100, steps_to_seat=20) == pytest.approx(0.1 * 21 + 0.1)
+
+
+def running_seq(output: int, max_tokens: int, prompt: int = 10, slots: int = 1):
+    params = SamplingParams(max_tokens=max_tokens)
+    return SimpleNamespace(output=[0] * output, num_tokens=prompt + output, seq_slots=slots,
+                           request=SimpleNamespace(params=params))
+
+
+def queue(running, waiting=0):
+    return SimpleNamespace(running=running, waiting=[SimpleNamespace(seq_slots=1)] * waiting, swapped=[])
+
+
+def test_a_free_seat_means_no_wait_for_one():
+    assert steps_to_seat(queue([running_seq(0, 32)] * 3), max_num_seqs=4, max_model_len=2048) == 0
+    assert steps_to_seat(queue([], waiting=3), max_num_seqs=4, max_model_len=2048) == 0
+
+
+def test_a_full_batch_waits_for_the_sequence_nearest_its_max_tokens():
+    batch = [running_seq(0, 32), running_seq(30, 32), running_seq(10, 32), running_seq(5, 8)]  # 32, 2, 22, 3 left
+    assert steps_to_seat(queue(batch), max_num_seqs=4, max_model_len=2048) == 2
+    assert steps_to_seat(queue(batch, waiting=1), max_num_seqs=4, max_model_len=2048) == 3  # one is ahead
+    assert steps_to_seat(queue(batch, waiting=4), max_num_seqs=4, max_model_len=2048) == 2 + 32  # a second wave
+
+
+def test_the_context_end_bounds_a_sequence_with_a_huge_max_tokens():
+    batch = [running_seq(0, 10_000, prompt=2000)]
+    assert steps_to_seat(queue(batch), max_num_seqs=1, max_model_len=2048) == 48
 
 
 @pytest.fixture(scope="module")

@@ -1,10 +1,18 @@
 """SLO-aware admission (load shedding): refuse a request at once when it could not get its first token in time.
 
 A count-bounded queue (``max_queue``) bounds memory, not latency: ten waiting 2,000-token prompts hold a newcomer
-a hundred times longer than ten 20-token ones.  What a newcomer waits for is the prefill work queued ahead of it,
-and the engine clears that work at a rate the loop can watch step by step:
+a hundred times longer than ten 20-token ones.  What a newcomer waits for is the prefill work queued ahead of it —
+and, once all ``max_num_seqs`` seats are taken, for running sequences to finish — and the engine clears both at
+rates the loop can watch step by step:
 
-    estimated TTFT = waited + step_s + (prompt tokens queued ahead + its own prompt tokens) / prefill tokens per second
+    estimated TTFT = waited + step_s × (1 + steps until a seat frees)
+                     + (prompt tokens queued ahead + its own prompt tokens) / prefill tokens per second
+
+The seat term matters because continuous batching with chunked prefill keeps TTFT low under load by slowing every
+decode (TPOT) instead — until the batch is full; from then on a newcomer waits for whole answers to end, which the
+prefill queue alone does not show.  Each running sequence is assumed to run to its ``max_tokens`` (an upper bound:
+EOS may come sooner), one token per step.  The two waits are added, though they partly overlap: the estimate errs
+towards shedding.
 
 ``waited`` is the time since the request arrived: the loop thread decides between steps, so a request that came
 during a long prefill step has already spent part of its budget waiting for it.  ``step_s`` stands for the fixed
@@ -71,24 +79,29 @@ class TTFTEstimator:
             return None
         return self.prefill_tokens / self.prefill_s
 
-    def estimate_s(self, tokens_ahead: int, prompt_tokens: int, waited_s: float = 0.0) -> float | None:
+    def estimate_s(self, tokens_ahead: int, prompt_tokens: int, waited_s: float = 0.0,
+                   steps_to_seat: int = 0) -> float | None:
         """Estimated TTFT (s) of a request with ``prompt_tokens`` prompt tokens behind ``tokens_ahead`` queued
-        prefill tokens that arrived ``waited_s`` seconds ago; None before any prefill step has been measured."""
+        prefill tokens, that arrived ``waited_s`` seconds ago and gets a seat in the batch after ``steps_to_seat``
+        steps; None before any prefill step has been measured."""
         rate = self.tokens_per_s
         if rate is None:
             return None
-        return waited_s + self.step_s + (tokens_ahead + prompt_tokens) / rate
+        return waited_s + self.step_s * (1 + steps_to_seat) + (tokens_ahead + prompt_tokens) / rate
 
-    def admits(self, budget_s: float, tokens_ahead: int, prompt_tokens: int, waited_s: float = 0.0) -> bool:
-        """Whether the request fits the TTFT budget — always when nothing is queued ahead or nothing is measured
-        yet (the module docstring says why)."""
-        estimate = self.estimate_s(tokens_ahead, prompt_tokens, waited_s)
-        return tokens_ahead == 0 or estimate is None or estimate <= budget_s
+    def admits(self, budget_s: float, tokens_ahead: int, prompt_tokens: int, waited_s: float = 0.0,
+               steps_to_seat: int = 0) -> bool:
+        """Whether the request fits the TTFT budget — always when nothing is queued ahead (no prefill, a free
+        seat) or nothing is measured yet (the module docstring says why)."""
+        if tokens_ahead == 0 and steps_to_seat == 0:
+            return True
+        estimate = self.estimate_s(tokens_ahead, prompt_tokens, waited_s, steps_to_seat)
+        return estimate is None or estimate <= budget_s
 
-    def retry_after_s(self, budget_s: float, tokens_ahead: int, prompt_tokens: int) -> int:
+    def retry_after_s(self, budget_s: float, tokens_ahead: int, prompt_tokens: int, steps_to_seat: int = 0) -> int:
         """Whole seconds until the queue ahead has drained enough for a new request of this size to fit (>= 1):
         the ``Retry-After`` a refused client is told."""
-        estimate = self.estimate_s(tokens_ahead, prompt_tokens)
+        estimate = self.estimate_s(tokens_ahead, prompt_tokens, 0.0, steps_to_seat)
         excess = 0.0 if estimate is None else estimate - budget_s
         return max(1, math.ceil(excess))
 
@@ -110,9 +123,31 @@ def queued_prefill_tokens(scheduler) -> int:
     return waiting + running
 
 
+def steps_to_seat(scheduler, max_num_seqs: int, max_model_len: int) -> int:
+    """Engine steps until a newcomer (one sequence) gets one of the ``max_num_seqs`` seats of the running batch:
+    0 while seats are free for it and everything queued ahead of it; else the steps until enough running sequences
+    have finished, each assumed to run to its ``max_tokens`` (or the ``max_model_len`` context end) at one token
+    per step — an upper bound.  When more seats are needed than sequences run, later waves are assumed as long as
+    the longest.
+
+    Reads ``scheduler.running``, ``.waiting`` and ``.swapped``: call it on the thread that steps the engine.
+    """
+    taken = sum(seq.seq_slots for seq in scheduler.running)
+    queued = sum(seq.seq_slots for seq in scheduler.waiting) + sum(seq.seq_slots for seq in scheduler.swapped)
+    need = queued + 1 - (max_num_seqs - taken)  # sequences that must finish before the newcomer's turn
+    if need <= 0 or not scheduler.running:
+        return 0
+    left = sorted(max(1, min(seq.request.params.max_tokens - len(seq.output), max_model_len - seq.num_tokens))
+                  for seq in scheduler.running)
+    waves, k = divmod(need - 1, len(left))
+    return left[k] + waves * left[-1]
+
+
 @dataclass(frozen=True)
 class AdmissionState:
-    """What the loop thread publishes after each iteration: the estimator and the prefill tokens queued then."""
+    """What the loop thread publishes after each iteration: the estimator, the prefill tokens queued then and the
+    steps until a newcomer would get a seat."""
 
     estimator: TTFTEstimator = TTFTEstimator()
     tokens_ahead: int = 0
+    steps_to_seat: int = 0

@@ -25,7 +25,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 
 from minillm.engine.inputs import chat_prompt_ids
-from minillm.entrypoints.openai.admission import AdmissionState, queued_prefill_tokens
+from minillm.entrypoints.openai.admission import AdmissionState, TTFTEstimator, queued_prefill_tokens, steps_to_seat
 from minillm.outputs import EngineState, RequestOutput, StepOutput
 from minillm.sampling.params import SamplingParams
 
@@ -211,14 +211,21 @@ class EngineLoop:
     def _shed(self, admission: AdmissionState, prompt_tokens: int, waited_s: float = 0.0) -> None:
         """Raise ``Overloaded`` if shedding is on and a ``prompt_tokens`` prompt that arrived ``waited_s`` ago would
         miss the TTFT budget."""
-        budget, est, ahead = self.ttft_slo_s, admission.estimator, admission.tokens_ahead
-        if budget is None or est.admits(budget, ahead, prompt_tokens, waited_s):
+        budget, est, ahead, seat = self.ttft_slo_s, admission.estimator, admission.tokens_ahead, admission.steps_to_seat
+        if budget is None or est.admits(budget, ahead, prompt_tokens, waited_s, seat):
             return
-        estimate = est.estimate_s(ahead, prompt_tokens, waited_s)
-        raise Overloaded(f"the server is overloaded: {ahead} prompt tokens are queued ahead of this request, "
-                         f"an estimated time to first token of {estimate:.2f} s at "
-                         f"{est.tokens_per_s:.0f} prefill tokens/s, over the {budget:g} s budget; retry later",
-                         est.retry_after_s(budget, ahead, prompt_tokens))
+        estimate = est.estimate_s(ahead, prompt_tokens, waited_s, seat)
+        raise Overloaded(f"the server is overloaded: {ahead} prompt tokens are queued ahead of this request and a "
+                         f"seat in the batch frees in ~{seat} steps: an estimated time to first token of "
+                         f"{estimate:.2f} s (at {est.tokens_per_s:.0f} prefill tokens/s, {est.step_s:.2f} s per "
+                         f"step), over the {budget:g} s budget; retry later",
+                         est.retry_after_s(budget, ahead, prompt_tokens, seat))
+
+    def _queue_state(self, estimator: TTFTEstimator) -> AdmissionState:
+        """``estimator`` with the engine's queue now (loop thread only)."""
+        scheduler = self.engine.scheduler
+        return AdmissionState(estimator, queued_prefill_tokens(scheduler),
+                              steps_to_seat(scheduler, self.engine.config.max_num_seqs, self.max_model_len))
 
     # ---- loop thread ---------------------------------------------------------------------------------------------
     def _run(self) -> None:
@@ -253,7 +260,7 @@ class EngineLoop:
         if updates:  # an empty step (a batch still collecting) measured nothing
             # A recompute preemption puts a sequence's tokens back in the queue (after > before): no prefill rate
             est = est.observe(max(before - after, 0), elapsed)
-        self.admission = AdmissionState(est, after)
+        self.admission = AdmissionState(est, after, self.admission.steps_to_seat)  # the seats: at _publish
         self._dispatch(updates)
         return updates
 
@@ -297,12 +304,11 @@ class EngineLoop:
             if len(ids) >= self.max_model_len:
                 raise PromptTooLong(f"the prompt has {len(ids)} tokens but the model's context is "
                                     f"{self.max_model_len} tokens (room is needed for at least one output token)")
-            self._shed(self.admission, len(ids), time.perf_counter() - c.arrival_time)
+            self._shed(self._queue_state(self.admission.estimator), len(ids), time.perf_counter() - c.arrival_time)
             self.engine.add_request(ids, c.params, c.request_id, c.arrival_time)
         except Exception as e:
             c.reply.set_exception(e)
             return
-        self.admission = AdmissionState(self.admission.estimator, self.admission.tokens_ahead + len(ids))
         self._streams[c.request_id] = (c.loop, c.queue)
         c.reply.set_result(ids)
 
@@ -369,4 +375,4 @@ class EngineLoop:
 
     def _publish(self) -> None:
         self.snapshot = self.engine.state()
-        self.admission = AdmissionState(self.admission.estimator, queued_prefill_tokens(self.engine.scheduler))
+        self.admission = self._queue_state(self.admission.estimator)

@@ -109,7 +109,7 @@ class ServerMetrics:
             est = admission.estimator
             self.queued_prefill.set(admission.tokens_ahead)
             self.prefill_rate.set(est.tokens_per_s or 0.0)
-            self.est_ttft.set(est.estimate_s(admission.tokens_ahead, 1) or 0.0)
+            self.est_ttft.set(est.estimate_s(admission.tokens_ahead, 1, 0.0, admission.steps_to_seat) or 0.0)
         self.kv_used.set(snapshot.kv_blocks_used)
         self.kv_total.set(snapshot.kv_blocks_total)
         self.prefix_hit_rate.set(snapshot.prefix_hit_rate)
