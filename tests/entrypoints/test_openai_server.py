@@ -483,11 +483,34 @@ def test_load_generator_overload_runs_at_a_multiple_of_the_measured_capacity(liv
     wait_until_idle(live)
 
 
+def test_serve_command_takes_the_engine_and_shedding_options(monkeypatch):
+    from minillm.entrypoints import cli
+
+    seen = {}
+
+    class FakeLLM:  # records what the CLI builds instead of loading a model
+        model = type("Model", (), {"dtype": "float32", "device": "cpu"})()
+
+        def __init__(self, model, **options):
+            seen["llm"] = options
+
+    monkeypatch.setattr("minillm.llm.LLM", FakeLLM)
+    monkeypatch.setattr("minillm.entrypoints.openai.server.run_server", lambda llm, **kw: seen.update(run=kw))
+    assert cli.main(["serve", "--enforce-eager", "--kv-cache-dtype", "fp8", "--ttft-slo-ms", "1500"]) == 0
+    assert seen["llm"]["enforce_eager"] is True and seen["llm"]["kv_cache_dtype"] == "fp8"
+    assert seen["run"]["ttft_slo_s"] == 1.5
+    seen.clear()
+    assert cli.main(["serve"]) == 0  # defaults: the engine's own, no shedding
+    assert "enforce_eager" not in seen["llm"] and "kv_cache_dtype" not in seen["llm"]
+    assert seen["run"]["ttft_slo_s"] is None
+
+
 def test_serve_command_answers_then_exits_on_sigterm(tmp_path, tokenizer):
     tiny_hf_model().save_pretrained(tmp_path / "tiny")
     tokenizer.save_pretrained(tmp_path / "tiny")
     proc = subprocess.Popen([sys.executable, "-m", "minillm", "serve", str(tmp_path / "tiny"), "--port", "0",
-                             "--dtype", "float32", "--device", "cpu", "--shutdown-timeout", "0.5"],
+                             "--dtype", "float32", "--device", "cpu", "--shutdown-timeout", "0.5",
+                             "--enforce-eager", "--kv-cache-dtype", "int8", "--ttft-slo-ms", "60000"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         url = None
