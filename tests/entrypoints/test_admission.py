@@ -162,3 +162,21 @@ def test_time_already_waited_for_a_step_counts_against_the_budget():
     est = steps(TTFTEstimator(), 5, tokens=100, seconds=0.1)  # 1,000 tokens/s
     assert est.admits(1.0, tokens_ahead=500, prompt_tokens=100)  # 0.7 s from now
     assert not est.admits(1.0, tokens_ahead=500, prompt_tokens=100, waited_s=0.5)  # it arrived mid-step 0.5 s ago
+
+
+def test_a_model_that_runs_slow_widens_the_margin_and_sheds_sooner():
+    est = steps(TTFTEstimator(), 5, tokens=100, seconds=0.1)  # 1,000 tokens/s
+    assert est.margin == 1.0 and est.admits(1.0, 700, 100)  # 0.9 s modelled
+    for actual in (1.4, 1.6, 1.5, 1.3, 1.7):  # requests modelled at 1 s took ~1.5 s
+        est = est.calibrate(1.0, actual)
+    assert est.error == pytest.approx(1.5, abs=0.1) and est.margin > est.error
+    assert est.model_s(700, 100) == pytest.approx(0.9) and est.estimate_s(700, 100) == pytest.approx(0.9 * est.margin)
+    assert not est.admits(1.0, 700, 100)
+
+
+def test_a_steady_accurate_model_keeps_the_margin_near_one():
+    est = steps(TTFTEstimator(), 5, tokens=100, seconds=0.1)
+    for _ in range(40):
+        est = est.calibrate(1.0, 1.0)
+    assert est.margin == pytest.approx(1.0, abs=0.01)
+    assert est.calibrate(0.0, 1.0) == est  # a zero model teaches nothing

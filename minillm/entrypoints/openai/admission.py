@@ -23,6 +23,14 @@ the server answers 429 ("overloaded", with ``Retry-After``) at once instead of l
 SLO — and, since refused requests add no work, the ones it admits keep their TTFT: shedding protects goodput,
 where an unbounded queue lets every request miss.
 
+The model is a mean, and an SLO is a tail (p99): host noise, decode batches that grow while a request waits and
+steps slowed by other work all make some requests slower than modelled.  So the loop also watches its own error:
+when a request's first token comes it compares the TTFT with the model's value at admission, keeps an EWMA of the
+ratio and of its deviation (Jacobson's smoothed round-trip time and variance, as TCP sets its retransmission
+timeout, RFC 6298: gains 1/8 and 1/4), and scales the model by ``mean + 3 × deviation`` (at least 1): a normal
+tail's p99 is its mean + 2.33 σ, about + 2.9 mean absolute deviations.  A steady machine keeps the margin near 1;
+a noisy one sheds earlier.
+
 Two deliberate blind spots, both in the request's favour: before any prefill step has been measured everything is
 admitted (there is no rate to divide by yet), and a request with nothing queued ahead of it is always admitted,
 however long its prompt (refusing it helps no one: it would be refused again forever on an idle server).
@@ -54,6 +62,9 @@ class TTFTEstimator:
     step_s: float = 0.0  # EWMA of every step's duration
     prefill_steps: int = 0  # steps that prefilled (0: no rate measured yet)
     steps: int = 0
+    error: float = 1.0  # EWMA of actual / modelled TTFT
+    error_dev: float = 0.0  # EWMA of |ratio - error|
+    calibrations: int = 0
 
     def __post_init__(self):
         if not isinstance(self.alpha, (int, float)) or not 0.0 < self.alpha <= 1.0:
@@ -79,15 +90,38 @@ class TTFTEstimator:
             return None
         return self.prefill_tokens / self.prefill_s
 
-    def estimate_s(self, tokens_ahead: int, prompt_tokens: int, waited_s: float = 0.0,
-                   steps_to_seat: int = 0) -> float | None:
-        """Estimated TTFT (s) of a request with ``prompt_tokens`` prompt tokens behind ``tokens_ahead`` queued
-        prefill tokens, that arrived ``waited_s`` seconds ago and gets a seat in the batch after ``steps_to_seat``
-        steps; None before any prefill step has been measured."""
+    def calibrate(self, modelled_s: float, actual_s: float) -> TTFTEstimator:
+        """The estimator after a request whose TTFT was modelled as ``modelled_s`` (``model_s`` at admission) got
+        its first token after ``actual_s``: the error's mean and deviation move (RFC 6298's gains)."""
+        if not modelled_s > 0 or not actual_s >= 0:
+            return self  # nothing to learn from a zero model
+        ratio = actual_s / modelled_s
+        if self.calibrations == 0:  # RFC 6298 2.2: SRTT = R, RTTVAR = R / 2
+            return replace(self, error=ratio, error_dev=ratio / 2, calibrations=1)
+        dev = 0.75 * self.error_dev + 0.25 * abs(ratio - self.error)
+        return replace(self, error=0.875 * self.error + 0.125 * ratio, error_dev=dev,
+                       calibrations=self.calibrations + 1)
+
+    @property
+    def margin(self) -> float:
+        """What the model is multiplied by to cover the tail: ``error + 3 × error_dev``, at least 1."""
+        return max(1.0, self.error + 3.0 * self.error_dev) if self.calibrations else 1.0
+
+    def model_s(self, tokens_ahead: int, prompt_tokens: int, waited_s: float = 0.0,
+                steps_to_seat: int = 0) -> float | None:
+        """The model's TTFT (s), before the margin, of a request with ``prompt_tokens`` prompt tokens behind
+        ``tokens_ahead`` queued prefill tokens, that arrived ``waited_s`` seconds ago and gets a seat in the batch
+        after ``steps_to_seat`` steps; None before any prefill step has been measured."""
         rate = self.tokens_per_s
         if rate is None:
             return None
         return waited_s + self.step_s * (1 + steps_to_seat) + (tokens_ahead + prompt_tokens) / rate
+
+    def estimate_s(self, tokens_ahead: int, prompt_tokens: int, waited_s: float = 0.0,
+                   steps_to_seat: int = 0) -> float | None:
+        """The TTFT (s) the request should meet with high probability: ``model_s × margin`` (None: no model)."""
+        model = self.model_s(tokens_ahead, prompt_tokens, waited_s, steps_to_seat)
+        return None if model is None else model * self.margin
 
     def admits(self, budget_s: float, tokens_ahead: int, prompt_tokens: int, waited_s: float = 0.0,
                steps_to_seat: int = 0) -> bool:

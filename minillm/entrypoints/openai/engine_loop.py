@@ -22,7 +22,7 @@ import queue
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from minillm.engine.inputs import chat_prompt_ids
 from minillm.entrypoints.openai.admission import AdmissionState, TTFTEstimator, queued_prefill_tokens, steps_to_seat
@@ -151,6 +151,7 @@ class EngineLoop:
         self.admission = AdmissionState()  # rebound by the loop thread, read by handlers and /metrics (same reason)
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}  # loop thread only
+        self._modelled: dict[str, tuple[float, float]] = {}  # loop thread only: id -> (arrival, model's TTFT)
         self._in_flight = 0  # event-loop thread only
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="minillm-engine-loop", daemon=True)
@@ -304,11 +305,15 @@ class EngineLoop:
             if len(ids) >= self.max_model_len:
                 raise PromptTooLong(f"the prompt has {len(ids)} tokens but the model's context is "
                                     f"{self.max_model_len} tokens (room is needed for at least one output token)")
-            self._shed(self._queue_state(self.admission.estimator), len(ids), time.perf_counter() - c.arrival_time)
+            state, waited = self._queue_state(self.admission.estimator), time.perf_counter() - c.arrival_time
+            self._shed(state, len(ids), waited)
             self.engine.add_request(ids, c.params, c.request_id, c.arrival_time)
         except Exception as e:
             c.reply.set_exception(e)
             return
+        model = state.estimator.model_s(state.tokens_ahead, len(ids), waited, state.steps_to_seat)
+        if model is not None:  # checked against the real TTFT when its first token comes (_dispatch)
+            self._modelled[c.request_id] = (c.arrival_time, model)
         self._streams[c.request_id] = (c.loop, c.queue)
         c.reply.set_result(ids)
 
@@ -319,12 +324,18 @@ class EngineLoop:
 
     def _dispatch(self, updates: list[StepOutput]) -> None:
         for u in updates:
+            modelled = self._modelled.pop(u.request_id, None)
+            if modelled is not None and u.finish_reason != "error":  # its first token: how far off was the model?
+                arrival, model = modelled
+                est = self.admission.estimator.calibrate(model, time.perf_counter() - arrival)
+                self.admission = replace(self.admission, estimator=est)
             self._post(u.request_id, u)
             if u.finished:
                 self._finish(u.request_id)
 
     def _finish(self, request_id: str) -> None:
         """Hand a retired request's output to its stream (no-op while other samples of it still run)."""
+        self._modelled.pop(request_id, None)
         try:
             output = self.engine.pop_output(request_id)
         except KeyError:
@@ -343,6 +354,7 @@ class EngineLoop:
             pass
 
     def _fail_all(self, error: BaseException) -> None:
+        self._modelled.clear()
         for request_id in list(self._streams):
             try:
                 self.engine.abort(request_id)

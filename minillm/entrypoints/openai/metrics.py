@@ -57,6 +57,9 @@ class ServerMetrics:
                                     registry=r)
         self.prefill_rate = Gauge("minillm_prefill_tokens_per_second", "Prefill throughput, EWMA of recent steps "
                                   "(0 before any)", registry=r)
+        self.est_margin = Gauge("minillm_estimated_ttft_margin", "What the TTFT model is multiplied by to cover "
+                                "its own error (mean + 3 deviations of actual / modelled TTFT; 1 until measured)",
+                                registry=r)
         self.est_ttft = Gauge("minillm_estimated_ttft_seconds", "Estimated TTFT of a one-token prompt arriving now "
                               "(what load shedding compares with its budget; 0 before any prefill)", registry=r)
         self.kv_used = Gauge("minillm_kv_blocks_used", "KV-cache blocks referenced by a sequence", registry=r)
@@ -109,6 +112,7 @@ class ServerMetrics:
             est = admission.estimator
             self.queued_prefill.set(admission.tokens_ahead)
             self.prefill_rate.set(est.tokens_per_s or 0.0)
+            self.est_margin.set(est.margin)
             self.est_ttft.set(est.estimate_s(admission.tokens_ahead, 1, 0.0, admission.steps_to_seat) or 0.0)
         self.kv_used.set(snapshot.kv_blocks_used)
         self.kv_total.set(snapshot.kv_blocks_total)
