@@ -118,11 +118,14 @@ def cmd_chat(a) -> int:
 def _replica_args(a) -> list[str]:
     """The serve options each replica gets: the model and engine options, not the front's host, port or routing."""
     names = ("dtype", "device", "kernels", "quantization", "api_key", "max_queue", "shutdown_timeout",
-             "max_num_seqs", "max_num_batched_tokens", "num_kv_blocks", "max_model_len")
+             "max_num_seqs", "max_num_batched_tokens", "num_kv_blocks", "max_model_len", "kv_cache_dtype",
+             "ttft_slo_ms")
     args = [a.model_path or a.model] if (a.model_path or a.model) else []
     for name in names:
         if getattr(a, name) is not None:
             args += [f"--{name.replace('_', '-')}", str(getattr(a, name))]
+    if a.enforce_eager:
+        args.append("--enforce-eager")
     return args
 
 
@@ -139,14 +142,15 @@ def cmd_serve(a) -> int:
     from minillm.llm import LLM
 
     model = a.model_path or a.model
-    names = ("max_num_seqs", "max_num_batched_tokens", "num_kv_blocks", "max_model_len")
+    names = ("max_num_seqs", "max_num_batched_tokens", "num_kv_blocks", "max_model_len", "enforce_eager",
+             "kv_cache_dtype")
     engine = {k: getattr(a, k) for k in names if getattr(a, k) is not None}
     llm = LLM(model, dtype=a.dtype, device=a.device, kernels=a.kernels, quantization=a.quantization, **engine)
     print(f"[serving {model or DEFAULT_MODEL_NAME} ({llm.model.dtype}, {llm.model.device}) on "
           f"http://{a.host}:{a.port}/v1]", file=sys.stderr)
     run_server(llm, host=a.host, port=a.port, api_key=a.api_key, max_queue=a.max_queue,
-               shutdown_timeout_s=a.shutdown_timeout, served_model_name=str(model) if model else DEFAULT_MODEL_NAME,
-               log_level=a.log_level)
+               ttft_slo_s=None if a.ttft_slo_ms is None else a.ttft_slo_ms / 1e3, shutdown_timeout_s=a.shutdown_timeout,
+               served_model_name=str(model) if model else DEFAULT_MODEL_NAME, log_level=a.log_level)
     return 0
 
 
@@ -224,6 +228,10 @@ def build_parser() -> argparse.ArgumentParser:
                                                              "more get 429")
     s.add_argument("--shutdown-timeout", type=float, default=10.0, help="seconds in-flight requests may run on "
                                                                         "after SIGTERM before they are aborted")
+    s.add_argument("--ttft-slo-ms", type=float, default=None, metavar="MS",
+                   help="load shedding: answer 429 'overloaded' (with Retry-After) at once to a request whose "
+                        "estimated time to first token — prompt tokens queued ahead + its own at the measured "
+                        "prefill rate, plus a step — exceeds MS (default: off, admit by --max-queue only)")
     for flag in ("--max-num-seqs", "--max-num-batched-tokens", "--num-kv-blocks", "--max-model-len"):
         s.add_argument(flag, type=int, default=None, help="EngineConfig option")
     s.add_argument("--replicas", type=int, default=None, help="N > 1: N server processes (a model each, the cores "
@@ -231,6 +239,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--routing", default="least_loaded", choices=["least_loaded", "round_robin"],
                    help="with --replicas: least_loaded (fewest requests in flight) or round_robin")
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    s.add_argument("--enforce-eager", action="store_true", default=None,
+                   help="EngineConfig option: run every step eagerly (no CUDA graphs / static decode buffers)")
+    s.add_argument("--kv-cache-dtype", default=None, choices=["auto", "int8", "fp8"],
+                   help="EngineConfig option: store K/V as int8/fp8 (default auto: the model's dtype)")
     s.set_defaults(fn=cmd_serve)
     b = sub.add_parser("bench", help="side-by-side benchmarks (decode | attention | serving | quant | spec | tp | "
                                      "serve: a load generator for any OpenAI server, see 'bench serve --help')")

@@ -344,6 +344,69 @@ def test_full_queue_is_answered_with_429_at_once(strict):
     assert_still_serves(strict, "sesame", "tiny")
 
 
+@pytest.fixture(scope="module")
+def shedding(model, tokenizer):
+    """Load shedding on: a 0.5 s TTFT budget, 64-token steps (a long prompt takes several), a roomy count limit —
+    so under a burst it is the TTFT estimate, not the count, that refuses."""
+    engine = LLMEngine(model, tokenizer, EngineConfig(max_num_seqs=4, max_num_batched_tokens=64))
+    server = LiveServer(build_app(engine, max_queue=200, ttft_slo_s=0.5))
+    yield server
+    server.stop()
+
+
+def test_under_overload_each_request_finishes_or_is_shed_with_429_none_lost_none_hangs(shedding):
+    long_prompt = "Tell me everything about the history of the Roman Empire. " * 40  # ~440 tokens: 7 steps
+    assert_still_serves(shedding)  # a measured step first: before one, nothing can be estimated (all admitted)
+
+    async def one(client: httpx.AsyncClient, k: int):
+        body = {"model": MODEL, "prompt": f"{k} {long_prompt}", "max_tokens": 4, "ignore_eos": True,
+                "stream": k % 2 == 0}
+        r = await client.post("/v1/completions", json=body)
+        return r.status_code, r.headers, r.text
+
+    async def burst():
+        async with httpx.AsyncClient(base_url=shedding.url, timeout=60) as client:
+            return await asyncio.wait_for(asyncio.gather(*(one(client, k) for k in range(40))), 120)
+
+    results = asyncio.run(burst())  # a hang would raise TimeoutError here
+    ok = shed = 0
+    for status, headers, text in results:
+        if status == 200:  # finished: 4 tokens, streamed ([DONE]) or whole
+            ok += 1
+            assert text.rstrip().endswith("data: [DONE]") or json.loads(text)["usage"]["completion_tokens"] == 4
+        else:
+            assert status == 429, (status, text)
+            error = json.loads(text)["error"]
+            assert error["type"] == "rate_limit_error" and error["code"] == "overloaded", error
+            assert int(headers["retry-after"]) >= 1
+            shed += 1
+    assert ok + shed == 40 and ok >= 1 and shed >= 1  # none lost; the estimate both admitted and refused
+    text = wait_until_idle(shedding)
+    assert metric(text, 'minillm_requests_shed_total{reason="overloaded"}') == shed
+    assert metric(text, "minillm_prefill_tokens_per_second") > 0
+    assert_still_serves(shedding)
+
+
+def test_a_shed_request_reaches_the_openai_client_as_a_rate_limit_error(shedding):
+    loop = shedding.app.state.server.loop  # test hook: make the published queue look long (the next step resets it)
+    from minillm.entrypoints.openai.admission import AdmissionState
+
+    assert_still_serves(shedding)  # a prefill rate is measured
+    wait_until_idle(shedding)
+    time.sleep(0.1)  # the loop publishes right after its last step, then sleeps until a command comes
+    loop.admission = AdmissionState(loop.admission.estimator, tokens_ahead=10**9)
+    with pytest.raises(openai.RateLimitError) as info:
+        shedding.client().completions.create(model=MODEL, prompt="Hello", max_tokens=2)
+    assert info.value.code == "overloaded" and int(info.value.response.headers["retry-after"]) >= 1
+    assert "overloaded" in info.value.message
+    loop.abort("no-such-request")  # any command wakes the idle loop, which republishes the real (empty) queue
+    deadline = time.monotonic() + 10
+    while loop.admission.tokens_ahead:
+        assert time.monotonic() < deadline, "the loop never republished its queue"
+        time.sleep(0.01)
+    assert_still_serves(shedding)  # admitted again
+
+
 def test_a_client_that_disconnects_mid_stream_aborts_and_frees_its_kv_blocks(live):
     loop = live.app.state.server.loop  # test hook: the engine loop's published snapshot
     body = {"model": MODEL, "prompt": "A long story:", "max_tokens": CONTEXT - 10, "ignore_eos": True,
@@ -408,11 +471,46 @@ def test_load_generator_counts_refusals_as_rejected_not_failed(strict, tmp_path)
     wait_until_idle(strict)
 
 
+def test_load_generator_overload_runs_at_a_multiple_of_the_measured_capacity(live):
+    from minillm.perf.bench.serve import bench_serve
+
+    result = bench_serve(live.url, [4.0], 6, seed=2, max_tokens=3, ignore_eos=True, ttft_slo_s=5.0,
+                         overload=2.0, progress=False, save=False)
+    assert result["runs"][0]["completed"] == 6  # the tiny model meets a 5 s SLO at 4 req/s: capacity 4
+    over = result["overload"]
+    assert over["capacity_rate"] == 4.0 and over["request_rate"] == 8.0 and over["factor"] == 2.0
+    assert over["completed"] + over["rejected"] + over["failed"] == 6 and over["failed"] == 0
+    wait_until_idle(live)
+
+
+def test_serve_command_takes_the_engine_and_shedding_options(monkeypatch):
+    from minillm.entrypoints import cli
+
+    seen = {}
+
+    class FakeLLM:  # records what the CLI builds instead of loading a model
+        model = type("Model", (), {"dtype": "float32", "device": "cpu"})()
+
+        def __init__(self, model, **options):
+            seen["llm"] = options
+
+    monkeypatch.setattr("minillm.llm.LLM", FakeLLM)
+    monkeypatch.setattr("minillm.entrypoints.openai.server.run_server", lambda llm, **kw: seen.update(run=kw))
+    assert cli.main(["serve", "--enforce-eager", "--kv-cache-dtype", "fp8", "--ttft-slo-ms", "1500"]) == 0
+    assert seen["llm"]["enforce_eager"] is True and seen["llm"]["kv_cache_dtype"] == "fp8"
+    assert seen["run"]["ttft_slo_s"] == 1.5
+    seen.clear()
+    assert cli.main(["serve"]) == 0  # defaults: the engine's own, no shedding
+    assert "enforce_eager" not in seen["llm"] and "kv_cache_dtype" not in seen["llm"]
+    assert seen["run"]["ttft_slo_s"] is None
+
+
 def test_serve_command_answers_then_exits_on_sigterm(tmp_path, tokenizer):
     tiny_hf_model().save_pretrained(tmp_path / "tiny")
     tokenizer.save_pretrained(tmp_path / "tiny")
     proc = subprocess.Popen([sys.executable, "-m", "minillm", "serve", str(tmp_path / "tiny"), "--port", "0",
-                             "--dtype", "float32", "--device", "cpu", "--shutdown-timeout", "0.5"],
+                             "--dtype", "float32", "--device", "cpu", "--shutdown-timeout", "0.5",
+                             "--enforce-eager", "--kv-cache-dtype", "int8", "--ttft-slo-ms", "60000"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         url = None

@@ -6,7 +6,11 @@
 The engine is plain, single-threaded Python: only the loop thread ever calls it (tokenizing prompts and applying
 the chat template included, since the engine's detokenizer uses the same tokenizer).  A handler never blocks the
 event loop on the model: it awaits its own queue.  Admission is bounded: at most ``max_num_seqs + max_queue``
-requests are in flight; the next one is refused at once (``QueueFull``) instead of waiting without limit.
+requests are in flight; the next one is refused at once (``QueueFull``) instead of waiting without limit.  With a
+TTFT budget (``ttft_slo_s``) the loop also sheds load: it times every step, estimates a newcomer's TTFT from the
+prefill work queued ahead of it (``admission.TTFTEstimator``) and refuses it (``Overloaded``) when that estimate is
+over the budget — first on the event loop from the last published queue (no wait at all when the queue alone is
+over), then on the loop thread with the request's own prompt length.
 """
 
 from __future__ import annotations
@@ -18,9 +22,10 @@ import queue
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from minillm.engine.inputs import chat_prompt_ids
+from minillm.entrypoints.openai.admission import AdmissionState, TTFTEstimator, queued_prefill_tokens, steps_to_seat
 from minillm.outputs import EngineState, RequestOutput, StepOutput
 from minillm.sampling.params import SamplingParams
 
@@ -32,6 +37,14 @@ Prompt = str | Sequence[int] | Sequence[dict]
 
 class QueueFull(Exception):
     """Every in-flight slot is taken (running and waiting): answer 429 now rather than queue without bound."""
+
+
+class Overloaded(QueueFull):
+    """Shed: the request's estimated TTFT is over the budget (429 with ``Retry-After: retry_after_s``)."""
+
+    def __init__(self, message: str, retry_after_s: int):
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
 
 
 class ShuttingDown(Exception):
@@ -118,20 +131,27 @@ class RequestStream:
 class EngineLoop:
     """Owns ``engine`` (an ``LLMEngine``) on one background thread; ``submit`` and ``abort`` from the event loop.
 
-    ``max_queue``: requests allowed to wait beyond the ``max_num_seqs`` that can run.
+    ``max_queue``: requests allowed to wait beyond the ``max_num_seqs`` that can run.  ``ttft_slo_s``: shed load —
+    refuse (``Overloaded``) a request whose estimated TTFT exceeds this many seconds; None (default) admits by count
+    only.  ``admission`` (an ``AdmissionState``) is the loop's latest estimate, whether or not it sheds.
     """
 
-    def __init__(self, engine, *, max_queue: int = 64):
+    def __init__(self, engine, *, max_queue: int = 64, ttft_slo_s: float | None = None):
         if not isinstance(max_queue, int) or max_queue < 0:
             raise ValueError(f"max_queue must be an int >= 0, got {max_queue!r}")
+        if ttft_slo_s is not None and (not isinstance(ttft_slo_s, (int, float)) or not ttft_slo_s > 0):
+            raise ValueError(f"ttft_slo_s must be None (no shedding) or a number of seconds > 0, got {ttft_slo_s!r}")
+        self.ttft_slo_s = ttft_slo_s
         self.engine = engine  # touched only by the loop thread once start() has run
         self.max_model_len: int = engine.max_model_len  # constants, read once here
         self.capacity = engine.config.max_num_seqs + max_queue
         # The engine's load after the loop's latest iteration, for /metrics: read without a lock — the loop thread
         # replaces the whole frozen object, and rebinding an attribute is atomic in CPython.
         self.snapshot: EngineState = engine.state()
+        self.admission = AdmissionState()  # rebound by the loop thread, read by handlers and /metrics (same reason)
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}  # loop thread only
+        self._modelled: dict[str, tuple[float, float]] = {}  # loop thread only: id -> (arrival, model's TTFT)
         self._in_flight = 0  # event-loop thread only
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="minillm-engine-loop", daemon=True)
@@ -163,6 +183,7 @@ class EngineLoop:
         if self._in_flight >= self.capacity:
             raise QueueFull(f"the server is at capacity ({self._in_flight} requests in flight, the limit is "
                             f"{self.capacity}: max_num_seqs + max_queue); retry later")
+        self._shed(self.admission, 0)  # the queue alone is over the budget: refuse without waiting for a step
         updates: asyncio.Queue = asyncio.Queue()
         reply: concurrent.futures.Future = concurrent.futures.Future()
         self._in_flight += 1
@@ -188,6 +209,25 @@ class EngineLoop:
         if not finished:
             self.abort(request_id)
 
+    def _shed(self, admission: AdmissionState, prompt_tokens: int, waited_s: float = 0.0) -> None:
+        """Raise ``Overloaded`` if shedding is on and a ``prompt_tokens`` prompt that arrived ``waited_s`` ago would
+        miss the TTFT budget."""
+        budget, est, ahead, seat = self.ttft_slo_s, admission.estimator, admission.tokens_ahead, admission.steps_to_seat
+        if budget is None or est.admits(budget, ahead, prompt_tokens, waited_s, seat):
+            return
+        estimate = est.estimate_s(ahead, prompt_tokens, waited_s, seat)
+        raise Overloaded(f"the server is overloaded: {ahead} prompt tokens are queued ahead of this request and a "
+                         f"seat in the batch frees in ~{seat} steps: an estimated time to first token of "
+                         f"{estimate:.2f} s (at {est.tokens_per_s:.0f} prefill tokens/s, {est.step_s:.2f} s per "
+                         f"step), over the {budget:g} s budget; retry later",
+                         est.retry_after_s(budget, ahead, prompt_tokens, seat))
+
+    def _queue_state(self, estimator: TTFTEstimator) -> AdmissionState:
+        """``estimator`` with the engine's queue now (loop thread only)."""
+        scheduler = self.engine.scheduler
+        return AdmissionState(estimator, queued_prefill_tokens(scheduler),
+                              steps_to_seat(scheduler, self.engine.config.max_num_seqs, self.max_model_len))
+
     # ---- loop thread ---------------------------------------------------------------------------------------------
     def _run(self) -> None:
         engine = self.engine
@@ -200,16 +240,30 @@ class EngineLoop:
                 self._handle(command)
             wait = None
             if engine.has_unfinished_requests():
-                try:
-                    updates = engine.step()
-                    self._dispatch(updates)
-                except Exception as e:  # keep serving: end what was in flight, start clean
-                    log.exception("engine step failed; aborting %d requests", len(self._streams))
-                    self._fail_all(e)
-                    updates = []
+                updates = self._step()
                 # Nothing ran (e.g. a dynamic batch still collecting): nap 1 ms instead of spinning on step().
                 wait = 0.0 if updates else 1e-3
             self._publish()
+
+    def _step(self) -> list[StepOutput]:
+        """One engine step, timed: the prefill tokens it cleared and its duration feed the TTFT estimator."""
+        before = queued_prefill_tokens(self.engine.scheduler)  # recounted: aborts since the last step freed some
+        t0 = time.perf_counter()
+        try:
+            updates = self.engine.step()
+        except Exception as e:  # keep serving: end what was in flight, start clean
+            log.exception("engine step failed; aborting %d requests", len(self._streams))
+            self._fail_all(e)
+            return []
+        elapsed = time.perf_counter() - t0
+        after = queued_prefill_tokens(self.engine.scheduler)
+        est = self.admission.estimator
+        if updates:  # an empty step (a batch still collecting) measured nothing
+            # A recompute preemption puts a sequence's tokens back in the queue (after > before): no prefill rate
+            est = est.observe(max(before - after, 0), elapsed)
+        self.admission = AdmissionState(est, after, self.admission.steps_to_seat)  # the seats: at _publish
+        self._dispatch(updates)
+        return updates
 
     def _drain(self, wait: float | None) -> list:
         """Every queued command, after waiting up to ``wait`` seconds for the first (None: until one comes —
@@ -251,10 +305,15 @@ class EngineLoop:
             if len(ids) >= self.max_model_len:
                 raise PromptTooLong(f"the prompt has {len(ids)} tokens but the model's context is "
                                     f"{self.max_model_len} tokens (room is needed for at least one output token)")
+            state, waited = self._queue_state(self.admission.estimator), time.perf_counter() - c.arrival_time
+            self._shed(state, len(ids), waited)
             self.engine.add_request(ids, c.params, c.request_id, c.arrival_time)
         except Exception as e:
             c.reply.set_exception(e)
             return
+        model = state.estimator.model_s(state.tokens_ahead, len(ids), waited, state.steps_to_seat)
+        if model is not None:  # checked against the real TTFT when its first token comes (_dispatch)
+            self._modelled[c.request_id] = (c.arrival_time, model)
         self._streams[c.request_id] = (c.loop, c.queue)
         c.reply.set_result(ids)
 
@@ -265,12 +324,18 @@ class EngineLoop:
 
     def _dispatch(self, updates: list[StepOutput]) -> None:
         for u in updates:
+            modelled = self._modelled.pop(u.request_id, None)
+            if modelled is not None and u.finish_reason != "error":  # its first token: how far off was the model?
+                arrival, model = modelled
+                est = self.admission.estimator.calibrate(model, time.perf_counter() - arrival)
+                self.admission = replace(self.admission, estimator=est)
             self._post(u.request_id, u)
             if u.finished:
                 self._finish(u.request_id)
 
     def _finish(self, request_id: str) -> None:
         """Hand a retired request's output to its stream (no-op while other samples of it still run)."""
+        self._modelled.pop(request_id, None)
         try:
             output = self.engine.pop_output(request_id)
         except KeyError:
@@ -289,6 +354,7 @@ class EngineLoop:
             pass
 
     def _fail_all(self, error: BaseException) -> None:
+        self._modelled.clear()
         for request_id in list(self._streams):
             try:
                 self.engine.abort(request_id)
@@ -321,3 +387,4 @@ class EngineLoop:
 
     def _publish(self) -> None:
         self.snapshot = self.engine.state()
+        self.admission = self._queue_state(self.admission.estimator)

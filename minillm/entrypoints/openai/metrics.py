@@ -7,6 +7,7 @@ state is gauges read from the loop thread's latest ``EngineState`` at scrape tim
 
 from __future__ import annotations
 
+from minillm.entrypoints.openai.admission import AdmissionState
 from minillm.outputs import EngineState, RequestOutput
 
 # Bucket edges in seconds: TTFT spans a cached short prompt (ms) to a long prefill behind a queue (tens of s);
@@ -27,6 +28,11 @@ class ServerMetrics:
         self.registry = r = CollectorRegistry()
         self.http_requests = Counter("minillm_http_requests", "HTTP requests by path and status code",
                                      ["path", "status"], registry=r)
+        self.shed = Counter("minillm_requests_shed", "Requests refused with 429 before any work: queue_full (every "
+                            "in-flight slot taken) or overloaded (estimated TTFT over the budget)", ["reason"],
+                            registry=r)
+        for reason in ("queue_full", "overloaded"):  # exported as 0 from the start: a scraper sees both series
+            self.shed.labels(reason=reason)
         self.finished = Counter("minillm_request_success", "Samples of answered requests, by finish reason "
                                 "(abort: the server stopped them)", ["finish_reason"], registry=r)
         self.prompt_tokens = Counter("minillm_prompt_tokens", "Prompt tokens of finished requests", registry=r)
@@ -47,6 +53,15 @@ class ServerMetrics:
         self.swapped = Gauge("minillm_num_sequences_swapped", "Sequences swapped out to host memory", registry=r)
         self.in_flight = Gauge("minillm_num_requests_in_flight", "Requests admitted and not yet answered",
                                registry=r)
+        self.queued_prefill = Gauge("minillm_queued_prefill_tokens", "Prompt tokens waiting to be prefilled",
+                                    registry=r)
+        self.prefill_rate = Gauge("minillm_prefill_tokens_per_second", "Prefill throughput, EWMA of recent steps "
+                                  "(0 before any)", registry=r)
+        self.est_margin = Gauge("minillm_estimated_ttft_margin", "What the TTFT model is multiplied by to cover "
+                                "its own error (mean + 3 deviations of actual / modelled TTFT; 1 until measured)",
+                                registry=r)
+        self.est_ttft = Gauge("minillm_estimated_ttft_seconds", "Estimated TTFT of a one-token prompt arriving now "
+                              "(what load shedding compares with its budget; 0 before any prefill)", registry=r)
         self.kv_used = Gauge("minillm_kv_blocks_used", "KV-cache blocks referenced by a sequence", registry=r)
         self.kv_total = Gauge("minillm_kv_blocks_total", "KV-cache blocks on the device", registry=r)
         self.prefix_hit_rate = Gauge("minillm_prefix_cache_hit_rate", "Prompt tokens served from the prefix cache "
@@ -65,6 +80,9 @@ class ServerMetrics:
     def count_response(self, path: str, status: int) -> None:
         self.http_requests.labels(path=path, status=str(status)).inc()
 
+    def count_shed(self, reason: str) -> None:
+        self.shed.labels(reason=reason).inc()
+
     def observe(self, output: RequestOutput) -> None:
         """Record a finished request: one latency observation per sample (``n`` samples are ``n`` streams)."""
         self.prompt_tokens.inc(len(output.prompt_token_ids))
@@ -82,14 +100,20 @@ class ServerMetrics:
             for gap in m.itl_s:
                 self.itl.observe(gap)
 
-    def render(self, snapshot: EngineState, in_flight: int) -> bytes:
-        """The text exposition, with the gauges set from ``snapshot`` first."""
+    def render(self, snapshot: EngineState, in_flight: int, admission: AdmissionState | None = None) -> bytes:
+        """The text exposition, with the gauges set from ``snapshot`` and ``admission`` first."""
         from prometheus_client import generate_latest
 
         self.running.set(snapshot.running)
         self.waiting.set(snapshot.waiting)
         self.swapped.set(snapshot.swapped)
         self.in_flight.set(in_flight)
+        if admission is not None:
+            est = admission.estimator
+            self.queued_prefill.set(admission.tokens_ahead)
+            self.prefill_rate.set(est.tokens_per_s or 0.0)
+            self.est_margin.set(est.margin)
+            self.est_ttft.set(est.estimate_s(admission.tokens_ahead, 1, 0.0, admission.steps_to_seat) or 0.0)
         self.kv_used.set(snapshot.kv_blocks_used)
         self.kv_total.set(snapshot.kv_blocks_total)
         self.prefix_hit_rate.set(snapshot.prefix_hit_rate)

@@ -6,8 +6,9 @@
 Handlers validate a request (pydantic models in ``protocol.py``; ``SamplingParams`` checks the values), hand it to
 the ``EngineLoop`` thread and stream back what it produces.  Every error is OpenAI's
 ``{"error": {"message", "type", "param", "code"}}``: 400 bad values and malformed JSON, 401 wrong API key,
-404 unknown model, 413 prompt over the context (or body over ``max_body_bytes``), 429 admission queue full,
-503 shutting down.  A client that disconnects aborts its request, which frees its KV blocks.
+404 unknown model, 413 prompt over the context (or body over ``max_body_bytes``), 429 admission queue full or
+(with a TTFT budget, ``admission.py``) overloaded, both with ``Retry-After``, 503 shutting down.  A client that
+disconnects aborts its request, which frees its KV blocks.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from minillm.entrypoints.openai import protocol as p
 from minillm.entrypoints.openai.engine_loop import (
     EngineFailed,
     EngineLoop,
+    Overloaded,
     PromptTooLong,
     QueueFull,
     RequestStream,
@@ -43,12 +45,13 @@ class APIError(Exception):
     """An error answered with ``status`` and OpenAI's error body."""
 
     def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None):
+                 code: str | None = None, headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status, self.info = status, p.ErrorInfo(message=message, type=type, param=param, code=code)
+        self.headers = headers
 
     def response(self) -> JSONResponse:
-        return error_response(self.status, self.info)
+        return error_response(self.status, self.info, self.headers)
 
 
 def error_response(status: int, info: p.ErrorInfo, headers: dict | None = None) -> JSONResponse:
@@ -208,8 +211,14 @@ class Server:
         """Hand the request to the engine loop; map its refusals to HTTP errors."""
         try:
             return await self.loop.submit(prompt, params, request_id)
+        except Overloaded as e:  # shed: its estimated TTFT is over the budget
+            self.metrics.count_shed("overloaded")
+            raise APIError(429, str(e), type="rate_limit_error", code="overloaded",
+                           headers={"Retry-After": str(e.retry_after_s)}) from e
         except QueueFull as e:
-            raise APIError(429, str(e), type="rate_limit_error", code="queue_full") from e
+            self.metrics.count_shed("queue_full")
+            raise APIError(429, str(e), type="rate_limit_error", code="queue_full",
+                           headers={"Retry-After": "1"}) from e
         except ShuttingDown as e:
             raise APIError(503, str(e), type="server_error", code="shutting_down") from e
         except PromptTooLong as e:
@@ -299,12 +308,14 @@ async def _disconnected(request: Request) -> None:
 
 
 def build_app(llm_or_engine, *, served_model_name: str | Sequence[str] | None = None, api_key: str | None = None,
-              max_queue: int = 64, max_body_bytes: int = 4 << 20) -> FastAPI:
+              max_queue: int = 64, ttft_slo_s: float | None = None, max_body_bytes: int = 4 << 20) -> FastAPI:
     """The FastAPI app serving ``llm_or_engine`` (an ``LLM`` or an ``LLMEngine``).
 
     ``served_model_name``: the name(s) clients must pass as ``model`` (default "SmolLM2-135M-Instruct");
     ``api_key``: require ``Authorization: Bearer <key>`` on ``/v1``; ``max_queue``: requests that may wait beyond
-    the engine's ``max_num_seqs`` before new ones get 429; ``max_body_bytes``: larger bodies get 413.
+    the engine's ``max_num_seqs`` before new ones get 429; ``ttft_slo_s``: shed load — a request whose estimated
+    time to first token exceeds this many seconds gets 429 "overloaded" at once (None: off; ``admission.py``);
+    ``max_body_bytes``: larger bodies get 413.
     The engine loop thread starts with the app (lifespan) and stops with it, aborting what is still running.
     ``app.state.server.loop`` is the ``EngineLoop``.
     """
@@ -312,7 +323,8 @@ def build_app(llm_or_engine, *, served_model_name: str | Sequence[str] | None = 
 
     engine = getattr(llm_or_engine, "engine", llm_or_engine)  # an LLM builds its engine here, before the thread
     names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name or [])
-    server = Server(EngineLoop(engine, max_queue=max_queue), ServerMetrics(), names or [DEFAULT_MODEL_NAME])
+    server = Server(EngineLoop(engine, max_queue=max_queue, ttft_slo_s=ttft_slo_s), ServerMetrics(),
+                    names or [DEFAULT_MODEL_NAME])
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -365,7 +377,8 @@ def _add_routes(app: FastAPI, server: Server) -> None:
 
     @app.get("/metrics")
     async def metrics():
-        return Response(server.metrics.render(server.loop.snapshot, server.loop.in_flight), media_type=CONTENT_TYPE)
+        loop = server.loop
+        return Response(server.metrics.render(loop.snapshot, loop.in_flight, loop.admission), media_type=CONTENT_TYPE)
 
     @app.get("/v1/models")
     async def models() -> p.ModelList:

@@ -11,7 +11,16 @@ answer, and the client clocks every chunk:
   met the SLO on TTFT *and* TPOT (``minillm.perf.metrics.goodput``).
 
 A refused request (429/503) is counted as rejected, not as a failure: under overload that is the answer a server
-should give quickly.  Output tokens come from the server's usage chunk (``stream_options.include_usage``), else
+should give quickly.  A *failed* request (an error, a dropped connection, a timeout, an empty answer) is a lost
+one.  Latency percentiles are over the completed (admitted and answered) requests, and each run says whether their
+p99 TTFT met the SLO.
+
+Overload, in two steps (``--overload 2`` does both): sweep rates to find the capacity — the highest rate at which
+every request completed and p99 TTFT met the SLO — then send ``2 ×`` that rate.  A server that sheds load
+(``minillm serve --ttft-slo-ms``) should then lose nothing and keep its admitted requests within the SLO,
+refusing the excess with 429; one that queues without bound keeps every request and misses the SLO on most.
+
+Output tokens come from the server's usage chunk (``stream_options.include_usage``), else
 one per text chunk.  Prompts are real English cut from CPython's ``pydoc_data.topics`` (always installed, no
 download) at lognormal lengths, wrapped in chat-like instructions, with a seed: the same trace on every run.
 """
@@ -69,6 +78,11 @@ class RequestResult:
     @property
     def rejected(self) -> bool:
         return self.status in (429, 503)
+
+    @property
+    def failed(self) -> bool:
+        """Lost: neither answered nor refused."""
+        return not self.ok and not self.rejected
 
 
 # ---- the trace ---------------------------------------------------------------------------------------------------
@@ -230,10 +244,12 @@ async def run_trace(base_url: str, trace: Sequence[BenchRequest], *, model: str,
 
 def summarize_run(results: Sequence[RequestResult], duration_s: float, *, ttft_slo_s: float,
                   tpot_slo_s: float) -> dict:
-    """Counts, throughputs, goodput and latency percentiles (ms) of the completed requests."""
+    """Counts (completed, rejected with 429 or 503, failed = lost), throughputs, goodput and latency percentiles
+    (ms) of the completed requests; ``ttft_p99_within_slo``: whether their p99 TTFT met ``ttft_slo_s``."""
     done = [r for r in results if r.ok]
     out = {"completed": len(done), "rejected": sum(r.rejected for r in results),
-           "failed": sum(not r.ok and not r.rejected for r in results), "duration_s": duration_s,
+           "rejected_429": sum(r.status == 429 for r in results), "rejected_503": sum(r.status == 503 for r in results),
+           "failed": sum(r.failed for r in results), "duration_s": duration_s,
            "request_throughput": len(done) / duration_s,
            "output_throughput": sum(r.output_tokens for r in done) / duration_s,
            "goodput": goodput(done, duration_s, ttft_slo_s=ttft_slo_s, tpot_slo_s=tpot_slo_s) if done else 0.0,
@@ -242,10 +258,18 @@ def summarize_run(results: Sequence[RequestResult], duration_s: float, *, ttft_s
               "itl_ms": [g for r in done for g in r.itl_s], "e2e_ms": [r.latency_s for r in done]}
     for name, values in series.items():
         out[name] = {k: v * 1e3 for k, v in summarize(values).items()} if values else None
+    out["ttft_p99_within_slo"] = out["ttft_ms"] is not None and out["ttft_ms"]["p99"] <= ttft_slo_s * 1e3
     errors = [r.error for r in results if r.error and not r.rejected]
     if errors:
         out["first_error"] = errors[0]
     return out
+
+
+def capacity_rate(runs: Sequence[dict]) -> float | None:
+    """The highest swept rate at which every request completed (none rejected or failed) and the p99 TTFT met
+    the SLO: the rate the server sustains.  None if no run did."""
+    good = [r["request_rate"] for r in runs if r["completed"] == r["num_prompts"] and r["ttft_p99_within_slo"]]
+    return max(good, default=None)
 
 
 def discover_model(base_url: str, api_key: str | None = None) -> str:
@@ -262,32 +286,51 @@ def bench_serve(base_url: str = "http://127.0.0.1:8000", request_rates: Sequence
                 num_prompts: int = 200, *, model: str | None = None, seed: int = 0, max_tokens: int = 64,
                 endpoint: str = "chat", burstiness: float = 1.0, ignore_eos: bool = False,
                 ttft_slo_s: float = 1.0, tpot_slo_s: float = 0.2, api_key: str | None = None,
-                max_concurrency: int | None = None, progress: bool = True, save: bool = True,
-                out_dir: Path | None = None) -> dict:
+                max_concurrency: int | None = None, overload: float | None = None, progress: bool = True,
+                save: bool = True, out_dir: Path | None = None) -> dict:
     """Run the trace once per rate against ``base_url``; print a table, save JSON (with the machine) and return
     ``{"runs": [summary per rate], ...}``.  The trace (prompts, lengths, arrival pattern) depends only on
-    ``seed``, ``num_prompts`` and the rate, so two servers are measured on the same requests."""
+    ``seed``, ``num_prompts`` and the rate, so two servers are measured on the same requests.
+
+    ``overload`` (e.g. 2.0): after the sweep, run once more at ``overload ×`` the capacity (``capacity_rate``:
+    the highest swept rate that completed everything within the TTFT SLO) and report it as
+    ``payload["overload"]``; skipped, with a message, if no swept rate qualifies."""
     from minillm.perf.bench.decode import save_results
 
     if endpoint not in ("chat", "completions"):
         raise ValueError(f"endpoint must be 'chat' or 'completions', got {endpoint!r}")
     if not isinstance(num_prompts, int) or num_prompts < 1:
         raise ValueError(f"num_prompts must be an int >= 1, got {num_prompts!r}")
+    if overload is not None and not overload > 0:
+        raise ValueError(f"overload must be a factor > 0 (e.g. 2 for twice the capacity), got {overload!r}")
     model = model or discover_model(base_url, api_key)
-    runs = []
-    for rate in request_rates:
+
+    def measure(rate: float) -> dict:
         trace = make_trace(num_prompts, rate, max_tokens, seed, burstiness)
         results, duration = asyncio.run(run_trace(base_url, trace, model=model, endpoint=endpoint, api_key=api_key,
                                                   ignore_eos=ignore_eos, max_concurrency=max_concurrency,
                                                   progress=progress))
         summary = summarize_run(results, duration, ttft_slo_s=ttft_slo_s, tpot_slo_s=tpot_slo_s)
-        runs.append({"request_rate": rate, "num_prompts": num_prompts, **summary,
-                     "requests": [{k: v for k, v in asdict(r).items() if k != "itl_s"} for r in results]})
-        print_summary(runs[-1])
+        run = {"request_rate": rate, "num_prompts": num_prompts, **summary,
+               "requests": [{k: v for k, v in asdict(r).items() if k != "itl_s"} for r in results]}
+        print_summary(run)
+        return run
+
+    runs = [measure(rate) for rate in request_rates]
     payload = {"benchmark": "serve", "base_url": base_url, "model": model, "endpoint": endpoint, "seed": seed,
                "max_tokens": max_tokens, "burstiness": burstiness, "ignore_eos": ignore_eos, "runs": runs}
+    if overload is not None:
+        capacity = capacity_rate(runs)
+        if capacity is None or math.isinf(capacity):
+            print(f"\noverload: skipped — no finite swept rate completed every request with p99 TTFT <= "
+                  f"{ttft_slo_s * 1e3:g} ms; sweep lower rates")
+        else:
+            print(f"\noverload: capacity {capacity:g} req/s (the highest rate that met the SLO); now {overload:g}x "
+                  f"= {capacity * overload:g} req/s")
+            payload["overload"] = {"factor": overload, "capacity_rate": capacity, **measure(capacity * overload)}
+            print_overload(payload["overload"])
     if save:
-        rates = "-".join(f"{r:g}" for r in request_rates)
+        rates = "-".join(f"{r:g}" for r in request_rates) + (f"-overload{overload:g}" if overload else "")
         path = save_results(f"serve-{_slug(model)}-rate{rates}", payload, out_dir)
         payload["path"] = str(path)
         print(f"saved {path}")
@@ -305,12 +348,26 @@ def print_summary(run: dict) -> None:
 
     print(f"\nrate {run['request_rate']:g} req/s, {run['num_prompts']} requests: {run['completed']} completed, "
           f"{run['rejected']} rejected (429/503), {run['failed']} failed in {run['duration_s']:.1f} s")
+    if run["ttft_ms"] is not None:
+        verdict = "within" if run["ttft_p99_within_slo"] else "OVER"
+        print(f"  p99 TTFT of the completed requests {run['ttft_ms']['p99']:.0f} ms: {verdict} the "
+              f"{run['slo']['ttft_ms']:g} ms SLO")
     print(f"  throughput {run['request_throughput']:.2f} req/s, {run['output_throughput']:.1f} output tok/s; "
           f"goodput {run['goodput']:.2f} req/s (TTFT <= {run['slo']['ttft_ms']:g} ms, "
           f"TPOT <= {run['slo']['tpot_ms']:g} ms)")
     print("                 p50      p90      p99   (ms)")
     for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
         print(f"  {key[:-3].upper():6s}  {ms(key)}")
+
+
+def print_overload(run: dict) -> None:
+    """The overload verdict: nothing lost, and the admitted requests within the TTFT SLO."""
+    lost = run["failed"]
+    p99 = run["ttft_ms"]["p99"] if run["ttft_ms"] else float("nan")
+    ok = lost == 0 and run["ttft_p99_within_slo"]
+    print(f"overload {run['factor']:g}x capacity ({run['request_rate']:g} req/s): {run['completed']} completed, "
+          f"{run['rejected_429']} x 429, {run['rejected_503']} x 503, {lost} lost; p99 TTFT of the admitted "
+          f"{p99:.0f} ms vs SLO {run['slo']['ttft_ms']:g} ms -> {'PASS' if ok else 'FAIL'}")
 
 
 def _rates(text: str) -> list[float]:
@@ -342,6 +399,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--goodput", nargs="*", default=[], metavar="NAME:MS",
                    help="SLO for goodput, e.g. ttft:500 tpot:100 (default ttft:1000 tpot:200)")
     p.add_argument("--max-concurrency", type=int, default=None, help="cap on requests in flight (client side)")
+    p.add_argument("--overload", type=float, default=None, metavar="FACTOR",
+                   help="after the sweep, run at FACTOR x the capacity (the highest swept rate that completed "
+                        "every request with p99 TTFT within the --goodput ttft SLO) and report lost requests and "
+                        "the admitted requests' p99 TTFT; e.g. --request-rate 0.5,1,1.5,2 --overload 2")
     p.add_argument("--api-key", default=None)
     p.add_argument("--result-dir", default=None, help="where the JSON goes (default benchmarks/results)")
     p.add_argument("--no-save", action="store_true")
@@ -360,7 +421,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         bench_serve(a.base_url, _rates(a.request_rate), a.num_prompts, model=a.model, seed=a.seed,
                     max_tokens=a.max_tokens, endpoint=a.endpoint, burstiness=a.burstiness, ignore_eos=a.ignore_eos,
                     ttft_slo_s=ttft, tpot_slo_s=tpot, api_key=a.api_key, max_concurrency=a.max_concurrency,
-                    progress=not a.no_progress, save=not a.no_save,
+                    overload=a.overload, progress=not a.no_progress, save=not a.no_save,
                     out_dir=Path(a.result_dir) if a.result_dir else None)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
