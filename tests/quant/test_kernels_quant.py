@@ -11,15 +11,16 @@ native = pytest.mark.skipif(not native_quant.available(), reason="no C compiler:
 
 def _targets() -> list[str | None]:
     """None: this CPU's build (VNNI or AVX2 intrinsics where present).  On x86 also "x86-64", the portable C path
-    an AVX2-less or ARM machine compiles, and "x86-64-v3" (AVX2 without VNNI) where this CPU can run it: every
-    variant of csrc/quant.c is tested on one machine."""
+    an AVX2-less or ARM machine compiles, "x86-64-v3" (AVX2 without VNNI) and "x86-64-v4" (512-bit AVX-512BW
+    without VNNI) where this CPU can run them: every variant of csrc/quant.c is tested on one machine."""
     if platform.machine() not in ("x86_64", "AMD64"):
         return [None]
     try:
-        avx2 = " avx2 " in next(line for line in open("/proc/cpuinfo") if line.startswith("flags")) + " "
+        flags = set(next(line for line in open("/proc/cpuinfo") if line.startswith("flags")).split())
     except (OSError, StopIteration):
-        avx2 = False
-    return [None, "x86-64"] + (["x86-64-v3"] if avx2 else [])
+        flags = set()
+    v4 = {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512cd"}
+    return [None, "x86-64"] + (["x86-64-v3"] if "avx2" in flags else []) + (["x86-64-v4"] if v4 <= flags else [])
 
 
 TARGETS = _targets()

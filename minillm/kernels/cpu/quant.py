@@ -34,7 +34,8 @@ from minillm.quant.weight import BLOCK, Int4Weight, Int8Weight
 MAX_ROWS = 8  # decode batches; csrc/quant.c tiles any M in 8s, the weight row staying in L1 between tiles
 _SRC = Path(__file__).parent / "csrc" / "quant.c"
 _DTYPES = (torch.float32, torch.bfloat16)
-SIMD_NAMES = {3: "int8 dot: AVX-512/AVX VNNI", 2: "int8 dot: AVX2", 0: "int8 dot: portable C"}
+SIMD_NAMES = {4: "int8 dot: AVX-512 VNNI", 3: "int8 dot: AVX VNNI (256-bit)", 2: "int8 dot: AVX2 / AVX-512BW vpmaddubsw",
+              0: "int8 dot: portable C"}
 
 
 def _compile(src: Path, out: Path, target: str | None) -> None:
