@@ -34,6 +34,14 @@
 #include <immintrin.h>
 #endif
 
+#ifdef _OPENMP
+#include <omp.h>
+#else
+#define omp_get_max_threads() 1
+#define omp_get_thread_num() 0
+#define omp_get_num_threads() 1
+#endif
+
 #define QTILE 8  /* input rows per register tile; more rows take more tiles over the same (L1-resident) weight row */
 #define QB 32    /* weights per block: Q4_1 / Q8_0 / Q8_1 */
 #define INLINE static inline __attribute__((always_inline))
@@ -99,6 +107,21 @@ static inline void store_y(void *y, int x_bf16, int64_t i, float v) {
     case 1: BODY(1); break; case 2: BODY(2); break; case 3: BODY(3); break; case 4: BODY(4); break;         \
     case 5: BODY(5); break; case 6: BODY(6); break; case 7: BODY(7); break; default: BODY(8); break;         \
     }
+
+/* Run CALL(n0, n1) over the N weight rows: in this thread below 2^18 weights, where a parallel region's start and
+ * join (~2-3 us with futex calls, even for one thread) cost as much as the GEMV itself; else as contiguous equal
+ * ranges, one per OpenMP thread (as schedule(static) would). */
+#define SPLIT_ROWS(N, K, CALL)                                                                               \
+    do {                                                                                                     \
+        if ((N) * (K) < (1 << 18) || omp_get_max_threads() == 1) {                                           \
+            CALL(0, (N));                                                                                    \
+        } else {                                                                                             \
+            _Pragma("omp parallel") {                                                                        \
+                const int64_t t_ = omp_get_thread_num(), T_ = omp_get_num_threads();                         \
+                CALL((N) * t_ / T_, (N) * (t_ + 1) / T_);                                                    \
+            }                                                                                                \
+        }                                                                                                    \
+    } while (0)
 
 /* ---------------------------------------------------------------- exact paths (fp32 activations) */
 
@@ -172,17 +195,18 @@ void q4_gemm(const uint8_t *restrict P, const void *scales, const void *mins, in
              int x_bf16, void *y, int64_t M, int64_t N, int64_t K, int64_t G) {
     float *owned;
     const float *restrict x = x_f32(xin, x_bf16, M * K, &owned);
-#pragma omp parallel for schedule(static)
-    for (int64_t n = 0; n < N; n++) {
-        for (int64_t m0 = 0; m0 < M; m0 += QTILE) {
-            float out[QTILE];
-            const int64_t mr = M - m0 < QTILE ? M - m0 : QTILE;
-#define Q4_EXACT(R) q4_exact_row(P + n * (K / 2), scales, mins, scale_f16, n, x + m0 * K, out, K, G, R)
-            FOR_TILE(mr, Q4_EXACT)
-#undef Q4_EXACT
-            for (int64_t m = 0; m < mr; m++) store_y(y, x_bf16, (m0 + m) * N + n, out[m]);
+#define Q4_EXACT_ROWS(n0, n1)                                                                                  \
+    for (int64_t n = n0; n < n1; n++)                                                                          \
+        for (int64_t m0 = 0; m0 < M; m0 += QTILE) {                                                            \
+            float out[QTILE];                                                                                  \
+            const int64_t mr = M - m0 < QTILE ? M - m0 : QTILE;                                                \
+            FOR_TILE(mr, Q4_EXACT)                                                                             \
+            for (int64_t m = 0; m < mr; m++) store_y(y, x_bf16, (m0 + m) * N + n, out[m]);                    \
         }
-    }
+#define Q4_EXACT(R) q4_exact_row(P + n * (K / 2), scales, mins, scale_f16, n, x + m0 * K, out, K, G, R)
+    SPLIT_ROWS(N, K, Q4_EXACT_ROWS);
+#undef Q4_EXACT
+#undef Q4_EXACT_ROWS
     free(owned);
 }
 
@@ -190,17 +214,18 @@ void q8_gemm(const int8_t *restrict W, const void *scales, int scale_f16, const 
              int64_t M, int64_t N, int64_t K, int64_t G) {
     float *owned;
     const float *restrict x = x_f32(xin, x_bf16, M * K, &owned);
-#pragma omp parallel for schedule(static)
-    for (int64_t n = 0; n < N; n++) {
-        for (int64_t m0 = 0; m0 < M; m0 += QTILE) {
-            float out[QTILE];
-            const int64_t mr = M - m0 < QTILE ? M - m0 : QTILE;
-#define Q8_EXACT(R) q8_exact_row(W + n * K, scales, scale_f16, n, x + m0 * K, out, K, G, R)
-            FOR_TILE(mr, Q8_EXACT)
-#undef Q8_EXACT
-            for (int64_t m = 0; m < mr; m++) store_y(y, x_bf16, (m0 + m) * N + n, out[m]);
+#define Q8_EXACT_ROWS(n0, n1)                                                                                  \
+    for (int64_t n = n0; n < n1; n++)                                                                          \
+        for (int64_t m0 = 0; m0 < M; m0 += QTILE) {                                                            \
+            float out[QTILE];                                                                                  \
+            const int64_t mr = M - m0 < QTILE ? M - m0 : QTILE;                                                \
+            FOR_TILE(mr, Q8_EXACT)                                                                             \
+            for (int64_t m = 0; m < mr; m++) store_y(y, x_bf16, (m0 + m) * N + n, out[m]);                    \
         }
-    }
+#define Q8_EXACT(R) q8_exact_row(W + n * K, scales, scale_f16, n, x + m0 * K, out, K, G, R)
+    SPLIT_ROWS(N, K, Q8_EXACT_ROWS);
+#undef Q8_EXACT
+#undef Q8_EXACT_ROWS
     free(owned);
 }
 
@@ -502,7 +527,8 @@ static inline void to_f32(const void *s, int f16, int64_t off, int64_t n, float 
     for (; i < n; i++) out[i] = scale_at(s, f16, off + i);
 }
 
-/* The activations' int8 blocks in the chunk layout (one allocation per call, before the threads split the rows).
+/* The activations' int8 blocks in the chunk layout (once per call, before the threads split the rows;
+ * on the stack up to XPREP_STACK bytes: a malloc and free cost about as much as a small GEMV).
  * Per input row: xq, the int8 codes (Q4_1: per chunk the 4 blocks' first halves, then their second halves; int8:
  * in order), zero-padded to whole chunks; dxl, each block's step dx = max|x| / 127 repeated on its lanes (4 per Q4_1
  * block, 8 per int8 block); for Q4_1 also xsb, per block dx * sum(xq) (the sum of xhat that the block's min m
@@ -515,12 +541,13 @@ typedef struct {
     int64_t sq, sl, sb, sg; /* per-row strides of xq (bytes), dxl, xsb, xsg (floats) */
 } xprep_t;
 
-static xprep_t xprep(const void *xin, int x_bf16, int64_t M, int64_t K, int64_t G, int q4) {
+static xprep_t xprep(const void *xin, int x_bf16, int64_t M, int64_t K, int64_t G, int q4, void *buf,
+                     size_t buf_bytes) {
     const int64_t nb = K / QB, bpc = q4 ? 4 : 2, nc = (nb + bpc - 1) / bpc, ng = K / G;
     xprep_t p = {0};
     p.sq = nc * CHUNK * (q4 ? 2 : 1), p.sl = nc * 16, p.sb = q4 ? nc * 4 : 0, p.sg = q4 ? ng : 0;
     const size_t bytes = (size_t)(M * p.sq) + sizeof(float) * (size_t)(M * (p.sl + p.sb + p.sg));
-    p.mem = calloc(1, bytes + 64);
+    p.mem = bytes <= buf_bytes ? memset(buf, 0, bytes) : calloc(1, bytes); /* zeros: the chunks' padding */
     p.dxl = (float *)p.mem, p.xsb = p.dxl + M * p.sl, p.xsg = p.xsb + M * p.sb;
     p.xq = (int8_t *)(p.xsg + M * p.sg);
     for (int64_t m = 0; m < M; m++)
@@ -647,54 +674,62 @@ INLINE void q8_q8_row(const int8_t *restrict w, const void *sc, int f16, int64_t
     for (int m = 0; m < R; m++) out[m] = s * vf_sum(vf_add(a0[m], a1[m]));
 }
 
+/* Rows n0..n1 of y for one thread; dwb: a row's scale per block (groups other than 32). */
+static void q4_q8_rows(const uint8_t *restrict P, const void *scales, const void *mins, int scale_f16,
+                       const xprep_t *x, int x_bf16, void *y, int64_t M, int64_t N, int64_t K, int64_t G, int64_t n0,
+                       int64_t n1) {
+    float dwb[K / QB + 4];
+    for (int64_t n = n0; n < n1; n++)
+        for (int64_t m0 = 0; m0 < M; m0 += QTILE) {
+            float out[QTILE];
+            const int64_t mr = M - m0 < QTILE ? M - m0 : QTILE;
+#define Q4_Q8(R)                                                                                               \
+    if (G == QB) q4_q8_row(P + n * (K / 2), scales, mins, scale_f16, n, x, m0, out, K, G, dwb, R, 1);          \
+    else q4_q8_row(P + n * (K / 2), scales, mins, scale_f16, n, x, m0, out, K, G, dwb, R, 0)
+            FOR_TILE(mr, Q4_Q8)
+#undef Q4_Q8
+            for (int64_t m = 0; m < mr; m++) store_y(y, x_bf16, (m0 + m) * N + n, out[m]);
+        }
+}
+
+static void q8_q8_rows(const int8_t *restrict W, const void *scales, int scale_f16, const xprep_t *x, int x_bf16,
+                       void *y, int64_t M, int64_t N, int64_t K, int64_t G, int64_t n0, int64_t n1) {
+    float dwb[K / QB + 4];
+    for (int64_t n = n0; n < n1; n++)
+        for (int64_t m0 = 0; m0 < M; m0 += QTILE) {
+            float out[QTILE];
+            const int64_t mr = M - m0 < QTILE ? M - m0 : QTILE;
+#define Q8_Q8(R)                                                                                               \
+    if (G == K) q8_q8_row(W + n * K, scales, scale_f16, n, x, m0, out, K, G, dwb, R, 0);                       \
+    else if (G == QB) q8_q8_row(W + n * K, scales, scale_f16, n, x, m0, out, K, G, dwb, R, 1);                 \
+    else q8_q8_row(W + n * K, scales, scale_f16, n, x, m0, out, K, G, dwb, R, 2)
+            FOR_TILE(mr, Q8_Q8)
+#undef Q8_Q8
+            for (int64_t m = 0; m < mr; m++) store_y(y, x_bf16, (m0 + m) * N + n, out[m]);
+        }
+}
+
+#define XPREP_STACK 32768 /* activations prepared on the stack up to this many bytes (M = 8, K = 1536 takes 22 KB) */
+
 /* Needs K % 32 == 0 and G % 32 == 0 (always so for Q4_1; the wrapper sends other int8 shapes to q8_gemm). */
 void q4_gemm_q8(const uint8_t *restrict P, const void *scales, const void *mins, int scale_f16, const void *xin,
                 int x_bf16, void *y, int64_t M, int64_t N, int64_t K, int64_t G) {
-    const xprep_t x = xprep(xin, x_bf16, M, K, G, 1);
-    const int g32 = G == QB;
-#pragma omp parallel
-    {
-        float dwb[K / QB + 4]; /* per thread: a row's scale per block (groups other than 32) */
-#pragma omp for schedule(static)
-        for (int64_t n = 0; n < N; n++) {
-            for (int64_t m0 = 0; m0 < M; m0 += QTILE) {
-                float out[QTILE];
-                const int64_t mr = M - m0 < QTILE ? M - m0 : QTILE;
-#define Q4_Q8(R)                                                                                               \
-    if (g32) q4_q8_row(P + n * (K / 2), scales, mins, scale_f16, n, &x, m0, out, K, G, dwb, R, 1);             \
-    else q4_q8_row(P + n * (K / 2), scales, mins, scale_f16, n, &x, m0, out, K, G, dwb, R, 0)
-                FOR_TILE(mr, Q4_Q8)
-#undef Q4_Q8
-                for (int64_t m = 0; m < mr; m++) store_y(y, x_bf16, (m0 + m) * N + n, out[m]);
-            }
-        }
-    }
-    free(x.mem);
+    _Alignas(64) unsigned char buf[XPREP_STACK];
+    const xprep_t x = xprep(xin, x_bf16, M, K, G, 1, buf, sizeof buf);
+#define Q4_Q8_ROWS(n0, n1) q4_q8_rows(P, scales, mins, scale_f16, &x, x_bf16, y, M, N, K, G, n0, n1)
+    SPLIT_ROWS(N, K, Q4_Q8_ROWS);
+#undef Q4_Q8_ROWS
+    if (x.mem != buf) free(x.mem);
 }
 
 void q8_gemm_q8(const int8_t *restrict W, const void *scales, int scale_f16, const void *xin, int x_bf16, void *y,
                 int64_t M, int64_t N, int64_t K, int64_t G) {
-    const xprep_t x = xprep(xin, x_bf16, M, K, G, 0);
-    const int mode = G == K ? 0 : G == QB ? 1 : 2;
-#pragma omp parallel
-    {
-        float dwb[K / QB + 4];
-#pragma omp for schedule(static)
-        for (int64_t n = 0; n < N; n++) {
-            for (int64_t m0 = 0; m0 < M; m0 += QTILE) {
-                float out[QTILE];
-                const int64_t mr = M - m0 < QTILE ? M - m0 : QTILE;
-#define Q8_Q8(R)                                                                                               \
-    if (mode == 0) q8_q8_row(W + n * K, scales, scale_f16, n, &x, m0, out, K, G, dwb, R, 0);                   \
-    else if (mode == 1) q8_q8_row(W + n * K, scales, scale_f16, n, &x, m0, out, K, G, dwb, R, 1);              \
-    else q8_q8_row(W + n * K, scales, scale_f16, n, &x, m0, out, K, G, dwb, R, 2)
-                FOR_TILE(mr, Q8_Q8)
-#undef Q8_Q8
-                for (int64_t m = 0; m < mr; m++) store_y(y, x_bf16, (m0 + m) * N + n, out[m]);
-            }
-        }
-    }
-    free(x.mem);
+    _Alignas(64) unsigned char buf[XPREP_STACK];
+    const xprep_t x = xprep(xin, x_bf16, M, K, G, 0, buf, sizeof buf);
+#define Q8_Q8_ROWS(n0, n1) q8_q8_rows(W, scales, scale_f16, &x, x_bf16, y, M, N, K, G, n0, n1)
+    SPLIT_ROWS(N, K, Q8_Q8_ROWS);
+#undef Q8_Q8_ROWS
+    if (x.mem != buf) free(x.mem);
 }
 
 /* 1 when compiled with OpenMP (rows split across threads), else 0. */
