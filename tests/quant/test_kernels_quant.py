@@ -34,8 +34,11 @@ def _assert_sum_close(actual, expected, x, w):
 
 
 def _cases():
+    # Batch 1 with groups of 32 takes 4 weight rows at a time (N = 6, 37: a remainder), K = 32 * odd and K = 576
+    # (18 blocks) end in a partial 4-block chunk, M runs over the 8-row tiles' sizes.
     g = torch.Generator().manual_seed(0)
-    for M, N, K, group in [(1, 37, 64, 32), (2, 64, 256, 64), (5, 19, 384, 128), (8, 70, 96, 32), (3, 9, 160, 32)]:
+    for M, N, K, group in [(1, 37, 64, 32), (2, 64, 256, 64), (5, 19, 384, 128), (8, 70, 96, 32), (3, 9, 160, 32),
+                           (1, 6, 576, 32), (1, 12, 224, 32), (4, 5, 224, 32), (6, 3, 576, 64), (7, 2, 128, 128)]:
         yield M, N, K, group, torch.randn(N, K, generator=g), torch.randn(M, K, generator=g)
 
 

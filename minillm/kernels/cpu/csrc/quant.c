@@ -411,6 +411,19 @@ INLINE float f4_sum(f4 a) {
     a = _mm_add_ps(a, _mm_movehl_ps(a, a));
     return _mm_cvtss_f32(_mm_add_ss(a, _mm_movehdup_ps(a)));
 }
+INLINE __m256 vf_fold(vf a) { /* 16 lanes -> 8 partial sums */
+#if QSIMD == 512
+    return _mm256_add_ps(_mm512_castps512_ps256(a), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)));
+#else
+    return _mm256_add_ps(a.a, a.b);
+#endif
+}
+INLINE void vf_sum4(const vf *a, const f4 *m, float *out) { /* out[r] = sum(a[r]) + sum(m[r]), transposed hadds */
+    const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(vf_fold(a[0]), vf_fold(a[1])),
+                                    _mm256_hadd_ps(vf_fold(a[2]), vf_fold(a[3])));
+    const __m128 s = _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
+    _mm_storeu_ps(out, _mm_add_ps(s, _mm_hadd_ps(_mm_hadd_ps(m[0], m[1]), _mm_hadd_ps(m[2], m[3]))));
+}
 #else /* portable C over the same lanes: loops the compiler may vectorise (e.g. to ARM sdot with dotprod) */
 typedef struct { uint8_t v[CHUNK]; } vb;
 typedef struct { int32_t v[16]; } vi;
@@ -513,6 +526,9 @@ INLINE vf vf_expand2(f4 s) {
     vf r;
     for (int l = 0; l < 16; l++) r.v[l] = s.v[l / 8];
     return r;
+}
+INLINE void vf_sum4(const vf *a, const f4 *m, float *out) {
+    for (int r = 0; r < 4; r++) out[r] = vf_sum(a[r]) + f4_sum(m[r]);
 }
 #endif
 
@@ -633,6 +649,37 @@ INLINE void q4_q8_row(const uint8_t *restrict p, const void *sc, const void *mi,
     for (int m = 0; m < R; m++) out[m] = vf_sum(vf_add(a0[m], a1[m])) + (G32 ? f4_sum(am[m]) : mt[m]);
 }
 
+/* Batch 1, groups of 32 (GGUF Q4_1, the decode case): 4 weight rows at a time against the one input row.  The
+ * activation loads are shared by the 4 rows and the 4 horizontal sums end in one transposing reduction (vf_sum4):
+ * at K = 576 (18 blocks, 4.5 chunks) a row's own reduction, scales and tail cost as much as its chunks. */
+INLINE void q4_q8_row4(const uint8_t *restrict p, const void *sc, const void *mi, int f16, int64_t n,
+                       const xprep_t *x, float out[4], int64_t K) {
+    const int64_t nb = K / QB, ng = nb, nc = nb / 4, rowb = K / 2;
+    const int rem = (int)(nb % 4);
+    vf a[4];
+    f4 am[4];
+    for (int r = 0; r < 4; r++) a[r] = vf_zero(), am[r] = f4_zero();
+#define Q4_CHUNK4(NBLK, CI)                                                                                    \
+    do {                                                                                                       \
+        const int8_t *xr_ = x->xq + (CI) * 2 * CHUNK;                                                          \
+        const vf dx_ = vf_load(x->dxl + (CI) * 16);                                                            \
+        const f4 xs_ = f4_loadf(x->xsb + (CI) * 4);                                                            \
+        for (int r = 0; r < 4; r++) {                                                                          \
+            const uint8_t *pr_ = p + r * rowb + (CI) * CHUNK;                                                  \
+            const vb w_ = NBLK == 4 ? vb_load(pr_) : vb_load_part(pr_, NBLK * 16);                             \
+            const vf sw_ = vf_expand4(f4_load(sc, f16, (n + r) * ng + (CI) * 4, NBLK));                        \
+            const vi d_ = q4_dot(vb_nib_lo(w_), vb_nib_hi(w_), xr_);                                           \
+            a[r] = vf_fma(vf_cvt(d_), vf_mul(sw_, dx_), a[r]);                                                 \
+            am[r] = f4_fma(f4_load(mi, f16, (n + r) * ng + (CI) * 4, NBLK), xs_, am[r]);                        \
+        }                                                                                                      \
+    } while (0)
+    int64_t c = 0;
+    for (; c < nc; c++) Q4_CHUNK4(4, c);
+    if (rem) Q4_CHUNK4(rem, c);
+#undef Q4_CHUNK4
+    vf_sum4(a, am, out);
+}
+
 /* int8 weights against R input rows.  MODE (compile-time): 0 per output channel (G = K: the row's one scale
  * multiplies the sum at the end), 1 groups of 32 (GGUF Q8_0: 2 scales per chunk), 2 other groups (dwb, as above). */
 INLINE void q8_q8_row(const int8_t *restrict w, const void *sc, int f16, int64_t n, const xprep_t *x, int64_t m0,
@@ -679,7 +726,14 @@ static void q4_q8_rows(const uint8_t *restrict P, const void *scales, const void
                        const xprep_t *x, int x_bf16, void *y, int64_t M, int64_t N, int64_t K, int64_t G, int64_t n0,
                        int64_t n1) {
     float dwb[K / QB + 4];
-    for (int64_t n = n0; n < n1; n++)
+    int64_t n = n0;
+    if (M == 1 && G == QB)
+        for (; n + 4 <= n1; n += 4) {
+            float out[4];
+            q4_q8_row4(P + n * (K / 2), scales, mins, scale_f16, n, x, out, K);
+            for (int r = 0; r < 4; r++) store_y(y, x_bf16, n + r, out[r]);
+        }
+    for (; n < n1; n++)
         for (int64_t m0 = 0; m0 < M; m0 += QTILE) {
             float out[QTILE];
             const int64_t mr = M - m0 < QTILE ? M - m0 : QTILE;
