@@ -569,8 +569,10 @@ static xprep_t xprep(const void *xin, int x_bf16, int64_t M, int64_t K, int64_t 
     for (int64_t m = 0; m < M; m++)
         for (int64_t b = 0; b < nb; b++) {
             float xb[QB];
-            for (int j = 0; j < QB; j++)
-                xb[j] = x_bf16 ? bf2f(((const uint16_t *)xin)[m * K + b * QB + j]) : ((const float *)xin)[m * K + b * QB + j];
+            for (int j = 0; j < QB; j++) {
+                const int64_t i = m * K + b * QB + j;
+                xb[j] = x_bf16 ? bf2f(((const uint16_t *)xin)[i]) : ((const float *)xin)[i];
+            }
             float amax = 0.f;
             for (int j = 0; j < QB; j++) amax = fmaxf(amax, fabsf(xb[j]));
             const float d = amax / 127.f, id = d > 0.f ? 1.f / d : 0.f;
