@@ -11,15 +11,16 @@ native = pytest.mark.skipif(not native_quant.available(), reason="no C compiler:
 
 def _targets() -> list[str | None]:
     """None: this CPU's build (VNNI or AVX2 intrinsics where present).  On x86 also "x86-64", the portable C path
-    an AVX2-less or ARM machine compiles, and "x86-64-v3" (AVX2 without VNNI) where this CPU can run it: every
-    variant of csrc/quant.c is tested on one machine."""
+    an AVX2-less or ARM machine compiles, "x86-64-v3" (AVX2 without VNNI) and "x86-64-v4" (512-bit AVX-512BW
+    without VNNI) where this CPU can run them: every variant of csrc/quant.c is tested on one machine."""
     if platform.machine() not in ("x86_64", "AMD64"):
         return [None]
     try:
-        avx2 = " avx2 " in next(line for line in open("/proc/cpuinfo") if line.startswith("flags")) + " "
+        flags = set(next(line for line in open("/proc/cpuinfo") if line.startswith("flags")).split())
     except (OSError, StopIteration):
-        avx2 = False
-    return [None, "x86-64"] + (["x86-64-v3"] if avx2 else [])
+        flags = set()
+    v4 = {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512cd"}
+    return [None, "x86-64"] + (["x86-64-v3"] if "avx2" in flags else []) + (["x86-64-v4"] if v4 <= flags else [])
 
 
 TARGETS = _targets()
@@ -33,8 +34,11 @@ def _assert_sum_close(actual, expected, x, w):
 
 
 def _cases():
+    # Batch 1 with groups of 32 takes 4 weight rows at a time (N = 6, 37: a remainder), K = 32 * odd and K = 576
+    # (18 blocks) end in a partial 4-block chunk, M runs over the 8-row tiles' sizes.
     g = torch.Generator().manual_seed(0)
-    for M, N, K, group in [(1, 37, 64, 32), (2, 64, 256, 64), (5, 19, 384, 128), (8, 70, 96, 32), (3, 9, 160, 32)]:
+    for M, N, K, group in [(1, 37, 64, 32), (2, 64, 256, 64), (5, 19, 384, 128), (8, 70, 96, 32), (3, 9, 160, 32),
+                           (1, 6, 576, 32), (1, 12, 224, 32), (4, 5, 224, 32), (6, 3, 576, 64), (7, 2, 128, 128)]:
         yield M, N, K, group, torch.randn(N, K, generator=g), torch.randn(M, K, generator=g)
 
 

@@ -34,6 +34,14 @@
 #include <immintrin.h>
 #endif
 
+#ifdef _OPENMP
+#include <omp.h>
+#else
+#define omp_get_max_threads() 1
+#define omp_get_thread_num() 0
+#define omp_get_num_threads() 1
+#endif
+
 #define QTILE 8  /* input rows per register tile; more rows take more tiles over the same (L1-resident) weight row */
 #define QB 32    /* weights per block: Q4_1 / Q8_0 / Q8_1 */
 #define INLINE static inline __attribute__((always_inline))
@@ -99,6 +107,21 @@ static inline void store_y(void *y, int x_bf16, int64_t i, float v) {
     case 1: BODY(1); break; case 2: BODY(2); break; case 3: BODY(3); break; case 4: BODY(4); break;         \
     case 5: BODY(5); break; case 6: BODY(6); break; case 7: BODY(7); break; default: BODY(8); break;         \
     }
+
+/* Run CALL(n0, n1) over the N weight rows: in this thread below 2^18 weights, where a parallel region's start and
+ * join (~2-3 us with futex calls, even for one thread) cost as much as the GEMV itself; else as contiguous equal
+ * ranges, one per OpenMP thread (as schedule(static) would). */
+#define SPLIT_ROWS(N, K, CALL)                                                                               \
+    do {                                                                                                     \
+        if ((N) * (K) < (1 << 18) || omp_get_max_threads() == 1) {                                           \
+            CALL(0, (N));                                                                                    \
+        } else {                                                                                             \
+            _Pragma("omp parallel") {                                                                        \
+                const int64_t t_ = omp_get_thread_num(), T_ = omp_get_num_threads();                         \
+                CALL((N) * t_ / T_, (N) * (t_ + 1) / T_);                                                    \
+            }                                                                                                \
+        }                                                                                                    \
+    } while (0)
 
 /* ---------------------------------------------------------------- exact paths (fp32 activations) */
 
@@ -172,17 +195,18 @@ void q4_gemm(const uint8_t *restrict P, const void *scales, const void *mins, in
              int x_bf16, void *y, int64_t M, int64_t N, int64_t K, int64_t G) {
     float *owned;
     const float *restrict x = x_f32(xin, x_bf16, M * K, &owned);
-#pragma omp parallel for schedule(static)
-    for (int64_t n = 0; n < N; n++) {
-        for (int64_t m0 = 0; m0 < M; m0 += QTILE) {
-            float out[QTILE];
-            const int64_t mr = M - m0 < QTILE ? M - m0 : QTILE;
-#define Q4_EXACT(R) q4_exact_row(P + n * (K / 2), scales, mins, scale_f16, n, x + m0 * K, out, K, G, R)
-            FOR_TILE(mr, Q4_EXACT)
-#undef Q4_EXACT
-            for (int64_t m = 0; m < mr; m++) store_y(y, x_bf16, (m0 + m) * N + n, out[m]);
+#define Q4_EXACT_ROWS(n0, n1)                                                                                  \
+    for (int64_t n = n0; n < n1; n++)                                                                          \
+        for (int64_t m0 = 0; m0 < M; m0 += QTILE) {                                                            \
+            float out[QTILE];                                                                                  \
+            const int64_t mr = M - m0 < QTILE ? M - m0 : QTILE;                                                \
+            FOR_TILE(mr, Q4_EXACT)                                                                             \
+            for (int64_t m = 0; m < mr; m++) store_y(y, x_bf16, (m0 + m) * N + n, out[m]);                    \
         }
-    }
+#define Q4_EXACT(R) q4_exact_row(P + n * (K / 2), scales, mins, scale_f16, n, x + m0 * K, out, K, G, R)
+    SPLIT_ROWS(N, K, Q4_EXACT_ROWS);
+#undef Q4_EXACT
+#undef Q4_EXACT_ROWS
     free(owned);
 }
 
@@ -190,108 +214,322 @@ void q8_gemm(const int8_t *restrict W, const void *scales, int scale_f16, const 
              int64_t M, int64_t N, int64_t K, int64_t G) {
     float *owned;
     const float *restrict x = x_f32(xin, x_bf16, M * K, &owned);
-#pragma omp parallel for schedule(static)
-    for (int64_t n = 0; n < N; n++) {
-        for (int64_t m0 = 0; m0 < M; m0 += QTILE) {
-            float out[QTILE];
-            const int64_t mr = M - m0 < QTILE ? M - m0 : QTILE;
-#define Q8_EXACT(R) q8_exact_row(W + n * K, scales, scale_f16, n, x + m0 * K, out, K, G, R)
-            FOR_TILE(mr, Q8_EXACT)
-#undef Q8_EXACT
-            for (int64_t m = 0; m < mr; m++) store_y(y, x_bf16, (m0 + m) * N + n, out[m]);
+#define Q8_EXACT_ROWS(n0, n1)                                                                                  \
+    for (int64_t n = n0; n < n1; n++)                                                                          \
+        for (int64_t m0 = 0; m0 < M; m0 += QTILE) {                                                            \
+            float out[QTILE];                                                                                  \
+            const int64_t mr = M - m0 < QTILE ? M - m0 : QTILE;                                                \
+            FOR_TILE(mr, Q8_EXACT)                                                                             \
+            for (int64_t m = 0; m < mr; m++) store_y(y, x_bf16, (m0 + m) * N + n, out[m]);                    \
         }
-    }
+#define Q8_EXACT(R) q8_exact_row(W + n * K, scales, scale_f16, n, x + m0 * K, out, K, G, R)
+    SPLIT_ROWS(N, K, Q8_EXACT_ROWS);
+#undef Q8_EXACT
+#undef Q8_EXACT_ROWS
     free(owned);
 }
 
 /* ---------------------------------------------------------------- int8-activation paths */
 
-/* x [M, K] -> xq int8 [M, K], dx [M, K/32] (block scale), sx [M, K/32] = dx * sum(xq) (the block's sum of xhat).
- * rint rounds half to even, as torch.round does in the PyTorch twin. */
-static void quantize_x(const float *restrict x, int64_t n, int8_t *restrict xq, float *restrict dx,
-                       float *restrict sx) {
-    for (int64_t b = 0; b < n / QB; b++) {
-        const float *restrict xb = x + b * QB;
-        float amax = 0.f;
-        for (int j = 0; j < QB; j++) amax = fmaxf(amax, fabsf(xb[j]));
-        const float d = amax / 127.f, id = d > 0.f ? 1.f / d : 0.f;
-        int32_t s = 0;
-        for (int j = 0; j < QB; j++) {
-            const int32_t q = (int32_t)rintf(xb[j] * id);
-            xq[b * QB + j] = (int8_t)q;
-            s += q;
-        }
-        dx[b] = d;
-        sx[b] = d * (float)s;
-    }
+/* The weights are read in chunks of 64 bytes: 4 Q4_1 blocks (128 weights) or 2 int8 blocks (64 weights), one
+ * 512-bit register, or two 256-bit ones.  Each chunk's integer dot products land in 16 int32 lanes (4 lanes per Q4_1
+ * block: its low and high nibbles meet the activations in the same lanes; 8 lanes per int8 block), which are turned
+ * into floats and scaled lane-wise (d_block * dx_block), so a row costs one horizontal sum at its end instead of one
+ * per block.  The activations are laid out once per call to match (xprep_t), so the weight bytes need no shuffles:
+ * per Q4_1 chunk 64 bytes of the 4 blocks' first 16 activations (the low nibbles' partners), then 64 of their last 16.
+ * A row's last chunk, when K/32 is not a multiple of 4 (2), is copied into a zero-padded buffer; the activations'
+ * padding is zero too, so padded lanes add nothing. */
+#define CHUNK 64 /* weight bytes per chunk */
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__FMA__) && defined(__F16C__)
+#define QSIMD 512
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define QSIMD 256
+#else
+#define QSIMD 0
+#endif
+
+#if QSIMD == 512
+typedef __m512i vb; /* 64 bytes */
+typedef __m512i vi; /* 16 int32 lanes */
+typedef __m512 vf;  /* 16 fp32 lanes */
+typedef struct { __m512i u; __mmask64 neg; } q8w_t; /* |w| (the unsigned operand) and where w < 0 */
+typedef __m128 f4;  /* 4 scales, one per Q4_1 block of a chunk */
+INLINE vb vb_load(const void *p) { return _mm512_loadu_si512(p); }
+INLINE vb vb_load_part(const void *p, int n) { return _mm512_maskz_loadu_epi8((1ULL << n) - 1, p); } /* n < 64 */
+INLINE f4 f4_load(const void *s, int f16, int64_t off, int n) { /* n (1..4) scales from off, zeros after */
+    if (n == 4) return f16 ? _mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)((const uint16_t *)s + off)))
+                           : _mm_loadu_ps((const float *)s + off);
+    const __mmask8 k = (__mmask8)((1u << n) - 1); /* masked: no read past the row's last scale */
+    return f16 ? _mm_cvtph_ps(_mm_maskz_loadu_epi16(k, (const uint16_t *)s + off))
+               : _mm_maskz_loadu_ps(k, (const float *)s + off);
 }
-
-/* A block of 32 weight codes (wq_t) and per-row accumulators (vacc_t): 8 fp32 lanes under AVX2, one float in C. */
-#if defined(__AVX2__)
-typedef __m256i q4blk_t;
-typedef struct { __m256i u, w; } q8blk_t; /* |w| (unsigned operand) and w (its sign goes onto x) */
-typedef __m256 vacc_t;
-
-static inline __m256i dot_u8s8(__m256i u, __m256i s) { /* 8 lanes, each the sum of 4 products u8 * s8 */
+INLINE vb vb_nib_lo(vb w) { return _mm512_and_si512(w, _mm512_set1_epi8(0x0F)); }
+INLINE vb vb_nib_hi(vb w) { return _mm512_and_si512(_mm512_srli_epi16(w, 4), _mm512_set1_epi8(0x0F)); }
+INLINE vi dot_u8s8(vi acc, vb u, vb s) { /* lane l += sum of bytes 4l..4l+3 of u (unsigned) * s (signed) */
+#if defined(__AVX512VNNI__)
+    return _mm512_dpbusd_epi32(acc, u, s);
+#else /* pairs into int16 (u <= 128 and |s| <= 127 here: |pair| <= 32512, no saturation), then pairs into int32 */
+    return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(u, s), _mm512_set1_epi16(1)));
+#endif
+}
+INLINE vi q4_dot(vb lo, vb hi, const int8_t *x) {
+    return dot_u8s8(dot_u8s8(_mm512_setzero_si512(), lo, vb_load(x)), hi, vb_load(x + CHUNK));
+}
+INLINE q8w_t q8_prep(vb w) {
+    q8w_t r = {_mm512_abs_epi8(w), _mm512_movepi8_mask(w)};
+    return r;
+}
+INLINE vi q8_dot(q8w_t w, const int8_t *x) { /* |w| * (x with w's sign) = w * x, byte by byte */
+    const vb xv = vb_load(x);
+    return dot_u8s8(_mm512_setzero_si512(), w.u, _mm512_mask_sub_epi8(xv, w.neg, _mm512_setzero_si512(), xv));
+}
+INLINE vf vf_zero(void) { return _mm512_setzero_ps(); }
+INLINE vf vf_load(const float *p) { return _mm512_loadu_ps(p); }
+INLINE vf vf_cvt(vi a) { return _mm512_cvtepi32_ps(a); }
+INLINE vf vf_mul(vf a, vf b) { return _mm512_mul_ps(a, b); }
+INLINE vf vf_fma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
+INLINE vf vf_add(vf a, vf b) { return _mm512_add_ps(a, b); }
+INLINE float vf_sum(vf a) { return _mm512_reduce_add_ps(a); }
+INLINE vf vf_expand4(f4 s) { /* s[0..3] -> each 4 times */
+    return _mm512_permutexvar_ps(_mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0),
+                                 _mm512_castps128_ps512(s));
+}
+INLINE vf vf_expand2(f4 s) { /* s[0..1] -> each 8 times */
+    return _mm512_permutexvar_ps(_mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0),
+                                 _mm512_castps128_ps512(s));
+}
+#elif QSIMD == 256
+typedef struct { __m256i a, b; } vb;
+typedef struct { __m256i a, b; } vi;
+typedef struct { __m256 a, b; } vf;
+typedef vb q8w_t; /* the weights themselves: vpsignb moves their sign onto x */
+typedef __m128 f4;
+INLINE vb vb_load(const void *p) {
+    vb r = {_mm256_loadu_si256((const __m256i *)p), _mm256_loadu_si256((const __m256i *)p + 1)};
+    return r;
+}
+INLINE vb vb_load_part(const void *p, int n) { /* a row's last chunk: a copy, zero-padded */
+    uint8_t buf[CHUNK] = {0};
+    memcpy(buf, p, n);
+    return vb_load(buf);
+}
+INLINE f4 f4_load(const void *s, int f16, int64_t off, int n) {
+    if (n == 4) return f16 ? _mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)((const uint16_t *)s + off)))
+                           : _mm_loadu_ps((const float *)s + off);
+    float b[4] = {0.f, 0.f, 0.f, 0.f};
+    for (int i = 0; i < n; i++) b[i] = scale_at(s, f16, off + i);
+    return _mm_loadu_ps(b);
+}
+INLINE vb vb_nib_lo(vb w) {
+    const __m256i m = _mm256_set1_epi8(0x0F);
+    vb r = {_mm256_and_si256(w.a, m), _mm256_and_si256(w.b, m)};
+    return r;
+}
+INLINE vb vb_nib_hi(vb w) {
+    const __m256i m = _mm256_set1_epi8(0x0F);
+    vb r = {_mm256_and_si256(_mm256_srli_epi16(w.a, 4), m), _mm256_and_si256(_mm256_srli_epi16(w.b, 4), m)};
+    return r;
+}
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
+#define DPBUSD(acc, u, s) _mm256_dpbusd_epi32(acc, u, s)
 #elif defined(__AVXVNNI__)
-    return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, s);
-#else /* pairs into int16 (|products| <= 2 * 128 * 127: no saturation), then pairs into int32 */
+#define DPBUSD(acc, u, s) _mm256_dpbusd_avx_epi32(acc, u, s)
+#endif
+INLINE __m256i q4_dot8(__m256i lo, __m256i hi, const int8_t *xl, const int8_t *xh) {
+    const __m256i a = _mm256_loadu_si256((const __m256i *)xl), b = _mm256_loadu_si256((const __m256i *)xh);
+#ifdef DPBUSD
+    return DPBUSD(DPBUSD(_mm256_setzero_si256(), lo, a), hi, b);
+#else /* nibble * int8 pairs into int16 (|sum| <= 4 * 15 * 127: no saturation), then pairs into int32 */
+    return _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(lo, a), _mm256_maddubs_epi16(hi, b)),
+                             _mm256_set1_epi16(1));
+#endif
+}
+INLINE vi q4_dot(vb lo, vb hi, const int8_t *x) {
+    vi r = {q4_dot8(lo.a, hi.a, x, x + CHUNK), q4_dot8(lo.b, hi.b, x + 32, x + CHUNK + 32)};
+    return r;
+}
+INLINE q8w_t q8_prep(vb w) { return w; }
+INLINE __m256i q8_dot8(__m256i w, const int8_t *x) { /* |w| * (x with w's sign): |products| <= 128 * 127 */
+    const __m256i s = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)x), w), u = _mm256_sign_epi8(w, w);
+#ifdef DPBUSD
+    return DPBUSD(_mm256_setzero_si256(), u, s);
+#else
     return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
 #endif
 }
-INLINE q4blk_t q4_load(const uint8_t *p) { /* 16 bytes -> 32 codes in weight order (low nibbles, then high) */
-    const __m128i t = _mm_loadu_si128((const __m128i *)p);
-    const __m256i v = _mm256_inserti128_si256(_mm256_castsi128_si256(t), _mm_srli_epi16(t, 4), 1);
-    return _mm256_and_si256(v, _mm256_set1_epi8(0x0F));
+INLINE vi q8_dot(q8w_t w, const int8_t *x) {
+    vi r = {q8_dot8(w.a, x), q8_dot8(w.b, x + 32)};
+    return r;
 }
-INLINE q8blk_t q8_load(const int8_t *p) {
-    const __m256i w = _mm256_loadu_si256((const __m256i *)p);
-    q8blk_t b = {_mm256_sign_epi8(w, w), w};
-    return b;
+INLINE vf vf_zero(void) {
+    vf r = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+    return r;
 }
-INLINE vacc_t vacc_zero(void) { return _mm256_setzero_ps(); }
-INLINE vacc_t q4_fma(vacc_t acc, q4blk_t c, const int8_t *xq, float s) {
-    const __m256i d = dot_u8s8(c, _mm256_loadu_si256((const __m256i *)xq));
-    return _mm256_fmadd_ps(_mm256_set1_ps(s), _mm256_cvtepi32_ps(d), acc);
+INLINE vf vf_load(const float *p) {
+    vf r = {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)};
+    return r;
 }
-INLINE vacc_t q8_fma(vacc_t acc, q8blk_t c, const int8_t *xq, float s) {
-    const __m256i d = dot_u8s8(c.u, _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)xq), c.w));
-    return _mm256_fmadd_ps(_mm256_set1_ps(s), _mm256_cvtepi32_ps(d), acc);
+INLINE vf vf_cvt(vi a) {
+    vf r = {_mm256_cvtepi32_ps(a.a), _mm256_cvtepi32_ps(a.b)};
+    return r;
 }
-INLINE vacc_t vacc_add(vacc_t a, vacc_t b) { return _mm256_add_ps(a, b); }
-INLINE float vacc_sum(vacc_t a) {
+INLINE vf vf_mul(vf a, vf b) {
+    vf r = {_mm256_mul_ps(a.a, b.a), _mm256_mul_ps(a.b, b.b)};
+    return r;
+}
+INLINE vf vf_fma(vf a, vf b, vf c) {
+    vf r = {_mm256_fmadd_ps(a.a, b.a, c.a), _mm256_fmadd_ps(a.b, b.b, c.b)};
+    return r;
+}
+INLINE vf vf_add(vf a, vf b) {
+    vf r = {_mm256_add_ps(a.a, b.a), _mm256_add_ps(a.b, b.b)};
+    return r;
+}
+INLINE float vf_sum(vf v) {
+    const __m256 a = _mm256_add_ps(v.a, v.b);
     __m128 r = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
     r = _mm_add_ps(r, _mm_movehl_ps(r, r));
     return _mm_cvtss_f32(_mm_add_ss(r, _mm_movehdup_ps(r)));
 }
-#else /* portable C: integer dot products the compiler may vectorise (e.g. to ARM sdot with dotprod) */
-typedef struct { int8_t v[QB]; } q4blk_t;
-typedef struct { int8_t v[QB]; } q8blk_t;
-typedef float vacc_t;
-
-static inline int32_t dot32(const int8_t *restrict a, const int8_t *restrict b) {
-    int32_t s = 0;
-    for (int j = 0; j < QB; j++) s += (int32_t)a[j] * (int32_t)b[j];
+INLINE vf vf_expand4(f4 s) {
+    const __m256 v = _mm256_castps128_ps256(s);
+    vf r = {_mm256_permutevar8x32_ps(v, _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1)),
+            _mm256_permutevar8x32_ps(v, _mm256_setr_epi32(2, 2, 2, 2, 3, 3, 3, 3))};
+    return r;
+}
+INLINE vf vf_expand2(f4 s) {
+    vf r = {_mm256_broadcastss_ps(s), _mm256_broadcastss_ps(_mm_movehdup_ps(s))};
+    return r;
+}
+#endif
+#if QSIMD
+INLINE f4 f4_zero(void) { return _mm_setzero_ps(); }
+INLINE f4 f4_loadf(const float *p) { return _mm_loadu_ps(p); }
+INLINE f4 f4_fma(f4 a, f4 b, f4 c) { return _mm_fmadd_ps(a, b, c); }
+INLINE float f4_sum(f4 a) {
+    a = _mm_add_ps(a, _mm_movehl_ps(a, a));
+    return _mm_cvtss_f32(_mm_add_ss(a, _mm_movehdup_ps(a)));
+}
+INLINE __m256 vf_fold(vf a) { /* 16 lanes -> 8 partial sums */
+#if QSIMD == 512
+    return _mm256_add_ps(_mm512_castps512_ps256(a), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)));
+#else
+    return _mm256_add_ps(a.a, a.b);
+#endif
+}
+INLINE void vf_sum4(const vf *a, const f4 *m, float *out) { /* out[r] = sum(a[r]) + sum(m[r]), transposed hadds */
+    const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(vf_fold(a[0]), vf_fold(a[1])),
+                                    _mm256_hadd_ps(vf_fold(a[2]), vf_fold(a[3])));
+    const __m128 s = _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
+    _mm_storeu_ps(out, _mm_add_ps(s, _mm_hadd_ps(_mm_hadd_ps(m[0], m[1]), _mm_hadd_ps(m[2], m[3]))));
+}
+#else /* portable C over the same lanes: loops the compiler may vectorise (e.g. to ARM sdot with dotprod) */
+typedef struct { uint8_t v[CHUNK]; } vb;
+typedef struct { int32_t v[16]; } vi;
+typedef struct { float v[16]; } vf;
+typedef vb q8w_t;
+typedef struct { float v[4]; } f4;
+INLINE vb vb_load(const void *p) {
+    vb r;
+    memcpy(r.v, p, CHUNK);
+    return r;
+}
+INLINE vb vb_load_part(const void *p, int n) {
+    vb r = {{0}};
+    memcpy(r.v, p, n);
+    return r;
+}
+INLINE f4 f4_load(const void *s, int f16, int64_t off, int n) {
+    f4 r = {{0.f}};
+    for (int i = 0; i < n; i++) r.v[i] = scale_at(s, f16, off + i);
+    return r;
+}
+INLINE f4 f4_zero(void) {
+    f4 r = {{0.f}};
+    return r;
+}
+INLINE f4 f4_loadf(const float *p) {
+    f4 r;
+    memcpy(r.v, p, sizeof r.v);
+    return r;
+}
+INLINE f4 f4_fma(f4 a, f4 b, f4 c) {
+    for (int i = 0; i < 4; i++) c.v[i] += a.v[i] * b.v[i];
+    return c;
+}
+INLINE float f4_sum(f4 a) { return a.v[0] + a.v[1] + a.v[2] + a.v[3]; }
+INLINE vb vb_nib_lo(vb w) {
+    for (int j = 0; j < CHUNK; j++) w.v[j] &= 0x0F;
+    return w;
+}
+INLINE vb vb_nib_hi(vb w) {
+    for (int j = 0; j < CHUNK; j++) w.v[j] >>= 4;
+    return w;
+}
+INLINE vi q4_dot(vb lo, vb hi, const int8_t *x) {
+    vi r;
+    for (int l = 0; l < 16; l++) {
+        int32_t s = 0;
+        for (int j = 4 * l; j < 4 * l + 4; j++) s += (int32_t)lo.v[j] * x[j] + (int32_t)hi.v[j] * x[CHUNK + j];
+        r.v[l] = s;
+    }
+    return r;
+}
+INLINE q8w_t q8_prep(vb w) { return w; }
+INLINE vi q8_dot(q8w_t w, const int8_t *x) {
+    vi r;
+    for (int l = 0; l < 16; l++) {
+        int32_t s = 0;
+        for (int j = 4 * l; j < 4 * l + 4; j++) s += (int32_t)(int8_t)w.v[j] * x[j];
+        r.v[l] = s;
+    }
+    return r;
+}
+INLINE vf vf_zero(void) {
+    vf r = {{0.f}};
+    return r;
+}
+INLINE vf vf_load(const float *p) {
+    vf r;
+    memcpy(r.v, p, sizeof r.v);
+    return r;
+}
+INLINE vf vf_cvt(vi a) {
+    vf r;
+    for (int l = 0; l < 16; l++) r.v[l] = (float)a.v[l];
+    return r;
+}
+INLINE vf vf_mul(vf a, vf b) {
+    for (int l = 0; l < 16; l++) a.v[l] *= b.v[l];
+    return a;
+}
+INLINE vf vf_fma(vf a, vf b, vf c) {
+    for (int l = 0; l < 16; l++) c.v[l] += a.v[l] * b.v[l];
+    return c;
+}
+INLINE vf vf_add(vf a, vf b) {
+    for (int l = 0; l < 16; l++) a.v[l] += b.v[l];
+    return a;
+}
+INLINE float vf_sum(vf a) {
+    float s = 0.f;
+    for (int l = 0; l < 16; l++) s += a.v[l];
     return s;
 }
-INLINE q4blk_t q4_load(const uint8_t *p) {
-    q4blk_t c;
-    for (int j = 0; j < QB / 2; j++) c.v[j] = (int8_t)(p[j] & 0x0F);
-    for (int j = 0; j < QB / 2; j++) c.v[QB / 2 + j] = (int8_t)(p[j] >> 4);
-    return c;
+INLINE vf vf_expand4(f4 s) {
+    vf r;
+    for (int l = 0; l < 16; l++) r.v[l] = s.v[l / 4];
+    return r;
 }
-INLINE q8blk_t q8_load(const int8_t *p) {
-    q8blk_t c;
-    memcpy(c.v, p, QB);
-    return c;
+INLINE vf vf_expand2(f4 s) {
+    vf r;
+    for (int l = 0; l < 16; l++) r.v[l] = s.v[l / 8];
+    return r;
 }
-INLINE vacc_t vacc_zero(void) { return 0.f; }
-INLINE vacc_t q4_fma(vacc_t acc, q4blk_t c, const int8_t *xq, float s) { return acc + s * (float)dot32(c.v, xq); }
-INLINE vacc_t q8_fma(vacc_t acc, q8blk_t c, const int8_t *xq, float s) { return acc + s * (float)dot32(c.v, xq); }
-INLINE vacc_t vacc_add(vacc_t a, vacc_t b) { return a + b; }
-INLINE float vacc_sum(vacc_t a) { return a; }
+INLINE void vf_sum4(const vf *a, const f4 *m, float *out) {
+    for (int r = 0; r < 4; r++) out[r] = vf_sum(a[r]) + f4_sum(m[r]);
+}
 #endif
 
 /* n consecutive scales (fp16 or fp32) -> fp32, 8 at a time with F16C. */
@@ -305,145 +543,252 @@ static inline void to_f32(const void *s, int f16, int64_t off, int64_t n, float 
     for (; i < n; i++) out[i] = scale_at(s, f16, off + i);
 }
 
-/* Per weight row, before its block loop: sc [R, nb] = d(group of block b) * dx[m, b], in vectorised loops, so the
- * block loop only broadcasts one float per block and row (scalar fp16 converts and multiplies there cost as much
- * as the integer dot itself).  tmp holds nb + ng floats. */
-INLINE void block_scales(const void *sc, int f16, int64_t row, const float *restrict dx, float *restrict out,
-                         float *restrict tmp, int64_t nb, int64_t ng, const int R) {
-    const int64_t bpg = nb / ng;
-    float *restrict dw = tmp, *restrict dwb = bpg == 1 ? tmp : tmp + ng;
-    to_f32(sc, f16, row * ng, ng, dw);
-    if (bpg > 1)
-        for (int64_t g = 0; g < ng; g++)
-            for (int64_t j = 0; j < bpg; j++) dwb[g * bpg + j] = dw[g];
-    for (int m = 0; m < R; m++)
-        for (int64_t b = 0; b < nb; b++) out[m * nb + b] = dwb[b] * dx[m * nb + b];
+/* The activations' int8 blocks in the chunk layout (once per call, before the threads split the rows;
+ * on the stack up to XPREP_STACK bytes: a malloc and free cost about as much as a small GEMV).
+ * Per input row: xq, the int8 codes (Q4_1: per chunk the 4 blocks' first halves, then their second halves; int8:
+ * in order), zero-padded to whole chunks; dxl, each block's step dx = max|x| / 127 repeated on its lanes (4 per Q4_1
+ * block, 8 per int8 block); for Q4_1 also xsb, per block dx * sum(xq) (the sum of xhat that the block's min m
+ * multiplies), and xsg, the same per group of G.  rint rounds half to even, as torch.round does in the PyTorch twin
+ * (quant.q8_activation_ref).  Cost: M*K reads and ~2 M*K bytes written, nothing next to the N*K weights. */
+typedef struct {
+    void *mem;
+    int8_t *xq;
+    float *dxl, *xsb, *xsg;
+    int64_t sq, sl, sb, sg; /* per-row strides of xq (bytes), dxl, xsb, xsg (floats) */
+} xprep_t;
+
+static xprep_t xprep(const void *xin, int x_bf16, int64_t M, int64_t K, int64_t G, int q4, void *buf,
+                     size_t buf_bytes) {
+    const int64_t nb = K / QB, bpc = q4 ? 4 : 2, nc = (nb + bpc - 1) / bpc, ng = K / G;
+    xprep_t p = {0};
+    p.sq = nc * CHUNK * (q4 ? 2 : 1), p.sl = nc * 16, p.sb = q4 ? nc * 4 : 0, p.sg = q4 ? ng : 0;
+    const size_t bytes = (size_t)(M * p.sq) + sizeof(float) * (size_t)(M * (p.sl + p.sb + p.sg));
+    p.mem = bytes <= buf_bytes ? memset(buf, 0, bytes) : calloc(1, bytes); /* zeros: the chunks' padding */
+    p.dxl = (float *)p.mem, p.xsb = p.dxl + M * p.sl, p.xsg = p.xsb + M * p.sb;
+    p.xq = (int8_t *)(p.xsg + M * p.sg);
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t b = 0; b < nb; b++) {
+            float xb[QB];
+            for (int j = 0; j < QB; j++) {
+                const int64_t i = m * K + b * QB + j;
+                xb[j] = x_bf16 ? bf2f(((const uint16_t *)xin)[i]) : ((const float *)xin)[i];
+            }
+            float amax = 0.f;
+            for (int j = 0; j < QB; j++) amax = fmaxf(amax, fabsf(xb[j]));
+            const float d = amax / 127.f, id = d > 0.f ? 1.f / d : 0.f;
+            int8_t q[QB];
+            int32_t s = 0;
+            for (int j = 0; j < QB; j++) {
+                q[j] = (int8_t)rintf(xb[j] * id);
+                s += q[j];
+            }
+            const int64_t c = b / bpc, i = b % bpc;
+            int8_t *xr = p.xq + m * p.sq;
+            if (q4) {
+                memcpy(xr + c * 2 * CHUNK + i * 16, q, 16);
+                memcpy(xr + c * 2 * CHUNK + CHUNK + i * 16, q + 16, 16);
+                for (int l = 0; l < 4; l++) p.dxl[m * p.sl + b * 4 + l] = d;
+                p.xsb[m * p.sb + b] = d * (float)s;
+                p.xsg[m * p.sg + b / (G / QB)] += d * (float)s; /* blocks of a group are consecutive */
+            } else {
+                memcpy(xr + b * QB, q, QB);
+                for (int l = 0; l < 8; l++) p.dxl[m * p.sl + b * 8 + l] = d;
+            }
+        }
+    return p;
 }
 
-/* One Q4_1 weight row against R quantized input rows; xs [R, K/G]: per group, the sum of xhat.  Two accumulator
- * chains per row (even / odd blocks): one chain would wait on the FMA latency every block at batch 1. */
-INLINE void q4_q8_row(const uint8_t *restrict p, const void *sc, const void *mi, int f16, int64_t row,
-                      const int8_t *restrict xq, const float *restrict dx, const float *restrict xs,
-                      float *restrict out, float *restrict tmp, int64_t K, int64_t G, const int R) {
-    const int64_t ng = K / G, nb = K / QB;
-    float *restrict s = tmp, *restrict mw = tmp + R * nb;
+/* One Q4_1 weight row against R input rows (tile m0).  G32 (a compile-time 1 or 0): groups of 32, the scales and
+ * mins read per chunk (4 of each, one vcvtph2ps), the mins' term sum_b m_b * (sum of xhat in b) accumulated 4 blocks
+ * at a time; otherwise dwb [nb rounded up to 4] holds this row's scale per block (expanded from its groups) and the
+ * mins' term is one dot over the groups.  Dual accumulators at R <= 2, so that one chain of FMAs does not wait on
+ * its latency every chunk. */
+INLINE void q4_q8_row(const uint8_t *restrict p, const void *sc, const void *mi, int f16, int64_t n,
+                      const xprep_t *x, int64_t m0, float *restrict out, int64_t K, int64_t G,
+                      float *restrict dwb, const int R, const int G32) {
+    const int64_t nb = K / QB, ng = K / G, nc = nb / 4;
+    const int rem = (int)(nb % 4);
+    vf a0[QTILE], a1[QTILE];
+    f4 am[QTILE];
     float mt[QTILE];
-    block_scales(sc, f16, row, dx, s, mw + ng, nb, ng, R);
-    to_f32(mi, f16, row * ng, ng, mw);
-    for (int m = 0; m < R; m++) { /* the mins' term: sum over groups of m_g * sum(xhat in g) */
-        float t = 0.f;
-        for (int64_t g = 0; g < ng; g++) t += mw[g] * xs[m * ng + g];
-        mt[m] = t;
-    }
-    vacc_t a0[QTILE], a1[QTILE];
-    for (int m = 0; m < R; m++) a0[m] = vacc_zero(), a1[m] = vacc_zero();
-    int64_t b = 0;
-    for (; b + 2 <= nb; b += 2) {
-        const q4blk_t c0 = q4_load(p + b * (QB / 2)), c1 = q4_load(p + (b + 1) * (QB / 2)); /* shared by R rows */
+    for (int m = 0; m < R; m++) a0[m] = vf_zero(), a1[m] = vf_zero(), am[m] = f4_zero(), mt[m] = 0.f;
+    if (!G32) {
+        float dw[ng];
+        to_f32(sc, f16, n * ng, ng, dw);
+        for (int64_t b = 0; b < nb; b++) dwb[b] = dw[b / (G / QB)];
+        for (int64_t b = nb; b < nb + 4; b++) dwb[b] = 0.f; /* read by the last chunk */
+        to_f32(mi, f16, n * ng, ng, dw);
         for (int m = 0; m < R; m++) {
-            a0[m] = q4_fma(a0[m], c0, xq + m * K + b * QB, s[m * nb + b]);
-            a1[m] = q4_fma(a1[m], c1, xq + m * K + (b + 1) * QB, s[m * nb + b + 1]);
+            float t = 0.f;
+            for (int64_t g = 0; g < ng; g++) t += dw[g] * x->xsg[(m0 + m) * x->sg + g];
+            mt[m] = t;
         }
     }
-    if (b < nb) {
-        const q4blk_t c0 = q4_load(p + b * (QB / 2));
-        for (int m = 0; m < R; m++) a0[m] = q4_fma(a0[m], c0, xq + m * K + b * QB, s[m * nb + b]);
+#define Q4_CHUNK(ACC, NBLK, CI)                                                                                    \
+    do {                                                                                                       \
+        const vb w_ = NBLK == 4 ? vb_load(p + (CI) * CHUNK) : vb_load_part(p + (CI) * CHUNK, NBLK * 16);             \
+        const vb lo_ = vb_nib_lo(w_), hi_ = vb_nib_hi(w_);                                                     \
+        const vf sw_ = vf_expand4(G32 ? f4_load(sc, f16, n * ng + (CI) * 4, NBLK) : f4_loadf(dwb + (CI) * 4));       \
+        const f4 m4_ = G32 ? f4_load(mi, f16, n * ng + (CI) * 4, NBLK) : f4_zero();                               \
+        for (int m = 0; m < R; m++) {                                                                          \
+            const vi d_ = q4_dot(lo_, hi_, x->xq + (m0 + m) * x->sq + (CI) * 2 * CHUNK);                           \
+            ACC[m] = vf_fma(vf_cvt(d_), vf_mul(sw_, vf_load(x->dxl + (m0 + m) * x->sl + (CI) * 16)), ACC[m]);      \
+            if (G32) am[m] = f4_fma(m4_, f4_loadf(x->xsb + (m0 + m) * x->sb + (CI) * 4), am[m]);                  \
+        }                                                                                                      \
+    } while (0)
+    int64_t c = 0;
+    for (; c + 2 <= nc; c += 2) {
+        Q4_CHUNK(a0, 4, c);
+        if (R <= 2) Q4_CHUNK(a1, 4, c + 1);
+        else Q4_CHUNK(a0, 4, c + 1);
     }
-    for (int m = 0; m < R; m++) out[m] = vacc_sum(vacc_add(a0[m], a1[m])) + mt[m];
+    if (c < nc) {
+        Q4_CHUNK(a0, 4, c);
+        c++;
+    }
+    if (rem) Q4_CHUNK(a1, rem, c); /* the last 1..3 blocks, zero-padded (the activations' padding is zero too) */
+#undef Q4_CHUNK
+    for (int m = 0; m < R; m++) out[m] = vf_sum(vf_add(a0[m], a1[m])) + (G32 ? f4_sum(am[m]) : mt[m]);
 }
 
-/* int8 weights: one scale per group (per row when per-channel), so the block's scale is one scalar product. */
-INLINE void q8_q8_row(const int8_t *restrict w, const void *sc, int f16, int64_t row, const int8_t *restrict xq,
-                      const float *restrict dx, float *restrict out, int64_t K, int64_t G, const int R) {
-    const int64_t ng = K / G, nb = K / QB, bpg = G / QB;
-    vacc_t a0[QTILE], a1[QTILE];
-    for (int m = 0; m < R; m++) a0[m] = vacc_zero(), a1[m] = vacc_zero();
-    for (int64_t g = 0; g < ng; g++) {
-        const float s = scale_at(sc, f16, row * ng + g);
-        int64_t b = g * bpg;
-        for (; b + 2 <= (g + 1) * bpg; b += 2) {
-            const q8blk_t c0 = q8_load(w + b * QB), c1 = q8_load(w + (b + 1) * QB);
-            for (int m = 0; m < R; m++) {
-                a0[m] = q8_fma(a0[m], c0, xq + m * K + b * QB, s * dx[m * nb + b]);
-                a1[m] = q8_fma(a1[m], c1, xq + m * K + (b + 1) * QB, s * dx[m * nb + b + 1]);
-            }
+/* Batch 1, groups of 32 (GGUF Q4_1, the decode case): 4 weight rows at a time against the one input row.  The
+ * activation loads are shared by the 4 rows and the 4 horizontal sums end in one transposing reduction (vf_sum4):
+ * at K = 576 (18 blocks, 4.5 chunks) a row's own reduction, scales and tail cost as much as its chunks. */
+INLINE void q4_q8_row4(const uint8_t *restrict p, const void *sc, const void *mi, int f16, int64_t n,
+                       const xprep_t *x, float out[4], int64_t K) {
+    const int64_t nb = K / QB, ng = nb, nc = nb / 4, rowb = K / 2;
+    const int rem = (int)(nb % 4);
+    vf a[4];
+    f4 am[4];
+    for (int r = 0; r < 4; r++) a[r] = vf_zero(), am[r] = f4_zero();
+#define Q4_CHUNK4(NBLK, CI)                                                                                    \
+    do {                                                                                                       \
+        const int8_t *xr_ = x->xq + (CI) * 2 * CHUNK;                                                          \
+        const vf dx_ = vf_load(x->dxl + (CI) * 16);                                                            \
+        const f4 xs_ = f4_loadf(x->xsb + (CI) * 4);                                                            \
+        for (int r = 0; r < 4; r++) {                                                                          \
+            const uint8_t *pr_ = p + r * rowb + (CI) * CHUNK;                                                  \
+            __builtin_prefetch(pr_ + 4 * rowb); /* the next 4 rows: 4 interleaved streams defeat the prefetcher */\
+            const vb w_ = NBLK == 4 ? vb_load(pr_) : vb_load_part(pr_, NBLK * 16);                             \
+            const vf sw_ = vf_expand4(f4_load(sc, f16, (n + r) * ng + (CI) * 4, NBLK));                        \
+            const vi d_ = q4_dot(vb_nib_lo(w_), vb_nib_hi(w_), xr_);                                           \
+            a[r] = vf_fma(vf_cvt(d_), vf_mul(sw_, dx_), a[r]);                                                 \
+            am[r] = f4_fma(f4_load(mi, f16, (n + r) * ng + (CI) * 4, NBLK), xs_, am[r]);                        \
+        }                                                                                                      \
+    } while (0)
+    int64_t c = 0;
+    for (; c < nc; c++) Q4_CHUNK4(4, c);
+    if (rem) Q4_CHUNK4(rem, c);
+#undef Q4_CHUNK4
+    vf_sum4(a, am, out);
+}
+
+/* int8 weights against R input rows.  MODE (compile-time): 0 per output channel (G = K: the row's one scale
+ * multiplies the sum at the end), 1 groups of 32 (GGUF Q8_0: 2 scales per chunk), 2 other groups (dwb, as above). */
+INLINE void q8_q8_row(const int8_t *restrict w, const void *sc, int f16, int64_t n, const xprep_t *x, int64_t m0,
+                      float *restrict out, int64_t K, int64_t G, float *restrict dwb, const int R, const int MODE) {
+    const int64_t nb = K / QB, ng = K / G, nc = nb / 2;
+    const int rem = (int)(nb % 2);
+    vf a0[QTILE], a1[QTILE];
+    for (int m = 0; m < R; m++) a0[m] = vf_zero(), a1[m] = vf_zero();
+    if (MODE == 2) {
+        float dw[ng];
+        to_f32(sc, f16, n * ng, ng, dw);
+        for (int64_t b = 0; b < nb; b++) dwb[b] = dw[b / (G / QB)];
+        for (int64_t b = nb; b < nb + 4; b++) dwb[b] = 0.f; /* read by the last chunk */
+    }
+#define Q8_CHUNK(ACC, NBLK, CI)                                                                                    \
+    do {                                                                                                       \
+        const q8w_t wp_ = q8_prep(NBLK == 2 ? vb_load(w + (CI) * CHUNK) : vb_load_part(w + (CI) * CHUNK, QB));       \
+        vf sw_ = vf_zero();                                                                                    \
+        if (MODE) sw_ = vf_expand2(MODE == 1 ? f4_load(sc, f16, n * ng + 2 * (CI), NBLK) : f4_loadf(dwb + 2 * (CI))); \
+        for (int m = 0; m < R; m++) {                                                                          \
+            const vf d_ = vf_cvt(q8_dot(wp_, x->xq + (m0 + m) * x->sq + (CI) * CHUNK));                             \
+            const vf dx_ = vf_load(x->dxl + (m0 + m) * x->sl + (CI) * 16);                                        \
+            ACC[m] = vf_fma(d_, MODE ? vf_mul(sw_, dx_) : dx_, ACC[m]);                                        \
+        }                                                                                                      \
+    } while (0)
+    int64_t c = 0;
+    for (; c + 2 <= nc; c += 2) {
+        Q8_CHUNK(a0, 2, c);
+        if (R <= 2) Q8_CHUNK(a1, 2, c + 1);
+        else Q8_CHUNK(a0, 2, c + 1);
+    }
+    if (c < nc) {
+        Q8_CHUNK(a0, 2, c);
+        c++;
+    }
+    if (rem) Q8_CHUNK(a1, 1, c); /* the last block, zero-padded */
+#undef Q8_CHUNK
+    const float s = MODE == 0 ? scale_at(sc, f16, n) : 1.f;
+    for (int m = 0; m < R; m++) out[m] = s * vf_sum(vf_add(a0[m], a1[m]));
+}
+
+/* Rows n0..n1 of y for one thread; dwb: a row's scale per block (groups other than 32). */
+static void q4_q8_rows(const uint8_t *restrict P, const void *scales, const void *mins, int scale_f16,
+                       const xprep_t *x, int x_bf16, void *y, int64_t M, int64_t N, int64_t K, int64_t G, int64_t n0,
+                       int64_t n1) {
+    float dwb[K / QB + 4];
+    int64_t n = n0;
+    if (M == 1 && G == QB)
+        for (; n + 4 <= n1; n += 4) {
+            float out[4];
+            q4_q8_row4(P + n * (K / 2), scales, mins, scale_f16, n, x, out, K);
+            for (int r = 0; r < 4; r++) store_y(y, x_bf16, n + r, out[r]);
         }
-        if (b < (g + 1) * bpg) {
-            const q8blk_t c0 = q8_load(w + b * QB);
-            for (int m = 0; m < R; m++) a0[m] = q8_fma(a0[m], c0, xq + m * K + b * QB, s * dx[m * nb + b]);
-        }
-    }
-    for (int m = 0; m < R; m++) out[m] = vacc_sum(vacc_add(a0[m], a1[m]));
-}
-
-/* The activations' int8 blocks for M rows: xq [M, K], dx [M, K/32], and per group of G the sum of xhat [M, K/G]
- * (M*K bytes + a few floats: computed once per call, before the threads split the weight rows). */
-typedef struct { int8_t *xq; float *dx, *xs; } xq_t;
-
-static xq_t xq_make(const void *xin, int x_bf16, int64_t M, int64_t K, int64_t G) {
-    float *owned;
-    const float *x = x_f32(xin, x_bf16, M * K, &owned);
-    xq_t q = {(int8_t *)malloc(M * K), (float *)malloc(sizeof(float) * M * (K / QB)),
-              (float *)malloc(sizeof(float) * M * (K / G))};
-    float *sx = (float *)malloc(sizeof(float) * M * (K / QB));
-    quantize_x(x, M * K, q.xq, q.dx, sx);
-    for (int64_t i = 0; i < M * (K / G); i++) { /* blocks of a group are consecutive; groups never span rows */
-        float s = 0.f;
-        for (int64_t b = i * (G / QB); b < (i + 1) * (G / QB); b++) s += sx[b];
-        q.xs[i] = s;
-    }
-    free(sx);
-    free(owned);
-    return q;
-}
-
-static void xq_free(xq_t q) {
-    free(q.xq);
-    free(q.dx);
-    free(q.xs);
-}
-
-/* Needs K % 32 == 0 and G % 32 == 0 (always so for Q4_1; the wrapper sends other int8 shapes to q8_gemm). */
-void q4_gemm_q8(const uint8_t *restrict P, const void *scales, const void *mins, int scale_f16, const void *xin,
-                int x_bf16, void *y, int64_t M, int64_t N, int64_t K, int64_t G) {
-    const xq_t q = xq_make(xin, x_bf16, M, K, G);
-    const int64_t nb = K / QB, ng = K / G;
-#pragma omp parallel
-    {
-        float *tmp = (float *)malloc(sizeof(float) * (QTILE * nb + 3 * ng + nb)); /* per thread: row scales */
-#pragma omp for schedule(static)
-        for (int64_t n = 0; n < N; n++) {
-            for (int64_t m0 = 0; m0 < M; m0 += QTILE) {
-                float out[QTILE];
-                const int64_t mr = M - m0 < QTILE ? M - m0 : QTILE;
-#define Q4_Q8(R) q4_q8_row(P + n * (K / 2), scales, mins, scale_f16, n, q.xq + m0 * K, q.dx + m0 * nb, \
-                           q.xs + m0 * ng, out, tmp, K, G, R)
-                FOR_TILE(mr, Q4_Q8)
-#undef Q4_Q8
-                for (int64_t m = 0; m < mr; m++) store_y(y, x_bf16, (m0 + m) * N + n, out[m]);
-            }
-        }
-        free(tmp);
-    }
-    xq_free(q);
-}
-
-void q8_gemm_q8(const int8_t *restrict W, const void *scales, int scale_f16, const void *xin, int x_bf16, void *y,
-                int64_t M, int64_t N, int64_t K, int64_t G) {
-    const xq_t q = xq_make(xin, x_bf16, M, K, G);
-    const int64_t nb = K / QB;
-#pragma omp parallel for schedule(static)
-    for (int64_t n = 0; n < N; n++) {
+    for (; n < n1; n++)
         for (int64_t m0 = 0; m0 < M; m0 += QTILE) {
             float out[QTILE];
             const int64_t mr = M - m0 < QTILE ? M - m0 : QTILE;
-#define Q8_Q8(R) q8_q8_row(W + n * K, scales, scale_f16, n, q.xq + m0 * K, q.dx + m0 * nb, out, K, G, R)
+#define Q4_Q8(R)                                                                                               \
+    if (G == QB) q4_q8_row(P + n * (K / 2), scales, mins, scale_f16, n, x, m0, out, K, G, dwb, R, 1);          \
+    else q4_q8_row(P + n * (K / 2), scales, mins, scale_f16, n, x, m0, out, K, G, dwb, R, 0)
+            FOR_TILE(mr, Q4_Q8)
+#undef Q4_Q8
+            for (int64_t m = 0; m < mr; m++) store_y(y, x_bf16, (m0 + m) * N + n, out[m]);
+        }
+}
+
+static void q8_q8_rows(const int8_t *restrict W, const void *scales, int scale_f16, const xprep_t *x, int x_bf16,
+                       void *y, int64_t M, int64_t N, int64_t K, int64_t G, int64_t n0, int64_t n1) {
+    float dwb[K / QB + 4];
+    /* No 4-row tile here: tried as for Q4_1, it was 2x faster with the weights in L2 but 2x slower streamed from
+     * memory (SmolLM2 stack, 1 thread), prefetch or not; not understood yet. */
+    for (int64_t n = n0; n < n1; n++)
+        for (int64_t m0 = 0; m0 < M; m0 += QTILE) {
+            float out[QTILE];
+            const int64_t mr = M - m0 < QTILE ? M - m0 : QTILE;
+#define Q8_Q8(R)                                                                                               \
+    if (G == K) q8_q8_row(W + n * K, scales, scale_f16, n, x, m0, out, K, G, dwb, R, 0);                       \
+    else if (G == QB) q8_q8_row(W + n * K, scales, scale_f16, n, x, m0, out, K, G, dwb, R, 1);                 \
+    else q8_q8_row(W + n * K, scales, scale_f16, n, x, m0, out, K, G, dwb, R, 2)
             FOR_TILE(mr, Q8_Q8)
 #undef Q8_Q8
             for (int64_t m = 0; m < mr; m++) store_y(y, x_bf16, (m0 + m) * N + n, out[m]);
         }
-    }
-    xq_free(q);
+}
+
+#define XPREP_STACK 32768 /* activations prepared on the stack up to this many bytes (M = 8, K = 1536 takes 22 KB) */
+
+/* Needs K % 32 == 0 and G % 32 == 0 (always so for Q4_1; the wrapper sends other int8 shapes to q8_gemm). */
+void q4_gemm_q8(const uint8_t *restrict P, const void *scales, const void *mins, int scale_f16, const void *xin,
+                int x_bf16, void *y, int64_t M, int64_t N, int64_t K, int64_t G) {
+    _Alignas(64) unsigned char buf[XPREP_STACK];
+    const xprep_t x = xprep(xin, x_bf16, M, K, G, 1, buf, sizeof buf);
+#define Q4_Q8_ROWS(n0, n1) q4_q8_rows(P, scales, mins, scale_f16, &x, x_bf16, y, M, N, K, G, n0, n1)
+    SPLIT_ROWS(N, K, Q4_Q8_ROWS);
+#undef Q4_Q8_ROWS
+    if (x.mem != buf) free(x.mem);
+}
+
+void q8_gemm_q8(const int8_t *restrict W, const void *scales, int scale_f16, const void *xin, int x_bf16, void *y,
+                int64_t M, int64_t N, int64_t K, int64_t G) {
+    _Alignas(64) unsigned char buf[XPREP_STACK];
+    const xprep_t x = xprep(xin, x_bf16, M, K, G, 0, buf, sizeof buf);
+#define Q8_Q8_ROWS(n0, n1) q8_q8_rows(W, scales, scale_f16, &x, x_bf16, y, M, N, K, G, n0, n1)
+    SPLIT_ROWS(N, K, Q8_Q8_ROWS);
+#undef Q8_Q8_ROWS
+    if (x.mem != buf) free(x.mem);
 }
 
 /* 1 when compiled with OpenMP (rows split across threads), else 0. */
@@ -455,11 +800,14 @@ int quant_built_with_openmp(void) {
 #endif
 }
 
-/* Which integer dot product the int8-activation path compiled to: 3 VNNI, 2 AVX2, 0 portable C. */
+/* Which integer dot product the int8-activation path compiled to: 4 AVX-512 VNNI (512-bit), 3 VNNI on 256-bit
+ * registers, 2 vpmaddubsw (AVX2 or AVX-512BW), 0 portable C. */
 int quant_simd_level(void) {
-#if defined(__AVX2__) && ((defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__))
+#if QSIMD == 512 && defined(__AVX512VNNI__)
+    return 4;
+#elif QSIMD == 256 && defined(DPBUSD)
     return 3;
-#elif defined(__AVX2__)
+#elif QSIMD
     return 2;
 #else
     return 0;
