@@ -411,19 +411,6 @@ INLINE float f4_sum(f4 a) {
     a = _mm_add_ps(a, _mm_movehl_ps(a, a));
     return _mm_cvtss_f32(_mm_add_ss(a, _mm_movehdup_ps(a)));
 }
-INLINE __m256 vf_fold(vf a) { /* 16 lanes -> 8 partial sums */
-#if QSIMD == 512
-    return _mm256_add_ps(_mm512_castps512_ps256(a), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)));
-#else
-    return _mm256_add_ps(a.a, a.b);
-#endif
-}
-INLINE void vf_sum4(const vf *a, const f4 *m, float *out) { /* out[r] = sum(a[r]) + sum(m[r]), transposed hadds */
-    const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(vf_fold(a[0]), vf_fold(a[1])),
-                                    _mm256_hadd_ps(vf_fold(a[2]), vf_fold(a[3])));
-    const __m128 s = _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
-    _mm_storeu_ps(out, _mm_add_ps(s, _mm_hadd_ps(_mm_hadd_ps(m[0], m[1]), _mm_hadd_ps(m[2], m[3]))));
-}
 #else /* portable C over the same lanes: loops the compiler may vectorise (e.g. to ARM sdot with dotprod) */
 typedef struct { uint8_t v[CHUNK]; } vb;
 typedef struct { int32_t v[16]; } vi;
@@ -527,9 +514,6 @@ INLINE vf vf_expand2(f4 s) {
     for (int l = 0; l < 16; l++) r.v[l] = s.v[l / 8];
     return r;
 }
-INLINE void vf_sum4(const vf *a, const f4 *m, float *out) {
-    for (int r = 0; r < 4; r++) out[r] = vf_sum(a[r]) + f4_sum(m[r]);
-}
 #endif
 
 /* n consecutive scales (fp16 or fp32) -> fp32, 8 at a time with F16C. */
@@ -601,8 +585,10 @@ static xprep_t xprep(const void *xin, int x_bf16, int64_t M, int64_t K, int64_t 
 /* One Q4_1 weight row against R input rows (tile m0).  G32 (a compile-time 1 or 0): groups of 32, the scales and
  * mins read per chunk (4 of each, one vcvtph2ps), the mins' term sum_b m_b * (sum of xhat in b) accumulated 4 blocks
  * at a time; otherwise dwb [nb rounded up to 4] holds this row's scale per block (expanded from its groups) and the
- * mins' term is one dot over the groups.  Dual accumulators at R <= 2, so that one chain of FMAs does not wait on
- * its latency every chunk. */
+ * mins' term is one dot over the groups.  Two accumulators per row (even and odd chunks), so that one chain of FMAs
+ * does not wait on its latency every chunk — at every R: a row's sums must not depend on how many rows share the call
+ * (speculative verification runs γ + 1 rows where plain decode runs one; greedy output must be identical), so the
+ * accumulation order, the tail and the final reduction are the same at every R and in q4_q8_row4 below. */
 INLINE void q4_q8_row(const uint8_t *restrict p, const void *sc, const void *mi, int f16, int64_t n,
                       const xprep_t *x, int64_t m0, float *restrict out, int64_t K, int64_t G,
                       float *restrict dwb, const int R, const int G32) {
@@ -639,8 +625,7 @@ INLINE void q4_q8_row(const uint8_t *restrict p, const void *sc, const void *mi,
     int64_t c = 0;
     for (; c + 2 <= nc; c += 2) {
         Q4_CHUNK(a0, 4, c);
-        if (R <= 2) Q4_CHUNK(a1, 4, c + 1);
-        else Q4_CHUNK(a0, 4, c + 1);
+        Q4_CHUNK(a1, 4, c + 1);
     }
     if (c < nc) {
         Q4_CHUNK(a0, 4, c);
@@ -652,16 +637,16 @@ INLINE void q4_q8_row(const uint8_t *restrict p, const void *sc, const void *mi,
 }
 
 /* Batch 1, groups of 32 (GGUF Q4_1, the decode case): 4 weight rows at a time against the one input row.  The
- * activation loads are shared by the 4 rows and the 4 horizontal sums end in one transposing reduction (vf_sum4):
+ * activation loads are shared by the 4 rows; each row's arithmetic is exactly q4_q8_row's (see there):
  * at K = 576 (18 blocks, 4.5 chunks) a row's own reduction, scales and tail cost as much as its chunks. */
 INLINE void q4_q8_row4(const uint8_t *restrict p, const void *sc, const void *mi, int f16, int64_t n,
                        const xprep_t *x, float out[4], int64_t K) {
     const int64_t nb = K / QB, ng = nb, nc = nb / 4, rowb = K / 2;
     const int rem = (int)(nb % 4);
-    vf a[4];
+    vf a0[4], a1[4];
     f4 am[4];
-    for (int r = 0; r < 4; r++) a[r] = vf_zero(), am[r] = f4_zero();
-#define Q4_CHUNK4(NBLK, CI)                                                                                    \
+    for (int r = 0; r < 4; r++) a0[r] = vf_zero(), a1[r] = vf_zero(), am[r] = f4_zero();
+#define Q4_CHUNK4(ACC, NBLK, CI)                                                                                    \
     do {                                                                                                       \
         const int8_t *xr_ = x->xq + (CI) * 2 * CHUNK;                                                          \
         const vf dx_ = vf_load(x->dxl + (CI) * 16);                                                            \
@@ -672,15 +657,22 @@ INLINE void q4_q8_row4(const uint8_t *restrict p, const void *sc, const void *mi
             const vb w_ = NBLK == 4 ? vb_load(pr_) : vb_load_part(pr_, NBLK * 16);                             \
             const vf sw_ = vf_expand4(f4_load(sc, f16, (n + r) * ng + (CI) * 4, NBLK));                        \
             const vi d_ = q4_dot(vb_nib_lo(w_), vb_nib_hi(w_), xr_);                                           \
-            a[r] = vf_fma(vf_cvt(d_), vf_mul(sw_, dx_), a[r]);                                                 \
+            ACC[r] = vf_fma(vf_cvt(d_), vf_mul(sw_, dx_), ACC[r]);                                             \
             am[r] = f4_fma(f4_load(mi, f16, (n + r) * ng + (CI) * 4, NBLK), xs_, am[r]);                        \
         }                                                                                                      \
     } while (0)
-    int64_t c = 0;
-    for (; c < nc; c++) Q4_CHUNK4(4, c);
-    if (rem) Q4_CHUNK4(rem, c);
+    int64_t c = 0; /* the chunk order of q4_q8_row: even chunks in a0, odd in a1, an odd last one in a0, the tail in a1 */
+    for (; c + 2 <= nc; c += 2) {
+        Q4_CHUNK4(a0, 4, c);
+        Q4_CHUNK4(a1, 4, c + 1);
+    }
+    if (c < nc) {
+        Q4_CHUNK4(a0, 4, c);
+        c++;
+    }
+    if (rem) Q4_CHUNK4(a1, rem, c);
 #undef Q4_CHUNK4
-    vf_sum4(a, am, out);
+    for (int r = 0; r < 4; r++) out[r] = vf_sum(vf_add(a0[r], a1[r])) + f4_sum(am[r]); /* as q4_q8_row reduces */
 }
 
 /* int8 weights against R input rows.  MODE (compile-time): 0 per output channel (G = K: the row's one scale
@@ -711,8 +703,7 @@ INLINE void q8_q8_row(const int8_t *restrict w, const void *sc, int f16, int64_t
     int64_t c = 0;
     for (; c + 2 <= nc; c += 2) {
         Q8_CHUNK(a0, 2, c);
-        if (R <= 2) Q8_CHUNK(a1, 2, c + 1);
-        else Q8_CHUNK(a0, 2, c + 1);
+        Q8_CHUNK(a1, 2, c + 1);
     }
     if (c < nc) {
         Q8_CHUNK(a0, 2, c);
