@@ -212,7 +212,7 @@ def build_parser() -> argparse.ArgumentParser:
         s.add_argument(flag, type=int, default=None, help="EngineConfig option")
     s.set_defaults(fn=cmd_serve)
     b = sub.add_parser("bench", help="side-by-side benchmarks (decode | attention | serving | quant | spec | tp | "
-                                     "disagg | serve: a load generator for any OpenAI server, see 'bench serve --help')")
+                                     "disagg | serve: a load generator for any OpenAI server, 'bench serve --help')")
     b.add_argument("what", choices=["decode", "attention", "serving", "quant", "spec", "serve", "tp", "disagg"])
     b.add_argument("--model", default=None)
     b.add_argument("--device", default=None)
