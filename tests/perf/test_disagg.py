@@ -135,3 +135,37 @@ def test_goodput_at_the_slo_is_the_highest_rate_before_attainment_first_drops_be
     assert max_rate_at_slo([1, 2, 4, 8], [1.0, 0.95, 0.5, 0.92]) == 2
     assert max_rate_at_slo([1, 2], [0.8, 1.0]) == 0.0
     assert max_rate_at_slo([1, 2], [0.9, 0.9]) == 2
+
+
+def synthetic_rows() -> list[dict]:
+    rows = [{"workload": "w", "num_instances": 4, "deployment": "colocated", "link": None, "num_prefill": 0,
+             "num_decode": 0, "goodput_at_slo": 10.0}]
+    for link, goodputs in (("NVLink", (8.0, 14.0, 12.0)), ("PCIe", (6.0, 9.0, 9.0))):
+        rows += [{"workload": "w", "num_instances": 4, "deployment": f"{p}P:{4 - p}D {link}", "link": link,
+                  "num_prefill": p, "num_decode": 4 - p, "goodput_at_slo": g}
+                 for p, g in zip((1, 2, 3), goodputs, strict=True)]
+    return rows
+
+
+def test_the_bench_summary_names_each_links_best_split_and_its_ratio_to_colocated():
+    from minillm.perf.bench.disagg import summary
+
+    s = {r["link"]: r for r in summary(synthetic_rows())}
+    assert (s["NVLink"]["best_split"], s["NVLink"]["ratio"]) == ("2P:2D", pytest.approx(1.4))
+    assert (s["PCIe"]["best_split"], s["PCIe"]["ratio"]) == ("2P:2D", pytest.approx(0.9))  # a tie: fewer prefill
+
+
+def test_the_bench_figure_has_a_line_per_link_plus_colocated_and_no_overlapping_labels():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from minillm.perf.bench.disagg import plot
+    from minillm.perf.figures import overlapping_labels
+
+    fig = plot(synthetic_rows())
+    ax = fig.axes[0]
+    assert [line.get_label() for line in ax.get_lines()] == ["NVLink", "PCIe", "colocated"]
+    assert overlapping_labels(fig) == []
+    plt.close(fig)
