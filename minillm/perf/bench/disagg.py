@@ -28,16 +28,18 @@ from minillm.perf.disagg import (
 
 @dataclass(frozen=True)
 class DisaggBenchSize:
-    """How big a sweep: GPU counts, requests per trace, and offered rates per GPU (req/s; × N for the whole)."""
+    """How big a sweep: GPU counts, and per workload the requests per trace and the offered rates per GPU (req/s;
+    × N for the whole deployment).  Enough requests that the fastest rate's arrivals outlast a request's life."""
 
     num_instances: tuple[int, ...]
-    num_requests: int
+    long_requests: int
     long_rates_per_gpu: tuple[float, ...]
+    chat_requests: int
     chat_rates_per_gpu: tuple[float, ...]
 
 
-FULL = DisaggBenchSize((4, 8), 160, (4, 6, 8, 10, 12), (15, 25, 35, 45))
-QUICK = DisaggBenchSize((4,), 80, (4, 8, 12), (15, 30, 45))
+FULL = DisaggBenchSize((4, 8), 160, (4, 5, 6, 8, 10, 12), 600, (50, 70, 90, 110))
+QUICK = DisaggBenchSize((4,), 160, (4, 5, 6, 8, 10, 12), 600, (50, 70, 90, 110))
 
 
 def setup():
@@ -60,11 +62,11 @@ def run_sweeps(size: DisaggBenchSize, links=None, seed: int = 0) -> list[dict]:
     corpus = random_corpus(cfg.vocab_size, n=65_536, seed=seed)
     links = list(KV_LINKS.values()) if links is None else links
     rows = []
-    for wl, per_gpu in ((long_prompt_workload(), size.long_rates_per_gpu),
-                        (chat_workload(), size.chat_rates_per_gpu)):
+    for wl, per_gpu, count in ((long_prompt_workload(), size.long_rates_per_gpu, size.long_requests),
+                               (chat_workload(), size.chat_rates_per_gpu, size.chat_requests)):
         for n in size.num_instances:
             rows += sweep(wl, cfg, engine, step, num_instances=n, rates=[r * n for r in per_gpu], links=links,
-                          num_requests=size.num_requests, corpus=corpus, seed=seed)
+                          num_requests=count * n // 4, corpus=corpus, seed=seed)
     return rows
 
 
