@@ -39,7 +39,7 @@ class DisaggBenchSize:
 
 
 FULL = DisaggBenchSize((4, 8), 160, (4, 5, 6, 8, 10, 12), 600, (50, 70, 90, 110))
-QUICK = DisaggBenchSize((4,), 160, (4, 5, 6, 8, 10, 12), 600, (50, 70, 90, 110))
+QUICK = DisaggBenchSize((4,), 120, (4, 6, 8, 10), 400, (50, 70, 90))
 
 
 def setup():
