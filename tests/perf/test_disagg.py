@@ -169,3 +169,10 @@ def test_the_bench_figure_has_a_line_per_link_plus_colocated_and_no_overlapping_
     assert [line.get_label() for line in ax.get_lines()] == ["NVLink", "PCIe", "colocated"]
     assert overlapping_labels(fig) == []
     plt.close(fig)
+
+
+def test_the_cli_dispatches_bench_disagg():
+    from minillm.entrypoints.cli import build_parser, cmd_bench
+
+    args = build_parser().parse_args(["bench", "disagg", "--quick"])
+    assert (args.what, args.quick, args.fn) == ("disagg", True, cmd_bench)
