@@ -201,7 +201,7 @@ my_allreduce_us = 50.0  # ← your guess for one all-reduce of 576 fp32 values b
 
 # %% tags=["slide-output"]
 # NBVAL_IGNORE_OUTPUT
-numels = [576, 4096, 65536, 1 << 20] if not FAST else [576, 65536]
+numels = [576, 4096, 65536, 262144, 1 << 20] if not FAST else [576, 4096, 262144]
 times = run_workers(tp_bench.allreduce_worker, 2, (numels, 100 if FAST else 300), threads_per_worker=1)[0]
 # Fit α + bytes / β on the measured points (least squares on t = α + b · bytes, b = 1/β).
 xs = [2 * (2 - 1) / 2 * n * 4 for n in numels]  # bytes one rank sends, tp = 2, fp32
@@ -266,20 +266,21 @@ for link in ("H100-NVLink", "H100-PCIe"):
           f"≤ {1 / (llama70.num_layers * (e.compute_s + e.comm_s)):.0f} tok/s")
 
 # %% [markdown]
-# One all-reduce side by side: what two gloo processes took here (the fit above) and what the cost model charges
-# on paper over an H100 node's NVLink (900 GB/s counts both directions: 450 GB/s each way) and over PCIe 5.0
-# (64 GB/s each way) — for one decode token of this model and for Llama-2-70B's hidden state at batch 1 and 64.
+# One all-reduce side by side: what two gloo processes took here for the same number of bytes (measured above) and
+# what the cost model charges on paper over an H100 node's NVLink (900 GB/s counts both directions: 450 GB/s each
+# way) and over PCIe 5.0 (64 GB/s each way) — one decode token of this model, Llama-2-70B's at batch 1 and 64.
 
 # %% tags=["slide-output"]
 # NBVAL_IGNORE_OUTPUT
-print(f"{'one all-reduce, tp = 2':<38} {'gloo, fitted':>12} {'H100 NVLink':>12} {'H100 PCIe':>12}")
+print(f"{'one all-reduce, tp = 2':<38} {'here (gloo)':>12} {'H100 NVLink':>12} {'H100 PCIe':>12}")
 for what, tokens, hidden, dt in (("this model, 1 token, fp32", 1, config.hidden_size, "float32"),
                                  ("Llama-2-70B, 1 token, bf16", 1, llama70.hidden_size, "bfloat16"),
                                  ("Llama-2-70B, 64 tokens, bf16", 64, llama70.hidden_size, "bfloat16")):
-    kb = tokens * hidden * dtype_bytes(dt) / 1e3
-    one = [layer_comm_time(2, tokens, hidden, dt, link) / ALLREDUCES_PER_LAYER * 1e6
-           for link in (gloo_here, LINKS["H100-NVLink"], LINKS["H100-PCIe"])]
-    print(f"{what + f' ({kb:.0f} KB)':<38} " + " ".join(f"{t:>9.1f} µs" for t in one))
+    nbytes = tokens * hidden * dtype_bytes(dt)
+    here = times[int(nbytes) // 4]  # measured above: the same bytes as fp32 elements
+    paper = [layer_comm_time(2, tokens, hidden, dt, LINKS[k]) / ALLREDUCES_PER_LAYER
+             for k in ("H100-NVLink", "H100-PCIe")]
+    print(f"{what + f' ({nbytes / 1e3:.0f} KB)':<38} " + " ".join(f"{t * 1e6:>9.1f} µs" for t in (here, *paper)))
 
 # %% [markdown]
 # Latency dominates every row but the last: two processes here pay tens to hundreds of µs per call, NVLink ~10 µs.
@@ -407,8 +408,8 @@ print(f"its prefill on one H100 (Llama-3-8B, two 2048-token chunks): {prefill_s 
 
 # %% tags=["slide-output"]
 # NBVAL_IGNORE_OUTPUT
-size = (disagg_bench.DisaggBenchSize((4,), 30, (5, 10), 60, (50, 90)) if FAST else
-        disagg_bench.DisaggBenchSize((4,), 120, (5, 6, 8), 400, (50, 70, 90)))  # rates per GPU, req/s
+size = (disagg_bench.DisaggBenchSize((4,), 30, (5, 10), 60, (50, 90), duration_s=0.0) if FAST else
+        disagg_bench.DisaggBenchSize((4,), 120, (5, 6, 8), 400, (50, 90), duration_s=3.0))  # rates per GPU, req/s
 links = [KV_LINKS["NVLink"], KV_LINKS["Ethernet-25G"]]  # the fastest and the slowest link
 pd_rows = disagg_bench.run_sweeps(size, links=links)
 for row in disagg_bench.summary(pd_rows):

@@ -281,11 +281,12 @@ def max_rate_at_slo(rates: Sequence[float], attainment: Sequence[float], target:
 
 def sweep(workload: Workload, model: ModelConfig, config: EngineConfig, step_time: StepTimeModel, *,
           num_instances: int, rates: Sequence[float], links: Iterable[Link], num_requests: int,
-          corpus: Sequence[int], seed: int = 0, target: float = 0.9) -> list[dict]:
+          corpus: Sequence[int], seed: int = 0, target: float = 0.9, min_duration_s: float = 0.0) -> list[dict]:
     """Colocated and every P:D split of ``num_instances`` over every link, at each offered rate (req/s over the
     whole deployment).  One row per deployment: SLO attainment and goodput (req/s) per rate, and
-    ``goodput_at_slo`` = ``max_rate_at_slo``.  The same trace (per rate) for every deployment."""
-    traces = {r: workload.trace(num_requests, r, corpus, seed) for r in rates}
+    ``goodput_at_slo`` = ``max_rate_at_slo``.  The same trace (per rate) for every deployment: ``num_requests``, or
+    more so that arrivals last ``min_duration_s`` — a burst shorter than a request's life never finds the knee."""
+    traces = {r: workload.trace(max(num_requests, math.ceil(r * min_duration_s)), r, corpus, seed) for r in rates}
     kw = {"ttft_slo_s": workload.ttft_slo_s, "tpot_slo_s": workload.tpot_slo_s}
     runs = [("colocated", None, lambda t: colocated(t, model, config, step_time, num_instances, **kw))]
     for link in links:

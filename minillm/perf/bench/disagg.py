@@ -28,17 +28,19 @@ from minillm.perf.disagg import (
 
 @dataclass(frozen=True)
 class DisaggBenchSize:
-    """How big a sweep: GPU counts, and per workload the requests per trace and the offered rates per GPU (req/s;
-    × N for the whole deployment).  Enough requests that the fastest rate's arrivals outlast a request's life."""
+    """How big a sweep: GPU counts; per workload the offered rates per GPU (req/s; × N for the whole deployment)
+    and the requests per trace, raised so that arrivals last ``duration_s`` (several request lifetimes: a shorter
+    burst ends before the queues reach their steady state, and every deployment looks fine)."""
 
     num_instances: tuple[int, ...]
     long_requests: int
     long_rates_per_gpu: tuple[float, ...]
     chat_requests: int
     chat_rates_per_gpu: tuple[float, ...]
+    duration_s: float = 3.0
 
 
-FULL = DisaggBenchSize((4, 8), 160, (4, 5, 6, 8, 10, 12), 600, (50, 70, 90, 110))
+FULL = DisaggBenchSize((4, 8), 160, (4, 5, 6, 8, 10, 12), 400, (50, 70, 90, 110))
 QUICK = DisaggBenchSize((4,), 120, (4, 6, 8, 10), 400, (50, 70, 90))
 
 
@@ -66,7 +68,7 @@ def run_sweeps(size: DisaggBenchSize, links=None, seed: int = 0) -> list[dict]:
                                (chat_workload(), size.chat_rates_per_gpu, size.chat_requests)):
         for n in size.num_instances:
             rows += sweep(wl, cfg, engine, step, num_instances=n, rates=[r * n for r in per_gpu], links=links,
-                          num_requests=count * n // 4, corpus=corpus, seed=seed)
+                          num_requests=count * n // 4, corpus=corpus, seed=seed, min_duration_s=size.duration_s)
     return rows
 
 
