@@ -18,8 +18,9 @@
 # gloo on CPU — NCCL on GPUs) and get the same tokens. You predict what the communication costs per layer
 # (exercise 10.2), measure the all-reduce here, and ask the cost model where TP pays (Llama-2-70B on an 8-GPU H100
 # node) and where it does not (this CPU). You write the micro-batch schedule of a pipeline (exercise 10.3) and
-# measure its bubble against (p − 1)/(m + p − 1). Last, three levers that shrink the model instead of spreading it —
-# pruning, early exit, distillation — each with its perplexity cost measured. A few minutes on a 2-core CPU.
+# measure its bubble against (p − 1)/(m + p − 1). Then prefill/decode disaggregation — prefill on some GPUs, decode
+# on others — on the virtual clock of notebook 09. Last, three levers that shrink the model instead of spreading
+# it — pruning, early exit, distillation — each with its perplexity cost measured. A few minutes on a 2-core CPU.
 
 # %%
 # Colab only: install minillm and its offline default model. Elsewhere install the repository (see its README).
@@ -53,8 +54,11 @@ from minillm.distributed.pipeline import bubble_fraction, gpipe_bubble, pp_forwa
 from minillm.distributed.worker import run_workers
 from minillm.engine.llm_engine import LLMEngine
 from minillm.layers.parallel import valid_tp_sizes
+from minillm.perf.bench import disagg as disagg_bench
 from minillm.perf.bench import tp as tp_bench
+from minillm.perf.disagg import KV_LINKS, kv_transfer_bytes, transfer_seconds
 from minillm.perf.hardware import dtype_bytes
+from minillm.perf.simulate import StepChunk, llama2_7b_config
 
 FAST = os.environ.get("MINILLM_COURSE_FAST") == "1"  # set by the course tests: same cells, smaller sizes
 random.seed(0)
@@ -197,7 +201,7 @@ my_allreduce_us = 50.0  # ← your guess for one all-reduce of 576 fp32 values b
 
 # %% tags=["slide-output"]
 # NBVAL_IGNORE_OUTPUT
-numels = [576, 4096, 65536, 1 << 20] if not FAST else [576, 65536]
+numels = [576, 4096, 65536, 262144, 1 << 20] if not FAST else [576, 4096, 262144]
 times = run_workers(tp_bench.allreduce_worker, 2, (numels, 100 if FAST else 300), threads_per_worker=1)[0]
 # Fit α + bytes / β on the measured points (least squares on t = α + b · bytes, b = 1/β).
 xs = [2 * (2 - 1) / 2 * n * 4 for n in numels]  # bytes one rank sends, tp = 2, fp32
@@ -262,6 +266,24 @@ for link in ("H100-NVLink", "H100-PCIe"):
           f"≤ {1 / (llama70.num_layers * (e.compute_s + e.comm_s)):.0f} tok/s")
 
 # %% [markdown]
+# One all-reduce side by side: what two gloo processes took here for the same number of bytes (measured above) and
+# what the cost model charges on paper over an H100 node's NVLink (900 GB/s counts both directions: 450 GB/s each
+# way) and over PCIe 5.0 (64 GB/s each way) — one decode token of this model, Llama-2-70B's at batch 1 and 64.
+
+# %% tags=["slide-output"]
+# NBVAL_IGNORE_OUTPUT
+print(f"{'one all-reduce, tp = 2':<38} {'here (gloo)':>12} {'H100 NVLink':>12} {'H100 PCIe':>12}")
+for what, tokens, hidden, dt in (("this model, 1 token, fp32", 1, config.hidden_size, "float32"),
+                                 ("Llama-2-70B, 1 token, bf16", 1, llama70.hidden_size, "bfloat16"),
+                                 ("Llama-2-70B, 64 tokens, bf16", 64, llama70.hidden_size, "bfloat16")):
+    nbytes = tokens * hidden * dtype_bytes(dt)
+    here = times[int(nbytes) // 4]  # measured above: the same bytes as fp32 elements
+    paper = [layer_comm_time(2, tokens, hidden, dt, LINKS[k]) / ALLREDUCES_PER_LAYER
+             for k in ("H100-NVLink", "H100-PCIe")]
+    print(f"{what + f' ({nbytes / 1e3:.0f} KB)':<38} " + " ".join(f"{t * 1e6:>9.1f} µs" for t in (here, *paper)))
+
+# %% [markdown]
+# Latency dominates every row but the last: two processes here pay tens to hundreds of µs per call, NVLink ~10 µs.
 # At batch 1 a 70B layer reads ~1.7 GB of bf16 weights: ~520 µs on one H100, ~65 µs on each of 8. Against that,
 # two all-reduces of 16 KB cost ~20 µs on NVLink — latency, not bandwidth — so TP=8 is ~6× faster. Over PCIe the
 # latency is larger and the bandwidth 7× lower; batch 64's 1 MB all-reduces then take a real share. And for a 135M
@@ -352,7 +374,61 @@ torch.testing.assert_close(pp_logits, logits_1)
 print("PP=2 matches one process")
 
 # %% [markdown]
-# ## 5. Other levers: make the model smaller instead
+# ## 5. Prefill/decode disaggregation
+#
+# Tensor and pipeline parallelism split the *model*; disaggregation splits the *work*. A prefill is compute bound
+# (thousands of tokens per step), a decode step memory bound (one token per sequence), and a colocated instance
+# mixes them: every decode batched with a 2048-token prefill chunk waits for that chunk — *prefill interference*.
+# DistServe (Zhong et al., 2024) and Splitwise (Patel et al., 2024) give the phases different GPUs: P prefill
+# instances compute prompts and hand each request's K/V cache over a link to one of D decode instances. The price:
+# those bytes cross the link once per request — prompt tokens × 2 × layers × H_kv × D × 2 bytes in bf16 — and a
+# fixed P:D split fits one workload's balance of prefill and decode, not every workload's.
+#
+# `minillm.perf.disagg` runs this on notebook 09's virtual clock: every instance is the real `Scheduler` with its
+# own queue and KV blocks, each step priced by the roofline of an H100 running Llama-3-8B (GQA, 8 K/V heads). The
+# first token reaches the user when the K/V has reached the decode instance, so TTFT includes the transfer.
+
+# %% tags=["slide-output"]
+# NBVAL_IGNORE_OUTPUT
+llama3, engine_cfg, h100_step = disagg_bench.setup()
+print(f"{'one 4096-token prompt':<28} {'K/V':>8} " + " ".join(f"{name:>13}" for name in KV_LINKS))
+for name, cfg in (("Llama-2-7B (MHA)", llama2_7b_config()), ("Llama-3-8B (GQA 32:8)", llama3)):
+    nbytes = kv_transfer_bytes(cfg, 4096)
+    print(f"{name:<28} {nbytes / 1e9:5.2f} GB " +
+          " ".join(f"{transfer_seconds(nbytes, link) * 1e3:10.1f} ms" for link in KV_LINKS.values()))
+prefill_s = sum(h100_step([StepChunk(2048, past, past + 2048 == 4096)]) for past in (0, 2048))
+print(f"its prefill on one H100 (Llama-3-8B, two 2048-token chunks): {prefill_s * 1e3:.0f} ms")
+
+# %% [markdown]
+# **Predict**: four GPUs serve (a) long prompts (2–8 k tokens) with short answers and (b) chat (short prompts, longer
+# answers), each under a latency SLO (TTFT and TPOT). Which P:D split serves the most requests per second within the
+# SLO — and does it beat four colocated instances? Below, each deployment serves the same Poisson traces at rising
+# rates; its *goodput* is the highest rate at which ≥ 90 % of requests meet the SLO (DistServe's definition; 0: not
+# even the lowest rate tried).
+
+# %% tags=["slide-output"]
+# NBVAL_IGNORE_OUTPUT
+size = (disagg_bench.DisaggBenchSize((4,), 30, (5, 10), 60, (50, 90), duration_s=0.0) if FAST else
+        disagg_bench.DisaggBenchSize((4,), 120, (5, 6, 8), 400, (50, 90), duration_s=3.0))  # rates per GPU, req/s
+links = [KV_LINKS["NVLink"], KV_LINKS["Ethernet-25G"]]  # the fastest and the slowest link
+pd_rows = disagg_bench.run_sweeps(size, links=links)
+for row in disagg_bench.summary(pd_rows):
+    print(f"{row['workload']:>12}, {row['link']:>12}: colocated {row['colocated']:5.0f} req/s, best split "
+          f"{row['best_split']} {row['best']:5.0f} req/s ({row['ratio']:.2f}×)")
+disagg_bench.plot(pd_rows)
+plt.show()
+
+# %% [markdown]
+# Long prompts: colocated instances meet TTFT easily but miss TPOT as the rate grows, because almost every step
+# carries someone's prefill chunk; dedicated decode instances keep their steps short, so a split with enough prefill
+# GPUs serves more requests within the SLO — here about a third more over NVLink. Over 25 Gb/s Ethernet an 8 k-token
+# prompt's 1 GB of K/V takes ~0.3 s of the 1 s TTFT budget, and the splits that leave prefill little slack lose their
+# advantage. Chat is the opposite case: prompts are a small share of the work and interference is mild, so whole GPUs
+# given to prefill are wasted — one prefill GPU cannot keep up with four GPUs' traffic, two leave too few decoders —
+# and colocated serving wins whatever the link. Disaggregation is capacity planning: P:D must follow the workload's
+# balance of prefill and decode work.
+#
+# ## 6. Other levers: make the model smaller instead
 #
 # Spreading a model buys memory and bandwidth with money and communication. Three ways to need less, each measured
 # by the perplexity of the real SmolLM2-135M on held-out text (CPython's `pydoc_data.topics`, the evaluation half;
@@ -444,5 +520,7 @@ plt.show()
 # - **Pipeline parallelism** splits the layers: little traffic (one activation per stage boundary), but idle
 #   bubbles of (p − 1)/(m + p − 1) that micro-batches shrink, and at decode at least p micro-batches in flight.
 # - **Replicas** need no communication at all: the first thing to try when the model fits.
+# - **Prefill/decode disaggregation** removes prefill interference at the price of one K/V transfer per request and
+#   a fixed P:D split: it pays for long prompts over a fast link, and not for short-prompt chat.
 # - **Shrinking** is the other lever: pruning and early exit are cheap and cost quality unless the model is trained
 #   for them; distillation spends training compute to buy a small model that keeps more of the teacher.

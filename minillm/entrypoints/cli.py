@@ -176,6 +176,10 @@ def cmd_bench(a) -> int:
         from minillm.perf.bench.tp import bench_tp
 
         bench_tp(n_tokens=a.tokens, repeats=a.repeats)
+    elif a.what == "disagg":
+        from minillm.perf.bench.disagg import bench_disagg
+
+        bench_disagg(quick=a.quick)
     elif a.what == "serve":  # main() hands "bench serve ..." to the load generator's own parser
         from minillm.perf.bench.peers import main as bench_serve_main
 
@@ -245,15 +249,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="EngineConfig option: store K/V as int8/fp8 (default auto: the model's dtype)")
     s.set_defaults(fn=cmd_serve)
     b = sub.add_parser("bench", help="side-by-side benchmarks (decode | attention | serving | quant | spec | tp | "
-                                     "serve: a load generator for any OpenAI server, see 'bench serve --help')")
-    b.add_argument("what", choices=["decode", "attention", "serving", "quant", "spec", "serve", "tp"])
+                                     "disagg | serve: a load generator for any OpenAI server, 'bench serve --help')")
+    b.add_argument("what", choices=["decode", "attention", "serving", "quant", "spec", "serve", "tp", "disagg"])
     b.add_argument("--model", default=None)
     b.add_argument("--device", default=None)
     b.add_argument("--dtypes", default=None, help="decode: comma-separated (default bfloat16 on CUDA, float32 on CPU)")
     b.add_argument("--tokens", type=int, default=64)
     b.add_argument("--repeats", type=int, default=3)
     b.add_argument("--threads", type=int, default=None, help="torch threads (serving; default: torch's)")
-    b.add_argument("--quick", action="store_true", help="serving: a small trace (~1 min)")
+    b.add_argument("--quick", action="store_true", help="serving: a small trace (~1 min); disagg: N = 4 only")
     b.add_argument("--ppl-tokens", type=int, default=2048, help="quant: held-out tokens for perplexity (0: skip)")
     b.add_argument("--schemes", default=None, help="quant: comma-separated weight schemes (default: all of "
                                                    "perf.bench.quant.SCHEMES)")
