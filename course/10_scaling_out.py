@@ -134,10 +134,11 @@ print(f"rank 0's partial alone (all-reduce forgotten): relative error {rel(parti
 # ## 2. Tensor parallelism over two real processes
 #
 # `tp_forward` and `tp_generate` start two processes (`torch.multiprocessing`, a TCP rendezvous on 127.0.0.1, a
-# gloo process group: what `torchrun` does), give each its shard — half the heads, half the MLP, half the KV
-# cache — and run the same program on both. The two all-reduces leave the full hidden state on every rank, so both
-# sample the same token: the scheduler needs no messages at all. A size that does not divide the heads is refused
-# before any process starts, naming the sizes that work:
+# gloo process group: what `torchrun` does) and give each its shard — half the heads, half the MLP, half the KV
+# cache. The calling process is rank 0, the driver: as in vLLM it alone runs the scheduler and sends each step's
+# inputs once (a small header and one int64 tensor of ids, positions, slots and block tables); the two all-reduces
+# per layer leave the full hidden state on every rank, and rank 0 samples. A size that does not divide the heads is
+# refused before any process starts, naming the sizes that work:
 
 # %%
 smol_like = dataclasses.replace(config, num_heads=9, num_kv_heads=3)
