@@ -45,13 +45,11 @@ from minillm.perf.simulate import (
     DUMMY_TOKEN,
     RequestRecord,
     ServingReport,
-    StepChunk,
     StepTimeModel,
     _kv_token_bytes,
-    _next_wake,
     _params,
-    _swap_seconds,
     build_report,
+    run_clock,
     simulate,
 )
 from minillm.perf.workloads import RequestSpec, make_trace, poisson_arrivals, uniform_lengths
@@ -203,32 +201,14 @@ def disaggregated(trace: Sequence[RequestSpec], model: ModelConfig, config: Engi
 
 def _decode_instance(requests: Sequence[Request], model: ModelConfig, config: EngineConfig,
                      step_time: StepTimeModel, dtype: str, swap_bandwidth: float = 64e9) -> tuple[int, int]:
-    """``simulate``'s loop with a ``KVReceivingScheduler``: each request joins at its ``arrival_time`` (its K/V
-    has arrived).  Fills the requests' metrics; returns (steps, preemptions)."""
+    """``simulate``'s clock (``run_clock``) with a ``KVReceivingScheduler``: each request joins at its
+    ``arrival_time`` (its K/V has arrived).  Fills the requests' metrics; returns (steps, preemptions)."""
     max_model_len = min(model.max_position_embeddings, config.max_model_len or model.max_position_embeddings)
     block_bytes = int(_kv_token_bytes(model, dtype)) * config.block_size
     num_blocks = config.resolve_num_blocks(block_bytes, max_model_len)
     sched = KVReceivingScheduler(config, num_blocks, max_model_len,
                                  num_host_blocks=config.resolve_host_blocks(num_blocks))
-    pending = sorted(requests, key=lambda r: r.arrival_time)
-    now, i, steps = 0.0, 0, 0
-    while i < len(pending) or sched.has_unfinished():
-        while i < len(pending) and pending[i].arrival_time <= now:
-            sched.add(pending[i])
-            i += 1
-        out = sched.schedule(now)
-        copy_s = _swap_seconds(out, block_bytes, swap_bandwidth)
-        if out.is_empty:
-            wake = _next_wake(sched, pending[i].arrival_time if i < len(pending) else math.inf, config)
-            if math.isinf(wake) and not copy_s:
-                raise RuntimeError("a simulated decode instance stopped making progress with requests unfinished")
-            now = max(now + copy_s, wake if wake > now else math.nextafter(now, math.inf))
-            continue
-        chunks = [StepChunk(s.num_tokens, s.start, s.samples) for s in out.scheduled]
-        chunks += [StepChunk(1, 0, True)] * out.num_padding
-        now += step_time(chunks) + copy_s
-        steps += 1
-        sched.postprocess(out, [[DUMMY_TOKEN] * s.num_samples for s in out.scheduled if s.samples], now)
+    steps = run_clock(sched, requests, config, step_time, block_bytes, swap_bandwidth)
     return steps, sched.stats.preemptions
 
 

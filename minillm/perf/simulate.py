@@ -350,21 +350,31 @@ def simulate(trace: Sequence[RequestSpec], model: ModelConfig, config: EngineCon
     block_bytes = int(_kv_token_bytes(model, dtype)) * config.block_size
     num_blocks = config.resolve_num_blocks(block_bytes, max_model_len)
     sched = Scheduler(config, num_blocks, max_model_len, num_host_blocks=config.resolve_host_blocks(num_blocks))
-    order = sorted(range(len(trace)), key=lambda k: trace[k].arrival_s)
-    requests: list[Request] = []
+    requests = [Request(str(k), list(spec.prompt_token_ids), _params(spec.max_tokens), spec.arrival_s, [None])
+                for k, spec in enumerate(trace)]
+    steps = run_clock(sched, requests, config, step_time, block_bytes, swap_bandwidth)
+    records = [record_from_metrics(r.request_id, r.seqs[0].metrics, 0.0) for r in requests]
+    records.sort(key=lambda r: int(r.request_id))
+    return build_report(label or config.policy, records, ttft_slo_s=ttft_slo_s, tpot_slo_s=tpot_slo_s,
+                        steps=steps, preemptions=sched.stats.preemptions)
+
+
+def run_clock(sched: Scheduler, requests: Sequence[Request], config: EngineConfig, step_time: StepTimeModel,
+              block_bytes: int, swap_bandwidth: float) -> int:
+    """Drive ``sched`` on a virtual clock from 0: each request is added at its ``arrival_time`` (``sched.add``
+    raises ValueError for one that could never fit, as the engine does), every non-empty step advances the clock by
+    ``step_time`` plus its swap copies, an idle scheduler jumps to its next wake-up.  Fills the requests' metrics;
+    returns the number of steps.  ``simulate`` and ``disagg``'s decode instances share it."""
+    pending = sorted(requests, key=lambda r: r.arrival_time)
     now, i, steps = 0.0, 0, 0
-    while i < len(order) or sched.has_unfinished():
-        while i < len(order) and trace[order[i]].arrival_s <= now:
-            spec = trace[order[i]]
-            request = Request(str(order[i]), list(spec.prompt_token_ids), _params(spec.max_tokens), spec.arrival_s,
-                              [None])
-            sched.add(request)  # raises ValueError for a request that could never fit, as the engine does
-            requests.append(request)
+    while i < len(pending) or sched.has_unfinished():
+        while i < len(pending) and pending[i].arrival_time <= now:
+            sched.add(pending[i])
             i += 1
         out = sched.schedule(now)
         copy_s = _swap_seconds(out, block_bytes, swap_bandwidth)
         if out.is_empty:
-            wake = _next_wake(sched, trace[order[i]].arrival_s if i < len(order) else math.inf, config)
+            wake = _next_wake(sched, pending[i].arrival_time if i < len(pending) else math.inf, config)
             if math.isinf(wake) and not copy_s:
                 raise RuntimeError("the simulated scheduler stopped making progress with requests unfinished")
             now = max(now + copy_s, wake if wake > now else math.nextafter(now, math.inf))
@@ -374,10 +384,7 @@ def simulate(trace: Sequence[RequestSpec], model: ModelConfig, config: EngineCon
         now += step_time(chunks) + copy_s
         steps += 1
         sched.postprocess(out, [[DUMMY_TOKEN] * s.num_samples for s in out.scheduled if s.samples], now)
-    records = [record_from_metrics(r.request_id, r.seqs[0].metrics, 0.0) for r in requests]
-    records.sort(key=lambda r: int(r.request_id))
-    return build_report(label or config.policy, records, ttft_slo_s=ttft_slo_s, tpot_slo_s=tpot_slo_s,
-                        steps=steps, preemptions=sched.stats.preemptions)
+    return steps
 
 
 def _swap_seconds(out: SchedulerOutput, block_bytes: int, bandwidth: float) -> float:
