@@ -83,7 +83,9 @@ def kv_transfer_bytes(config: ModelConfig, num_tokens: int, dtype: DType = "bflo
 
 def transfer_seconds(nbytes: float, link: Link) -> float:
     """Seconds to send ``nbytes`` over ``link``: its fixed latency + bytes / bandwidth (an infinite bandwidth
-    leaves the latency)."""
+    leaves the latency).  ValueError for a negative or NaN byte count."""
+    if not nbytes >= 0:
+        raise ValueError(f"nbytes must be a number >= 0 (bytes of K/V to send), got {nbytes!r}")
     return link.latency_s + nbytes / link.bandwidth
 
 
@@ -250,7 +252,12 @@ def chat_workload() -> Workload:
 def max_rate_at_slo(rates: Sequence[float], attainment: Sequence[float], target: float = 0.9) -> float:
     """Goodput as DistServe defines it: the highest offered rate (req/s) whose SLO attainment is ≥ ``target``,
     read off a sweep (``rates`` ascending); 0 if none meets it.  Rates after the first miss do not count (a noisy
-    recovery above the knee is not capacity)."""
+    recovery above the knee is not capacity).  ValueError when the lists differ in length or ``target`` is not
+    a share in (0, 1]."""
+    if len(rates) != len(attainment):
+        raise ValueError(f"rates and attainment must pair up: {len(rates)} rates, {len(attainment)} shares")
+    if not 0.0 < target <= 1.0:
+        raise ValueError(f"target is the share of requests within the SLO, in (0, 1]; got {target!r}")
     best = 0.0
     for rate, share in zip(rates, attainment, strict=True):
         if share < target:

@@ -176,3 +176,13 @@ def test_the_cli_dispatches_bench_disagg():
 
     args = build_parser().parse_args(["bench", "disagg", "--quick"])
     assert (args.what, args.quick, args.fn) == ("disagg", True, cmd_bench)
+
+
+def test_transfer_seconds_and_max_rate_at_slo_reject_nonsense():
+    link = next(iter(KV_LINKS.values()))
+    with pytest.raises(ValueError, match="nbytes"):
+        transfer_seconds(-1.0, link)
+    with pytest.raises(ValueError, match="pair up"):
+        max_rate_at_slo([1.0, 2.0], [0.5])
+    with pytest.raises(ValueError, match="target"):
+        max_rate_at_slo([1.0], [1.0], target=90)
