@@ -33,3 +33,21 @@ def test_minillm_is_started_measured_on_the_trace_and_stopped(tmp_path):
     assert saved["machine"] and saved["peers"]["minillm"]["runs"][0]["completed"] == 3
     log = (tmp_path / "logs" / "serve-minillm.log").read_text()
     assert "serving" in log  # the server's own banner: it was a real process
+
+
+def test_the_overload_factor_reaches_every_peers_run_and_its_verdict_is_printed(monkeypatch, capsys):
+    seen = {}
+
+    def fake_compare(names, rates, num_prompts, **options):
+        seen.update(options, names=names)
+        run = {"factor": options["overload"], "request_rate": 2.0, "completed": 5, "rejected_429": 1,
+               "rejected_503": 0, "failed": 0, "ttft_ms": {"p99": 900.0}, "ttft_p99_within_slo": True,
+               "slo": {"ttft_ms": 1000}}
+        peers.print_comparison({"request_rates": [], "peers": {"minillm": {"runs": [], "overload": run}},
+                                "ratios": []})
+        return {}
+
+    monkeypatch.setattr(peers, "compare_servers", fake_compare)
+    assert peers.main(["--peers", "minillm", "--request-rate", "1", "--overload", "2", "--no-save"]) == 0
+    assert seen["overload"] == 2.0 and seen["names"] == ["minillm"]
+    assert "minillm: overload 2x capacity" in capsys.readouterr().out

@@ -209,6 +209,9 @@ def _ratio(a: float, b: float) -> float | None:
 
 
 def print_comparison(payload: dict) -> None:
+    """The side-by-side table: one line per (rate, server), each server's overload verdict, then minillm's ratios."""
+    from minillm.perf.bench import serve
+
     print("\nrate   server        out tok/s  goodput req/s  TTFT p50/p99 ms     TPOT p50/p99 ms   done/rejected")
     for i, rate in enumerate(payload["request_rates"]):
         for name, res in payload["peers"].items():
@@ -218,6 +221,10 @@ def print_comparison(payload: dict) -> None:
                   f"{t.get('p50', float('nan')):8.0f}/{t.get('p99', float('nan')):<8.0f} "
                   f"{o.get('p50', float('nan')):8.0f}/{o.get('p99', float('nan')):<8.0f} "
                   f"{r['completed']:4d}/{r['rejected']}")
+    for name, res in payload["peers"].items():
+        if "overload" in res:  # each server at the factor times its own capacity
+            print(f"{name}: ", end="")
+            serve.print_overload(res["overload"])
     for r in payload["ratios"]:
         fmt = (lambda x: "-" if x is None else f"{x:.2f}x")
         print(f"minillm / {r['peer']} at {r['request_rate']:g} req/s: output throughput "
@@ -238,7 +245,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                         a.num_prompts, device=a.device, save=not a.no_save,
                         out_dir=Path(a.result_dir) if a.result_dir else None, seed=a.seed, max_tokens=a.max_tokens,
                         endpoint=a.endpoint, burstiness=a.burstiness, ignore_eos=a.ignore_eos, ttft_slo_s=ttft,
-                        tpot_slo_s=tpot, max_concurrency=a.max_concurrency, progress=not a.no_progress)
+                        tpot_slo_s=tpot, max_concurrency=a.max_concurrency, overload=a.overload,
+                        progress=not a.no_progress)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
