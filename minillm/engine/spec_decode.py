@@ -64,12 +64,15 @@ class SpecDecoder:
 
     def step(self, engine, out: SchedulerOutput) -> tuple[list[StepOutput], SchedulerOutput | None]:
         """Run ``out`` speculatively -> (updates, None); or ([], what the engine should run plainly) when no
-        sequence has drafts (or the speculative forward failed: then the block copies have already run)."""
+        sequence has drafts (or the speculative forward failed: then the block copies have already run).
+
+        A proposer with ``reads_target_kv`` (a self-drafter) gets the target's cache as ``TargetKV`` and copies the
+        committed context's K/V from it, so the step's block copies run before it proposes."""
         start = time.perf_counter()  # the step's parts are timed into ``stats`` (a few perf_counter calls: ~1 µs)
         if getattr(self.proposer, "reads_target_kv", False):  # it reads the target's K/V: swap-ins and copy-on-write
             engine.runner.kv.copy_blocks(out.copies)         # must have landed (copies then run once, here)
             out = SchedulerOutput(list(out.scheduled), [], out.preempted, out.num_padding)
-        spec = self._draft(engine, out)
+        spec, draft_s = self._draft(engine, out)
         if not spec:
             return [], out
         drafted = time.perf_counter()
@@ -92,13 +95,15 @@ class SpecDecoder:
                                     logits[i] if return_logits else None)
         st = self.stats
         st.spec_steps += 1
+        st.draft_s += draft_s
         st.verify_s += verified - drafted
         st.step_s += time.perf_counter() - start
         return updates, None
 
     # ---- before the forward ----------------------------------------------------------------------------------
-    def _draft(self, engine, out: SchedulerOutput) -> dict[int, tuple[list[int], Tensor | None]]:
-        """Propose for the eligible chunks and give the drafts KV slots; -> {index in out.scheduled: (drafts, q)}."""
+    def _draft(self, engine, out: SchedulerOutput) -> tuple[dict[int, tuple[list[int], Tensor | None]], float]:
+        """Propose for the eligible chunks and give the drafts KV slots; -> ({index in out.scheduled: (drafts, q)},
+        seconds in the proposer)."""
         budget = engine.config.max_num_batched_tokens - out.num_tokens
         chosen, caps = [], []
         for i, s in enumerate(out.scheduled):
@@ -114,14 +119,14 @@ class SpecDecoder:
                 caps.append(k)
                 budget -= k
         if not chosen:
-            return {}
+            return {}, 0.0
         t = time.perf_counter()
         seqs = [out.scheduled[i].seq for i in chosen]
         if getattr(self.proposer, "reads_target_kv", False):
             proposal = self.proposer.propose(seqs, caps, TargetKV(engine.runner.kv, engine.block_manager))
         else:
             proposal = self.proposer.propose(seqs, caps)
-        self.stats.draft_s += time.perf_counter() - t  # counted even when no guess came: the proposer ran
+        draft_s = time.perf_counter() - t
         bm, spec = engine.block_manager, {}
         for i, k, d, q in zip(chosen, caps, proposal.tokens, proposal.probs, strict=True):
             d = list(d[:k])
@@ -131,7 +136,7 @@ class SpecDecoder:
             out.copies += bm.append_slots(seq.seq_id, d)
             spec[i] = (d, None if q is None else q[: len(d)])
         self.stats.skipped_steps += len(chosen) - len(spec)
-        return spec
+        return spec, draft_s
 
     def _forward(self, engine, out: SchedulerOutput, spec: dict) -> tuple[dict[int, Tensor], Tensor]:
         """One packed forward with each drafting sequence fed [last, x_1..x_k]; -> ({index: target logits

@@ -54,7 +54,7 @@ class SpecStats:
     target call — e.g. an n-gram with no earlier occurrence).
 
     Time, engine-wide (seconds, ``time.perf_counter``), over the engine steps that verified (``spec_steps``):
-    ``draft_s`` in the proposer (also on steps where it found no guess), ``verify_s`` in the target's forward over
+    ``draft_s`` in the proposer, ``verify_s`` in the target's forward over
     every row (the LM head included), ``step_s`` for the whole speculative step (the rest — slots, rejection rule,
     rollback, committing through the scheduler and detokenizer — is ``step_s - draft_s - verify_s``).
     """
