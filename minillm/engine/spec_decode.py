@@ -24,6 +24,7 @@ isolation then finds the culprit).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Hashable
 
 import torch
@@ -39,7 +40,7 @@ from minillm.outputs import StepOutput
 from minillm.sampling.rejection import rejection_sample
 from minillm.sampling.sampler import sample
 from minillm.spec.build import build_proposer
-from minillm.spec.proposer import Proposer, SpecStats
+from minillm.spec.proposer import Proposer, SpecStats, TargetKV
 
 
 class SpecDecoder:
@@ -63,13 +64,22 @@ class SpecDecoder:
 
     def step(self, engine, out: SchedulerOutput) -> tuple[list[StepOutput], SchedulerOutput | None]:
         """Run ``out`` speculatively -> (updates, None); or ([], what the engine should run plainly) when no
-        sequence has drafts (or the speculative forward failed: then the block copies have already run)."""
-        spec = self._draft(engine, out)
+        sequence has drafts (or the speculative forward failed: then the block copies have already run).
+
+        A proposer with ``reads_target_kv`` (a self-drafter) gets the target's cache as ``TargetKV`` and copies the
+        committed context's K/V from it, so the step's block copies run before it proposes."""
+        start = time.perf_counter()  # the step's parts are timed into ``stats`` (a few perf_counter calls: ~1 µs)
+        if getattr(self.proposer, "reads_target_kv", False):  # it reads the target's K/V: swap-ins and copy-on-write
+            engine.runner.kv.copy_blocks(out.copies)         # must have landed (copies then run once, here)
+            out = SchedulerOutput(list(out.scheduled), [], out.preempted, out.num_padding)
+        spec, draft_s = self._draft(engine, out)
         if not spec:
             return [], out
+        drafted = time.perf_counter()
         plain = [s for i, s in enumerate(out.scheduled) if i not in spec]
         try:
             logits, plain_logits = self._forward(engine, out, spec)
+            verified = time.perf_counter()
             accepted = {i: self.verify(logits[i], d, q, out.scheduled[i].seq.request.params,
                                             out.scheduled[i].seq.generator) for i, (d, q) in spec.items()}
             plain_tokens = self._sample_plain(plain, plain_logits)
@@ -83,11 +93,17 @@ class SpecDecoder:
         for i, tokens in accepted.items():
             updates += self._commit(engine, out.scheduled[i].seq, tokens, len(spec[i][0]),
                                     logits[i] if return_logits else None)
+        st = self.stats
+        st.spec_steps += 1
+        st.draft_s += draft_s
+        st.verify_s += verified - drafted
+        st.step_s += time.perf_counter() - start
         return updates, None
 
     # ---- before the forward ----------------------------------------------------------------------------------
-    def _draft(self, engine, out: SchedulerOutput) -> dict[int, tuple[list[int], Tensor | None]]:
-        """Propose for the eligible chunks and give the drafts KV slots; -> {index in out.scheduled: (drafts, q)}."""
+    def _draft(self, engine, out: SchedulerOutput) -> tuple[dict[int, tuple[list[int], Tensor | None]], float]:
+        """Propose for the eligible chunks and give the drafts KV slots; -> ({index in out.scheduled: (drafts, q)},
+        seconds in the proposer)."""
         budget = engine.config.max_num_batched_tokens - out.num_tokens
         chosen, caps = [], []
         for i, s in enumerate(out.scheduled):
@@ -103,8 +119,14 @@ class SpecDecoder:
                 caps.append(k)
                 budget -= k
         if not chosen:
-            return {}
-        proposal = self.proposer.propose([out.scheduled[i].seq for i in chosen], caps)
+            return {}, 0.0
+        t = time.perf_counter()
+        seqs = [out.scheduled[i].seq for i in chosen]
+        if getattr(self.proposer, "reads_target_kv", False):
+            proposal = self.proposer.propose(seqs, caps, TargetKV(engine.runner.kv, engine.block_manager))
+        else:
+            proposal = self.proposer.propose(seqs, caps)
+        draft_s = time.perf_counter() - t
         bm, spec = engine.block_manager, {}
         for i, k, d, q in zip(chosen, caps, proposal.tokens, proposal.probs, strict=True):
             d = list(d[:k])
@@ -113,7 +135,8 @@ class SpecDecoder:
                 continue  # no guess, or no free blocks: decode plainly rather than preempt anyone
             out.copies += bm.append_slots(seq.seq_id, d)
             spec[i] = (d, None if q is None else q[: len(d)])
-        return spec
+        self.stats.skipped_steps += len(chosen) - len(spec)
+        return spec, draft_s
 
     def _forward(self, engine, out: SchedulerOutput, spec: dict) -> tuple[dict[int, Tensor], Tensor]:
         """One packed forward with each drafting sequence fed [last, x_1..x_k]; -> ({index: target logits

@@ -21,13 +21,13 @@ def build_proposer(config: SpeculativeConfig, target: Transformer, max_len: int)
     if config.method == "ngram":
         return NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
     if config.method == "early_exit":
-        return DraftModelProposer(EarlyExitModel(target, config.num_layers), max_len)
+        return DraftModelProposer(EarlyExitModel(target, config.num_layers), max_len, reads_target_kv=True)
     if config.method == "quantized":
         import copy
 
         from minillm.quant.apply import quantize_model  # the target's int4 twin: its own packed weights
 
-        return DraftModelProposer(quantize_model(copy.deepcopy(target), "int4"), max_len)
+        return DraftModelProposer(quantize_model(copy.deepcopy(target), "int4"), max_len, reads_target_kv=True)
     draft = config.model
     if not hasattr(draft, "hidden_states"):  # a path or hub id
         from minillm.models.loader import load_model

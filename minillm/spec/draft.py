@@ -31,7 +31,7 @@ from minillm.kv.block_manager import BlockManager, OutOfBlocks
 from minillm.kv.contiguous import KVCache
 from minillm.kv.paged_cache import AttentionMetadata, PagedAttention, PagedKVCache, PrefillChunk
 from minillm.sampling.sampler import probabilities
-from minillm.spec.proposer import Proposal
+from minillm.spec.proposer import Proposal, TargetKV
 
 # catch-up rows above which a sequence prefills through the model's forward rather than as fused rows: fused rows
 # cost ~5 ms each for SmolLM2-135M int4 (2-core AVX-512 host: 40 rows 222 ms vs 393 ms as a prefill), the prefill
@@ -65,9 +65,17 @@ class DraftModelProposer:
     requires it (ValueError naming why not), False always takes the per-sequence path.  Drafts are sampled from the
     request's filtered distribution q (``probabilities``) with the sequence's own generator — greedy requests take
     the argmax — and q is returned for the rejection rule.
+
+    ``reads_target_kv`` (self-drafters: the quantized twin, early exit — their layers have the target's K/V shapes):
+    the fused drafter copies a sequence's committed context K/V from the target's cache (``propose``'s
+    ``target_kv``) instead of running it through the drafter, so it feeds only the last token before drafting.
+    Why: a new request's whole prompt through an int4 drafter (no fast int4 GEMM) cost as much as the target's own
+    prefill (~1 s for 124 tokens on a loaded 2-core host), paid inside the decode, and a copy of its K/V costs ~1 ms.
+    The drafter then attends to the target's K/V rather than its own: its guesses change (the verify keeps the output
+    exact either way) — they can only move closer to the target's.
     """
 
-    def __init__(self, model, max_len: int, *, fused: bool | None = None):
+    def __init__(self, model, max_len: int, *, fused: bool | None = None, reads_target_kv: bool = False):
         self.model, self.max_len = model, max_len
         self._states: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # Sequence -> _DraftState
         self.fused: FusedDrafter | None = None
@@ -78,6 +86,7 @@ class DraftModelProposer:
             except ValueError:
                 if fused:
                     raise
+        self.reads_target_kv = reads_target_kv and self.fused is not None  # the per-sequence path copies nothing
 
     def release(self, seq) -> None:
         """Drop a finished sequence's draft K/V now (it would also go when the sequence is garbage-collected)."""
@@ -86,10 +95,11 @@ class DraftModelProposer:
             self.fused.release(seq)
 
     @torch.inference_mode()
-    def propose(self, seqs: Sequence, k: Sequence[int]) -> Proposal:
-        """Up to ``k[i]`` tokens per sequence, with their draft distributions (None for greedy requests)."""
+    def propose(self, seqs: Sequence, k: Sequence[int], target_kv: TargetKV | None = None) -> Proposal:
+        """Up to ``k[i]`` tokens per sequence, with their draft distributions (None for greedy requests);
+        ``target_kv``: where the committed context's K/V may be copied from (used when ``reads_target_kv``)."""
         if self.fused is not None:
-            return self.fused.propose(seqs, k)
+            return self.fused.propose(seqs, k, target_kv if self.reads_target_kv else None)
         tokens, probs = [], []
         for seq, ki in zip(seqs, k, strict=True):
             t, q = self._propose_one(seq, ki) if ki > 0 else ([], None)
@@ -209,9 +219,13 @@ class FusedDrafter:
             self._drop(sid)
 
     @torch.inference_mode()
-    def propose(self, seqs: Sequence, k: Sequence[int]) -> Proposal:
+    def propose(self, seqs: Sequence, k: Sequence[int], target_kv: TargetKV | None = None) -> Proposal:
         """Up to ``k[i]`` tokens per sequence (as ``DraftModelProposer.propose``): one catch-up for every
-        drafting sequence, then one fused call per further draft position for all of them."""
+        drafting sequence, then one fused call per further draft position for all of them.  With ``target_kv``
+        (a cache whose layers match this drafter's first layers) the catch-up copies every committed position but
+        the last from it and feeds only the last token."""
+        if target_kv is not None and not self._can_copy(target_kv):
+            target_kv = None
         self.sweep()
         cap = min(self.max_len + 1, self.model.config.max_position_embeddings)  # positions the drafts may take
         jobs, out = [], [None] * len(seqs)
@@ -220,7 +234,7 @@ class FusedDrafter:
             if ki >= 1:
                 jobs.append((i, _Job(seq, self._sid(seq), ki, [], [])))
         try:
-            self._draft([j for _, j in jobs])
+            self._draft([j for _, j in jobs], target_kv)
         except BaseException:
             for _, j in jobs:  # slots were reserved for K/V that may not be written: forget these sequences
                 self._drop(j.sid)
@@ -236,11 +250,13 @@ class FusedDrafter:
             sid = self._ids[seq] = next(self._next_id)
         return sid
 
-    def _draft(self, jobs: list[_Job]) -> None:
+    def _draft(self, jobs: list[_Job], target_kv: TargetKV | None = None) -> None:
         """Catch every job up, then draw drafts position by position; fills ``job.drafts`` / ``job.qs``."""
         if not jobs:
             return
         feeds = [self._rollback(j.sid, j.seq.token_ids) for j in jobs]  # (sid, tokens to feed, first position)
+        if target_kv is not None:
+            feeds = [self._copy_context(f, j.seq.seq_id, target_kv) for f, j in zip(feeds, jobs, strict=True)]
         logits = self._feed(feeds)  # (J, V) after each sequence's last token
         active = jobs
         while True:
@@ -273,6 +289,29 @@ class FusedDrafter:
         feed = list(ids[keep:])
         self._reserve(sid, feed)
         return sid, feed, keep
+
+    def _can_copy(self, target: TargetKV) -> bool:
+        """Whether ``target``'s cache holds K/V this drafter's layers can use as they are: a plain ``PagedKVCache``
+        of the same dtype and head shapes with at least as many layers (early exit takes the first ones)."""
+        t, mine = target.kv, self.kv
+        return type(t) is PagedKVCache and t.dtype == mine.dtype and t.k.device == mine.k.device \
+            and t.k.shape[0] >= mine.k.shape[0] and t.k.shape[3:] == mine.k.shape[3:]
+
+    def _copy_context(self, feed: tuple[int, list[int], int], seq_id, target: TargetKV) -> tuple[int, list[int], int]:
+        """Copy the K/V of every fed position but the last from the target's slots into the slots ``_rollback``
+        reserved -> the feed reduced to the last token.  Bytes: 2 × layers × H_kv × D × 4 per position (SmolLM2:
+        46 KB; a 124-token prompt 5.7 MB, ~1 ms), against a drafter forward per position."""
+        sid, tokens, start = feed
+        if len(tokens) < 2 or seq_id not in target.block_manager:
+            return feed
+        end = start + len(tokens) - 1
+        src = torch.tensor(target.block_manager.slot_mapping(seq_id, start, end))
+        dst = torch.tensor(self.blocks.slot_mapping(sid, start, end))
+        n = self.kv.k.shape[0]
+        for mine, theirs in ((self.kv.k, target.kv.k), (self.kv.v, target.kv.v)):
+            # [layers, blocks, block_size, H_kv, D] -> [layers, slots, H_kv, D] views; copy the slots of every layer
+            mine.flatten(1, 2).index_copy_(1, dst, theirs[:n].flatten(1, 2).index_select(1, src))
+        return sid, tokens[-1:], end
 
     def _reserve(self, sid: int, tokens: list[int]) -> None:
         """Slots for ``tokens`` after the sequence's held ones (a new table for a new sequence), growing the pool

@@ -10,6 +10,19 @@ from torch import Tensor
 
 if TYPE_CHECKING:
     from minillm.engine.sequence import Sequence as Seq
+    from minillm.kv.block_manager import BlockManager
+    from minillm.kv.paged_cache import PagedKVCache
+
+
+@dataclass(frozen=True)
+class TargetKV:
+    """The target's paged K/V and the block manager that maps a sequence's positions to its slots: what a
+    self-drafter (quantized-self, early exit: the target's own layer shapes) copies its committed context from
+    instead of recomputing it (``DraftModelProposer(reads_target_kv=True)``).  At propose time every position of a
+    speculating sequence but its last token has its K/V there (the last one is fed in this step)."""
+
+    kv: PagedKVCache
+    block_manager: BlockManager
 
 
 @dataclass
@@ -36,17 +49,30 @@ class SpecStats:
 
     ``verify_steps``: sequence-steps that ran a verification; ``draft_tokens``: tokens proposed;
     ``accepted_tokens``: drafts accepted; ``emitted_tokens``: tokens committed by those steps (accepted + the
-    correction/bonus token, fewer when EOS, a stop string or max_tokens cut the run short).
+    correction/bonus token, fewer when EOS, a stop string or max_tokens cut the run short); ``skipped_steps``:
+    sequence-steps that could have speculated but the proposer had no guess (they decode plainly: one token for one
+    target call — e.g. an n-gram with no earlier occurrence).
+
+    Time, engine-wide (seconds, ``time.perf_counter``), over the engine steps that verified (``spec_steps``):
+    ``draft_s`` in the proposer, ``verify_s`` in the target's forward over
+    every row (the LM head included), ``step_s`` for the whole speculative step (the rest — slots, rejection rule,
+    rollback, committing through the scheduler and detokenizer — is ``step_s - draft_s - verify_s``).
     """
 
     verify_steps: int = 0
     draft_tokens: int = 0
     accepted_tokens: int = 0
     emitted_tokens: int = 0
+    skipped_steps: int = 0
+    spec_steps: int = 0
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    step_s: float = 0.0
 
     @property
     def acceptance_rate(self) -> float:
-        """α estimate: accepted / proposed drafts (0 before any)."""
+        """α estimate: accepted / proposed drafts, per proposed token (0 before any).  Steps with no proposal do not
+        enter it (see ``tokens_per_call``)."""
         return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
 
     @property
@@ -54,4 +80,16 @@ class SpecStats:
         """Tokens per verifying target forward, 1 + accepted / steps (the bonus included; 1.0 = no gain)."""
         return 1 + self.accepted_tokens / self.verify_steps if self.verify_steps else 0.0
 
+    @property
+    def tokens_per_call(self) -> float:
+        """Tokens a sequence gains per target forward over every step it could speculate in, the steps without a
+        proposal included (each 1 token): (emitted + skipped) / (verify_steps + skipped_steps); at batch 1 this is
+        decode tokens per target call, what the speedup is made of (0 before any step)."""
+        calls = self.verify_steps + self.skipped_steps
+        return (self.emitted_tokens + self.skipped_steps) / calls if calls else 0.0
 
+    def per_step_ms(self) -> dict[str, float]:
+        """Mean milliseconds per speculative engine step: draft, verify, the rest (overhead) and the whole step."""
+        n = max(self.spec_steps, 1)
+        return {"draft_ms": 1e3 * self.draft_s / n, "verify_ms": 1e3 * self.verify_s / n,
+                "overhead_ms": 1e3 * (self.step_s - self.draft_s - self.verify_s) / n, "step_ms": 1e3 * self.step_s / n}

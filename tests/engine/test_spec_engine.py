@@ -210,3 +210,40 @@ def test_ngram_on_the_default_model_gives_the_same_greedy_text(default_model):
     out = eng.generate([tok_prompt], params)[0]
     assert out.token_ids == plain.token_ids
     assert eng.spec_stats.accepted_tokens > 0
+
+
+def test_self_drafters_read_the_targets_kv_and_a_separate_draft_model_does_not(model):
+    for name, shares in (("quantized", True), ("early_exit", True), ("draft-other", False), ("ngram", False)):
+        proposer = engine(model, spec_for(name, model)).speculator.proposer
+        assert getattr(proposer, "reads_target_kv", False) is shares, name
+
+
+def test_the_target_drafting_for_itself_from_the_targets_kv_has_every_draft_accepted(model, workload):
+    """A drafter that IS the target and reads the target's committed K/V proposes exactly the target's greedy tokens."""
+    from minillm.spec.draft import DraftModelProposer
+
+    prompts, params = workload
+    plain = engine(model).generate(prompts, params)
+    eng = engine(model, dict(method="draft", model=model, num_speculative_tokens=4), max_num_seqs=4)
+    eng.speculator.proposer = DraftModelProposer(model, 256, reads_target_kv=True)
+    assert eng.speculator.proposer.reads_target_kv  # the fused drafter runs it: the copy path is the one tested
+    outs = eng.generate(prompts, params)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
+    assert eng.spec_stats.draft_tokens > 0 and eng.spec_stats.acceptance_rate == 1.0
+    assert_all_free(eng)
+
+
+def test_steps_without_a_proposal_count_as_one_token_per_target_call(model):
+    """No earlier n-gram in a prompt of distinct tokens: the first steps decode plainly and are counted as skipped;
+    tokens per call covers them, and the timed parts of the speculative steps add up within the step."""
+    prompt = list(range(10, 40))
+    eng = engine(model, dict(method="ngram", num_speculative_tokens=3, prompt_lookup_min=1, prompt_lookup_max=2))
+    out = eng.generate([prompt], SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))[0]
+    st = eng.spec_stats
+    assert st.skipped_steps > 0
+    assert st.tokens_per_call == pytest.approx((st.emitted_tokens + st.skipped_steps)
+                                               / (st.verify_steps + st.skipped_steps))
+    assert st.emitted_tokens + st.skipped_steps <= len(out.token_ids) - 1  # the first token came from the prefill
+    assert st.spec_steps == st.verify_steps > 0  # batch 1: one sequence-step per speculative engine step
+    assert 0 < st.draft_s and 0 < st.verify_s and st.draft_s + st.verify_s <= st.step_s
+    assert st.per_step_ms()["overhead_ms"] >= 0

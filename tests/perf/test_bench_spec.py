@@ -11,13 +11,17 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from minillm.models.loader import load_tokenizer
 from minillm.perf.bench.spec import (
+    PASSAGE,
     PROMPTS,
     _configs,
     batch_prompts,
     bench_spec,
     hf_generate_rates,
     predicted_tokens_per_call,
+    projected_speedup,
+    stats_since,
 )
+from minillm.spec.proposer import SpecStats
 
 
 @pytest.mark.parametrize("alpha, gamma", [(0.0, 3), (0.5, 1), (0.6, 4), (0.9, 7), (1.0, 4)])
@@ -71,6 +75,9 @@ def test_bench_runs_batch_1_and_8_beside_plain_and_the_transformers_peer(tiny_ch
     for r in ours:
         if r["proposer"] == "ngram" and r["tokens_per_call"]:
             assert 1.0 <= r["tokens_per_call"] <= 3.0  # 1 .. γ + 1 tokens per target call
+        if r["proposer"] == "ngram" and r["verify_steps"]:  # steps without a proposal only lower tokens per call
+            assert r["tokens_per_call"] <= r["tokens_per_verify"] <= 3.0
+            assert r["verify_ms"] > 0 and r["projected_speedup"] > 0 and r["skipped_steps"] >= 0
     peer = [r for r in rows if r["peer"]]
     assert {(r["prompt"], r["proposer"]) for r in peer} == {
         (kind, name) for kind in PROMPTS for name in ("hf plain", "hf prompt_lookup")}
@@ -83,3 +90,33 @@ def test_bench_runs_batch_1_and_8_beside_plain_and_the_transformers_peer(tiny_ch
 def test_a_peer_that_cannot_load_is_an_error_row(tmp_path):
     rows = hf_generate_rates(tmp_path / "missing", {"open-ended": [1, 2, 3]}, 4, (2,), 1, "cpu", torch.float32)
     assert len(rows) == 1 and "error" in rows[0] and rows[0]["proposer"] == "transformers"
+
+
+def test_copy_prompts_cover_repeat_summarise_and_edit_code_beside_an_open_ended_one():
+    assert {"copy: repeat", "copy: summarise", "copy: edit code", "open-ended"} == set(PROMPTS)
+    assert PASSAGE in PROMPTS["copy: repeat"] and PASSAGE in PROMPTS["copy: summarise"]
+    with pytest.raises(ValueError, match="unknown prompt kinds"):
+        bench_spec("unused", prompt_kinds=("copy: poem",), hf=False, save=False)
+
+
+def test_stats_since_subtracts_every_counter():
+    before = SpecStats(verify_steps=2, draft_tokens=6, accepted_tokens=3, emitted_tokens=5, skipped_steps=1,
+                       spec_steps=2, draft_s=0.5, verify_s=1.0, step_s=2.0)
+    now = SpecStats(verify_steps=5, draft_tokens=15, accepted_tokens=9, emitted_tokens=14, skipped_steps=4,
+                    spec_steps=5, draft_s=1.0, verify_s=2.5, step_s=4.0)
+    d = stats_since(now, before)
+    assert (d.verify_steps, d.draft_tokens, d.accepted_tokens, d.emitted_tokens, d.skipped_steps) == (3, 9, 6, 9, 3)
+    assert d.tokens_per_call == pytest.approx((9 + 3) / (3 + 3)) and d.acceptance_rate == pytest.approx(6 / 9)
+    # 3 steps: 0.5 s drafting, 1.5 s verifying, 2.0 s in all -> nothing else
+    assert d.per_step_ms() == pytest.approx({"draft_ms": 500 / 3, "verify_ms": 500, "overhead_ms": 0.0,
+                                             "step_ms": 2000 / 3})
+
+
+def test_projected_speedup_weighs_verify_steps_and_plain_steps_by_their_time():
+    # every call verifies, 4 tokens each, a step of 1 ms draft + 1.1 × 10 ms verify + 0 overhead: 4 × 10 / 12
+    row = {"tokens_per_call": 4.0, "verify_steps": 8, "skipped_steps": 0, "draft_ms": 1.0, "overhead_ms": 0.0}
+    assert projected_speedup(row, 10.0, 1.1) == pytest.approx(40 / 12)
+    # half the calls plain (1 token, 10 ms), half verifying 3 tokens in 20 ms: 4 tokens in 30 ms vs 3 in 30 ms
+    row = {"tokens_per_call": 2.0, "verify_steps": 5, "skipped_steps": 5, "draft_ms": 0.0, "overhead_ms": 0.0}
+    assert projected_speedup(row, 10.0, 2.0) == pytest.approx(2.0 * 10 / 15)
+    assert projected_speedup({"tokens_per_call": None}, 10.0, 1.1) is None

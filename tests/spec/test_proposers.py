@@ -236,3 +236,57 @@ def test_a_batch_one_verify_pass_runs_on_the_fused_step_not_the_packed_forward()
     eng.runner.prepare = recording
     eng.generate([prompts_of([12], 256)[0]], SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))
     assert eng.spec_stats.verify_steps > 0 and packed == [12]
+
+
+# ---- self-drafters read the committed context's K/V from the target's cache ----------------------------------------
+def target_pool(model, seq_id, tokens, block_size=4):
+    """A target-side paged cache with random K/V for ``tokens`` of ``seq_id`` (what its prefill would have written)."""
+    from minillm.kv.block_manager import BlockManager
+    from minillm.kv.paged_cache import PagedKVCache
+    from minillm.spec.proposer import TargetKV
+
+    kv = PagedKVCache(model.config, 32, block_size, dtype=torch.float32, device="cpu")
+    kv.k.normal_(generator=torch.Generator().manual_seed(1))
+    kv.v.normal_(generator=torch.Generator().manual_seed(2))
+    bm = BlockManager(32, block_size, enable_prefix_caching=False)
+    bm.allocate(seq_id, tokens)
+    return TargetKV(kv, bm)
+
+
+def test_a_self_drafter_copies_the_committed_context_from_the_target_and_feeds_only_the_last_token():
+    model = default_like(layers=2, vocab=256)
+    proposer = DraftModelProposer(int4_twin(model), 128, reads_target_kv=True)
+    seq = fake_seq(prompts_of([21], 256, seed=6)[0])
+    seq.seq_id = "7"
+    target = target_pool(model, "7", seq.token_ids)
+    pool, fed = proposer.fused, []
+    logits = pool.runner.logits
+
+    def recording(batch):
+        fed.append(len(batch))
+        return logits(batch)
+
+    pool.runner.logits = recording
+    drafts = proposer.propose([seq], [3], target).tokens[0]
+    assert len(drafts) == 3 and fed == [1, 1, 1]  # the last token, then one row per further draft: no prefill
+    sid = pool._ids[seq]
+    mine = pool.blocks.slot_mapping(sid, 0, 20)
+    theirs = target.block_manager.slot_mapping("7", 0, 20)
+    for a, b in ((pool.kv.k, target.kv.k), (pool.kv.v, target.kv.v)):
+        assert torch.equal(a.flatten(1, 2)[:, mine], b[: a.shape[0]].flatten(1, 2)[:, theirs])
+    # the next round: two committed tokens more (an accepted draft + the correction); the first is copied again
+    seq.token_ids += [drafts[0], (drafts[1] + 1) % 256]
+    target.block_manager.append_slots("7", seq.token_ids[21:])
+    fed.clear()
+    proposer.propose([seq], [2], target)
+    assert fed == [1, 1]
+
+
+def test_a_drafter_without_reads_target_kv_ignores_the_targets_cache():
+    model = default_like(layers=2, vocab=256)
+    proposer = DraftModelProposer(model, 128)
+    seq = fake_seq(prompts_of([9], 256, seed=8)[0])
+    seq.seq_id = "3"
+    drafts = proposer.propose([seq], [3], target_pool(model, "3", seq.token_ids)).tokens[0]
+    assert not proposer.reads_target_kv
+    assert drafts == greedy_continuation(model, seq.token_ids, 3)  # its own K/V: the random target pool unused
