@@ -800,8 +800,11 @@ static void q4_q8_rows(const uint8_t *restrict P, const void *scales, const void
 static void q8_q8_rows(const int8_t *restrict W, const void *scales, int scale_f16, const xprep_t *x, int x_bf16,
                        void *y, int64_t M, int64_t N, int64_t K, int64_t G, int64_t n0, int64_t n1) {
     float dwb[K / QB + 4];
-    /* No 4-row tile here: tried as for Q4_1, it was 2x faster with the weights in L2 but 2x slower streamed from
-     * memory (SmolLM2 stack, 1 thread), prefetch or not; not understood yet. */
+    /* No 4-row tile here: tried as for Q4_1 (x, xc and dx loads shared by 4 rows: 1.75 loads a chunk instead of 4),
+     * it was 1.5x faster with the weights in L2 but 2x slower streamed from memory (SmolLM2 stack, 1 thread).  The
+     * hardware prefetchers follow one sequential stream, not 4 interleaved 9-line ones (K = 576: a row is 9 lines,
+     * so each new tile starts 4 untrained streams); a software prefetch of the next tile in address order brought
+     * it to 1.2x slower than this loop, a prefetch of the same row 1-8 tiles ahead did nothing.  Left for later. */
     for (int64_t n = n0; n < n1; n++)
         for (int64_t m0 = 0; m0 < M; m0 += QTILE) {
             float out[QTILE];
