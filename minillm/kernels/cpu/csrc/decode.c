@@ -10,6 +10,13 @@
  * One translation unit: both sources are included, not copied, so a faster quant.c GEMV speeds this up too.
  * Reference: ``Transformer.hidden_states`` on the model's kernels (``minillm/kernels/cpu/fused.py`` drives this).
  *
+ * Threads: each GEMV splits its weight rows over the OpenMP team in its own parallel region (quant.c SPLIT_ROWS),
+ * ~121 regions a step; native.c's attention splits its heads in another.  linear_stack below runs the same GEMVs in
+ * one region with barriers instead, to measure the difference (perf/bench/quant.py: within noise of the per-GEMV
+ * regions on 2 cores, ~0.5 us a region).  A step in one region would also need the attention split by head inside
+ * it (native.c's function takes all heads: one thread spends 10.7 us a SmolLM2 layer at 48 positions where two take
+ * 7.7, 58 where two take 33 at 256) — the next step, with a head-range attention and an fp32 row-range GEMV.
+ *
  * Rows: M ≤ 32 (token, position, KV slot, block table, context length) tuples.  Row r attends to the first lens[r]
  * positions of its sequence (its own included), read through its block table; all rows' K/V are written before
  * any row attends, so several consecutive rows of one sequence (speculative verification) are exactly causal.

@@ -109,8 +109,13 @@ static inline void store_y(void *y, int x_bf16, int64_t i, float v) {
     }
 
 /* Run CALL(n0, n1) over the N weight rows: in this thread below 2^18 weights, where a parallel region's start and
- * join (~2-3 us with futex calls, even for one thread) cost as much as the GEMV itself; else as contiguous equal
- * ranges, one per OpenMP thread (as schedule(static) would). */
+ * join cost as much as the GEMV itself; else as contiguous equal ranges, one per OpenMP thread (as schedule(static)
+ * would).  Measured on 2 cores (AMD EPYC, libgomp): an empty region costs ~0.3 us at 1 thread and ~0.5-1 us at 2
+ * while the idle thread spins (libgomp's default between regions), a barrier inside one region ~0.25-0.5 us; with
+ * OMP_WAIT_POLICY=passive (the idle thread sleeps) ~8 us and ~3.4 us.  So the ~121 regions of a SmolLM2 decode
+ * step cost ~0.1 ms of a ~3 ms int4 stack at 2 threads — not what keeps it from the read bandwidth.  What does, on
+ * a loaded machine: a spinning thread whose partner shares its core (other processes hold the other one) burns the
+ * time slice the partner needs; a whole stack then runs 3-4x slower (bimodal from run to run, one region or many). */
 #define SPLIT_ROWS(N, K, CALL)                                                                               \
     do {                                                                                                     \
         if ((N) * (K) < (1 << 18) || omp_get_max_threads() == 1) {                                           \
@@ -694,7 +699,11 @@ INLINE void q4_q8_row(const uint8_t *restrict p, const void *sc, const void *mi,
 
 /* Batch 1, groups of 32 (GGUF Q4_1, the decode case): 4 weight rows at a time against the one input row.  The
  * activation loads are shared by the 4 rows; each row's arithmetic is exactly q4_q8_row's (see there):
- * at K = 576 (18 blocks, 4.5 chunks) a row's own reduction, scales and tail cost as much as its chunks. */
+ * at K = 576 (18 blocks, 4.5 chunks) a row's own reduction, scales and tail cost as much as its chunks.
+ * The 4 rows are 4 short interleaved streams (a row is 4.5 lines at K = 576), which the hardware prefetchers do not
+ * follow: each chunk step prefetches 4 lines of the tile 2 ahead in address order, so a tile's lines are all
+ * requested ~2 tiles early (SmolLM2 stack, 1 thread, streamed: 4.6 -> 3.5 ms; the same row 1 tile ahead, as this
+ * did before, ~4.6; no prefetch ~7). */
 INLINE void q4_q8_row4(const uint8_t *restrict p, const void *sc, const void *mi, int f16, int64_t n,
                        const xprep_t *x, float out[4], int64_t K) {
     const int64_t nb = K / QB, ng = nb, nc = nb / 4, rowb = K / 2;
@@ -709,7 +718,7 @@ INLINE void q4_q8_row4(const uint8_t *restrict p, const void *sc, const void *mi
         const f4 xs_ = f4_loadf(x->xsb + (CI) * 4);                                                            \
         for (int r = 0; r < 4; r++) {                                                                          \
             const uint8_t *pr_ = p + r * rowb + (CI) * CHUNK;                                                  \
-            __builtin_prefetch(pr_ + 4 * rowb); /* the next 4 rows: 4 interleaved streams defeat the prefetcher */\
+            __builtin_prefetch(p + 8 * rowb + ((CI) * 4 + r) * CHUNK); /* 2 tiles ahead, in address order */  \
             const vb w_ = NBLK == 4 ? vb_load(pr_) : vb_load_part(pr_, NBLK * 16);                             \
             const vf sw_ = vf_expand4(f4_load(sc, f16, (n + r) * ng + (CI) * 4, NBLK));                        \
             const vi d_ = q4_dot(vb_nib_lo(w_), vb_nib_hi(w_), xr_);                                           \
