@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from minillm.kernels.cpu import quant as native_quant
-from minillm.quant.weight import int4_linear_ref, int8_linear_ref, quantize_int4, quantize_int8
+from minillm.quant.weight import Int8Weight, int4_linear_ref, int8_linear_ref, quantize_int4, quantize_int8
 
 native = pytest.mark.skipif(not native_quant.available(), reason="no C compiler: the native kernels are not built")
 
@@ -93,6 +93,22 @@ def test_int8_activation_kernels_equal_the_reference_on_block_rounded_activation
         _assert_sum_close(native_quant.int4_linear(x, w4, target=target), int4_linear_ref(xhat, w4), x, w)
         for w8 in (quantize_int8(w), quantize_int8(w, 32), Int8Half.of(quantize_int8(w, 32))):
             _assert_sum_close(native_quant.int8_linear(x, w8, target=target), int8_linear_ref(xhat, w8), x, w)
+
+
+@native
+@pytest.mark.parametrize("target", TARGETS)
+def test_int8_weights_at_the_code_extremes_give_exact_integer_sums(target):
+    # Every code from -128 to 127 against activations at +-127 steps: the VNNI kernels feed w + 128 (0..255) and
+    # start each lane at -128 * sum(x), the others move w's sign onto x; either way the block sums are exact
+    # integers, so with unit scales the result is the reference on xhat to the last bit of fp32 summation.
+    _target_or_skip(target)
+    g = torch.Generator().manual_seed(3)
+    codes = torch.arange(-128, 128, dtype=torch.int8).repeat(2)[torch.randperm(512, generator=g)].view(4, 128)
+    for group in (128, 32):
+        w8 = Int8Weight(codes.contiguous(), torch.ones(4, 128 // group), group)
+        x = torch.where(torch.rand(3, 128, generator=g) < 0.5, -1.0, 1.0) * 127  # every block's max: steps of 1
+        want = codes.float() @ x.T  # exact in fp32: |sums| < 2^24
+        assert torch.equal(native_quant.int8_linear(x, w8, target=target), want.T)
 
 
 @native

@@ -89,6 +89,8 @@ def _lib() -> ctypes.CDLL | None:
     lib.decode_stack.argtypes = [ctypes.POINTER(_Layer), i64, vp, vp, vp, vp, p64, p64, p32, p32] + [i64] * 8 \
         + [ctypes.c_float, ctypes.c_float, ctypes.POINTER(_Linear), vp, vp, vp]
     lib.decode_stack.restype = None
+    lib.linear_stack.argtypes = [ctypes.POINTER(_Linear), i64, ctypes.POINTER(vp), ctypes.POINTER(vp), i64, i64]
+    lib.linear_stack.restype = None
     return lib
 
 
@@ -193,16 +195,24 @@ def _first_tensor(module) -> Tensor | None:
 def _linear_struct(lin, keep: list[Tensor]) -> _Linear:
     """The ``linear_t`` of one layer; the tensors it points at are appended to ``keep`` (they must outlive it)."""
     kind = _linear_kind(lin)
-    bias = lin.bias
-    if kind == "fp32":
-        N, K = lin.weight.shape
-        tensors, G, f16 = (lin.weight, None, None), K, 0
+    return _weight_struct(lin.weight if kind == "fp32" else lin.packed_weight, lin.bias, keep)
+
+
+def _weight_struct(w, bias: Tensor | None, keep: list[Tensor]) -> _Linear:
+    """The ``linear_t`` of a weight: an fp32 [N, K] tensor, an ``Int8Weight`` or an ``Int4Weight`` (contiguous, on
+    CPU), and an optional fp32 bias [N]; the tensors it points at are appended to ``keep``."""
+    from minillm.quant.weight import Int4Weight, Int8Weight
+
+    if isinstance(w, Tensor):
+        kind, (N, K) = "fp32", w.shape
+        tensors, G, f16 = (w.detach(), None, None), K, 0
     else:
-        pw = lin.packed_weight
-        N, K = pw.shape
-        mins = pw.mins if kind == "int4" else None
-        tensors = (pw.packed if kind == "int4" else pw.qweight, pw.scales, mins)
-        G, f16 = pw.group_size, int(pw.scales.dtype == torch.float16)
+        kind = "int4" if isinstance(w, Int4Weight) else "int8" if isinstance(w, Int8Weight) else None
+        if kind is None:
+            raise ValueError(f"not an fp32 tensor, Int8Weight or Int4Weight: {type(w).__name__}")
+        N, K = w.shape
+        tensors = (w.packed, w.scales, w.mins) if kind == "int4" else (w.qweight, w.scales, None)
+        G, f16 = w.group_size, int(w.scales.dtype == torch.float16)
     bias = None if bias is None else bias.detach().contiguous()
     keep += [t for t in (*tensors, bias) if t is not None]
     ptr = [None if t is None else t.data_ptr() for t in (*tensors, bias)]
@@ -331,3 +341,44 @@ class NativeDecodeRunner:
                             out.data_ptr(), None if lg is None else lg.data_ptr())
         self.calls += 1
         return out, lg
+
+
+class LinearStack:
+    """A list of linear weights run as one native loop (``csrc/decode.c`` ``linear_stack``): the GEMVs of a decode
+    step with no Python between them, for benchmarks that time the kernels alone (``perf.bench.quant``).
+
+    ``weights``: fp32 [N, K] tensors, ``Int8Weight`` or ``Int4Weight`` (contiguous, CPU) — the kinds the fused step
+    runs, through the same kernels (quantized ones with int8 activations, as ``decode_stack`` does); ``rows``: M
+    (1..``MAX_ROWS``).  ``inputs[i]`` [M, K_i] (zeros; one tensor per distinct K, shared by the weights of that K:
+    fill it in place) and ``outputs[i]`` [M, N_i] are allocated once here, and their addresses passed to C once, so
+    a call costs one ctypes dispatch.
+    """
+
+    def __init__(self, weights: list, rows: int = 1):
+        if not available():
+            raise ValueError("the fused native decode library did not build here")
+        if not 1 <= rows <= MAX_ROWS:
+            raise ValueError(f"rows must be in [1, {MAX_ROWS}], got {rows}")
+        keep: list[Tensor] = []
+        self._table = (_Linear * max(len(weights), 1))(*[_weight_struct(w, None, keep) for w in weights])
+        for t in keep:
+            if t.device.type != "cpu" or not t.is_contiguous():
+                raise ValueError("LinearStack needs contiguous CPU weights")
+        self._keep, self.rows = keep, rows
+        self.shapes = [(int(s.N), int(s.K)) for s in self._table[:len(weights)]]
+        by_k = {K: torch.zeros(rows, K) for _, K in self.shapes}
+        self.inputs = [by_k[K] for _, K in self.shapes]
+        self.outputs = [torch.empty(rows, N) for N, _ in self.shapes]
+        n = max(len(weights), 1)
+        self._xs = (vp * n)(*[x.data_ptr() for x in self.inputs])
+        self._ys = (vp * n)(*[y.data_ptr() for y in self.outputs])
+
+    def __len__(self) -> int:
+        return len(self.shapes)
+
+    def run(self, one_region: bool = False) -> list[Tensor]:
+        """outputs[i] = inputs[i] @ W_i^T for every weight, in order, in one native call.  ``one_region``: all the
+        GEMVs inside one OpenMP region with a barrier around each (else one region per GEMV, as the fused decode step
+        runs them); the results are the same.  Returns ``outputs`` (overwritten by the next call)."""
+        _lib().linear_stack(self._table, len(self), self._xs, self._ys, self.rows, int(one_region))
+        return self.outputs

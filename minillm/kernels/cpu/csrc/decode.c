@@ -10,6 +10,13 @@
  * One translation unit: both sources are included, not copied, so a faster quant.c GEMV speeds this up too.
  * Reference: ``Transformer.hidden_states`` on the model's kernels (``minillm/kernels/cpu/fused.py`` drives this).
  *
+ * Threads: each GEMV splits its weight rows over the OpenMP team in its own parallel region (quant.c SPLIT_ROWS),
+ * ~121 regions a step; native.c's attention splits its heads in another.  linear_stack below runs the same GEMVs in
+ * one region with barriers instead, to measure the difference (perf/bench/quant.py: within noise of the per-GEMV
+ * regions on 2 cores, ~0.5 us a region).  A step in one region would also need the attention split by head inside
+ * it (native.c's function takes all heads: one thread spends 10.7 us a SmolLM2 layer at 48 positions where two take
+ * 7.7, 58 where two take 33 at 256) — the next step, with a head-range attention and an fp32 row-range GEMV.
+ *
  * Rows: M ≤ 32 (token, position, KV slot, block table, context length) tuples.  Row r attends to the first lens[r]
  * positions of its sequence (its own included), read through its block table; all rows' K/V are written before
  * any row attends, so several consecutive rows of one sequence (speculative verification) are exactly causal.
@@ -57,6 +64,68 @@ static void linear_run(const linear_t *l, const float *x, float *y, int64_t M) {
     if (l->bias) /* the per-layer path adds the bias after the quantized GEMV: y + bias */
         for (int64_t m = 0; m < M; m++)
             for (int64_t n = 0; n < l->N; n++) y[m * l->N + n] += l->bias[n];
+}
+
+/* Rows n0..n1 of one quantized linear for one thread of an enclosing team, no OpenMP inside; xp: the activations
+ * xprep laid out (int8-activation kernels only). */
+static void linear_rows(const linear_t *l, const xprep_t *xp, const float *x, float *y, int64_t M, int64_t n0,
+                        int64_t n1) {
+    if (l->kind == LIN_INT8 && (l->K % QB || l->G % QB))
+        q8_exact_rows((const int8_t *)l->w, l->scales, (int)l->scale_f16, x, 0, y, M, l->N, l->K, l->G, n0, n1);
+    else if (l->kind == LIN_INT8)
+        q8_q8_rows((const int8_t *)l->w, l->scales, (int)l->scale_f16, xp, 0, y, M, l->N, l->K, l->G, n0, n1);
+    else
+        q4_q8_rows((const uint8_t *)l->w, l->scales, l->mins, (int)l->scale_f16, xp, 0, y, M, l->N, l->K, l->G, n0,
+                   n1);
+    if (l->bias)
+        for (int64_t m = 0; m < M; m++)
+            for (int64_t n = n0; n < n1; n++) y[m * l->N + n] += l->bias[n];
+}
+
+static int linear_uses_xprep(const linear_t *l) {
+    return l->kind == LIN_INT4 || (l->kind == LIN_INT8 && l->K % QB == 0 && l->G % QB == 0);
+}
+
+/* Benchmark entry (perf/bench/quant.py's native stack rows): the linears lins[0..n) in order, y_i [M, N_i] =
+ * x_i [M, K_i] @ W_i^T (+ bias), with no Python between them, so a stack's time is its kernels' alone (Python
+ * dispatch costs ~10 µs a call, ~1.5 ms over SmolLM2's 120 linears).  one_region = 0: each through linear_run, as
+ * decode_stack runs them (an OpenMP region per GEMV: quant.c's SPLIT_ROWS).  one_region = 1: one region for the
+ * whole stack, thread 0 preparing each GEMV's activations, the rows split in contiguous equal ranges (multiples of
+ * 4: q4_q8_rows' tile), a barrier before and after each GEMV — the layout a fused step inside one region would have,
+ * to measure what the per-GEMV regions cost next to it.  The outputs are the same either way (a row's result does
+ * not depend on which thread computes it). */
+void linear_stack(const linear_t *lins, int64_t n, const float *const *xs, float *const *ys, int64_t M,
+                  int64_t one_region) {
+    if (!one_region) {
+        for (int64_t i = 0; i < n; i++) linear_run(lins + i, xs[i], ys[i], M);
+        return;
+    }
+    size_t bytes = 0;
+    for (int64_t i = 0; i < n; i++)
+        if (linear_uses_xprep(lins + i)) {
+            const size_t b = xprep_bytes(M, lins[i].K, lins[i].G, lins[i].kind == LIN_INT4);
+            bytes = b > bytes ? b : bytes;
+        }
+    void *buf = aligned_alloc(64, (bytes + 63) / 64 * 64 + 64);
+    xprep_t xp = {0};
+#pragma omp parallel
+    {
+        const int64_t t = omp_get_thread_num(), T = omp_get_num_threads();
+        for (int64_t i = 0; i < n; i++) {
+            const linear_t *l = lins + i;
+            if (t == 0 && linear_uses_xprep(l))
+                xp = xprep(xs[i], 0, M, l->K, l->G, l->kind == LIN_INT4, buf, bytes);
+#pragma omp barrier
+            const int64_t q = (l->N + 3) / 4; /* 4-row tiles */
+            const int64_t n0 = q * t / T * 4, n1 = q * (t + 1) / T * 4;
+            if (l->kind != LIN_F32)
+                linear_rows(l, &xp, xs[i], ys[i], M, n0 < l->N ? n0 : l->N, n1 < l->N ? n1 : l->N);
+            else if (t == 0) /* no row-range fp32 GEMV here: native.c's opens a region, one thread inside a team */
+                gemv_f32((const float *)l->w, xs[i], l->bias, ys[i], M, l->N, l->K);
+#pragma omp barrier
+        }
+    }
+    free(buf);
 }
 
 /* Floats of scratch decode_stack needs for M rows (the caller allocates it once for its largest M). */

@@ -109,8 +109,13 @@ static inline void store_y(void *y, int x_bf16, int64_t i, float v) {
     }
 
 /* Run CALL(n0, n1) over the N weight rows: in this thread below 2^18 weights, where a parallel region's start and
- * join (~2-3 us with futex calls, even for one thread) cost as much as the GEMV itself; else as contiguous equal
- * ranges, one per OpenMP thread (as schedule(static) would). */
+ * join cost as much as the GEMV itself; else as contiguous equal ranges, one per OpenMP thread (as schedule(static)
+ * would).  Measured on 2 cores (AMD EPYC, libgomp): an empty region costs ~0.3 us at 1 thread and ~0.5-1 us at 2
+ * while the idle thread spins (libgomp's default between regions), a barrier inside one region ~0.25-0.5 us; with
+ * OMP_WAIT_POLICY=passive (the idle thread sleeps) ~8 us and ~3.4 us.  So the ~121 regions of a SmolLM2 decode
+ * step cost ~0.1 ms of a ~3 ms int4 stack at 2 threads — not what keeps it from the read bandwidth.  What does, on
+ * a loaded machine: a spinning thread whose partner shares its core (other processes hold the other one) burns the
+ * time slice the partner needs; a whole stack then runs 3-4x slower (bimodal from run to run, one region or many). */
 #define SPLIT_ROWS(N, K, CALL)                                                                               \
     do {                                                                                                     \
         if ((N) * (K) < (1 << 18) || omp_get_max_threads() == 1) {                                           \
@@ -191,21 +196,40 @@ INLINE void q8_exact_row(const int8_t *restrict w, const void *sc, int f16, int6
     }
 }
 
+/* Rows n0..n1 of y for one thread (no OpenMP inside: the caller splits the rows), x already fp32. */
+static void q4_exact_rows(const uint8_t *restrict P, const void *scales, const void *mins, int scale_f16,
+                          const float *restrict x, int x_bf16, void *y, int64_t M, int64_t N, int64_t K, int64_t G,
+                          int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; n++)
+        for (int64_t m0 = 0; m0 < M; m0 += QTILE) {
+            float out[QTILE];
+            const int64_t mr = M - m0 < QTILE ? M - m0 : QTILE;
+#define Q4_EXACT(R) q4_exact_row(P + n * (K / 2), scales, mins, scale_f16, n, x + m0 * K, out, K, G, R)
+            FOR_TILE(mr, Q4_EXACT)
+#undef Q4_EXACT
+            for (int64_t m = 0; m < mr; m++) store_y(y, x_bf16, (m0 + m) * N + n, out[m]);
+        }
+}
+
+static void q8_exact_rows(const int8_t *restrict W, const void *scales, int scale_f16, const float *restrict x,
+                          int x_bf16, void *y, int64_t M, int64_t N, int64_t K, int64_t G, int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; n++)
+        for (int64_t m0 = 0; m0 < M; m0 += QTILE) {
+            float out[QTILE];
+            const int64_t mr = M - m0 < QTILE ? M - m0 : QTILE;
+#define Q8_EXACT(R) q8_exact_row(W + n * K, scales, scale_f16, n, x + m0 * K, out, K, G, R)
+            FOR_TILE(mr, Q8_EXACT)
+#undef Q8_EXACT
+            for (int64_t m = 0; m < mr; m++) store_y(y, x_bf16, (m0 + m) * N + n, out[m]);
+        }
+}
+
 void q4_gemm(const uint8_t *restrict P, const void *scales, const void *mins, int scale_f16, const void *xin,
              int x_bf16, void *y, int64_t M, int64_t N, int64_t K, int64_t G) {
     float *owned;
     const float *restrict x = x_f32(xin, x_bf16, M * K, &owned);
-#define Q4_EXACT_ROWS(n0, n1)                                                                                  \
-    for (int64_t n = n0; n < n1; n++)                                                                          \
-        for (int64_t m0 = 0; m0 < M; m0 += QTILE) {                                                            \
-            float out[QTILE];                                                                                  \
-            const int64_t mr = M - m0 < QTILE ? M - m0 : QTILE;                                                \
-            FOR_TILE(mr, Q4_EXACT)                                                                             \
-            for (int64_t m = 0; m < mr; m++) store_y(y, x_bf16, (m0 + m) * N + n, out[m]);                    \
-        }
-#define Q4_EXACT(R) q4_exact_row(P + n * (K / 2), scales, mins, scale_f16, n, x + m0 * K, out, K, G, R)
+#define Q4_EXACT_ROWS(n0, n1) q4_exact_rows(P, scales, mins, scale_f16, x, x_bf16, y, M, N, K, G, n0, n1)
     SPLIT_ROWS(N, K, Q4_EXACT_ROWS);
-#undef Q4_EXACT
 #undef Q4_EXACT_ROWS
     free(owned);
 }
@@ -214,17 +238,8 @@ void q8_gemm(const int8_t *restrict W, const void *scales, int scale_f16, const 
              int64_t M, int64_t N, int64_t K, int64_t G) {
     float *owned;
     const float *restrict x = x_f32(xin, x_bf16, M * K, &owned);
-#define Q8_EXACT_ROWS(n0, n1)                                                                                  \
-    for (int64_t n = n0; n < n1; n++)                                                                          \
-        for (int64_t m0 = 0; m0 < M; m0 += QTILE) {                                                            \
-            float out[QTILE];                                                                                  \
-            const int64_t mr = M - m0 < QTILE ? M - m0 : QTILE;                                                \
-            FOR_TILE(mr, Q8_EXACT)                                                                             \
-            for (int64_t m = 0; m < mr; m++) store_y(y, x_bf16, (m0 + m) * N + n, out[m]);                    \
-        }
-#define Q8_EXACT(R) q8_exact_row(W + n * K, scales, scale_f16, n, x + m0 * K, out, K, G, R)
+#define Q8_EXACT_ROWS(n0, n1) q8_exact_rows(W, scales, scale_f16, x, x_bf16, y, M, N, K, G, n0, n1)
     SPLIT_ROWS(N, K, Q8_EXACT_ROWS);
-#undef Q8_EXACT
 #undef Q8_EXACT_ROWS
     free(owned);
 }
@@ -253,7 +268,12 @@ void q8_gemm(const int8_t *restrict W, const void *scales, int scale_f16, const 
 typedef __m512i vb; /* 64 bytes */
 typedef __m512i vi; /* 16 int32 lanes */
 typedef __m512 vf;  /* 16 fp32 lanes */
+#if defined(__AVX512VNNI__)
+#define Q8_BIAS 1 /* int8 weights enter vpdpbusd as w + 128 (unsigned); xprep_t.xc holds the -128 * sum(x) lanes */
+typedef __m512i q8w_t;
+#else
 typedef struct { __m512i u; __mmask64 neg; } q8w_t; /* |w| (the unsigned operand) and where w < 0 */
+#endif
 typedef __m128 f4;  /* 4 scales, one per Q4_1 block of a chunk */
 INLINE vb vb_load(const void *p) { return _mm512_loadu_si512(p); }
 INLINE vb vb_load_part(const void *p, int n) { return _mm512_maskz_loadu_epi8((1ULL << n) - 1, p); } /* n < 64 */
@@ -276,14 +296,22 @@ INLINE vi dot_u8s8(vi acc, vb u, vb s) { /* lane l += sum of bytes 4l..4l+3 of u
 INLINE vi q4_dot(vb lo, vb hi, const int8_t *x) {
     return dot_u8s8(dot_u8s8(_mm512_setzero_si512(), lo, vb_load(x)), hi, vb_load(x + CHUNK));
 }
+#ifdef Q8_BIAS
+INLINE q8w_t q8_prep(vb w) { return _mm512_xor_si512(w, _mm512_set1_epi8((char)0x80)); } /* w + 128 as uint8 */
+INLINE vi q8_dot(q8w_t w, const int8_t *x, const int32_t *xc) { /* (w + 128) * x summed from -128 * sum(x) */
+    return _mm512_dpbusd_epi32(_mm512_loadu_si512(xc), w, vb_load(x));
+}
+#else
 INLINE q8w_t q8_prep(vb w) {
     q8w_t r = {_mm512_abs_epi8(w), _mm512_movepi8_mask(w)};
     return r;
 }
-INLINE vi q8_dot(q8w_t w, const int8_t *x) { /* |w| * (x with w's sign) = w * x, byte by byte */
+INLINE vi q8_dot(q8w_t w, const int8_t *x, const int32_t *xc) { /* |w| * (x with w's sign) = w * x, byte by byte */
+    (void)xc;
     const vb xv = vb_load(x);
     return dot_u8s8(_mm512_setzero_si512(), w.u, _mm512_mask_sub_epi8(xv, w.neg, _mm512_setzero_si512(), xv));
 }
+#endif
 INLINE vf vf_zero(void) { return _mm512_setzero_ps(); }
 INLINE vf vf_load(const float *p) { return _mm512_loadu_ps(p); }
 INLINE vf vf_cvt(vi a) { return _mm512_cvtepi32_ps(a); }
@@ -349,19 +377,30 @@ INLINE vi q4_dot(vb lo, vb hi, const int8_t *x) {
     vi r = {q4_dot8(lo.a, hi.a, x, x + CHUNK), q4_dot8(lo.b, hi.b, x + 32, x + CHUNK + 32)};
     return r;
 }
+#ifdef DPBUSD
+#define Q8_BIAS 1 /* as in the 512-bit path: w + 128 unsigned, the lanes start at -128 * sum(x) */
+INLINE q8w_t q8_prep(vb w) {
+    const __m256i b = _mm256_set1_epi8((char)0x80);
+    vb r = {_mm256_xor_si256(w.a, b), _mm256_xor_si256(w.b, b)};
+    return r;
+}
+INLINE vi q8_dot(q8w_t w, const int8_t *x, const int32_t *xc) {
+    vi r = {DPBUSD(_mm256_loadu_si256((const __m256i *)xc), w.a, _mm256_loadu_si256((const __m256i *)x)),
+            DPBUSD(_mm256_loadu_si256((const __m256i *)xc + 1), w.b, _mm256_loadu_si256((const __m256i *)x + 1))};
+    return r;
+}
+#else /* vpmaddubsw saturates int16 pairs: (w + 128) * x would overflow, so the sign moves onto x instead */
 INLINE q8w_t q8_prep(vb w) { return w; }
 INLINE __m256i q8_dot8(__m256i w, const int8_t *x) { /* |w| * (x with w's sign): |products| <= 128 * 127 */
     const __m256i s = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)x), w), u = _mm256_sign_epi8(w, w);
-#ifdef DPBUSD
-    return DPBUSD(_mm256_setzero_si256(), u, s);
-#else
     return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
-#endif
 }
-INLINE vi q8_dot(q8w_t w, const int8_t *x) {
+INLINE vi q8_dot(q8w_t w, const int8_t *x, const int32_t *xc) {
+    (void)xc;
     vi r = {q8_dot8(w.a, x), q8_dot8(w.b, x + 32)};
     return r;
 }
+#endif
 INLINE vf vf_zero(void) {
     vf r = {_mm256_setzero_ps(), _mm256_setzero_ps()};
     return r;
@@ -464,7 +503,8 @@ INLINE vi q4_dot(vb lo, vb hi, const int8_t *x) {
     return r;
 }
 INLINE q8w_t q8_prep(vb w) { return w; }
-INLINE vi q8_dot(q8w_t w, const int8_t *x) {
+INLINE vi q8_dot(q8w_t w, const int8_t *x, const int32_t *xc) {
+    (void)xc;
     vi r;
     for (int l = 0; l < 16; l++) {
         int32_t s = 0;
@@ -533,23 +573,42 @@ static inline void to_f32(const void *s, int f16, int64_t off, int64_t n, float 
  * in order), zero-padded to whole chunks; dxl, each block's step dx = max|x| / 127 repeated on its lanes (4 per Q4_1
  * block, 8 per int8 block); for Q4_1 also xsb, per block dx * sum(xq) (the sum of xhat that the block's min m
  * multiplies), and xsg, the same per group of G.  rint rounds half to even, as torch.round does in the PyTorch twin
- * (quant.q8_activation_ref).  Cost: M*K reads and ~2 M*K bytes written, nothing next to the N*K weights. */
+ * (quant.q8_activation_ref).  For int8 weights on VNNI (Q8_BIAS) also xc: per chunk 16 int32 lanes, -128 times the
+ * sum of the lane's 4 codes, where vpdpbusd's sum of (w + 128) * x starts so that it ends at sum w * x exactly (the
+ * same integer as before, one xor per chunk instead of the abs / sign-mask / masked-negate the signed weights took).
+ * Cost: M*K reads and ~2-3 M*K bytes written, nothing next to the N*K weights. */
 typedef struct {
     void *mem;
     int8_t *xq;
     float *dxl, *xsb, *xsg;
-    int64_t sq, sl, sb, sg; /* per-row strides of xq (bytes), dxl, xsb, xsg (floats) */
+    int32_t *xc;
+    int64_t sq, sl, sb, sg, sc; /* per-row strides of xq (bytes), dxl, xsb, xsg (floats), xc (int32) */
 } xprep_t;
+
+#ifdef Q8_BIAS
+#define XC_LANES 16 /* xc lanes per int8 chunk */
+#else
+#define XC_LANES 0
+#endif
+
+/* Bytes xprep uses for M rows of K (a caller passing its own buffer sizes it with this). */
+static size_t xprep_bytes(int64_t M, int64_t K, int64_t G, int q4) {
+    const int64_t nb = K / QB, bpc = q4 ? 4 : 2, nc = (nb + bpc - 1) / bpc, ng = K / G;
+    const int64_t floats = nc * 16 + (q4 ? nc * 4 + ng : 0), ints = q4 ? 0 : nc * XC_LANES;
+    return (size_t)M * ((size_t)nc * CHUNK * (q4 ? 2 : 1) + sizeof(float) * (size_t)(floats + ints));
+}
 
 static xprep_t xprep(const void *xin, int x_bf16, int64_t M, int64_t K, int64_t G, int q4, void *buf,
                      size_t buf_bytes) {
     const int64_t nb = K / QB, bpc = q4 ? 4 : 2, nc = (nb + bpc - 1) / bpc, ng = K / G;
     xprep_t p = {0};
     p.sq = nc * CHUNK * (q4 ? 2 : 1), p.sl = nc * 16, p.sb = q4 ? nc * 4 : 0, p.sg = q4 ? ng : 0;
-    const size_t bytes = (size_t)(M * p.sq) + sizeof(float) * (size_t)(M * (p.sl + p.sb + p.sg));
+    p.sc = q4 ? 0 : nc * XC_LANES;
+    const size_t bytes = xprep_bytes(M, K, G, q4);
     p.mem = bytes <= buf_bytes ? memset(buf, 0, bytes) : calloc(1, bytes); /* zeros: the chunks' padding */
     p.dxl = (float *)p.mem, p.xsb = p.dxl + M * p.sl, p.xsg = p.xsb + M * p.sb;
-    p.xq = (int8_t *)(p.xsg + M * p.sg);
+    p.xc = (int32_t *)(p.xsg + M * p.sg);
+    p.xq = (int8_t *)(p.xc + M * p.sc);
     for (int64_t m = 0; m < M; m++)
         for (int64_t b = 0; b < nb; b++) {
             float xb[QB];
@@ -577,6 +636,8 @@ static xprep_t xprep(const void *xin, int x_bf16, int64_t M, int64_t K, int64_t 
             } else {
                 memcpy(xr + b * QB, q, QB);
                 for (int l = 0; l < 8; l++) p.dxl[m * p.sl + b * 8 + l] = d;
+                for (int l = 0; l < 8 && p.sc; l++) /* block b fills lanes 8 (b % 2) .. + 7 of chunk b / 2 */
+                    p.xc[m * p.sc + b * 8 + l] = -128 * (q[4 * l] + q[4 * l + 1] + q[4 * l + 2] + q[4 * l + 3]);
             }
         }
     return p;
@@ -638,7 +699,11 @@ INLINE void q4_q8_row(const uint8_t *restrict p, const void *sc, const void *mi,
 
 /* Batch 1, groups of 32 (GGUF Q4_1, the decode case): 4 weight rows at a time against the one input row.  The
  * activation loads are shared by the 4 rows; each row's arithmetic is exactly q4_q8_row's (see there):
- * at K = 576 (18 blocks, 4.5 chunks) a row's own reduction, scales and tail cost as much as its chunks. */
+ * at K = 576 (18 blocks, 4.5 chunks) a row's own reduction, scales and tail cost as much as its chunks.
+ * The 4 rows are 4 short interleaved streams (a row is 4.5 lines at K = 576), which the hardware prefetchers do not
+ * follow: each chunk step prefetches 4 lines of the tile 2 ahead in address order, so a tile's lines are all
+ * requested ~2 tiles early (SmolLM2 stack, 1 thread, streamed: 4.6 -> 3.5 ms; the same row 1 tile ahead, as this
+ * did before, ~4.6; no prefetch ~7). */
 INLINE void q4_q8_row4(const uint8_t *restrict p, const void *sc, const void *mi, int f16, int64_t n,
                        const xprep_t *x, float out[4], int64_t K) {
     const int64_t nb = K / QB, ng = nb, nc = nb / 4, rowb = K / 2;
@@ -653,7 +718,7 @@ INLINE void q4_q8_row4(const uint8_t *restrict p, const void *sc, const void *mi
         const f4 xs_ = f4_loadf(x->xsb + (CI) * 4);                                                            \
         for (int r = 0; r < 4; r++) {                                                                          \
             const uint8_t *pr_ = p + r * rowb + (CI) * CHUNK;                                                  \
-            __builtin_prefetch(pr_ + 4 * rowb); /* the next 4 rows: 4 interleaved streams defeat the prefetcher */\
+            __builtin_prefetch(p + 8 * rowb + ((CI) * 4 + r) * CHUNK); /* 2 tiles ahead, in address order */  \
             const vb w_ = NBLK == 4 ? vb_load(pr_) : vb_load_part(pr_, NBLK * 16);                             \
             const vf sw_ = vf_expand4(f4_load(sc, f16, (n + r) * ng + (CI) * 4, NBLK));                        \
             const vi d_ = q4_dot(vb_nib_lo(w_), vb_nib_hi(w_), xr_);                                           \
@@ -695,7 +760,8 @@ INLINE void q8_q8_row(const int8_t *restrict w, const void *sc, int f16, int64_t
         vf sw_ = vf_zero();                                                                                    \
         if (MODE) sw_ = vf_expand2(MODE == 1 ? f4_load(sc, f16, n * ng + 2 * (CI), NBLK) : f4_loadf(dwb + 2 * (CI))); \
         for (int m = 0; m < R; m++) {                                                                          \
-            const vf d_ = vf_cvt(q8_dot(wp_, x->xq + (m0 + m) * x->sq + (CI) * CHUNK));                             \
+            const vf d_ = vf_cvt(q8_dot(wp_, x->xq + (m0 + m) * x->sq + (CI) * CHUNK,                              \
+                                        x->xc + (m0 + m) * x->sc + (CI) * 16));                                   \
             const vf dx_ = vf_load(x->dxl + (m0 + m) * x->sl + (CI) * 16);                                        \
             ACC[m] = vf_fma(d_, MODE ? vf_mul(sw_, dx_) : dx_, ACC[m]);                                        \
         }                                                                                                      \
@@ -743,8 +809,11 @@ static void q4_q8_rows(const uint8_t *restrict P, const void *scales, const void
 static void q8_q8_rows(const int8_t *restrict W, const void *scales, int scale_f16, const xprep_t *x, int x_bf16,
                        void *y, int64_t M, int64_t N, int64_t K, int64_t G, int64_t n0, int64_t n1) {
     float dwb[K / QB + 4];
-    /* No 4-row tile here: tried as for Q4_1, it was 2x faster with the weights in L2 but 2x slower streamed from
-     * memory (SmolLM2 stack, 1 thread), prefetch or not; not understood yet. */
+    /* No 4-row tile here: tried as for Q4_1 (x, xc and dx loads shared by 4 rows: 1.75 loads a chunk instead of 4),
+     * it was 1.5x faster with the weights in L2 but 2x slower streamed from memory (SmolLM2 stack, 1 thread).  The
+     * hardware prefetchers follow one sequential stream, not 4 interleaved 9-line ones (K = 576: a row is 9 lines,
+     * so each new tile starts 4 untrained streams); a software prefetch of the next tile in address order brought
+     * it to 1.2x slower than this loop, a prefetch of the same row 1-8 tiles ahead did nothing.  Left for later. */
     for (int64_t n = n0; n < n1; n++)
         for (int64_t m0 = 0; m0 < M; m0 += QTILE) {
             float out[QTILE];
