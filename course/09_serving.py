@@ -227,8 +227,9 @@ checks.check_parse_stream(parse_stream)
 # - `data: [DONE]`, the end: without it a client cannot tell a finished answer from a connection that dropped.
 #
 # Every chunk repeats the response's `id`, `object`, `created` and `model` (a `StreamMeta`); `chunk(meta,
-# choices, usage)` writes that envelope and the JSON, `event("[DONE]")` the last event. The function is `async`:
-# the server reads its updates with `async for`, while the same event loop serves every other connection.
+# choices, usage)` writes that envelope and the JSON, `event("[DONE]")` the last event. The role chunks are
+# written for you, and show how `chunk` is called; the rest is yours. The function is `async`: the server reads
+# its updates with `async for`, while the same event loop serves every other connection.
 
 # %%
 # exercise 9.3: minillm.entrypoints.openai.sse.sse_stream

@@ -356,8 +356,8 @@ def _check_one_stream(sse_stream: Callable, updates: list, meta, texts: list[str
 
 
 @exercise("9.3", "minillm.entrypoints.openai.sse.sse_stream", "SSE chunking of a StepOutput stream",
-          "chat opens each choice with a role chunk; then one chunk(meta, [choice]) per update with text or a "
-          "finish_reason; usage only if asked; event('[DONE]') last")
+          "one chunk(meta, [choice]) per update with text or a finish_reason (async for over updates), the usage "
+          "chunk only if meta.include_usage, event('[DONE]') last")
 def check_sse_stream(sse_stream: Callable) -> None:
     """``sse_stream(updates, meta)`` on made-up ``StepOutput`` streams: chat and completions, one choice and
     several (interleaved), stop and length finishes (a last update with and without text), held-back and

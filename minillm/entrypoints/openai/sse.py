@@ -78,10 +78,10 @@ async def sse_stream(updates: AsyncIterable[StepOutput], meta: StreamMeta) -> As
 
     ``updates`` is an async iterable (the server's live stream); an exception it raises passes through.
     """
-    ### BEGIN SOLUTION
-    if meta.chat:  # the role first, once per choice: clients build the message from the deltas
+    if meta.chat:  # the role first, once per choice: clients build the message from the deltas that follow
         for i in range(meta.num_choices):
             yield chunk(meta, [{"index": i, "delta": {"role": "assistant", "content": ""}}])
+    ### BEGIN SOLUTION
     completion_tokens = 0
     async for u in updates:
         completion_tokens += len(u.token_ids)  # a step may hold several tokens (speculation) or text none
