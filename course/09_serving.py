@@ -212,9 +212,11 @@ checks.check_parse_stream(parse_stream)
 # (empty while the bytes of a character, or the start of a possible stop string, are held back) and, on the
 # sample's last update, its `finish_reason`. OpenAI clients read **server-sent events** (SSE, the
 # `text/event-stream` format): plain text over one long HTTP response, each event a `data: <JSON>` line and a
-# blank line. Why SSE: it is ordinary HTTP, so proxies, load balancers and `curl` pass it through; it is one-way,
-# which is all a completion needs (a WebSocket's second direction would buy nothing); and any client that reads
-# lines can parse it. What the events carry, in order:
+# blank line.
+#
+# Why SSE and not a custom protocol: it is ordinary HTTP, so proxies, load balancers and `curl` pass it through;
+# it is one-way, which is all a completion needs (a WebSocket's second direction would buy nothing); and any
+# client that reads lines can parse it. What the events carry, in order:
 #
 # - chat only: per choice, a **role** chunk `{"delta": {"role": "assistant", "content": ""}}` — whose message the
 #   deltas that follow build;
