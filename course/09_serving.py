@@ -214,9 +214,9 @@ checks.check_parse_stream(parse_stream)
 # `text/event-stream` format): plain text over one long HTTP response, each event a `data: <JSON>` line and a
 # blank line.
 #
-# Why SSE and not a custom protocol: it is ordinary HTTP, so proxies, load balancers and `curl` pass it through;
-# it is one-way, which is all a completion needs (a WebSocket's second direction would buy nothing); and any
-# client that reads lines can parse it. What the events carry, in order:
+# SSE is ordinary HTTP, one-way and line-based: proxies, load balancers and `curl` pass it through, a
+# completion needs no second direction (a WebSocket's would buy nothing), and any client that reads lines can
+# parse it. What the events carry, in order:
 #
 # - chat only: per choice, a **role** chunk `{"delta": {"role": "assistant", "content": ""}}` — whose message the
 #   deltas that follow build;
