@@ -18,8 +18,8 @@
 #   exposes **metrics** (queue depth, KV usage, TTFT percentiles) so that operators see trouble coming.
 #
 # **In this notebook** you predict what throughput the engine can sustain from its batch curve (notebook 06) and
-# the roofline, write the load generator's arrival schedule (exercise 9.1) and its client-side clock (9.2), start
-# minillm's OpenAI-compatible server, call it with the official `openai` client, load it at several request rates
+# the roofline, write the load generator's arrival schedule (exercise 9.1) and its client-side clock (9.2) and the
+# server's side of a stream, its SSE events (9.3), start minillm's OpenAI-compatible server, call it with the official `openai` client, load it at several request rates
 # with the same generator you would point at vLLM or SGLang, read its Prometheus metrics, overload it into
 # 429s, watch a disconnect free KV blocks, compare with plain transformers `generate` on the same prompts, and
 # end with a map of the production engines. About two minutes on a 2-core CPU; on a GPU it uses the GPU.
@@ -35,7 +35,7 @@ import random
 import statistics
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import AsyncIterable, AsyncIterator, Sequence
 
 import httpx
 import matplotlib.pyplot as plt
@@ -47,7 +47,9 @@ from transformers import AutoModelForCausalLM
 from minillm import LLM, EngineConfig, LLMEngine, SamplingParams
 from minillm.course import checks
 from minillm.entrypoints.openai.server import build_app
+from minillm.entrypoints.openai.sse import StreamMeta, chunk, event
 from minillm.models.loader import resolve
+from minillm.outputs import StepOutput
 from minillm.perf import roofline
 from minillm.perf.bench import serve as loadgen
 from minillm.perf.bench.serve import BenchRequest, RequestResult
@@ -198,12 +200,88 @@ plt.show()
 checks.check_parse_stream(parse_stream)
 
 # %% [markdown]
-# ## 3. Start the server and call it
+# ## 3. The server: from engine updates to a stream
 #
 # `build_app(llm)` is the FastAPI app that `python -m minillm serve` runs: one thread owns the engine and steps
-# it; each HTTP handler hands its request over through a queue and streams back what the engine produces. Here
-# uvicorn serves it from a background thread on a free port of 127.0.0.1. `max_queue=8` lets 8 requests wait
-# beyond the 8 that run; the 17th in flight gets a 429.
+# it; each HTTP handler hands its request over through a queue and streams back what the engine produces. What
+# it streams, byte for byte, is yours to write.
+#
+# ### Exercise 9.3 — `sse_stream`: the server's half of streaming
+#
+# The engine hands the server one `StepOutput` per sample per step: the step's new token ids, the *new* text
+# (empty while the bytes of a character, or the start of a possible stop string, are held back) and, on the
+# sample's last update, its `finish_reason`. OpenAI clients read **server-sent events** (SSE, the
+# `text/event-stream` format): plain text over one long HTTP response, each event a `data: <JSON>` line and a
+# blank line.
+#
+# SSE is ordinary HTTP, one-way and line-based: proxies, load balancers and `curl` pass it through, a
+# completion needs no second direction (a WebSocket's would buy nothing), and any client that reads lines can
+# parse it. What the events carry, in order:
+#
+# - chat only: per choice, a **role** chunk `{"delta": {"role": "assistant", "content": ""}}` — whose message the
+#   deltas that follow build;
+# - per update with something to show, one chunk: `{"delta": {"content": " Paris"}}` (completions:
+#   `{"text": " Paris"}`) — the *new* text only, the client appends; an update with neither text nor a finish
+#   sends nothing;
+# - on a choice's last chunk, its `finish_reason`: `"stop"` (EOS or a stop string) or `"length"` (`max_tokens`);
+# - if the client asked (`stream_options={"include_usage": True}`), a chunk with no choices and the token
+#   **usage**: the only place a streamed answer says what it cost;
+# - `data: [DONE]`, the end: without it a client cannot tell a finished answer from a connection that dropped.
+#
+# Every chunk repeats the response's `id`, `object`, `created` and `model` (a `StreamMeta`); `chunk(meta,
+# choices, usage)` writes that envelope and the JSON, `event("[DONE]")` the last event. The role chunks are
+# written for you, and show how `chunk` is called; the rest is yours. The function is `async`: the server reads
+# its updates with `async for`, while the same event loop serves every other connection.
+
+# %%
+# exercise 9.3: minillm.entrypoints.openai.sse.sse_stream
+
+# %%
+# NBVAL_CHECK_OUTPUT
+checks.check_sse_stream(sse_stream)
+
+# %% [markdown]
+# ### Plug it in: a real answer, as the wire carries it
+#
+# The engine's updates for one chat request, chunked by your function — the raw text a client receives (first and
+# last events; the ones between are more text pieces). Then the client's side: each event parsed with the
+# `openai` package's own `ChatCompletionChunk` type, the pieces joined, and set against the same request answered
+# without streaming.
+
+# %% tags=["slide-output"]
+# NBVAL_IGNORE_OUTPUT
+question = [{"role": "user", "content": "What is a KV cache? One sentence."}]
+greedy = SamplingParams(max_tokens=40, temperature=0)
+question_ids = llm.apply_chat_template(question)
+
+
+async def engine_updates(prompt_ids: list[int], params: SamplingParams):
+    """The engine's ``StepOutput``s for one request, as an async stream (the server's come from its engine
+    thread through a queue; here the engine runs in between)."""
+    for update in llm.stream([prompt_ids], params):
+        yield update
+
+
+meta = StreamMeta(id="chatcmpl-demo", model="SmolLM2-135M-Instruct", created=int(time.time()), chat=True,
+                  include_usage=True, prompt_tokens=len(question_ids))
+events = [e async for e in sse_stream(engine_updates(question_ids, greedy), meta)]
+print("".join(events[:3]) + f"... {len(events) - 6} more events ...\n\n" + "".join(events[-3:]), end="")
+chunks = [openai.types.chat.ChatCompletionChunk.model_validate_json(e.removeprefix("data: "))
+          for e in events[:-1]]  # all but [DONE]
+streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+blocking = llm.generate([question_ids], greedy)[0]
+print(f"parsed back: {streamed!r}\n  usage {chunks[-1].usage.completion_tokens} tokens; finish "
+      f"{chunks[-2].choices[0].finish_reason!r}; same as the non-streamed answer: {streamed == blocking.text}")
+
+# %% [markdown]
+# The server runs the same function: `server.py` merges the engine's per-request queues into one async stream of
+# updates and sends what `sse_stream` yields; what stays in the handler is the I/O — an engine failure becomes an
+# error event, a client that leaves aborts its request.
+#
+# ### Serve it and call it
+#
+# Here uvicorn serves the app from a background thread on a free port of 127.0.0.1. `max_queue=8` lets 8 requests
+# wait beyond the 8 that run; the 17th in flight gets a 429.
 
 # %%
 class BackgroundServer:
@@ -234,7 +312,6 @@ print(f"serving on {server.url}: models {[m.id for m in client.models.list().dat
 
 # %% tags=["slide-output"]
 # NBVAL_IGNORE_OUTPUT
-question = [{"role": "user", "content": "What is a KV cache? One sentence."}]
 reply = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=question, max_tokens=40,
                                        temperature=0)
 print(f"chat: {reply.choices[0].message.content!r}\n  usage {reply.usage}")
@@ -555,6 +632,9 @@ print(f"server stopped: thread alive = {server.thread.is_alive()}")
 # - **Measure like a user, open loop.** Poisson (or burstier) arrivals fixed in advance, streaming responses
 #   clocked per chunk: TTFT at the first chunk *with text*, TPOT from the usage count, percentiles not means,
 #   goodput under an SLO. One load generator for every OpenAI-compatible server makes the numbers comparable.
+# - **A stream is a protocol.** SSE events in a fixed order — the role, new-text deltas, a `finish_reason`, usage
+#   if asked, `[DONE]` — written by one pure function over the engine's updates. Every OpenAI-compatible server
+#   sends the same events, which is why one client and one load generator work with all of them.
 # - **Operate with bounds.** A bounded admission queue answers 429 in milliseconds instead of a timeout later;
 #   a disconnect aborts the request and frees its KV blocks; `/metrics` shows queue depth, KV usage and latency
 #   histograms — watch TTFT p99 and the waiting queue, they move first.

@@ -1,9 +1,11 @@
 """Checkers of notebook 09: serving.
 
-Both exercises live in the load generator (``minillm.perf.bench.serve``).  The checkers do not compare with the
-library's function: the arrival schedule is random, so it is held to the statistics it must have (mean gap,
-coefficient of variation, determinism per seed); the stream parser gets streams built here from known token
-arrival times, so the expected TTFT/TPOT/ITL are computed from how the stream was made.  While a checker runs,
+9.1 and 9.2 live in the load generator (``minillm.perf.bench.serve``), 9.3 in the server
+(``minillm.entrypoints.openai.sse``).  The checkers do not compare with the library's function: the arrival
+schedule is random, so it is held to the statistics it must have (mean gap, coefficient of variation, determinism
+per seed); the stream parser gets streams built here from known token arrival times, so the expected
+TTFT/TPOT/ITL are computed from how the stream was made; the SSE chunker gets made-up ``StepOutput`` streams and
+its events are compared, parsed, with chunks built here from OpenAI's documented shapes.  While a checker runs,
 the library's own solution is hidden, so that a student function that merely calls it fails.
 """
 
@@ -175,3 +177,203 @@ def _check_parse_stream(parse_stream: Callable) -> None:
     assert getattr(got, "error", None) == "no text in the response" and _close(got.latency_s, 0.5), (
         f"a stream with no text: returned {got!r}, expected RequestResult(200, latency_s=0.5, "
         "error='no text in the response')")
+
+
+# ---------------------------------------------------------------------------------------------- 9.3
+_WORDS = [" the", " KV", " cache", " é", ' "quoted"', "\n", " 42", " tokens", "!"]
+
+
+def _updates(rng: random.Random, num_choices: int, finish: str) -> tuple[list, list[str], int]:
+    """Made-up ``StepOutput``s of ``num_choices`` samples, interleaved as an engine's steps interleave them: text
+    steps, held-back steps (a token, no text), multi-token steps; each sample's last update finishes with
+    ``finish`` and sometimes carries no text (a stop string cut off).  Returns the updates, each choice's full text
+    and the number of tokens."""
+    from minillm.outputs import StepOutput
+
+    per_choice, texts, tokens = [], [], 0
+    for i in range(num_choices):
+        steps, text = [], ""
+        for _ in range(rng.randint(2, 6)):
+            held = rng.random() < 0.25
+            ids = [rng.randrange(49152) for _ in range(1 if held or rng.random() < 0.7 else rng.randint(2, 3))]
+            piece = "" if held else "".join(rng.choice(_WORDS) for _ in ids)
+            steps.append(StepOutput("req", i, ids, piece, None))
+            text += piece
+        last = "" if finish == "stop" and rng.random() < 0.5 else rng.choice(_WORDS)
+        steps.append(StepOutput("req", i, [rng.randrange(49152)], last, finish))
+        text += last
+        tokens += sum(len(s.token_ids) for s in steps)
+        per_choice.append(steps)
+        texts.append(text)
+    updates = []
+    while any(per_choice):  # one engine step: each unfinished sample's next update, in a shuffled order
+        order = [i for i in range(num_choices) if per_choice[i]]
+        rng.shuffle(order)
+        updates += [per_choice[i].pop(0) for i in order]
+    return updates, texts, tokens
+
+
+def _expected_events(updates: list, meta, tokens: int) -> list:
+    """What the stream must hold, built from OpenAI's documented chunk shapes (not from the library's code):
+    parsed JSON objects with null fields dropped, and the string "[DONE]"."""
+    env = {"id": meta.id, "object": "chat.completion.chunk" if meta.chat else "text_completion",
+           "created": meta.created, "model": meta.model}
+    out = []
+    if meta.chat:
+        out += [{**env, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""}}]}
+                for i in range(meta.num_choices)]
+    for u in updates:
+        if u.text or u.finish_reason is not None:
+            piece = {"delta": {"content": u.text}} if meta.chat else {"text": u.text}
+            choice = {"index": u.index, **piece}
+            if u.finish_reason is not None:
+                choice["finish_reason"] = u.finish_reason
+            out.append({**env, "choices": [choice]})
+    if meta.include_usage:
+        out.append({**env, "choices": [], "usage": {"prompt_tokens": meta.prompt_tokens, "completion_tokens": tokens,
+                                                    "total_tokens": meta.prompt_tokens + tokens}})
+    return out + ["[DONE]"]
+
+
+def _drop_nulls(x):
+    if isinstance(x, dict):
+        return {k: _drop_nulls(v) for k, v in x.items() if v is not None}
+    if isinstance(x, list):
+        return [_drop_nulls(v) for v in x]
+    return x
+
+
+def _run_stream(sse_stream: Callable, updates: list, meta) -> list:
+    """The student's events for ``updates``, run on an event loop of its own thread (a notebook's kernel already
+    runs one in this thread); exceptions from the student's code pass through."""
+    import asyncio
+    import concurrent.futures
+    import inspect
+
+    async def feed():
+        for u in updates:
+            await asyncio.sleep(0)  # a live stream: the next update is not there yet
+            yield u
+
+    async def collect():
+        out = sse_stream(feed(), meta)
+        if inspect.iscoroutine(out):  # `async def` without `yield` (the stub): awaiting it raises its error
+            await out
+            raise AssertionError("sse_stream returned a coroutine; expected an async generator: `yield` each "
+                                 "event inside `async def`")
+        assert hasattr(out, "__aiter__"), (
+            f"sse_stream returned {type(out).__name__}; expected an async generator (`async def` with `yield`, "
+            "reading the updates with `async for`)")
+        return [event async for event in out]
+
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        return pool.submit(asyncio.run, collect()).result()
+
+
+def _parse_events(events: list, call: str) -> list:
+    """Each event as a parsed JSON object with null fields dropped, or the string "[DONE]"."""
+    parsed = []
+    for k, e in enumerate(events):
+        assert isinstance(e, str) and e.startswith("data: ") and e.endswith("\n\n") and "\n\n" not in e[:-2], (
+            f"{call}: event {k} is {e!r}; expected one server-sent event per string: 'data: <JSON>' followed by "
+            "a blank line ('\\n\\n') — chunk(...) and event(...) build them")
+        data = e[len("data: "):-2]
+        if data == "[DONE]":
+            parsed.append(data)
+            continue
+        try:
+            parsed.append(_drop_nulls(json.loads(data)))
+        except json.JSONDecodeError as err:
+            raise AssertionError(f"{call}: event {k} is not JSON ({err}): {e!r}; expected chunk(meta, choices, "
+                                 "usage) to write it") from None
+    return parsed
+
+
+def _choice_texts(parsed: list, chat: bool, num_choices: int) -> list[list[str]]:
+    texts = [[] for _ in range(num_choices)]
+    for e in parsed:
+        for c in e.get("choices", []) if isinstance(e, dict) else ():
+            piece = c.get("delta", {}).get("content") if chat else c.get("text")
+            if piece and 0 <= c.get("index", -1) < num_choices:
+                texts[c["index"]].append(piece)
+    return texts
+
+
+def _check_one_stream(sse_stream: Callable, updates: list, meta, texts: list[str], tokens: int) -> None:
+    kind = "chat" if meta.chat else "completion"
+    call = (f"a {kind} stream of {meta.num_choices} choice(s), {len(updates)} updates, finish "
+            f"{sorted({u.finish_reason for u in updates if u.finish_reason})}, include_usage={meta.include_usage}")
+    parsed = _parse_events(_run_stream(sse_stream, updates, meta), call)
+    expected = _expected_events(updates, meta, tokens)
+    assert parsed and parsed[-1] == "[DONE]" and parsed.count("[DONE]") == 1, (
+        f"{call}: the last event is {parsed[-1] if parsed else None!r}; expected exactly one 'data: [DONE]', last "
+        "(event('[DONE]')): without it a client cannot tell the end of the answer from a dropped connection")
+    with_usage = [e for e in parsed if isinstance(e, dict) and "usage" in e]
+    if not meta.include_usage:
+        assert not with_usage, (
+            f"{call}: the stream holds a usage chunk {with_usage[0]}; expected none: the client did not ask for "
+            "it (meta.include_usage is False), and OpenAI sends usage in a stream only when asked")
+    else:
+        want = expected[-2]["usage"]
+        assert with_usage and with_usage[-1].get("usage") == want and parsed[-2] is with_usage[-1], (
+            f"{call}: the usage chunk is {with_usage[-1] if with_usage else 'missing'}; expected just before "
+            f"[DONE] a chunk with no choices and usage {want} (prompt tokens from meta, completion tokens = every "
+            "update's token_ids counted, held-back ones and multi-token steps included)")
+    if meta.chat:
+        got_roles = parsed[: meta.num_choices]
+        assert got_roles == expected[: meta.num_choices], (
+            f"{call}: the stream starts with {got_roles}; expected first one role chunk per choice, "
+            f"{expected[: meta.num_choices]}: the delta {{'role': 'assistant', 'content': ''}} tells the client "
+            "whose message the following deltas build")
+    got_texts = ["".join(t) for t in _choice_texts(parsed, meta.chat, meta.num_choices)]
+    if got_texts != texts:
+        i = next(i for i, (a, b) in enumerate(zip(got_texts, texts, strict=True)) if a != b)
+        hint = (" — it repeats earlier text: StepOutput.text is already the *new* text of that step, send it as "
+                "it is (the client appends)" if len(got_texts[i]) > len(texts[i]) else "")
+        raise AssertionError(f"{call}: choice {i}'s pieces join to {got_texts[i]!r}; expected its text "
+                             f"{texts[i]!r}{hint}")
+    for i in range(meta.num_choices):
+        mine = [c for e in parsed if isinstance(e, dict) for c in e.get("choices", []) if c.get("index") == i]
+        finish = next(u.finish_reason for u in updates if u.index == i and u.finish_reason)
+        reasons = [c.get("finish_reason") for c in mine]
+        assert reasons and reasons[-1] == finish and all(r is None for r in reasons[:-1]), (
+            f"{call}: choice {i}'s chunks carry finish_reason {reasons}; expected None on each but the last and "
+            f"{finish!r} on the last: the client learns from it why the answer ended (stop string or EOS: 'stop', "
+            "max_tokens: 'length')")
+    for k, e in enumerate(parsed):
+        for c in e.get("choices", []) if isinstance(e, dict) else ():
+            piece = c.get("delta", {}).get("content") if meta.chat else c.get("text")
+            assert piece or c.get("finish_reason") or c.get("delta", {}).get("role"), (
+                f"{call}: event {k} is a chunk with no text and no finish_reason ({c}); expected nothing for an "
+                "update with neither (a character's bytes or a possible stop string held back): such a chunk "
+                "sends bytes and costs every client a JSON parse for nothing")
+    for k, (got, want) in enumerate(zip(parsed, expected, strict=False)):
+        assert got == want, (
+            f"{call}: event {k} is {got}; expected {want} (null fields left out). An update with no text that does "
+            "not finish sends nothing; every other update sends exactly one chunk, in order")
+    assert len(parsed) == len(expected), (
+        f"{call}: {len(parsed)} events; expected {len(expected)}: {expected}")
+
+
+@exercise("9.3", "minillm.entrypoints.openai.sse.sse_stream", "SSE chunking of a StepOutput stream",
+          "one chunk(meta, [choice]) per update with text or a finish_reason (async for over updates), the usage "
+          "chunk only if meta.include_usage, event('[DONE]') last")
+def check_sse_stream(sse_stream: Callable) -> None:
+    """``sse_stream(updates, meta)`` on made-up ``StepOutput`` streams: chat and completions, one choice and
+    several (interleaved), stop and length finishes (a last update with and without text), held-back and
+    multi-token steps, usage on and off; each event parsed and compared with OpenAI's chunk shapes."""
+    from minillm.entrypoints.openai.sse import StreamMeta
+
+    rng = random.Random(93)
+    cases = [(True, 1, True, "stop"), (False, 1, False, "length"), (True, 2, False, "length"),
+             (False, 3, True, "stop")]
+    cases += [(rng.random() < 0.5, rng.randint(1, 3), rng.random() < 0.5, rng.choice(["stop", "length"]))
+              for _ in range(8)]
+    for chat, num_choices, include_usage, finish in cases:
+        updates, texts, tokens = _updates(rng, num_choices, finish)
+        meta = StreamMeta(id=f"{'chatcmpl' if chat else 'cmpl'}-{rng.getrandbits(64):016x}",
+                          model=rng.choice(["SmolLM2-135M-Instruct", "tiny"]), created=rng.randrange(1, 2 ** 31),
+                          chat=chat, num_choices=num_choices, include_usage=include_usage,
+                          prompt_tokens=rng.randint(1, 300))
+        _check_one_stream(sse_stream, updates, meta, texts, tokens)
+    _passed("9.3")

@@ -16,12 +16,13 @@ from __future__ import annotations
 import asyncio
 import hmac
 import re
+import time
 from collections.abc import AsyncIterator, Sequence
+from dataclasses import replace
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from minillm.entrypoints.openai import protocol as p
@@ -35,6 +36,9 @@ from minillm.entrypoints.openai.engine_loop import (
     ShuttingDown,
 )
 from minillm.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
+from minillm.entrypoints.openai.sse import StreamMeta, sse_stream
+from minillm.entrypoints.openai.sse import event as sse  # router.py imports it from here too
+from minillm.outputs import StepOutput
 from minillm.sampling.params import SamplingParams
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -148,6 +152,16 @@ def usage(streams: Sequence[RequestStream]) -> p.UsageInfo:
     return p.UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
 
 
+def stream_meta(body: p.ChatCompletionRequest | p.CompletionRequest, request_id: str,
+                streams: Sequence[RequestStream], n: int, chat: bool) -> StreamMeta:
+    """What ``sse_stream`` needs to know about a streamed request: its id, model, creation time, kind, choices
+    (prompts × n), whether to end with usage and its prompt tokens."""
+    include_usage = body.stream_options is not None and body.stream_options.include_usage
+    return StreamMeta(id=request_id, model=body.model, created=int(time.time()), chat=chat,
+                      num_choices=len(streams) * n, include_usage=include_usage,
+                      prompt_tokens=sum(len(st.prompt_token_ids) for st in streams))
+
+
 async def merged(streams: Sequence[RequestStream]) -> AsyncIterator[tuple[int, object]]:
     """``(k, update)`` from several streams as they arrive (k: the stream's position).  One task per stream feeds
     a shared queue; an engine failure in any stream is raised here, and leaving early cancels the tasks."""
@@ -180,12 +194,6 @@ async def merged(streams: Sequence[RequestStream]) -> AsyncIterator[tuple[int, o
     finally:
         for t in tasks:
             t.cancel()
-
-
-def sse(item: BaseModel | str) -> str:
-    """One server-sent event."""
-    data = item if isinstance(item, str) else item.model_dump_json()
-    return f"data: {data}\n\n"
 
 
 # ---- the app -------------------------------------------------------------------------------------------------------
@@ -258,31 +266,30 @@ class Server:
             self.metrics.observe(st.output)
         return True
 
-    async def events(self, streams: Sequence[RequestStream], chunk, n: int, usage_chunk) -> AsyncIterator[str]:
-        """SSE: ``chunk(index, text, finish_reason)`` per update with text or an end (choice index ``k * n + i``
-        for sample i of prompt k), then the usage chunk (``usage_chunk`` or None), then ``[DONE]``.  Closing the
-        stream early (disconnect) aborts the requests."""
+    async def events(self, streams: Sequence[RequestStream], meta: StreamMeta, n: int) -> AsyncIterator[str]:
+        """SSE: ``sse_stream`` over the requests' merged updates (``updates``); an engine failure becomes an error
+        event and ``[DONE]``.  Closing the stream early (disconnect) aborts the requests."""
         try:
-            for i in range(len(streams) * n):
-                first = chunk(i, None, None)
-                if first is not None:
-                    yield sse(first)
-            async for k, u in merged(streams):
-                if u.text or u.finish_reason is not None:
-                    yield sse(chunk(k * n + u.index, u.text, u.finish_reason))
-            for k, st in enumerate(streams):
-                for sample in st.output.outputs:  # aborted by the server (shutdown): say so, then end cleanly
-                    if sample.finish_reason == "abort":
-                        yield sse(chunk(k * n + sample.index, "", "abort"))
-                self.metrics.observe(st.output)
-            if usage_chunk is not None:
-                yield sse(usage_chunk(usage(streams)))
+            async for text in sse_stream(self.updates(streams, n), meta):
+                yield text
         except EngineFailed as e:
             yield sse(p.ErrorResponse(error=p.ErrorInfo(message=str(e), type="server_error")))
+            yield sse("[DONE]")
         finally:
             for st in streams:
                 st.close()
-        yield sse("[DONE]")
+
+    async def updates(self, streams: Sequence[RequestStream], n: int) -> AsyncIterator[StepOutput]:
+        """The requests' updates as they arrive, sample i of prompt k numbered as choice ``k * n + i``; then a last
+        update for each sample the server aborted (shutdown), which ended without one.  Records each request's
+        metrics once it has ended."""
+        async for k, u in merged(streams):
+            yield u if k == 0 else replace(u, index=k * n + u.index)
+        for k, st in enumerate(streams):
+            for sample in st.output.outputs:  # aborted by the server (shutdown): say so, then end cleanly
+                if sample.finish_reason == "abort":
+                    yield StepOutput(st.request_id, k * n + sample.index, [], "", "abort")
+            self.metrics.observe(st.output)
 
 
 class EventStream(StreamingResponse):
@@ -391,18 +398,9 @@ def _add_routes(app: FastAPI, server: Server) -> None:
         params = sampling_params(body, 16 if body.max_tokens is None else body.max_tokens)
         rid, model = p.random_id("cmpl"), body.model
         streams = await server.submit_all(completion_prompts(body.prompt), params, rid, "prompt")
-
-        def chunk(i, text, finish):
-            if text is None:
-                return None  # completions have no role chunk
-            return p.CompletionResponse(id=rid, model=model, choices=[p.CompletionChoice(
-                index=i, text=text, finish_reason=finish)])
-
         if body.stream:
-            opts = body.stream_options
-            usage_chunk = ((lambda u: p.CompletionResponse(id=rid, model=model, choices=[], usage=u))
-                           if opts is not None and opts.include_usage else None)
-            return EventStream(server.events(streams, chunk, params.n, usage_chunk), streams)
+            meta = stream_meta(body, rid, streams, params.n, chat=False)
+            return EventStream(server.events(streams, meta, params.n), streams)
         try:
             if not await server.collect(streams, request):
                 return Response(status_code=499)  # nginx's "client closed request"; nobody reads it
@@ -421,17 +419,9 @@ def _add_routes(app: FastAPI, server: Server) -> None:
         params = sampling_params(body, max_tokens)
         rid, model = p.random_id("chatcmpl"), body.model
         streams = [await server.submit(chat_messages(body.messages), params, rid, "messages")]
-
-        def chunk(i, text, finish):
-            delta = p.DeltaMessage(role="assistant", content="") if text is None else p.DeltaMessage(content=text)
-            return p.ChatCompletionChunk(id=rid, model=model, choices=[p.ChatChunkChoice(
-                index=i, delta=delta, finish_reason=finish)])
-
         if body.stream:
-            opts = body.stream_options
-            usage_chunk = ((lambda u: p.ChatCompletionChunk(id=rid, model=model, choices=[], usage=u))
-                           if opts is not None and opts.include_usage else None)
-            return EventStream(server.events(streams, chunk, params.n, usage_chunk), streams)
+            meta = stream_meta(body, rid, streams, params.n, chat=True)
+            return EventStream(server.events(streams, meta, params.n), streams)
         try:
             if not await server.collect(streams, request):
                 return Response(status_code=499)
