@@ -32,57 +32,227 @@ static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, as torch
     return (uint16_t)(u >> 16);
 }
 
-/* Batch 1: one FMA per weight, each weight row read once (bandwidth bound).
- * Batch 2..MAX_ROWS: a register tile of 4 weight rows x 4 input rows, vectorised along K: per step of K, 4 weight
- * loads and 4 input loads feed 16 FMAs into 16 accumulators.  A 4-row tile of W (4 K-rows, ~9 KB at K = 576)
- * stays in L1 while every 4-row block of x passes over it, so W is streamed from memory once for the whole batch.
- * (One weight row against 4 input rows — 5 loads per 4 FMAs — was load bound from ~4 rows.)  Tile rows beyond
- * M or N alias row 0 and are dropped.  STORE_Y(i, n, v) writes output element i = m * N + n. */
-#define GEMV_ROWS(T, LOAD, XT, STORE_Y)                                                                  \
-    if (M == 1) {                                                                                        \
-        _Pragma("omp parallel for schedule(static)")                                                    \
-        for (int64_t n = 0; n < N; n++) {                                                                \
-            const T *w = W + n * K;                                                                      \
-            float a = 0.f;                                                                               \
-            _Pragma("omp simd reduction(+ : a)")                                                        \
-            for (int64_t k = 0; k < K; k++) a += LOAD(w[k]) * x[k];                                      \
-            STORE_Y(n, n, a);                                                                            \
-        }                                                                                                \
-    } else {                                                                                             \
-        _Pragma("omp parallel for schedule(static)")                                                    \
-        for (int64_t n0 = 0; n0 < N; n0 += 4) {                                                          \
-            const T *w0 = W + n0 * K, *w1 = n0 + 1 < N ? w0 + K : w0;                                    \
-            const T *w2 = n0 + 2 < N ? w0 + 2 * K : w0, *w3 = n0 + 3 < N ? w0 + 3 * K : w0;              \
-            for (int64_t m0 = 0; m0 < M; m0 += 4) {                                                      \
-                const XT *x0 = x + m0 * K, *x1 = m0 + 1 < M ? x0 + K : x0;                               \
-                const XT *x2 = m0 + 2 < M ? x0 + 2 * K : x0, *x3 = m0 + 3 < M ? x0 + 3 * K : x0;         \
-                float a00 = 0.f, a01 = 0.f, a02 = 0.f, a03 = 0.f, a10 = 0.f, a11 = 0.f, a12 = 0.f;       \
-                float a13 = 0.f, a20 = 0.f, a21 = 0.f, a22 = 0.f, a23 = 0.f, a30 = 0.f, a31 = 0.f;       \
-                float a32 = 0.f, a33 = 0.f;                                                              \
-                _Pragma("omp simd reduction(+ : a00, a01, a02, a03, a10, a11, a12, a13, a20, a21, a22, a23, a30, a31, a32, a33)") \
-                for (int64_t k = 0; k < K; k++) {                                                        \
-                    float c0 = x0[k], c1 = x1[k], c2 = x2[k], c3 = x3[k];                                \
-                    float u0 = LOAD(w0[k]), u1 = LOAD(w1[k]), u2 = LOAD(w2[k]), u3 = LOAD(w3[k]);        \
-                    a00 += u0 * c0; a01 += u0 * c1; a02 += u0 * c2; a03 += u0 * c3;                      \
-                    a10 += u1 * c0; a11 += u1 * c1; a12 += u1 * c2; a13 += u1 * c3;                      \
-                    a20 += u2 * c0; a21 += u2 * c1; a22 += u2 * c2; a23 += u2 * c3;                      \
-                    a30 += u3 * c0; a31 += u3 * c1; a32 += u3 * c2; a33 += u3 * c3;                      \
-                }                                                                                        \
-                float acc[4][4] = {{a00, a01, a02, a03}, {a10, a11, a12, a13},                           \
-                                   {a20, a21, a22, a23}, {a30, a31, a32, a33}};                          \
-                for (int64_t i = 0; i < 4 && n0 + i < N; i++)                                            \
-                    for (int64_t j = 0; j < 4 && m0 + j < M; j++)                                        \
-                        STORE_Y((m0 + j) * N + n0 + i, n0 + i, acc[i][j]);                               \
-            }                                                                                            \
-        }                                                                                                \
+/* ---------------------------------------------------------------- GEMV: y[M, N] = x[M, K] @ W[N, K]^T (+ b)
+ *
+ * Cost: the weights are read once per call whatever M is (N * K * 4 bytes fp32, 2 bytes bf16) and each weight meets
+ * the M input rows in registers, 2 * M FLOPs per weight: at M <= 8 that is still far below a CPU's ridge point, so a
+ * call of 2..8 rows should cost about what a 1-row call costs.  The kernel (gv_tile) takes NT weight rows and R input
+ * rows (both compile-time constants, so the NT * R accumulators are registers), vectorised along K: per vector of K,
+ * NT weight loads and R activation loads feed NT * R FMAs.  NT = 4 at R = 1 keeps 4 FMA chains in flight (each pair
+ * has one accumulator, see below); fewer weight rows at larger R keep the accumulators within the register file.
+ * More than GV_ROWS rows take several row blocks over the same weight tile (NT * K * 4 bytes, in L1).
+ *
+ * Exactness: every (weight row, input row) pair is summed the same way whatever tile, row block, M or thread it lands
+ * in: one vector accumulator of GV_LANES lanes, fed the K / GV_LANES full vectors in order by FMAs, then the zero-padded
+ * tail vector, then one fixed horizontal sum, then + bias.  Pairs share loads, never arithmetic.  So row m of a
+ * multi-row call equals a 1-row call on row m bit for bit: speculative verification (γ + 1 rows per sequence) then
+ * gives exactly plain decode's logits and greedy output is identical with and without speculation.  Different builds
+ * (AVX-512, AVX2, portable) have different lane counts and so round differently from each other; within a build the
+ * results do not depend on M.
+ *
+ * SIMD levels (as quant.c's QSIMD): AVX-512 F/BW/VL + FMA (16 lanes, masked tail loads), AVX2 + FMA (8 lanes), else
+ * GCC/clang vector extensions (8 lanes) that the compiler maps to SSE, NEON, ... — correct everywhere. */
+#ifdef _OPENMP
+#include <omp.h>
+#elif !defined(omp_get_max_threads) /* decode.c includes quant.c first, which defines the same fallbacks */
+#define omp_get_max_threads() 1
+#define omp_get_thread_num() 0
+#define omp_get_num_threads() 1
+#endif
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#define GV_INLINE static inline __attribute__((always_inline))
+#define GV_UNROLL _Pragma("GCC unroll 8") /* the tile loops, so that the accumulators become registers */
+#define GV_ROWS 8   /* input rows per block; more rows take more blocks over the same (L1-resident) weight tile */
+#define GV_TILE 4   /* most weight rows per tile (NT); thread ranges start at multiples of it */
+#define GV_SPLIT (1 << 18) /* weights below which one thread runs the GEMV: a parallel region's start and join
+                            * (~2-3 us with futex calls, even for one thread) cost as much as the GEMV itself */
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__FMA__)
+#define GV_SIMD 512
+#define GV_LANES 16
+typedef __m512 gv_t;
+GV_INLINE gv_t gv_zero(void) { return _mm512_setzero_ps(); }
+GV_INLINE gv_t gv_f32(const float *p) { return _mm512_loadu_ps(p); }
+GV_INLINE gv_t gv_f32_part(const float *p, int n) { /* n < 16 floats, zeros after; no read past them */
+    return _mm512_maskz_loadu_ps((__mmask16)((1u << n) - 1), p);
+}
+GV_INLINE gv_t gv_widen(__m256i b) { /* 16 bf16 -> fp32: the bits move to the high half */
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
+}
+GV_INLINE gv_t gv_bf16(const uint16_t *p) { return gv_widen(_mm256_loadu_si256((const __m256i *)p)); }
+GV_INLINE gv_t gv_bf16_part(const uint16_t *p, int n) {
+    return gv_widen(_mm256_maskz_loadu_epi16((__mmask16)((1u << n) - 1), p));
+}
+GV_INLINE gv_t gv_fma(gv_t a, gv_t b, gv_t c) { return _mm512_fmadd_ps(a, b, c); }
+GV_INLINE float gv_sum(gv_t a) { return _mm512_reduce_add_ps(a); }
+/* accumulators per tile <= 32 zmm minus the NT weight vectors (the activation can be an FMA memory operand) */
+static const int gv_nt[GV_ROWS + 1] = {0, 1, 4, 4, 4, 4, 4, 3, 3};
+#elif defined(__AVX2__) && defined(__FMA__)
+#define GV_SIMD 256
+#define GV_LANES 8
+typedef __m256 gv_t;
+GV_INLINE gv_t gv_zero(void) { return _mm256_setzero_ps(); }
+GV_INLINE gv_t gv_f32(const float *p) { return _mm256_loadu_ps(p); }
+GV_INLINE gv_t gv_f32_part(const float *p, int n) { /* n < 8: lanes >= n masked off, not read */
+    return _mm256_maskload_ps(p, _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
+}
+GV_INLINE gv_t gv_bf16(const uint16_t *p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+}
+GV_INLINE gv_t gv_bf16_part(const uint16_t *p, int n) { /* once per row: a zero-padded copy */
+    uint16_t b[8] = {0};
+    memcpy(b, p, sizeof(uint16_t) * n);
+    return gv_bf16(b);
+}
+GV_INLINE gv_t gv_fma(gv_t a, gv_t b, gv_t c) { return _mm256_fmadd_ps(a, b, c); }
+GV_INLINE float gv_sum(gv_t a) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+static const int gv_nt[GV_ROWS + 1] = {0, 1, 4, 3, 3, 2, 2, 1, 1}; /* 16 ymm */
+#else
+#define GV_SIMD 0
+#define GV_LANES 8
+typedef float gv_t __attribute__((vector_size(32))); /* GCC and clang lower it to the target's vectors */
+GV_INLINE gv_t gv_zero(void) { return (gv_t){0.f}; }
+GV_INLINE gv_t gv_f32(const float *p) {
+    gv_t v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+GV_INLINE gv_t gv_f32_part(const float *p, int n) {
+    gv_t v = gv_zero();
+    memcpy(&v, p, sizeof(float) * n);
+    return v;
+}
+GV_INLINE gv_t gv_bf16(const uint16_t *p) {
+    gv_t v;
+    for (int j = 0; j < GV_LANES; j++) v[j] = bf16_to_f32(p[j]);
+    return v;
+}
+GV_INLINE gv_t gv_bf16_part(const uint16_t *p, int n) {
+    gv_t v = gv_zero();
+    for (int j = 0; j < n; j++) v[j] = bf16_to_f32(p[j]);
+    return v;
+}
+GV_INLINE gv_t gv_fma(gv_t a, gv_t b, gv_t c) { return a * b + c; }
+GV_INLINE float gv_sum(gv_t a) { return ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7])); }
+static const int gv_nt[GV_ROWS + 1] = {0, 1, 4, 3, 3, 2, 2, 2, 2};
+#endif
+
+#define GV_LOAD_f32(p) gv_f32(p)
+#define GV_LOAD_bf16(p) gv_bf16(p)
+#define GV_PART_f32(p, n) gv_f32_part(p, n)
+#define GV_PART_bf16(p, n) gv_bf16_part(p, n)
+
+/* NT weight rows w (row stride K) against R input rows x (fp32, row stride K): out[r * NT + i] = row i . row r. */
+#define GV_TILE_FN(T, WT)                                                                                        \
+    GV_INLINE void gv_tile_##T(const WT *restrict w, const float *restrict x, float *restrict out, int64_t K,   \
+                               const int NT, const int R) {                                                   \
+        gv_t acc[GV_TILE][GV_ROWS];                                                                            \
+        GV_UNROLL for (int i = 0; i < NT; i++)                                                                           \
+            GV_UNROLL for (int r = 0; r < R; r++) acc[i][r] = gv_zero();                                                 \
+        const int64_t Kv = K - K % GV_LANES;                                                                   \
+        for (int64_t k = 0; k < Kv; k += GV_LANES) {                                                           \
+            gv_t wv[GV_TILE];                                                                                  \
+            GV_UNROLL for (int i = 0; i < NT; i++) {                                                      \
+                wv[i] = GV_LOAD_##T(w + i * K + k);                                                            \
+                __builtin_prefetch(w + (NT + i) * K + k, 0, 1); /* the next tile's row i, into L2: see above */ \
+            }                                                                                                  \
+            GV_UNROLL for (int r = 0; r < R; r++) {                                                                      \
+                const gv_t xv = gv_f32(x + r * K + k);                                                         \
+                GV_UNROLL for (int i = 0; i < NT; i++) acc[i][r] = gv_fma(wv[i], xv, acc[i][r]);                         \
+            }                                                                                                  \
+        }                                                                                                      \
+        if (Kv < K) { /* the tail, zero-padded: the padded lanes add 0 * 0 */                                   \
+            const int n_ = (int)(K - Kv);                                                                      \
+            gv_t wv[GV_TILE];                                                                                  \
+            GV_UNROLL for (int i = 0; i < NT; i++) wv[i] = GV_PART_##T(w + i * K + Kv, n_);                              \
+            GV_UNROLL for (int r = 0; r < R; r++) {                                                                      \
+                const gv_t xv = gv_f32_part(x + r * K + Kv, n_);                                               \
+                GV_UNROLL for (int i = 0; i < NT; i++) acc[i][r] = gv_fma(wv[i], xv, acc[i][r]);                         \
+            }                                                                                                  \
+        }                                                                                                      \
+        GV_UNROLL for (int r = 0; r < R; r++)                                                                            \
+            GV_UNROLL for (int i = 0; i < NT; i++) out[r * NT + i] = gv_sum(acc[i][r]);                                  \
+    }
+GV_TILE_FN(f32, float)
+GV_TILE_FN(bf16, uint16_t)
+
+/* CALL(nt, r) with both as compile-time constants (nt 1..GV_TILE, r 1..GV_ROWS): the kernel's accumulators then
+ * become registers (runtime counts would keep them in memory). */
+#define GV_FOR_R(nt, r, CALL)                                                                                  \
+    switch (r) {                                                                                               \
+    case 1: CALL(nt, 1); break; case 2: CALL(nt, 2); break; case 3: CALL(nt, 3); break;                        \
+    case 4: CALL(nt, 4); break; case 5: CALL(nt, 5); break; case 6: CALL(nt, 6); break;                        \
+    case 7: CALL(nt, 7); break; default: CALL(nt, 8); break;                                                   \
+    }
+#define GV_FOR_TILE(nt, r, CALL)                                                                               \
+    switch (nt) {                                                                                              \
+    case 1: GV_FOR_R(1, r, CALL) break; case 2: GV_FOR_R(2, r, CALL) break;                                    \
+    case 3: GV_FOR_R(3, r, CALL) break; default: GV_FOR_R(4, r, CALL) break;                                   \
     }
 
-/* fp32 weights, fp32 activations. */
+/* Columns n0..n1 of y for all M rows, no OpenMP inside (a caller's parallel region may hand each thread a range).
+ * STORE(i, n, v) writes output element i = m * N + n. */
+#define GV_RANGE(T, STORE)                                                                                     \
+    const int nt = gv_nt[M < GV_ROWS ? M : GV_ROWS];                                                           \
+    for (int64_t n = n0; n < n1; n += nt) {                                                                    \
+        const int t = n1 - n < nt ? (int)(n1 - n) : nt;                                                        \
+        for (int64_t m0 = 0; m0 < M; m0 += GV_ROWS) {                                                          \
+            const int r = M - m0 < GV_ROWS ? (int)(M - m0) : GV_ROWS;                                          \
+            float out[GV_TILE * GV_ROWS];                                                                      \
+            GV_FOR_TILE(t, r, GV_CALL_##T)                                                                     \
+            for (int j = 0; j < r; j++)                                                                        \
+                for (int i = 0; i < t; i++) STORE((m0 + j) * N + n + i, n + i, out[j * t + i]);                \
+        }                                                                                                      \
+    }
+#define GV_CALL_f32(NT, R) gv_tile_f32(W + n * K, x + m0 * K, out, K, NT, R)
+#define GV_CALL_bf16(NT, R) gv_tile_bf16(W + n * K, x + m0 * K, out, K, NT, R)
+
+/* fp32 weights and activations: y[m, n] for n in [n0, n1), every m < M.  W [N, K], x [M, K], bias [N] or NULL. */
+void gemv_f32_range(const float *restrict W, const float *restrict x, const float *restrict bias,
+                    float *restrict y, int64_t M, int64_t N, int64_t K, int64_t n0, int64_t n1) {
+#define STORE_F32(i, n, v) y[i] = (v) + (bias ? bias[n] : 0.f)
+    GV_RANGE(f32, STORE_F32)
+#undef STORE_F32
+}
+
+/* bf16 weights, bias and output; x already fp32 [M, K] (converted once by the caller, exactly: bf16 -> fp32 is a
+ * shift); fp32 accumulation, one rounding to bf16 at the store (as torch's CPU bf16 matmul). */
+void gemv_bf16_range(const uint16_t *restrict W, const float *restrict x, const uint16_t *restrict bias,
+                     uint16_t *restrict y, int64_t M, int64_t N, int64_t K, int64_t n0, int64_t n1) {
+#define STORE_BF16(i, n, v) y[i] = f32_to_bf16((v) + (bias ? bf16_to_f32(bias[n]) : 0.f))
+    GV_RANGE(bf16, STORE_BF16)
+#undef STORE_BF16
+}
+
+/* Run CALL(n0, n1) over [0, N): in this thread below GV_SPLIT weights, else one contiguous range per OpenMP thread,
+ * cut at multiples of GV_TILE so that no thread gets a ragged tile in the middle of the matrix. */
+#define GV_SPLIT_ROWS(N, K, CALL)                                                                              \
+    do {                                                                                                       \
+        if ((N) * (K) < GV_SPLIT || omp_get_max_threads() == 1) {                                              \
+            CALL(0, (N));                                                                                      \
+        } else {                                                                                               \
+            _Pragma("omp parallel") {                                                                          \
+                const int64_t t_ = omp_get_thread_num(), T_ = omp_get_num_threads();                           \
+                const int64_t u_ = ((N) + GV_TILE - 1) / GV_TILE, a_ = u_ * t_ / T_ * GV_TILE;                 \
+                const int64_t b_ = u_ * (t_ + 1) / T_ * GV_TILE;                                               \
+                CALL(a_ < (N) ? a_ : (N), b_ < (N) ? b_ : (N));                                                \
+            }                                                                                                  \
+        }                                                                                                      \
+    } while (0)
+
+/* fp32 weights, fp32 activations: y [M, N] = x [M, K] @ W [N, K]^T (+ bias [N]). */
 void gemv_f32(const float *restrict W, const float *restrict x, const float *restrict bias,
               float *restrict y, int64_t M, int64_t N, int64_t K) {
-#define STORE_F32(i, n, v) y[i] = (v) + (bias ? bias[n] : 0.f)
-    GEMV_ROWS(float, load_f32, float, STORE_F32)
-#undef STORE_F32
+#define GV_F32(a, b) gemv_f32_range(W, x, bias, y, M, N, K, a, b)
+    GV_SPLIT_ROWS(N, K, GV_F32);
+#undef GV_F32
 }
 
 /* bf16 weights and activations, fp32 accumulation (as torch's CPU bf16 matmul). */
@@ -90,11 +260,14 @@ void gemv_bf16(const uint16_t *restrict W, const uint16_t *restrict xb, const ui
                uint16_t *restrict y, int64_t M, int64_t N, int64_t K) {
     float *x = (float *)malloc(sizeof(float) * M * K); /* M*K floats: tiny next to W */
     for (int64_t i = 0; i < M * K; i++) x[i] = bf16_to_f32(xb[i]);
-#define STORE_BF16(i, n, v) y[i] = f32_to_bf16((v) + (bias ? bf16_to_f32(bias[n]) : 0.f))
-    GEMV_ROWS(uint16_t, bf16_to_f32, float, STORE_BF16)
-#undef STORE_BF16
+#define GV_BF16(a, b) gemv_bf16_range(W, x, bias, y, M, N, K, a, b)
+    GV_SPLIT_ROWS(N, K, GV_BF16);
+#undef GV_BF16
     free(x);
 }
+
+/* Which vector width the GEMV compiled to: 512 (AVX-512), 256 (AVX2), 0 (portable vector extensions). */
+int gemv_simd_level(void) { return GV_SIMD; }
 
 /* Streaming read of n floats (a bandwidth probe for the roofline): returns their sum.  Chunks of 4096 floats are
  * summed in fp32 (vectorised) and the chunk sums in fp64, the chunks split across the threads. */
