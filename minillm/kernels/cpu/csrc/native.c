@@ -197,39 +197,59 @@ GV_TILE_FN(bf16, uint16_t)
     case 3: GV_FOR_R(3, r, CALL) break; default: GV_FOR_R(4, r, CALL) break;                                   \
     }
 
-/* Columns n0..n1 of y for all M rows, no OpenMP inside (a caller's parallel region may hand each thread a range).
- * STORE(i, n, v) writes output element i = m * N + n. */
-#define GV_RANGE(T, STORE)                                                                                     \
-    const int nt = gv_nt[M < GV_ROWS ? M : GV_ROWS];                                                           \
-    for (int64_t n = n0; n < n1; n += nt) {                                                                    \
-        const int t = n1 - n < nt ? (int)(n1 - n) : nt;                                                        \
-        for (int64_t m0 = 0; m0 < M; m0 += GV_ROWS) {                                                          \
-            const int r = M - m0 < GV_ROWS ? (int)(M - m0) : GV_ROWS;                                          \
-            float out[GV_TILE * GV_ROWS];                                                                      \
-            GV_FOR_TILE(t, r, GV_CALL_##T)                                                                     \
-            for (int j = 0; j < r; j++)                                                                        \
-                for (int i = 0; i < t; i++) STORE((m0 + j) * N + n + i, n + i, out[j * t + i]);                \
+GV_INLINE void gv_store_f32(float *y, const float *bias, int64_t i, int64_t n, float v) {
+    y[i] = v + (bias ? bias[n] : 0.f);
+}
+GV_INLINE void gv_store_bf16(uint16_t *y, const uint16_t *bias, int64_t i, int64_t n, float v) {
+    y[i] = f32_to_bf16(v + (bias ? bf16_to_f32(bias[n]) : 0.f)); /* one rounding, as torch's bf16 linear */
+}
+
+/* gv_block_T: weight rows n0..n1 in tiles of NT (the last ragged ones one at a time) against the R input rows from
+ * m0.  gemv_T_range: columns n0..n1 of y [M, N] for all M rows, no OpenMP inside (a caller's parallel region may
+ * hand each thread a range).  Up to GV_ROWS rows the tile shape is picked once per call, outside the loop over the
+ * weights; more rows loop over row blocks inside each weight tile, so the tile is streamed from memory once. */
+#define GV_RANGE_FN(T, WT, YT)                                                                                 \
+    GV_INLINE void gv_block_##T(const WT *restrict W, const float *restrict x, const YT *restrict bias,        \
+                                YT *restrict y, int64_t N, int64_t K, int64_t n0, int64_t n1, int64_t m0,      \
+                                const int NT, const int R) {                                                  \
+        float out[GV_TILE * GV_ROWS];                                                                          \
+        int64_t n = n0;                                                                                        \
+        for (; n + NT <= n1; n += NT) {                                                                        \
+            gv_tile_##T(W + n * K, x + m0 * K, out, K, NT, R);                                                 \
+            GV_UNROLL for (int r = 0; r < R; r++)                                                              \
+                GV_UNROLL for (int i = 0; i < NT; i++)                                                         \
+                    gv_store_##T(y, bias, (m0 + r) * N + n + i, n + i, out[r * NT + i]);                       \
+        }                                                                                                      \
+        for (; n < n1; n++) {                                                                                  \
+            gv_tile_##T(W + n * K, x + m0 * K, out, K, 1, R);                                                  \
+            GV_UNROLL for (int r = 0; r < R; r++) gv_store_##T(y, bias, (m0 + r) * N + n, n, out[r]);          \
+        }                                                                                                      \
+    }                                                                                                          \
+    void gemv_##T##_range(const WT *restrict W, const float *restrict x, const YT *restrict bias,              \
+                          YT *restrict y, int64_t M, int64_t N, int64_t K, int64_t n0, int64_t n1) {           \
+        const int nt = gv_nt[M < GV_ROWS ? M : GV_ROWS];                                                       \
+        if (M <= GV_ROWS) {                                                                                    \
+            const int r = (int)M;                                                                              \
+            GV_FOR_TILE(nt, r, GV_WHOLE_##T)                                                                  \
+            return;                                                                                            \
+        }                                                                                                      \
+        for (int64_t n = n0; n < n1; n += nt) {                                                                \
+            const int t = n1 - n < nt ? (int)(n1 - n) : nt;                                                    \
+            for (int64_t m0 = 0; m0 < M; m0 += GV_ROWS) {                                                      \
+                const int r = M - m0 < GV_ROWS ? (int)(M - m0) : GV_ROWS;                                      \
+                GV_FOR_TILE(t, r, GV_ONE_TILE_##T)                                                            \
+            }                                                                                                  \
         }                                                                                                      \
     }
-#define GV_CALL_f32(NT, R) gv_tile_f32(W + n * K, x + m0 * K, out, K, NT, R)
-#define GV_CALL_bf16(NT, R) gv_tile_bf16(W + n * K, x + m0 * K, out, K, NT, R)
-
+#define GV_WHOLE_f32(NT, R) gv_block_f32(W, x, bias, y, N, K, n0, n1, 0, NT, R)
+#define GV_WHOLE_bf16(NT, R) gv_block_bf16(W, x, bias, y, N, K, n0, n1, 0, NT, R)
+#define GV_ONE_TILE_f32(NT, R) gv_block_f32(W, x, bias, y, N, K, n, n + (NT), m0, NT, R)
+#define GV_ONE_TILE_bf16(NT, R) gv_block_bf16(W, x, bias, y, N, K, n, n + (NT), m0, NT, R)
 /* fp32 weights and activations: y[m, n] for n in [n0, n1), every m < M.  W [N, K], x [M, K], bias [N] or NULL. */
-void gemv_f32_range(const float *restrict W, const float *restrict x, const float *restrict bias,
-                    float *restrict y, int64_t M, int64_t N, int64_t K, int64_t n0, int64_t n1) {
-#define STORE_F32(i, n, v) y[i] = (v) + (bias ? bias[n] : 0.f)
-    GV_RANGE(f32, STORE_F32)
-#undef STORE_F32
-}
-
+GV_RANGE_FN(f32, float, float)
 /* bf16 weights, bias and output; x already fp32 [M, K] (converted once by the caller, exactly: bf16 -> fp32 is a
  * shift); fp32 accumulation, one rounding to bf16 at the store (as torch's CPU bf16 matmul). */
-void gemv_bf16_range(const uint16_t *restrict W, const float *restrict x, const uint16_t *restrict bias,
-                     uint16_t *restrict y, int64_t M, int64_t N, int64_t K, int64_t n0, int64_t n1) {
-#define STORE_BF16(i, n, v) y[i] = f32_to_bf16((v) + (bias ? bf16_to_f32(bias[n]) : 0.f))
-    GV_RANGE(bf16, STORE_BF16)
-#undef STORE_BF16
-}
+GV_RANGE_FN(bf16, uint16_t, uint16_t)
 
 /* Run CALL(n0, n1) over [0, N): in this thread below GV_SPLIT weights, else one contiguous range per OpenMP thread,
  * cut at multiples of GV_TILE so that no thread gets a ragged tile in the middle of the matrix. */
