@@ -1,12 +1,13 @@
 /* Decode-time GEMV for CPUs: y[M,N] = x[M,K] @ W[N,K]^T (+ b), M small (1..MAX_ROWS = 32, a decode batch).
  *
- * Why this exists: at decode, a linear layer reads every weight once and does 2 FLOPs per weight
- * (intensity ~ M FLOP/byte), so its speed is the memory bandwidth it reaches. PyTorch's CPU GEMV
- * reaches ~35-45 % of read bandwidth at the small shapes of a 135M model; a plain row-parallel loop,
- * vectorised by the compiler, reaches ~85-95 %. Each weight row (K elements) is read once and
- * stays in L1 while it is dotted with the M input rows.
+ * Why this exists: at decode, a linear layer reads every weight once and does 2 FLOPs per weight and input row
+ * (intensity ~ M/2 FLOP/byte in fp32), so its speed is the memory bandwidth it reaches. PyTorch's CPU GEMV
+ * reaches ~35-45 % of read bandwidth at the small shapes of a 135M model; a row-parallel loop of vector FMAs
+ * reaches ~85-95 %. Each weight row (K elements) is read once and stays in L1 while it is dotted with the M
+ * input rows, so 2..8 rows (speculative verification's γ + 1) cost little more than one; and a row's result does
+ * not depend on M (see the GEMV section), so speculation's greedy output equals plain decode's.
  *
- * Reference: torch.nn.functional.linear (see minillm/kernels/cpu_gemv.py and tests/test_cpu_gemv.py).
+ * Reference: torch.nn.functional.linear (see minillm/kernels/cpu/native.py and tests/kernels/test_cpu_native.py).
  * Build: cc -O3 -march=native -ffast-math -fopenmp -shared -fPIC (done on first use, then cached).
  */
 #include <stdint.h>
@@ -35,17 +36,20 @@ static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, as torch
 /* ---------------------------------------------------------------- GEMV: y[M, N] = x[M, K] @ W[N, K]^T (+ b)
  *
  * Cost: the weights are read once per call whatever M is (N * K * 4 bytes fp32, 2 bytes bf16) and each weight meets
- * the M input rows in registers, 2 * M FLOPs per weight: at M <= 8 that is still far below a CPU's ridge point, so a
- * call of 2..8 rows should cost about what a 1-row call costs.  The kernel (gv_tile) takes NT weight rows and R input
- * rows (both compile-time constants, so the NT * R accumulators are registers), vectorised along K: per vector of K,
- * NT weight loads and R activation loads feed NT * R FMAs.  NT = 4 at R = 1 keeps 4 FMA chains in flight (each pair
- * has one accumulator, see below); fewer weight rows at larger R keep the accumulators within the register file.
- * More than GV_ROWS rows take several row blocks over the same weight tile (NT * K * 4 bytes, in L1).
+ * the M input rows in registers: 2 * M FLOPs per weight.  The kernel (gv_tile) takes NT weight rows and R input rows
+ * (both compile-time constants, so the NT * R accumulators are registers), vectorised along K: per vector of K, NT
+ * weight loads and R activation loads feed NT * R FMAs.  R = 1 takes one weight row at a time: one sequential stream,
+ * which the hardware prefetcher follows best (one FMA chain per row still outruns memory).  From R = 2, tiles of up to
+ * 4 weight rows share each activation load; their 4 interleaved row streams defeat the hardware prefetcher (~1.5x
+ * slower from memory), so the next tile is prefetched into L2 by hand.  More than GV_ROWS rows take several row
+ * blocks over the same weight tile (NT * K * 4 bytes, in L1).  Measured (SmolLM2-135M's 30 fp32 layers, 2-core Zen 4,
+ * AVX-512): 2..5 rows cost ~1.0-1.2x one row; 8 rows ~1.3x, where the FMAs (~1 vector FMA a cycle a core) begin
+ * to take as long as the memory stream.
  *
  * Exactness: every (weight row, input row) pair is summed the same way whatever tile, row block, M or thread it lands
- * in: one vector accumulator of GV_LANES lanes, fed the K / GV_LANES full vectors in order by FMAs, then the zero-padded
- * tail vector, then one fixed horizontal sum, then + bias.  Pairs share loads, never arithmetic.  So row m of a
- * multi-row call equals a 1-row call on row m bit for bit: speculative verification (γ + 1 rows per sequence) then
+ * in: one vector accumulator of GV_LANES lanes, fed the K / GV_LANES full vectors in order by FMAs, then the
+ * zero-padded tail vector, then one fixed horizontal sum, then + bias.  Pairs share loads, never arithmetic.  So row
+ * m of a multi-row call equals a 1-row call on row m bit for bit: speculative verification (γ + 1 rows per sequence) then
  * gives exactly plain decode's logits and greedy output is identical with and without speculation.  Different builds
  * (AVX-512, AVX2, portable) have different lane counts and so round differently from each other; within a build the
  * results do not depend on M.
@@ -74,6 +78,9 @@ static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, as torch
 #define GV_SIMD 512
 #define GV_LANES 16
 typedef __m512 gv_t;
+/* Keep v in a register: else GCC folds a load into each FMA that uses it (the activation into all NT, seen at R = 4),
+ * NT loads where one does, and the loads are what limits the kernel once the weights are in cache. */
+#define GV_PIN(v) __asm__("" : "+v"(v))
 GV_INLINE gv_t gv_zero(void) { return _mm512_setzero_ps(); }
 GV_INLINE gv_t gv_f32(const float *p) { return _mm512_loadu_ps(p); }
 GV_INLINE gv_t gv_f32_part(const float *p, int n) { /* n < 16 floats, zeros after; no read past them */
@@ -88,12 +95,13 @@ GV_INLINE gv_t gv_bf16_part(const uint16_t *p, int n) {
 }
 GV_INLINE gv_t gv_fma(gv_t a, gv_t b, gv_t c) { return _mm512_fmadd_ps(a, b, c); }
 GV_INLINE float gv_sum(gv_t a) { return _mm512_reduce_add_ps(a); }
-/* accumulators per tile <= 32 zmm minus the NT weight vectors (the activation can be an FMA memory operand) */
-static const int gv_nt[GV_ROWS + 1] = {0, 1, 4, 4, 4, 4, 4, 3, 3};
+/* weight rows per tile at R input rows: NT * R accumulators + NT weights + 1 activation within 32 zmm */
+#define GV_NT(R) ((R) == 1 ? 1 : (R) <= 6 ? 4 : 3)
 #elif defined(__AVX2__) && defined(__FMA__)
 #define GV_SIMD 256
 #define GV_LANES 8
 typedef __m256 gv_t;
+#define GV_PIN(v) __asm__("" : "+x"(v)) /* as above */
 GV_INLINE gv_t gv_zero(void) { return _mm256_setzero_ps(); }
 GV_INLINE gv_t gv_f32(const float *p) { return _mm256_loadu_ps(p); }
 GV_INLINE gv_t gv_f32_part(const float *p, int n) { /* n < 8: lanes >= n masked off, not read */
@@ -113,11 +121,12 @@ GV_INLINE float gv_sum(gv_t a) {
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
     return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
-static const int gv_nt[GV_ROWS + 1] = {0, 1, 4, 3, 3, 2, 2, 1, 1}; /* 16 ymm */
+#define GV_NT(R) ((R) == 1 ? 1 : (R) == 2 ? 4 : (R) <= 4 ? 3 : (R) <= 6 ? 2 : 1) /* within 16 ymm */
 #else
 #define GV_SIMD 0
 #define GV_LANES 8
 typedef float gv_t __attribute__((vector_size(32))); /* GCC and clang lower it to the target's vectors */
+#define GV_PIN(v) (void)0
 GV_INLINE gv_t gv_zero(void) { return (gv_t){0.f}; }
 GV_INLINE gv_t gv_f32(const float *p) {
     gv_t v;
@@ -141,7 +150,7 @@ GV_INLINE gv_t gv_bf16_part(const uint16_t *p, int n) {
 }
 GV_INLINE gv_t gv_fma(gv_t a, gv_t b, gv_t c) { return a * b + c; }
 GV_INLINE float gv_sum(gv_t a) { return ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7])); }
-static const int gv_nt[GV_ROWS + 1] = {0, 1, 4, 3, 3, 2, 2, 2, 2};
+#define GV_NT(R) ((R) == 1 ? 1 : (R) == 2 ? 4 : (R) <= 4 ? 3 : 2)
 #endif
 
 #define GV_LOAD_f32(p) gv_f32(p)
@@ -150,51 +159,47 @@ static const int gv_nt[GV_ROWS + 1] = {0, 1, 4, 3, 3, 2, 2, 2, 2};
 #define GV_PART_bf16(p, n) gv_bf16_part(p, n)
 
 /* NT weight rows w (row stride K) against R input rows x (fp32, row stride K): out[r * NT + i] = row i . row r. */
-#define GV_TILE_FN(T, WT)                                                                                        \
-    GV_INLINE void gv_tile_##T(const WT *restrict w, const float *restrict x, float *restrict out, int64_t K,   \
-                               const int NT, const int R) {                                                   \
-        gv_t acc[GV_TILE][GV_ROWS];                                                                            \
-        GV_UNROLL for (int i = 0; i < NT; i++)                                                                           \
-            GV_UNROLL for (int r = 0; r < R; r++) acc[i][r] = gv_zero();                                                 \
-        const int64_t Kv = K - K % GV_LANES;                                                                   \
-        for (int64_t k = 0; k < Kv; k += GV_LANES) {                                                           \
-            gv_t wv[GV_TILE];                                                                                  \
-            GV_UNROLL for (int i = 0; i < NT; i++) {                                                      \
-                wv[i] = GV_LOAD_##T(w + i * K + k);                                                            \
-                __builtin_prefetch(w + (NT + i) * K + k, 0, 1); /* the next tile's row i, into L2: see above */ \
-            }                                                                                                  \
-            GV_UNROLL for (int r = 0; r < R; r++) {                                                                      \
-                const gv_t xv = gv_f32(x + r * K + k);                                                         \
-                GV_UNROLL for (int i = 0; i < NT; i++) acc[i][r] = gv_fma(wv[i], xv, acc[i][r]);                         \
-            }                                                                                                  \
-        }                                                                                                      \
-        if (Kv < K) { /* the tail, zero-padded: the padded lanes add 0 * 0 */                                   \
-            const int n_ = (int)(K - Kv);                                                                      \
-            gv_t wv[GV_TILE];                                                                                  \
-            GV_UNROLL for (int i = 0; i < NT; i++) wv[i] = GV_PART_##T(w + i * K + Kv, n_);                              \
-            GV_UNROLL for (int r = 0; r < R; r++) {                                                                      \
-                const gv_t xv = gv_f32_part(x + r * K + Kv, n_);                                               \
-                GV_UNROLL for (int i = 0; i < NT; i++) acc[i][r] = gv_fma(wv[i], xv, acc[i][r]);                         \
-            }                                                                                                  \
-        }                                                                                                      \
-        GV_UNROLL for (int r = 0; r < R; r++)                                                                            \
-            GV_UNROLL for (int i = 0; i < NT; i++) out[r * NT + i] = gv_sum(acc[i][r]);                                  \
+#define GV_TILE_FN(T, WT)                                                                                             \
+    GV_INLINE void gv_tile_##T(const WT *restrict w, const float *restrict x, float *restrict out, int64_t K,         \
+                               const int NT, const int R) {                                                           \
+        gv_t acc[GV_TILE][GV_ROWS];                                                                                   \
+        GV_UNROLL for (int i = 0; i < NT; i++)                                                                        \
+            GV_UNROLL for (int r = 0; r < R; r++) acc[i][r] = gv_zero();                                              \
+        const int64_t Kv = K - K % GV_LANES;                                                                          \
+        for (int64_t k = 0; k < Kv; k += GV_LANES) {                                                                  \
+            gv_t wv[GV_TILE];                                                                                         \
+            GV_UNROLL for (int i = 0; i < NT; i++) {                                                                  \
+                wv[i] = GV_LOAD_##T(w + i * K + k);                                                                   \
+                GV_PIN(wv[i]);                                                                                        \
+                __builtin_prefetch(w + (NT + i) * K + k, 0, 1); /* the next tile's row i, into L2: see above */       \
+            }                                                                                                         \
+            GV_UNROLL for (int r = 0; r < R; r++) {                                                                   \
+                gv_t xv = gv_f32(x + r * K + k);                                                                      \
+                GV_PIN(xv);                                                                                           \
+                GV_UNROLL for (int i = 0; i < NT; i++) acc[i][r] = gv_fma(wv[i], xv, acc[i][r]);                      \
+            }                                                                                                         \
+        }                                                                                                             \
+        if (Kv < K) { /* the tail, zero-padded: the padded lanes add 0 * 0 */                                         \
+            const int n_ = (int)(K - Kv);                                                                             \
+            gv_t wv[GV_TILE];                                                                                         \
+            GV_UNROLL for (int i = 0; i < NT; i++) wv[i] = GV_PART_##T(w + i * K + Kv, n_);                           \
+            GV_UNROLL for (int r = 0; r < R; r++) {                                                                   \
+                const gv_t xv = gv_f32_part(x + r * K + Kv, n_);                                                      \
+                GV_UNROLL for (int i = 0; i < NT; i++) acc[i][r] = gv_fma(wv[i], xv, acc[i][r]);                      \
+            }                                                                                                         \
+        }                                                                                                             \
+        GV_UNROLL for (int r = 0; r < R; r++)                                                                         \
+            GV_UNROLL for (int i = 0; i < NT; i++) out[r * NT + i] = gv_sum(acc[i][r]);                               \
     }
 GV_TILE_FN(f32, float)
 GV_TILE_FN(bf16, uint16_t)
 
-/* CALL(nt, r) with both as compile-time constants (nt 1..GV_TILE, r 1..GV_ROWS): the kernel's accumulators then
- * become registers (runtime counts would keep them in memory). */
-#define GV_FOR_R(nt, r, CALL)                                                                                  \
-    switch (r) {                                                                                               \
-    case 1: CALL(nt, 1); break; case 2: CALL(nt, 2); break; case 3: CALL(nt, 3); break;                        \
-    case 4: CALL(nt, 4); break; case 5: CALL(nt, 5); break; case 6: CALL(nt, 6); break;                        \
-    case 7: CALL(nt, 7); break; default: CALL(nt, 8); break;                                                   \
-    }
-#define GV_FOR_TILE(nt, r, CALL)                                                                               \
-    switch (nt) {                                                                                              \
-    case 1: GV_FOR_R(1, r, CALL) break; case 2: GV_FOR_R(2, r, CALL) break;                                    \
-    case 3: GV_FOR_R(3, r, CALL) break; default: GV_FOR_R(4, r, CALL) break;                                   \
+/* CALL(R) with r as the compile-time constant R (1..GV_ROWS): the kernel's accumulators then become registers
+ * (runtime counts would keep them in memory).  Each R is one tile shape, GV_NT(R) x R, and its 1 x R remainder. */
+#define GV_FOR_R(r, CALL)                                                                                             \
+    switch (r) {                                                                                                      \
+    case 1: CALL(1); break; case 2: CALL(2); break; case 3: CALL(3); break; case 4: CALL(4); break;                   \
+    case 5: CALL(5); break; case 6: CALL(6); break; case 7: CALL(7); break; default: CALL(8); break;                  \
     }
 
 GV_INLINE void gv_store_f32(float *y, const float *bias, int64_t i, int64_t n, float v) {
@@ -208,43 +213,39 @@ GV_INLINE void gv_store_bf16(uint16_t *y, const uint16_t *bias, int64_t i, int64
  * m0.  gemv_T_range: columns n0..n1 of y [M, N] for all M rows, no OpenMP inside (a caller's parallel region may
  * hand each thread a range).  Up to GV_ROWS rows the tile shape is picked once per call, outside the loop over the
  * weights; more rows loop over row blocks inside each weight tile, so the tile is streamed from memory once. */
-#define GV_RANGE_FN(T, WT, YT)                                                                                 \
-    GV_INLINE void gv_block_##T(const WT *restrict W, const float *restrict x, const YT *restrict bias,        \
-                                YT *restrict y, int64_t N, int64_t K, int64_t n0, int64_t n1, int64_t m0,      \
-                                const int NT, const int R) {                                                  \
-        float out[GV_TILE * GV_ROWS];                                                                          \
-        int64_t n = n0;                                                                                        \
-        for (; n + NT <= n1; n += NT) {                                                                        \
-            gv_tile_##T(W + n * K, x + m0 * K, out, K, NT, R);                                                 \
-            GV_UNROLL for (int r = 0; r < R; r++)                                                              \
-                GV_UNROLL for (int i = 0; i < NT; i++)                                                         \
-                    gv_store_##T(y, bias, (m0 + r) * N + n + i, n + i, out[r * NT + i]);                       \
-        }                                                                                                      \
-        for (; n < n1; n++) {                                                                                  \
-            gv_tile_##T(W + n * K, x + m0 * K, out, K, 1, R);                                                  \
-            GV_UNROLL for (int r = 0; r < R; r++) gv_store_##T(y, bias, (m0 + r) * N + n, n, out[r]);          \
-        }                                                                                                      \
-    }                                                                                                          \
-    void gemv_##T##_range(const WT *restrict W, const float *restrict x, const YT *restrict bias,              \
-                          YT *restrict y, int64_t M, int64_t N, int64_t K, int64_t n0, int64_t n1) {           \
-        const int nt = gv_nt[M < GV_ROWS ? M : GV_ROWS];                                                       \
-        if (M <= GV_ROWS) {                                                                                    \
-            const int r = (int)M;                                                                              \
-            GV_FOR_TILE(nt, r, GV_WHOLE_##T)                                                                  \
-            return;                                                                                            \
-        }                                                                                                      \
-        for (int64_t n = n0; n < n1; n += nt) {                                                                \
-            const int t = n1 - n < nt ? (int)(n1 - n) : nt;                                                    \
-            for (int64_t m0 = 0; m0 < M; m0 += GV_ROWS) {                                                      \
-                const int r = M - m0 < GV_ROWS ? (int)(M - m0) : GV_ROWS;                                      \
-                GV_FOR_TILE(t, r, GV_ONE_TILE_##T)                                                            \
-            }                                                                                                  \
-        }                                                                                                      \
+#define GV_RANGE_FN(T, WT, YT)                                                                                        \
+    GV_INLINE void gv_block_##T(const WT *restrict W, const float *restrict x, const YT *restrict bias,               \
+                                YT *restrict y, int64_t N, int64_t K, int64_t n0, int64_t n1, int64_t m0,             \
+                                const int NT, const int R) {                                                          \
+        float out[GV_TILE * GV_ROWS];                                                                                 \
+        int64_t n = n0;                                                                                               \
+        for (; n + NT <= n1; n += NT) {                                                                               \
+            gv_tile_##T(W + n * K, x + m0 * K, out, K, NT, R);                                                        \
+            GV_UNROLL for (int r = 0; r < R; r++)                                                                     \
+                GV_UNROLL for (int i = 0; i < NT; i++)                                                                \
+                    gv_store_##T(y, bias, (m0 + r) * N + n + i, n + i, out[r * NT + i]);                              \
+        }                                                                                                             \
+        for (; n < n1; n++) {                                                                                         \
+            gv_tile_##T(W + n * K, x + m0 * K, out, K, 1, R);                                                         \
+            GV_UNROLL for (int r = 0; r < R; r++) gv_store_##T(y, bias, (m0 + r) * N + n, n, out[r]);                 \
+        }                                                                                                             \
+    }                                                                                                                 \
+    void gemv_##T##_range(const WT *restrict W, const float *restrict x, const YT *restrict bias,                     \
+                          YT *restrict y, int64_t M, int64_t N, int64_t K, int64_t n0, int64_t n1) {                  \
+        if (M <= 0) return;                                                                                           \
+        if (M <= GV_ROWS) {                                                                                           \
+            GV_FOR_R(M, GV_WHOLE_##T)                                                                                 \
+            return;                                                                                                   \
+        }                                                                                                             \
+        for (int64_t n = n0; n < n1; n += GV_NT(GV_ROWS)) {                                                           \
+            const int64_t e = n1 - n < GV_NT(GV_ROWS) ? n1 : n + GV_NT(GV_ROWS);                                      \
+            for (int64_t m0 = 0; m0 < M; m0 += GV_ROWS) GV_FOR_R(M - m0, GV_ONE_TILE_##T)                             \
+        }                                                                                                             \
     }
-#define GV_WHOLE_f32(NT, R) gv_block_f32(W, x, bias, y, N, K, n0, n1, 0, NT, R)
-#define GV_WHOLE_bf16(NT, R) gv_block_bf16(W, x, bias, y, N, K, n0, n1, 0, NT, R)
-#define GV_ONE_TILE_f32(NT, R) gv_block_f32(W, x, bias, y, N, K, n, n + (NT), m0, NT, R)
-#define GV_ONE_TILE_bf16(NT, R) gv_block_bf16(W, x, bias, y, N, K, n, n + (NT), m0, NT, R)
+#define GV_WHOLE_f32(R) gv_block_f32(W, x, bias, y, N, K, n0, n1, 0, GV_NT(R), R)
+#define GV_WHOLE_bf16(R) gv_block_bf16(W, x, bias, y, N, K, n0, n1, 0, GV_NT(R), R)
+#define GV_ONE_TILE_f32(R) gv_block_f32(W, x, bias, y, N, K, n, e, m0, GV_NT(GV_ROWS), R)
+#define GV_ONE_TILE_bf16(R) gv_block_bf16(W, x, bias, y, N, K, n, e, m0, GV_NT(GV_ROWS), R)
 /* fp32 weights and activations: y[m, n] for n in [n0, n1), every m < M.  W [N, K], x [M, K], bias [N] or NULL. */
 GV_RANGE_FN(f32, float, float)
 /* bf16 weights, bias and output; x already fp32 [M, K] (converted once by the caller, exactly: bf16 -> fp32 is a
@@ -252,19 +253,19 @@ GV_RANGE_FN(f32, float, float)
 GV_RANGE_FN(bf16, uint16_t, uint16_t)
 
 /* Run CALL(n0, n1) over [0, N): in this thread below GV_SPLIT weights, else one contiguous range per OpenMP thread,
- * cut at multiples of GV_TILE so that no thread gets a ragged tile in the middle of the matrix. */
-#define GV_SPLIT_ROWS(N, K, CALL)                                                                              \
-    do {                                                                                                       \
-        if ((N) * (K) < GV_SPLIT || omp_get_max_threads() == 1) {                                              \
-            CALL(0, (N));                                                                                      \
-        } else {                                                                                               \
-            _Pragma("omp parallel") {                                                                          \
-                const int64_t t_ = omp_get_thread_num(), T_ = omp_get_num_threads();                           \
-                const int64_t u_ = ((N) + GV_TILE - 1) / GV_TILE, a_ = u_ * t_ / T_ * GV_TILE;                 \
-                const int64_t b_ = u_ * (t_ + 1) / T_ * GV_TILE;                                               \
-                CALL(a_ < (N) ? a_ : (N), b_ < (N) ? b_ : (N));                                                \
-            }                                                                                                  \
-        }                                                                                                      \
+ * cut at multiples of GV_TILE so that (at most row counts) no thread gets a ragged tile mid-matrix. */
+#define GV_SPLIT_ROWS(N, K, CALL)                                                                                     \
+    do {                                                                                                              \
+        if ((N) * (K) < GV_SPLIT || omp_get_max_threads() == 1) {                                                     \
+            CALL(0, (N));                                                                                             \
+        } else {                                                                                                      \
+            _Pragma("omp parallel") {                                                                                 \
+                const int64_t t_ = omp_get_thread_num(), T_ = omp_get_num_threads();                                  \
+                const int64_t u_ = ((N) + GV_TILE - 1) / GV_TILE, a_ = u_ * t_ / T_ * GV_TILE;                        \
+                const int64_t b_ = u_ * (t_ + 1) / T_ * GV_TILE;                                                      \
+                CALL(a_ < (N) ? a_ : (N), b_ < (N) ? b_ : (N));                                                       \
+            }                                                                                                         \
+        }                                                                                                             \
     } while (0)
 
 /* fp32 weights, fp32 activations: y [M, N] = x [M, K] @ W [N, K]^T (+ bias [N]). */
