@@ -38,21 +38,21 @@ static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, as torch
  * Cost: the weights are read once per call whatever M is (N * K * 4 bytes fp32, 2 bytes bf16) and each weight meets
  * the M input rows in registers: 2 * M FLOPs per weight.  The kernel (gv_tile) takes NT weight rows and R input rows
  * (both compile-time constants, so the NT * R accumulators are registers), vectorised along K: per vector of K, NT
- * weight loads and R activation loads feed NT * R FMAs.  R = 1 takes one weight row at a time: one sequential stream,
- * which the hardware prefetcher follows best (one FMA chain per row still outruns memory).  From R = 2, tiles of up to
- * 4 weight rows share each activation load; their 4 interleaved row streams defeat the hardware prefetcher (~1.5x
- * slower from memory), so the next tile is prefetched into L2 by hand.  More than GV_ROWS rows take several row
- * blocks over the same weight tile (NT * K * 4 bytes, in L1).  Measured (SmolLM2-135M's 30 fp32 layers, 2-core Zen 4,
- * AVX-512): 2..5 rows cost ~1.0-1.2x one row; 8 rows ~1.3x, where the FMAs (~1 vector FMA a cycle a core) begin
- * to take as long as the memory stream.
+ * weight loads and R activation loads feed NT * R FMAs.  R = 1 takes one weight row at a time: one sequential
+ * stream, which the hardware prefetcher follows best unaided (one FMA chain per row still outruns memory).  From
+ * R = 2, tiles of up to 4 weight rows share each activation load; their 4 interleaved row streams defeat the hardware
+ * prefetcher (~1.5x slower from memory), so the next tile is prefetched into L2 by hand.  More than GV_ROWS rows
+ * take several row blocks over the same weight tile (NT * K * 4 bytes, in L1).  Measured (SmolLM2-135M's 30 fp32
+ * layers, 2 threads, 2-core Zen 4, AVX-512): 2..8 rows cost 1.05-1.2x one row (the old 4x4-tile kernel: 1.5-1.9x);
+ * at 8 rows the FMAs (~1 vector FMA a cycle a core) begin to take as long as the memory stream.
  *
  * Exactness: every (weight row, input row) pair is summed the same way whatever tile, row block, M or thread it lands
  * in: one vector accumulator of GV_LANES lanes, fed the K / GV_LANES full vectors in order by FMAs, then the
  * zero-padded tail vector, then one fixed horizontal sum, then + bias.  Pairs share loads, never arithmetic.  So row
- * m of a multi-row call equals a 1-row call on row m bit for bit: speculative verification (γ + 1 rows per sequence) then
- * gives exactly plain decode's logits and greedy output is identical with and without speculation.  Different builds
- * (AVX-512, AVX2, portable) have different lane counts and so round differently from each other; within a build the
- * results do not depend on M.
+ * m of a multi-row call equals a 1-row call on row m bit for bit: speculative verification (γ + 1 rows per sequence)
+ * then gives exactly plain decode's logits and greedy output is identical with and without speculation.  Different
+ * builds (AVX-512, AVX2, portable) have different lane counts and so round differently from each other; within a
+ * build the results do not depend on M.
  *
  * SIMD levels (as quant.c's QSIMD): AVX-512 F/BW/VL + FMA (16 lanes, masked tail loads), AVX2 + FMA (8 lanes), else
  * GCC/clang vector extensions (8 lanes) that the compiler maps to SSE, NEON, ... — correct everywhere. */
@@ -171,7 +171,7 @@ GV_INLINE float gv_sum(gv_t a) { return ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1]
             GV_UNROLL for (int i = 0; i < NT; i++) {                                                                  \
                 wv[i] = GV_LOAD_##T(w + i * K + k);                                                                   \
                 GV_PIN(wv[i]);                                                                                        \
-                __builtin_prefetch(w + (NT + i) * K + k, 0, 1); /* the next tile's row i, into L2: see above */       \
+                if (NT > 1) __builtin_prefetch(w + (NT + i) * K + k, 0, 1); /* next tile's row i, to L2: above */     \
             }                                                                                                         \
             GV_UNROLL for (int r = 0; r < R; r++) {                                                                   \
                 gv_t xv = gv_f32(x + r * K + k);                                                                      \
