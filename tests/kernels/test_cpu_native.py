@@ -31,6 +31,90 @@ def test_gemv_matches_f_linear(dtype, rows, shape, bias):
     torch.testing.assert_close(got, want, atol=atol, rtol=1.6e-2 if dtype == torch.bfloat16 else 1e-5)
 
 
+# Rows 1..9 and 17 cover every row-block size (1..8), a second block and a third; N = 7, 13 leave ragged weight
+# tiles; K = 33, 100, 577 leave a tail shorter than one vector; (517, 577) is large enough to be split across threads.
+_ROW_COUNTS = [1, 2, 3, 4, 5, 6, 7, 8, 9, 17]
+_ODD_SHAPES = [(7, 33), (13, 100), (517, 577), (64, 1536)]
+
+
+def _rows_alone_and_together(gemv, dtype, shape, bias, seed):
+    """(each row of x [17, K] through its own 1-row call, x[:M] in one call for each M, F.linear on x[:M])."""
+    g = torch.Generator().manual_seed(seed)
+    N, K = shape
+    w = torch.randn(N, K, generator=g).to(dtype)
+    x = torch.randn(max(_ROW_COUNTS), K, generator=g).to(dtype)
+    b = torch.randn(N, generator=g).to(dtype) if bias else None
+    alone = torch.cat([gemv(x[m:m + 1], w, b) for m in range(x.shape[0])])
+    return alone, [(M, gemv(x[:M], w, b), F.linear(x[:M], w, b)) for M in _ROW_COUNTS]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", _ODD_SHAPES)
+@pytest.mark.parametrize("bias", [False, True])
+def test_gemv_row_results_do_not_depend_on_how_many_rows_share_the_call(dtype, shape, bias):
+    # speculative verification runs γ + 1 rows where plain decode runs one: greedy output is the same only if a
+    # row's logits are bit for bit those of a 1-row call, whatever row block or weight tile it lands in
+    alone, together = _rows_alone_and_together(native.linear, dtype, shape, bias, seed=shape[0] * 31 + shape[1])
+    atol = 4e-6 * shape[1]**0.5 if dtype == torch.float32 else 1e-2  # as in test_gemv_matches_f_linear
+    for M, got, want in together:
+        assert torch.equal(got, alone[:M]), f"M={M}: rows differ from their 1-row calls"
+        torch.testing.assert_close(got, want, atol=atol, rtol=1.6e-2 if dtype == torch.bfloat16 else 1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gemv_result_does_not_depend_on_the_thread_count(dtype):
+    # rows are split across threads by weight row n, each (n, m) pair summed whole in one thread
+    g = torch.Generator().manual_seed(5)
+    w, x = torch.randn(517, 577, generator=g).to(dtype), torch.randn(9, 577, generator=g).to(dtype)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = native.linear(x, w)
+        torch.set_num_threads(3)
+        assert torch.equal(native.linear(x, w), one)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _gemv_built_for(march: str | None, tmp_path):
+    """csrc/native.c built with ``-march=march`` (None: the compiler's default target), its SIMD level, and a
+    ``linear(x, w, b)`` over its gemv_f32 / gemv_bf16."""
+    import ctypes
+
+    out = tmp_path / f"native-{march}.so"
+    native._compile(out, flags=[([f"-march={march}"] if march else []) + omp for omp in (["-fopenmp"], [])])
+    lib = ctypes.CDLL(str(out))
+    for name in ("gemv_f32", "gemv_bf16"):
+        getattr(lib, name).argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3
+
+    def linear(x, w, b):
+        y = torch.empty(x.shape[0], w.shape[0], dtype=x.dtype)
+        fn = lib.gemv_f32 if x.dtype == torch.float32 else lib.gemv_bf16
+        fn(w.data_ptr(), x.contiguous().data_ptr(), None if b is None else b.data_ptr(), y.data_ptr(), *x.shape[:1],
+           *w.shape)
+        return y
+
+    return lib.gemv_simd_level(), linear
+
+
+@pytest.mark.parametrize("march, level", [("x86-64-v3", 256), ("x86-64", 0)])
+def test_gemv_rows_are_independent_of_the_row_count_in_the_avx2_and_portable_builds_too(march, level, tmp_path):
+    # the library is built with -march=native; these are the code paths of other machines (AVX2 only; ARM and
+    # older x86 take the portable one), built here on purpose
+    import platform
+
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        pytest.skip("the x86 targets build only on x86")
+    built_level, linear = _gemv_built_for(march, tmp_path)
+    assert built_level == level  # the build took the path this test is about
+    for dtype in (torch.float32, torch.bfloat16):
+        alone, together = _rows_alone_and_together(linear, dtype, (13, 100), True, seed=3)
+        for M, got, want in together:
+            assert torch.equal(got, alone[:M]), f"{march} {dtype} M={M}"
+            torch.testing.assert_close(got, want, atol=4e-5 if dtype == torch.float32 else 1e-2,
+                                       rtol=1.6e-2 if dtype == torch.bfloat16 else 1e-5)
+
+
 def _compiler_has_openmp(tmp_path) -> bool:
     """Whether the compiler the build uses compiles and links an OpenMP shared library (Apple clang does not)."""
     src = tmp_path / "omp.c"

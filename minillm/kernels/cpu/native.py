@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-MAX_ROWS = 32  # decode batches up to this may use the native kernel (4 x 4 register tiles from 2 rows)
+MAX_ROWS = 32  # decode batches up to this may use the native kernel (register tiles of up to 8 rows, in blocks)
 # Rows up to which the native kernel beats torch over SmolLM2's layer stack + LM head (weights streamed from
 # memory), measured on a 2-core EPYC (Zen 4): fp32 all 32 (3.3x at 2 rows, 1.3x at 16, 1.14x at 32); bf16 4
 # (3.0x at 1 row, 1.2x at 2-4; oneDNN's AVX512-BF16 GEMM wins from 8 rows).

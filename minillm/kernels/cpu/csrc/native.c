@@ -1,12 +1,13 @@
 /* Decode-time GEMV for CPUs: y[M,N] = x[M,K] @ W[N,K]^T (+ b), M small (1..MAX_ROWS = 32, a decode batch).
  *
- * Why this exists: at decode, a linear layer reads every weight once and does 2 FLOPs per weight
- * (intensity ~ M FLOP/byte), so its speed is the memory bandwidth it reaches. PyTorch's CPU GEMV
- * reaches ~35-45 % of read bandwidth at the small shapes of a 135M model; a plain row-parallel loop,
- * vectorised by the compiler, reaches ~85-95 %. Each weight row (K elements) is read once and
- * stays in L1 while it is dotted with the M input rows.
+ * Why this exists: at decode, a linear layer reads every weight once and does 2 FLOPs per weight and input row
+ * (intensity ~ M/2 FLOP/byte in fp32), so its speed is the memory bandwidth it reaches. PyTorch's CPU GEMV
+ * reaches ~35-45 % of read bandwidth at the small shapes of a 135M model; a row-parallel loop of vector FMAs
+ * reaches ~85-95 %. Each weight row (K elements) is read once and stays in L1 while it is dotted with the M
+ * input rows, so 2..8 rows (speculative verification's γ + 1) cost little more than one; and a row's result does
+ * not depend on M (see the GEMV section), so speculation's greedy output equals plain decode's.
  *
- * Reference: torch.nn.functional.linear (see minillm/kernels/cpu_gemv.py and tests/test_cpu_gemv.py).
+ * Reference: torch.nn.functional.linear (see minillm/kernels/cpu/native.py and tests/kernels/test_cpu_native.py).
  * Build: cc -O3 -march=native -ffast-math -fopenmp -shared -fPIC (done on first use, then cached).
  */
 #include <stdint.h>
@@ -32,57 +33,247 @@ static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, as torch
     return (uint16_t)(u >> 16);
 }
 
-/* Batch 1: one FMA per weight, each weight row read once (bandwidth bound).
- * Batch 2..MAX_ROWS: a register tile of 4 weight rows x 4 input rows, vectorised along K: per step of K, 4 weight
- * loads and 4 input loads feed 16 FMAs into 16 accumulators.  A 4-row tile of W (4 K-rows, ~9 KB at K = 576)
- * stays in L1 while every 4-row block of x passes over it, so W is streamed from memory once for the whole batch.
- * (One weight row against 4 input rows — 5 loads per 4 FMAs — was load bound from ~4 rows.)  Tile rows beyond
- * M or N alias row 0 and are dropped.  STORE_Y(i, n, v) writes output element i = m * N + n. */
-#define GEMV_ROWS(T, LOAD, XT, STORE_Y)                                                                  \
-    if (M == 1) {                                                                                        \
-        _Pragma("omp parallel for schedule(static)")                                                    \
-        for (int64_t n = 0; n < N; n++) {                                                                \
-            const T *w = W + n * K;                                                                      \
-            float a = 0.f;                                                                               \
-            _Pragma("omp simd reduction(+ : a)")                                                        \
-            for (int64_t k = 0; k < K; k++) a += LOAD(w[k]) * x[k];                                      \
-            STORE_Y(n, n, a);                                                                            \
-        }                                                                                                \
-    } else {                                                                                             \
-        _Pragma("omp parallel for schedule(static)")                                                    \
-        for (int64_t n0 = 0; n0 < N; n0 += 4) {                                                          \
-            const T *w0 = W + n0 * K, *w1 = n0 + 1 < N ? w0 + K : w0;                                    \
-            const T *w2 = n0 + 2 < N ? w0 + 2 * K : w0, *w3 = n0 + 3 < N ? w0 + 3 * K : w0;              \
-            for (int64_t m0 = 0; m0 < M; m0 += 4) {                                                      \
-                const XT *x0 = x + m0 * K, *x1 = m0 + 1 < M ? x0 + K : x0;                               \
-                const XT *x2 = m0 + 2 < M ? x0 + 2 * K : x0, *x3 = m0 + 3 < M ? x0 + 3 * K : x0;         \
-                float a00 = 0.f, a01 = 0.f, a02 = 0.f, a03 = 0.f, a10 = 0.f, a11 = 0.f, a12 = 0.f;       \
-                float a13 = 0.f, a20 = 0.f, a21 = 0.f, a22 = 0.f, a23 = 0.f, a30 = 0.f, a31 = 0.f;       \
-                float a32 = 0.f, a33 = 0.f;                                                              \
-                _Pragma("omp simd reduction(+ : a00, a01, a02, a03, a10, a11, a12, a13, a20, a21, a22, a23, a30, a31, a32, a33)") \
-                for (int64_t k = 0; k < K; k++) {                                                        \
-                    float c0 = x0[k], c1 = x1[k], c2 = x2[k], c3 = x3[k];                                \
-                    float u0 = LOAD(w0[k]), u1 = LOAD(w1[k]), u2 = LOAD(w2[k]), u3 = LOAD(w3[k]);        \
-                    a00 += u0 * c0; a01 += u0 * c1; a02 += u0 * c2; a03 += u0 * c3;                      \
-                    a10 += u1 * c0; a11 += u1 * c1; a12 += u1 * c2; a13 += u1 * c3;                      \
-                    a20 += u2 * c0; a21 += u2 * c1; a22 += u2 * c2; a23 += u2 * c3;                      \
-                    a30 += u3 * c0; a31 += u3 * c1; a32 += u3 * c2; a33 += u3 * c3;                      \
-                }                                                                                        \
-                float acc[4][4] = {{a00, a01, a02, a03}, {a10, a11, a12, a13},                           \
-                                   {a20, a21, a22, a23}, {a30, a31, a32, a33}};                          \
-                for (int64_t i = 0; i < 4 && n0 + i < N; i++)                                            \
-                    for (int64_t j = 0; j < 4 && m0 + j < M; j++)                                        \
-                        STORE_Y((m0 + j) * N + n0 + i, n0 + i, acc[i][j]);                               \
-            }                                                                                            \
-        }                                                                                                \
+/* ---------------------------------------------------------------- GEMV: y[M, N] = x[M, K] @ W[N, K]^T (+ b)
+ *
+ * Cost: the weights are read once per call whatever M is (N * K * 4 bytes fp32, 2 bytes bf16) and each weight meets
+ * the M input rows in registers: 2 * M FLOPs per weight.  The kernel (gv_tile) takes NT weight rows and R input rows
+ * (both compile-time constants, so the NT * R accumulators are registers), vectorised along K: per vector of K, NT
+ * weight loads and R activation loads feed NT * R FMAs.  R = 1 takes one weight row at a time: one sequential
+ * stream, which the hardware prefetcher follows best unaided (one FMA chain per row still outruns memory).  From
+ * R = 2, tiles of up to 4 weight rows share each activation load; their 4 interleaved row streams defeat the hardware
+ * prefetcher (~1.5x slower from memory), so the next tile is prefetched into L2 by hand.  More than GV_ROWS rows
+ * take several row blocks over the same weight tile (NT * K * 4 bytes, in L1).  Measured (SmolLM2-135M's 30 fp32
+ * layers, 2 threads, 2-core Zen 4, AVX-512): 2..8 rows cost 1.05-1.2x one row (the old 4x4-tile kernel: 1.5-1.9x);
+ * at 8 rows the FMAs (~1 vector FMA a cycle a core) begin to take as long as the memory stream.
+ *
+ * Exactness: every (weight row, input row) pair is summed the same way whatever tile, row block, M or thread it lands
+ * in: one vector accumulator of GV_LANES lanes, fed the K / GV_LANES full vectors in order by FMAs, then the
+ * zero-padded tail vector, then one fixed horizontal sum, then + bias.  Pairs share loads, never arithmetic.  So row
+ * m of a multi-row call equals a 1-row call on row m bit for bit: speculative verification (γ + 1 rows per sequence)
+ * then gives exactly plain decode's logits and greedy output is identical with and without speculation.  Different
+ * builds (AVX-512, AVX2, portable) have different lane counts and so round differently from each other; within a
+ * build the results do not depend on M.
+ *
+ * SIMD levels (as quant.c's QSIMD): AVX-512 F/BW/VL + FMA (16 lanes, masked tail loads), AVX2 + FMA (8 lanes), else
+ * GCC/clang vector extensions (8 lanes) that the compiler maps to SSE, NEON, ... — correct everywhere. */
+#ifdef _OPENMP
+#include <omp.h>
+#elif !defined(omp_get_max_threads) /* decode.c includes quant.c first, which defines the same fallbacks */
+#define omp_get_max_threads() 1
+#define omp_get_thread_num() 0
+#define omp_get_num_threads() 1
+#endif
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#define GV_INLINE static inline __attribute__((always_inline))
+#define GV_UNROLL _Pragma("GCC unroll 8") /* the tile loops, so that the accumulators become registers */
+#define GV_ROWS 8   /* input rows per block; more rows take more blocks over the same (L1-resident) weight tile */
+#define GV_TILE 4   /* most weight rows per tile (NT); thread ranges start at multiples of it */
+#define GV_SPLIT (1 << 18) /* weights below which one thread runs the GEMV: a parallel region's start and join
+                            * (~2-3 us with futex calls, even for one thread) cost as much as the GEMV itself */
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__FMA__)
+#define GV_SIMD 512
+#define GV_LANES 16
+typedef __m512 gv_t;
+/* Keep v in a register: else GCC folds a load into each FMA that uses it (the activation into all NT, seen at R = 4),
+ * NT loads where one does, and the loads are what limits the kernel once the weights are in cache. */
+#define GV_PIN(v) __asm__("" : "+v"(v))
+GV_INLINE gv_t gv_zero(void) { return _mm512_setzero_ps(); }
+GV_INLINE gv_t gv_f32(const float *p) { return _mm512_loadu_ps(p); }
+GV_INLINE gv_t gv_f32_part(const float *p, int n) { /* n < 16 floats, zeros after; no read past them */
+    return _mm512_maskz_loadu_ps((__mmask16)((1u << n) - 1), p);
+}
+GV_INLINE gv_t gv_widen(__m256i b) { /* 16 bf16 -> fp32: the bits move to the high half */
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
+}
+GV_INLINE gv_t gv_bf16(const uint16_t *p) { return gv_widen(_mm256_loadu_si256((const __m256i *)p)); }
+GV_INLINE gv_t gv_bf16_part(const uint16_t *p, int n) {
+    return gv_widen(_mm256_maskz_loadu_epi16((__mmask16)((1u << n) - 1), p));
+}
+GV_INLINE gv_t gv_fma(gv_t a, gv_t b, gv_t c) { return _mm512_fmadd_ps(a, b, c); }
+GV_INLINE float gv_sum(gv_t a) { return _mm512_reduce_add_ps(a); }
+/* weight rows per tile at R input rows: NT * R accumulators + NT weights + 1 activation within 32 zmm */
+#define GV_NT(R) ((R) == 1 ? 1 : (R) <= 6 ? 4 : 3)
+#elif defined(__AVX2__) && defined(__FMA__)
+#define GV_SIMD 256
+#define GV_LANES 8
+typedef __m256 gv_t;
+#define GV_PIN(v) __asm__("" : "+x"(v)) /* as above */
+GV_INLINE gv_t gv_zero(void) { return _mm256_setzero_ps(); }
+GV_INLINE gv_t gv_f32(const float *p) { return _mm256_loadu_ps(p); }
+GV_INLINE gv_t gv_f32_part(const float *p, int n) { /* n < 8: lanes >= n masked off, not read */
+    return _mm256_maskload_ps(p, _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
+}
+GV_INLINE gv_t gv_bf16(const uint16_t *p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+}
+GV_INLINE gv_t gv_bf16_part(const uint16_t *p, int n) { /* once per row: a zero-padded copy */
+    uint16_t b[8] = {0};
+    memcpy(b, p, sizeof(uint16_t) * n);
+    return gv_bf16(b);
+}
+GV_INLINE gv_t gv_fma(gv_t a, gv_t b, gv_t c) { return _mm256_fmadd_ps(a, b, c); }
+GV_INLINE float gv_sum(gv_t a) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+#define GV_NT(R) ((R) == 1 ? 1 : (R) == 2 ? 4 : (R) <= 4 ? 3 : (R) <= 6 ? 2 : 1) /* within 16 ymm */
+#else
+#define GV_SIMD 0
+#define GV_LANES 8
+typedef float gv_t __attribute__((vector_size(32))); /* GCC and clang lower it to the target's vectors */
+#define GV_PIN(v) (void)0
+GV_INLINE gv_t gv_zero(void) { return (gv_t){0.f}; }
+GV_INLINE gv_t gv_f32(const float *p) {
+    gv_t v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+GV_INLINE gv_t gv_f32_part(const float *p, int n) {
+    gv_t v = gv_zero();
+    memcpy(&v, p, sizeof(float) * n);
+    return v;
+}
+GV_INLINE gv_t gv_bf16(const uint16_t *p) {
+    gv_t v;
+    for (int j = 0; j < GV_LANES; j++) v[j] = bf16_to_f32(p[j]);
+    return v;
+}
+GV_INLINE gv_t gv_bf16_part(const uint16_t *p, int n) {
+    gv_t v = gv_zero();
+    for (int j = 0; j < n; j++) v[j] = bf16_to_f32(p[j]);
+    return v;
+}
+GV_INLINE gv_t gv_fma(gv_t a, gv_t b, gv_t c) { return a * b + c; }
+GV_INLINE float gv_sum(gv_t a) { return ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7])); }
+#define GV_NT(R) ((R) == 1 ? 1 : (R) == 2 ? 4 : (R) <= 4 ? 3 : 2)
+#endif
+
+#define GV_LOAD_f32(p) gv_f32(p)
+#define GV_LOAD_bf16(p) gv_bf16(p)
+#define GV_PART_f32(p, n) gv_f32_part(p, n)
+#define GV_PART_bf16(p, n) gv_bf16_part(p, n)
+
+/* NT weight rows w (row stride K) against R input rows x (fp32, row stride K): out[r * NT + i] = row i . row r. */
+#define GV_TILE_FN(T, WT)                                                                                             \
+    GV_INLINE void gv_tile_##T(const WT *restrict w, const float *restrict x, float *restrict out, int64_t K,         \
+                               const int NT, const int R) {                                                           \
+        gv_t acc[GV_TILE][GV_ROWS];                                                                                   \
+        GV_UNROLL for (int i = 0; i < NT; i++)                                                                        \
+            GV_UNROLL for (int r = 0; r < R; r++) acc[i][r] = gv_zero();                                              \
+        const int64_t Kv = K - K % GV_LANES;                                                                          \
+        for (int64_t k = 0; k < Kv; k += GV_LANES) {                                                                  \
+            gv_t wv[GV_TILE];                                                                                         \
+            GV_UNROLL for (int i = 0; i < NT; i++) {                                                                  \
+                wv[i] = GV_LOAD_##T(w + i * K + k);                                                                   \
+                GV_PIN(wv[i]);                                                                                        \
+                if (NT > 1) __builtin_prefetch(w + (NT + i) * K + k, 0, 1); /* next tile's row i, to L2: above */     \
+            }                                                                                                         \
+            GV_UNROLL for (int r = 0; r < R; r++) {                                                                   \
+                gv_t xv = gv_f32(x + r * K + k);                                                                      \
+                GV_PIN(xv);                                                                                           \
+                GV_UNROLL for (int i = 0; i < NT; i++) acc[i][r] = gv_fma(wv[i], xv, acc[i][r]);                      \
+            }                                                                                                         \
+        }                                                                                                             \
+        if (Kv < K) { /* the tail, zero-padded: the padded lanes add 0 * 0 */                                         \
+            const int n_ = (int)(K - Kv);                                                                             \
+            gv_t wv[GV_TILE];                                                                                         \
+            GV_UNROLL for (int i = 0; i < NT; i++) wv[i] = GV_PART_##T(w + i * K + Kv, n_);                           \
+            GV_UNROLL for (int r = 0; r < R; r++) {                                                                   \
+                const gv_t xv = gv_f32_part(x + r * K + Kv, n_);                                                      \
+                GV_UNROLL for (int i = 0; i < NT; i++) acc[i][r] = gv_fma(wv[i], xv, acc[i][r]);                      \
+            }                                                                                                         \
+        }                                                                                                             \
+        GV_UNROLL for (int r = 0; r < R; r++)                                                                         \
+            GV_UNROLL for (int i = 0; i < NT; i++) out[r * NT + i] = gv_sum(acc[i][r]);                               \
+    }
+GV_TILE_FN(f32, float)
+GV_TILE_FN(bf16, uint16_t)
+
+/* CALL(R) with r as the compile-time constant R (1..GV_ROWS): the kernel's accumulators then become registers
+ * (runtime counts would keep them in memory).  Each R is one tile shape, GV_NT(R) x R, and its 1 x R remainder. */
+#define GV_FOR_R(r, CALL)                                                                                             \
+    switch (r) {                                                                                                      \
+    case 1: CALL(1); break; case 2: CALL(2); break; case 3: CALL(3); break; case 4: CALL(4); break;                   \
+    case 5: CALL(5); break; case 6: CALL(6); break; case 7: CALL(7); break; default: CALL(8); break;                  \
     }
 
-/* fp32 weights, fp32 activations. */
+GV_INLINE void gv_store_f32(float *y, const float *bias, int64_t i, int64_t n, float v) {
+    y[i] = v + (bias ? bias[n] : 0.f);
+}
+GV_INLINE void gv_store_bf16(uint16_t *y, const uint16_t *bias, int64_t i, int64_t n, float v) {
+    y[i] = f32_to_bf16(v + (bias ? bf16_to_f32(bias[n]) : 0.f)); /* one rounding, as torch's bf16 linear */
+}
+
+/* gv_block_T: weight rows n0..n1 in tiles of NT (the last ragged ones one at a time) against the R input rows from
+ * m0.  gemv_T_range: columns n0..n1 of y [M, N] for all M rows, no OpenMP inside (a caller's parallel region may
+ * hand each thread a range).  Up to GV_ROWS rows the tile shape is picked once per call, outside the loop over the
+ * weights; more rows loop over row blocks inside each weight tile, so the tile is streamed from memory once. */
+#define GV_RANGE_FN(T, WT, YT)                                                                                        \
+    GV_INLINE void gv_block_##T(const WT *restrict W, const float *restrict x, const YT *restrict bias,               \
+                                YT *restrict y, int64_t N, int64_t K, int64_t n0, int64_t n1, int64_t m0,             \
+                                const int NT, const int R) {                                                          \
+        float out[GV_TILE * GV_ROWS];                                                                                 \
+        int64_t n = n0;                                                                                               \
+        for (; n + NT <= n1; n += NT) {                                                                               \
+            gv_tile_##T(W + n * K, x + m0 * K, out, K, NT, R);                                                        \
+            GV_UNROLL for (int r = 0; r < R; r++)                                                                     \
+                GV_UNROLL for (int i = 0; i < NT; i++)                                                                \
+                    gv_store_##T(y, bias, (m0 + r) * N + n + i, n + i, out[r * NT + i]);                              \
+        }                                                                                                             \
+        for (; n < n1; n++) {                                                                                         \
+            gv_tile_##T(W + n * K, x + m0 * K, out, K, 1, R);                                                         \
+            GV_UNROLL for (int r = 0; r < R; r++) gv_store_##T(y, bias, (m0 + r) * N + n, n, out[r]);                 \
+        }                                                                                                             \
+    }                                                                                                                 \
+    void gemv_##T##_range(const WT *restrict W, const float *restrict x, const YT *restrict bias,                     \
+                          YT *restrict y, int64_t M, int64_t N, int64_t K, int64_t n0, int64_t n1) {                  \
+        if (M <= 0) return;                                                                                           \
+        if (M <= GV_ROWS) {                                                                                           \
+            GV_FOR_R(M, GV_WHOLE_##T)                                                                                 \
+            return;                                                                                                   \
+        }                                                                                                             \
+        for (int64_t n = n0; n < n1; n += GV_NT(GV_ROWS)) {                                                           \
+            const int64_t e = n1 - n < GV_NT(GV_ROWS) ? n1 : n + GV_NT(GV_ROWS);                                      \
+            for (int64_t m0 = 0; m0 < M; m0 += GV_ROWS) GV_FOR_R(M - m0, GV_ONE_TILE_##T)                             \
+        }                                                                                                             \
+    }
+#define GV_WHOLE_f32(R) gv_block_f32(W, x, bias, y, N, K, n0, n1, 0, GV_NT(R), R)
+#define GV_WHOLE_bf16(R) gv_block_bf16(W, x, bias, y, N, K, n0, n1, 0, GV_NT(R), R)
+#define GV_ONE_TILE_f32(R) gv_block_f32(W, x, bias, y, N, K, n, e, m0, GV_NT(GV_ROWS), R)
+#define GV_ONE_TILE_bf16(R) gv_block_bf16(W, x, bias, y, N, K, n, e, m0, GV_NT(GV_ROWS), R)
+/* fp32 weights and activations: y[m, n] for n in [n0, n1), every m < M.  W [N, K], x [M, K], bias [N] or NULL. */
+GV_RANGE_FN(f32, float, float)
+/* bf16 weights, bias and output; x already fp32 [M, K] (converted once by the caller, exactly: bf16 -> fp32 is a
+ * shift); fp32 accumulation, one rounding to bf16 at the store (as torch's CPU bf16 matmul). */
+GV_RANGE_FN(bf16, uint16_t, uint16_t)
+
+/* Run CALL(n0, n1) over [0, N): in this thread below GV_SPLIT weights, else one contiguous range per OpenMP thread,
+ * cut at multiples of GV_TILE so that (at most row counts) no thread gets a ragged tile mid-matrix. */
+#define GV_SPLIT_ROWS(N, K, CALL)                                                                                     \
+    do {                                                                                                              \
+        if ((N) * (K) < GV_SPLIT || omp_get_max_threads() == 1) {                                                     \
+            CALL(0, (N));                                                                                             \
+        } else {                                                                                                      \
+            _Pragma("omp parallel") {                                                                                 \
+                const int64_t t_ = omp_get_thread_num(), T_ = omp_get_num_threads();                                  \
+                const int64_t u_ = ((N) + GV_TILE - 1) / GV_TILE, a_ = u_ * t_ / T_ * GV_TILE;                        \
+                const int64_t b_ = u_ * (t_ + 1) / T_ * GV_TILE;                                                      \
+                CALL(a_ < (N) ? a_ : (N), b_ < (N) ? b_ : (N));                                                       \
+            }                                                                                                         \
+        }                                                                                                             \
+    } while (0)
+
+/* fp32 weights, fp32 activations: y [M, N] = x [M, K] @ W [N, K]^T (+ bias [N]). */
 void gemv_f32(const float *restrict W, const float *restrict x, const float *restrict bias,
               float *restrict y, int64_t M, int64_t N, int64_t K) {
-#define STORE_F32(i, n, v) y[i] = (v) + (bias ? bias[n] : 0.f)
-    GEMV_ROWS(float, load_f32, float, STORE_F32)
-#undef STORE_F32
+#define GV_F32(a, b) gemv_f32_range(W, x, bias, y, M, N, K, a, b)
+    GV_SPLIT_ROWS(N, K, GV_F32);
+#undef GV_F32
 }
 
 /* bf16 weights and activations, fp32 accumulation (as torch's CPU bf16 matmul). */
@@ -90,11 +281,14 @@ void gemv_bf16(const uint16_t *restrict W, const uint16_t *restrict xb, const ui
                uint16_t *restrict y, int64_t M, int64_t N, int64_t K) {
     float *x = (float *)malloc(sizeof(float) * M * K); /* M*K floats: tiny next to W */
     for (int64_t i = 0; i < M * K; i++) x[i] = bf16_to_f32(xb[i]);
-#define STORE_BF16(i, n, v) y[i] = f32_to_bf16((v) + (bias ? bf16_to_f32(bias[n]) : 0.f))
-    GEMV_ROWS(uint16_t, bf16_to_f32, float, STORE_BF16)
-#undef STORE_BF16
+#define GV_BF16(a, b) gemv_bf16_range(W, x, bias, y, M, N, K, a, b)
+    GV_SPLIT_ROWS(N, K, GV_BF16);
+#undef GV_BF16
     free(x);
 }
+
+/* Which vector width the GEMV compiled to: 512 (AVX-512), 256 (AVX2), 0 (portable vector extensions). */
+int gemv_simd_level(void) { return GV_SIMD; }
 
 /* Streaming read of n floats (a bandwidth probe for the roofline): returns their sum.  Chunks of 4096 floats are
  * summed in fp32 (vectorised) and the chunk sums in fp64, the chunks split across the threads. */
