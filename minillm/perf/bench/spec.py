@@ -31,7 +31,7 @@ from minillm.spec.proposer import SpecStats
 # repeat is verbatim; the summary keeps whole sentences of the passage; the edit reprints the code with one line
 # changed).  The passage and the code are long enough that the copy lasts past the default 64 tokens: with a
 # shorter passage the model ends its answer early and everything after it measures what follows an answer, not a
-# copy (session 5's repeat prompt: α 0.34, though the copy itself was accepted at α ≈ 0.9).  An earlier "rename a
+# copy (session 5's repeat prompt: α 0.34, though the copy itself was accepted at α ≈ 0.8).  An earlier "rename a
 # variable" edit was not copy-heavy for this model: it rewrote the code instead (α 0.07).
 PASSAGE = ("Lighthouses were once kept by families who lived at the foot of the tower. Every evening the keeper "
            "climbed the spiral stairs, trimmed the wick and wound the clockwork that turned the lens. Through the "
