@@ -233,6 +233,63 @@ def test_paged_decode_attention_matches_reference(dtype):
     torch.testing.assert_close(got, want, **tol)
 
 
+def _paged_case(seed: int, lens: list[int], Hq: int, Hkv: int, D: int, bs: int, dtype: torch.dtype):
+    """Random q [B, Hq, D], caches [num_blocks, bs, Hkv, D] and shuffled block tables [B, W] for sequences of
+    ``lens`` positions (each sequence its own blocks; tables padded with an id past the pool, never read)."""
+    g = torch.Generator().manual_seed(seed)
+    need = [-(-n // bs) for n in lens]
+    nblocks, W = sum(need), max(need)
+    perm = torch.randperm(nblocks, generator=g).to(torch.int32)
+    tables = torch.full((len(lens), W), nblocks + 7, dtype=torch.int32)
+    at = 0
+    for b, n in enumerate(need):
+        tables[b, :n] = perm[at:at + n]
+        at += n
+    kc, vc = (torch.randn(nblocks, bs, Hkv, D, generator=g).to(dtype) for _ in range(2))
+    q = torch.randn(len(lens), Hq, D, generator=g).to(dtype)
+    return q, kc, vc, tables, torch.tensor(lens, dtype=torch.int32)
+
+
+# (lens, Hq, Hkv, D, block size): lengths off a block boundary, S = 1, G = 1 and G = 3 (SmolLM2's 9 / 3 heads),
+# a length on a boundary, and one past the kernel's 4096-score stack buffer (its heap path)
+_PAGED_SHAPES = [([1], 9, 3, 64, 16), ([17, 1, 32, 5], 9, 3, 64, 16), ([33, 7], 4, 4, 32, 16),
+                 ([20, 3, 48], 6, 2, 16, 5), ([4100, 9], 2, 1, 8, 16)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", _PAGED_SHAPES)
+def test_paged_decode_attention_matches_reference_on_odd_lengths_and_head_groups(dtype, shape):
+    from minillm.kernels.reference import paged_decode_attention_ref
+
+    lens, Hq, Hkv, D, bs = shape
+    q, kc, vc, tables, lens_t = _paged_case(len(lens) * 7 + D, lens, Hq, Hkv, D, bs, dtype)
+    got = native.paged_decode_attention(q, kc, vc, tables, lens_t, D**-0.5)
+    # the kernel accumulates in fp32 and rounds once: compare with the fp32 reference rounded to the dtype
+    want = paged_decode_attention_ref(q.float(), kc.float(), vc.float(), tables, lens_t).to(dtype)
+    torch.testing.assert_close(got, want, **(dict(atol=1e-2, rtol=1.6e-2) if dtype == torch.bfloat16 else {}))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_paged_decode_attention_row_is_bit_identical_alone_in_a_batch_and_on_any_thread_count(dtype):
+    # speculative verification compares a row computed among other rows with the same row computed alone: each
+    # (row, head) must be summed in an order fixed by that row's own inputs
+    lens = [37, 200, 1, 64, 129]
+    q, kc, vc, tables, lens_t = _paged_case(3, lens, 9, 3, 64, 16, dtype)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        batch_one = native.paged_decode_attention(q, kc, vc, tables, lens_t, 0.125)
+        torch.set_num_threads(2)
+        batch_two = native.paged_decode_attention(q, kc, vc, tables, lens_t, 0.125)
+        alone = [native.paged_decode_attention(q[b:b + 1], kc, vc, tables[b:b + 1], lens_t[b:b + 1], 0.125)
+                 for b in range(len(lens))]
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(batch_one, batch_two), "result depends on the thread count"
+    for b in range(len(lens)):
+        assert torch.equal(alone[b][0], batch_two[b]), f"row {b} differs alone and in the batch"
+
+
 # ------------------------------------------------------------------------------- decode-step fusions vs references
 DTYPES = [torch.float32, torch.bfloat16]
 

@@ -394,41 +394,60 @@ void rms_norm_bf16(const uint16_t *restrict x, const uint16_t *restrict w, uint1
 /* Decode attention over a paged KV cache: key/value position s of sequence b lives in physical block
  * tables[b, s / bs] at offset s % bs.  k/v [num_blocks, bs, H_kv, D] contiguous; q/out [B, H_q, D];
  * tables [B, W] int32; lens [B] int32; q row b, head h at q + b * sqb + h * sqh (a view into the packed qkv
- * projection needs no copy).  Reference: minillm.kernels.reference.paged_decode_attention_ref. */
-#define PAGED_DECODE_ATTENTION(NAME, T, LOAD, STORE)                                                      \
-    void NAME(const T *restrict q, const T *restrict k, const T *restrict v, const int32_t *restrict tables, \
-              const int32_t *restrict lens, T *restrict out, int64_t B, int64_t Hq, int64_t Hkv, int64_t D,  \
-              int64_t bs, int64_t W, float scale, int64_t sqb, int64_t sqh) {                              \
-        int64_t G = Hq / Hkv;                                                                              \
-        _Pragma("omp parallel for collapse(2) schedule(static)")                                          \
-        for (int64_t b = 0; b < B; b++)                                                                    \
-            for (int64_t h = 0; h < Hq; h++) {                                                             \
-                int64_t S = lens[b];                                                                       \
-                const T *qh = q + b * sqb + h * sqh;                                                       \
-                const int32_t *tb = tables + b * W;                                                        \
-                float qf[D], acc[D], *p = (float *)malloc(sizeof(float) * (S > 0 ? S : 1));               \
-                for (int64_t d = 0; d < D; d++) { qf[d] = LOAD(qh[d]) * scale; acc[d] = 0.f; }            \
-                float m = -INFINITY;                                                                       \
-                for (int64_t s = 0; s < S; s++) {                                                          \
-                    const T *ks = k + (((int64_t)tb[s / bs] * bs + s % bs) * Hkv + h / G) * D;             \
-                    float dot = 0.f;                                                                       \
-                    _Pragma("omp simd reduction(+ : dot)")                                                \
-                    for (int64_t d = 0; d < D; d++) dot += qf[d] * LOAD(ks[d]);                            \
-                    p[s] = dot;                                                                            \
-                    if (dot > m) m = dot;                                                                  \
-                }                                                                                          \
-                float l = 0.f;                                                                             \
-                for (int64_t s = 0; s < S; s++) { p[s] = expf(p[s] - m); l += p[s]; }                      \
-                for (int64_t s = 0; s < S; s++) {                                                          \
-                    const T *vs = v + (((int64_t)tb[s / bs] * bs + s % bs) * Hkv + h / G) * D;             \
-                    float w = p[s];                                                                        \
-                    _Pragma("omp simd")                                                                    \
-                    for (int64_t d = 0; d < D; d++) acc[d] += w * LOAD(vs[d]);                             \
-                }                                                                                          \
-                T *o = out + (b * Hq + h) * D;                                                             \
-                for (int64_t d = 0; d < D; d++) o[d] = STORE(acc[d] / l);                                  \
-                free(p);                                                                                   \
-            }                                                                                              \
+ * projection needs no copy).  Reference: minillm.kernels.reference.paged_decode_attention_ref.
+ *
+ * Cost per (b, h): S dots and S axpys of D elements plus S exps.  Work is split by (row b, query head h) and each
+ * output is computed whole by one thread in a fixed order, so a row's result depends neither on the other rows of
+ * the batch nor on the thread count (speculative verification relies on it).  The loops walk the block table
+ * (outer: table entries, inner: a block's offsets) instead of a 64-bit s / bs and s % bs per position; scores live on the stack up to PAGED_STACK positions
+ * (a malloc per (b, h) otherwise) and the exp pass is vectorised.  Measured (SmolLM2-135M heads, Hq 9, Hkv 3, D 64,
+ * one thread, B = 1): 18 -> 6 µs at S = 64, 80 -> 31 µs at S = 256, 431 -> 151 µs at S = 1024. */
+#define PAGED_STACK 4096 /* 16 KiB of fp32 scores: beyond it, a heap buffer */
+#define PAGED_DECODE_ATTENTION(NAME, T, LOAD, STORE)                                                           \
+    void NAME(const T *restrict q, const T *restrict k, const T *restrict v, const int32_t *restrict tables,   \
+              const int32_t *restrict lens, T *restrict out, int64_t B, int64_t Hq, int64_t Hkv, int64_t D,    \
+              int64_t bs, int64_t W, float scale, int64_t sqb, int64_t sqh) {                                  \
+        int64_t G = Hq / Hkv, rs = Hkv * D;                                                                    \
+        _Pragma("omp parallel for collapse(2) schedule(static)")                                               \
+        for (int64_t b = 0; b < B; b++)                                                                        \
+            for (int64_t h = 0; h < Hq; h++) {                                                                 \
+                int64_t S = lens[b], nb = (S + bs - 1) / bs;                                                   \
+                const T *qh = q + b * sqb + h * sqh;                                                           \
+                const int32_t *tb = tables + b * W;                                                            \
+                const T *kh = k + (h / G) * D, *vh = v + (h / G) * D;                                          \
+                float qf[D], acc[D], stack[PAGED_STACK];                                                       \
+                float *p = S <= PAGED_STACK ? stack : (float *)malloc(sizeof(float) * S);                      \
+                for (int64_t d = 0; d < D; d++) { qf[d] = LOAD(qh[d]) * scale; acc[d] = 0.f; }                 \
+                float m = -INFINITY;                                                                           \
+                for (int64_t i = 0; i < nb; i++) {                                                             \
+                    const T *kb = kh + (int64_t)tb[i] * bs * rs;                                               \
+                    int64_t n = S - i * bs < bs ? S - i * bs : bs;                                             \
+                    for (int64_t j = 0; j < n; j++) {                                                          \
+                        const T *ks = kb + j * rs;                                                             \
+                        float dot = 0.f;                                                                       \
+                        _Pragma("omp simd reduction(+ : dot)")                                                 \
+                        for (int64_t d = 0; d < D; d++) dot += qf[d] * LOAD(ks[d]);                            \
+                        p[i * bs + j] = dot;                                                                   \
+                        m = dot > m ? dot : m;                                                                 \
+                    }                                                                                          \
+                }                                                                                              \
+                float l = 0.f;                                                                                 \
+                _Pragma("omp simd reduction(+ : l)")                                                           \
+                for (int64_t s = 0; s < S; s++) { p[s] = expf(p[s] - m); l += p[s]; }                          \
+                for (int64_t i = 0; i < nb; i++) {                                                             \
+                    const T *vb = vh + (int64_t)tb[i] * bs * rs;                                               \
+                    int64_t n = S - i * bs < bs ? S - i * bs : bs;                                             \
+                    for (int64_t j = 0; j < n; j++) {                                                          \
+                        const T *vs = vb + j * rs;                                                             \
+                        float w = p[i * bs + j];                                                               \
+                        _Pragma("omp simd")                                                                    \
+                        for (int64_t d = 0; d < D; d++) acc[d] += w * LOAD(vs[d]);                             \
+                    }                                                                                          \
+                }                                                                                              \
+                T *o = out + (b * Hq + h) * D;                                                                 \
+                for (int64_t d = 0; d < D; d++) o[d] = STORE(acc[d] / l);                                      \
+                if (p != stack) free(p);                                                                       \
+            }                                                                                                  \
     }
 
 PAGED_DECODE_ATTENTION(paged_decode_attention_f32, float, load_f32, store_f32)
