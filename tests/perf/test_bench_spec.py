@@ -120,3 +120,14 @@ def test_projected_speedup_weighs_verify_steps_and_plain_steps_by_their_time():
     row = {"tokens_per_call": 2.0, "verify_steps": 5, "skipped_steps": 5, "draft_ms": 0.0, "overhead_ms": 0.0}
     assert projected_speedup(row, 10.0, 2.0) == pytest.approx(2.0 * 10 / 15)
     assert projected_speedup({"tokens_per_call": None}, 10.0, 1.1) is None
+
+
+def test_nonsense_projection_inputs_and_a_later_snapshot_as_before_are_value_errors():
+    row = {"verify_steps": 10, "skipped_steps": 0, "draft_ms": 0.0, "overhead_ms": 1.0, "tokens_per_call": 4.0}
+    with pytest.raises(ValueError, match="plain_ms and verify_ratio must be > 0"):
+        projected_speedup(row, 0.0, 1.1)
+    with pytest.raises(ValueError, match="verify_ratio"):
+        projected_speedup(row, 10.0, -1.0)
+    early, late = SpecStats(verify_steps=1, emitted_tokens=2), SpecStats(verify_steps=3, emitted_tokens=7)
+    with pytest.raises(ValueError, match="earlier snapshot"):
+        stats_since(early, late)

@@ -98,7 +98,11 @@ def _run(llm, spec: dict | None, prompts: list[list[int]], n_tokens: int, stop_a
 
 def stats_since(now: SpecStats, before: SpecStats) -> SpecStats:
     """The counters ``now`` minus ``before`` (what one run added to an engine's life-long ``SpecStats``)."""
-    return SpecStats(**{f.name: getattr(now, f.name) - getattr(before, f.name) for f in dataclasses.fields(SpecStats)})
+    diff = {f.name: getattr(now, f.name) - getattr(before, f.name) for f in dataclasses.fields(SpecStats)}
+    shrunk = sorted(name for name, v in diff.items() if v < 0)
+    if shrunk:
+        raise ValueError(f"{shrunk} went down: pass an earlier snapshot of the same engine's spec_stats as `before`")
+    return SpecStats(**diff)
 
 
 def projected_speedup(row: dict, plain_ms: float, verify_ratio: float) -> float | None:
@@ -106,6 +110,9 @@ def projected_speedup(row: dict, plain_ms: float, verify_ratio: float) -> float 
     ``plain_ms`` (whole step, ms), keeping the row's measured draft and overhead ms per speculative step and its
     steps without a proposal (plain steps): tokens / time of (verify steps + skipped steps) over plain's 1 token per
     ``plain_ms``.  None for a row without speculation counters."""
+    if not (plain_ms > 0 and verify_ratio > 0):
+        raise ValueError(f"plain_ms and verify_ratio must be > 0 (a plain step's ms, verify ms over it), got "
+                         f"{plain_ms!r} and {verify_ratio!r}")
     verify, skipped = row.get("verify_steps"), row.get("skipped_steps")
     if not verify or skipped is None:
         return None
