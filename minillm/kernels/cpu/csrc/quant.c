@@ -44,6 +44,12 @@
 
 #define QTILE 8  /* input rows per register tile; more rows take more tiles over the same (L1-resident) weight row */
 #define QB 32    /* weights per block: Q4_1 / Q8_0 / Q8_1 */
+#ifndef PF_TILES
+#define PF_TILES 2
+#endif
+#ifndef PF_LOC
+#define PF_LOC 3
+#endif
 #define INLINE static inline __attribute__((always_inline))
 
 static inline float h2f(uint16_t h) {
@@ -285,7 +291,11 @@ INLINE f4 f4_load(const void *s, int f16, int64_t off, int n) { /* n (1..4) scal
                : _mm_maskz_loadu_ps(k, (const float *)s + off);
 }
 INLINE vb vb_nib_lo(vb w) { return _mm512_and_si512(w, _mm512_set1_epi8(0x0F)); }
+#if defined(__GFNI__) /* one instruction: each byte times a bit matrix over GF(2), here the matrix of x >> 4 */
+INLINE vb vb_nib_hi(vb w) { return _mm512_gf2p8affine_epi64_epi8(w, _mm512_set1_epi64(0x1020408000000000LL), 0); }
+#else
 INLINE vb vb_nib_hi(vb w) { return _mm512_and_si512(_mm512_srli_epi16(w, 4), _mm512_set1_epi8(0x0F)); }
+#endif
 INLINE vi dot_u8s8(vi acc, vb u, vb s) { /* lane l += sum of bytes 4l..4l+3 of u (unsigned) * s (signed) */
 #if defined(__AVX512VNNI__)
     return _mm512_dpbusd_epi32(acc, u, s);
@@ -314,11 +324,36 @@ INLINE vi q8_dot(q8w_t w, const int8_t *x, const int32_t *xc) { /* |w| * (x with
 #endif
 INLINE vf vf_zero(void) { return _mm512_setzero_ps(); }
 INLINE vf vf_load(const float *p) { return _mm512_loadu_ps(p); }
+INLINE void vf_store(float *p, vf a) { _mm512_storeu_ps(p, a); }
+INLINE vf vf_load_h(const void *s, int f16, int64_t off, int n) { /* n (1..16) scales from off, zeros after */
+    if (n == 16) return f16 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)s + off)))
+                            : _mm512_loadu_ps((const float *)s + off);
+    const __mmask16 k = (__mmask16)((1u << n) - 1); /* masked: no read past the row's last scale */
+    return f16 ? _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, (const uint16_t *)s + off))
+               : _mm512_maskz_loadu_ps(k, (const float *)s + off);
+}
 INLINE vf vf_cvt(vi a) { return _mm512_cvtepi32_ps(a); }
 INLINE vf vf_mul(vf a, vf b) { return _mm512_mul_ps(a, b); }
 INLINE vf vf_fma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
 INLINE vf vf_add(vf a, vf b) { return _mm512_add_ps(a, b); }
-INLINE float vf_sum(vf a) { return _mm512_reduce_add_ps(a); }
+/* The sum of 16 lanes in a fixed tree: lane i + lane i+8, then i + i+4, then i + i+2, then 0 + 1.  vf_sum4 sums 4
+ * vectors with the same pairs (4 rows' reductions share their shuffles), so a row's sum is the same bits whichever
+ * of the two computes it. */
+INLINE float vf_sum(vf a) {
+    const __m256 t = _mm256_add_ps(_mm512_castps512_ps256(a), _mm512_extractf32x8_ps(a, 1));
+    __m128 r = _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
+    r = _mm_add_ps(r, _mm_movehl_ps(r, r));
+    return _mm_cvtss_f32(_mm_add_ss(r, _mm_movehdup_ps(r)));
+}
+INLINE void vf_sum4(vf a, vf b, vf c, vf d, float out[4]) {
+    const vf ab = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE)); /* [a8 | b8] */
+    const vf cd = _mm512_add_ps(_mm512_shuffle_f32x4(c, d, 0x44), _mm512_shuffle_f32x4(c, d, 0xEE));
+    vf v = _mm512_add_ps(_mm512_shuffle_f32x4(ab, cd, 0x88), _mm512_shuffle_f32x4(ab, cd, 0xDD)); /* [a4 b4 c4 d4] */
+    v = _mm512_add_ps(v, _mm512_permute_ps(v, 0x4E)); /* i + i+2 within each row's 4 */
+    v = _mm512_add_ps(v, _mm512_permute_ps(v, 0xB1)); /* 0 + 1 */
+    _mm_storeu_ps(out, _mm512_castps512_ps128(_mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 0, 0, 0, 0, 0, 0,
+                                                                                    0, 0, 0, 0, 0, 0), v)));
+}
 INLINE vf vf_expand4(f4 s) { /* s[0..3] -> each 4 times */
     return _mm512_permutexvar_ps(_mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0),
                                  _mm512_castps128_ps512(s));
@@ -354,11 +389,19 @@ INLINE vb vb_nib_lo(vb w) {
     vb r = {_mm256_and_si256(w.a, m), _mm256_and_si256(w.b, m)};
     return r;
 }
+#if defined(__GFNI__)
+INLINE vb vb_nib_hi(vb w) {
+    const __m256i a = _mm256_set1_epi64x(0x1020408000000000LL); /* the bit matrix of x >> 4 (see the 512-bit path) */
+    vb r = {_mm256_gf2p8affine_epi64_epi8(w.a, a, 0), _mm256_gf2p8affine_epi64_epi8(w.b, a, 0)};
+    return r;
+}
+#else
 INLINE vb vb_nib_hi(vb w) {
     const __m256i m = _mm256_set1_epi8(0x0F);
     vb r = {_mm256_and_si256(_mm256_srli_epi16(w.a, 4), m), _mm256_and_si256(_mm256_srli_epi16(w.b, 4), m)};
     return r;
 }
+#endif
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
 #define DPBUSD(acc, u, s) _mm256_dpbusd_epi32(acc, u, s)
 #elif defined(__AVXVNNI__)
@@ -409,6 +452,18 @@ INLINE vf vf_load(const float *p) {
     vf r = {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)};
     return r;
 }
+INLINE void vf_store(float *p, vf a) { _mm256_storeu_ps(p, a.a), _mm256_storeu_ps(p + 8, a.b); }
+INLINE vf vf_load_h(const void *s, int f16, int64_t off, int n) { /* n (1..16) scales from off, zeros after */
+    if (n == 16 && f16) {
+        vf r = {_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)s + off))),
+                _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)s + off + 8)))};
+        return r;
+    }
+    if (n == 16) return vf_load((const float *)s + off);
+    float b[16] = {0.f};
+    for (int i = 0; i < n; i++) b[i] = scale_at(s, f16, off + i);
+    return vf_load(b);
+}
 INLINE vf vf_cvt(vi a) {
     vf r = {_mm256_cvtepi32_ps(a.a), _mm256_cvtepi32_ps(a.b)};
     return r;
@@ -431,6 +486,9 @@ INLINE float vf_sum(vf v) {
     r = _mm_add_ps(r, _mm_movehl_ps(r, r));
     return _mm_cvtss_f32(_mm_add_ss(r, _mm_movehdup_ps(r)));
 }
+INLINE void vf_sum4(vf a, vf b, vf c, vf d, float out[4]) { /* as vf_sum, one row at a time */
+    out[0] = vf_sum(a), out[1] = vf_sum(b), out[2] = vf_sum(c), out[3] = vf_sum(d);
+}
 INLINE vf vf_expand4(f4 s) {
     const __m256 v = _mm256_castps128_ps256(s);
     vf r = {_mm256_permutevar8x32_ps(v, _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1)),
@@ -446,6 +504,7 @@ INLINE vf vf_expand2(f4 s) {
 INLINE f4 f4_zero(void) { return _mm_setzero_ps(); }
 INLINE f4 f4_loadf(const float *p) { return _mm_loadu_ps(p); }
 INLINE f4 f4_fma(f4 a, f4 b, f4 c) { return _mm_fmadd_ps(a, b, c); }
+INLINE f4 f4_mul(f4 a, f4 b) { return _mm_mul_ps(a, b); }
 INLINE float f4_sum(f4 a) {
     a = _mm_add_ps(a, _mm_movehl_ps(a, a));
     return _mm_cvtss_f32(_mm_add_ss(a, _mm_movehdup_ps(a)));
@@ -483,6 +542,10 @@ INLINE f4 f4_loadf(const float *p) {
 INLINE f4 f4_fma(f4 a, f4 b, f4 c) {
     for (int i = 0; i < 4; i++) c.v[i] += a.v[i] * b.v[i];
     return c;
+}
+INLINE f4 f4_mul(f4 a, f4 b) {
+    for (int i = 0; i < 4; i++) a.v[i] *= b.v[i];
+    return a;
 }
 INLINE float f4_sum(f4 a) { return a.v[0] + a.v[1] + a.v[2] + a.v[3]; }
 INLINE vb vb_nib_lo(vb w) {
@@ -522,6 +585,12 @@ INLINE vf vf_load(const float *p) {
     memcpy(r.v, p, sizeof r.v);
     return r;
 }
+INLINE void vf_store(float *p, vf a) { memcpy(p, a.v, sizeof a.v); }
+INLINE vf vf_load_h(const void *s, int f16, int64_t off, int n) {
+    vf r = {{0.f}};
+    for (int i = 0; i < n; i++) r.v[i] = scale_at(s, f16, off + i);
+    return r;
+}
 INLINE vf vf_cvt(vi a) {
     vf r;
     for (int l = 0; l < 16; l++) r.v[l] = (float)a.v[l];
@@ -543,6 +612,9 @@ INLINE float vf_sum(vf a) {
     float s = 0.f;
     for (int l = 0; l < 16; l++) s += a.v[l];
     return s;
+}
+INLINE void vf_sum4(vf a, vf b, vf c, vf d, float out[4]) {
+    out[0] = vf_sum(a), out[1] = vf_sum(b), out[2] = vf_sum(c), out[3] = vf_sum(d);
 }
 INLINE vf vf_expand4(f4 s) {
     vf r;
@@ -580,9 +652,9 @@ static inline void to_f32(const void *s, int f16, int64_t off, int64_t n, float 
 typedef struct {
     void *mem;
     int8_t *xq;
-    float *dxl, *xsb, *xsg;
+    float *dxl, *dxb, *xsb, *xsg;
     int32_t *xc;
-    int64_t sq, sl, sb, sg, sc; /* per-row strides of xq (bytes), dxl, xsb, xsg (floats), xc (int32) */
+    int64_t sq, sl, sb, sg, sc; /* per-row strides of xq (bytes), dxl, xsb and dxb, xsg (floats), xc (int32) */
 } xprep_t;
 
 #ifdef Q8_BIAS
@@ -594,7 +666,7 @@ typedef struct {
 /* Bytes xprep uses for M rows of K (a caller passing its own buffer sizes it with this). */
 static size_t xprep_bytes(int64_t M, int64_t K, int64_t G, int q4) {
     const int64_t nb = K / QB, bpc = q4 ? 4 : 2, nc = (nb + bpc - 1) / bpc, ng = K / G;
-    const int64_t floats = nc * 16 + (q4 ? nc * 4 + ng : 0), ints = q4 ? 0 : nc * XC_LANES;
+    const int64_t floats = nc * 16 + (q4 ? 2 * nc * 4 + ng : 0), ints = q4 ? 0 : nc * XC_LANES;
     return (size_t)M * ((size_t)nc * CHUNK * (q4 ? 2 : 1) + sizeof(float) * (size_t)(floats + ints));
 }
 
@@ -606,7 +678,7 @@ static xprep_t xprep(const void *xin, int x_bf16, int64_t M, int64_t K, int64_t 
     p.sc = q4 ? 0 : nc * XC_LANES;
     const size_t bytes = xprep_bytes(M, K, G, q4);
     p.mem = bytes <= buf_bytes ? memset(buf, 0, bytes) : calloc(1, bytes); /* zeros: the chunks' padding */
-    p.dxl = (float *)p.mem, p.xsb = p.dxl + M * p.sl, p.xsg = p.xsb + M * p.sb;
+    p.dxl = (float *)p.mem, p.xsb = p.dxl + M * p.sl, p.dxb = p.xsb + M * p.sb, p.xsg = p.dxb + M * p.sb;
     p.xc = (int32_t *)(p.xsg + M * p.sg);
     p.xq = (int8_t *)(p.xc + M * p.sc);
     for (int64_t m = 0; m < M; m++)
@@ -632,6 +704,7 @@ static xprep_t xprep(const void *xin, int x_bf16, int64_t M, int64_t K, int64_t 
                 memcpy(xr + c * 2 * CHUNK + CHUNK + i * 16, q + 16, 16);
                 for (int l = 0; l < 4; l++) p.dxl[m * p.sl + b * 4 + l] = d;
                 p.xsb[m * p.sb + b] = d * (float)s;
+                p.dxb[m * p.sb + b] = d;
                 p.xsg[m * p.sg + b / (G / QB)] += d * (float)s; /* blocks of a group are consecutive */
             } else {
                 memcpy(xr + b * QB, q, QB);
@@ -714,15 +787,14 @@ INLINE void q4_q8_row4(const uint8_t *restrict p, const void *sc, const void *mi
 #define Q4_CHUNK4(ACC, NBLK, CI)                                                                                    \
     do {                                                                                                       \
         const int8_t *xr_ = x->xq + (CI) * 2 * CHUNK;                                                          \
-        const vf dx_ = vf_load(x->dxl + (CI) * 16);                                                            \
-        const f4 xs_ = f4_loadf(x->xsb + (CI) * 4);                                                            \
+        const f4 dx_ = f4_loadf(x->dxb + (CI) * 4), xs_ = f4_loadf(x->xsb + (CI) * 4);                         \
         for (int r = 0; r < 4; r++) {                                                                          \
             const uint8_t *pr_ = p + r * rowb + (CI) * CHUNK;                                                  \
-            __builtin_prefetch(p + 8 * rowb + ((CI) * 4 + r) * CHUNK); /* 2 tiles ahead, in address order */  \
+            __builtin_prefetch(p + 4 * PF_TILES * rowb + ((CI) * 4 + r) * CHUNK, 0, PF_LOC); /* 2 tiles ahead, in address order */  \
             const vb w_ = NBLK == 4 ? vb_load(pr_) : vb_load_part(pr_, NBLK * 16);                             \
-            const vf sw_ = vf_expand4(f4_load(sc, f16, (n + r) * ng + (CI) * 4, NBLK));                        \
+            const vf sw_ = vf_expand4(f4_mul(f4_load(sc, f16, (n + r) * ng + (CI) * 4, NBLK), dx_));           \
             const vi d_ = q4_dot(vb_nib_lo(w_), vb_nib_hi(w_), xr_);                                           \
-            ACC[r] = vf_fma(vf_cvt(d_), vf_mul(sw_, dx_), ACC[r]);                                             \
+            ACC[r] = vf_fma(vf_cvt(d_), sw_, ACC[r]);                                                          \
             am[r] = f4_fma(f4_load(mi, f16, (n + r) * ng + (CI) * 4, NBLK), xs_, am[r]);                        \
         }                                                                                                      \
     } while (0)
@@ -737,7 +809,8 @@ INLINE void q4_q8_row4(const uint8_t *restrict p, const void *sc, const void *mi
     }
     if (rem) Q4_CHUNK4(a1, rem, c);
 #undef Q4_CHUNK4
-    for (int r = 0; r < 4; r++) out[r] = vf_sum(vf_add(a0[r], a1[r])) + f4_sum(am[r]); /* as q4_q8_row reduces */
+    vf_sum4(vf_add(a0[0], a1[0]), vf_add(a0[1], a1[1]), vf_add(a0[2], a1[2]), vf_add(a0[3], a1[3]), out);
+    for (int r = 0; r < 4; r++) out[r] += f4_sum(am[r]); /* as q4_q8_row reduces */
 }
 
 /* int8 weights against R input rows.  MODE (compile-time): 0 per output channel (G = K: the row's one scale
@@ -781,6 +854,47 @@ INLINE void q8_q8_row(const int8_t *restrict w, const void *sc, int f16, int64_t
     for (int m = 0; m < R; m++) out[m] = s * vf_sum(vf_add(a0[m], a1[m]));
 }
 
+/* Batch 1, per-channel scales or groups of 32 (MODE 0 or 1, as q8_q8_row): 4 weight rows at a time against the
+ * one input row, the activation, xc and dx loads shared by the 4 rows (1.75 loads a chunk and row instead of 4).
+ * Each row's products, chunk order and reduction are q8_q8_row's, so its result is the same bits.  The 4 rows are 4
+ * interleaved streams the hardware prefetchers do not follow; as in q4_q8_row4, each chunk step prefetches 4 lines
+ * of the tile PF_TILES ahead in address order. */
+INLINE void q8_q8_row4(const int8_t *restrict w, const void *sc, int f16, int64_t n, const xprep_t *x, float out[4],
+                       int64_t K, const int MODE) {
+    const int64_t nb = K / QB, ng = MODE ? nb : 1, nc = nb / 2;
+    const int rem = (int)(nb % 2);
+    vf a0[4], a1[4];
+    for (int r = 0; r < 4; r++) a0[r] = vf_zero(), a1[r] = vf_zero();
+#define Q8_CHUNK4(ACC, NBLK, CI)                                                                               \
+    do {                                                                                                       \
+        const int8_t *xr_ = x->xq + (CI) * CHUNK;                                                              \
+        const int32_t *xc_ = x->xc + (CI) * 16;                                                                \
+        const vf dx_ = vf_load(x->dxl + (CI) * 16);                                                            \
+        for (int r = 0; r < 4; r++) {                                                                          \
+            const int8_t *wr_ = w + r * K + (CI) * CHUNK;                                                      \
+            __builtin_prefetch(w + 4 * PF_TILES * K + ((CI) * 4 + r) * CHUNK, 0, PF_LOC);                      \
+            const q8w_t wp_ = q8_prep(NBLK == 2 ? vb_load(wr_) : vb_load_part(wr_, QB));                       \
+            const vf d_ = vf_cvt(q8_dot(wp_, xr_, xc_));                                                       \
+            if (MODE) ACC[r] = vf_fma(d_, vf_mul(vf_expand2(f4_load(sc, f16, (n + r) * ng + 2 * (CI), NBLK)), dx_), ACC[r]); \
+            else ACC[r] = vf_fma(d_, dx_, ACC[r]);                                                             \
+        }                                                                                                      \
+    } while (0)
+    int64_t c = 0; /* q8_q8_row's order: even chunks in a0, odd in a1, an odd last one in a0, the tail in a1 */
+    for (; c + 2 <= nc; c += 2) {
+        Q8_CHUNK4(a0, 2, c);
+        Q8_CHUNK4(a1, 2, c + 1);
+    }
+    if (c < nc) {
+        Q8_CHUNK4(a0, 2, c);
+        c++;
+    }
+    if (rem) Q8_CHUNK4(a1, 1, c);
+#undef Q8_CHUNK4
+    vf_sum4(vf_add(a0[0], a1[0]), vf_add(a0[1], a1[1]), vf_add(a0[2], a1[2]), vf_add(a0[3], a1[3]), out);
+    if (MODE == 0)
+        for (int r = 0; r < 4; r++) out[r] *= scale_at(sc, f16, n + r);
+}
+
 /* Rows n0..n1 of y for one thread; dwb: a row's scale per block (groups other than 32). */
 static void q4_q8_rows(const uint8_t *restrict P, const void *scales, const void *mins, int scale_f16,
                        const xprep_t *x, int x_bf16, void *y, int64_t M, int64_t N, int64_t K, int64_t G, int64_t n0,
@@ -814,7 +928,15 @@ static void q8_q8_rows(const int8_t *restrict W, const void *scales, int scale_f
      * hardware prefetchers follow one sequential stream, not 4 interleaved 9-line ones (K = 576: a row is 9 lines,
      * so each new tile starts 4 untrained streams); a software prefetch of the next tile in address order brought
      * it to 1.2x slower than this loop, a prefetch of the same row 1-8 tiles ahead did nothing.  Left for later. */
-    for (int64_t n = n0; n < n1; n++)
+    int64_t n = n0;
+    if (M == 1 && (G == K || G == QB))
+        for (; n + 4 <= n1; n += 4) {
+            float out[4];
+            if (G == K) q8_q8_row4(W + n * K, scales, scale_f16, n, x, out, K, 0);
+            else q8_q8_row4(W + n * K, scales, scale_f16, n, x, out, K, 1);
+            for (int r = 0; r < 4; r++) store_y(y, x_bf16, n + r, out[r]);
+        }
+    for (; n < n1; n++)
         for (int64_t m0 = 0; m0 < M; m0 += QTILE) {
             float out[QTILE];
             const int64_t mr = M - m0 < QTILE ? M - m0 : QTILE;
