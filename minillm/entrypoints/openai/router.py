@@ -47,7 +47,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from minillm.entrypoints.openai import protocol as p
 from minillm.entrypoints.openai.metrics import CONTENT_TYPE
 from minillm.entrypoints.openai.replicas import ReplicaProcess
-from minillm.entrypoints.openai.server import APIError, sse
+from minillm.entrypoints.openai.server import APIError
+from minillm.entrypoints.openai.sse import event as sse
 
 ROUTING = ("least_loaded", "round_robin")
 HEALTH_PERIOD_S = 0.5  # how often dead processes are noticed and unreachable replicas re-probed

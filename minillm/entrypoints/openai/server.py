@@ -37,7 +37,7 @@ from minillm.entrypoints.openai.engine_loop import (
 )
 from minillm.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
 from minillm.entrypoints.openai.sse import StreamMeta, sse_stream
-from minillm.entrypoints.openai.sse import event as sse  # router.py imports it from here too
+from minillm.entrypoints.openai.sse import event as sse
 from minillm.outputs import StepOutput
 from minillm.sampling.params import SamplingParams
 
