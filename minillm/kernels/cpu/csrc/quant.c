@@ -358,6 +358,10 @@ INLINE vf vf_expand4(f4 s) { /* s[0..3] -> each 4 times */
     return _mm512_permutexvar_ps(_mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0),
                                  _mm512_castps128_ps512(s));
 }
+INLINE vf vf_spread4(vf v, int j) { /* lanes 4j..4j+3 of v, each 4 times (j a constant: the index is one register) */
+    return _mm512_permutexvar_ps(_mm512_add_epi32(_mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0),
+                                                  _mm512_set1_epi32(4 * j)), v);
+}
 INLINE vf vf_expand2(f4 s) { /* s[0..1] -> each 8 times */
     return _mm512_permutexvar_ps(_mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0),
                                  _mm512_castps128_ps512(s));
@@ -499,6 +503,13 @@ INLINE vf vf_expand2(f4 s) {
     vf r = {_mm256_broadcastss_ps(s), _mm256_broadcastss_ps(_mm_movehdup_ps(s))};
     return r;
 }
+INLINE vf vf_spread4(vf v, int j) { /* lanes 4j..4j+3 of v (lanes 0-7 in .a, 8-15 in .b), each 4 times */
+    const __m256 src = j < 2 ? v.a : v.b;
+    const int b = (j % 2) * 4;
+    vf r = {_mm256_permutevar8x32_ps(src, _mm256_setr_epi32(b, b, b, b, b + 1, b + 1, b + 1, b + 1)),
+            _mm256_permutevar8x32_ps(src, _mm256_setr_epi32(b + 2, b + 2, b + 2, b + 2, b + 3, b + 3, b + 3, b + 3))};
+    return r;
+}
 #endif
 #if QSIMD
 INLINE f4 f4_zero(void) { return _mm_setzero_ps(); }
@@ -626,7 +637,20 @@ INLINE vf vf_expand2(f4 s) {
     for (int l = 0; l < 16; l++) r.v[l] = s.v[l / 8];
     return r;
 }
+INLINE vf vf_spread4(vf v, int j) {
+    vf r;
+    for (int l = 0; l < 16; l++) r.v[l] = v.v[4 * j + l / 4];
+    return r;
+}
 #endif
+
+/* a, opaque to the optimiser: -ffast-math may reassociate a chain of adds (a + b) + c differently where the same
+ * function is inlined twice, and a row's sum must be the same bits on every path; an add whose input is pinned
+ * cannot be regrouped. */
+INLINE vf vf_pin(vf a) {
+    __asm__("" : "+m"(a));
+    return a;
+}
 
 /* n consecutive scales (fp16 or fp32) -> fp32, 8 at a time with F16C. */
 static inline void to_f32(const void *s, int f16, int64_t off, int64_t n, float *restrict out) {
@@ -663,10 +687,12 @@ typedef struct {
 #define XC_LANES 0
 #endif
 
+#define ROUND16(n) (((n) + 15) / 16 * 16)
+
 /* Bytes xprep uses for M rows of K (a caller passing its own buffer sizes it with this). */
 static size_t xprep_bytes(int64_t M, int64_t K, int64_t G, int q4) {
     const int64_t nb = K / QB, bpc = q4 ? 4 : 2, nc = (nb + bpc - 1) / bpc, ng = K / G;
-    const int64_t floats = nc * 16 + (q4 ? 2 * nc * 4 + ng : 0), ints = q4 ? 0 : nc * XC_LANES;
+    const int64_t floats = nc * 16 + (q4 ? 2 * ROUND16(nc * 4) + ng : 0), ints = q4 ? 0 : nc * XC_LANES;
     return (size_t)M * ((size_t)nc * CHUNK * (q4 ? 2 : 1) + sizeof(float) * (size_t)(floats + ints));
 }
 
@@ -674,7 +700,7 @@ static xprep_t xprep(const void *xin, int x_bf16, int64_t M, int64_t K, int64_t 
                      size_t buf_bytes) {
     const int64_t nb = K / QB, bpc = q4 ? 4 : 2, nc = (nb + bpc - 1) / bpc, ng = K / G;
     xprep_t p = {0};
-    p.sq = nc * CHUNK * (q4 ? 2 : 1), p.sl = nc * 16, p.sb = q4 ? nc * 4 : 0, p.sg = q4 ? ng : 0;
+    p.sq = nc * CHUNK * (q4 ? 2 : 1), p.sl = nc * 16, p.sb = q4 ? ROUND16(nc * 4) : 0, p.sg = q4 ? ng : 0;
     p.sc = q4 ? 0 : nc * XC_LANES;
     const size_t bytes = xprep_bytes(M, K, G, q4);
     p.mem = bytes <= buf_bytes ? memset(buf, 0, bytes) : calloc(1, bytes); /* zeros: the chunks' padding */
@@ -716,22 +742,21 @@ static xprep_t xprep(const void *xin, int x_bf16, int64_t M, int64_t K, int64_t 
     return p;
 }
 
-/* One Q4_1 weight row against R input rows (tile m0).  G32 (a compile-time 1 or 0): groups of 32, the scales and
- * mins read per chunk (4 of each, one vcvtph2ps), the mins' term sum_b m_b * (sum of xhat in b) accumulated 4 blocks
- * at a time; otherwise dwb [nb rounded up to 4] holds this row's scale per block (expanded from its groups) and the
- * mins' term is one dot over the groups.  Two accumulators per row (even and odd chunks), so that one chain of FMAs
- * does not wait on its latency every chunk — at every R: a row's sums must not depend on how many rows share the call
+/* One Q4_1 weight row against R input rows (tile m0).  G32 (a compile-time 1 or 0) — groups of 32: the blocks are
+ * taken 16 at a time (4 chunks): their 16 scales and 16 mins converted in one instruction each, the mins' term
+ * sum_b m_b * (sum of xhat in b) accumulated in 16 lanes (am), each chunk's 4 scales spread over its lanes from the
+ * 16; otherwise dwb [nb + 4] holds this row's scale per block (expanded from its groups) and the mins' term is one
+ * dot over the groups (mt).  Two accumulators per row (even and odd chunks), so that one chain of FMAs does not wait
+ * on its latency every chunk — at every R: a row's sums must not depend on how many rows share the call
  * (speculative verification runs γ + 1 rows where plain decode runs one; greedy output must be identical), so the
- * accumulation order, the tail and the final reduction are the same at every R and in q4_q8_row4 below. */
+ * products, the accumulation order, the tail and the reduction are the same at every R and in q4_q8_row4 below. */
 INLINE void q4_q8_row(const uint8_t *restrict p, const void *sc, const void *mi, int f16, int64_t n,
                       const xprep_t *x, int64_t m0, float *restrict out, int64_t K, int64_t G,
                       float *restrict dwb, const int R, const int G32) {
-    const int64_t nb = K / QB, ng = K / G, nc = nb / 4;
-    const int rem = (int)(nb % 4);
-    vf a0[QTILE], a1[QTILE];
-    f4 am[QTILE];
+    const int64_t nb = K / QB, ng = K / G;
+    vf a0[QTILE], a1[QTILE], am[QTILE];
     float mt[QTILE];
-    for (int m = 0; m < R; m++) a0[m] = vf_zero(), a1[m] = vf_zero(), am[m] = f4_zero(), mt[m] = 0.f;
+    for (int m = 0; m < R; m++) a0[m] = vf_zero(), a1[m] = vf_zero(), am[m] = vf_zero(), mt[m] = 0.f;
     if (!G32) {
         float dw[ng];
         to_f32(sc, f16, n * ng, ng, dw);
@@ -744,73 +769,101 @@ INLINE void q4_q8_row(const uint8_t *restrict p, const void *sc, const void *mi,
             mt[m] = t;
         }
     }
-#define Q4_CHUNK(ACC, NBLK, CI)                                                                                    \
+    /* chunk c = g / 4 + J of 16 blocks from g (NBLK of its 4 blocks real), summed into a0 (J even) or a1 (J odd) */
+#define Q4_CHUNK(ACC, J, NBLK)                                                                                 \
     do {                                                                                                       \
-        const vb w_ = NBLK == 4 ? vb_load(p + (CI) * CHUNK) : vb_load_part(p + (CI) * CHUNK, NBLK * 16);             \
+        const int64_t c_ = g / 4 + (J);                                                                        \
+        const vb w_ = (NBLK) == 4 ? vb_load(p + c_ * CHUNK) : vb_load_part(p + c_ * CHUNK, (NBLK) * 16);       \
         const vb lo_ = vb_nib_lo(w_), hi_ = vb_nib_hi(w_);                                                     \
-        const vf sw_ = vf_expand4(G32 ? f4_load(sc, f16, n * ng + (CI) * 4, NBLK) : f4_loadf(dwb + (CI) * 4));       \
-        const f4 m4_ = G32 ? f4_load(mi, f16, n * ng + (CI) * 4, NBLK) : f4_zero();                               \
+        const vf sw_ = G32 ? vf_spread4(sw16, J) : vf_expand4(f4_loadf(dwb + c_ * 4));                         \
         for (int m = 0; m < R; m++) {                                                                          \
-            const vi d_ = q4_dot(lo_, hi_, x->xq + (m0 + m) * x->sq + (CI) * 2 * CHUNK);                           \
-            ACC[m] = vf_fma(vf_cvt(d_), vf_mul(sw_, vf_load(x->dxl + (m0 + m) * x->sl + (CI) * 16)), ACC[m]);      \
-            if (G32) am[m] = f4_fma(m4_, f4_loadf(x->xsb + (m0 + m) * x->sb + (CI) * 4), am[m]);                  \
+            const vi d_ = q4_dot(lo_, hi_, x->xq + (m0 + m) * x->sq + c_ * 2 * CHUNK);                         \
+            ACC[m] = vf_fma(vf_cvt(d_), vf_mul(sw_, vf_load(x->dxl + (m0 + m) * x->sl + c_ * 16)), ACC[m]);    \
         }                                                                                                      \
     } while (0)
-    int64_t c = 0;
-    for (; c + 2 <= nc; c += 2) {
-        Q4_CHUNK(a0, 4, c);
-        Q4_CHUNK(a1, 4, c + 1);
+#define Q4_GROUP_START                                                                                         \
+    const int nbg_ = nb - g < 16 ? (int)(nb - g) : 16;                                                         \
+    vf sw16 = vf_zero();                                                                                       \
+    if (G32) {                                                                                                 \
+        sw16 = vf_load_h(sc, f16, n * ng + g, nbg_);                                                           \
+        const vf mn16_ = vf_load_h(mi, f16, n * ng + g, nbg_);                                                 \
+        for (int m = 0; m < R; m++) am[m] = vf_fma(mn16_, vf_load(x->xsb + (m0 + m) * x->sb + g), am[m]);      \
     }
-    if (c < nc) {
-        Q4_CHUNK(a0, 4, c);
-        c++;
+    int64_t g = 0;
+    for (; g + 16 <= nb; g += 16) { /* 16 blocks: 4 whole chunks */
+        Q4_GROUP_START
+        Q4_CHUNK(a0, 0, 4);
+        Q4_CHUNK(a1, 1, 4);
+        Q4_CHUNK(a0, 2, 4);
+        Q4_CHUNK(a1, 3, 4);
     }
-    if (rem) Q4_CHUNK(a1, rem, c); /* the last 1..3 blocks, zero-padded (the activations' padding is zero too) */
+    if (g < nb) { /* the last 1..15 blocks: whole chunks, then one of 1..3 blocks (zero-padded, as its activations) */
+        Q4_GROUP_START
+        const int left = (int)(nb - g);
+        if (left > 0) Q4_CHUNK(a0, 0, left >= 4 ? 4 : left);
+        if (left > 4) Q4_CHUNK(a1, 1, left >= 8 ? 4 : left - 4);
+        if (left > 8) Q4_CHUNK(a0, 2, left >= 12 ? 4 : left - 8);
+        if (left > 12) Q4_CHUNK(a1, 3, left - 12);
+    }
 #undef Q4_CHUNK
-    for (int m = 0; m < R; m++) out[m] = vf_sum(vf_add(a0[m], a1[m])) + (G32 ? f4_sum(am[m]) : mt[m]);
+#undef Q4_GROUP_START
+    for (int m = 0; m < R; m++)
+        out[m] = G32 ? vf_sum(vf_add(vf_pin(vf_add(a0[m], a1[m])), am[m])) : vf_sum(vf_add(a0[m], a1[m])) + mt[m];
 }
 
-/* Batch 1, groups of 32 (GGUF Q4_1, the decode case): 4 weight rows at a time against the one input row.  The
- * activation loads are shared by the 4 rows; each row's arithmetic is exactly q4_q8_row's (see there):
- * at K = 576 (18 blocks, 4.5 chunks) a row's own reduction, scales and tail cost as much as its chunks.
+/* Batch 1, groups of 32 (GGUF Q4_1, the decode case): 4 weight rows at a time against the one input row.  Per 16
+ * blocks and row: the 16 scales times the activations' 16 dx (one convert, one multiply), the 16 mins into the
+ * mins' lanes (one convert, one FMA); per chunk the activations are loaded once for the 4 rows, and a row's chunk
+ * costs its weight load, two nibble masks, two integer dot products, one convert, the spread of 4 products to their
+ * lanes and one FMA.  Each row's products, chunk order and reduction are q4_q8_row's (see there): the same bits.
  * The 4 rows are 4 short interleaved streams (a row is 4.5 lines at K = 576), which the hardware prefetchers do not
- * follow: each chunk step prefetches 4 lines of the tile 2 ahead in address order, so a tile's lines are all
- * requested ~2 tiles early (SmolLM2 stack, 1 thread, streamed: 4.6 -> 3.5 ms; the same row 1 tile ahead, as this
- * did before, ~4.6; no prefetch ~7). */
+ * follow: each chunk step prefetches 4 lines of the tile PF_TILES ahead in address order, so a tile's lines are all
+ * requested early (SmolLM2 stack, 1 thread, streamed: 4.6 -> 3.5 ms with 2 tiles; the same row 1 tile ahead, as
+ * this did before, ~4.6; no prefetch ~7). */
 INLINE void q4_q8_row4(const uint8_t *restrict p, const void *sc, const void *mi, int f16, int64_t n,
                        const xprep_t *x, float out[4], int64_t K) {
-    const int64_t nb = K / QB, ng = nb, nc = nb / 4, rowb = K / 2;
-    const int rem = (int)(nb % 4);
-    vf a0[4], a1[4];
-    f4 am[4];
-    for (int r = 0; r < 4; r++) a0[r] = vf_zero(), a1[r] = vf_zero(), am[r] = f4_zero();
-#define Q4_CHUNK4(ACC, NBLK, CI)                                                                                    \
+    const int64_t nb = K / QB, ng = nb, rowb = K / 2;
+    vf a0[4], a1[4], am[4], sd[4];
+    for (int r = 0; r < 4; r++) a0[r] = vf_zero(), a1[r] = vf_zero(), am[r] = vf_zero();
+#define Q4_CHUNK4(ACC, J, NBLK)                                                                                \
     do {                                                                                                       \
-        const int8_t *xr_ = x->xq + (CI) * 2 * CHUNK;                                                          \
-        const f4 dx_ = f4_loadf(x->dxb + (CI) * 4), xs_ = f4_loadf(x->xsb + (CI) * 4);                         \
+        const int64_t c_ = g / 4 + (J);                                                                        \
+        const int8_t *xr_ = x->xq + c_ * 2 * CHUNK;                                                            \
         for (int r = 0; r < 4; r++) {                                                                          \
-            const uint8_t *pr_ = p + r * rowb + (CI) * CHUNK;                                                  \
-            __builtin_prefetch(p + 4 * PF_TILES * rowb + ((CI) * 4 + r) * CHUNK, 0, PF_LOC); /* 2 tiles ahead, in address order */  \
-            const vb w_ = NBLK == 4 ? vb_load(pr_) : vb_load_part(pr_, NBLK * 16);                             \
-            const vf sw_ = vf_expand4(f4_mul(f4_load(sc, f16, (n + r) * ng + (CI) * 4, NBLK), dx_));           \
+            const uint8_t *pr_ = p + r * rowb + c_ * CHUNK;                                                    \
+            __builtin_prefetch(p + 4 * PF_TILES * rowb + (c_ * 4 + r) * CHUNK, 0, PF_LOC); /* address order */ \
+            const vb w_ = (NBLK) == 4 ? vb_load(pr_) : vb_load_part(pr_, (NBLK) * 16);                         \
             const vi d_ = q4_dot(vb_nib_lo(w_), vb_nib_hi(w_), xr_);                                           \
-            ACC[r] = vf_fma(vf_cvt(d_), sw_, ACC[r]);                                                          \
-            am[r] = f4_fma(f4_load(mi, f16, (n + r) * ng + (CI) * 4, NBLK), xs_, am[r]);                        \
+            ACC[r] = vf_fma(vf_cvt(d_), vf_spread4(sd[r], J), ACC[r]);                                         \
         }                                                                                                      \
     } while (0)
-    int64_t c = 0; /* the chunk order of q4_q8_row: even chunks in a0, odd in a1, an odd last one in a0, the tail in a1 */
-    for (; c + 2 <= nc; c += 2) {
-        Q4_CHUNK4(a0, 4, c);
-        Q4_CHUNK4(a1, 4, c + 1);
+#define Q4_GROUP_START4                                                                                        \
+    const int nbg_ = nb - g < 16 ? (int)(nb - g) : 16;                                                         \
+    const vf dx16_ = vf_load(x->dxb + g), xs16_ = vf_load(x->xsb + g);                                         \
+    for (int r = 0; r < 4; r++) {                                                                              \
+        sd[r] = vf_mul(vf_load_h(sc, f16, (n + r) * ng + g, nbg_), dx16_);                                     \
+        am[r] = vf_fma(vf_load_h(mi, f16, (n + r) * ng + g, nbg_), xs16_, am[r]);                              \
     }
-    if (c < nc) {
-        Q4_CHUNK4(a0, 4, c);
-        c++;
+    int64_t g = 0;
+    for (; g + 16 <= nb; g += 16) {
+        Q4_GROUP_START4
+        Q4_CHUNK4(a0, 0, 4);
+        Q4_CHUNK4(a1, 1, 4);
+        Q4_CHUNK4(a0, 2, 4);
+        Q4_CHUNK4(a1, 3, 4);
     }
-    if (rem) Q4_CHUNK4(a1, rem, c);
+    if (g < nb) {
+        Q4_GROUP_START4
+        const int left = (int)(nb - g);
+        if (left > 0) Q4_CHUNK4(a0, 0, left >= 4 ? 4 : left);
+        if (left > 4) Q4_CHUNK4(a1, 1, left >= 8 ? 4 : left - 4);
+        if (left > 8) Q4_CHUNK4(a0, 2, left >= 12 ? 4 : left - 8);
+        if (left > 12) Q4_CHUNK4(a1, 3, left - 12);
+    }
 #undef Q4_CHUNK4
-    vf_sum4(vf_add(a0[0], a1[0]), vf_add(a0[1], a1[1]), vf_add(a0[2], a1[2]), vf_add(a0[3], a1[3]), out);
-    for (int r = 0; r < 4; r++) out[r] += f4_sum(am[r]); /* as q4_q8_row reduces */
+#undef Q4_GROUP_START4
+    vf_sum4(vf_add(vf_pin(vf_add(a0[0], a1[0])), am[0]), vf_add(vf_pin(vf_add(a0[1], a1[1])), am[1]),
+            vf_add(vf_pin(vf_add(a0[2], a1[2])), am[2]), vf_add(vf_pin(vf_add(a0[3], a1[3])), am[3]), out);
 }
 
 /* int8 weights against R input rows.  MODE (compile-time): 0 per output channel (G = K: the row's one scale
