@@ -78,3 +78,29 @@ def test_it_refuses_other_weights_and_row_counts():
         fused.LinearStack([object()], 1)
     with pytest.raises(ValueError, match="contiguous"):
         fused.LinearStack([torch.randn(64, 32).T], 1)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_read_only_reads_every_stored_byte_of_every_weight(threads):
+    """One nonzero byte anywhere in the codes, scales or mins of any weight makes the read nonzero; all zeros read 0."""
+    g = torch.Generator().manual_seed(1)
+    ws = weights()
+    parts = []  # every stored tensor of every weight, zeroed in place
+    for w in ws:
+        for t in ([w] if isinstance(w, torch.Tensor) else [w.qweight, w.scales] if isinstance(w, Int8Weight)
+                  else [w.packed, w.scales, w.mins]):
+            t.zero_()
+            parts.append(t)
+    stack = fused.LinearStack(ws, 1)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        assert stack.read_only() == 0
+        for t in parts:
+            flat = t.view(torch.uint8).view(-1)
+            for i in (0, flat.numel() // 2, flat.numel() - 1, int(torch.randint(flat.numel(), (1,), generator=g))):
+                flat[i] = 0x40
+                assert stack.read_only() != 0, (t.shape, i)
+                flat[i] = 0
+    finally:
+        torch.set_num_threads(before)

@@ -91,6 +91,8 @@ def _lib() -> ctypes.CDLL | None:
     lib.decode_stack.restype = None
     lib.linear_stack.argtypes = [ctypes.POINTER(_Linear), i64, ctypes.POINTER(vp), ctypes.POINTER(vp), i64, i64]
     lib.linear_stack.restype = None
+    lib.stack_read.argtypes = [ctypes.POINTER(_Linear), i64]
+    lib.stack_read.restype = ctypes.c_uint64
     return lib
 
 
@@ -382,3 +384,9 @@ class LinearStack:
         runs them); the results are the same.  Returns ``outputs`` (overwritten by the next call)."""
         _lib().linear_stack(self._table, len(self), self._xs, self._ys, self.rows, int(one_region))
         return self.outputs
+
+    def read_only(self) -> int:
+        """Read every stored byte of the weights (codes, scales, mins) once, in ``run``'s order and thread split, with
+        no arithmetic (``csrc/decode.c`` ``stack_read``): the memory roof of that access pattern, which ``run`` can
+        approach but not beat.  Returns the OR of the bytes' 64-bit words."""
+        return int(_lib().stack_read(self._table, len(self)))

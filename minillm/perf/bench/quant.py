@@ -68,8 +68,12 @@ def bench_quant_gemv(rows: int = 1, layers: int = SMOLLM2_LAYERS, repeats: int =
     With ``native_stack`` (and the fused library built), the same weights also run as one native loop
     (``kernels.cpu.fused.LinearStack``: every GEMV of the stack in one ctypes call, the kernels the fused decode step
     runs): "... stack" rows, one OpenMP region per GEMV as the fused step opens them, and "... stack 1 region", the
-    whole stack in one region with a barrier around each GEMV.  The gap between a Python-dispatched row and its
-    stack row is dispatch (~10 µs a call, 120 calls); between the two stack rows, the per-GEMV regions' cost.
+    whole stack in one region with a barrier around each GEMV; and "... read-only", the same stored bytes read in the
+    same order and thread split with no arithmetic (``LinearStack.read_only``) — the memory roof of that access
+    pattern: 120 weights of 0.2–1 MB, each split across the threads, restart the hardware prefetchers' streams 240
+    times where one 256 MiB read starts them once.  The gap between a Python-dispatched row and its stack row is
+    dispatch (~10 µs a call, 120 calls); between the two stack rows, the per-GEMV regions' cost; between a stack row
+    and its read-only row, the kernel's arithmetic not hidden under its loads.
 
     The schemes take turns within every repeat and each keeps its best pass (on a shared machine the
     least-disturbed one), so their ratios come from the same minutes.  With ``read_bandwidth`` a 256 MiB streaming
@@ -105,7 +109,8 @@ def bench_quant_gemv(rows: int = 1, layers: int = SMOLLM2_LAYERS, repeats: int =
             for x in st.inputs:
                 x.copy_(xs[x.shape[1]])
             schemes += [(f"{name} stack", lambda st=st: _timed(st.run), nbytes),
-                        (f"{name} stack 1 region", lambda st=st: _timed(lambda: st.run(one_region=True)), nbytes)]
+                        (f"{name} stack 1 region", lambda st=st: _timed(lambda: st.run(one_region=True)), nbytes),
+                        (f"{name} read-only", lambda st=st: _timed(st.read_only), nbytes)]
     buf = torch.ones(256 << 18) if read_bandwidth and native.available() else None  # 256 MiB fp32, ≫ L3
     best = {name: float("inf") for name, *_ in schemes} | ({"read bandwidth": float("inf")} if buf is not None else {})
     with torch.inference_mode():

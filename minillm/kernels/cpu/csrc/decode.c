@@ -128,6 +128,52 @@ void linear_stack(const linear_t *lins, int64_t n, const float *const *xs, float
     free(buf);
 }
 
+/* Bytes of one stored weight, scales and mins included, read per row: [row bytes of w, of scales, of mins]. */
+static void linear_row_bytes(const linear_t *l, int64_t out[3]) {
+    const int64_t ng = l->G ? l->K / l->G : 0, sb = l->scale_f16 ? 2 : 4;
+    out[0] = l->kind == LIN_F32 ? 4 * l->K : l->kind == LIN_INT8 ? l->K : l->K / 2;
+    out[1] = l->kind == LIN_F32 ? 0 : ng * sb;
+    out[2] = l->kind == LIN_INT4 ? ng * sb : 0;
+}
+
+/* The memory roof of linear_stack's access pattern (perf/bench/quant.py's "read-only" rows): every stored byte of
+ * the linears lins[0..n) read once, in the same order, each weight's rows split across the threads as the GEMVs
+ * split them (one region per weight, contiguous equal ranges), with no arithmetic but an OR.  A GEMV over the stack
+ * cannot be faster than this; the ratio of the two is the kernel's own efficiency, apart from the cost of streaming
+ * 120 weights of 0.2-1 MB each in halves (every region restarts two streams the hardware prefetchers must learn
+ * again), which a single 256 MiB read does not pay.  Returns the OR of the bytes' 64-bit words (kept, so the reads
+ * are not optimised away). */
+uint64_t stack_read(const linear_t *lins, int64_t n) {
+    uint64_t acc = 0;
+    for (int64_t i = 0; i < n; i++) {
+        const linear_t *l = lins + i;
+        int64_t rb[3];
+        linear_row_bytes(l, rb);
+        const void *base[3] = {l->w, l->scales, l->mins};
+        const int64_t N = l->N;
+#pragma omp parallel reduction(| : acc)
+        {
+            const int64_t t = omp_get_thread_num(), T = omp_get_num_threads(), n0 = N * t / T, n1 = N * (t + 1) / T;
+            uint64_t a[8] = {0};
+            for (int s = 0; s < 3; s++) {
+                if (!rb[s] || !base[s]) continue;
+                const unsigned char *p = (const unsigned char *)base[s] + n0 * rb[s];
+                const int64_t bytes = (n1 - n0) * rb[s];
+                int64_t j = 0;
+                for (; j + 64 <= bytes; j += 64) /* a cache line a step: 8 words ORed into 8 lanes (vectorised) */
+                    for (int k = 0; k < 8; k++) {
+                        uint64_t v;
+                        memcpy(&v, p + j + 8 * k, 8);
+                        a[k] |= v;
+                    }
+                for (; j < bytes; j++) a[0] |= p[j];
+            }
+            for (int k = 0; k < 8; k++) acc |= a[k];
+        }
+    }
+    return acc;
+}
+
 /* Floats of scratch decode_stack needs for M rows (the caller allocates it once for its largest M). */
 int64_t decode_scratch_floats(int64_t M, int64_t hidden, int64_t Hq, int64_t Hkv, int64_t D, int64_t F) {
     return M * (4 * hidden + (Hq + 2 * Hkv) * D + (Hq + Hkv) * D + Hq * D + 3 * F + 2 * D);
