@@ -44,11 +44,15 @@
 
 #define QTILE 8  /* input rows per register tile; more rows take more tiles over the same (L1-resident) weight row */
 #define QB 32    /* weights per block: Q4_1 / Q8_0 / Q8_1 */
+/* Batch-1 4-row tiles prefetch the tile PF_TILES ahead (its weights, scales and mins) with locality hint PF_LOC
+ * (1: prefetcht2, into L2 on AMD Zen and Intel).  Measured on the SmolLM2 stack streamed from memory (2 cores, AMD
+ * EPYC, C harness, 6 interleaved rounds, median ms for int4 / int8): 2 tiles into L1 (t0) 2.64 / 6.62 (the first
+ * version of this tiling), 4 into L2 2.00 / 3.64; 3, 6 and 8 tiles in between. */
 #ifndef PF_TILES
-#define PF_TILES 2
+#define PF_TILES 4
 #endif
 #ifndef PF_LOC
-#define PF_LOC 3
+#define PF_LOC 1
 #endif
 #define INLINE static inline __attribute__((always_inline))
 
@@ -268,6 +272,16 @@ void q8_gemm(const int8_t *restrict W, const void *scales, int scale_f16, const 
 #define QSIMD 256
 #else
 #define QSIMD 0
+#endif
+/* The int8-activation row kernels take their tile's row count R as a compile-time constant (FOR_TILE) where SIMD
+ * registers hold the accumulators.  The portable C keeps them in memory at any R, so there one copy with a runtime R:
+ * 8x less code (quant.c at -O3 compiled in ~55 s, now ~6 s, gcc 12 on x86-64 and aarch64), and every row summed by
+ * the same instructions — separately optimised copies reassociated the lane sums differently under -ffast-math, so
+ * a row's result depended on how many rows shared the call. */
+#if QSIMD
+#define TILE_Q8(mr, BODY) FOR_TILE(mr, BODY)
+#else
+#define TILE_Q8(mr, BODY) { BODY((int)(mr)); }
 #endif
 
 #if QSIMD == 512
@@ -521,6 +535,11 @@ INLINE float f4_sum(f4 a) {
     return _mm_cvtss_f32(_mm_add_ss(a, _mm_movehdup_ps(a)));
 }
 #else /* portable C over the same lanes: loops the compiler may vectorise (e.g. to ARM sdot with dotprod) */
+/* The lanes are summed in the written order: -ffast-math would let clang reassociate them, differently in each
+ * inlined copy, and a row's result would then depend on how many rows share the call.  (GCC keeps the order here.) */
+#ifdef __clang__
+#pragma clang fp reassociate(off)
+#endif
 typedef struct { uint8_t v[CHUNK]; } vb;
 typedef struct { int32_t v[16]; } vi;
 typedef struct { float v[16]; } vf;
@@ -642,6 +661,9 @@ INLINE vf vf_spread4(vf v, int j) {
     for (int l = 0; l < 16; l++) r.v[l] = v.v[4 * j + l / 4];
     return r;
 }
+#ifdef __clang__
+#pragma clang fp reassociate(on)
+#endif
 #endif
 
 /* a, opaque to the optimiser: -ffast-math may reassociate a chain of adds (a + b) + c differently where the same
@@ -667,8 +689,9 @@ static inline void to_f32(const void *s, int f16, int64_t off, int64_t n, float 
  * on the stack up to XPREP_STACK bytes: a malloc and free cost about as much as a small GEMV).
  * Per input row: xq, the int8 codes (Q4_1: per chunk the 4 blocks' first halves, then their second halves; int8:
  * in order), zero-padded to whole chunks; dxl, each block's step dx = max|x| / 127 repeated on its lanes (4 per Q4_1
- * block, 8 per int8 block); for Q4_1 also xsb, per block dx * sum(xq) (the sum of xhat that the block's min m
- * multiplies), and xsg, the same per group of G.  rint rounds half to even, as torch.round does in the PyTorch twin
+ * block, 8 per int8 block); for Q4_1 also dxb, each block's dx once, xsb, per block dx * sum(xq) (the sum of xhat
+ * that the block's min m multiplies) — both zero-padded to a multiple of 16 floats, read 16 at a time — and xsg,
+ * the same sums per group of G.  rint rounds half to even, as torch.round does in the PyTorch twin
  * (quant.q8_activation_ref).  For int8 weights on VNNI (Q8_BIAS) also xc: per chunk 16 int32 lanes, -128 times the
  * sum of the lane's 4 codes, where vpdpbusd's sum of (w + 128) * x starts so that it ends at sum w * x exactly (the
  * same integer as before, one xor per chunk instead of the abs / sign-mask / masked-negate the signed weights took).
@@ -841,6 +864,9 @@ INLINE void q4_q8_row4(const uint8_t *restrict p, const void *sc, const void *mi
     const int nbg_ = nb - g < 16 ? (int)(nb - g) : 16;                                                         \
     const vf dx16_ = vf_load(x->dxb + g), xs16_ = vf_load(x->xsb + g);                                         \
     for (int r = 0; r < 4; r++) {                                                                              \
+        const int64_t ahead_ = (n + r + 4 * PF_TILES) * ng + g; /* the scales and mins PF_TILES tiles ahead */ \
+        __builtin_prefetch((const char *)sc + (f16 ? 2 : 4) * ahead_, 0, PF_LOC);                             \
+        __builtin_prefetch((const char *)mi + (f16 ? 2 : 4) * ahead_, 0, PF_LOC);                             \
         sd[r] = vf_mul(vf_load_h(sc, f16, (n + r) * ng + g, nbg_), dx16_);                                     \
         am[r] = vf_fma(vf_load_h(mi, f16, (n + r) * ng + g, nbg_), xs16_, am[r]);                              \
     }
@@ -954,7 +980,7 @@ static void q4_q8_rows(const uint8_t *restrict P, const void *scales, const void
                        int64_t n1) {
     float dwb[K / QB + 4];
     int64_t n = n0;
-    if (M == 1 && G == QB)
+    if (QSIMD && M == 1 && G == QB) /* portable C: every row through q4_q8_row (TILE_Q8) */
         for (; n + 4 <= n1; n += 4) {
             float out[4];
             q4_q8_row4(P + n * (K / 2), scales, mins, scale_f16, n, x, out, K);
@@ -967,7 +993,7 @@ static void q4_q8_rows(const uint8_t *restrict P, const void *scales, const void
 #define Q4_Q8(R)                                                                                               \
     if (G == QB) q4_q8_row(P + n * (K / 2), scales, mins, scale_f16, n, x, m0, out, K, G, dwb, R, 1);          \
     else q4_q8_row(P + n * (K / 2), scales, mins, scale_f16, n, x, m0, out, K, G, dwb, R, 0)
-            FOR_TILE(mr, Q4_Q8)
+            TILE_Q8(mr, Q4_Q8)
 #undef Q4_Q8
             for (int64_t m = 0; m < mr; m++) store_y(y, x_bf16, (m0 + m) * N + n, out[m]);
         }
@@ -976,13 +1002,12 @@ static void q4_q8_rows(const uint8_t *restrict P, const void *scales, const void
 static void q8_q8_rows(const int8_t *restrict W, const void *scales, int scale_f16, const xprep_t *x, int x_bf16,
                        void *y, int64_t M, int64_t N, int64_t K, int64_t G, int64_t n0, int64_t n1) {
     float dwb[K / QB + 4];
-    /* No 4-row tile here: tried as for Q4_1 (x, xc and dx loads shared by 4 rows: 1.75 loads a chunk instead of 4),
-     * it was 1.5x faster with the weights in L2 but 2x slower streamed from memory (SmolLM2 stack, 1 thread).  The
-     * hardware prefetchers follow one sequential stream, not 4 interleaved 9-line ones (K = 576: a row is 9 lines,
-     * so each new tile starts 4 untrained streams); a software prefetch of the next tile in address order brought
-     * it to 1.2x slower than this loop, a prefetch of the same row 1-8 tiles ahead did nothing.  Left for later. */
+    /* Batch 1: 4-row tiles (q8_q8_row4).  Session 6 found them 1.5x faster in L2 but 2x slower streamed, the 4
+     * interleaved 9-line streams (K = 576) untrained by the hardware prefetchers; with the tile PF_TILES = 4 ahead
+     * prefetched in address order into L2 they are 2x faster in L2 (C harness, 1 thread, qkv + o: 22.8 -> 45 GB/s)
+     * and ~8 % faster streamed (SmolLM2 stack, 2 threads, median of 6: 3.96 -> 3.64 ms). */
     int64_t n = n0;
-    if (M == 1 && (G == K || G == QB))
+    if (QSIMD && M == 1 && (G == K || G == QB)) /* portable C: every row through q8_q8_row (TILE_Q8) */
         for (; n + 4 <= n1; n += 4) {
             float out[4];
             if (G == K) q8_q8_row4(W + n * K, scales, scale_f16, n, x, out, K, 0);
@@ -997,7 +1022,7 @@ static void q8_q8_rows(const int8_t *restrict W, const void *scales, int scale_f
     if (G == K) q8_q8_row(W + n * K, scales, scale_f16, n, x, m0, out, K, G, dwb, R, 0);                       \
     else if (G == QB) q8_q8_row(W + n * K, scales, scale_f16, n, x, m0, out, K, G, dwb, R, 1);                 \
     else q8_q8_row(W + n * K, scales, scale_f16, n, x, m0, out, K, G, dwb, R, 2)
-            FOR_TILE(mr, Q8_Q8)
+            TILE_Q8(mr, Q8_Q8)
 #undef Q8_Q8
             for (int64_t m = 0; m < mr; m++) store_y(y, x_bf16, (m0 + m) * N + n, out[m]);
         }
