@@ -93,7 +93,7 @@ def _compile(out: Path, src: Path = _SRC, flags: list[list[str]] | None = None) 
             return
         said = r.stderr.strip()[-500:] or f"exit status {r.returncode}"
         errors.append(f"{' '.join(extra) or '(no extra flags)'}: {said}")
-    os.unlink(tmp)
+    Path(tmp).unlink(missing_ok=True)  # clang deletes its output after a failed link
     raise RuntimeError(f"could not compile {src.name}:\n" + "\n".join(errors))
 
 

@@ -13,6 +13,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <float.h>
 #include <math.h>
 
 static inline float bf16_to_f32(uint16_t b) {
@@ -319,7 +320,9 @@ int built_with_openmp(void) {
  * q [B, H_q, D] (contiguous), k/v [B, H_kv, S_max, D] with strides (sb, sh, D, 1), lens [B] (int64),
  * out [B, H_q, D].  Query head h reads K/V head h / G.  Reads each cached K and V row once per query
  * head (the G heads of a group hit L1/L2 for the second and later reads); the cost is the KV bytes.
- * Reference: minillm.attention.decode_attention.  T is float or uint16_t (bf16). */
+ * Reference: minillm.attention.decode_attention.  T is float or uint16_t (bf16).
+ * The running max starts at -FLT_MAX, not -INFINITY: the build's -ffast-math promises the compiler no infinities
+ * (clang 18+ warns -Wnan-infinity-disabled), and every finite score exceeds -FLT_MAX or equals it. */
 #define DECODE_ATTENTION(NAME, T, LOAD, STORE)                                                           \
     void NAME(const T *restrict q, const T *restrict k, const T *restrict v, const int64_t *restrict lens, \
               T *restrict out, int64_t B, int64_t Hq, int64_t Hkv, int64_t D, int64_t sb, int64_t sh,      \
@@ -334,7 +337,7 @@ int built_with_openmp(void) {
                 const T *vh = v + b * sb + (h / G) * sh;                                                   \
                 float qf[D], acc[D], *p = (float *)malloc(sizeof(float) * (S > 0 ? S : 1));               \
                 for (int64_t d = 0; d < D; d++) { qf[d] = LOAD(qh[d]) * scale; acc[d] = 0.f; }            \
-                float m = -INFINITY;                                                                       \
+                float m = -FLT_MAX;                                                                        \
                 for (int64_t s = 0; s < S; s++) {                                                          \
                     const T *ks = kh + s * D;                                                              \
                     float dot = 0.f;                                                                       \
@@ -421,7 +424,7 @@ void rms_norm_bf16(const uint16_t *restrict x, const uint16_t *restrict w, uint1
                 float qf[D], acc[D], stack[PAGED_STACK];                                                       \
                 float *p = S <= PAGED_STACK ? stack : (float *)malloc(sizeof(float) * S);                      \
                 for (int64_t d = 0; d < D; d++) { qf[d] = LOAD(qh[d]) * scale; acc[d] = 0.f; }                 \
-                float m = -INFINITY;                                                                           \
+                float m = -FLT_MAX;                                                                            \
                 for (int64_t i = 0; i < nb; i++) {                                                             \
                     const T *kb = kh + (int64_t)tb[i] * bs * rs;                                               \
                     int64_t n = S - i * bs < bs ? S - i * bs : bs;                                             \
