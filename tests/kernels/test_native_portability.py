@@ -78,6 +78,7 @@ TOOLCHAINS = [
     # an ARM build compiles; the one such case CI's gcc can run
     Toolchain("gcc-x86-64-portable", ("gcc",), ("-march=x86-64",), x86_only=True),
     Toolchain("clang", ("clang",)),
+    Toolchain("clang-x86-64-portable", ("clang",), ("-march=x86-64",), x86_only=True),  # clang reassociates more
     # aarch64 without the dot-product extension (Cortex-A53/A72: Raspberry Pi) and with it (every Apple M-series and
     # recent ARM core); quant.c has no NEON intrinsics, so both take its portable C, vectorised by the compiler.
     Toolchain("gcc-aarch64-armv8-a", ("aarch64-linux-gnu-gcc",), ("-march=armv8-a",), cross=True),

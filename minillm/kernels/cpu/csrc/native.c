@@ -69,6 +69,15 @@ static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, as torch
 #endif
 
 #define GV_INLINE static inline __attribute__((always_inline))
+/* The exactness above holds only if the sums keep their written order, which -ffast-math lets the compiler change:
+ * clang does, differently in each tile shape's inlined copy (seen on aarch64, -mcpu=apple-m1: rows then depended on
+ * M).  So the two operations that define the order say so; everything else keeps fast-math.  GCC has no such pragma
+ * and keeps the order here (tests/kernels/test_native_portability.py checks both compilers). */
+#ifdef __clang__
+#define GV_IN_ORDER _Pragma("clang fp reassociate(off)")
+#else
+#define GV_IN_ORDER
+#endif
 #define GV_UNROLL _Pragma("GCC unroll 8") /* the tile loops, so that the accumulators become registers */
 #define GV_ROWS 8   /* input rows per block; more rows take more blocks over the same (L1-resident) weight tile */
 #define GV_TILE 4   /* most weight rows per tile (NT); thread ranges start at multiples of it */
@@ -118,6 +127,7 @@ GV_INLINE gv_t gv_bf16_part(const uint16_t *p, int n) { /* once per row: a zero-
 }
 GV_INLINE gv_t gv_fma(gv_t a, gv_t b, gv_t c) { return _mm256_fmadd_ps(a, b, c); }
 GV_INLINE float gv_sum(gv_t a) {
+    GV_IN_ORDER /* clang's _mm_add_ps is a plain vector add */
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
     return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
@@ -149,8 +159,14 @@ GV_INLINE gv_t gv_bf16_part(const uint16_t *p, int n) {
     for (int j = 0; j < n; j++) v[j] = bf16_to_f32(p[j]);
     return v;
 }
-GV_INLINE gv_t gv_fma(gv_t a, gv_t b, gv_t c) { return a * b + c; }
-GV_INLINE float gv_sum(gv_t a) { return ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7])); }
+GV_INLINE gv_t gv_fma(gv_t a, gv_t b, gv_t c) {
+    GV_IN_ORDER
+    return a * b + c;
+}
+GV_INLINE float gv_sum(gv_t a) {
+    GV_IN_ORDER
+    return ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7]));
+}
 #define GV_NT(R) ((R) == 1 ? 1 : (R) == 2 ? 4 : (R) <= 4 ? 3 : 2)
 #endif
 
