@@ -143,7 +143,8 @@ static int check_gemv_bf16(uint64_t *s, int64_t M, int64_t N, int64_t K) {
     gemv_bf16(W, x, b, y, M, N, K);
     linear_ref(Wf, xf, bf, M, N, K, want, mag);
     /* tolerance SUM_RTOL * |terms| + BF16_RTOL * |value| (the store's rounding), written as one magnitude */
-    for (int64_t i = 0; i < M * N; i++) got[i] = (float)bf16_value(y[i]), mag[i] += fabs(want[i]) * BF16_RTOL / SUM_RTOL;
+    for (int64_t i = 0; i < M * N; i++)
+        got[i] = (float)bf16_value(y[i]), mag[i] += fabs(want[i]) * BF16_RTOL / SUM_RTOL;
     char what[96];
     snprintf(what, sizeof what, "gemv_bf16 M=%lld N=%lld K=%lld +bias", (long long)M, (long long)N, (long long)K);
     int bad = compare(what, got, want, mag, M * N, SUM_RTOL);
