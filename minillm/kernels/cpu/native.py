@@ -50,14 +50,16 @@ def _cpu_key() -> str:
 
 
 def build_flags() -> list[list[str]]:
-    """Extra compiler flags to try, best first: this CPU's vector width (``-march=native`` on x86 and aarch64;
-    ``-mcpu=native`` for aarch64 compilers that lack it) with OpenMP, then without OpenMP (Apple clang has none:
-    one thread), then portable code."""
+    """Extra compiler flags to try, best first: this CPU's instruction set (``-march=native`` on x86; on aarch64
+    ``-mcpu=native``, then ``-march=native``) with OpenMP, then without OpenMP (Apple clang has none: one thread),
+    then portable code."""
     machine = platform.machine().lower()
     if machine in ("x86_64", "amd64"):
         arch = [["-march=native"]]
     elif machine in ("aarch64", "arm64"):
-        arch = [["-march=native"], ["-mcpu=native"]]
+        # On ARM -mcpu is x86's -march (the core's features and its tuning): clang up to 14 (Ubuntu 22.04's, older
+        # Apple clang) rejects -march=native on aarch64, and newer clang takes it as a generic-tuned core.
+        arch = [["-mcpu=native"], ["-march=native"]]
     else:
         arch = []
     return [a + omp for omp in (["-fopenmp"], []) for a in arch + [[]]]
@@ -91,7 +93,7 @@ def _compile(out: Path, src: Path = _SRC, flags: list[list[str]] | None = None) 
             return
         said = r.stderr.strip()[-500:] or f"exit status {r.returncode}"
         errors.append(f"{' '.join(extra) or '(no extra flags)'}: {said}")
-    os.unlink(tmp)
+    Path(tmp).unlink(missing_ok=True)  # clang deletes its output after a failed link
     raise RuntimeError(f"could not compile {src.name}:\n" + "\n".join(errors))
 
 

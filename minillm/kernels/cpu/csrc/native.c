@@ -13,6 +13,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <float.h>
 #include <math.h>
 
 static inline float bf16_to_f32(uint16_t b) {
@@ -68,6 +69,15 @@ static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, as torch
 #endif
 
 #define GV_INLINE static inline __attribute__((always_inline))
+/* The exactness above holds only if the sums keep their written order, which -ffast-math lets the compiler change:
+ * clang does, differently in each tile shape's inlined copy (seen on aarch64, -mcpu=apple-m1: rows then depended on
+ * M).  So the two operations that define the order say so; everything else keeps fast-math.  GCC has no such pragma
+ * and keeps the order here (tests/kernels/test_native_portability.py checks both compilers). */
+#ifdef __clang__
+#define GV_IN_ORDER _Pragma("clang fp reassociate(off)")
+#else
+#define GV_IN_ORDER
+#endif
 #define GV_UNROLL _Pragma("GCC unroll 8") /* the tile loops, so that the accumulators become registers */
 #define GV_ROWS 8   /* input rows per block; more rows take more blocks over the same (L1-resident) weight tile */
 #define GV_TILE 4   /* most weight rows per tile (NT); thread ranges start at multiples of it */
@@ -117,6 +127,7 @@ GV_INLINE gv_t gv_bf16_part(const uint16_t *p, int n) { /* once per row: a zero-
 }
 GV_INLINE gv_t gv_fma(gv_t a, gv_t b, gv_t c) { return _mm256_fmadd_ps(a, b, c); }
 GV_INLINE float gv_sum(gv_t a) {
+    GV_IN_ORDER /* clang's _mm_add_ps is a plain vector add */
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
     return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
@@ -148,8 +159,14 @@ GV_INLINE gv_t gv_bf16_part(const uint16_t *p, int n) {
     for (int j = 0; j < n; j++) v[j] = bf16_to_f32(p[j]);
     return v;
 }
-GV_INLINE gv_t gv_fma(gv_t a, gv_t b, gv_t c) { return a * b + c; }
-GV_INLINE float gv_sum(gv_t a) { return ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7])); }
+GV_INLINE gv_t gv_fma(gv_t a, gv_t b, gv_t c) {
+    GV_IN_ORDER
+    return a * b + c;
+}
+GV_INLINE float gv_sum(gv_t a) {
+    GV_IN_ORDER
+    return ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7]));
+}
 #define GV_NT(R) ((R) == 1 ? 1 : (R) == 2 ? 4 : (R) <= 4 ? 3 : 2)
 #endif
 
@@ -319,7 +336,9 @@ int built_with_openmp(void) {
  * q [B, H_q, D] (contiguous), k/v [B, H_kv, S_max, D] with strides (sb, sh, D, 1), lens [B] (int64),
  * out [B, H_q, D].  Query head h reads K/V head h / G.  Reads each cached K and V row once per query
  * head (the G heads of a group hit L1/L2 for the second and later reads); the cost is the KV bytes.
- * Reference: minillm.attention.decode_attention.  T is float or uint16_t (bf16). */
+ * Reference: minillm.attention.decode_attention.  T is float or uint16_t (bf16).
+ * The running max starts at -FLT_MAX, not -INFINITY: the build's -ffast-math promises the compiler no infinities
+ * (clang 18+ warns -Wnan-infinity-disabled), and every finite score exceeds -FLT_MAX or equals it. */
 #define DECODE_ATTENTION(NAME, T, LOAD, STORE)                                                           \
     void NAME(const T *restrict q, const T *restrict k, const T *restrict v, const int64_t *restrict lens, \
               T *restrict out, int64_t B, int64_t Hq, int64_t Hkv, int64_t D, int64_t sb, int64_t sh,      \
@@ -334,7 +353,7 @@ int built_with_openmp(void) {
                 const T *vh = v + b * sb + (h / G) * sh;                                                   \
                 float qf[D], acc[D], *p = (float *)malloc(sizeof(float) * (S > 0 ? S : 1));               \
                 for (int64_t d = 0; d < D; d++) { qf[d] = LOAD(qh[d]) * scale; acc[d] = 0.f; }            \
-                float m = -INFINITY;                                                                       \
+                float m = -FLT_MAX;                                                                        \
                 for (int64_t s = 0; s < S; s++) {                                                          \
                     const T *ks = kh + s * D;                                                              \
                     float dot = 0.f;                                                                       \
@@ -421,7 +440,7 @@ void rms_norm_bf16(const uint16_t *restrict x, const uint16_t *restrict w, uint1
                 float qf[D], acc[D], stack[PAGED_STACK];                                                       \
                 float *p = S <= PAGED_STACK ? stack : (float *)malloc(sizeof(float) * S);                      \
                 for (int64_t d = 0; d < D; d++) { qf[d] = LOAD(qh[d]) * scale; acc[d] = 0.f; }                 \
-                float m = -INFINITY;                                                                           \
+                float m = -FLT_MAX;                                                                            \
                 for (int64_t i = 0; i < nb; i++) {                                                             \
                     const T *kb = kh + (int64_t)tb[i] * bs * rs;                                               \
                     int64_t n = S - i * bs < bs ? S - i * bs : bs;                                             \
