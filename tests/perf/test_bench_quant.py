@@ -38,7 +38,7 @@ def test_decode_rate_of_one_token_has_a_first_token_time_and_no_rate():
     assert ttft > 0 and math.isnan(rate)
 
 
-def test_gemv_bench_times_each_scheme_per_call_and_as_one_native_stack():
+def test_gemv_bench_times_each_scheme_per_call_as_one_native_stack_and_read_only():
     from minillm.kernels.cpu import fused
     from minillm.kernels.cpu import quant as native_quant
 
@@ -48,7 +48,7 @@ def test_gemv_bench_times_each_scheme_per_call_and_as_one_native_stack():
         pytest.skip("the native libraries did not build here")
     rows = {r["scheme"]: r for r in bench.bench_quant_gemv(rows=2, layers=1, repeats=1, read_bandwidth=False)}
     for name in ("fp32", "int8", "int4 g32"):
-        for variant in ("stack", "stack 1 region"):
+        for variant in ("stack", "stack 1 region", "read-only"):
             r = rows[f"{name} {variant}"]
             assert r["rows"] == 2 and math.isfinite(r["ms"]) and r["ms"] > 0
     assert rows["int4 g32 stack"]["MB"] == rows["int4 g32 native"]["MB"]  # the same weights, both ways
