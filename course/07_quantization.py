@@ -359,11 +359,15 @@ plt.show()
 # %% [markdown]
 # **The verdict.** fp32 comes closest to its bound: its GEMVs stream 0.5 GB per token and little else matters.
 # int8 and int4 are faster but far from their 4× and 5.6× smaller byte counts: their MBU is much lower, because
-# (1) the kernel must *unpack and convert* every weight, work that a 2-core CPU does not hide behind memory (int4 is
-# arithmetic bound here: see the kernel-level table below), and (2) every token also pays a fixed cost — thousands
-# of small operator calls — that does not shrink with the weights (section 8). On a shared machine all numbers
-# move with the neighbours' load: compare the ratios in one run. The GEMVs alone, over the layer stack, in GB/s of
-# *packed* bytes against the read bandwidth measured in the same run:
+# (1) the kernel must *unpack and convert* every weight, work a 2-core CPU only partly hides behind memory, and
+# (2) every token also pays a fixed cost — thousands of small operator calls — that does not shrink with the
+# weights (section 8). On a shared machine all numbers move with the neighbours' load: compare the ratios in one
+# run. The GEMVs alone, over the layer stack, in GB/s of *packed* bytes against the read bandwidth measured in the
+# same run — called one by one from Python ("native"), as one native loop ("stack", the engine's fused step), and,
+# as the roof of that loop's own access pattern, the same bytes read in the same order with no arithmetic
+# ("read-only"): 120 weights of 0.2–1 MB, each split across the cores, restart the hardware prefetchers 240 times
+# where one long read starts them once. Where "stack" is close to "read-only", the arithmetic is hidden and what is
+# left is how the bytes are laid out and walked:
 
 # %% tags=["slide-output"]
 # NBVAL_IGNORE_OUTPUT
@@ -539,8 +543,9 @@ for name, p in engine_profiles.items():
 
 # %% [markdown]
 # On a CPU the ATen ops per token drop from thousands to a few dozen (the sampler's), and the int4 token moves
-# toward its bytes: what is left above the roof is the kernels' own arithmetic — unpacking nibbles and applying a
-# scale and a minimum per 32 weights, which on two cores keeps the int4 GEMV near half the read bandwidth.
+# toward its bytes: what is left above the roof is the kernels' own work — unpacking nibbles and applying a scale
+# and a minimum per 32 weights, and walking 120 separate weights in short streams (the section 5 table's "stack"
+# against its "read-only" row) — plus attention, norms and the sampler.
 # (On a GPU the engine's path is the CUDA-graph decode step instead.)
 #
 # ## 9. llama.cpp on the same file
