@@ -15,7 +15,8 @@ pytestmark = pytest.mark.skipif(not fused.available(), reason="the native decode
 def weights() -> list:
     """Every kind the fused step runs: Q4_1 at groups 32 and 64, int8 per channel and in blocks of 32 (fp16
     scales), int8 with K not a multiple of 32 (the exact kernel), fp32; N·K above quant.c's 2^18 one-thread limit
-    for two of them, so the per-GEMV regions split their rows too."""
+    for two of them, so the per-GEMV regions split their rows too; and SmolLM2's K = 576 and 1536 at groups of 32
+    (Q4_1 takes blocks 16 at a time: one whole group of 16 and a partial one of 2, three whole ones)."""
     g = torch.Generator().manual_seed(0)
 
     def w(n, k):
@@ -23,7 +24,8 @@ def weights() -> list:
 
     w8h = quantize_int8(w(70, 96), 32)
     return [quantize_int4(w(600, 512), 32), quantize_int4(w(37, 128), 64), quantize_int8(w(520, 576)),
-            Int8Weight(w8h.qweight, w8h.scales.half(), 32), quantize_int8(w(33, 80)), w(41, 96)]
+            Int8Weight(w8h.qweight, w8h.scales.half(), 32), quantize_int8(w(33, 80)), w(41, 96),
+            quantize_int4(w(22, 576), 32), quantize_int4(w(14, 1536), 32), quantize_int8(w(18, 576))]
 
 
 def per_call(w, x: torch.Tensor) -> torch.Tensor:
