@@ -22,6 +22,10 @@
  *    instruction per 32 weights instead of 32 converts and FMAs.  The result is exactly the reference applied to
  *    xhat (up to fp32 summation order); xhat differs from x by at most dx/2 per element (minillm's
  *    quant.q8_activation_ref is the PyTorch twin of the rounding).
+ * Batch 1 (the decode case) takes 4 weight rows at a time against the one input row (q4_q8_row4, q8_q8_row4), the
+ * activation loads shared, the tile PF_TILES ahead prefetched; a row's result is the same bits whichever kernel and
+ * tile computes it and however many rows share the call (tests/kernels/test_linear_stack.py and test_native_
+ * portability.py check it; vf_pin and TILE_Q8 below say why it needs care under -ffast-math).
  * Scales/mins are fp32 or fp16 (scale_f16 = 1); activations fp32 or bf16 (x_bf16 = 1; then y is bf16 too).
  * Build: cc -O3 -march=native -ffast-math -fopenmp -shared -fPIC on first use, cached.  Without AVX2 (or on ARM)
  * the integer path is plain C loops, correct everywhere and vectorised where the compiler can.
@@ -45,9 +49,9 @@
 #define QTILE 8  /* input rows per register tile; more rows take more tiles over the same (L1-resident) weight row */
 #define QB 32    /* weights per block: Q4_1 / Q8_0 / Q8_1 */
 /* Batch-1 4-row tiles prefetch the tile PF_TILES ahead (its weights, scales and mins) with locality hint PF_LOC
- * (1: prefetcht2, into L2 on AMD Zen and Intel).  Measured on the SmolLM2 stack streamed from memory (2 cores, AMD
- * EPYC, C harness, 6 interleaved rounds, median ms for int4 / int8): 2 tiles into L1 (t0) 2.64 / 6.62 (the first
- * version of this tiling), 4 into L2 2.00 / 3.64; 3, 6 and 8 tiles in between. */
+ * (1: prefetcht2 on x86, a fill of the outer caches rather than L1).  Measured on the SmolLM2 stack streamed from
+ * memory (2 cores, AMD EPYC, C harness, 6 interleaved rounds, median ms for int4 / int8): 2 tiles into L1 (t0)
+ * 2.64 / 6.62 (the first version of this tiling), 4 into L2 2.00 / 3.64; 3, 6 and 8 tiles in between. */
 #ifndef PF_TILES
 #define PF_TILES 4
 #endif
@@ -954,7 +958,8 @@ INLINE void q8_q8_row4(const int8_t *restrict w, const void *sc, int f16, int64_
             __builtin_prefetch(w + 4 * PF_TILES * K + ((CI) * 4 + r) * CHUNK, 0, PF_LOC);                      \
             const q8w_t wp_ = q8_prep(NBLK == 2 ? vb_load(wr_) : vb_load_part(wr_, QB));                       \
             const vf d_ = vf_cvt(q8_dot(wp_, xr_, xc_));                                                       \
-            if (MODE) ACC[r] = vf_fma(d_, vf_mul(vf_expand2(f4_load(sc, f16, (n + r) * ng + 2 * (CI), NBLK)), dx_), ACC[r]); \
+            const vf s_ = MODE ? vf_expand2(f4_load(sc, f16, (n + r) * ng + 2 * (CI), NBLK)) : dx_;           \
+            if (MODE) ACC[r] = vf_fma(d_, vf_mul(s_, dx_), ACC[r]);                                            \
             else ACC[r] = vf_fma(d_, dx_, ACC[r]);                                                             \
         }                                                                                                      \
     } while (0)
