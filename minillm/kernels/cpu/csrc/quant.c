@@ -342,7 +342,6 @@ INLINE vi q8_dot(q8w_t w, const int8_t *x, const int32_t *xc) { /* |w| * (x with
 #endif
 INLINE vf vf_zero(void) { return _mm512_setzero_ps(); }
 INLINE vf vf_load(const float *p) { return _mm512_loadu_ps(p); }
-INLINE void vf_store(float *p, vf a) { _mm512_storeu_ps(p, a); }
 INLINE vf vf_load_h(const void *s, int f16, int64_t off, int n) { /* n (1..16) scales from off, zeros after */
     if (n == 16) return f16 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)s + off)))
                             : _mm512_loadu_ps((const float *)s + off);
@@ -474,7 +473,6 @@ INLINE vf vf_load(const float *p) {
     vf r = {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)};
     return r;
 }
-INLINE void vf_store(float *p, vf a) { _mm256_storeu_ps(p, a.a), _mm256_storeu_ps(p + 8, a.b); }
 INLINE vf vf_load_h(const void *s, int f16, int64_t off, int n) { /* n (1..16) scales from off, zeros after */
     if (n == 16 && f16) {
         vf r = {_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)s + off))),
@@ -530,14 +528,7 @@ INLINE vf vf_spread4(vf v, int j) { /* lanes 4j..4j+3 of v (lanes 0-7 in .a, 8-1
 }
 #endif
 #if QSIMD
-INLINE f4 f4_zero(void) { return _mm_setzero_ps(); }
 INLINE f4 f4_loadf(const float *p) { return _mm_loadu_ps(p); }
-INLINE f4 f4_fma(f4 a, f4 b, f4 c) { return _mm_fmadd_ps(a, b, c); }
-INLINE f4 f4_mul(f4 a, f4 b) { return _mm_mul_ps(a, b); }
-INLINE float f4_sum(f4 a) {
-    a = _mm_add_ps(a, _mm_movehl_ps(a, a));
-    return _mm_cvtss_f32(_mm_add_ss(a, _mm_movehdup_ps(a)));
-}
 #else /* portable C over the same lanes: loops the compiler may vectorise (e.g. to ARM sdot with dotprod) */
 /* The lanes are summed in the written order: -ffast-math would let clang reassociate them, differently in each
  * inlined copy, and a row's result would then depend on how many rows share the call.  (GCC keeps the order here.) */
@@ -564,24 +555,11 @@ INLINE f4 f4_load(const void *s, int f16, int64_t off, int n) {
     for (int i = 0; i < n; i++) r.v[i] = scale_at(s, f16, off + i);
     return r;
 }
-INLINE f4 f4_zero(void) {
-    f4 r = {{0.f}};
-    return r;
-}
 INLINE f4 f4_loadf(const float *p) {
     f4 r;
     memcpy(r.v, p, sizeof r.v);
     return r;
 }
-INLINE f4 f4_fma(f4 a, f4 b, f4 c) {
-    for (int i = 0; i < 4; i++) c.v[i] += a.v[i] * b.v[i];
-    return c;
-}
-INLINE f4 f4_mul(f4 a, f4 b) {
-    for (int i = 0; i < 4; i++) a.v[i] *= b.v[i];
-    return a;
-}
-INLINE float f4_sum(f4 a) { return a.v[0] + a.v[1] + a.v[2] + a.v[3]; }
 INLINE vb vb_nib_lo(vb w) {
     for (int j = 0; j < CHUNK; j++) w.v[j] &= 0x0F;
     return w;
@@ -619,7 +597,6 @@ INLINE vf vf_load(const float *p) {
     memcpy(r.v, p, sizeof r.v);
     return r;
 }
-INLINE void vf_store(float *p, vf a) { memcpy(p, a.v, sizeof a.v); }
 INLINE vf vf_load_h(const void *s, int f16, int64_t off, int n) {
     vf r = {{0.f}};
     for (int i = 0; i < n; i++) r.v[i] = scale_at(s, f16, off + i);
