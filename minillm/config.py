@@ -194,6 +194,7 @@ class EngineConfig:
       token and KV head) or "fp8" (e4m3 with the same scales; ``kv/quant.py``).  1 byte per element + 4 per
       (token, head): for D = 64 a block holds ~1.9× the tokens of bf16 and ~3.8× fp32 in the same bytes.
     - ``return_logits``: each step update carries the fp32 logits its token was sampled from (tests, notebooks).
+    - ``parallel_config``: how many processes the engine spans (``ParallelConfig``: tensor / pipeline parallel).
     - ``enforce_eager`` (vLLM's name): True runs every step eagerly; False runs decode-only steps through static
       buffers in batch buckets (``engine.cuda_graph``: CUDA graphs on a GPU, the same padded path uncaptured on
       CPU); None (default): CUDA graphs on CUDA, eager on CPU unless the kernels are "compiled".
@@ -217,8 +218,15 @@ class EngineConfig:
     enforce_eager: bool | None = None
     kv_cache_dtype: str = "auto"
     speculative_config: SpeculativeConfig | dict | None = None  # a dict (vLLM's shape) becomes a SpeculativeConfig
+    parallel_config: ParallelConfig | dict | None = None  # a dict becomes a ParallelConfig; None: one process
 
     def __post_init__(self):
+        parallel = self.parallel_config
+        if parallel is None or isinstance(parallel, dict):
+            object.__setattr__(self, "parallel_config", ParallelConfig(**(parallel or {})))
+        if not isinstance(self.parallel_config, ParallelConfig):
+            raise ValueError("EngineConfig.parallel_config must be None, a dict or a ParallelConfig, got "
+                             f"{type(self.parallel_config).__name__}")
         if isinstance(self.speculative_config, dict):
             object.__setattr__(self, "speculative_config", SpeculativeConfig(**self.speculative_config))
         if self.speculative_config is not None and not isinstance(self.speculative_config, SpeculativeConfig):
@@ -282,6 +290,34 @@ class EngineConfig:
 
 def _positive_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """How many processes one engine spans (vLLM's names).  The engine schedules, samples and detokenizes in this
+    process either way; the others only run their part of each step's forward.
+
+    - ``tensor_parallel_size``: every layer split over this many ranks (heads, MLP units, vocabulary rows);
+      the size must divide the model's heads (checked against the model by ``layers.parallel.check_shardable``).
+    - ``pipeline_parallel_size``: the layers cut into this many consecutive stages, one per rank; the size must
+      divide the model's layers (``distributed.pipeline.stage_layers``).
+    Both above 1 at once is not supported.
+    """
+
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+
+    def __post_init__(self):
+        for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+            if not _positive_int(getattr(self, name)):
+                raise ValueError(f"{name} must be an int >= 1, got {getattr(self, name)!r}")
+        if self.tensor_parallel_size > 1 and self.pipeline_parallel_size > 1:
+            raise ValueError("tensor_parallel_size and pipeline_parallel_size cannot both be > 1 (yet): pick one")
+
+    @property
+    def world_size(self) -> int:
+        """Processes the engine spans (1: this one alone)."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
 
 
 SPECULATIVE_METHODS = ("ngram", "early_exit", "draft", "quantized")
