@@ -10,9 +10,10 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator, Sequence
 
-from minillm.config import EngineConfig
+from minillm.config import EngineConfig, ParallelConfig
 from minillm.engine.inputs import Prompt, chat_prompt_ids, merge_eos_token_ids, to_token_ids
 from minillm.engine.llm_engine import LLMEngine
+from minillm.engine.runners import check_parallel
 from minillm.models.loader import load_model, load_tokenizer
 from minillm.outputs import RequestOutput, StepOutput
 from minillm.sampling.params import SamplingParams
@@ -41,25 +42,18 @@ class LLM:
     def __init__(self, model: str | os.PathLike | None = None, *, dtype=None, device=None, kernels: str = "auto",
                  quantization: str | None = None, tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,
                  **engine_options):
+        if (tensor_parallel_size, pipeline_parallel_size) != (1, 1):
+            if engine_options.get("parallel_config") is not None:
+                raise ValueError("give either parallel_config or tensor_parallel_size / pipeline_parallel_size")
+            engine_options["parallel_config"] = ParallelConfig(tensor_parallel_size, pipeline_parallel_size)
         self.engine_config = EngineConfig(**engine_options)  # validated before the model loads
         self.model = load_model(model, dtype=dtype, device=device, kernels=kernels, quantization=quantization)
-        self.tensor_parallel_size = tensor_parallel_size
-        if tensor_parallel_size != 1:  # ValueError naming the valid sizes (or the options TP refuses), no process yet
-            from minillm.distributed.driver import check_engine_config
-            from minillm.layers.parallel import check_shardable
-
-            check_shardable(self.model, tensor_parallel_size)
-            check_engine_config(self.engine_config)
-        self.pipeline_parallel_size = pipeline_parallel_size
-        if pipeline_parallel_size != 1:  # ValueError naming the sizes that divide the layers
-            from minillm.distributed.pipeline import stage_layers
-
-            stage_layers(self.model.config, pipeline_parallel_size, 0)
-            if tensor_parallel_size != 1:
-                raise ValueError("tensor_parallel_size and pipeline_parallel_size cannot both be > 1 (yet)")
+        check_parallel(self.model, self.engine_config)  # ValueError naming the valid sizes, before any process starts
+        parallel = self.engine_config.parallel_config
+        self.tensor_parallel_size = parallel.tensor_parallel_size
+        self.pipeline_parallel_size = parallel.pipeline_parallel_size
         self.tokenizer = load_tokenizer(model)
-        self._engine: LLMEngine | None = None  # built on first use: the KV cache is allocated then
-        self._tp_driver = None  # tensor_parallel_size > 1: the worker processes, started with the engine
+        self._engine: LLMEngine | None = None  # built on first use: the KV cache (and any worker process) then
         self._closed = False
 
     @property
@@ -72,28 +66,23 @@ class LLM:
         if self.pipeline_parallel_size != 1:
             raise ValueError("with pipeline_parallel_size > 1 the model runs in worker processes "
                              "(distributed/pipeline.py): use generate() or chat()")
-        self._check_workers()
-        if self._engine is None and self.tensor_parallel_size != 1:
-            from minillm.distributed.driver import TPDriver
-
-            self._tp_driver = TPDriver(self.model, self.tensor_parallel_size)
-            self._engine = self._tp_driver.engine(self.tokenizer, self.engine_config)
         if self._engine is None:
             self._engine = LLMEngine(self.model, self.tokenizer, self.engine_config)
+        self._engine.check()
         return self._engine
 
     def _check_workers(self) -> None:
-        """Raise the tensor-parallel workers' failure (``WorkerError`` naming the rank), if any."""
-        if self._tp_driver is not None:
-            self._tp_driver.check()
+        """Raise the worker processes' failure (``WorkerError`` naming the rank), if any."""
+        if self._engine is not None:
+            self._engine.check()
 
     def shutdown(self) -> None:
-        """Free the engine and stop the tensor-parallel worker processes; later calls raise ``RuntimeError``.
-        Also runs on ``with LLM(...) as llm:`` exit; an LLM that is garbage collected, or alive at interpreter
-        exit, stops its workers too (a ``weakref.finalize`` in the driver)."""
+        """Free the engine and stop its worker processes (tensor / pipeline parallel); later calls raise
+        ``RuntimeError``.  Also runs on ``with LLM(...) as llm:`` exit; an LLM that is garbage collected, or alive
+        at interpreter exit, stops its workers too (a ``weakref.finalize`` in the driver)."""
         self._closed = True
-        if self._tp_driver is not None:
-            self._tp_driver.shutdown()
+        if self._engine is not None:
+            self._engine.shutdown()
         self._engine = None
 
     def __enter__(self) -> LLM:

@@ -1,7 +1,7 @@
 """The tensor-parallel driver: one scheduler in this process, persistent worker ranks that run what it sends.
 
     driver = TPDriver(model, tensor_parallel_size=2)        # spawns ranks 1..N-1 once; this process is rank 0
-    engine = driver.engine(tokenizer, EngineConfig(...))     # an LLMEngine whose runner sends each step
+    engine = LLMEngine(driver.model, tokenizer, EngineConfig(...), executor=driver)   # rank 0's engine
     engine.generate(...); engine.generate(...)             # the same worker processes serve every call
     driver.shutdown()                                      # also on garbage collection and interpreter exit
 
@@ -10,18 +10,20 @@ What runs where:
   its shard of the model (H_q/tp and H_kv/tp heads, F/tp MLP units, V/tp vocabulary rows) and its heads' K/V.
 - ranks 1..N−1 (spawned once, ``torch.multiprocessing`` "spawn", running ``worker.serve_steps``): their shard and
   their heads' K/V, nothing else.  Each waits on its pipe for a step header, receives the step's tensor (one
-  broadcast), runs the block copies and the forward (``step.run_step``) and waits again; it never schedules,
-  samples or detokenizes.
+  broadcast), runs the block copies and the forward (``engine.model_runner.forward_step``) and waits again; it
+  never schedules, samples or detokenizes.
 Per step: a ~100-byte header down each worker's pipe, one broadcast of the packed step (``step.py``: 8 · B (6 + w)
 bytes for a decode batch of B whose longest block table has w entries), then the forward's own collectives —
 one all-reduce of [T, hidden] for the embedding, two per layer, one all-gather of the [B_s, V] logits.  Only rank 0
 samples: the logits are identical everywhere after the gather.  Because one scheduler decides for all ranks,
 any policy works — "dynamic" (it waits on the wall clock) and whatever a scheduler does not deterministically.
 The price is latency, not bytes: a worker sleeps in its pipe read while rank 0 samples and schedules, and the
-broadcast waits until it has been woken.  Measured on the shared 2-core host at load ~9 (SmolLM2 shape, 4
-layers, 8 sequences): packing 80 µs, pipe 80 µs, broadcast 3 ms median per step — mostly the wake-up, which SPMD
+broadcast waits until it has been woken (BENCHMARKS.md times packing, pipe and broadcast) — a wake-up that SPMD
 ranks (each scheduling concurrently) do not pay; vLLM's multiprocess executor has its workers poll a
 shared-memory ring buffer instead of sleeping on a pipe, which trades a spinning core for that latency.
+
+The engine sees the driver as its ``executor`` (``engine.model_runner.Executor``): ``attach_kv`` when its runner
+allocates the K/V cache, ``run_step`` for every step; the engine's own sampling, stop rules and outputs do the rest.
 
 Failure, so that nothing hangs and nothing fails silently:
 - every step first checks that each worker is alive (``Process.is_alive``: a ``waitpid``, microseconds);
@@ -49,11 +51,10 @@ from torch import Tensor
 from minillm.config import EngineConfig
 from minillm.distributed.comm import broadcast
 from minillm.distributed.parallel_state import ParallelContext, default_backend, init_parallel
-from minillm.distributed.step import StepInputs, pack_step
+from minillm.distributed.step import pack_step
 from minillm.distributed.worker import WorkerError, free_port, serve_steps
-from minillm.engine.llm_engine import LLMEngine
-from minillm.engine.model_runner import ModelRunner, StepResult
-from minillm.engine.scheduler import SchedulerOutput
+from minillm.engine.model_runner import StepInputs, forward_step
+from minillm.kv.paged_cache import PagedKVCache
 from minillm.layers.parallel import check_shardable, shard_model
 from minillm.models.llama import Transformer
 
@@ -77,7 +78,7 @@ class TPDriver:
         check_shardable(model, tensor_parallel_size)  # before any process starts
         self.world_size, self.timeout_s = tensor_parallel_size, timeout_s
         self.failure: RuntimeError | None = None  # set once: every later call raises it
-        self._epoch = 0  # which engine's K/V the workers hold (a new engine replaces them)
+        self._kv: PagedKVCache | None = None  # rank 0's cache of the engine whose K/V the workers hold
         backend, port = default_backend(model.device), free_port()
         threads = threads_per_worker or max(1, (os.cpu_count() or 1) // tensor_parallel_size)
         mpc = mp.get_context("spawn")  # a fresh interpreter per rank, as CUDA requires
@@ -202,12 +203,32 @@ class TPDriver:
         return error
 
     # ---- what the engine calls ---------------------------------------------------------------------------------
-    def send(self, step: StepInputs, epoch: int) -> None:
-        """Give every worker this step (header down its pipe, the packed tensor by broadcast); they run it while
-        rank 0 runs the same forward.  ``epoch``: the sending engine's (only the newest engine may send)."""
+    def attach_kv(self, kv: PagedKVCache, kv_args: dict) -> None:
+        """``kv`` is rank 0's cache of a new engine: have every worker (re)build its own with
+        ``make_paged_kv_cache(rank config, **kv_args)``.  An earlier engine of this driver stops working."""
         self.check()
-        if epoch != self._epoch:
+        for conn in self._conns:
+            conn.send(("kv", kv_args))
+        self._replies("ok", time.monotonic() + max(self.timeout_s, 60.0))
+        self._kv = kv
+
+    def run_step(self, kv: PagedKVCache, step: StepInputs) -> Tensor | None:
+        """Send the step to every worker, then run rank 0's part over ``kv`` -> logits [R + pad, V] (model dtype,
+        identical on every rank), None for a copies-only step.  Raises ``WorkerError`` when a rank died or failed."""
+        if kv is not self._kv:
             raise RuntimeError("a newer engine of this TPDriver replaced this one's K/V cache on the workers")
+        self._send(step)
+        try:
+            return forward_step(self.model, kv, step)
+        except WorkerError:
+            raise
+        except Exception as e:  # noqa: BLE001 — rank 0's own error, or a peer's death seen by a collective
+            self.reraise(e)
+
+    def _send(self, step: StepInputs) -> None:
+        """Give every worker this step (header down its pipe, the packed tensor by broadcast); they run it while
+        rank 0 runs the same forward."""
+        self.check()
         header, payload = pack_step(step, self.ctx.device)
         try:
             for conn in self._conns:
@@ -222,21 +243,6 @@ class TPDriver:
         if failure is error:
             raise error
         raise failure from error
-
-    def engine(self, tokenizer=None, config: EngineConfig | None = None) -> LLMEngine:
-        """A ``TPEngine`` over rank 0's shard with ``config``; the workers (re)allocate their K/V caches to match,
-        so an earlier engine of this driver stops working.  ValueError as ``check_engine_config``."""
-        config = check_engine_config(config if config is not None else EngineConfig())
-        self.check()
-        self._epoch += 1
-        return TPEngine(self, self._epoch, tokenizer, config)
-
-    def allocate_kv(self, kv_args: dict) -> None:
-        """Have every worker build its paged K/V cache with ``make_paged_kv_cache(rank config, **kv_args)``."""
-        self.check()
-        for conn in self._conns:
-            conn.send(("kv", kv_args))
-        self._replies("ok", time.monotonic() + max(self.timeout_s, 60.0))
 
     @torch.inference_mode()
     def forward(self, input_ids: Tensor, positions: Tensor) -> Tensor:
@@ -279,46 +285,6 @@ def check_engine_config(config: EngineConfig) -> EngineConfig:
         raise ValueError("enforce_eager=False is not supported with tensor_parallel_size > 1: tensor-parallel "
                          "steps run eagerly (pass enforce_eager=None or True)")
     return dataclasses.replace(config, enforce_eager=True)
-
-
-class TPEngine(LLMEngine):
-    """An ``LLMEngine`` on rank 0 whose runner sends each step to the workers (``TPDriver.engine`` makes it)."""
-
-    def __init__(self, driver: TPDriver, epoch: int, tokenizer, config: EngineConfig):
-        super().__init__(driver.model, tokenizer, config)
-        bm = self.block_manager
-        driver.allocate_kv({"num_blocks": bm.device.num_blocks, "block_size": config.block_size,
-                            "dtype": driver.model.dtype, "num_host_blocks": bm.host.num_blocks if bm.host else 0,
-                            "kv_cache_dtype": config.kv_cache_dtype})
-        self.runner = DriverRunner(driver.model, self.kv_cache, bm, driver, epoch)
-
-
-class DriverRunner(ModelRunner):
-    """``ModelRunner`` on rank 0: every packed forward is sent to the workers first (``prepare``), so all ranks
-    run the same forward and its collectives; sampling then happens here only.  Always eager: the static decode
-    path does not go through ``prepare``.  The workers' side is ``step.run_step``, which mirrors
-    ``ModelRunner.run``'s eager forward (copies, ``PagedAttention``, ``hidden_states``, LM head on sample rows)."""
-
-    def __init__(self, model: Transformer, kv, block_manager, driver: TPDriver, epoch: int):
-        super().__init__(model, kv, block_manager, graphs=None)
-        self.driver, self.epoch = driver, epoch
-
-    def run(self, out: SchedulerOutput, return_logits: bool = False) -> StepResult:
-        """``ModelRunner.run`` with the step sent first; raises ``WorkerError`` when a rank died or failed."""
-        if out.is_empty and out.copies:  # a step that only swaps: the workers' copies of those blocks move too
-            self.driver.send(StepInputs(out.copies), self.epoch)
-        try:
-            return super().run(out, return_logits)
-        except WorkerError:
-            raise
-        except Exception as e:  # noqa: BLE001 — rank 0's own error, or a peer's death seen by a collective
-            self.driver.reraise(e)
-
-    def prepare(self, out: SchedulerOutput):
-        """``ModelRunner.prepare``, then the packed step (with this step's block copies) to every worker."""
-        packed = super().prepare(out)
-        self.driver.send(StepInputs(out.copies, *packed), self.epoch)
-        return packed
 
 
 def _watchdog(procs: list, stop_reader, group) -> None:

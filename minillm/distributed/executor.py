@@ -90,6 +90,7 @@ def tp_generate(model: ModelSource, prompts: Sequence, params=None, tensor_paral
     heads (naming the valid ones) or a speculative config; ``WorkerError`` (a RuntimeError) when a worker dies.
     """
     from minillm.distributed.driver import TPDriver, check_engine_config
+    from minillm.engine.llm_engine import LLMEngine
 
     config = check_engine_config(EngineConfig(**engine_options))
     _check(model, tensor_parallel_size)
@@ -99,7 +100,7 @@ def tp_generate(model: ModelSource, prompts: Sequence, params=None, tensor_paral
         tokenizer = load_tokenizer(model)
     driver = TPDriver(_driver_model(model, dtype, kernels, device), tensor_parallel_size)
     try:
-        outputs = driver.engine(tokenizer, config).generate(list(prompts), params)
+        outputs = LLMEngine(driver.model, tokenizer, config, executor=driver).generate(list(prompts), params)
         driver.check()  # a worker lost mid-call fails its requests in the engine: raise it here
         return outputs
     finally:

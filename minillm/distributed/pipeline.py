@@ -37,29 +37,13 @@ from minillm.distributed import comm
 from minillm.distributed.parallel_state import ParallelContext, default_backend
 from minillm.distributed.worker import run_workers
 from minillm.kernels.select import ops_for
+from minillm.layers.parallel import stage_layers, valid_pp_sizes  # noqa: F401 — the sizes' home, re-exported
 from minillm.models.llama import Transformer
 
 ModelSource = Transformer | str | os.PathLike | None
 
 
 # ------------------------------------------------------------------------------------------- sizes and stages
-def valid_pp_sizes(config: ModelConfig) -> list[int]:
-    """Pipeline sizes that give every stage the same whole number of layers: the divisors of ``num_layers``."""
-    return [p for p in range(1, config.num_layers + 1) if config.num_layers % p == 0]
-
-
-def stage_layers(config: ModelConfig, pp: int, rank: int) -> range:
-    """The decoder layers stage ``rank`` of ``pp`` holds.  ValueError for a ``pp`` that does not divide the layers
-    (naming the sizes that do) or is below 1."""
-    if not isinstance(pp, int) or isinstance(pp, bool) or pp < 1:
-        raise ValueError(f"pipeline_parallel_size must be an int >= 1, got {pp!r}")
-    if config.num_layers % pp:
-        raise ValueError(f"pipeline_parallel_size={pp} does not divide the model's {config.num_layers} layers "
-                         f"into equal stages: use one of {valid_pp_sizes(config)}")
-    n = config.num_layers // pp
-    return range(rank * n, (rank + 1) * n)
-
-
 class PipelineStage(nn.Module):
     """Stage ``rank`` of ``pp``: its decoder layers (shared with ``model``, not copied), the embedding on the first
     stage, the final norm and LM head on the last.  ``config`` is the stage's own (``num_layers`` = its layers):

@@ -1,7 +1,8 @@
 """One engine step as the driver sends it to the other tensor-parallel ranks: a small header and one int64 tensor.
 
-The driver (rank 0) schedules, packs the step (``ModelRunner.prepare``) and samples; the other ranks only need
-what their shard's forward reads, which is everything ``prepare`` returns plus the step's K/V block copies:
+The driver (rank 0) schedules, packs the step (``ModelRunner.prepare``: a ``StepInputs``) and samples; the other
+ranks only need what their shard's forward reads, which is all of it — the packed forward's inputs and the step's
+K/V block copies:
 
     header (a tuple of 10 ints, ~100 bytes pickled, over each worker's pipe)
         T, slots, B_d, width, P, prefill blocks, B_s, copies, num_padding, decode_only
@@ -18,39 +19,22 @@ int32 block tables and lengths are cast back on arrival: 4 bytes per entry of wa
 two).  The header travels over the pipe rather than the process group so that an idle rank waits in ``recv`` (no
 collective timeout while the driver has nothing to do) and learns the payload's size before the broadcast.
 
-``run_step`` is the forward every rank runs on what arrived — the driver on the tensors it packed, the workers on
-the unpacked copies — so both sides execute the same collectives in the same order.
+``engine.model_runner.forward_step`` is the forward every rank runs on what arrived — the driver on the tensors it
+packed, the workers on the unpacked copies — so both sides execute the same collectives in the same order.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 from torch import Tensor
 
+from minillm.engine.model_runner import StepInputs
 from minillm.kv.block_allocator import BlockCopy, CopyKind
-from minillm.kv.paged_cache import AttentionMetadata, PagedAttention, PagedKVCache, PrefillChunk
-from minillm.models.llama import Transformer
+from minillm.kv.paged_cache import AttentionMetadata, PrefillChunk
+
+__all__ = ["StepInputs", "pack_step", "payload_size", "unpack_step"]
 
 COPY_KINDS = tuple(CopyKind)  # a copy's kind travels as its index here
-
-
-@dataclass(frozen=True)
-class StepInputs:
-    """What one rank needs to run a step: the block copies to run first, then (unless a copies-only step) the
-    packed forward's input_ids, positions [1, T], its ``AttentionMetadata`` and the LM-head rows [B_s + pad]."""
-
-    copies: list[BlockCopy] = field(default_factory=list)
-    input_ids: Tensor | None = None
-    positions: Tensor | None = None
-    meta: AttentionMetadata | None = None
-    sample_rows: Tensor | None = None
-
-    @property
-    def has_forward(self) -> bool:
-        """Whether a forward runs after the copies (False: a step that only swaps or copies blocks)."""
-        return self.input_ids is not None
 
 
 def pack_step(step: StepInputs, device: torch.device | str) -> tuple[tuple[int, ...], Tensor]:
@@ -93,15 +77,3 @@ def unpack_step(header: tuple[int, ...], payload: Tensor) -> StepInputs:
     meta = AttentionMetadata(slot, rows, tables.view(b_d, width).to(torch.int32), lens.to(torch.int32), chunks,
                              num_padding, bool(decode_only))
     return StepInputs(copies, ids.view(1, t), pos.view(1, t), meta, sample_rows)
-
-
-@torch.inference_mode()
-def run_step(model: Transformer, kv: PagedKVCache, step: StepInputs) -> Tensor | None:
-    """Run the copies, then the packed forward and the LM head on the sample rows -> logits [B_s + pad, V] in the
-    model dtype (identical on every rank: the head's all-gather), or None for a copies-only step."""
-    kv.copy_blocks(step.copies)  # before the forward: copy-on-write sources and swaps must land first
-    if not step.has_forward:
-        return None
-    cache = PagedAttention(kv, step.meta, model.kernel_ops())
-    hidden = model.hidden_states(step.input_ids, step.positions, cache)  # (1, T, hidden)
-    return model.compute_logits(hidden[0, step.sample_rows])  # (B_s + pad, V)

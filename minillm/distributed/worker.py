@@ -146,7 +146,8 @@ def serve_steps(rank: int, world_size: int, port: int, backend: str, threads: in
     import torch
 
     from minillm.distributed.comm import broadcast
-    from minillm.distributed.step import payload_size, run_step, unpack_step
+    from minillm.distributed.step import payload_size, unpack_step
+    from minillm.engine.model_runner import forward_step
     from minillm.kv.paged_cache import make_paged_kv_cache
     from minillm.layers.parallel import shard_model
 
@@ -166,7 +167,7 @@ def serve_steps(rank: int, world_size: int, port: int, backend: str, threads: in
                     os._exit(0)
                 if kind == "step":
                     payload = torch.empty(payload_size(value), dtype=torch.long, device=ctx.device)
-                    run_step(shard, kv, unpack_step(value, broadcast(payload, ctx)))
+                    forward_step(shard, kv, unpack_step(value, broadcast(payload, ctx)))
                 elif kind == "kv":
                     kv = None  # free the old cache before the new one is allocated
                     kv = make_paged_kv_cache(shard.config, device=ctx.device, **value)

@@ -1,9 +1,9 @@
 """Decode steps through static buffers in batch buckets: CUDA graphs on a GPU, the same padded path on CPU.
 
 An eager decode step launches every layer's kernels from Python: ~10 kernels per layer at a few µs each, which at
-batch 1 on a GPU costs more than reading the weights (issue 17's anchors: SmolLM2-135M needs ~80 µs of HBM reads
-per token on an H100 but ~1 ms of launches).  A CUDA graph records the launches once and replays them with one
-call, but it replays *fixed* addresses and shapes.  So, as in nano-vllm and vLLM:
+batch 1 on a GPU costs more than reading the weights of a small model (SmolLM2-135M's ~270 MB of bf16 weights
+take ~80 µs at an H100's 3.35 TB/s; 300 launches at ~3 µs take ~1 ms).  A CUDA graph records the launches once
+and replays them with one call, but it replays *fixed* addresses and shapes.  So, as in nano-vllm and vLLM:
 
 - the step's inputs live in static buffers sized for the largest bucket (token ids, positions, slot mapping,
   block tables [max_num_seqs, max_blocks], sequence lengths) and each step copies its values into them;
@@ -21,6 +21,9 @@ kernels' one input-check sync (``kernels.validate``) is skipped while capturing.
 ``compile=True`` (``kernels="compiled"``, ``kernels.select``) runs the same bucketed step through ``torch.compile``
 (inductor: fused C++ loops on CPU, Triton on CUDA) over the torch reference ops; fixed shapes per bucket mean one
 compilation per bucket and no recompiles.
+
+``CudaGraphRunner`` is the engine's runner on this path (``engine/runners.py`` picks it): decode-only steps through
+``DecodeGraphs``, every other step through the eager ``ModelRunner``.
 """
 
 from __future__ import annotations
@@ -32,7 +35,10 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from minillm.engine.model_runner import DecodeBatch, ModelRunner
+from minillm.engine.scheduler import SchedulerOutput
 from minillm.kernels.select import KernelOps
+from minillm.kv.block_manager import BlockManager
 from minillm.kv.paged_cache import AttentionMetadata, PagedAttention, PagedKVCache
 from minillm.models.llama import Transformer
 
@@ -63,22 +69,7 @@ class CaptureReport:
     memory_bytes: int
 
 
-@dataclass(frozen=True)
-class DecodeBatch:
-    """One decode step's inputs, host side: B rows (before bucket padding).  ``block_tables[i]`` lists row i's
-    blocks (any length ≤ the runner's ``max_blocks``); ``seq_lens[i]`` counts its keys, itself included."""
-
-    input_ids: list[int]
-    positions: list[int]
-    slot_mapping: list[int]
-    block_tables: list[list[int]]
-    seq_lens: list[int]
-
-    def __len__(self) -> int:
-        return len(self.input_ids)
-
-
-class DecodeGraphRunner:
+class DecodeGraphs:
     """Static buffers for ``max(buckets)`` decode rows and one step per bucket: captured CUDA graphs when
     ``capture`` (CUDA only), otherwise the same padded step run as is (optionally ``compile``d).
 
@@ -183,15 +174,24 @@ class DecodeGraphRunner:
         return self._run(bucket, self.model.kernel_ops())[:B].clone()
 
 
-def use_static_decode(enforce_eager: bool | None, device: torch.device, compiled: bool) -> bool:
-    """Whether an engine runs decode steps through ``DecodeGraphRunner``.  ``enforce_eager`` True: never (vLLM's
-    name); False: always (CUDA graphs on a GPU, the uncaptured padded path on CPU); None: where it pays — CUDA
-    (launch-bound decode), or a compiled step (fixed shapes per bucket), outside tensor-parallel workers (their
-    collectives are not captured here).  On CPU the padded path alone is not faster than the packed eager step
-    (it computes the padding rows, and a CPU step has no launch cost to save; measured on a shared 2-core host,
-    SmolLM2-135M shape fp32: batch 1 227 vs 216 ms/step, batch 8 375 vs 472 — within that host's noise), so it
-    is off there."""
-    if enforce_eager is not None:
-        return not enforce_eager
-    distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
-    return (device.type == "cuda" or compiled) and not distributed
+class CudaGraphRunner(ModelRunner):
+    """The engine's runner when decode steps go through static buffers: decode-only steps whose rows (padding
+    included) fit the largest bucket replay ``graphs`` (``DecodeGraphs``: captured CUDA graphs on a GPU, the same
+    padded step, optionally compiled, elsewhere); prefill, mixed and draft steps run the eager packed forward.
+
+    ``kv`` must hold one block past the block manager's pool: the scratch block padding rows write to."""
+
+    def __init__(self, model: Transformer, kv: PagedKVCache, block_manager: BlockManager, *, buckets: tuple[int, ...],
+                 max_blocks: int, capture: bool, compile: bool):
+        super().__init__(model, kv, block_manager)
+        self.graphs = DecodeGraphs(model, kv, buckets=buckets, max_blocks=max_blocks,
+                                   scratch_block=block_manager.device.num_blocks, capture=capture, compile=compile)
+
+    def fast_forward(self, out: SchedulerOutput) -> Tensor | None:
+        """Every chunk one token (no drafts), rows + padding within the largest bucket -> the sampling rows'
+        logits [R, V] from the bucketed step; else None."""
+        if any(s.num_tokens != 1 for s in out.scheduled) \
+                or len(out.scheduled) + out.num_padding > max(self.graphs.buckets):
+            return None
+        logits = self.graphs.decode(self.rows(out), out.num_padding)  # (B, V)
+        return logits[[i for i, s in enumerate(out.scheduled) if s.samples]]  # (R, V)

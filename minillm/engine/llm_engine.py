@@ -1,11 +1,14 @@
 """LLMEngine: requests in, tokens out, one scheduling step at a time.
 
-    step() = scheduler.schedule()  →  runner.run() (one packed forward + sampling)  →  scheduler.postprocess()
+    step() = scheduler.schedule()  →  [speculator.propose(): drafts as scheduled tokens]
+             →  runner.run() (one packed forward + sampling)  →  scheduler.postprocess() (commit, stop rules)
 
 ``add_request`` queues a prompt; each ``step`` returns what it produced as ``StepOutput`` updates (the new token,
 its text delta, whether that sample finished) so callers can stream; ``generate`` runs prompts to completion and
 ``stream`` yields their updates.  The scheduler (``scheduler.py``) decides which tokens run under the token,
-sequence and KV-block budgets; the runner (``model_runner.py``) owns the paged K/V tensors.  This file joins them,
+sequence and KV-block budgets; the runner (``model_runner.py``, picked once by ``runners.make_runner``) owns the
+paged K/V tensors; with ``EngineConfig.parallel_config`` above one process, an executor (``runners.make_executor``)
+runs each step on every rank while this engine schedules, samples and detokenizes.  This file joins them,
 turns ids into text, and keeps faults contained: a request whose forward, sampling or detokenization raises ends
 alone with ``finish_reason="error"``, its blocks freed, while the others run on.
 """
@@ -23,7 +26,6 @@ import torch
 from torch import Tensor
 
 from minillm.config import EngineConfig
-from minillm.engine.cuda_graph import DecodeGraphRunner, batch_buckets, use_static_decode
 from minillm.engine.detokenizer import IncrementalDetokenizer
 from minillm.engine.inputs import (
     Prompt,
@@ -34,14 +36,13 @@ from minillm.engine.inputs import (
     to_token_ids,
     validate_prompts,
 )
-from minillm.engine.model_runner import ModelRunner, StepResult
-from minillm.engine.scheduler import Scheduler, SchedulerOutput, SchedulerStats
+from minillm.engine.model_runner import Executor, StepResult
+from minillm.engine.runners import make_executor, make_runner
+from minillm.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput, SchedulerStats
 from minillm.engine.sequence import Request, SequenceStatus
 from minillm.engine.sequence import Sequence as Seq
 from minillm.engine.spec_decode import SpecDecoder
-from minillm.kernels.cpu import fused
-from minillm.kernels.select import compiles
-from minillm.kv.paged_cache import kv_bytes_per_block, make_paged_kv_cache
+from minillm.kv.paged_cache import kv_bytes_per_block
 from minillm.models.llama import Transformer
 from minillm.outputs import CompletionOutput, EngineState, RequestOutput, StepOutput
 from minillm.sampling.params import SamplingParams
@@ -66,50 +67,45 @@ class LLMEngine:
     """
 
     def __init__(self, model: Transformer, tokenizer=None, config: EngineConfig | None = None, *,
-                 eos_token_ids: Sequence[int] | None = None):
-        self.model, self.tokenizer = model, tokenizer
+                 eos_token_ids: Sequence[int] | None = None, executor: Executor | None = None):
         self.config = config = config if config is not None else EngineConfig()
-        mc = model.config
+        # tensor / pipeline parallel: the executor runs the other ranks; this process keeps its own piece of the model
+        self.executor, self._owns_executor = executor, executor is None
+        if executor is None:
+            self.executor = executor = make_executor(model, config.parallel_config)
+        self.model, self.tokenizer = (model if executor is None else executor.model), tokenizer
+        mc = self.model.config
         self.max_model_len = min(mc.max_position_embeddings, config.max_model_len or mc.max_position_embeddings)
         if mc.sliding_window is not None:  # the paged cache attends to everything: within the window that is exact
             self.max_model_len = min(self.max_model_len, mc.sliding_window)
         self.eos_token_ids = (merge_eos_token_ids(mc.eos_token_ids, tokenizer) if eos_token_ids is None
                               else tuple(eos_token_ids))
-        block_bytes = kv_bytes_per_block(mc, config.block_size, model.dtype, config.kv_cache_dtype)
+        block_bytes = kv_bytes_per_block(mc, config.block_size, self.model.dtype, config.kv_cache_dtype)
         num_blocks = config.resolve_num_blocks(block_bytes, self.max_model_len)  # int8/fp8 KV: more blocks
-        num_host = config.resolve_host_blocks(num_blocks)
-        self.scheduler = Scheduler(config, num_blocks, self.max_model_len, num_host_blocks=num_host,
+        self.scheduler = Scheduler(config, num_blocks, self.max_model_len,
+                                   num_host_blocks=config.resolve_host_blocks(num_blocks),
                                    eos_token_ids=self.eos_token_ids)
-        if config.enforce_eager is False and config.kv_cache_dtype != "auto":
-            raise ValueError("enforce_eager=False (static decode buffers / CUDA graphs) needs kv_cache_dtype='auto': "
-                             "a quantized KV cache dequantizes the step's blocks into a pool sized per step; "
-                             "pass enforce_eager=None or True with a quantized KV cache")
-        static = config.kv_cache_dtype == "auto" and use_static_decode(config.enforce_eager, model.device,
-                                                                        compiles(model.kernels))
-        # the static decode path's padding rows write K/V to one scratch block past the scheduler's pool
-        self.kv_cache = make_paged_kv_cache(mc, num_blocks + static, config.block_size, dtype=model.dtype,
-                                            device=model.device, num_host_blocks=num_host,
-                                            kv_cache_dtype=config.kv_cache_dtype)
-        graphs = DecodeGraphRunner(model, self.kv_cache, buckets=batch_buckets(config.max_num_seqs),
-                                   max_blocks=-(-self.max_model_len // config.block_size), scratch_block=num_blocks,
-                                   capture=model.device.type == "cuda", compile=compiles(model.kernels)) \
-            if static else None
-        if graphs is None and config.enforce_eager is None and fused.supports(model, self.kv_cache):
-            # CPU decode steps as one native call for the whole stack (kernels/cpu/fused.py); enforce_eager=True
-            # keeps the layer-by-layer path (to profile or teach it)
-            gamma = getattr(config.speculative_config, "num_speculative_tokens", 0)  # 0 without speculation
-            rows = config.max_num_seqs * (1 + gamma)  # a verify pass feeds γ + 1 rows per sequence
-            graphs = fused.NativeDecodeRunner(model, self.kv_cache, max_rows=min(fused.MAX_ROWS, rows),
-                                              max_positions=self.max_model_len)
-        self.runner = ModelRunner(model, self.kv_cache, self.scheduler.block_manager, graphs)
+        self.runner = make_runner(self.model, config, self.scheduler.block_manager, self.max_model_len, executor)
+        self.kv_cache = self.runner.kv
         spec = config.speculative_config
-        self.speculator = SpecDecoder(spec, model, self.max_model_len) if spec is not None else None
+        self.speculator = SpecDecoder(spec, self.model, self.max_model_len) if spec is not None else None
         self._detoks: dict[Seq, IncrementalDetokenizer] = {}
         self._finished: dict[str, RequestOutput] = {}  # finished, not yet popped: their ids are still busy
         self._live: dict[str, Request] = {}
         self._inboxes: dict[str, deque[StepOutput]] = {}  # request id -> the queue of the stream() that owns it
         self._ids = itertools.count()
         self._lock = threading.RLock()
+
+    def check(self) -> None:
+        """Raise the executor's failure (a worker that died or raised: ``WorkerError`` naming its rank), if any."""
+        if self.executor is not None:
+            self.executor.check()
+
+    def shutdown(self) -> None:
+        """Stop the worker processes this engine started (tensor / pipeline parallel); a no-op for one process or
+        an executor passed in (its owner stops it)."""
+        if self.executor is not None and self._owns_executor:
+            self.executor.shutdown()
 
     @property
     def block_manager(self):
@@ -216,30 +212,43 @@ class LLMEngine:
 
     # ---- the step ----------------------------------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
-        """Schedule → run the model → postprocess.  Returns one update per token produced this step (and one
-        "error" update per sample of a request that failed in it).  Thread-safe."""
+        """Schedule (with drafts, when speculating) → run the model → commit.  Returns one update per token
+        produced this step (and one "error" update per sample of a request that failed in it).  Thread-safe."""
         with self._lock:
-            out = self.scheduler.schedule(time.perf_counter())
-            updates: list[StepOutput] = []
-            if self.speculator is not None:  # runs the step when some sequence has drafts (spec_decode.py)
-                updates, out = self.speculator.step(self, out)
-            if out is not None:
-                updates = self._plain_step(out)
+            start = time.perf_counter()
+            out = self.scheduler.schedule(start)
+            draft_s = 0.0
+            if self.speculator is not None:  # some decodes become draft chunks [last, x_1..x_k] (spec_decode.py)
+                budget = self.config.max_num_batched_tokens - out.num_tokens
+                out, draft_s = self.speculator.propose(out, self.kv_cache, self.block_manager, budget)
+            speculating = any(s.drafts for s in out.scheduled)
+            updates, run_s = self._run(out)
+            if speculating:
+                self.speculator.record_step(draft_s, run_s, time.perf_counter() - start)
             for u in updates:
                 if u.request_id in self._inboxes:
                     self._inboxes[u.request_id].append(u)
             return updates
 
-    def _plain_step(self, out: SchedulerOutput) -> list[StepOutput]:
+    def _run(self, out: SchedulerOutput) -> tuple[list[StepOutput], float]:
+        """Run the step and commit it -> (updates, seconds in the runner: forward and sampling).  A failing request
+        ends alone (``_run_isolated``); a failing speculative step is rerun without its drafts."""
+        t = time.perf_counter()
         try:
-            result = self.runner.run(out, self.config.return_logits)  # also runs swap copies when idle
+            if self.speculator is None:
+                result = self.runner.run(out, self.config.return_logits)
+            else:  # the runner applies the speculator's rejection rule to every draft chunk
+                result = self.runner.run(out, self.config.return_logits, self.speculator.verify)
             failed: dict[Request, BaseException] = {}
         except Exception as e:  # noqa: BLE001 — a bad request must not take the engine down
+            if any(s.drafts for s in out.scheduled):  # drop the drafts: the plain rerun isolates the culprit
+                return self._run(self.speculator.without_drafts(out, self.block_manager))
             out, result, failed = self._run_isolated(out, e)
+        run_s = time.perf_counter() - t
         updates = [u for request, exc in failed.items() for u in self._fail(request, exc)]
         if not out.is_empty:
             updates += self._postprocess(out, result)
-        return updates
+        return updates, run_s
 
     def _run_isolated(self, out: SchedulerOutput, error: Exception):
         """The step's forward or sampling raised: rerun each request's chunks alone to find which one fails.
@@ -277,14 +286,47 @@ class LLMEngine:
         return [(g, g.get_state()) for s in out.scheduled for g in s.seq.request.generators if g is not None]
 
     def _postprocess(self, out: SchedulerOutput, result: StepResult) -> list[StepOutput]:
-        rows = [i for i, s in enumerate(s for s in out.scheduled if s.samples) for _ in range(s.num_samples)]
-        new = self.scheduler.postprocess(out, result.tokens, time.perf_counter())
+        """Commit the step: plain chunks through the scheduler at once, then each draft chunk's verified tokens one
+        at a time (after its rejected drafts' slots are freed), so every stop rule applies per token."""
+        samplers = [s for s in out.scheduled if s.samples]
+        starts, r = [], 0  # each sampling chunk's first row in result.logits
+        for s in samplers:
+            starts.append(r)
+            r += s.num_logit_rows
+        plain = SchedulerOutput([s for s in out.scheduled if not s.drafts], num_padding=0)
+        plain_tokens = [t for s, t in zip(samplers, result.tokens, strict=True) if not s.drafts]
+        rows = [row for s, row in zip(samplers, starts, strict=True) if not s.drafts for _ in range(s.num_samples)]
+        updates = self._commit(plain, plain_tokens, rows, result.logits)
+        for s, tokens, row in zip(samplers, result.tokens, starts, strict=True):
+            if s.drafts:
+                self.speculator.rollback(self.block_manager, s, tokens)
+                updates += self._commit_verified(s, tokens, row, result.logits)
+        return updates
+
+    def _commit_verified(self, chunk: ScheduledSeq, tokens: list[int], row: int,
+                         logits: Tensor | None) -> list[StepOutput]:
+        """Commit a draft chunk's verified tokens one at a time (nothing after a stop is emitted); count them."""
+        seq, updates, emitted = chunk.seq, [], 0
+        for j, token in enumerate(tokens):
+            if seq.status is not SequenceStatus.RUNNING:
+                break  # EOS, max_tokens or a stop string ended it: the rest is never emitted
+            one = SchedulerOutput([ScheduledSeq(seq, seq.num_tokens - 1, 1)], num_padding=0)
+            updates += self._commit(one, [[token]], [row + j], logits)
+            emitted += 1
+        self.speculator.record(seq, len(chunk.drafts), tokens, emitted)
+        return updates
+
+    def _commit(self, out: SchedulerOutput, tokens: list[list[int]], rows: list[int],
+                logits: Tensor | None) -> list[StepOutput]:
+        """The scheduler's postprocess of ``out`` with ``tokens``, then each new token emitted (``rows[i]``: the
+        logits row of the i-th new token)."""
+        new = self.scheduler.postprocess(out, tokens, time.perf_counter())
         updates = []
         for (seq, token), row in zip(new, rows, strict=True):
             if seq.status is SequenceStatus.FINISHED_ERROR:
                 continue  # a sibling's detokenization failed earlier in this loop: the request has ended
             try:
-                updates.append(self._emit(seq, token, None if result.logits is None else result.logits[row]))
+                updates.append(self._emit(seq, token, None if logits is None else logits[row]))
             except Exception as e:  # noqa: BLE001 — e.g. a token id the tokenizer cannot decode
                 updates += self._fail(seq.request, e, seq)
         for request in {seq.request for seq, _ in new}:

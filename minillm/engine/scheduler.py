@@ -20,6 +20,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from enum import Enum
 
+from torch import Tensor
+
 from minillm.config import EngineConfig
 from minillm.engine.sequence import Request, Sequence, SequenceStatus
 from minillm.kv.block_allocator import BlockCopy
@@ -41,21 +43,39 @@ class Policy(Enum):
 
 @dataclass(frozen=True)
 class ScheduledSeq:
-    """Feed ``seq.token_ids[start : start + num_tokens]`` at positions ``start …`` this step."""
+    """Feed ``seq.token_ids[start : start + num_tokens]`` at positions ``start …`` this step.
+
+    A speculating decode also feeds ``drafts`` (a proposer's guesses, not yet the sequence's tokens) after its last
+    token: ``num_tokens`` = 1 + len(drafts) rows, and the runner returns the target's logits at every one of them
+    (``draft_probs`` [len(drafts), V]: the distributions the drafts were sampled from; None for a deterministic
+    proposer or greedy requests)."""
 
     seq: Sequence
     start: int
     num_tokens: int
+    drafts: tuple[int, ...] = ()
+    draft_probs: Tensor | None = field(default=None, compare=False, repr=False)
+
+    @property
+    def token_ids(self) -> list[int]:
+        """The ids fed this step: the sequence's own, then the drafts."""
+        end = self.start + self.num_tokens - len(self.drafts)
+        return self.seq.token_ids[self.start : end] + list(self.drafts)
 
     @property
     def samples(self) -> bool:
         """Whether this chunk ends at the sequence's last token, so its logits give the next token."""
-        return self.start + self.num_tokens == self.seq.num_tokens
+        return self.start + self.num_tokens - len(self.drafts) == self.seq.num_tokens
 
     @property
     def num_samples(self) -> int:
         """Tokens to draw from the last row: ``n`` for a parent about to fork, else 1."""
         return self.seq.request.params.n if self.samples and self.seq.request.needs_fork else 1
+
+    @property
+    def num_logit_rows(self) -> int:
+        """Rows whose logits the step needs: the last (1 + the drafts, each verified) when it samples, else 0."""
+        return 1 + len(self.drafts) if self.samples else 0
 
 
 @dataclass

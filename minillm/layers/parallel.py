@@ -252,3 +252,27 @@ def shard_model(model: Transformer, ctx: ParallelContext) -> Transformer:
     if left:
         raise ValueError(f"shard_model left unassigned weights {left[:6]}: the model has parts it does not know")
     return out.eval().set_kernels(model.kernels)
+
+
+def is_sharded(model: nn.Module) -> bool:
+    """Whether ``model`` holds tensor-parallel layers of a group of more than one rank (its forward then runs
+    collectives, which a CUDA graph or the fused native step does not capture)."""
+    kinds = (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, VocabParallelLMHead)
+    return any(isinstance(m, kinds) and m.ctx.world_size > 1 for m in model.modules())
+
+
+def valid_pp_sizes(config: ModelConfig) -> list[int]:
+    """Pipeline sizes that give every stage the same whole number of layers: the divisors of ``num_layers``."""
+    return [p for p in range(1, config.num_layers + 1) if config.num_layers % p == 0]
+
+
+def stage_layers(config: ModelConfig, pp: int, rank: int) -> range:
+    """The decoder layers stage ``rank`` of ``pp`` holds.  ValueError for a ``pp`` that does not divide the layers
+    (naming the sizes that do) or is below 1."""
+    if not isinstance(pp, int) or isinstance(pp, bool) or pp < 1:
+        raise ValueError(f"pipeline_parallel_size must be an int >= 1, got {pp!r}")
+    if config.num_layers % pp:
+        raise ValueError(f"pipeline_parallel_size={pp} does not divide the model's {config.num_layers} layers "
+                         f"into equal stages: use one of {valid_pp_sizes(config)}")
+    n = config.num_layers // pp
+    return range(rank * n, (rank + 1) * n)

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
+from minillm.engine.native_runner import NativeRunner
 from minillm.sampling.params import SamplingParams
 
 PATHS = ("engine", "cached")
@@ -112,8 +113,8 @@ def _wrapped(llm, path: str, clock: _Clock) -> contextlib.ExitStack:
         stack.enter_context(clock.wrap(eng, "step", "step"))
         stack.enter_context(clock.wrap(eng.runner, "run", "run"))
         stack.enter_context(clock.wrap(eng.runner, "prepare", "prepare"))
-        if hasattr(eng.runner.graphs, "run_rows"):  # the fused native decode step: every layer (+ head) in one call
-            stack.enter_context(clock.wrap(eng.runner.graphs, "run_rows", "forward"))
+        if isinstance(eng.runner, NativeRunner):  # the fused native decode step: every layer (+ head) in one call
+            stack.enter_context(clock.wrap(eng.runner.stack, "run_rows", "forward"))
         stack.enter_context(clock.wrap(eng.scheduler, "schedule", "schedule"))
         stack.enter_context(clock.wrap(eng.scheduler, "postprocess", "postprocess"))
         stack.enter_context(clock.wrap(eng, "_postprocess", "emit"))
@@ -124,7 +125,7 @@ def _split(spent: Counter[str], total: float, path: str, n: int) -> dict[str, fl
     ms = {k: v / n * 1e3 for k, v in spent.items()}
     if path != "engine":
         return {"forward": ms.get("forward", 0.0), "other": total - ms.get("forward", 0.0)}
-    ms.setdefault("prepare", 0.0)  # a fused decode step (kernels/cpu/fused.py) packs no prepared inputs
+    ms.setdefault("prepare", 0.0)  # a fused decode step (engine/native_runner.py) packs no prepared inputs
     ms.setdefault("forward", 0.0)
     split = {"forward": ms["forward"], "sampling": ms["run"] - ms["prepare"] - ms["forward"],
              "schedule": ms["schedule"], "prepare": ms["prepare"], "postprocess": ms["postprocess"],

@@ -6,7 +6,7 @@ catch-up, usually 1–2 tokens: the last accepted draft and the target's correct
 
 - ``FusedDrafter`` (CPU, fp32 activations, a plain ``Transformer`` with fp32/int8/int4 linears: the quantized-self
   drafter, most draft models): a paged K/V pool of its own (``PagedKVCache`` + a ``BlockManager`` without prefix
-  caching, one block table per sequence, grown when it fills) and ``kernels.cpu.fused.NativeDecodeRunner``: every
+  caching, one block table per sequence, grown when it fills) and ``engine.native_runner.NativeDecodeStack``: every
   sequence of the step drafts together, one native call per draft position for the whole batch.  Why: at batch 1
   the per-layer Python around an int4 drafter's GEMVs cost as much as 5–8 fp32 target decode steps per draft, which
   made quantized-self drafting slower than plain decode.  A long catch-up (a new sequence's prompt) runs as one
@@ -31,11 +31,11 @@ from minillm.kv.block_manager import BlockManager, OutOfBlocks
 from minillm.kv.contiguous import KVCache
 from minillm.kv.paged_cache import AttentionMetadata, PagedAttention, PagedKVCache, PrefillChunk
 from minillm.sampling.sampler import probabilities
-from minillm.spec.proposer import Proposal, TargetKV
+from minillm.spec.proposer import Proposal, Proposer, TargetKV
 
-# catch-up rows above which a sequence prefills through the model's forward rather than as fused rows: fused rows
-# cost ~5 ms each for SmolLM2-135M int4 (2-core AVX-512 host: 40 rows 222 ms vs 393 ms as a prefill), the prefill
-# grows slower (100 rows: 888 vs 835 ms; 300: 3.3 s vs 2.0 s)
+# catch-up rows above which a sequence prefills through the model's forward rather than as fused rows: a fused row
+# costs about a decode step, while a prefill's cost per row falls as it grows (GEMMs); the crossover, measured in
+# BENCHMARKS.md ("Figures moved out of the code"), lies between 40 and 100 rows
 LONG_FEED = 64
 
 
@@ -57,7 +57,7 @@ def draw(logits: Tensor, seq) -> tuple[int, Tensor | None]:
     return int(torch.multinomial(q, 1, generator=seq.generator)), q
 
 
-class DraftModelProposer:
+class DraftModelProposer(Proposer):
     """``Proposer`` running ``model`` (a ``Transformer`` or ``EarlyExitModel``) as the drafter.
 
     ``fused``: None runs the ``FusedDrafter`` where it supports the model (an ``EarlyExitModel`` through its
@@ -69,8 +69,8 @@ class DraftModelProposer:
     ``reads_target_kv`` (self-drafters: the quantized twin, early exit — their layers have the target's K/V shapes):
     the fused drafter copies a sequence's committed context K/V from the target's cache (``propose``'s
     ``target_kv``) instead of running it through the drafter, so it feeds only the last token before drafting.
-    Why: a new request's whole prompt through an int4 drafter (no fast int4 GEMM) cost as much as the target's own
-    prefill (~1 s for 124 tokens on a loaded 2-core host), paid inside the decode, and a copy of its K/V costs ~1 ms.
+    Why: a new request's whole prompt through an int4 drafter (no fast int4 GEMM) costs about as much as the
+    target's own prefill, paid inside the decode, while a copy of its K/V is a memory copy.
     The drafter then attends to the target's K/V rather than its own: its guesses change (the verify keeps the output
     exact either way) — they can only move closer to the target's.
     """
@@ -167,25 +167,25 @@ class _Job:
 
 
 class FusedDrafter:
-    """Drafts for all sequences of a step together on ``NativeDecodeRunner`` over a paged K/V pool of its own.
+    """Drafts for all sequences of a step together on ``NativeDecodeStack`` over a paged K/V pool of its own.
 
     The pool starts at ``num_blocks`` blocks of ``block_size`` and doubles when a sequence needs more (live block
     tables are copied over; a sequence's blocks go on ``release`` or once the sequence is garbage-collected).
     ``held[sid]`` lists the tokens that have slots in the pool, positions 0..n-1 (the block manager's own token
     list, kept here to compare without copying).  Raises ``ValueError`` naming the reason when the fused step
-    cannot run ``model`` (``kernels.cpu.fused.unsupported_reason``).
+    cannot run ``model`` (``engine.native_runner.unsupported_reason``).
     """
 
     def __init__(self, model, max_len: int, *, block_size: int = 16, num_blocks: int = 64):
-        from minillm.kernels.cpu.fused import NativeDecodeRunner, unsupported_reason
+        from minillm.engine.native_runner import NativeDecodeStack, unsupported_reason
 
         self.model, self.max_len = model, max_len
         kv = PagedKVCache(model.config, num_blocks, block_size, dtype=model.dtype, device=model.device)
         reason = unsupported_reason(model, kv)
         if reason is not None:
             raise ValueError(f"the fused drafter cannot run this draft model: {reason}")
-        self._make_runner = NativeDecodeRunner
-        self.runner = NativeDecodeRunner(model, kv)
+        self._make_runner = NativeDecodeStack
+        self.runner = NativeDecodeStack(model, kv)
         self.blocks = BlockManager(num_blocks, block_size, enable_prefix_caching=False)
         self._ids: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # Sequence -> sid
         self._next_id = itertools.count()
@@ -300,7 +300,7 @@ class FusedDrafter:
     def _copy_context(self, feed: tuple[int, list[int], int], seq_id, target: TargetKV) -> tuple[int, list[int], int]:
         """Copy the K/V of every fed position but the last from the target's slots into the slots ``_rollback``
         reserved -> the feed reduced to the last token.  Bytes: 2 × layers × H_kv × D × 4 per position (SmolLM2:
-        46 KB; a 124-token prompt 5.7 MB, ~1 ms), against a drafter forward per position."""
+        46 KB; a 124-token prompt 5.7 MB), against a drafter forward per position."""
         sid, tokens, start = feed
         if len(tokens) < 2 or seq_id not in target.block_manager:
             return feed
@@ -364,7 +364,7 @@ class FusedDrafter:
     def _fused(self, feeds: list[tuple[int, list[int], int]]) -> Tensor:
         """Feeds as decode rows (row r of a sequence at position start + r attends to start + r + 1 keys), in calls
         of at most ``runner.max_rows`` rows, the LM head in the same call -> fp32 logits [rows, V]."""
-        from minillm.engine.cuda_graph import DecodeBatch
+        from minillm.engine.model_runner import DecodeBatch
 
         rows = []
         for sid, tokens, start in feeds:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from minillm.spec.proposer import Proposal
+from minillm.spec.proposer import Proposal, Proposer, TargetKV
 
 
 def ngram_lookup(tokens: Sequence[int], k: int, n_min: int, n_max: int) -> list[int]:
@@ -34,7 +34,7 @@ def ngram_lookup(tokens: Sequence[int], k: int, n_min: int, n_max: int) -> list[
     ### END SOLUTION
 
 
-class NgramProposer:
+class NgramProposer(Proposer):
     """``Proposer`` by prompt lookup over each sequence's prompt and output (vLLM's ``method="ngram"``).
 
     ``lookup`` is the search itself, ``ngram_lookup``'s signature (the course passes its own version here).
@@ -44,7 +44,7 @@ class NgramProposer:
                  lookup: Callable[[Sequence[int], int, int, int], list[int]] = ngram_lookup):
         self.n_min, self.n_max, self.lookup = prompt_lookup_min, prompt_lookup_max, lookup
 
-    def propose(self, seqs: Sequence, k: Sequence[int]) -> Proposal:
+    def propose(self, seqs: Sequence, k: Sequence[int], target_kv: TargetKV | None = None) -> Proposal:
         """At most ``k[i]`` guesses per sequence (none when the last n-gram never occurred before)."""
         tokens = [self.lookup(s.token_ids, ki, self.n_min, self.n_max) for s, ki in zip(seqs, k, strict=True)]
         return Proposal(tokens, [None] * len(tokens))

@@ -36,11 +36,18 @@ class Proposal:
 
 
 class Proposer(Protocol):
-    """Guesses the next tokens of running sequences; the target verifies them in one forward."""
+    """Guesses the next tokens of running sequences; the target verifies them in one forward.  Everything the
+    engine calls is declared here; a proposer that subclasses this class inherits the defaults."""
 
-    def propose(self, seqs: Sequence[Seq], k: Sequence[int]) -> Proposal:
-        """At most ``k[i]`` draft tokens following ``seqs[i].token_ids`` (which it must not modify)."""
+    reads_target_kv: bool = False  # True: propose() gets the target's K/V (TargetKV) to copy its context from
+
+    def propose(self, seqs: Sequence[Seq], k: Sequence[int], target_kv: TargetKV | None = None) -> Proposal:
+        """At most ``k[i]`` draft tokens following ``seqs[i].token_ids`` (which it must not modify).
+        ``target_kv``: the target's cache, given when ``reads_target_kv`` (else None)."""
         ...
+
+    def release(self, seq: Seq) -> None:
+        """Drop what the proposer keeps for a finished sequence (called once it finishes; default: nothing)."""
 
 
 @dataclass

@@ -244,7 +244,7 @@ def test_the_driver_schedules_once_and_gives_the_single_process_tokens(driver, m
     config = EngineConfig(block_size=4, **ENGINES[mode])
     tokens = lambda outs: [[c.token_ids for c in o.outputs] for o in outs]  # noqa: E731
     want = tokens(LLMEngine(model, config=config).generate(prompts, params))
-    engine = tp.engine(None, config)
+    engine = LLMEngine(tp.model, None, config, executor=tp)
     assert tokens(engine.generate(prompts, params)) == want
     if mode == "preempt-swap":
         assert engine.stats.swaps_out > 0, "the budget was meant to force swapping"

@@ -8,7 +8,8 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from minillm import EngineConfig, LLMEngine, ModelConfig, SamplingParams
-from minillm.engine.cuda_graph import batch_buckets, bucket_for, use_static_decode
+from minillm.engine.cuda_graph import CudaGraphRunner, batch_buckets, bucket_for
+from minillm.engine.runners import use_static_decode
 from minillm.models.loader import build_model
 
 
@@ -99,7 +100,7 @@ def test_a_quantized_kv_cache_decodes_eagerly_and_refuses_forced_static_buffers(
     eagerly and asking for static buffers explicitly is a ValueError naming both options."""
     model = random_model(6)
     eng = LLMEngine(model, config=EngineConfig(kv_cache_dtype="int8"))
-    assert eng.runner.graphs is None
+    assert not isinstance(eng.runner, CudaGraphRunner)
     with pytest.raises(ValueError, match="enforce_eager=False.*kv_cache_dtype='auto'"):
         LLMEngine(model, config=EngineConfig(kv_cache_dtype="int8", enforce_eager=False))
 

@@ -10,6 +10,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from minillm import EngineConfig, LLMEngine, ModelConfig, SamplingParams
+from minillm.engine.cuda_graph import CudaGraphRunner
 from minillm.models.loader import build_model
 
 pytestmark = pytest.mark.gpu
@@ -67,7 +68,7 @@ def test_engine_on_cuda_gives_the_cpu_engines_greedy_tokens(seed):
     got, _ = greedy(gpu, prompts, params, enforce_eager=True)
     assert got == want
     got, eng = greedy(gpu, prompts, params)  # the default on CUDA: graphs
-    assert eng.runner.graphs is not None and eng.runner.graphs.graphs
+    assert isinstance(eng.runner, CudaGraphRunner) and eng.runner.graphs.graphs
     assert got == want
 
 

@@ -10,7 +10,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from minillm import EngineConfig, LLMEngine, ModelConfig, SamplingParams
 from minillm.config import SpeculativeConfig
 from minillm.models.loader import build_model
-from minillm.spec.proposer import Proposal
+from minillm.spec.proposer import Proposal, Proposer
 
 V = 320
 
@@ -104,13 +104,13 @@ def test_every_step_leaves_slots_only_for_committed_tokens(model, workload):
     assert_all_free(eng)
 
 
-class WrongProposer:
+class WrongProposer(Proposer):
     """Proposes tokens the target never picks greedily (its argmax + 1): every draft is rejected."""
 
     def __init__(self, model):
         self.model = model
 
-    def propose(self, seqs, k):
+    def propose(self, seqs, k, target_kv=None):
         out = []
         for s, ki in zip(seqs, k, strict=True):
             ids = torch.tensor([s.token_ids])
@@ -192,7 +192,7 @@ def test_speculation_respects_the_steps_token_budget(model):
 
     def recording(out):
         packed = prepare(out)
-        widths.append(packed[0].shape[1])
+        widths.append(packed.input_ids.shape[1])
         return packed
 
     eng.runner.prepare = recording

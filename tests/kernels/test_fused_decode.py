@@ -1,4 +1,4 @@
-"""The fused native decode step (kernels/cpu/fused.py, csrc/decode.c): the whole decoder stack in one call must
+"""The fused native decode step (engine/native_runner.py, csrc/decode.c): the whole decoder stack in one call must
 give the per-layer path's hidden states, K/V and greedy tokens, and refuse what it cannot run."""
 
 import random
@@ -7,13 +7,15 @@ import pytest
 import torch
 
 from minillm import EngineConfig, LLMEngine, ModelConfig, SamplingParams
-from minillm.engine.cuda_graph import DecodeBatch
-from minillm.kernels.cpu import fused
+from minillm.engine import native_runner as fused
+from minillm.engine.model_runner import DecodeBatch, ModelRunner
+from minillm.engine.native_runner import NativeRunner
+from minillm.kernels.cpu import decode
 from minillm.kv.paged_cache import AttentionMetadata, PagedAttention, PagedKVCache, make_paged_kv_cache
 from minillm.models.llama import Transformer
 from minillm.quant.apply import quantize_model
 
-pytestmark = pytest.mark.skipif(not fused.available(), reason="the native decode library did not build here")
+pytestmark = pytest.mark.skipif(not decode.available(), reason="the native decode library did not build here")
 
 # (hidden, H_q, H_kv, D, F, layers, qkv_bias, tied): GQA, MQA and MHA; head_dim 64 and 32; Qwen2's qkv bias.
 # Every K is a multiple of 32 so int4 (Q4_1, groups of 32) quantizes every linear.
@@ -78,7 +80,7 @@ def test_one_fused_call_equals_the_per_layer_native_path_bit_for_bit(name, schem
     kv_ref, kv_fused = filled_caches(model, 1)
     batch = random_rows(lens, 2)
     want = per_layer_hidden(model, kv_ref, batch)
-    got = fused.NativeDecodeRunner(model, kv_fused).hidden(batch)
+    got = fused.NativeDecodeStack(model, kv_fused).hidden(batch)
     assert torch.equal(got, want)
     assert torch.equal(kv_fused.k, kv_ref.k) and torch.equal(kv_fused.v, kv_ref.v)
     assert not torch.equal(kv_fused.k, filled_caches(model, 1)[0].k)  # the step did write its rows
@@ -89,7 +91,7 @@ def test_fused_hidden_states_match_the_torch_reference_in_fp32(name):
     model = make_model(name)
     kv_ref, kv_fused = filled_caches(model, 3)
     batch = random_rows([2, 5, 8, 13, 4], 4)
-    got = fused.NativeDecodeRunner(model, kv_fused).hidden(batch)
+    got = fused.NativeDecodeStack(model, kv_fused).hidden(batch)
     torch.testing.assert_close(got, per_layer_hidden(model.set_kernels("torch"), kv_ref, batch))
     torch.testing.assert_close(kv_fused.k, kv_ref.k)
 
@@ -102,8 +104,8 @@ def test_a_quantized_rows_result_does_not_depend_on_the_rows_beside_it(scheme):
     model = make_model("gqa-d64", scheme)
     kv_all, kv_one = filled_caches(model, 5)
     batch = random_rows([3 + i for i in range(12)], 6)
-    together = fused.NativeDecodeRunner(model, kv_all).logits(batch)
-    runner = fused.NativeDecodeRunner(model, kv_one)
+    together = fused.NativeDecodeStack(model, kv_all).logits(batch)
+    runner = fused.NativeDecodeStack(model, kv_one)
     alone = torch.cat([runner.logits(DecodeBatch(*([f[i]] for f in (batch.input_ids, batch.positions,
                                                                       batch.slot_mapping, batch.block_tables,
                                                                       batch.seq_lens))))
@@ -118,7 +120,7 @@ def test_the_lm_head_in_the_same_call_gives_the_models_logits(scheme):
     batch = random_rows([2, 6, 11], 9)
     with torch.inference_mode():
         want = model.compute_logits(per_layer_hidden(model, kv_ref, batch))
-    assert torch.equal(fused.NativeDecodeRunner(model, kv_fused).logits(batch), want)
+    assert torch.equal(fused.NativeDecodeStack(model, kv_fused).logits(batch), want)
 
 
 def test_rows_of_one_sequence_attend_causally_as_a_prefill_chunk_does():
@@ -131,7 +133,7 @@ def test_rows_of_one_sequence_attend_causally_as_a_prefill_chunk_does():
     pos = list(range(start, start + 4))
     batch = DecodeBatch(ids, pos, [table[p // BLOCK] * BLOCK + p % BLOCK for p in pos], [table] * 4,
                         [p + 1 for p in pos])
-    got = fused.NativeDecodeRunner(model, kv_fused).hidden(batch)
+    got = fused.NativeDecodeStack(model, kv_fused).hidden(batch)
     from minillm.kv.paged_cache import PrefillChunk
 
     meta = AttentionMetadata(torch.tensor(batch.slot_mapping), torch.zeros(0, dtype=torch.long),
@@ -160,8 +162,8 @@ def test_the_engine_decodes_through_the_fused_step_with_the_per_layer_greedy_tok
     lengths = [24 - 3 * i for i in range(batch)]  # members finish at different steps
     want, eager = greedy(model, prompts, lengths, enforce_eager=True)
     got, eng = greedy(model, prompts, lengths)
-    assert eager.runner.graphs is None and isinstance(eng.runner.graphs, fused.NativeDecodeRunner)
-    assert eng.runner.graphs.calls >= 20  # decode steps ran fused (not the per-layer path twice)
+    assert type(eager.runner) is ModelRunner and isinstance(eng.runner, NativeRunner)
+    assert eng.runner.stack.calls >= 20  # decode steps ran fused (not the per-layer path twice)
     assert got == want
 
 
@@ -170,7 +172,7 @@ def test_static_batches_skip_their_padding_rows_and_keep_the_tokens():
     prompts = [[1, 2, 3], [4, 5, 6, 7, 8], [9, 10]]
     want, _ = greedy(model, prompts, [20, 4, 9], enforce_eager=True, policy="static", max_num_seqs=3)
     got, eng = greedy(model, prompts, [20, 4, 9], policy="static", max_num_seqs=3)
-    assert got == want and eng.runner.graphs.calls >= 19
+    assert got == want and eng.runner.stack.calls >= 19
 
 
 def test_the_default_int4_model_gives_the_same_greedy_text_fused_and_per_layer():
@@ -180,7 +182,7 @@ def test_the_default_int4_model_gives_the_same_greedy_text_fused_and_per_layer()
     prompt = [[1, 504, 3458, 282, 4649, 314]]
     want, _ = greedy(model, prompt, [24], enforce_eager=True, block_size=16)
     got, eng = greedy(model, prompt, [24], block_size=16)
-    assert got == want and eng.runner.graphs.calls == 23
+    assert got == want and eng.runner.stack.calls == 23
 
 
 # ------------------------------------------------------------------------------------------------ what it refuses
@@ -194,10 +196,10 @@ def test_it_refuses_what_it_cannot_run_and_the_engine_keeps_the_per_layer_path()
     assert "fp32" in fused.unsupported_reason(make_model("gqa-d64").to(torch.bfloat16), kv)
     assert "CPU" in fused.unsupported_reason(make_model("gqa-d64").to("meta"), kv)  # CUDA, or any other device
     with pytest.raises(ValueError, match="cannot run"):
-        fused.NativeDecodeRunner(model, q8kv)
+        fused.NativeDecodeStack(model, q8kv)
     for config in ({"kv_cache_dtype": "int8"}, {"enforce_eager": True}):
-        assert LLMEngine(model, config=EngineConfig(**config)).runner.graphs is None
-    assert LLMEngine(make_model("gqa-d64").set_kernels("torch")).runner.graphs is None
+        assert type(LLMEngine(model, config=EngineConfig(**config)).runner) is ModelRunner
+    assert type(LLMEngine(make_model("gqa-d64").set_kernels("torch")).runner) is ModelRunner
 
 
 def test_a_sliding_window_or_a_swapped_layer_is_refused():
@@ -215,7 +217,7 @@ def test_a_sliding_window_or_a_swapped_layer_is_refused():
 def test_replaced_weights_rebuild_the_table_and_an_unrunnable_change_raises():
     model = make_model("gqa-d64")
     kv_a, kv_b = filled_caches(model, 8)
-    runner = fused.NativeDecodeRunner(model, kv_a)
+    runner = fused.NativeDecodeStack(model, kv_a)
     batch = random_rows([6, 11], 9)
     quantize_model(model, "int8")  # swaps every Linear for a QuantLinear after the table was built
     got = runner.hidden(batch)
@@ -230,17 +232,17 @@ def test_set_kernels_torch_after_the_engine_is_built_turns_the_fused_step_off():
     eng = LLMEngine(model, config=EngineConfig(block_size=BLOCK))
     model.set_kernels("torch")
     eng.generate([[1, 2, 3]], SamplingParams(max_tokens=5, temperature=0))
-    assert eng.runner.graphs.calls == 0 and eng.runner.graphs.buckets == ()
+    assert eng.runner.stack.calls == 0 and not eng.runner.active
 
 
 def test_the_library_is_rebuilt_when_an_included_source_changes(tmp_path, monkeypatch):
-    for name in ("decode.c", *fused._INCLUDED):
-        (tmp_path / name).write_text((fused._CSRC / name).read_text())
-    monkeypatch.setattr(fused, "_CSRC", tmp_path)
-    monkeypatch.setattr(fused, "_SRC", tmp_path / "decode.c")
-    before = fused._source_digest()
+    for name in ("decode.c", *decode._INCLUDED):
+        (tmp_path / name).write_text((decode._CSRC / name).read_text())
+    monkeypatch.setattr(decode, "_CSRC", tmp_path)
+    monkeypatch.setattr(decode, "_SRC", tmp_path / "decode.c")
+    before = decode._source_digest()
     (tmp_path / "quant.c").write_text((tmp_path / "quant.c").read_text() + "\n/* a faster GEMV */\n")
-    assert fused._source_digest() != before
+    assert decode._source_digest() != before
 
 
 # ------------------------------------------------------------------------------------------ speculative verification
@@ -254,8 +256,8 @@ def test_speculative_verification_runs_fused_and_keeps_the_greedy_tokens(scheme,
     want, _ = greedy(model, prompts, [22, 20, 24])
     spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
     seen = []
-    run = fused.NativeDecodeRunner.run_rows
-    monkeypatch.setattr(fused.NativeDecodeRunner, "run_rows", lambda self, b, **k: seen.append(b) or run(self, b, **k))
+    run = fused.NativeDecodeStack.run_rows
+    monkeypatch.setattr(fused.NativeDecodeStack, "run_rows", lambda self, b, **k: seen.append(b) or run(self, b, **k))
     got, eng = greedy(model, prompts, [22, 20, 24], speculative_config=spec)
     assert got == want and eng.spec_stats.draft_tokens > 0
     # some call verified drafts: consecutive positions of one sequence (same table) as rows of one call

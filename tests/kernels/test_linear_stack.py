@@ -1,15 +1,16 @@
-"""kernels/cpu/fused.LinearStack (csrc/decode.c linear_stack): a list of GEMVs in one native call must give each
+"""perf/bench/linear_stack.LinearStack (csrc/decode.c linear_stack): a list of GEMVs in one native call must give each
 weight's per-call native result exactly, whichever threading layout runs it and however many threads split the
 rows."""
 
 import pytest
 import torch
 
-from minillm.kernels.cpu import fused, native
+from minillm.kernels.cpu import decode, native
 from minillm.kernels.cpu import quant as native_quant
+from minillm.perf.bench.linear_stack import LinearStack
 from minillm.quant.weight import Int8Weight, quantize_int4, quantize_int8
 
-pytestmark = pytest.mark.skipif(not fused.available(), reason="the native decode library did not build here")
+pytestmark = pytest.mark.skipif(not decode.available(), reason="the native decode library did not build here")
 
 
 def weights() -> list:
@@ -44,7 +45,7 @@ def per_call(w, x: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("rows", [1, 3, 9])
 def test_every_output_equals_the_per_call_kernel_bit_for_bit(rows, one_region, threads):
     ws = weights()
-    stack = fused.LinearStack(ws, rows)
+    stack = LinearStack(ws, rows)
     g = torch.Generator().manual_seed(rows)
     for x in stack.inputs:
         x.copy_(torch.randn(x.shape, generator=g))
@@ -61,7 +62,7 @@ def test_every_output_equals_the_per_call_kernel_bit_for_bit(rows, one_region, t
 
 def test_inputs_are_shared_per_width_and_a_second_run_overwrites_the_outputs():
     ws = weights()
-    stack = fused.LinearStack(ws, 2)
+    stack = LinearStack(ws, 2)
     assert stack.inputs[0] is not stack.inputs[2] and stack.inputs[1].shape == (2, 128)
     assert stack.inputs[5].shape == (2, 96) and stack.inputs[5] is stack.inputs[3]  # K = 96 twice: one tensor
     stack.inputs[0].fill_(1.0)
@@ -73,13 +74,13 @@ def test_inputs_are_shared_per_width_and_a_second_run_overwrites_the_outputs():
 
 def test_it_refuses_other_weights_and_row_counts():
     with pytest.raises(ValueError, match="rows"):
-        fused.LinearStack(weights(), 0)
+        LinearStack(weights(), 0)
     with pytest.raises(ValueError, match="rows"):
-        fused.LinearStack(weights(), fused.MAX_ROWS + 1)
+        LinearStack(weights(), decode.MAX_ROWS + 1)
     with pytest.raises(ValueError, match="Int8Weight"):
-        fused.LinearStack([object()], 1)
+        LinearStack([object()], 1)
     with pytest.raises(ValueError, match="contiguous"):
-        fused.LinearStack([torch.randn(64, 32).T], 1)
+        LinearStack([torch.randn(64, 32).T], 1)
 
 
 @pytest.mark.parametrize("threads", [1, 2])
@@ -93,7 +94,7 @@ def test_read_only_reads_every_stored_byte_of_every_weight(threads):
                   else [w.packed, w.scales, w.mins]):
             t.zero_()
             parts.append(t)
-    stack = fused.LinearStack(ws, 1)
+    stack = LinearStack(ws, 1)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:

@@ -39,10 +39,10 @@ def test_decode_rate_of_one_token_has_a_first_token_time_and_no_rate():
 
 
 def test_gemv_bench_times_each_scheme_per_call_as_one_native_stack_and_read_only():
-    from minillm.kernels.cpu import fused
+    from minillm.kernels.cpu import decode
     from minillm.kernels.cpu import quant as native_quant
 
-    if not (native_quant.available() and fused.available()):
+    if not (native_quant.available() and decode.available()):
         import pytest
 
         pytest.skip("the native libraries did not build here")

@@ -66,22 +66,23 @@ def bench_quant_gemv(rows: int = 1, layers: int = SMOLLM2_LAYERS, repeats: int =
     kernels) and exact fp32 activations — one Python call per GEMV, as the per-layer model path makes them.
 
     With ``native_stack`` (and the fused library built), the same weights also run as one native loop
-    (``kernels.cpu.fused.LinearStack``: every GEMV of the stack in one ctypes call, the kernels the fused decode step
-    runs): "... stack" rows, one OpenMP region per GEMV as the fused step opens them, and "... stack 1 region", the
+    (``perf.bench.linear_stack.LinearStack``: every GEMV of the stack in one ctypes call, the kernels the fused decode
+    step runs): "... stack" rows, one OpenMP region per GEMV as the fused step opens them, and "... stack 1 region", the
     whole stack in one region with a barrier around each GEMV; and "... read-only", the same stored bytes read in the
-    same order and thread split with no arithmetic (``LinearStack.read_only``) — the memory roof of that access
-    pattern: 120 weights of 0.2–1 MB, each split across the threads, restart the hardware prefetchers' streams 240
-    times where one 256 MiB read starts them once.  The gap between a Python-dispatched row and its stack row is
-    dispatch (~10 µs a call, 120 calls); between the two stack rows, the per-GEMV regions' cost; between a stack row
-    and its read-only row, the kernel's arithmetic not hidden under its loads.
+    same order and thread split with no arithmetic (``LinearStack.read_only``) — the memory roof of that access pattern:
+    120 weights of 0.2–1 MB, each split across the threads, restart the hardware prefetchers' streams 240 times where
+    one 256 MiB read starts them once. The gap between a Python-dispatched row and its stack row is dispatch (~10 µs a
+    call, 120 calls); between the two stack rows, the per-GEMV regions' cost; between a stack row and its read-only row,
+    the kernel's arithmetic not hidden under its loads.
 
     The schemes take turns within every repeat and each keeps its best pass (on a shared machine the
     least-disturbed one), so their ratios come from the same minutes.  With ``read_bandwidth`` a 256 MiB streaming
     read takes its turn too, and every scheme reports its stored-bytes rate as a share of it (``pct_of_read``).
     Returns one dict per scheme: ms per stack, stored MB, GB/s (stored bytes / time), speed-up over fp32 and, for
     the read probe, scheme "read bandwidth"."""
-    from minillm.kernels.cpu import fused, native
+    from minillm.kernels.cpu import decode, native
     from minillm.kernels.cpu import quant as native_quant
+    from minillm.perf.bench.linear_stack import LinearStack
 
     g = torch.Generator().manual_seed(seed)
     dense = [torch.randn(n, k, generator=g) * 0.02 for _ in range(layers) for n, k in SMOLLM2_LAYER_SHAPES]
@@ -103,9 +104,9 @@ def bench_quant_gemv(rows: int = 1, layers: int = SMOLLM2_LAYERS, repeats: int =
                     (f"int4 g{group_size} exact",
                      per_call(lambda x, w: native_quant.int4_linear(x, w, exact=True), w4), n4)]
         stacks += [("int8", w8, n8), (f"int4 g{group_size}", w4, n4)]
-    if native_stack and fused.available():
+    if native_stack and decode.available():
         for name, weights, nbytes in stacks:
-            st = fused.LinearStack(weights, rows)
+            st = LinearStack(weights, rows)
             for x in st.inputs:
                 x.copy_(xs[x.shape[1]])
             schemes += [(f"{name} stack", lambda st=st: _timed(st.run), nbytes),
@@ -190,7 +191,7 @@ def weight_bytes_per_step(model) -> int:
 def _decode_rate(model, prompts: list[list[int]], n_tokens: int) -> tuple[float, float]:
     """(seconds to the first token, decode tokens/s summed over the batch after it) for a greedy batch, through
     ``LLMEngine`` — the path a user's ``LLM.generate`` takes (paged KV, the scheduler, and on CPU the fused native
-    decode step where ``kernels.cpu.fused`` supports the model).  The engine is made before the clock starts."""
+    decode step where ``engine.native_runner`` supports the model).  The engine is made before the clock starts."""
     from minillm.config import EngineConfig
     from minillm.engine.llm_engine import LLMEngine
     from minillm.sampling.params import SamplingParams

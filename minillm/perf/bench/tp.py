@@ -98,12 +98,14 @@ def driver_decode_tok_s(model, n_tokens: int, repeats: int, tp: int = 2, threads
     persistent workers; ``threads`` torch threads per rank, this process's own restored afterwards."""
     from minillm.config import EngineConfig
     from minillm.distributed.driver import TPDriver
+    from minillm.engine.llm_engine import LLMEngine
 
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     driver = TPDriver(model, tp, threads_per_worker=threads)
     try:
-        return _best_decode(driver.engine(None, EngineConfig(max_num_seqs=1, num_kv_blocks=64)), n_tokens, repeats)
+        config = EngineConfig(max_num_seqs=1, num_kv_blocks=64)
+        return _best_decode(LLMEngine(driver.model, None, config, executor=driver), n_tokens, repeats)
     finally:
         driver.shutdown()
         torch.set_num_threads(before)

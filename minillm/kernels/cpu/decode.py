@@ -1,0 +1,107 @@
+"""The fused native decode library (``csrc/decode.c``): its build, its loader and the C structs it reads.
+
+``decode_stack`` runs a whole decoder stack for a batch of rows in one call — (add +) RMSNorm, qkv, RoPE, K/V to
+their paged slots, paged attention, o_proj, add + RMSNorm, gate_up, SiLU·mul, down, the final norm, optionally the
+LM head — with the per-layer native kernels of ``native.c`` and ``quant.c`` (``#include``d, so the library is
+rebuilt when any of the three changes).  ``linear_stack`` and ``stack_read`` run a list of GEMVs, or only read
+their bytes, for benchmarks.  The engine's runner that drives ``decode_stack`` is ``engine/native_runner.py``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from minillm.kernels.cpu import native
+from minillm.kernels.cpu.native import _cpu_key, cache_dir
+
+MAX_ROWS = 32  # rows per call: native.c's GEMV tiles and the engine's decode batches (max_num_seqs default 32)
+_CSRC = Path(__file__).parent / "csrc"
+_SRC = _CSRC / "decode.c"
+_INCLUDED = ("quant.c", "native.c")  # decode.c #includes these: part of the cache key
+_KINDS = {"fp32": 0, "int8": 1, "int4": 2}
+
+i64, vp = ctypes.c_int64, ctypes.c_void_p
+
+
+class LinearT(ctypes.Structure):
+    """csrc/decode.c ``linear_t``: kind, scale_f16, N, K, G, then weight, scales, mins, bias pointers."""
+
+    _fields_ = [("kind", i64), ("scale_f16", i64), ("N", i64), ("K", i64), ("G", i64),
+                ("w", vp), ("scales", vp), ("mins", vp), ("bias", vp)]
+
+
+class LayerT(ctypes.Structure):
+    """csrc/decode.c ``layer_t``: two norm weights, four linears, the layer's K and V caches."""
+
+    _fields_ = [("input_norm", vp), ("post_norm", vp), ("qkv", LinearT), ("o", LinearT), ("gate_up", LinearT),
+                ("down", LinearT), ("k_cache", vp), ("v_cache", vp)]
+
+
+def _source_digest() -> str:
+    """decode.c and the files it includes: a change to any of them is a new library."""
+    h = hashlib.sha256(_SRC.read_bytes())
+    for name in _INCLUDED:
+        h.update((_CSRC / name).read_bytes())
+    return h.hexdigest()[:12]
+
+
+@lru_cache(maxsize=1)
+def library() -> ctypes.CDLL | None:
+    """The loaded library (built on first use), or None where it cannot be built (no C compiler,
+    ``MINILLM_DISABLE_NATIVE``)."""
+    if os.environ.get("MINILLM_DISABLE_NATIVE"):
+        return None
+    path = cache_dir() / f"decode-{_source_digest()}-{_cpu_key()}.so"
+    try:
+        if not path.exists():
+            native._compile(path, _SRC)  # native.c's compiler, flags and OpenMP fallback
+        lib = ctypes.CDLL(str(path))  # after torch: its libgomp is the one torch loaded
+    except (OSError, RuntimeError) as e:
+        import warnings
+
+        warnings.warn(f"minillm: fused native decode unavailable ({e}); using the per-layer path", stacklevel=2)
+        return None
+    p64, p32 = ctypes.POINTER(ctypes.c_int64), ctypes.POINTER(ctypes.c_int32)
+    lib.decode_scratch_floats.argtypes = [i64] * 6
+    lib.decode_scratch_floats.restype = i64
+    lib.decode_stack.argtypes = [ctypes.POINTER(LayerT), i64, vp, vp, vp, vp, p64, p64, p32, p32] + [i64] * 8 \
+        + [ctypes.c_float, ctypes.c_float, ctypes.POINTER(LinearT), vp, vp, vp]
+    lib.decode_stack.restype = None
+    lib.linear_stack.argtypes = [ctypes.POINTER(LinearT), i64, ctypes.POINTER(vp), ctypes.POINTER(vp), i64, i64]
+    lib.linear_stack.restype = None
+    lib.stack_read.argtypes = [ctypes.POINTER(LinearT), i64]
+    lib.stack_read.restype = ctypes.c_uint64
+    return lib
+
+
+def available() -> bool:
+    """Whether the fused decode library is built and loadable here (it needs a C compiler)."""
+    return library() is not None
+
+
+def weight_struct(w, bias: Tensor | None, keep: list[Tensor]) -> LinearT:
+    """The ``linear_t`` of a weight: an fp32 [N, K] tensor, an ``Int8Weight`` or an ``Int4Weight`` (contiguous, on
+    CPU), and an optional fp32 bias [N]; the tensors it points at are appended to ``keep``."""
+    from minillm.quant.weight import Int4Weight, Int8Weight
+
+    if isinstance(w, Tensor):
+        kind, (N, K) = "fp32", w.shape
+        tensors, G, f16 = (w.detach(), None, None), K, 0
+    else:
+        kind = "int4" if isinstance(w, Int4Weight) else "int8" if isinstance(w, Int8Weight) else None
+        if kind is None:
+            raise ValueError(f"not an fp32 tensor, Int8Weight or Int4Weight: {type(w).__name__}")
+        N, K = w.shape
+        tensors = (w.packed, w.scales, w.mins) if kind == "int4" else (w.qweight, w.scales, None)
+        G, f16 = w.group_size, int(w.scales.dtype == torch.float16)
+    bias = None if bias is None else bias.detach().contiguous()
+    keep += [t for t in (*tensors, bias) if t is not None]
+    ptr = [None if t is None else t.data_ptr() for t in (*tensors, bias)]
+    return LinearT(_KINDS[kind], f16, N, K, G, *ptr)
