@@ -2,83 +2,60 @@
 (checks, predictions) and ``minillm.entrypoints`` (CLI, server) import the core, never the other way round — not even
 lazily inside a function.  So the engine can be read, imported and tested without them.
 
-``minillm.compress`` is not core either: pruning, distillation and early exit are studies that measure perplexity
-(``minillm.perf.perplexity``), and nothing in the core uses them.
+``minillm.compress`` is not core: pruning, distillation and early exit are studies scored by perplexity
+(``minillm.perf.perplexity``), and nothing in the core uses them.  The import graph (every import of every file,
+module level or inside functions, relative ones resolved) is ``test_imports.import_graph``'s.
 """
 
 from __future__ import annotations
 
-import ast
-from pathlib import Path
+from test_imports import PACKAGE_DIR, import_graph  # the graph the cycle test walks (tests/ is on sys.path)
 
-PACKAGE = Path(__file__).resolve().parent.parent / "minillm"
-CORE = ("__init__", "config", "dtypes", "outputs", "llm", "models", "layers", "kernels", "kv", "engine", "sampling",
-        "spec", "quant", "distributed")
+CORE = ("config", "dtypes", "outputs", "llm", "models", "layers", "kernels", "kv", "engine", "sampling", "spec",
+        "quant", "distributed")  # and the root package's __init__
 FORBIDDEN = ("minillm.perf", "minillm.course", "minillm.entrypoints")
 
 
-def module_name(path: Path) -> str:
-    """minillm/kv/quant.py -> "minillm.kv.quant"; a package's __init__.py -> the package."""
-    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
-    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+def is_core(module: str) -> bool:
+    """"minillm" (the root __init__) and every module of a ``CORE`` package or module."""
+    parts = module.split(".")
+    return parts[0] == "minillm" and (len(parts) == 1 or parts[1] in CORE)
 
 
-def imports_of(path: Path) -> list[tuple[int, str]]:
-    """(line, absolute module name) of every import in the file at ``path``."""
-    return imports_in(path.read_text(encoding="utf-8"), module_name(path), is_package=path.name == "__init__.py")
-
-
-def imports_in(source: str, module: str, *, is_package: bool = False) -> list[tuple[int, str]]:
-    """(line, absolute module name) of every import in ``source``, the text of ``module``: module level, inside
-    functions and classes, and relative ones resolved against the module's package.  ``from a import b`` yields
-    "a.b" as well as "a", since b may be a submodule."""
-    package = module if is_package else module.rpartition(".")[0]
-    found = []
-    for node in ast.walk(ast.parse(source)):
-        if isinstance(node, ast.Import):
-            found += [(node.lineno, alias.name) for alias in node.names]
-        elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                parts = package.split(".")
-                anchor = parts[: len(parts) - (node.level - 1)]
-                base = ".".join([*anchor, base] if base else anchor)
-            found.append((node.lineno, base))
-            found += [(node.lineno, f"{base}.{alias.name}") for alias in node.names if alias.name != "*"]
-    return found
-
-
-def core_files() -> list[Path]:
-    """Every .py file of the core packages and modules."""
-    files = []
-    for name in CORE:
-        single = PACKAGE / f"{name}.py"
-        files += [single] if single.exists() else sorted((PACKAGE / name).rglob("*.py"))
-    return files
-
-
-def forbidden(target: str) -> bool:
+def is_forbidden(target: str) -> bool:
     return any(target == f or target.startswith(f + ".") for f in FORBIDDEN)
 
 
-def test_every_core_name_is_a_module_or_package_that_exists():
-    missing = [n for n in CORE if not (PACKAGE / f"{n}.py").exists() and not (PACKAGE / n / "__init__.py").exists()]
-    assert not missing, f"CORE names modules that do not exist: {missing}"
-    assert len(core_files()) > 40  # the walk really reads the tree
+def violations(graph: dict[str, set[str]]) -> list[str]:
+    """"<core module> imports <forbidden module>" for every such edge of ``graph``, sorted."""
+    return [f"{m} imports {t}" for m in sorted(graph) if is_core(m) for t in sorted(graph[m]) if is_forbidden(t)]
 
 
-def test_the_walker_sees_module_level_lazy_and_relative_imports():
-    assert "minillm.engine.llm_engine" in {t for _, t in imports_of(PACKAGE / "llm.py")}
-    source = "import os\nfrom . import quant\ndef f():\n    from ..perf import roofline\n    import minillm.course\n"
-    targets = [t for _, t in imports_in(source, "minillm.kv.probe")]
-    assert targets == ["os", "minillm.kv", "minillm.kv.quant", "minillm.perf", "minillm.perf.roofline",
-                       "minillm.course"]
-    assert [t for _, t in imports_in("from .. import config", "minillm.kv", is_package=True)] == [
-        "minillm", "minillm.config"]
-    assert forbidden("minillm.perf.roofline") and forbidden("minillm.course") and not forbidden("minillm.performance")
+def test_every_core_name_is_a_module_or_package_of_minillm():
+    missing = [n for n in CORE if not (PACKAGE_DIR / f"{n}.py").exists()
+               and not (PACKAGE_DIR / n / "__init__.py").exists()]
+    assert not missing, f"CORE names what minillm does not have: {missing}"
+    assert sum(map(is_core, import_graph())) > 40  # the walk reaches the core's files
+
+
+def test_the_graph_sees_the_imports_of_the_core():
+    graph = import_graph()
+    assert "minillm.engine.llm_engine" in graph["minillm.llm"]
+    assert "minillm.kv.quant" in graph["minillm.kv.paged_cache"]
+
+
+def test_a_core_module_importing_perf_course_or_entrypoints_is_named():
+    graph = {"minillm.kv.quant": {"minillm.perf.roofline", "minillm.config"},
+             "minillm": {"minillm.course.checks"},
+             "minillm.llm": {"minillm.entrypoints"},
+             "minillm.perf.roofline": {"minillm.kv.quant"},  # perf importing the core is the right direction
+             "minillm.compress.early_exit": {"minillm.perf.perplexity"},  # compress is not core
+             "minillm.kernels.probe": {"minillm.performance_notes"}}  # a prefix, not the package
+    assert violations(graph) == ["minillm imports minillm.course.checks",
+                                 "minillm.kv.quant imports minillm.perf.roofline",
+                                 "minillm.llm imports minillm.entrypoints"]
 
 
 def test_the_core_never_imports_perf_course_or_entrypoints():
-    violations = [f"{path.relative_to(PACKAGE.parent)}:{line} imports {target}"
-                  for path in core_files() for line, target in imports_of(path) if forbidden(target)]
-    assert not violations, "the core imports a layer above it:\n" + "\n".join(violations)
+    found = violations(import_graph())
+    assert not found, "the core imports a layer above it:\n" + "\n".join(found)
