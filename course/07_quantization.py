@@ -570,7 +570,7 @@ else:
     print("llama_cpp is not installed here. Recorded figures (BENCHMARKS.md, 2-core AMD EPYC with AVX-512 VNNI, "
           "2 threads, the same GGUF, batch 1, one run): llama-cpp-python 0.3.36 built from source 111 tok/s; "
           "minillm int4 through its engine 203 tok/s (1.83×), fp32 52.7 tok/s. Before the fused decode step "
-          "(issue #10's start, an AVX2 host): llama.cpp 136 tok/s, 5.4× minillm fp32 (25.1 tok/s).")
+          "(an earlier AVX2 host): llama.cpp 136 tok/s, 5.4× minillm fp32 (25.1 tok/s).")
 
 # %% [markdown]
 # ## Takeaways

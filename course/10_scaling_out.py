@@ -47,18 +47,18 @@ from torch import Tensor
 
 from minillm import SamplingParams
 from minillm.course import checks
-from minillm.distributed import cost_model
-from minillm.distributed.cost_model import ALLREDUCES_PER_LAYER, LINKS, Link, tp_estimate
 from minillm.distributed.executor import tp_forward, tp_generate
 from minillm.distributed.pipeline import bubble_fraction, gpipe_bubble, pp_forward, pp_generate
 from minillm.distributed.worker import run_workers
 from minillm.engine.llm_engine import LLMEngine
 from minillm.layers.parallel import valid_tp_sizes
+from minillm.models.configs import llama2_70b_config
 from minillm.perf.bench import disagg as disagg_bench
 from minillm.perf.bench import tp as tp_bench
 from minillm.perf.disagg import KV_LINKS, kv_transfer_bytes, transfer_seconds
 from minillm.perf.hardware import dtype_bytes
 from minillm.perf.simulate import StepChunk, llama2_7b_config
+from minillm.perf.tp_cost import ALLREDUCES_PER_LAYER, LINKS, Link, tp_estimate
 
 FAST = os.environ.get("MINILLM_COURSE_FAST") == "1"  # set by the course tests: same cells, smaller sizes
 random.seed(0)
@@ -182,10 +182,10 @@ print("TP=2 matches one process: logits within fp32 tolerance, identical greedy 
 # ### Exercise 10.2 — `layer_comm_time`
 #
 # The seconds a decoder layer spends communicating at tensor-parallel size tp, for `tokens` rows of the hidden
-# state. It is the heart of `distributed/cost_model.py`, which `tp_estimate` uses below.
+# state. It is the heart of `perf/tp_cost.py`, which `tp_estimate` uses below.
 
 # %%
-# exercise 10.2: minillm.distributed.cost_model.layer_comm_time
+# exercise 10.2: minillm.perf.tp_cost.layer_comm_time
 
 # %%
 # NBVAL_CHECK_OUTPUT
@@ -247,7 +247,7 @@ print(f"communication alone: {config.num_layers} layers × 2 all-reduces × {tim
 
 # %% tags=["slide-output"]
 # NBVAL_IGNORE_OUTPUT
-llama70 = cost_model.llama2_70b_config()
+llama70 = llama2_70b_config()
 fig, ax = plt.subplots(figsize=(7, 4))
 for link, style in (("H100-NVLink", "-o"), ("H100-PCIe", "--s")):
     for batch, color in ((1, "tab:blue"), (64, "tab:red")):

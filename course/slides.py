@@ -44,7 +44,7 @@ RUNTIME = Path(__file__).resolve().parent / "deck"  # deck.css and deck.js, inli
 ANSI = re.compile(r"\x1b\[[0-9;]*m")  # terminal colour codes in stored outputs
 _markdown = mistune.create_markdown(plugins=["table", "strikethrough"])
 
-MAX_WORDS = 60  # visible prose per slide, title included (DESIGN.md: short bullets)
+MAX_WORDS = 60  # visible prose per slide, title included: short bullets, the details stay in the notes
 MAX_POINTS = 4  # leads per slide
 MAX_LEAD_WORDS = 24  # a lead longer than this is cut at a clause, then at a word
 SHORT_LEAD_WORDS = 7  # a first sentence shorter than this is a label: the next sentence joins it

@@ -2,7 +2,7 @@
 in one process (and a test at TP=1 exercises the same code).
 
 Costs (ring algorithms, p ranks, n bytes): all-reduce moves 2 (p − 1)/p · n bytes per rank (reduce-scatter then
-all-gather); all-gather moves (p − 1)/p · n of the gathered result.  ``distributed/cost_model.py`` prices them.
+all-gather); all-gather moves (p − 1)/p · n of the gathered result.  ``minillm.perf.tp_cost`` prices them.
 """
 
 from __future__ import annotations

@@ -11,9 +11,9 @@ caches and the public ``minillm.kernels.*_attention(impl=...)`` functions:
   for the rest.  RuntimeError without the triton package, or on CPU tensors without ``TRITON_INTERPRET=1``.
 - ``"compiled"``: the references, and the engine's decode steps run through ``torch.compile`` (inductor: fused C++
   loops on CPU, Triton on CUDA) on the static-buffer path of ``engine.cuda_graph``; a plain model forward outside
-  the engine runs the references eagerly.  Measured against the native kernels on a shared 2-core AVX2 host
-  (SmolLM2-135M shape, fp32, one thread): batch 1 291 vs 227 ms/step, batch 8 482 vs 472 — never faster, so "auto"
-  never picks it (the native GEMVs already stream the weights once; inductor fuses only the small elementwise ops).
+  the engine runs the references eagerly.  On CPU it was never faster than the native kernels (BENCHMARKS.md,
+  "Static decode buckets and a compiled step on CPU"), so "auto" never picks it: the native GEMVs already stream
+  the weights once, and inductor fuses only the small elementwise ops.
 - ``"auto"`` (default): per op, the first kernel of the table that is "auto" on this device and can run here —
   CPU, fp32/bf16, native library built: the native kernels (each still falls back to the reference past the row
   limits of ``native.prefers_native`` / ``native.supports``: bf16 GEMV up to 4 rows, fp32 up to 32);
@@ -158,7 +158,7 @@ def _native_linear(x, weight, bias=None):
 
 def _native_rms_norm(x, weight, eps):
     if native.supports(x, weight):
-        return native.rms_norm(x, weight, eps)  # decode rows: F.rms_norm's fixed cost (~35 µs) dominates there
+        return native.rms_norm(x, weight, eps)  # decode rows: the reference's fixed per-call cost dominates there
     return torch_rms_norm(x, weight, eps)
 
 

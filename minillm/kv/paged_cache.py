@@ -12,21 +12,19 @@ import torch
 from torch import Tensor
 
 from minillm.config import ModelConfig
+from minillm.dtypes import DType
 from minillm.kernels.select import KernelOps
 from minillm.kv.block_allocator import BlockCopy, CopyKind
-from minillm.kv.contiguous import kv_bytes_per_token
-from minillm.kv.quant import KVQuantizer, kv_quantizer
-from minillm.kv.quant import kv_bytes_per_token as quant_kv_bytes_per_token
+from minillm.kv.quant import KVQuantizer, kv_bytes_per_token, kv_quantizer
 
 
-def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> int:
+def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: DType, kv_cache_dtype: str = "auto") -> int:
     """K and V of every layer for one block: 2 × layers × block_size × H_kv × D × bytes/elem, or with a quantized
     ``kv_cache_dtype`` ("int8"/"fp8") 2 × layers × block_size × H_kv × (D + 4): 1-byte codes + an fp32 scale per
-    (token, head).  The engine divides its byte budget by this, so a quantized cache gets more blocks."""
-    if kv_cache_dtype == "auto":
-        return kv_bytes_per_token(config, dtype) * block_size
-    return block_size * quant_kv_bytes_per_token(config.num_layers, config.num_kv_heads, config.head_dim,
-                                                 kv_cache_dtype)
+    (token, head).  The engine divides its byte budget by this, so a quantized cache gets more blocks.  ``dtype``: a
+    torch dtype, or a name or byte width (``minillm.dtypes``) when a cost model prices a cache it never allocates."""
+    return block_size * kv_bytes_per_token(config.num_layers, config.num_kv_heads, config.head_dim, kv_cache_dtype,
+                                           dtype)
 
 
 class PagedKVCache:

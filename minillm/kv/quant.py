@@ -19,6 +19,7 @@ import torch
 from torch import Tensor
 
 from minillm.config import KV_CACHE_DTYPES  # ("auto", "int8", "fp8"); "auto": the model's dtype
+from minillm.dtypes import DType, dtype_bytes
 
 INT8_MAX = 127
 SCALE_BYTES = 4  # one fp32 scale per (token, head)
@@ -74,11 +75,16 @@ def dequantize_kv(codes: Tensor, scales: Tensor, dtype: torch.dtype = torch.floa
 
 
 def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, kv_cache_dtype: str,
-                       model_dtype: torch.dtype = torch.float32) -> int:
-    """Bytes of K and V for one token over all layers: 2 · layers · H_kv · D · itemsize, plus the scales when
-    quantized (``kv_cache_dtype`` "int8"/"fp8": 1 byte per element + 4 per (token, head))."""
+                       model_dtype: DType = torch.float32) -> float:
+    """Bytes of K and V for one token over all layers: 2 · layers · H_kv · D · bytes per element of
+    ``model_dtype`` (a torch dtype, a name such as "bfloat16" or "int4", or a number of bytes), plus the scales
+    when quantized (``kv_cache_dtype`` "int8"/"fp8": 1 byte per element + 4 per (token, head)).
+
+    The one place this formula lives: the paged cache's block size, the roofline's K/V traffic and the
+    disaggregated K/V transfer all call it (notebook 02's exercise ``kv.contiguous.kv_bytes_per_token`` is the
+    students' own copy)."""
     check_kv_cache_dtype(kv_cache_dtype)
-    per_head = head_dim * model_dtype.itemsize if kv_cache_dtype == "auto" else head_dim + SCALE_BYTES
+    per_head = head_dim * dtype_bytes(model_dtype) if kv_cache_dtype == "auto" else head_dim + SCALE_BYTES
     return 2 * num_layers * num_kv_heads * per_head
 
 

@@ -2,7 +2,7 @@
 sliding windows — the converter for a loaded model and the calculators notebook 03 uses.
 
 KV bytes per token for standard attention = 2 (K and V) × layers × H_kv × D × bytes per element
-(``kv_cache.kv_bytes_per_token``); every variant here changes one factor of that product.
+(``kv.quant.kv_bytes_per_token``); every variant here changes one factor of that product.
 """
 
 from __future__ import annotations

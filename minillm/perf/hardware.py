@@ -3,10 +3,10 @@
 - Reference machines: ``HardwareSpec``, ``SPECS``, ``get_spec`` (dense datasheet figures, sources in comments).
 - This machine: ``measure_device()`` → ``MeasuredSpec`` (read / copy / GEMV bandwidth, matmul FLOP/s per dtype),
   cached per process; ``read_bandwidth()`` its read probe (the fastest of repeated passes of a reduction over a
-  large buffer); ``matmul_flops()`` one quick matmul rate (e.g. to tell emulated bf16 from native).
+  large buffer); ``matmul_flops()`` one quick matmul rate (from ``minillm.kernels.probe``, re-exported).
   Notebooks and benchmarks use ``minillm.perf.machine.machine_spec()``: best of several runs, cached on disk per
   machine, so that every one of them prices its measurements against the same roof.
-- Dtype sizes: ``DTYPE_BYTES``, ``dtype_name``, ``dtype_bytes``.
+- Dtype sizes: ``DTYPE_BYTES``, ``dtype_name``, ``dtype_bytes`` (from ``minillm.dtypes``, re-exported).
 
 ``minillm.perf.roofline`` re-exports all of these next to the cost model and plots.
 """
@@ -27,33 +27,11 @@ from typing import Any
 
 import torch
 
-# Bytes per stored element. "tf32" is a tensor-core mode on fp32 storage; "int4" packs two values per byte.
-DTYPE_BYTES: Mapping[str, float] = MappingProxyType(
-    {"float64": 8, "float32": 4, "tf32": 4, "float16": 2, "bfloat16": 2, "float8": 1, "int8": 1, "int4": 0.5})
+from minillm.dtypes import DTYPE_BYTES, DType, dtype_bytes, dtype_name  # noqa: F401  (re-exported)
+from minillm.kernels.probe import matmul_flops  # noqa: F401  (re-exported; _probe_matmul reads it from here)
+from minillm.models.configs import decoder_linear_shapes, smollm2_135m_config
+
 PEAK_DTYPES = ("float32", "tf32", "float16", "bfloat16", "float8", "int8")  # keys a HardwareSpec may list
-_ALIASES = {"float": "float32", "fp32": "float32", "half": "float16", "fp16": "float16", "bf16": "bfloat16",
-            "fp8": "float8"}
-DType = str | torch.dtype | float  # a name, a torch dtype, or bytes per element (e.g. 0.5625 for int4 + scales)
-
-
-def dtype_name(dtype: str | torch.dtype) -> str:
-    """Canonical name ("bfloat16", "float8", ...) of a dtype given by name, alias or ``torch.dtype``."""
-    if isinstance(dtype, torch.dtype):
-        name = "float8" if dtype.is_floating_point and dtype.itemsize == 1 else str(dtype).removeprefix("torch.")
-    else:
-        name = _ALIASES.get(dtype, dtype)
-    if name not in DTYPE_BYTES:
-        raise ValueError(f"unknown dtype {dtype!r}; known: {', '.join(DTYPE_BYTES)} (or a torch.dtype)")
-    return name
-
-
-def dtype_bytes(dtype: DType) -> float:
-    """Bytes per element: a dtype's width, or ``dtype`` itself when it is a positive number of bytes."""
-    if isinstance(dtype, (int, float)) and not isinstance(dtype, bool):
-        if dtype <= 0:
-            raise ValueError(f"bytes per element must be > 0, got {dtype}")
-        return float(dtype)
-    return DTYPE_BYTES[dtype_name(dtype)]
 
 
 def _plain(value: Any) -> Any:
@@ -177,7 +155,7 @@ class MeasuredSpec(HardwareSpec):
 
 
 # SmolLM2-135M's per-layer linears as weight shapes [N, K]: qkv, o, gate_up, down (the default model's config).
-DECODE_GEMV_SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))
+DECODE_GEMV_SHAPES = decoder_linear_shapes(smollm2_135m_config())
 _MiB = 1 << 20
 
 
@@ -319,36 +297,6 @@ def _probe_gemv(device: str, plan: dict) -> tuple[dict[str, dict[str, float]], d
             rates.setdefault(impl, {})[name] = sum(w.nbytes for w in stack) / secs  # weights: x, y are < 0.1 %
             layers_timed[f"{impl}.{name}"] = layers
     return rates, layers_timed
-
-
-def matmul_flops(dtype: str | torch.dtype, n: int = 256, device: str | torch.device = "cpu",
-                 repeats: int = 3) -> float:
-    """FLOP/s of one n×n @ n×n matmul in ``dtype`` on ``device``: the fastest of ``repeats`` calls after a warm-up.
-
-    A small probe (n=256 is 34 MFLOP: ~1 ms in fp32 on a laptop core, ~40 ms where bf16 is emulated) for questions
-    such as "is bf16 slow here?"; ``measure_device`` reports the sustained peaks. "tf32" is fp32 storage with
-    tensor-core matmuls."""
-    if n < 1 or repeats < 1:
-        raise ValueError(f"n and repeats must be >= 1, got n={n}, repeats={repeats}")
-    device = str(torch.device(device))
-    name = dtype_name(dtype)
-    dt = torch.float32 if name == "tf32" else getattr(torch, name)
-    a, b = (torch.randn(n, n, device=device).to(dt) for _ in range(2))
-    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
-    before = torch.get_float32_matmul_precision()
-    torch.set_float32_matmul_precision("high" if name == "tf32" else "highest")  # tf32 = fp32 on tensor cores
-    try:
-        torch.matmul(a, b)  # warm-up: kernel selection, first-touch of the output
-        best = math.inf
-        for _ in range(repeats):
-            sync()
-            t0 = time.perf_counter()
-            torch.matmul(a, b)
-            sync()
-            best = min(best, time.perf_counter() - t0)
-    finally:
-        torch.set_float32_matmul_precision(before)
-    return 2 * n**3 / max(best, 1e-9)
 
 
 def _probe_matmul(device: str, plan: dict) -> tuple[dict[str, float], dict[str, int]]:

@@ -26,7 +26,7 @@ from types import MappingProxyType
 import torch
 
 from minillm.config import ModelConfig
-from minillm.kv.contiguous import kv_bytes_per_token
+from minillm.kv.quant import kv_bytes_per_token
 from minillm.perf.hardware import (  # noqa: F401  (re-exported: the roofline is specs + measurements + the cost model)
     DTYPE_BYTES,
     PEAK_DTYPES,
@@ -138,15 +138,6 @@ def attention_cost(batch: int, q_len: int, kv_len: int, num_heads: int, num_kv_h
     return Cost(flops, kv + acts, {"kv_cache": kv, "activations": acts}, {"attention": flops})
 
 
-def _kv_token_bytes(config: ModelConfig, kv_dtype: DType) -> float:
-    """Bytes of K+V per token over all layers, from ``kv_bytes_per_token`` (the one place that formula lives)."""
-    if not isinstance(kv_dtype, (int, float)) and dtype_name(kv_dtype) in ("float64", "float32", "float16",
-                                                                            "bfloat16"):
-        return kv_bytes_per_token(config, getattr(torch, dtype_name(kv_dtype)))
-    # 8/4-bit formats (no torch.finfo for int8/int4): count elements at one byte each, then scale by the width.
-    return kv_bytes_per_token(config, torch.float8_e4m3fn) * dtype_bytes(kv_dtype)
-
-
 def _forward_cost(config: ModelConfig, batch: int, new: int, past: int, dtype: DType, kv_dtype: DType | None,
                   weight_dtype: DType | None, logit_rows: int) -> Cost:
     """``new`` tokens per sequence on top of ``past`` cached ones, through the whole model."""
@@ -161,7 +152,7 @@ def _forward_cost(config: ModelConfig, batch: int, new: int, past: int, dtype: D
              + linear_cost(M, c.hidden_size, 2 * c.intermediate_size, **lin)  # fused gate/up
              + linear_cost(M, c.intermediate_size, c.hidden_size, **lin)  # down_proj
              + norms)  # input and post-attention RMSNorm weights
-    kv_write = M * _kv_token_bytes(c, kv_dtype)  # the new tokens' K/V, all layers
+    kv_write = M * kv_bytes_per_token(c.num_layers, c.num_kv_heads, c.head_dim, "auto", kv_dtype)  # new K/V
     lookup = M * c.hidden_size * dtype_bytes(dtype)  # embedding gather: only the M rows fed, not the matrix
     final_norm = c.hidden_size * dtype_bytes(dtype)
     # LM head reads the whole V×hidden matrix once per step (the embedding matrix itself when tied).

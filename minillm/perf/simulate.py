@@ -22,14 +22,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-import torch
-
 from minillm.config import EngineConfig, ModelConfig
+from minillm.dtypes import DType, dtype_bytes, dtype_name
 from minillm.engine.scheduler import Scheduler, SchedulerOutput
 from minillm.engine.sequence import Request
-from minillm.kv.contiguous import kv_bytes_per_token
+from minillm.kv.paged_cache import kv_bytes_per_block
+from minillm.kv.quant import kv_bytes_per_token
+from minillm.models.configs import llama2_7b_config  # noqa: F401  (re-exported)
 from minillm.outputs import RequestMetrics
-from minillm.perf.hardware import DType, HardwareSpec, dtype_bytes, dtype_name
+from minillm.perf.hardware import HardwareSpec
 from minillm.perf.metrics import goodput, summarize
 from minillm.perf.roofline import Cost, attention_cost, linear_cost
 from minillm.perf.workloads import RequestSpec
@@ -40,14 +41,6 @@ __all__ = ["RequestRecord", "RooflineStepTime", "ServingReport", "StepChunk", "S
            "step_cost"]
 
 DUMMY_TOKEN = 0  # what the virtual model "samples"; never EOS (the simulated scheduler has no EOS ids)
-
-
-def llama2_7b_config() -> ModelConfig:
-    """Llama-2-7B's shape, from meta-llama/Llama-2-7b-hf ``config.json`` (32 layers, hidden 4096, MHA with 32 heads
-    of 128, SwiGLU 11008, vocab 32000, 4096 context, untied LM head): 6.74e9 parameters."""
-    return ModelConfig(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_layers=32, num_heads=32,
-                       num_kv_heads=32, head_dim=128, max_position_embeddings=4096, rms_norm_eps=1e-5,
-                       tie_word_embeddings=False, bos_token_id=1, eos_token_ids=(2,))
 
 
 # ---------------------------------------------------------------------------------------------- the scorecard
@@ -270,7 +263,7 @@ def step_cost(config: ModelConfig, chunks: Sequence[StepChunk], dtype: DType, kv
                            kv_dtype=kv_dtype)
         flops, kv, acts = flops + a.flops, kv + a.breakdown["kv_cache"], acts + a.breakdown["activations"]
     attn = Cost(flops, kv + acts, {"kv_cache": kv, "activations": acts}, {"attention": flops})
-    kv_write = T * _kv_token_bytes(c, kv_dtype)  # the new tokens' K/V, all layers
+    kv_write = T * kv_bytes_per_token(c.num_layers, c.num_kv_heads, c.head_dim, "auto", kv_dtype)  # new K/V
     lookup = T * c.hidden_size * dtype_bytes(dtype)  # embedding rows gathered
     final_norm = c.hidden_size * dtype_bytes(dtype)
     extra = Cost(0, kv_write + lookup + final_norm,
@@ -279,11 +272,6 @@ def step_cost(config: ModelConfig, chunks: Sequence[StepChunk], dtype: DType, kv
     if rows:  # the LM head reads its whole V × hidden matrix once, for the sampling rows only
         total = total + linear_cost(rows, c.hidden_size, c.vocab_size, **lin)
     return total
-
-
-def _kv_token_bytes(config: ModelConfig, kv_dtype: DType) -> float:
-    """K+V bytes per token, all layers: ``kv_bytes_per_token``'s element count at ``kv_dtype``'s width."""
-    return kv_bytes_per_token(config, torch.float8_e4m3fn) * dtype_bytes(kv_dtype)  # 1-byte dtype: element count
 
 
 class StepTimeModel(Protocol):
@@ -347,7 +335,7 @@ def simulate(trace: Sequence[RequestSpec], model: ModelConfig, config: EngineCon
     clock jumps to the next arrival or to the end of the dynamic-batching window.
     """
     max_model_len = min(model.max_position_embeddings, config.max_model_len or model.max_position_embeddings)
-    block_bytes = int(_kv_token_bytes(model, dtype)) * config.block_size
+    block_bytes = int(kv_bytes_per_block(model, config.block_size, dtype))
     num_blocks = config.resolve_num_blocks(block_bytes, max_model_len)
     sched = Scheduler(config, num_blocks, max_model_len, num_host_blocks=config.resolve_host_blocks(num_blocks))
     requests = [Request(str(k), list(spec.prompt_token_ids), _params(spec.max_tokens), spec.arrival_s, [None])

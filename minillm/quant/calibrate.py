@@ -1,8 +1,8 @@
 """Calibration for activation-aware weight quantization (AWQ, GPTQ): run the model layer by layer on calibration
 text and hand each decoder layer's linear inputs to a quantizer.
 
-Text: the *calibration* half of ``pydoc_data.topics`` (``perf.perplexity.heldout_documents``); perplexity is
-measured on the other half, so no document is both tuned on and scored.
+Text: the *calibration* half of ``pydoc_data.topics`` (``quant.heldout``); perplexity is measured on the other
+half, so no document is both tuned on and scored.
 
 Layer by layer, as GPTQ and AWQ do: the inputs of layer i are produced by layers 0..i-1 *already quantized*, so
 each layer's quantizer sees (and compensates for) the error upstream, and only one layer's activations are held at
@@ -17,6 +17,7 @@ import torch
 from torch import Tensor, nn
 
 from minillm.layers.linear import Linear, PackedWeight, QuantLinear
+from minillm.quant.heldout import heldout_token_ids
 
 # the four linears of a decoder layer, under their module names (stacked as in models/llama.py)
 LAYER_LINEARS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
@@ -25,8 +26,6 @@ LayerQuantizer = Callable[[nn.Module, dict[str, Tensor]], dict[str, PackedWeight
 
 def calibration_token_ids(tokenizer, num_sequences: int = 8, seq_len: int = 256) -> Tensor:
     """[num_sequences, seq_len] int64: consecutive pieces of the calibration split (never the evaluation one)."""
-    from minillm.perf.perplexity import heldout_token_ids
-
     ids = heldout_token_ids(tokenizer, "calibration", num_sequences * seq_len)
     if ids.numel() < num_sequences * seq_len:
         raise ValueError(f"the calibration split has {ids.numel()} tokens, fewer than {num_sequences}×{seq_len}")

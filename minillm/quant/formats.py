@@ -25,6 +25,8 @@ from enum import Enum
 import torch
 from torch import Tensor
 
+from minillm.dtypes import torch_dtype
+
 
 @dataclass(frozen=True)
 class FormatInfo:
@@ -45,8 +47,8 @@ class FormatInfo:
         return self.bits / 8
 
 
-_FLOATS = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16,
-           "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+_FLOATS = {**{name: torch_dtype(name) for name in ("fp32", "fp16", "bf16")},
+           "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}  # fp8's two layouts have no alias
 _INTS = {"int8": torch.int8, "uint8": torch.uint8}
 FORMAT_NAMES = (*_FLOATS, "int8", "int4", "uint4")
 

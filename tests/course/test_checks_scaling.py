@@ -9,7 +9,7 @@ import torch
 
 from minillm.course import checks
 from minillm.course.checks import EXERCISES
-from minillm.distributed.cost_model import ALLREDUCES_PER_LAYER
+from minillm.perf.tp_cost import ALLREDUCES_PER_LAYER
 
 solved_split = EXERCISES["10.1"].answer()  # a copy: the library's own is hidden while a checker runs
 from minillm.perf.hardware import dtype_bytes  # noqa: E402
@@ -99,7 +99,7 @@ def test_cost_mistakes_fail_the_checker(wrong):
 
 
 def test_bytes_once_is_right_at_tp_two_so_the_checker_must_try_other_sizes():
-    from minillm.distributed.cost_model import LINKS, layer_comm_time
+    from minillm.perf.tp_cost import LINKS, layer_comm_time
 
     assert _bytes_once(2, 8, 4096, "bfloat16", LINKS["H100-PCIe"]) == layer_comm_time(2, 8, 4096, "bfloat16",
                                                                                           LINKS["H100-PCIe"])

@@ -1,4 +1,4 @@
-"""Faults never corrupt the engine (issue #15): a failing request fails alone, tiny temperatures are safe, threads
+"""Faults never corrupt the engine: a failing request fails alone, tiny temperatures are safe, threads
 never mix outputs, ids are unambiguous, odd inputs get clear errors.
 
 Every test ends with ``assert_healthy``: no live requests, no used KV blocks, and the same greedy output as a fresh

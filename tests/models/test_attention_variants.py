@@ -48,7 +48,7 @@ def test_pooling_rejects_a_head_count_that_does_not_divide(mha):
         pool_kv_heads(mha, 4)
 
 
-def test_calculators_reproduce_the_syllabus_figures():
+def test_calculators_reproduce_the_published_kv_cache_figures():
     llama7b = ModelConfig(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_layers=32, num_heads=32,
                           num_kv_heads=32, head_dim=128)
     assert kv_bytes_gqa(llama7b, 32) == 512 * 1024

@@ -7,7 +7,6 @@ import math
 import pytest
 
 from minillm import EngineConfig, ModelConfig
-from minillm.distributed.cost_model import Link
 from minillm.perf.disagg import (
     KV_LINKS,
     PDSplit,
@@ -23,6 +22,7 @@ from minillm.perf.disagg import (
 )
 from minillm.perf.hardware import get_spec
 from minillm.perf.simulate import RooflineStepTime, StepChunk, llama2_7b_config, simulate
+from minillm.perf.tp_cost import Link
 from minillm.perf.workloads import RequestSpec, random_corpus
 
 SMALL = ModelConfig(vocab_size=1000, hidden_size=256, intermediate_size=512, num_layers=4, num_heads=8,

@@ -91,7 +91,7 @@ def test_llama2_7b_fp16_kv_cache_is_512_kib_per_token():
     # the per-layer attention reads agree with kv_bytes_per_token: 32 layers × 2 × 32 heads × 128 × 2 bytes
     read = 32 * attention_cost(1, 1, S, 32, 32, 128, "float16").breakdown["kv_cache"]
     assert read == S * 512 * 1024
-    assert 4096 * 512 * 1024 == 2 * 2**30  # 4096 tokens → 2 GiB per sequence (SYLLABUS 02)
+    assert 4096 * 512 * 1024 == 2 * 2**30  # 4096 tokens → 2 GiB per sequence (notebook 02)
 
 
 @pytest.mark.parametrize("dtype, nbytes", [("float32", 4), (torch.bfloat16, 2)])
@@ -177,7 +177,7 @@ def test_prefill_flops_are_two_per_parameter_per_token_plus_attention():
 
 
 # ------------------------------------------------------------------------------------------- utilisation
-def test_mbu_of_the_syllabus_example_is_70_percent():
+def test_mbu_of_a_7b_fp16_model_at_100_tok_s_on_2_tb_s_is_70_percent():
     assert mbu(7e9 * 2, 100, 2e12) == pytest.approx(0.70)  # 1.4 TB/s of 2 TB/s (not 700 GB/s)
     assert mfu(2 * 7e9, 100, 312e12) == pytest.approx(1.4e12 / 312e12)
 

@@ -38,6 +38,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 from minillm.config import ModelConfig
+from minillm.models.configs import llama2_7b_config, smollm2_135m_config
 
 BEGIN, END = "### BEGIN SOLUTION", "### END SOLUTION"
 
@@ -292,12 +293,10 @@ def _close(got, expected, rel: float = 1e-9, abs_: float = 0.0) -> bool:
         return False
 
 
-# Small configurations with known answers.  Llama-2-7B: 32 layers, hidden 4096, MLP 11008, 32 heads (MHA),
-# vocab 32000, untied embeddings (its config.json on the hub); SmolLM2-135M: the course's default model.
-LLAMA2_7B = ModelConfig(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_layers=32, num_heads=32,
-                        num_kv_heads=32, head_dim=128, max_position_embeddings=4096)
-SMOLLM2_135M = ModelConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9,
-                           num_kv_heads=3, head_dim=64, max_position_embeddings=8192, tie_word_embeddings=True)
+# Configurations with known answers: Llama-2-7B (MHA, untied) and SmolLM2-135M (GQA, tied; the course's default
+# model), their shapes from ``minillm.models.configs``.
+LLAMA2_7B = llama2_7b_config()
+SMOLLM2_135M = smollm2_135m_config()
 # A made-up multi-query model (one K/V head) to catch H_q used where H_kv belongs.
 TINY_MQA = ModelConfig(vocab_size=1000, hidden_size=256, intermediate_size=512, num_layers=4, num_heads=8,
                        num_kv_heads=1, head_dim=32, max_position_embeddings=512)

@@ -113,15 +113,15 @@ def _ref_comm(tp, tokens, hidden, nbytes, alpha, beta):
     return 2 * (alpha + ring / beta)  # two all-reduces per layer
 
 
-@exercise("10.2", "minillm.distributed.cost_model.layer_comm_time", "communication per decoder layer",
+@exercise("10.2", "minillm.perf.tp_cost.layer_comm_time", "communication per decoder layer",
           "two all-reduces per layer (after o_proj and down_proj); each costs latency + 2(tp−1)/tp × tokens × hidden "
           "× bytes per element / bandwidth; 0 at tp = 1")
 def check_layer_comm_time(layer_comm_time: Callable) -> None:
     """``layer_comm_time(tp, tokens, hidden, dtype, link)`` on random links and sizes, tp in 1..8."""
-    from minillm.distributed import cost_model
+    from minillm.perf import tp_cost
 
-    with _hidden("minillm.distributed.cost_model", "layer_comm_time", "allreduce_bytes", "layer_allreduce_bytes"):
-        _check_layer_comm_time(layer_comm_time, cost_model.Link)
+    with _hidden("minillm.perf.tp_cost", "layer_comm_time", "allreduce_bytes", "layer_allreduce_bytes"):
+        _check_layer_comm_time(layer_comm_time, tp_cost.Link)
     _passed("10.2")
 
 

@@ -27,11 +27,12 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from minillm.models.configs import decoder_linear_shapes, smollm2_135m_config
 from minillm.quant.weight import quantize_int4, quantize_int8
 
 # SmolLM2-135M: hidden 576, intermediate 1536, 9 query / 3 KV heads of 64 -> (N, K) of each linear per layer
-SMOLLM2_LAYER_SHAPES = ((576 + 2 * 192, 576), (576, 576), (2 * 1536, 576), (576, 1536))  # qkv, o, gate_up, down
-SMOLLM2_LAYERS = 30
+SMOLLM2_LAYER_SHAPES = decoder_linear_shapes(smollm2_135m_config())  # qkv, o, gate_up, down
+SMOLLM2_LAYERS = smollm2_135m_config().num_layers
 
 
 def _stack_pass(fn: Callable, xs: dict[int, torch.Tensor], weights: list) -> float:

@@ -1,6 +1,6 @@
 """``python -m minillm bench serving``: paged KV memory, batching policies and prefix caching, measured in one run.
 
-Sections (each prints its figures, the target from SYLLABUS 05–06, the ratio and whether it was met):
+Sections (each prints its figures, the target of notebooks 05–06, the ratio and whether it was met):
 
 1. **KV memory** — a chat-length trace (lognormal prompts and outputs, hundreds of tokens) is laid out in a real
    ``BlockManager`` at its actual lengths: slots wasted by paging (16-token blocks) vs a contiguous reservation of
@@ -102,7 +102,7 @@ SHRINKING = "static, rows dropped"  # static batching with pad_batches=False (re
 ENGINE_RUNS = {"continuous": ("continuous", True), "static": ("static", True), SHRINKING: ("static", False),
                "dynamic": ("dynamic", True)}  # section 2's engine runs: label -> (policy, pad_batches)
 
-TARGETS = {  # SYLLABUS 05–06
+TARGETS = {  # the targets of notebooks 05–06
     "paged_waste": 0.04,  # paged KV wastes < 4 % (only partial last blocks)
     "concurrency_ratio": 3.0,  # ≥ 3× more sequences in the same KV budget
     "continuous_vs_static": 2.0,  # ≥ 2× throughput
@@ -274,7 +274,7 @@ def bench_serving(model: str | None = None, device: str | None = None, *, dtype:
     result["targets_met"] = {name: bool(ok) for name, _, _, ok in checks}
     result["load_average"] = {"before": load_before, "after": os.getloadavg()}
     result["runtime_s"] = time.perf_counter() - t_start
-    print("\ntargets (SYLLABUS 05-06)")
+    print("\ntargets (notebooks 05-06)")
     for name, value, target, ok in checks:
         shown = f"{value:.1%}" if name == "paged KV waste" else f"{value:.2f}x"
         verdict = "" if target == "(no target)" else ("met" if ok else "NOT met")

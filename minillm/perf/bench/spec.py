@@ -31,8 +31,8 @@ from minillm.spec.proposer import SpecStats
 # repeat is verbatim; the summary keeps whole sentences of the passage; the edit reprints the code with one line
 # changed).  The passage and the code are long enough that the copy lasts past the default 64 tokens: with a
 # shorter passage the model ends its answer early and everything after it measures what follows an answer, not a
-# copy (session 5's repeat prompt: α 0.34, though the copy itself was accepted at α ≈ 0.8).  An earlier "rename a
-# variable" edit was not copy-heavy for this model: it rewrote the code instead (α 0.07).
+# copy (a shorter repeat prompt used before scored α 0.34, though the copy itself was accepted at α ≈ 0.8).  An
+# earlier "rename a variable" edit was not copy-heavy for this model: it rewrote the code instead (α 0.07).
 PASSAGE = ("Lighthouses were once kept by families who lived at the foot of the tower. Every evening the keeper "
            "climbed the spiral stairs, trimmed the wick and wound the clockwork that turned the lens. Through the "
            "night he returned every few hours to refill the oil and clean the soot from the glass. In a storm nobody "
@@ -194,8 +194,8 @@ def _hf_once(hf, x, n_tokens: int, kwargs: dict, stop_at_eos: bool = True) -> di
 
 
 # the multi-row verify cost the projection assumes: a verify pass of γ + 1 rows at ~1.1× a 1-row decode step, as a
-# bandwidth-bound GEMV that reads the weights once for all rows would cost (session 5 measured 1.5–2× on the fp32
-# multi-row GEMV, which is being fixed in kernels/cpu/csrc/native.c)
+# bandwidth-bound GEMV that reads the weights once for all rows would cost (what the multi-row GEMV of
+# kernels/cpu/csrc/native.c actually costs is in BENCHMARKS.md)
 PROJECTED_VERIFY_RATIO = 1.1
 
 

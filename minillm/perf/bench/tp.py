@@ -8,7 +8,7 @@
    SmolLM2-135M has 9 query / 3 K/V heads, which 2 does not divide, so the bench uses 8 query / 2 K/V heads of 64
    (hidden 576, 30 layers, MLP 1536, vocab 49152 as the default).
 3. The cost model's per-layer figures for Llama-2-7B and 70B on an H100 NVLink / PCIe node
-   (``distributed/cost_model.py``).
+   (``perf/tp_cost.py``).
 4. Pipeline parallelism over two processes: the bubble of a micro-batched forward measured at several micro-batch
    counts m against GPipe's (p − 1)/(m + p − 1) and against ``gpipe_schedule`` fed the measured stage times.
 Results go to ``benchmarks/results/tp-cpu.json``.  On a shared machine both TP runs see the same neighbours only
@@ -25,15 +25,14 @@ import time
 import torch
 
 from minillm.config import ModelConfig
+from minillm.models.configs import smollm2_135m_config
 
 PROMPT = list(range(1, 17))
 
 
 def default_like_config() -> ModelConfig:
     """SmolLM2-135M's shape with heads that 2 divides (8 × 64 query, 2 × 64 K/V instead of 9 and 3)."""
-    return ModelConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=8,
-                       num_kv_heads=2, head_dim=64, max_position_embeddings=2048, rms_norm_eps=1e-5,
-                       rope_theta=100000.0, tie_word_embeddings=True)
+    return dataclasses.replace(smollm2_135m_config(), num_heads=8, num_kv_heads=2, max_position_embeddings=2048)
 
 
 def random_model(config: ModelConfig, seed: int = 0):
@@ -150,8 +149,8 @@ def measure_bubble(model, pp: int = 2, microbatches: tuple[int, ...] = (1, 2, 4,
 
 def bench_tp(n_tokens: int = 32, repeats: int = 2, allreduce_iters: int = 500, save: bool = True) -> dict:
     """Run the three parts above; print them; -> the results (also saved as ``tp-cpu.json``)."""
-    from minillm.distributed.cost_model import report
     from minillm.distributed.worker import run_workers
+    from minillm.perf.tp_cost import report
 
     cores = os.cpu_count() or 1
     cfg = default_like_config()

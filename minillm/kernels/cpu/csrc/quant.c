@@ -984,10 +984,9 @@ static void q4_q8_rows(const uint8_t *restrict P, const void *scales, const void
 static void q8_q8_rows(const int8_t *restrict W, const void *scales, int scale_f16, const xprep_t *x, int x_bf16,
                        void *y, int64_t M, int64_t N, int64_t K, int64_t G, int64_t n0, int64_t n1) {
     float dwb[K / QB + 4];
-    /* Batch 1: 4-row tiles (q8_q8_row4).  Session 6 found them 1.5x faster in L2 but 2x slower streamed, the 4
-     * interleaved 9-line streams (K = 576) untrained by the hardware prefetchers; with the tile PF_TILES = 4 ahead
-     * prefetched in address order into L2 they are 2x faster in L2 (C harness, 1 thread, qkv + o: 22.8 -> 45 GB/s)
-     * and ~8 % faster streamed (SmolLM2 stack, 2 threads, median of 6: 3.96 -> 3.64 ms). */
+    /* Batch 1: 4-row tiles (q8_q8_row4).  Alone they are faster in L2 but slower streamed, the 4 interleaved
+     * 9-line streams (K = 576) untrained by the hardware prefetchers; with the tile PF_TILES = 4 ahead prefetched
+     * in address order into L2 they are faster both ways (BENCHMARKS.md, "int8, batch 1: a 4-row tile"). */
     int64_t n = n0;
     if (QSIMD && M == 1 && (G == K || G == QB)) /* portable C: every row through q8_q8_row (TILE_Q8) */
         for (; n + 4 <= n1; n += 4) {

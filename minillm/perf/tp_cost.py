@@ -18,8 +18,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from minillm.config import ModelConfig
+from minillm.dtypes import DType, dtype_bytes
 from minillm.layers.parallel import rank_config
-from minillm.perf.hardware import SPECS, DType, HardwareSpec, dtype_bytes
+from minillm.models.configs import llama2_7b_config, llama2_70b_config
+from minillm.perf.hardware import SPECS, HardwareSpec
 from minillm.perf.roofline import Cost, attention_cost, check_sizes, linear_cost
 
 ALLREDUCES_PER_LAYER = 2  # after o_proj and after down_proj (Megatron-LM, Shoeybi et al. 2019, §3)
@@ -117,18 +119,8 @@ def tp_estimate(config: ModelConfig, tp: int, *, batch: int = 1, kv_len: int = 1
                       base / (compute + comm))
 
 
-def llama2_70b_config() -> ModelConfig:
-    """Llama-2-70B's shape, from meta-llama/Llama-2-70b-hf ``config.json``: 80 layers, hidden 8192, 64 query heads
-    and 8 K/V heads of 128 (GQA), SwiGLU 28672, vocab 32000, 4096 context: 6.9e10 parameters."""
-    return ModelConfig(vocab_size=32000, hidden_size=8192, intermediate_size=28672, num_layers=80, num_heads=64,
-                       num_kv_heads=8, head_dim=128, max_position_embeddings=4096, rms_norm_eps=1e-5,
-                       bos_token_id=1, eos_token_ids=(2,))
-
-
 def report(batch: int = 1, kv_len: int = 1024) -> list[dict]:
     """The cost model's figures for Llama-2-7B and 70B at TP 1, 2, 4, 8 over H100 NVLink and PCIe (bf16 decode)."""
-    from minillm.perf.simulate import llama2_7b_config
-
     rows = []
     for name, cfg in (("Llama-2-7B", llama2_7b_config()), ("Llama-2-70B", llama2_70b_config())):
         for link in LINKS:
