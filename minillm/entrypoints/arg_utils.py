@@ -53,13 +53,15 @@ class Option:
 
     @property
     def flag(self) -> str:
+        """``--max-num-seqs`` for ``max_num_seqs``."""
         return "--" + self.dest.replace("_", "-")
 
     def add_to(self, parser: argparse.ArgumentParser | argparse._ArgumentGroup, default: Any = None) -> None:
         """Add this flag to ``parser``; ``default`` overrides ``self.default`` (e.g. ``generate --max-tokens``)."""
         default = self.default if default is None else default
         shown = self.shown_default if default is None else default
-        help_ = self.help + ("" if shown is None else f" (default: {shown})")
+        help_ = self.help + (" (repeatable)" if self.action == "append" else "")
+        help_ += "" if shown is None else f" (default: {shown})"
         kwargs: dict[str, Any] = {"default": default, "help": help_.replace("%", "%%"), "action": self.action}
         if self.action in ("store", "append"):
             kwargs.update(type=self.type, choices=self.choices, metavar=self.metavar)
