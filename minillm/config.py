@@ -172,53 +172,63 @@ DEFAULT_KV_CACHE_BYTES = 256 * 2**20  # when neither num_kv_blocks nor kv_cache_
 class EngineConfig:
     """How ``LLMEngine`` batches and stores K/V.  Defaults suit a CPU; on a GPU raise the limits and the KV budget.
 
-    - ``policy``: "continuous" admits and retires requests every step; "static" forms a batch of up to
-      ``max_num_seqs`` from whatever is waiting and runs it to completion (everyone waits for the longest);
-      "dynamic" does the same but waits until the batch is full or ``dynamic_window_s`` has passed since the
-      oldest waiting request arrived.
-    - ``pad_batches`` (static and dynamic only): a batch keeps its shape until its last member finishes, as in
-      transformers' batched ``generate`` or FasterTransformer — a finished member's row is still computed each step,
-      on a pad token, and thrown away (the bubble costs compute, not only idle slots).  False drops finished rows,
-      a batch that shrinks: cheaper where a step's cost grows with its rows (a compute-bound CPU), the same on a
-      memory-bound GPU.
-    - ``block_size``: tokens per KV block (16, as vLLM).  KV budget: ``num_kv_blocks`` blocks, or ``kv_cache_bytes``
-      (K and V of all layers); with neither, enough for ``max_num_seqs`` full-context sequences capped at
-      ``DEFAULT_KV_CACHE_BYTES``, and never less than one full-context sequence.
-    - ``max_num_seqs`` sequences run at once; ``max_num_batched_tokens`` tokens (decode tokens + prefill chunks) per
-      step.  ``chunked_prefill=False`` never splits a prompt, so every prompt must fit the token budget.
-    - ``preemption``: what happens to the newest running sequence when blocks run out: "recompute" frees its blocks
-      and prefills it again later, "swap" copies its blocks to ``num_host_blocks`` host blocks (default: as many as
-      on the device) and back.
-    - ``max_model_len``: cap on prompt + output tokens (default: the model's context).
-    - ``kv_cache_dtype``: how K/V are stored — "auto" (the model's dtype), "int8" (symmetric, one fp32 scale per
-      token and KV head) or "fp8" (e4m3 with the same scales; ``kv/quant.py``).  1 byte per element + 4 per
-      (token, head): for D = 64 a block holds ~1.9× the tokens of bf16 and ~3.8× fp32 in the same bytes.
-    - ``return_logits``: each step update carries the fp32 logits its token was sampled from (tests, notebooks).
-    - ``parallel_config``: how many processes the engine spans (``ParallelConfig``: tensor / pipeline parallel).
-    - ``enforce_eager`` (vLLM's name): True runs every step eagerly; False runs decode-only steps through static
-      buffers in batch buckets (``engine.cuda_graph``: CUDA graphs on a GPU, the same padded path uncaptured on
-      CPU); None (default): CUDA graphs on CUDA, eager on CPU unless the kernels are "compiled".
-    The kernels are the model's choice (``load_model(kernels=...)``, ``Transformer.set_kernels``), not the engine's.
+    Each field is documented by the string under it; ``entrypoints/arg_utils.py`` reads those strings as the help
+    of the command line's flags (``--max-num-seqs`` for ``max_num_seqs``).  The kernels are the model's choice
+    (``load_model(kernels=...)``, ``Transformer.set_kernels``), not the engine's.
     """
 
     policy: str = "continuous"
+    """How requests form batches: "continuous" admits and retires requests every step; "static" forms a batch of up
+    to ``max_num_seqs`` from whatever is waiting and runs it to completion (everyone waits for the longest);
+    "dynamic" does the same but waits until the batch is full or ``dynamic_window_s`` has passed since the oldest
+    waiting request arrived."""
     block_size: int = 16
+    """Tokens per KV block (16, as vLLM)."""
     num_kv_blocks: int | None = None
+    """KV budget in blocks.  With neither this nor ``kv_cache_bytes``: enough for ``max_num_seqs`` full-context
+    sequences capped at ``DEFAULT_KV_CACHE_BYTES``, and never less than one full-context sequence."""
     kv_cache_bytes: int | None = None
+    """KV budget in bytes (K and V of all layers); give this or ``num_kv_blocks``, not both."""
     max_num_seqs: int = 32
+    """Sequences that run at once."""
     max_num_batched_tokens: int = 512
+    """Tokens per step: decode tokens + prefill chunks."""
     enable_prefix_caching: bool = True
+    """Reuse the KV blocks of a prompt's leading full blocks when an earlier request computed the same tokens."""
     chunked_prefill: bool = True
+    """Split a prompt's prefill over steps to fit ``max_num_batched_tokens``; False never splits a prompt, so every
+    prompt must fit the token budget."""
     preemption: str = "recompute"
+    """What happens to the newest running sequence when blocks run out: "recompute" frees its blocks and prefills
+    it again later, "swap" copies its blocks to ``num_host_blocks`` host blocks and back."""
     num_host_blocks: int | None = None
+    """Host blocks that swapped-out sequences use (default: as many as on the device with "swap", else none)."""
     dynamic_window_s: float = 0.1
+    """("dynamic" policy) seconds the oldest waiting request may wait for a batch to fill."""
     pad_batches: bool = True
+    """(static and dynamic only) a batch keeps its shape until its last member finishes, as in transformers'
+    batched ``generate`` or FasterTransformer — a finished member's row is still computed each step, on a pad token,
+    and thrown away (the bubble costs compute, not only idle slots).  False drops finished rows, a batch that
+    shrinks: cheaper where a step's cost grows with its rows (a compute-bound CPU), the same on a memory-bound
+    GPU."""
     max_model_len: int | None = None
+    """Cap on prompt + output tokens (default: the model's context)."""
     return_logits: bool = False
+    """Each step update carries the fp32 logits its token was sampled from (tests, notebooks)."""
     enforce_eager: bool | None = None
+    """(vLLM's name) True runs every step eagerly; False runs decode-only steps through static buffers in batch
+    buckets (``engine.cuda_graph``: CUDA graphs on a GPU, the same padded path uncaptured on CPU); None (default):
+    CUDA graphs on CUDA, eager on CPU unless the kernels are "compiled"."""
     kv_cache_dtype: str = "auto"
-    speculative_config: SpeculativeConfig | dict | None = None  # a dict (vLLM's shape) becomes a SpeculativeConfig
-    parallel_config: ParallelConfig | dict | None = None  # a dict becomes a ParallelConfig; None: one process
+    """How K/V are stored — "auto" (the model's dtype), "int8" (symmetric, one fp32 scale per token and KV head)
+    or "fp8" (e4m3 with the same scales; ``kv/quant.py``).  1 byte per element + 4 per (token, head): for D = 64 a
+    block holds ~1.9× the tokens of bf16 and ~3.8× fp32 in the same bytes."""
+    speculative_config: SpeculativeConfig | dict | None = None
+    """Speculative decoding: a ``SpeculativeConfig``, or a dict of its fields (vLLM's shape, e.g.
+    ``{"method": "ngram", "num_speculative_tokens": 4}``) that becomes one; None: off."""
+    parallel_config: ParallelConfig | dict | None = None
+    """How many processes the engine spans (``ParallelConfig``: tensor / pipeline parallel); a dict of its fields
+    becomes one; None: this process alone."""
 
     def __post_init__(self):
         parallel = self.parallel_config
@@ -295,17 +305,16 @@ def _positive_int(value) -> bool:
 @dataclass(frozen=True)
 class ParallelConfig:
     """How many processes one engine spans (vLLM's names).  The engine schedules, samples and detokenizes in this
-    process either way; the others only run their part of each step's forward.
-
-    - ``tensor_parallel_size``: every layer split over this many ranks (heads, MLP units, vocabulary rows);
-      the size must divide the model's heads (checked against the model by ``layers.parallel.check_shardable``).
-    - ``pipeline_parallel_size``: the layers cut into this many consecutive stages, one per rank; the size must
-      divide the model's layers (``distributed.pipeline.stage_layers``).
-    Both above 1 at once is not supported.
+    process either way; the others only run their part of each step's forward.  Both sizes above 1 at once is not
+    supported.
     """
 
     tensor_parallel_size: int = 1
+    """Every layer split over this many ranks (heads, MLP units, vocabulary rows); the size must divide the model's
+    heads (checked against the model by ``layers.parallel.check_shardable``)."""
     pipeline_parallel_size: int = 1
+    """The layers cut into this many consecutive stages, one per rank; the size must divide the model's layers
+    (``distributed.pipeline.stage_layers``)."""
 
     def __post_init__(self):
         for name in ("tensor_parallel_size", "pipeline_parallel_size"):

@@ -6,31 +6,49 @@ import argparse
 import sys
 import time
 
+from minillm.entrypoints.arg_utils import (
+    Option,
+    add_options,
+    engine_kwargs,
+    engine_options,
+    given,
+    model_options,
+    sampling_options,
+    to_argv,
+)
+from minillm.sampling.params import SamplingParams
 
-def _model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="hub id, local directory or .gguf (default: embedded SmolLM2-135M)")
-    p.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"])
-    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
-    p.add_argument("--kernels", default="auto", choices=["auto", "torch", "native", "triton"])
-    p.add_argument("--quantization", default=None, help="weight-only: int8 | int4 | awq | gptq (default: none; "
-                                                        "int4 on the default model runs its own Q4_1 blocks)")
+# run_server's options that each ``serve --replicas`` replica gets too (the front's own: host, port, routing)
+SERVER_OPTIONS = (
+    Option("api_key", "require 'Authorization: Bearer KEY' on /v1"),
+    Option("max_queue", "requests that may wait beyond --max-num-seqs; more get 429", type=int, default=64),
+    Option("shutdown_timeout", "seconds in-flight requests may run on after SIGTERM before they are aborted",
+           type=float, default=10.0),
+    Option("ttft_slo_ms", "load shedding: answer 429 'overloaded' (with Retry-After) at once to a request whose "
+                          "estimated time to first token — prompt tokens queued ahead + its own at the measured "
+                          "prefill rate, plus a step — exceeds MS (default: off, admit by --max-queue only)",
+           type=float, metavar="MS"),
+)
 
 
-def _sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
-    p.add_argument("--max-tokens", type=int, default=max_tokens)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    p.add_argument("--ignore-eos", action="store_true")
+def _engine_args(p: argparse.ArgumentParser, *, max_tokens: int | None = None) -> None:
+    """The model and engine options (and with ``max_tokens``, the sampling ones), in their help sections."""
+    add_options(p.add_argument_group("model"), model_options())
+    add_options(p.add_argument_group("engine (EngineConfig)"), engine_options())
+    if max_tokens is not None:  # the command line samples greedily unless told otherwise
+        add_options(p.add_argument_group("sampling (SamplingParams)"), sampling_options(),
+                    {"max_tokens": max_tokens, "temperature": 0.0})
 
 
 def _params(a):
-    from minillm.sampling.params import SamplingParams
+    return SamplingParams(**given(a, sampling_options()))
 
-    return SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, top_k=a.top_k, top_p=a.top_p,
-                          seed=a.seed, stop=tuple(a.stop), ignore_eos=a.ignore_eos)
+
+def _llm(a, model):
+    from minillm.llm import LLM
+
+    return LLM(model, dtype=a.dtype, device=a.device, kernels=a.kernels, quantization=a.quantization,
+               **engine_kwargs(a))
 
 
 def _stream_reply(llm, prompt, params, out=sys.stdout):
@@ -66,11 +84,9 @@ def _print_metrics(llm, m, out=sys.stderr) -> None:
 
 
 def cmd_generate(a) -> int:
-    from minillm.llm import LLM
-
     params = _params(a)  # a bad sampling value is reported before the model loads
     t0 = time.perf_counter()
-    llm = LLM(a.model, dtype=a.dtype, device=a.device, kernels=a.kernels, quantization=a.quantization)
+    llm = _llm(a, a.model)
     print(f"[loaded in {time.perf_counter() - t0:.1f} s: {llm.model.config.model_type}, "
           f"{llm.model.config.num_parameters() / 1e6:.0f}M params, {llm.model.dtype}, {llm.model.device}]",
           file=sys.stderr)
@@ -81,10 +97,8 @@ def cmd_generate(a) -> int:
 
 
 def cmd_chat(a) -> int:
-    from minillm.llm import LLM
-
     params = _params(a)  # a bad sampling value is reported before the model loads
-    llm = LLM(a.model, dtype=a.dtype, device=a.device, kernels=a.kernels, quantization=a.quantization)
+    llm = _llm(a, a.model)
     history: list[dict] = []
     if a.system:
         history.append({"role": "system", "content": a.system})
@@ -116,17 +130,11 @@ def cmd_chat(a) -> int:
 
 
 def _replica_args(a) -> list[str]:
-    """The serve options each replica gets: the model and engine options, not the front's host, port or routing."""
-    names = ("dtype", "device", "kernels", "quantization", "api_key", "max_queue", "shutdown_timeout",
-             "max_num_seqs", "max_num_batched_tokens", "num_kv_blocks", "max_model_len", "kv_cache_dtype",
-             "ttft_slo_ms")
-    args = [a.model_path or a.model] if (a.model_path or a.model) else []
-    for name in names:
-        if getattr(a, name) is not None:
-            args += [f"--{name.replace('_', '-')}", str(getattr(a, name))]
-    if a.enforce_eager:
-        args.append("--enforce-eager")
-    return args
+    """The serve options each replica gets: every model, engine and server option given, not the front's host,
+    port or routing."""
+    model = a.model_path or a.model
+    options = [o for o in (*model_options(), *engine_options(), *SERVER_OPTIONS) if o.dest != "model"]
+    return ([model] if model else []) + to_argv(a, options)
 
 
 def cmd_serve(a) -> int:
@@ -139,13 +147,9 @@ def cmd_serve(a) -> int:
                    shutdown_timeout_s=a.shutdown_timeout, log_level=a.log_level)
         return 0
     from minillm.entrypoints.openai.server import DEFAULT_MODEL_NAME, run_server
-    from minillm.llm import LLM
 
     model = a.model_path or a.model
-    names = ("max_num_seqs", "max_num_batched_tokens", "num_kv_blocks", "max_model_len", "enforce_eager",
-             "kv_cache_dtype")
-    engine = {k: getattr(a, k) for k in names if getattr(a, k) is not None}
-    llm = LLM(model, dtype=a.dtype, device=a.device, kernels=a.kernels, quantization=a.quantization, **engine)
+    llm = _llm(a, model)
     print(f"[serving {model or DEFAULT_MODEL_NAME} ({llm.model.dtype}, {llm.model.device}) on "
           f"http://{a.host}:{a.port}/v1]", file=sys.stderr)
     run_server(llm, host=a.host, port=a.port, api_key=a.api_key, max_queue=a.max_queue,
@@ -181,7 +185,7 @@ def cmd_bench(a) -> int:
 
         bench_disagg(quick=a.quick)
     elif a.what == "serve":  # main() hands "bench serve ..." to the load generator's own parser
-        from minillm.perf.bench.peers import main as bench_serve_main
+        from minillm.perf.bench.serve import main as bench_serve_main
 
         return bench_serve_main([])
     elif a.what == "quant":
@@ -213,46 +217,52 @@ def build_parser() -> argparse.ArgumentParser:
     g = sub.add_parser("generate", help="stream a completion, then print TTFT, TPOT, tok/s and MBU")
     g.add_argument("prompt")
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
-    _model_args(g)
-    _sampling_args(g, 128)
+    _engine_args(g, max_tokens=128)
     g.set_defaults(fn=cmd_generate)
     c = sub.add_parser("chat", help="interactive chat with streaming replies")
     c.add_argument("--system", default=None, help="system prompt")
     c.add_argument("--metrics", action="store_true", help="print TTFT/TPOT after each reply")
-    _model_args(c)
-    _sampling_args(c, 256)
+    _engine_args(c, max_tokens=256)
     c.set_defaults(fn=cmd_chat)
+    _serve_parser(sub)
+    _bench_parser(sub)
+    e = sub.add_parser("eval", help="evaluate a model: perplexity on held-out text (pydoc_data.topics)")
+    e.add_argument("what", choices=["perplexity"])
+    add_options(e.add_argument_group("model"), model_options())
+    e.add_argument("--max-tokens", type=int, default=None, help="score only the first N held-out tokens")
+    e.add_argument("--window", type=int, default=512)
+    e.add_argument("--stride", type=int, default=256)
+    add_options(e, [o for o in engine_options() if o.dest == "kv_cache_dtype"], {"kv_cache_dtype": "auto"})
+    e.set_defaults(fn=cmd_eval)
+    sub.add_parser("roofline", help="this machine's measured peaks (cached per machine; --remeasure to measure "
+                                    "again) and the reference specs (options: --device, --quick, --remeasure, "
+                                    "--runs N, --json PATH)")
+    return p
+
+
+def _serve_parser(sub) -> None:
     s = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions)")
     s.add_argument("model_path", nargs="?", default=None, metavar="MODEL", help="as --model")
-    _model_args(s)
-    s.add_argument("--host", default="127.0.0.1", help="0.0.0.0 to listen on every interface (default: loopback)")
-    s.add_argument("--port", type=int, default=8000)
-    s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1")
-    s.add_argument("--max-queue", type=int, default=64, help="requests that may wait beyond --max-num-seqs; "
-                                                             "more get 429")
-    s.add_argument("--shutdown-timeout", type=float, default=10.0, help="seconds in-flight requests may run on "
-                                                                        "after SIGTERM before they are aborted")
-    s.add_argument("--ttft-slo-ms", type=float, default=None, metavar="MS",
-                   help="load shedding: answer 429 'overloaded' (with Retry-After) at once to a request whose "
-                        "estimated time to first token — prompt tokens queued ahead + its own at the measured "
-                        "prefill rate, plus a step — exceeds MS (default: off, admit by --max-queue only)")
-    for flag in ("--max-num-seqs", "--max-num-batched-tokens", "--num-kv-blocks", "--max-model-len"):
-        s.add_argument(flag, type=int, default=None, help="EngineConfig option")
-    s.add_argument("--replicas", type=int, default=None, help="N > 1: N server processes (a model each, the cores "
-                                                               "split among them) behind a router on --port")
-    s.add_argument("--routing", default="least_loaded", choices=["least_loaded", "round_robin"],
-                   help="with --replicas: least_loaded (fewest requests in flight) or round_robin")
-    s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
-    s.add_argument("--enforce-eager", action="store_true", default=None,
-                   help="EngineConfig option: run every step eagerly (no CUDA graphs / static decode buffers)")
-    s.add_argument("--kv-cache-dtype", default=None, choices=["auto", "int8", "fp8"],
-                   help="EngineConfig option: store K/V as int8/fp8 (default auto: the model's dtype)")
+    _engine_args(s)
+    server = s.add_argument_group("server")
+    server.add_argument("--host", default="127.0.0.1",
+                        help="0.0.0.0 to listen on every interface (default: loopback)")
+    server.add_argument("--port", type=int, default=8000)
+    add_options(server, SERVER_OPTIONS)
+    server.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    router = s.add_argument_group("replicas (a router in front of N servers)")
+    router.add_argument("--replicas", type=int, default=None, help="N > 1: N server processes (a model each, the "
+                                                                    "cores split among them) behind a router on --port")
+    router.add_argument("--routing", default="least_loaded", choices=["least_loaded", "round_robin"],
+                        help="with --replicas: least_loaded (fewest requests in flight) or round_robin")
     s.set_defaults(fn=cmd_serve)
+
+
+def _bench_parser(sub) -> None:
     b = sub.add_parser("bench", help="side-by-side benchmarks (decode | attention | serving | quant | spec | tp | "
                                      "disagg | serve: a load generator for any OpenAI server, 'bench serve --help')")
     b.add_argument("what", choices=["decode", "attention", "serving", "quant", "spec", "serve", "tp", "disagg"])
-    b.add_argument("--model", default=None)
-    b.add_argument("--device", default=None)
+    add_options(b, [o for o in model_options() if o.dest in ("model", "device")])
     b.add_argument("--dtypes", default=None, help="decode: comma-separated (default bfloat16 on CUDA, float32 on CPU)")
     b.add_argument("--tokens", type=int, default=64)
     b.add_argument("--repeats", type=int, default=3)
@@ -262,19 +272,6 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--schemes", default=None, help="quant: comma-separated weight schemes (default: all of "
                                                    "perf.bench.quant.SCHEMES)")
     b.set_defaults(fn=cmd_bench)
-    e = sub.add_parser("eval", help="evaluate a model: perplexity on held-out text (pydoc_data.topics)")
-    e.add_argument("what", choices=["perplexity"])
-    _model_args(e)
-    e.add_argument("--max-tokens", type=int, default=None, help="score only the first N held-out tokens")
-    e.add_argument("--window", type=int, default=512)
-    e.add_argument("--stride", type=int, default=256)
-    e.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8", "fp8"],
-                   help="score through a KV cache stored as int8/fp8 (default auto: the model's dtype)")
-    e.set_defaults(fn=cmd_eval)
-    sub.add_parser("roofline", help="this machine's measured peaks (cached per machine; --remeasure to measure "
-                                    "again) and the reference specs (options: --device, --quick, --remeasure, "
-                                    "--runs N, --json PATH)")
-    return p
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -284,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return roofline_main(argv[1:]) or 0
     if argv[:2] == ["bench", "serve"]:  # its options belong to the load generator
-        from minillm.perf.bench.peers import main as bench_serve_main
+        from minillm.perf.bench.serve import main as bench_serve_main
 
         return bench_serve_main(argv[2:])
     args = build_parser().parse_args(argv)

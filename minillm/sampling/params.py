@@ -16,6 +16,7 @@ MIN_TEMPERATURE = 1e-5
 class SamplingParams:
     """How one request is decoded. Invalid values raise ``ValueError`` naming the parameter and its range.
 
+    Each field is documented by the string under it (also the help of the command line's sampling flags).
     Numbers may be any ``numbers.Integral`` / ``numbers.Real`` (numpy scalars included) and are stored as Python
     ``int`` / ``float``.  ``temperature`` below ``MIN_TEMPERATURE`` (1e-5) is greedy.  ``stop``: None (no stop
     strings), one string, or any iterable of strings (a generator is read once, here).  With ``n > 1`` and a
@@ -23,13 +24,21 @@ class SamplingParams:
     """
 
     max_tokens: int = 16
+    """The most tokens to generate; the answer ends earlier at the end-of-sequence token or a stop string."""
     temperature: float = 1.0
+    """Divides the logits before sampling: below 1 sharper, above 1 flatter; 0 = greedy (the argmax)."""
     top_k: int = 0
+    """Sample among the k most likely tokens only; 0 or -1 disables it."""
     top_p: float = 1.0
+    """Nucleus sampling: among the most likely tokens whose probabilities sum to p; 1 disables it."""
     seed: int | None = None
+    """Seeds this request's sampling, so the same request draws the same tokens (None: unseeded)."""
     stop: tuple[str, ...] = ()
+    """Stop strings: the output ends before the first one generated."""
     ignore_eos: bool = False
+    """Keep generating past the end-of-sequence token, to exactly ``max_tokens`` tokens."""
     n: int = 1
+    """Samples drawn for the prompt."""
 
     def __post_init__(self):
         stop = self.stop

@@ -1,11 +1,16 @@
-"""The command line: streaming generation with metrics, interactive chat, clear errors."""
+"""The command line: streaming generation with metrics, interactive chat, clear errors; flags generated from the
+config dataclasses."""
 
+import dataclasses
 import subprocess
 import sys
 
 import pytest
 
-pytestmark = pytest.mark.slow
+from minillm.config import POLICIES, EngineConfig, ParallelConfig, SpeculativeConfig
+from minillm.entrypoints import cli
+from minillm.entrypoints.arg_utils import engine_kwargs, field_docs
+from minillm.sampling.params import SamplingParams
 
 
 def run(*args, stdin=None):
@@ -13,6 +18,7 @@ def run(*args, stdin=None):
                           timeout=300)
 
 
+@pytest.mark.slow
 def test_generate_streams_text_then_prints_ttft_tpot_and_mbu():
     r = run("generate", "The capital of France is", "--max-tokens", "8")
     assert r.returncode == 0, r.stderr
@@ -20,13 +26,124 @@ def test_generate_streams_text_then_prints_ttft_tpot_and_mbu():
     assert "TTFT" in r.stderr and "TPOT" in r.stderr and "tok/s" in r.stderr and "MBU" in r.stderr
 
 
+@pytest.mark.slow
 def test_chat_answers_and_exits():
     r = run("chat", "--max-tokens", "12", stdin="What is the capital of France?\n/exit\n")
     assert r.returncode == 0, r.stderr
     assert "assistant>" in r.stdout and "Paris" in r.stdout
 
 
+@pytest.mark.slow
 def test_bad_sampling_value_is_a_clear_error():
     r = run("generate", "hi", "--temperature", "-1")
     assert r.returncode == 2
     assert "temperature must be" in r.stderr
+
+
+# ---- flags generated from the config dataclasses ------------------------------------------------------------------
+# one non-default value per EngineConfig field (kv_cache_bytes excluded: it may not join num_kv_blocks)
+ENGINE_ARGV = {
+    "policy": ("--policy", "static"), "block_size": ("--block-size", "32"), "num_kv_blocks": ("--num-kv-blocks", "64"),
+    "max_num_seqs": ("--max-num-seqs", "4"), "max_num_batched_tokens": ("--max-num-batched-tokens", "256"),
+    "enable_prefix_caching": ("--no-enable-prefix-caching",), "chunked_prefill": ("--no-chunked-prefill",),
+    "preemption": ("--preemption", "swap"), "num_host_blocks": ("--num-host-blocks", "8"),
+    "dynamic_window_s": ("--dynamic-window-s", "0.5"), "pad_batches": ("--no-pad-batches",),
+    "max_model_len": ("--max-model-len", "1024"), "return_logits": ("--return-logits",),
+    "enforce_eager": ("--enforce-eager",), "kv_cache_dtype": ("--kv-cache-dtype", "int8"),
+    "speculative_config": ("--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}'),
+    "parallel_config": ("--tensor-parallel-size", "2"),
+}
+ENGINE_EXPECTED = EngineConfig(
+    policy="static", block_size=32, num_kv_blocks=64, max_num_seqs=4, max_num_batched_tokens=256,
+    enable_prefix_caching=False, chunked_prefill=False, preemption="swap", num_host_blocks=8, dynamic_window_s=0.5,
+    pad_batches=False, max_model_len=1024, return_logits=True, enforce_eager=True, kv_cache_dtype="int8",
+    speculative_config=SpeculativeConfig(method="ngram", num_speculative_tokens=3),
+    parallel_config=ParallelConfig(tensor_parallel_size=2))
+
+
+def parse(*argv):
+    return cli.build_parser().parse_args(list(argv))
+
+
+def help_text(*argv, capsys) -> str:
+    with pytest.raises(SystemExit):
+        parse(*argv, "--help")
+    return " ".join(capsys.readouterr().out.split())
+
+
+def test_every_engine_and_parallel_field_has_a_serve_flag(capsys):
+    text = help_text("serve", capsys=capsys)
+    names = [f.name for f in dataclasses.fields(EngineConfig) if f.name != "parallel_config"]
+    names += [f.name for f in dataclasses.fields(ParallelConfig)]  # flattened: --tensor-parallel-size
+    for name in names:
+        assert f"--{name.replace('_', '-')} " in text, name
+
+
+def test_serve_flags_parse_to_the_engine_config_built_directly():
+    assert set(ENGINE_ARGV) | {"kv_cache_bytes"} == {f.name for f in dataclasses.fields(EngineConfig)}
+    a = parse("serve", *(arg for args in ENGINE_ARGV.values() for arg in args))
+    assert EngineConfig(**engine_kwargs(a)) == ENGINE_EXPECTED
+    a = parse("serve", "--kv-cache-bytes", "1000000", "--pipeline-parallel-size", "3")
+    assert EngineConfig(**engine_kwargs(a)) == EngineConfig(kv_cache_bytes=1000000,
+                                                           parallel_config={"pipeline_parallel_size": 3})
+
+
+def test_flags_left_out_leave_the_configs_defaults():
+    a = parse("serve")
+    assert engine_kwargs(a) == {} and EngineConfig(**engine_kwargs(a)) == EngineConfig()
+    assert (a.host, a.port, a.max_queue, a.shutdown_timeout, a.kernels) == ("127.0.0.1", 8000, 64, 10.0, "auto")
+
+
+def test_generate_and_chat_take_the_engine_options_and_keep_their_sampling_defaults():
+    g = parse("generate", "hi", "--max-num-seqs", "2", "--max-num-batched-tokens", "64")
+    assert engine_kwargs(g) == {"max_num_seqs": 2, "max_num_batched_tokens": 64}
+    assert cli._params(g) == SamplingParams(max_tokens=128, temperature=0.0)
+    c = parse("chat", "--top-k", "5", "--stop", "\n", "--stop", "END", "--ignore-eos", "--seed", "7")
+    assert cli._params(c) == SamplingParams(max_tokens=256, temperature=0.0, top_k=5, stop=("\n", "END"),
+                                            ignore_eos=True, seed=7)
+
+
+def test_kernels_compiled_is_accepted_by_every_model_command():
+    assert parse("serve", "--kernels", "compiled").kernels == "compiled"
+    assert parse("generate", "hi", "--kernels", "compiled").kernels == "compiled"
+    assert parse("chat", "--kernels", "compiled").kernels == "compiled"
+    assert parse("eval", "perplexity", "--kernels", "compiled").kernels == "compiled"
+
+
+@pytest.mark.parametrize("argv, allowed", [
+    (("serve", "--policy", "fifo"), POLICIES),
+    (("generate", "hi", "--kernels", "cuda"), ("auto", "torch", "native", "triton", "compiled")),
+    (("serve", "--kv-cache-dtype", "int4"), ("auto", "int8", "fp8")),
+])
+def test_a_bad_choice_is_refused_by_argparse_naming_the_allowed_values(argv, allowed, capsys):
+    with pytest.raises(SystemExit) as e:
+        parse(*argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert f"invalid choice: {argv[-1]!r}" in err and all(repr(v) in err for v in allowed)
+
+
+def test_help_text_comes_from_the_field_docs(capsys):
+    text = help_text("serve", capsys=capsys)
+    assert "admits and retires requests every step" in text  # EngineConfig.policy's doc
+    assert " ".join(field_docs(ParallelConfig)["tensor_parallel_size"].replace("``", "").split()[:6]) in text
+    assert "Nucleus sampling" in help_text("generate", "x", capsys=capsys)  # SamplingParams.top_p's doc
+
+
+def test_a_replica_gets_every_model_engine_and_server_option_given():
+    argv = ["serve", "/models/smol", "--replicas", "2", "--port", "9000", "--routing", "round_robin",
+            "--dtype", "float32", "--kernels", "compiled", "--api-key", "k", "--ttft-slo-ms", "500",
+            *(arg for args in ENGINE_ARGV.values() for arg in args)]
+    replica_argv = cli._replica_args(parse(*argv))
+    assert replica_argv[0] == "/models/smol"
+    assert not {"--replicas", "--port", "--routing", "--host"} & set(replica_argv)
+    replica = parse("serve", *replica_argv)
+    assert EngineConfig(**engine_kwargs(replica)) == ENGINE_EXPECTED
+    assert (replica.dtype, replica.kernels, replica.api_key, replica.ttft_slo_ms) == ("float32", "compiled", "k", 500)
+    assert (replica.max_queue, replica.shutdown_timeout) == (64, 10.0)
+
+
+def test_a_bad_speculative_config_is_refused_as_not_json(capsys):
+    with pytest.raises(SystemExit):
+        parse("serve", "--speculative-config", "ngram")
+    assert "not valid JSON" in capsys.readouterr().err

@@ -230,24 +230,3 @@ def print_comparison(payload: dict) -> None:
         print(f"minillm / {r['peer']} at {r['request_rate']:g} req/s: output throughput "
               f"{fmt(r['output_throughput'])}, goodput {fmt(r['goodput'])}")
 
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m minillm bench serve``: with ``--peers``, the servers side by side; else ``serve.main`` (one server
-    at ``--base-url``).  Both take the load generator's options (``serve.build_parser``)."""
-    from minillm.perf.bench import serve
-
-    a = serve.build_parser().parse_args(argv)
-    if not a.peers:
-        return serve.main(argv)
-    try:
-        ttft, tpot = serve._slo(a.goodput)
-        compare_servers([p.strip() for p in a.peers.split(",") if p.strip()], serve._rates(a.request_rate),
-                        a.num_prompts, device=a.device, save=not a.no_save,
-                        out_dir=Path(a.result_dir) if a.result_dir else None, seed=a.seed, max_tokens=a.max_tokens,
-                        endpoint=a.endpoint, burstiness=a.burstiness, ignore_eos=a.ignore_eos, ttft_slo_s=ttft,
-                        tpot_slo_s=tpot, max_concurrency=a.max_concurrency, overload=a.overload,
-                        progress=not a.no_progress)
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    return 0

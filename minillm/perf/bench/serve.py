@@ -415,9 +415,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m minillm bench serve``: load the server at ``--base-url``; with ``--peers``, start each of those
+    servers in turn and load them on the same trace (``peers.compare_servers``)."""
     a = build_parser().parse_args(argv)
     try:
         ttft, tpot = _slo(a.goodput)
+        if a.peers:
+            _compare_peers(a, ttft, tpot)
+            return 0
         bench_serve(a.base_url, _rates(a.request_rate), a.num_prompts, model=a.model, seed=a.seed,
                     max_tokens=a.max_tokens, endpoint=a.endpoint, burstiness=a.burstiness, ignore_eos=a.ignore_eos,
                     ttft_slo_s=ttft, tpot_slo_s=tpot, api_key=a.api_key, max_concurrency=a.max_concurrency,
@@ -427,3 +432,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0
+
+
+def _compare_peers(a: argparse.Namespace, ttft_slo_s: float, tpot_slo_s: float) -> None:
+    from minillm.perf.bench import peers  # starts server processes: imported only for --peers
+
+    peers.compare_servers([p.strip() for p in a.peers.split(",") if p.strip()], _rates(a.request_rate),
+                          a.num_prompts, device=a.device, save=not a.no_save,
+                          out_dir=Path(a.result_dir) if a.result_dir else None, seed=a.seed, max_tokens=a.max_tokens,
+                          endpoint=a.endpoint, burstiness=a.burstiness, ignore_eos=a.ignore_eos,
+                          ttft_slo_s=ttft_slo_s, tpot_slo_s=tpot_slo_s, max_concurrency=a.max_concurrency,
+                          overload=a.overload, progress=not a.no_progress)
