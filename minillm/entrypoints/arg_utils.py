@@ -26,8 +26,9 @@ from functools import cache
 from typing import Any
 
 from minillm.config import KV_CACHE_DTYPES, POLICIES, PREEMPTION_MODES, EngineConfig, ParallelConfig
+from minillm.dtypes import MODEL_DTYPES as DTYPES
 from minillm.kernels.select import CHOICES as KERNEL_CHOICES
-from minillm.models.loader import DTYPES, QUANTIZATIONS
+from minillm.models.loader import QUANTIZATIONS
 from minillm.sampling.params import SamplingParams
 
 # field name -> the constant its __post_init__ checks against
