@@ -525,7 +525,7 @@ print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=10, max
 # gets so much more out of the same bytes, and why GPU engines capture the decode step in a CUDA graph.
 #
 # minillm's engine does the same on a CPU: for a decode step it runs every layer and the LM head in **one native
-# call** (`minillm/kernels/cpu/fused.py` driving `csrc/decode.c`: the same GEMV, norm, RoPE and paged-attention
+# call** (`minillm/engine/native_runner.py` driving `csrc/decode.c`: the same GEMV, norm, RoPE and paged-attention
 # kernels as above, in the same order, so the logits are bit for bit those of the per-layer path). `LLM(...,
 # quantization="int4")` loads the GGUF's own Q4_1 blocks, and `LLM.stream` takes the engine's path — paged KV, the
 # scheduler, the fused step. Same profile, through the engine:
