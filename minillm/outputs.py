@@ -28,6 +28,13 @@ class RequestMetrics:
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
 
+    def record_token(self, now: float) -> None:
+        """Count one output token produced at ``now`` (``time.perf_counter`` seconds)."""
+        self.output_tokens += 1
+        self.token_times_s.append(now)
+        if self.first_token_s is None:
+            self.first_token_s = now
+
     @property
     def ttft_s(self) -> float:
         """Time to first token: the prefill plus the first sample."""

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from minillm.engine.model_runner import DecodeBatch, ModelRunner
+from minillm.engine.model_runner import DecodeBatch, ModelRunner, logit_rows
 from minillm.engine.scheduler import SchedulerOutput
 from minillm.kernels.select import KernelOps
 from minillm.kv.block_manager import BlockManager
@@ -194,4 +194,4 @@ class CudaGraphRunner(ModelRunner):
                 or len(out.scheduled) + out.num_padding > max(self.graphs.buckets):
             return None
         logits = self.graphs.decode(self.rows(out), out.num_padding)  # (B, V)
-        return logits[[i for i, s in enumerate(out.scheduled) if s.samples]]  # (R, V)
+        return logits[logit_rows(out)]  # (R, V)

@@ -36,7 +36,7 @@ from minillm.engine.inputs import (
     to_token_ids,
     validate_prompts,
 )
-from minillm.engine.model_runner import Executor, StepResult
+from minillm.engine.model_runner import Executor, StepResult, sampling_chunks
 from minillm.engine.runners import make_executor, make_runner
 from minillm.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput, SchedulerStats
 from minillm.engine.sequence import Request, SequenceStatus
@@ -215,9 +215,8 @@ class LLMEngine:
         """Schedule (with drafts, when speculating) → run the model → commit.  Returns one update per token
         produced this step (and one "error" update per sample of a request that failed in it).  Thread-safe."""
         with self._lock:
-            start = time.perf_counter()
-            out = self.scheduler.schedule(start)
-            draft_s = 0.0
+            out = self.scheduler.schedule(time.perf_counter())
+            start, draft_s = time.perf_counter(), 0.0
             if self.speculator is not None:  # some decodes become draft chunks [last, x_1..x_k] (spec_decode.py)
                 budget = self.config.max_num_batched_tokens - out.num_tokens
                 out, draft_s = self.speculator.propose(out, self.kv_cache, self.block_manager, budget)
@@ -288,16 +287,12 @@ class LLMEngine:
     def _postprocess(self, out: SchedulerOutput, result: StepResult) -> list[StepOutput]:
         """Commit the step: plain chunks through the scheduler at once, then each draft chunk's verified tokens one
         at a time (after its rejected drafts' slots are freed), so every stop rule applies per token."""
-        samplers = [s for s in out.scheduled if s.samples]
-        starts, r = [], 0  # each sampling chunk's first row in result.logits
-        for s in samplers:
-            starts.append(r)
-            r += s.num_logit_rows
+        chunks = sampling_chunks(out)  # (chunk, its first row in result.logits)
         plain = SchedulerOutput([s for s in out.scheduled if not s.drafts], num_padding=0)
-        plain_tokens = [t for s, t in zip(samplers, result.tokens, strict=True) if not s.drafts]
-        rows = [row for s, row in zip(samplers, starts, strict=True) if not s.drafts for _ in range(s.num_samples)]
+        plain_tokens = [t for (s, _), t in zip(chunks, result.tokens, strict=True) if not s.drafts]
+        rows = [row for s, row in chunks if not s.drafts for _ in range(s.num_samples)]
         updates = self._commit(plain, plain_tokens, rows, result.logits)
-        for s, tokens, row in zip(samplers, result.tokens, starts, strict=True):
+        for (s, row), tokens in zip(chunks, result.tokens, strict=True):
             if s.drafts:
                 self.speculator.rollback(self.block_manager, s, tokens)
                 updates += self._commit_verified(s, tokens, row, result.logits)

@@ -39,7 +39,7 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
-from minillm.engine.scheduler import SchedulerOutput
+from minillm.engine.scheduler import ScheduledSeq, SchedulerOutput
 from minillm.kv.block_allocator import BlockCopy
 from minillm.kv.block_manager import BlockManager
 from minillm.kv.paged_cache import AttentionMetadata, PagedAttention, PagedKVCache, PrefillChunk
@@ -129,6 +129,17 @@ def forward_step(model: Transformer, kv: PagedKVCache, step: StepInputs) -> Tens
     return model.compute_logits(hidden[0, step.sample_rows])  # (R + pad, V)
 
 
+def sampling_chunks(out: SchedulerOutput) -> list[tuple[ScheduledSeq, int]]:
+    """(chunk, its first row in the step's logits) for every chunk that samples, in order: each owns
+    ``num_logit_rows`` consecutive rows of the [R, V] logits ``ModelRunner.forward`` returns."""
+    chunks, row = [], 0
+    for s in out.scheduled:
+        if s.samples:
+            chunks.append((s, row))
+            row += s.num_logit_rows
+    return chunks
+
+
 def logit_rows(out: SchedulerOutput) -> list[int]:
     """Indices into the packed rows of the rows whose logits the step needs (``num_logit_rows`` of each chunk, its
     last rows), in order."""
@@ -182,20 +193,16 @@ class ModelRunner:
     def sample(self, out: SchedulerOutput, logits: Tensor, verify: Verify = rejection_sample) -> list[list[int]]:
         """One token list per sampling chunk: ``num_samples`` draws from its last row (generator i each), or for a
         draft chunk the rejection rule over its 1 + k rows (the accepted drafts + a correction or bonus token)."""
-        samplers = [s for s in out.scheduled if s.samples]
-        starts, r = [], 0
-        for s in samplers:
-            starts.append(r)
-            r += s.num_logit_rows
+        chunks = sampling_chunks(out)
         rows, params, generators = [], [], []
-        for s, row in zip(samplers, starts, strict=True):
+        for s, row in chunks:
             for j in range(0 if s.drafts else s.num_samples):  # a parent about to fork draws n from one row
                 rows.append(row)
                 params.append(s.seq.request.params)
                 generators.append(s.seq.request.generators[s.seq.index + j])
         drawn = iter(sample(logits[rows], params, generators) if rows else [])
         tokens = []
-        for s, row in zip(samplers, starts, strict=True):
+        for s, row in chunks:
             if s.drafts:  # the rejection rule over every draft chunk, each on its own rows and generator
                 tokens.append(verify(logits[row : row + s.num_logit_rows], list(s.drafts), s.draft_probs,
                                      s.seq.request.params, s.seq.generator))

@@ -27,7 +27,7 @@ from minillm.engine.sequence import Request, Sequence, SequenceStatus
 from minillm.kv.block_allocator import BlockCopy
 from minillm.kv.block_manager import BlockManager
 from minillm.outputs import RequestMetrics
-from minillm.sampling.params import SamplingParams
+from minillm.sampling.params import SamplingParams, finish_reason
 
 __all__ = ["Policy", "Request", "ScheduledSeq", "Scheduler", "SchedulerOutput", "SchedulerStats", "Sequence",
            "RequestMetrics", "SequenceStatus", "prefill_chunk_len"]
@@ -416,14 +416,11 @@ class Scheduler:
             new += zip(seqs, tokens, strict=True)
         for seq, token in new:
             seq.token_ids.append(token)
-            m = seq.metrics
-            m.output_tokens += 1
-            m.token_times_s.append(now)
-            if m.first_token_s is None:
-                m.first_token_s = now
-            status = self._stop_status(seq, token)
-            if status is not None:
-                self.finish(seq, status, now)
+            seq.metrics.record_token(now)
+            reason = finish_reason(seq.request.params, token, len(seq.output), seq.num_tokens, self.eos_token_ids,
+                                   self.max_model_len)
+            if reason is not None:
+                self.finish(seq, SequenceStatus(reason), now)
         return new
 
     def _fork(self, parent: Sequence, count: int) -> list[Sequence]:
@@ -442,10 +439,3 @@ class Scheduler:
             bisect.insort(self.running, child, key=lambda s: s.priority)
             children.append(child)
         return children
-
-    def _stop_status(self, seq: Sequence, token: int) -> SequenceStatus | None:
-        if token in self.eos_token_ids and not seq.request.params.ignore_eos:
-            return SequenceStatus.FINISHED_STOPPED
-        if len(seq.output) >= seq.request.params.max_tokens or seq.num_tokens >= self.max_model_len:
-            return SequenceStatus.FINISHED_LENGTH
-        return None

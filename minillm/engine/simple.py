@@ -21,7 +21,7 @@ from minillm.engine.inputs import params_list, validate_prompts
 from minillm.kv.contiguous import KVCache, SlidingWindowKVCache
 from minillm.models.llama import Transformer
 from minillm.outputs import RequestMetrics, StepOutput
-from minillm.sampling.params import SamplingParams
+from minillm.sampling.params import SamplingParams, finish_reason
 from minillm.sampling.sampler import make_generator, sample
 
 
@@ -63,14 +63,8 @@ def _append(seq: SequenceState, token: int, eos_ids: frozenset[int], max_len: in
     now = time.perf_counter()
     seq.output.append(token)
     m = seq.metrics
-    m.output_tokens += 1
-    m.token_times_s.append(now)
-    if m.first_token_s is None:
-        m.first_token_s = now
-    if token in eos_ids and not seq.params.ignore_eos:
-        seq.finish_reason = "stop"
-    elif len(seq.output) >= seq.params.max_tokens or seq.length >= max_len:
-        seq.finish_reason = "length"
+    m.record_token(now)
+    seq.finish_reason = finish_reason(seq.params, token, len(seq.output), seq.length, eos_ids, max_len)
     if seq.done:
         m.finish_s = now
     return StepOutput(str(index), 0, [token], "", seq.finish_reason, metrics=m if seq.done else None)

@@ -185,7 +185,7 @@ def cmd_bench(a) -> int:
 
         bench_disagg(quick=a.quick)
     elif a.what == "serve":  # main() hands "bench serve ..." to the load generator's own parser
-        from minillm.perf.bench.serve import main as bench_serve_main
+        from minillm.entrypoints.bench_serve import bench_serve_main
 
         return bench_serve_main([])
     elif a.what == "quant":
@@ -281,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return roofline_main(argv[1:]) or 0
     if argv[:2] == ["bench", "serve"]:  # its options belong to the load generator
-        from minillm.perf.bench.serve import main as bench_serve_main
+        from minillm.entrypoints.bench_serve import bench_serve_main
 
         return bench_serve_main(argv[2:])
     args = build_parser().parse_args(argv)

@@ -80,6 +80,18 @@ class SamplingParams:
         return self.temperature < MIN_TEMPERATURE
 
 
+def finish_reason(params: SamplingParams, token: int, num_output: int, length: int, eos_token_ids,
+                  max_len: int) -> str | None:
+    """The stop rule every generation loop applies after appending ``token`` (the ``num_output``-th output token;
+    ``length``: prompt + output): "stop" for an EOS (unless ``ignore_eos``), "length" at ``max_tokens`` or the
+    context end ``max_len``, else None.  Stop strings are the detokenizer's (they need text)."""
+    if token in eos_token_ids and not params.ignore_eos:
+        return "stop"
+    if num_output >= params.max_tokens or length >= max_len:
+        return "length"
+    return None
+
+
 def _is_int(v) -> bool:
     return isinstance(v, numbers.Integral) and not isinstance(v, bool)
 

@@ -4,7 +4,8 @@ import json
 
 import pytest
 
-from minillm.perf.bench import peers, serve
+from minillm.entrypoints.bench_serve import bench_serve_main
+from minillm.perf.bench import peers
 
 pytest.importorskip("httpx")
 pytest.importorskip("uvicorn")
@@ -48,6 +49,6 @@ def test_the_overload_factor_reaches_every_peers_run_and_its_verdict_is_printed(
         return {}
 
     monkeypatch.setattr(peers, "compare_servers", fake_compare)
-    assert serve.main(["--peers", "minillm", "--request-rate", "1", "--overload", "2", "--no-save"]) == 0
+    assert bench_serve_main(["--peers", "minillm", "--request-rate", "1", "--overload", "2", "--no-save"]) == 0
     assert seen["overload"] == 2.0 and seen["names"] == ["minillm"]
     assert "minillm: overload 2x capacity" in capsys.readouterr().out
