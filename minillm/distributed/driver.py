@@ -24,6 +24,9 @@ shared-memory ring buffer instead of sleeping on a pipe, which trades a spinning
 
 The engine sees the driver as its ``executor`` (``engine.model_runner.Executor``): ``attach_kv`` when its runner
 allocates the K/V cache, ``run_step`` for every step; the engine's own sampling, stop rules and outputs do the rest.
+The process machinery — spawning, start-up, the step message, health and failure, shutdown — is ``StepDriver``'s;
+``TPDriver`` adds what a rank holds (its shard) and runs per step (the whole forward, ``shard_step``), as
+``pp_driver.PPDriver`` does for pipeline stages (its layers, activations passed rank to rank).
 
 Failure, so that nothing hangs and nothing fails silently:
 - every step first checks that each worker is alive (``Process.is_alive``: a ``waitpid``, microseconds);
