@@ -309,3 +309,15 @@ def test_a_stage_killed_mid_generation_raises_naming_it_and_leaves_no_process(tm
         with pytest.raises(WorkerError, match="rank 1"):  # refused from then on, with the same message
             llm.generate(PROMPTS, GREEDY)
     assert [p for p in pp_children() if p not in before] == []
+
+
+def test_options_the_stages_cannot_run_are_refused_before_any_process_starts():
+    from minillm.config import ParallelConfig
+    from minillm.engine.runners import check_parallel
+
+    pp2 = ParallelConfig(pipeline_parallel_size=2)
+    with pytest.raises(ValueError, match="speculative_config is not supported with pipeline_parallel_size"):
+        check_parallel(tiny(), EngineConfig(parallel_config=pp2, speculative_config={"method": "ngram"}))
+    with pytest.raises(ValueError, match="enforce_eager=False"):
+        check_parallel(tiny(), EngineConfig(parallel_config=pp2, enforce_eager=False))
+    assert pp_children() == []
