@@ -59,13 +59,11 @@ class LLM:
     @property
     def engine(self) -> LLMEngine:
         """The ``LLMEngine`` behind ``generate`` and ``stream`` (built on first use with this ``EngineConfig``).
-        With ``tensor_parallel_size`` > 1 it runs here on rank 0's shard and the worker processes start with it
-        (``distributed.driver``): once per ``LLM``, reused by every call until ``shutdown``."""
+        With ``tensor_parallel_size`` > 1 it runs here on rank 0's shard, with ``pipeline_parallel_size`` > 1 on
+        stage 0's layers, and the worker processes start with it (``distributed.driver``, ``distributed.pp_driver``):
+        once per ``LLM``, reused by every call until ``shutdown``."""
         if self._closed:
             raise RuntimeError("this LLM was shut down (LLM.shutdown()): create a new LLM to generate again")
-        if self.pipeline_parallel_size != 1:
-            raise ValueError("with pipeline_parallel_size > 1 the model runs in worker processes "
-                             "(distributed/pipeline.py): use generate() or chat()")
         if self._engine is None:
             self._engine = LLMEngine(self.model, self.tokenizer, self.engine_config)
         self._engine.check()
@@ -110,15 +108,10 @@ class LLM:
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
         """Generate for each prompt (a string or token ids, or a list of those) on the engine (continuous batching,
         paged KV, prefix caching); outputs in prompt order.  See ``LLMEngine.generate``.  With
-        ``tensor_parallel_size`` > 1 the engine schedules here and every step runs on all ranks (the workers start
-        on the first call, seconds, and are reused); a worker that dies raises ``WorkerError`` (a RuntimeError)
-        naming its rank, and every later call raises it too.  With ``pipeline_parallel_size`` > 1 each rank holds
-        a slice of the layers (``distributed.pipeline.pp_generate``, micro-batches of a static batch)."""
-        if self.pipeline_parallel_size != 1:
-            from minillm.distributed.pipeline import pp_generate
-
-            return pp_generate(self.model, prompts, sampling_params, self.pipeline_parallel_size,
-                               device=self.model.device.type, tokenizer=self.tokenizer)
+        ``tensor_parallel_size`` or ``pipeline_parallel_size`` > 1 the engine schedules here and every step runs on
+        all ranks (each holds a shard of every layer, or a stage of the layers; the workers start on the first call,
+        seconds, and are reused); a worker that dies raises ``WorkerError`` (a RuntimeError) naming its rank, and
+        every later call raises it too."""
         outputs = self.engine.generate(prompts, sampling_params)
         self._check_workers()  # a worker lost mid-call ends the requests with errors in the engine: raise it
         return outputs

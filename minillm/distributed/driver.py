@@ -24,6 +24,9 @@ shared-memory ring buffer instead of sleeping on a pipe, which trades a spinning
 
 The engine sees the driver as its ``executor`` (``engine.model_runner.Executor``): ``attach_kv`` when its runner
 allocates the K/V cache, ``run_step`` for every step; the engine's own sampling, stop rules and outputs do the rest.
+The process machinery — spawning, start-up, the step message, health and failure, shutdown — is ``StepDriver``'s;
+``TPDriver`` adds what a rank holds (its shard) and runs per step (the whole forward, ``shard_step``), as
+``pp_driver.PPDriver`` does for pipeline stages (its layers, activations passed rank to rank).
 
 Failure, so that nothing hangs and nothing fails silently:
 - every step first checks that each worker is alive (``Process.is_alive``: a ``waitpid``, microseconds);
@@ -43,6 +46,7 @@ import os
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from multiprocessing.connection import wait
 
 import torch
@@ -61,33 +65,39 @@ from minillm.models.llama import Transformer
 PING_TIMEOUT_S = 5.0  # an idle worker answers in milliseconds; one still in a collective never does
 
 
-class TPDriver:
-    """Rank 0 of a tensor-parallel group and the worker processes of ranks 1..N−1, started once.
+class StepDriver:
+    """Rank 0 of a group of ``size`` ranks and the worker processes of ranks 1..size−1, started once; every engine
+    step goes to all of them.  The process machinery (start-up, health, failure, shutdown) is here; what a rank
+    holds and does is two module-level functions (they reach the spawned workers by name):
 
-    ``model``: the loaded whole model (its weights reach the workers through shared memory, each keeps its shard).
-    ``threads_per_worker``: torch threads per worker (default: the cores divided among the ranks; this process's
-    own setting is left alone).  ``timeout_s`` bounds every collective; ``start_timeout_s`` the start-up.
-    ValueError (before any process starts) for a size that does not divide the heads, naming the valid sizes, or a
-    weight-quantized model (``check_shardable``).
+        piece(model, ctx) -> this rank's part of the whole ``model`` (a shard, a stage); rank 0's is ``self.model``
+        run(piece, kv, step, ctx) -> what each rank does with a ``StepInputs``: the logits [R + pad, V] on rank 0
+
+    ``TPDriver`` (shards, collectives inside the forward) and ``pp_driver.PPDriver`` (stages, activations passed
+    rank to rank) are the two kinds.  ``threads_per_worker``: torch threads per worker (default: the cores divided
+    among the ranks; this process's own setting is left alone).  ``timeout_s`` bounds every collective;
+    ``start_timeout_s`` the start-up.
     """
 
-    def __init__(self, model: Transformer, tensor_parallel_size: int, *, threads_per_worker: int | None = None,
-                 timeout_s: float = 60.0, start_timeout_s: float = 300.0):
+    kind = "parallel"  # the group's name in messages ("tensor-parallel", "pipeline-parallel")
+    prefix = "minillm-group"  # the worker processes' names: prefix-rank{r}
+
+    def __init__(self, model: Transformer, size: int, piece: Callable, run: Callable, *,
+                 threads_per_worker: int | None = None, timeout_s: float = 60.0, start_timeout_s: float = 300.0):
         import torch.multiprocessing as mp
 
-        check_shardable(model, tensor_parallel_size)  # before any process starts
-        self.world_size, self.timeout_s = tensor_parallel_size, timeout_s
+        self.world_size, self.timeout_s, self._run = size, timeout_s, run
         self.failure: RuntimeError | None = None  # set once: every later call raises it
         self._kv: PagedKVCache | None = None  # rank 0's cache of the engine whose K/V the workers hold
         backend, port = default_backend(model.device), free_port()
-        threads = threads_per_worker or max(1, (os.cpu_count() or 1) // tensor_parallel_size)
+        threads = threads_per_worker or max(1, (os.cpu_count() or 1) // size)
         mpc = mp.get_context("spawn")  # a fresh interpreter per rank, as CUDA requires
         self._procs, self._conns = [], []
-        for rank in range(1, tensor_parallel_size):
+        for rank in range(1, size):
             conn, child = mpc.Pipe()
-            self._procs.append(mpc.Process(target=serve_steps, name=f"minillm-tp-rank{rank}", daemon=True,
-                                           args=(rank, tensor_parallel_size, port, backend, threads, model, child,
-                                                 timeout_s)))
+            self._procs.append(mpc.Process(target=serve_steps, name=f"{self.prefix}-rank{rank}", daemon=True,
+                                           args=(rank, size, port, backend, threads, model, child, timeout_s,
+                                                 piece, run)))
             self._procs[-1].start()
             child.close()  # the worker's end: with it closed here, a dead worker reads as EOF on ours
             self._conns.append(conn)
@@ -99,8 +109,8 @@ class TPDriver:
             if backend == "nccl":
                 stop_reader, self._stop_watch = mpc.Pipe(duplex=False)
                 threading.Thread(target=_watchdog, args=(self._procs, stop_reader, self.ctx.group), daemon=True,
-                                 name="minillm-tp-watchdog").start()
-            self.model = shard_model(model, self.ctx)
+                                 name=f"{self.prefix}-watchdog").start()
+            self.model = piece(model, self.ctx)
             self.pids: list[int] = self._replies("ready", deadline)  # the workers' process ids, rank order
         except BaseException:
             self._finalizer()  # no half-started group outlives a failed start
@@ -118,13 +128,13 @@ class TPDriver:
             except BaseException as e:  # noqa: BLE001 — handed to the main thread
                 joined["error"] = e
 
-        thread = threading.Thread(target=join, daemon=True, name="minillm-tp-rendezvous")
+        thread = threading.Thread(target=join, daemon=True, name=f"{self.prefix}-rendezvous")
         thread.start()
         while thread.is_alive():
             thread.join(0.1)
             self._raise_if_dead("while starting")
             if time.monotonic() > deadline:
-                raise self._fail("tensor-parallel workers did not join within the start-up timeout")
+                raise self._fail(f"{self.kind} workers did not join within the start-up timeout")
         if "error" in joined:
             raise self._fail(f"rank 0 could not join the group: {joined['error']!r}")
         return joined["ctx"]
@@ -180,7 +190,7 @@ class TPDriver:
     def _fail(self, message: str) -> WorkerError:
         """Record the failure, stop every worker (the others would wait forever in a collective); -> the error."""
         if self.failure is None:
-            self.failure = WorkerError(message + "; the tensor-parallel workers were stopped: create a new LLM")
+            self.failure = WorkerError(f"{message}; the {self.kind} workers were stopped: create a new LLM")
             self._finalizer()
             if self._stop_watch is not None:
                 self._stop_watch.close()
@@ -213,13 +223,14 @@ class TPDriver:
         self._kv = kv
 
     def run_step(self, kv: PagedKVCache, step: StepInputs) -> Tensor | None:
-        """Send the step to every worker, then run rank 0's part over ``kv`` -> logits [R + pad, V] (model dtype,
-        identical on every rank), None for a copies-only step.  Raises ``WorkerError`` when a rank died or failed."""
+        """Send the step to every worker, then run rank 0's part over ``kv`` (``run``) -> logits [R + pad, V] (model
+        dtype), None for a copies-only step.  Raises ``WorkerError`` when a rank died or failed."""
         if kv is not self._kv:
-            raise RuntimeError("a newer engine of this TPDriver replaced this one's K/V cache on the workers")
+            raise RuntimeError(f"a newer engine of this {type(self).__name__} replaced this one's K/V cache on the "
+                               "workers")
         self._send(step)
         try:
-            return forward_step(self.model, kv, step)
+            return self._run(self.model, kv, step, self.ctx)
         except WorkerError:
             raise
         except Exception as e:  # noqa: BLE001 — rank 0's own error, or a peer's death seen by a collective
@@ -227,7 +238,7 @@ class TPDriver:
 
     def _send(self, step: StepInputs) -> None:
         """Give every worker this step (header down its pipe, the packed tensor by broadcast); they run it while
-        rank 0 runs the same forward."""
+        rank 0 runs its part."""
         self.check()
         header, payload = pack_step(step, self.ctx.device)
         try:
@@ -244,6 +255,38 @@ class TPDriver:
             raise error
         raise failure from error
 
+    # ---- the end -------------------------------------------------------------------------------------------
+    def shutdown(self) -> None:
+        """Stop the workers (each leaves its loop and exits; a stuck one is terminated) and refuse later calls."""
+        if self.failure is None:
+            self.failure = RuntimeError(f"the {self.kind} workers were shut down (LLM.shutdown()): create a "
+                                        "new LLM to generate again")
+        self._finalizer()
+        if self._stop_watch is not None:
+            self._stop_watch.close()
+
+    @property
+    def alive(self) -> bool:
+        """Whether the workers are running and no failure or shutdown has happened."""
+        return self.failure is None and all(p.is_alive() for p in self._procs)
+
+
+class TPDriver(StepDriver):
+    """Rank 0 of a tensor-parallel group and the worker processes of ranks 1..N−1, started once (``StepDriver``).
+
+    ``model``: the loaded whole model (its weights reach the workers through shared memory, each keeps its shard).
+    ValueError (before any process starts) for a size that does not divide the heads, naming the valid sizes, or a
+    weight-quantized model (``check_shardable``).
+    """
+
+    kind, prefix = "tensor-parallel", "minillm-tp"
+
+    def __init__(self, model: Transformer, tensor_parallel_size: int, *, threads_per_worker: int | None = None,
+                 timeout_s: float = 60.0, start_timeout_s: float = 300.0):
+        check_shardable(model, tensor_parallel_size)  # before any process starts
+        super().__init__(model, tensor_parallel_size, shard_model, shard_step, threads_per_worker=threads_per_worker,
+                         timeout_s=timeout_s, start_timeout_s=start_timeout_s)
+
     @torch.inference_mode()
     def forward(self, input_ids: Tensor, positions: Tensor) -> Tensor:
         """The whole model's causal forward, sharded: input_ids, positions [B, L] -> logits [B, L, V] (model dtype,
@@ -258,32 +301,25 @@ class TPDriver:
         except Exception as e:  # noqa: BLE001
             self.reraise(e)
 
-    # ---- the end -------------------------------------------------------------------------------------------
-    def shutdown(self) -> None:
-        """Stop the workers (each leaves its loop and exits; a stuck one is terminated) and refuse later calls."""
-        if self.failure is None:
-            self.failure = RuntimeError("the tensor-parallel workers were shut down (LLM.shutdown()): create a "
-                                        "new LLM to generate again")
-        self._finalizer()
-        if self._stop_watch is not None:
-            self._stop_watch.close()
 
-    @property
-    def alive(self) -> bool:
-        """Whether the workers are running and no failure or shutdown has happened."""
-        return self.failure is None and all(p.is_alive() for p in self._procs)
+def shard_step(shard: Transformer, kv: PagedKVCache, step: StepInputs, ctx: ParallelContext) -> Tensor | None:
+    """A tensor-parallel rank's part of a step: the whole packed forward on its shard (``forward_step``), whose
+    collectives meet the other ranks' -> logits [R + pad, V], identical on every rank after the gather."""
+    return forward_step(shard, kv, step)
 
 
 def check_engine_config(config: EngineConfig) -> EngineConfig:
-    """``config`` as tensor-parallel engines run it (``enforce_eager=True``), or ValueError for what they cannot:
-    a speculative config (its drafting and verifying forwards are not steps the driver sends) or
-    ``enforce_eager=False`` (the static decode path does not pack a step to send)."""
+    """``config`` as multi-process (tensor / pipeline parallel) engines run it (``enforce_eager=True``), or
+    ValueError for what they cannot: a speculative config (its drafting and verifying forwards are not steps the
+    driver sends) or ``enforce_eager=False`` (the static decode path does not pack a step to send)."""
+    size = config.parallel_config.tensor_parallel_size, config.parallel_config.pipeline_parallel_size
+    name = "pipeline_parallel_size" if size[1] > 1 else "tensor_parallel_size"
     if config.speculative_config is not None:
-        raise ValueError("speculative_config is not supported with tensor_parallel_size > 1: the drafting and "
-                         "verifying forwards run outside the step the driver sends to the workers")
+        raise ValueError(f"speculative_config is not supported with {name} > 1: the drafting and verifying "
+                         "forwards run outside the step the driver sends to the workers")
     if config.enforce_eager is False:
-        raise ValueError("enforce_eager=False is not supported with tensor_parallel_size > 1: tensor-parallel "
-                         "steps run eagerly (pass enforce_eager=None or True)")
+        raise ValueError(f"enforce_eager=False is not supported with {name} > 1: multi-process steps run eagerly "
+                         "(pass enforce_eager=None or True)")
     return dataclasses.replace(config, enforce_eager=True)
 
 

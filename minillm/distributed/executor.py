@@ -1,4 +1,5 @@
-"""Tensor-parallel generation: one scheduler in the driver, persistent worker ranks (``driver.TPDriver``).
+"""Tensor-parallel generation: one scheduler in the driver, persistent worker ranks (``driver.TPDriver``), and the
+one-call generation both multi-process drivers share (``driver_generate``).
 
     LLM(path, tensor_parallel_size=2).generate(...)            # the usual way: workers start once, reused
     tp_generate(model, prompts, params, tensor_parallel_size=2)  # one call: start, generate, shut down
@@ -19,11 +20,11 @@ rank keeps the loaded model's memory mapped while it cuts its shard (a large mod
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from torch import Tensor
 
-from minillm.config import EngineConfig
+from minillm.config import EngineConfig, ParallelConfig
 from minillm.distributed.parallel_state import ParallelContext
 from minillm.layers.parallel import check_shardable, rank_config
 from minillm.models.llama import Transformer
@@ -89,20 +90,36 @@ def tp_generate(model: ModelSource, prompts: Sequence, params=None, tensor_paral
     ``EngineConfig`` fields (any policy, "dynamic" included).  ValueError for a size that does not divide the
     heads (naming the valid ones) or a speculative config; ``WorkerError`` (a RuntimeError) when a worker dies.
     """
-    from minillm.distributed.driver import TPDriver, check_engine_config
+    from minillm.distributed.driver import TPDriver
+
+    _check(model, tensor_parallel_size)
+    return driver_generate(lambda whole: TPDriver(whole, tensor_parallel_size), ParallelConfig(tensor_parallel_size),
+                           model, prompts, params, dtype=dtype, kernels=kernels, device=device, tokenizer=tokenizer,
+                           **engine_options)
+
+
+def driver_generate(start: Callable, parallel: ParallelConfig, model: ModelSource, prompts, params=None, *,
+                    dtype=None, kernels: str = "auto", device: str = "cpu", tokenizer=None,
+                    eos_token_ids: Sequence[int] | None = None, **engine_options) -> list:
+    """One ``LLMEngine.generate`` call over the driver ``start(whole model)`` returns (a ``driver.StepDriver`` for
+    ``parallel``), stopped after it; ``engine_options``: ``EngineConfig`` fields.  ValueError for what a
+    multi-process engine cannot run (``check_engine_config``), before any process starts; the driver's
+    ``WorkerError`` if a worker died mid-call (the engine ends the requests with errors, this raises it)."""
+    from minillm.distributed.driver import check_engine_config
+    from minillm.engine.inputs import prompt_list
     from minillm.engine.llm_engine import LLMEngine
 
-    config = check_engine_config(EngineConfig(**engine_options))
-    _check(model, tensor_parallel_size)
+    config = check_engine_config(EngineConfig(parallel_config=parallel, **engine_options))
+    prompts = prompt_list(prompts)
     if tokenizer is None and not isinstance(model, Transformer) and any(isinstance(p, str) for p in prompts):
         from minillm.models.loader import load_tokenizer
 
         tokenizer = load_tokenizer(model)
-    driver = TPDriver(_driver_model(model, dtype, kernels, device), tensor_parallel_size)
+    driver = start(_driver_model(model, dtype, kernels, device))
     try:
-        outputs = LLMEngine(driver.model, tokenizer, config, executor=driver).generate(list(prompts), params)
+        engine = LLMEngine(driver.model, tokenizer, config, eos_token_ids=eos_token_ids, executor=driver)
+        outputs = engine.generate(prompts, params)
         driver.check()  # a worker lost mid-call fails its requests in the engine: raise it here
         return outputs
     finally:
         driver.shutdown()
-

@@ -1,25 +1,24 @@
 """Pipeline parallelism: the decoder's layers split over p processes, activations passed rank to rank.
 
-    pp_generate(model, prompts, params, pipeline_parallel_size=2, num_microbatches=4)  # -> list[RequestOutput]
+    LLM(path, pipeline_parallel_size=2).generate(...)        # the usual way: stages start once, reused
+    pp_generate(model, prompts, params, pipeline_parallel_size=2)   # one call: start, generate, shut down
+    pp_forward(model, input_ids, positions, pipeline_parallel_size=2, num_microbatches=4)   # timed, for the bubble
 
 Stage s holds layers [s·n/p, (s+1)·n/p) and *their* KV cache; stage 0 also the embedding, the last stage the final
-norm and the LM head.  A forward is a relay: stage 0 embeds and runs its layers, sends the [2, B, L, hidden]
-activations (the layer output and the residual stream, see ``DecoderLayer``) to stage 1, and so on; the last stage
-samples and sends the tokens back to stage 0 for the next step.  Per hop only B × L × hidden × 2 values move — far
-less than tensor parallelism's two all-reduces per layer — which is why pipelines span nodes and TP stays inside one.
+norm and the LM head (``pp_driver.PipelineStage``).  A forward is a relay: stage 0 embeds and runs its layers,
+sends the [2, B, L, hidden] activations (the layer output and the residual stream, see ``DecoderLayer``) to stage
+1, and so on; the last stage runs the LM head.  Per hop only B × L × hidden × 2 values move — far less than tensor
+parallelism's two all-reduces per layer — which is why pipelines span nodes and TP stays inside one.  Generation
+runs the one ``LLMEngine`` on stage 0 over that relay (``pp_driver.PPDriver``: the last stage sends the logits
+back, the engine samples), so it has every engine feature.
 
 The price is idle time.  With one batch in flight, stage s waits for stages 0..s−1 and then the others wait for it:
 p − 1 of every p stage-slots are empty.  GPipe (Huang et al. 2019) cuts the batch into m **micro-batches** that
 follow each other down the pipe; with equal stage times t the run takes (m + p − 1) t, of which each stage works
 m t, so the **bubble** — the idle share of the stages' time — is (p − 1) / (m + p − 1).  At decode the tokens of a
 micro-batch come back to stage 0 only after a full trip, so m ≥ p micro-batches keep every stage busy.
-``gpipe_schedule`` (exercise 10.3) computes the schedule for any stage times; ``pp_forward`` measures the real one.
-
-Every rank runs the same program on the same prompts (SPMD, as ``executor.py``): the micro-batch split, the prompt
-lengths and so each message's shape are known everywhere; the only thing decided on one rank that the others must
-learn is that a micro-batch has finished (EOS), which travels as a one-element header before each activation.
-Static batching inside a micro-batch (finished rows ride along until their micro-batch ends): simple, and what
-continuous batching would remove.  Sampling happens on the last stage only, so seeded sampling needs no agreement.
+``gpipe_schedule`` (exercise 10.3) computes the schedule for any stage times; ``pp_forward`` measures the real one
+(every rank runs the same program, SPMD, so each message's shape is known everywhere).
 """
 
 from __future__ import annotations
@@ -30,65 +29,23 @@ import time
 from collections.abc import Sequence
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
-from minillm.config import ModelConfig
+from minillm.config import ModelConfig, ParallelConfig
 from minillm.distributed import comm
 from minillm.distributed.parallel_state import ParallelContext, default_backend
+from minillm.distributed.pp_driver import PipelineStage
 from minillm.distributed.worker import run_workers
-from minillm.kernels.select import ops_for
-from minillm.layers.parallel import stage_layers, valid_pp_sizes  # noqa: F401 — the sizes' home, re-exported
+from minillm.layers.parallel import stage_layers, valid_pp_sizes  # the sizes' home, re-exported
 from minillm.models.llama import Transformer
+
+__all__ = ["PipelineStage", "StageTiming", "bubble_fraction", "gpipe_bubble", "gpipe_schedule", "pp_forward",
+           "pp_generate", "split_microbatches", "stage_forward", "stage_layers", "valid_pp_sizes"]
 
 ModelSource = Transformer | str | os.PathLike | None
 
 
-# ------------------------------------------------------------------------------------------- sizes and stages
-class PipelineStage(nn.Module):
-    """Stage ``rank`` of ``pp``: its decoder layers (shared with ``model``, not copied), the embedding on the first
-    stage, the final norm and LM head on the last.  ``config`` is the stage's own (``num_layers`` = its layers):
-    a ``KVCache`` built from it holds only this stage's layers."""
-
-    def __init__(self, model: Transformer, rank: int, pp: int):
-        super().__init__()
-        layers = stage_layers(model.config, pp, rank)
-        self.rank, self.pp = rank, pp
-        self.config = dataclasses.replace(model.config, num_layers=len(layers))
-        self.layers = nn.ModuleList(model.model.layers[i] for i in layers)
-        self.embed_tokens = model.model.embed_tokens if self.is_first else None
-        self.norm = model.model.norm if self.is_last else None
-        self.lm_head = model.lm_head if self.is_last else None
-        self.rotary_emb = model.model.rotary_emb
-        self.kernels, self.dtype, self.device = model.kernels, model.dtype, model.device
-
-    @property
-    def is_first(self) -> bool:
-        return self.rank == 0
-
-    @property
-    def is_last(self) -> bool:
-        return self.rank == self.pp - 1
-
-    def forward(self, inputs: Tensor, positions: Tensor, cache=None) -> Tensor:
-        """First stage: ids [B, L]; others: the previous stage's [2, B, L, hidden] (output, residual).
-        -> [2, B, L, hidden] for the next stage, or on the last stage the final-normed hidden [B, L, hidden]."""
-        ops = ops_for(self.kernels, self.device, self.dtype)
-        if self.is_first:
-            x, residual = self.embed_tokens(inputs), None
-        else:
-            x, residual = inputs[0], inputs[1]
-        cos, sin = self.rotary_emb(positions, x.dtype)
-        for i, layer in enumerate(self.layers):  # i: the layer's index in this stage's cache
-            x, residual = layer(x, residual, cos, sin, i, ops, cache)
-        if self.is_last:
-            return self.norm.add(x, residual, ops)[0]
-        return torch.stack([x, residual])  # (2, B, L, hidden): one message per hop
-
-    def compute_logits(self, hidden: Tensor) -> Tensor:
-        """[..., hidden] -> [..., V] (last stage only)."""
-        return self.lm_head(hidden, ops_for(self.kernels, self.device, self.dtype))
-
-
+# ------------------------------------------------------------------------------------------- micro-batches
 def split_microbatches(n: int, m: int) -> list[range]:
     """Rows 0..n−1 cut into ``min(m, n)`` contiguous micro-batches whose sizes differ by at most one."""
     if m < 1:
@@ -136,14 +93,11 @@ def gpipe_bubble(p: int, m: int) -> float:
 
 # ------------------------------------------------------------------------------------------- messages
 class _Links:
-    """The messages a stage exchanges: forward to the next stage, tokens from the last stage back to the first.
-
-    With one stage the loop-back is a local list, so the same schedule runs in one process (and is tested so).
-    Sends are non-blocking; ``flush`` waits for them (once per step)."""
+    """The activations a stage exchanges with its neighbours.  Sends are non-blocking; ``flush`` waits for them."""
 
     def __init__(self, ctx: ParallelContext):
-        self.ctx, self.pending, self.local = ctx, [], []
-        self.prev, self.next, self.last = ctx.rank - 1, ctx.rank + 1, ctx.world_size - 1
+        self.ctx, self.pending = ctx, []
+        self.prev, self.next = ctx.rank - 1, ctx.rank + 1
 
     def send_next(self, x: Tensor) -> None:
         self.pending.append((comm.send(x, self.next, self.ctx), x))
@@ -151,109 +105,12 @@ class _Links:
     def recv_prev(self, shape, dtype) -> Tensor:
         return comm.recv(shape, dtype, self.prev, self.ctx)
 
-    def send_first(self, x: Tensor) -> None:
-        if self.ctx.world_size == 1:
-            self.local.append(x)
-        else:
-            self.pending.append((comm.send(x, 0, self.ctx), x))
-
-    def recv_last(self, shape, dtype) -> Tensor:
-        if self.ctx.world_size == 1:
-            return self.local.pop(0)
-        return comm.recv(shape, dtype, self.last, self.ctx)
-
     def flush(self) -> None:
         comm.wait_all([w for w, _ in self.pending])
         self.pending.clear()
 
 
-# ------------------------------------------------------------------------------------------- one rank's loops
-@torch.inference_mode()
-def stage_generate(ctx: ParallelContext, stage: PipelineStage, prompts: list[list[int]], params: list,
-                   num_microbatches: int, eos_ids: Sequence[int] = (), tokenizer=None) -> list | None:
-    """This rank's part of pipelined generation (every rank calls it with the same arguments).
-
-    Each step sends every live micro-batch down the pipe in order — step 0 its right-padded prompts (prefill),
-    later steps the tokens the last stage sent back — so while the last stage samples micro-batch j, stage 0
-    already runs micro-batch j + 1.  -> the ``RequestOutput``s on the last stage, None elsewhere.
-    """
-    from minillm.engine.simple import _append, _right_pad, _start
-    from minillm.kv.contiguous import KVCache
-
-    mbs = split_microbatches(len(prompts), num_microbatches)
-    max_len = stage.config.max_position_embeddings
-    caches, lasts = [], []
-    for mb in mbs:
-        cache_len = min(max_len, max(len(prompts[i]) + params[i].max_tokens for i in mb))
-        caches.append(KVCache(stage.config, len(mb), cache_len, dtype=stage.dtype, device=stage.device,
-                              kernels=stage.kernels))
-        lasts.append(torch.tensor([len(prompts[i]) - 1 for i in mb], device=stage.device))
-    seqs = _start(stage, prompts, params) if stage.is_last else None
-    links, hidden_size, eos = _Links(ctx), stage.config.hidden_size, frozenset(eos_ids)
-    live, step = list(range(len(mbs))), 0
-    while live:
-        for j in list(live):
-            mb, cache = mbs[j], caches[j]
-            if step == 0:
-                ids, positions, last = _right_pad([prompts[i] for i in mb], stage.device)
-            else:  # finished rows keep advancing (clamped): positions every rank can compute without a message
-                positions = (lasts[j] + step).clamp(max=cache.max_len - 1)[:, None]
-            B, L = positions.shape
-            if stage.is_first:
-                if step:
-                    back = links.recv_last((B + 1,), torch.long)  # [tokens..., micro-batch still running]
-                    alive, ids = bool(back[-1]), back[:B, None].to(stage.device)
-                else:
-                    alive = True
-                if not stage.is_last:
-                    links.send_next(torch.tensor([int(alive)], device=stage.device))
-                inputs = ids
-            else:
-                alive = bool(links.recv_prev((1,), torch.long)[0])
-                if alive:
-                    inputs = links.recv_prev((2, B, L, hidden_size), stage.dtype)
-                if not stage.is_last:
-                    links.send_next(torch.tensor([int(alive)], device=stage.device))
-            if not alive:
-                live.remove(j)
-                continue
-            cache.begin(positions)
-            out = stage(inputs, positions, cache)
-            if not stage.is_last:
-                links.send_next(out)
-                continue
-            rows = out[torch.arange(B), last] if step == 0 else out[:, -1]  # (B, hidden): the sampled positions
-            logits = stage.compute_logits(rows).float()
-            active = [k for k, i in enumerate(mb) if not seqs[i].done]
-            tokens = _sample([seqs[mb[k]] for k in active], logits[active])
-            back = torch.zeros(B + 1, dtype=torch.long, device=stage.device)
-            for k, t in zip(active, tokens, strict=True):
-                _append(seqs[mb[k]], t, eos, max_len, mb[k])
-                back[k] = t
-            back[-1] = int(any(not seqs[i].done for i in mb))
-            links.send_first(back)
-        links.flush()
-        step += 1
-    return _outputs(seqs, prompts, tokenizer) if stage.is_last else None
-
-
-def _sample(seqs: list, logits: Tensor) -> list[int]:
-    from minillm.sampling.sampler import sample
-
-    return sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
-
-
-def _outputs(seqs: list, prompts: list[list[int]], tokenizer) -> list:
-    from minillm.outputs import CompletionOutput, RequestOutput
-
-    out = []
-    for s, p in zip(seqs, prompts, strict=True):
-        text = tokenizer.decode(s.output, skip_special_tokens=True) if tokenizer is not None else ""
-        sample = CompletionOutput(0, text, s.output, s.finish_reason, s.metrics)
-        out.append(RequestOutput(None, list(p), text, s.output, s.finish_reason, s.metrics, [sample]))
-    return out
-
-
+# ------------------------------------------------------------------------------------------- the timed forward
 @dataclasses.dataclass(frozen=True)
 class StageTiming:
     """One stage's view of a timed pipelined forward: its compute time per micro-batch, the time it spent
@@ -304,11 +161,6 @@ def _forward_worker(ctx, source, input_ids, positions, num_microbatches, dtype, 
     return stage_forward(ctx, _stage(ctx, source, dtype, kernels), input_ids, positions, num_microbatches)
 
 
-def _generate_worker(ctx, source, prompts, params, num_microbatches, eos_ids, dtype, kernels, tokenizer):
-    stage = _stage(ctx, source, dtype, kernels)
-    return stage_generate(ctx, stage, prompts, params, num_microbatches, eos_ids, tokenizer)
-
-
 def _config(source: ModelSource) -> ModelConfig:
     if isinstance(source, Transformer):
         return source.config
@@ -332,26 +184,26 @@ def pp_forward(model: ModelSource, input_ids: Tensor, positions: Tensor, pipelin
 
 def pp_generate(model: ModelSource, prompts: Sequence, params=None, pipeline_parallel_size: int = 2, *,
                 num_microbatches: int | None = None, dtype=None, kernels: str = "auto", device: str = "cpu",
-                tokenizer=None, eos_token_ids: Sequence[int] | None = None,
-                threads_per_worker: int | None = None) -> list:
-    """Generate for ``prompts`` (strings need a ``tokenizer``) with the layers split over ``pipeline_parallel_size``
-    processes; -> list[RequestOutput] in prompt order.  ``num_microbatches``: default p (one per stage in flight).
+                tokenizer=None, eos_token_ids: Sequence[int] | None = None, threads_per_worker: int | None = None,
+                **engine_options) -> list:
+    """``LLMEngine.generate`` with the layers split over ``pipeline_parallel_size`` processes (``PPDriver``), the
+    stages started for this call and stopped after it; -> list[RequestOutput] in prompt order.
+    (``LLM(..., pipeline_parallel_size=p)`` keeps them between calls.)
 
-    Supports what a static batch can: max_tokens, EOS / ignore_eos, temperature, top-k/p and seeds; ``n`` > 1 and
-    stop strings are refused (ValueError), as is a size that does not divide the layers (naming the valid ones).
+    Everything the engine supports: any policy (``engine_options``: ``EngineConfig`` fields), ``n`` > 1, stop
+    strings (with a ``tokenizer``), seeds.  ``num_microbatches`` is accepted and has no effect: every engine step
+    runs as one batch down the pipe (``pp_driver``'s docstring says what micro-batches within a step would take).
+    ValueError for a size that does not divide the layers (naming the valid ones), before any process starts;
+    ``WorkerError`` (a RuntimeError) when a stage dies.
     """
-    from minillm.engine.inputs import merge_eos_token_ids, params_list, prompt_list, to_token_ids, validate_prompts
+    from minillm.distributed.executor import driver_generate
+    from minillm.distributed.pp_driver import PPDriver
 
-    config = _config(model)
-    stage_layers(config, pipeline_parallel_size, 0)
-    prompts = [to_token_ids(p, tokenizer) for p in prompt_list(prompts)]
-    params = params_list(params, len(prompts))
-    validate_prompts(prompts, config.max_position_embeddings, config.vocab_size)
-    if any(p.n != 1 or p.stop for p in params):
-        raise ValueError("pipeline parallel generation supports n=1 and no stop strings (a static batch per "
-                         "micro-batch); use the single-process engine for those")
-    eos = merge_eos_token_ids(config.eos_token_ids, tokenizer) if eos_token_ids is None else tuple(eos_token_ids)
-    m = num_microbatches or pipeline_parallel_size
-    args = (model, prompts, params, m, eos, dtype, kernels, tokenizer)
-    return run_workers(_generate_worker, pipeline_parallel_size, args, backend=default_backend(device),
-                       threads_per_worker=threads_per_worker)[-1]
+    stage_layers(_config(model), pipeline_parallel_size, 0)
+
+    def start(whole: Transformer) -> PPDriver:
+        return PPDriver(whole, pipeline_parallel_size, threads_per_worker=threads_per_worker)
+
+    return driver_generate(start, ParallelConfig(pipeline_parallel_size=pipeline_parallel_size), model, prompts,
+                           params, dtype=dtype, kernels=kernels, device=device, tokenizer=tokenizer,
+                           eos_token_ids=eos_token_ids, **engine_options)

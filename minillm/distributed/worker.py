@@ -1,8 +1,8 @@
 """Spawned worker processes: ``run_workers(fn, world_size, args)`` runs ``fn(ctx, *args)`` on every rank, once.
 
-``run_workers`` is for one-shot SPMD runs (tests, benchmarks, pipeline parallelism).  ``serve_steps`` is the other
-kind: the loop of a persistent tensor-parallel worker, which ``driver.TPDriver`` starts once and sends each engine
-step to (``LLM(tensor_parallel_size=N)``).
+``run_workers`` is for one-shot SPMD runs (tests, benchmarks, the timed pipelined forward).  ``serve_steps`` is the
+other kind: the loop of a persistent worker, which a driver (``driver.TPDriver``, ``pp_driver.PPDriver``) starts
+once and sends each engine step to (``LLM(tensor_parallel_size=N)``, ``LLM(pipeline_parallel_size=N)``).
 
 The launcher does what ``torchrun`` does, in-process: pick a free port on 127.0.0.1, spawn ``world_size`` processes
 (``torch.multiprocessing``, the "spawn" start method: a fresh interpreter per rank, as CUDA requires), and let each
@@ -133,13 +133,15 @@ def _stop(procs: list, grace_s: float = 5.0) -> None:
             p.join()
 
 
-def serve_steps(rank: int, world_size: int, port: int, backend: str, threads: int, model, conn,
-                timeout_s: float) -> None:
-    """A persistent tensor-parallel worker (``driver.TPDriver`` spawns it): join the group, keep its shard of
-    ``model``, say ("ready", pid) on ``conn``, then serve the driver's messages until "stop".
+def serve_steps(rank: int, world_size: int, port: int, backend: str, threads: int, model, conn, timeout_s: float,
+                piece: Callable, run: Callable) -> None:
+    """A persistent worker (``driver.StepDriver`` spawns it): join the group, keep its part of ``model``
+    (``piece(model, ctx)``: a shard, a stage), say ("ready", pid) on ``conn``, then serve the driver's messages
+    until "stop".
 
-    Messages (kind, value): "step" (header) -> receive the broadcast, run it; "kv" (kwargs) -> build the K/V cache,
-    answer "ok"; "forward" (shape) -> receive ids and positions, run the whole forward; "ping" -> "pong".
+    Messages (kind, value): "step" (header) -> receive the broadcast, run it (``run(part, kv, step, ctx)``);
+    "kv" (kwargs) -> build the K/V cache from the part's config, answer "ok"; "forward" (shape) -> receive ids and
+    positions, run the part's whole forward (tensor parallel); "ping" -> "pong".
     Any exception is sent back as ("error", traceback) and ends the process with exit code 1; a closed pipe (the
     driver is gone) ends it quietly.
     """
@@ -147,15 +149,13 @@ def serve_steps(rank: int, world_size: int, port: int, backend: str, threads: in
 
     from minillm.distributed.comm import broadcast
     from minillm.distributed.step import payload_size, unpack_step
-    from minillm.engine.model_runner import forward_step
     from minillm.kv.paged_cache import make_paged_kv_cache
-    from minillm.layers.parallel import shard_model
 
     try:
         torch.set_num_threads(threads)
         ctx = init_parallel(rank, world_size, port=port, backend=backend, timeout_s=timeout_s)
-        shard = shard_model(model if ctx.device.type == "cpu" else model.to(ctx.device), ctx)
-        del model  # the whole model's shared memory stays the driver's; this process keeps only its shard
+        part = piece(model if ctx.device.type == "cpu" else model.to(ctx.device), ctx)
+        del model  # the whole model's shared memory stays the driver's; this process keeps only its part
         conn.send(("ready", os.getpid()))
         kv = None
         with torch.inference_mode():
@@ -167,14 +167,14 @@ def serve_steps(rank: int, world_size: int, port: int, backend: str, threads: in
                     os._exit(0)
                 if kind == "step":
                     payload = torch.empty(payload_size(value), dtype=torch.long, device=ctx.device)
-                    forward_step(shard, kv, unpack_step(value, broadcast(payload, ctx)))
+                    run(part, kv, unpack_step(value, broadcast(payload, ctx)), ctx)
                 elif kind == "kv":
                     kv = None  # free the old cache before the new one is allocated
-                    kv = make_paged_kv_cache(shard.config, device=ctx.device, **value)
+                    kv = make_paged_kv_cache(part.config, device=ctx.device, **value)
                     conn.send(("ok", None))
                 elif kind == "forward":
                     ids = broadcast(torch.empty(value, dtype=torch.long, device=ctx.device), ctx)
-                    shard(ids[0], ids[1])
+                    part(ids[0], ids[1])
                 elif kind == "ping":
                     conn.send(("pong", None))
     except (EOFError, BrokenPipeError):

@@ -2,6 +2,7 @@
 (which runner), called once, at engine start.
 
     ParallelConfig tensor_parallel_size > 1                -> TPDriver: the other ranks hold their shards
+    ParallelConfig pipeline_parallel_size > 1              -> PPDriver: the other ranks hold their stages' layers
 
     a multi-process executor (tensor / pipeline parallel)  -> ModelRunner(executor): eager packed steps on every rank
     enforce_eager=True                                     -> ModelRunner: eager, every layer from Python
@@ -11,7 +12,7 @@
     anything else                                          -> ModelRunner
 
 The runner owns the paged K/V cache, so it is allocated here too: the static decode path needs one scratch block
-past the block manager's pool (its padding rows write there), and a tensor-parallel executor allocates each
+past the block manager's pool (its padding rows write there), and a multi-process executor allocates each
 worker's cache to match this one.
 """
 
@@ -33,17 +34,19 @@ from minillm.models.llama import Transformer
 
 def check_parallel(model: Transformer, config: EngineConfig) -> None:
     """ValueError, before any process starts, for a parallel config the model or the engine options cannot run:
-    a tensor-parallel size that does not divide the heads (naming those that do), a speculative config or
-    ``enforce_eager=False`` with tensor parallelism, a pipeline size that does not divide the layers."""
+    a tensor-parallel size that does not divide the heads (naming those that do), a pipeline size that does not
+    divide the layers (same), a speculative config or ``enforce_eager=False`` with either."""
     parallel = config.parallel_config
     if parallel.tensor_parallel_size > 1:
-        from minillm.distributed.driver import check_engine_config
         from minillm.layers.parallel import check_shardable
 
         check_shardable(model, parallel.tensor_parallel_size)
-        check_engine_config(config)
     if parallel.pipeline_parallel_size > 1:
         stage_layers(model.config, parallel.pipeline_parallel_size, 0)
+    if parallel.world_size > 1:
+        from minillm.distributed.driver import check_engine_config
+
+        check_engine_config(config)
 
 
 def make_executor(model: Transformer, parallel: ParallelConfig) -> Executor | None:
@@ -53,6 +56,10 @@ def make_executor(model: Transformer, parallel: ParallelConfig) -> Executor | No
         from minillm.distributed.driver import TPDriver
 
         return TPDriver(model, parallel.tensor_parallel_size)
+    if parallel.pipeline_parallel_size > 1:
+        from minillm.distributed.pp_driver import PPDriver
+
+        return PPDriver(model, parallel.pipeline_parallel_size)
     return None
 
 

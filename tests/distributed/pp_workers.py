@@ -5,23 +5,22 @@ import os
 
 import torch
 
-from minillm.distributed.pipeline import PipelineStage, stage_forward, stage_generate
+from minillm.distributed.pipeline import PipelineStage, stage_forward
 
 
-def logits_and_tokens(ctx, model, ids, pos, prompts, params, eos_ids, m):
-    """-> (logits on the last stage, outputs on the last stage, layers and K/V cache layers this stage holds)."""
+def logits_and_layers(ctx, model, ids, pos, m):
+    """-> (logits on the last stage, the layers this stage holds, the layers a K/V cache of its config holds)."""
     stage = PipelineStage(model, ctx.rank, ctx.world_size)
     logits, _ = stage_forward(ctx, stage, ids, pos, m)
-    outputs = stage_generate(ctx, stage, prompts, params, m, eos_ids)
-    return logits, outputs, len(stage.layers), stage.config.num_layers
+    return logits, len(stage.layers), stage.config.num_layers
 
 
-def last_stage_dies(ctx, model, prompts, params):
-    """The last stage exits without a word; the others wait for activations or tokens that never come."""
+def last_stage_dies(ctx, model, ids, pos):
+    """The last stage exits without a word; the first waits on activations it sends that nobody receives."""
     stage = PipelineStage(model, ctx.rank, ctx.world_size)
     if stage.is_last:
         os._exit(7)
-    return stage_generate(ctx, stage, prompts, params, 2)
+    return stage_forward(ctx, stage, ids, pos, 2)
 
 
 def child_pids(ctx):

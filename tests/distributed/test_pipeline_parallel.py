@@ -1,17 +1,22 @@
-"""Pipeline parallelism: layers split over real gloo processes give the one-process logits and greedy tokens,
-the micro-batch schedule's bubble matches GPipe's formula, bad sizes are refused before any process starts, a stage
-that dies is reported, and no process outlives a call."""
+"""Pipeline parallelism: layers split over real gloo processes give the one-process logits, and the one engine
+over the pipeline executor (``PPDriver``) the one-process tokens under every policy, sampling, stop strings,
+prefix caching and preemption; the micro-batch schedule's bubble matches GPipe's formula, bad sizes are refused
+before any process starts, a stage that dies is reported naming its rank, and no process outlives a call."""
 
+import dataclasses
 import multiprocessing
 import os
 import random
+import shutil
+import signal
+import time
 
 import pp_workers
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from minillm import ModelConfig, SamplingParams
+from minillm import LLM, EngineConfig, ModelConfig, SamplingParams
 from minillm.distributed.parallel_state import ParallelContext
 from minillm.distributed.pipeline import (
     PipelineStage,
@@ -20,12 +25,12 @@ from minillm.distributed.pipeline import (
     gpipe_schedule,
     pp_generate,
     split_microbatches,
-    stage_generate,
     stage_layers,
 )
+from minillm.distributed.pp_driver import PPDriver, stage_step
 from minillm.distributed.worker import WorkerError, run_workers
 from minillm.engine.llm_engine import LLMEngine
-from minillm.models.loader import build_model
+from minillm.models.loader import build_model, load_tokenizer
 
 CFG = LlamaConfig(vocab_size=100, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
                   num_key_value_heads=2, max_position_embeddings=64)
@@ -51,8 +56,10 @@ def pp2_vs_pp1():
     pos = torch.arange(9).expand(5, 9)
     eos = engine_tokens(model)[0][2]  # a token the first prompt really produces: EOS ends requests early
     params = [SamplingParams(max_tokens=8, temperature=0)] * len(PROMPTS)
-    got = run_workers(pp_workers.logits_and_tokens, 2, (model, ids, pos, PROMPTS, params, (eos,), 2),
-                      threads_per_worker=1)
+    stages = run_workers(pp_workers.logits_and_layers, 2, (model, ids, pos, 2), threads_per_worker=1)
+    outputs = pp_generate(model, PROMPTS, params, 2, eos_token_ids=(eos,), threads_per_worker=1)
+    got = [(logits, outputs if rank == 1 else None, layers, kv_layers)  # per stage, as the assertions read it
+           for rank, (logits, layers, kv_layers) in enumerate(stages)]
     with torch.inference_mode():
         logits = model(ids, pos)
     return got, logits, engine_tokens(model, params[0], eos=(eos,)), eos
@@ -77,11 +84,31 @@ def test_each_stage_holds_half_the_layers_and_their_kv_cache_only(pp2_vs_pp1):
     assert [(g[2], g[3]) for g in got] == [(2, 2), (2, 2)]
 
 
-@pytest.mark.parametrize("m", [1, 2, 3, 7])
-def test_one_stage_schedule_gives_the_engine_tokens_for_any_microbatch_count(m):
+class OneStage:
+    """The pipeline executor's step with a single stage, in this process (no worker, no message)."""
+
+    def __init__(self, model):
+        self.model = PipelineStage(model, 0, 1)
+
+    def check(self):
+        pass
+
+    def shutdown(self):
+        pass
+
+    def attach_kv(self, kv, kv_args):
+        pass
+
+    def run_step(self, kv, step):
+        return stage_step(self.model, kv, step, ParallelContext())
+
+
+@pytest.mark.parametrize("policy", ["continuous", "static"])
+def test_one_stage_step_gives_the_engine_tokens_under_every_policy(policy):
     model = tiny()
-    outs = stage_generate(ParallelContext(), PipelineStage(model, 0, 1), PROMPTS, [GREEDY] * len(PROMPTS), m)
-    assert [o.token_ids for o in outs] == engine_tokens(model)
+    config = EngineConfig(policy=policy, block_size=4, max_num_seqs=3, max_num_batched_tokens=16)
+    engine = LLMEngine(model, config=config, executor=OneStage(model))
+    assert [o.outputs[0].token_ids for o in engine.generate(PROMPTS, GREEDY)] == engine_tokens(model)
 
 
 def test_stages_share_the_models_layers_and_split_embedding_from_head():
@@ -101,8 +128,8 @@ def test_sizes_that_do_not_divide_the_layers_are_refused_naming_valid_sizes(pp):
 
 def test_a_stage_that_dies_is_reported_and_no_process_is_left():
     with pytest.raises(WorkerError, match="rank 1 died with exit code 7"):
-        run_workers(pp_workers.last_stage_dies, 2, (tiny(), PROMPTS, [GREEDY] * len(PROMPTS)),
-                    threads_per_worker=1, timeout_s=60)
+        run_workers(pp_workers.last_stage_dies, 2, (tiny(), torch.ones(4, 3, dtype=torch.long),
+                                                     torch.arange(3).expand(4, 3)), threads_per_worker=1, timeout_s=60)
     assert multiprocessing.active_children() == []
 
 
@@ -156,3 +183,141 @@ def test_llm_with_pipeline_parallel_size_two_generates_the_single_process_tokens
     assert got[0].text == want[0].text
     with pytest.raises(ValueError, match=r"use one of \[1, 2, 4\]"):
         LLM(str(tmp_path), dtype="float32", device="cpu", pipeline_parallel_size=3)
+
+
+# ------------------------------------------------------------------------------------------- the engine over PPDriver
+def random_model(seed: int):
+    """A random tiny Llama over the default tokenizer's vocabulary (so stop strings and string prompts work):
+    2 or 4 layers, 1..4 K/V heads, tied or not.  Weights N(0, 0.3) (norms 1): peaked logits, so a K/V row a stage
+    got wrong changes tokens."""
+    rng = random.Random(seed)
+    heads = rng.choice([2, 4])
+    cfg = LlamaConfig(vocab_size=49152, hidden_size=8 * heads * rng.choice([1, 2]), num_attention_heads=heads,
+                      num_key_value_heads=rng.choice([h for h in (1, 2, 4) if heads % h == 0]),
+                      intermediate_size=rng.choice([48, 80]), num_hidden_layers=rng.choice([2, 4]),
+                      max_position_embeddings=96, tie_word_embeddings=rng.random() < 0.5)
+    torch.manual_seed(seed)
+    model = build_model(ModelConfig.from_hf(cfg), LlamaForCausalLM(cfg).state_dict(), dtype=torch.float32,
+                        device="cpu")
+    for name, p in model.named_parameters():
+        torch.nn.init.ones_(p) if "norm" in name else torch.nn.init.normal_(p, std=0.3)
+    return model
+
+
+@pytest.fixture(scope="module")
+def tokenizer(default_model_dir):
+    return load_tokenizer(default_model_dir)
+
+
+@pytest.fixture(scope="module", params=[1, 2], ids=lambda s: f"config{s}")
+def pp_driver(request):
+    """One persistent PP=2 driver per random config, shared by the engine tests below (each engine re-attaches
+    its K/V cache to the stages)."""
+    model = random_model(request.param)
+    driver = PPDriver(model, 2, threads_per_worker=1)
+    yield driver, model
+    driver.shutdown()
+
+
+def workload(seed: int, sampled: bool, shared_prefix: bool = False):
+    """10 requests of mixed prompt (3..30 tokens, or a shared 12-token prefix + a tail) and output (1..12)
+    lengths, plus a string prompt: greedy, or two seeded samples each (forks share their prompt's last block until
+    copy-on-write splits it)."""
+    rng = random.Random(seed)
+    prefix = [rng.randrange(49152) for _ in range(12)] if shared_prefix else []
+    prompts = [prefix + [rng.randrange(49152) for _ in range(rng.randint(3, 30 - len(prefix)))] for _ in range(10)]
+    params = [SamplingParams(max_tokens=rng.randint(1, 12), temperature=0, ignore_eos=True) for _ in prompts]
+    if sampled:
+        params = [dataclasses.replace(p, n=2, temperature=1.0, seed=i) for i, p in enumerate(params)]
+    return prompts + ["Hello there"], params + [params[0]]
+
+
+ENGINES = {  # block_size 4: prompts span many blocks, so chunking, prefix hits and preemption happen at small sizes
+    "continuous": dict(max_num_seqs=8, max_num_batched_tokens=32),
+    "static": dict(policy="static", max_num_seqs=3, max_num_batched_tokens=64),
+    "prefix-caching": dict(max_num_seqs=2, max_num_batched_tokens=32, enable_prefix_caching=True),
+    "preempt-swap": dict(max_num_seqs=8, max_num_batched_tokens=16, num_kv_blocks=16, preemption="swap"),
+    "preempt-recompute": dict(max_num_seqs=8, max_num_batched_tokens=16, num_kv_blocks=16),
+    "fork-copy-on-write": dict(max_num_seqs=8, max_num_batched_tokens=32),
+}
+
+
+def samples(outputs):
+    return [[(c.token_ids, c.text, c.finish_reason) for c in o.outputs] for o in outputs]
+
+
+@pytest.mark.parametrize("mode", ENGINES)
+def test_pp2_engine_gives_the_single_process_outputs(pp_driver, tokenizer, mode):
+    driver, model = pp_driver
+    sampled = mode in ("preempt-swap", "fork-copy-on-write")
+    prompts, params = workload(len(mode), sampled, shared_prefix=mode == "prefix-caching")
+    config = EngineConfig(block_size=4, **ENGINES[mode])
+    want = LLMEngine(model, tokenizer, config).generate(prompts, params)
+    engine = LLMEngine(driver.model, tokenizer, config, executor=driver)
+    assert samples(engine.generate(prompts, params)) == samples(want)
+    assert engine.kv_cache.k.shape[0] == model.config.num_layers // 2  # stage 0's layers only
+    if mode == "prefix-caching":
+        assert engine.block_manager.prefix_stats.hit_rate > 0, "the shared prefix was meant to hit the cache"
+    if mode.startswith("preempt"):
+        assert engine.stats.preemptions > 0, "the budget was meant to force preemption"
+    if mode == "preempt-swap":
+        assert engine.stats.swaps_out > 0, "the budget was meant to force swapping"
+
+
+def test_pp2_stop_strings_end_requests_where_one_process_does(pp_driver, tokenizer):
+    """(Stop strings were refused by the old pipelined loop; the engine applies them on rank 0.)"""
+    driver, model = pp_driver
+    prompts, params = workload(7, sampled=False)
+    free = LLMEngine(model, tokenizer).generate(prompts, params)
+    text = next(o.text for o in free if len(o.text) > 6)
+    stop = [dataclasses.replace(p, stop=[text[3:6]], ignore_eos=False) for p in params]
+    want = LLMEngine(model, tokenizer).generate(prompts, stop)
+    got = LLMEngine(driver.model, tokenizer, executor=driver).generate(prompts, stop)
+    assert samples(got) == samples(want)
+    assert any(o.finish_reason == "stop" and text[3:6] not in o.text for o in got)  # a stop string ended one
+
+
+def test_pp2_n2_seeded_sampling_equals_one_process(pp_driver, tokenizer):
+    """(``n`` > 1 was refused by the old pipelined loop; the engine forks on rank 0, every stage copies blocks.)"""
+    driver, model = pp_driver
+    prompts, params = workload(3, sampled=True)
+    want = LLMEngine(model, tokenizer).generate(prompts, params)
+    got = LLMEngine(driver.model, tokenizer, executor=driver).generate(prompts, params)
+    assert samples(got) == samples(want)
+    assert all(len(o.outputs) == 2 for o in got)
+
+
+def pp_children() -> list:
+    return [p for p in multiprocessing.active_children() if p.name.startswith("minillm-pp-rank")]
+
+
+def test_a_stage_killed_mid_generation_raises_naming_it_and_leaves_no_process(tmp_path, default_model_dir):
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(**{**CFG.to_dict(), "vocab_size": 49152})).save_pretrained(tmp_path)
+    for f in default_model_dir.glob("*token*"):
+        shutil.copy(f, tmp_path)
+    before = pp_children()
+    with LLM(str(tmp_path), dtype="float32", device="cpu", pipeline_parallel_size=2) as llm:
+        stream = llm.stream(PROMPTS, SamplingParams(max_tokens=30, temperature=0, ignore_eos=True))
+        next(stream)  # the prefill ran on both stages
+        (stage,) = [p for p in pp_children() if p not in before]
+        os.kill(stage.pid, signal.SIGKILL)
+        started = time.monotonic()
+        with pytest.raises(WorkerError, match="rank 1 died with exit code -9"):
+            list(stream)
+        assert time.monotonic() - started < 30
+        with pytest.raises(WorkerError, match="rank 1"):  # refused from then on, with the same message
+            llm.generate(PROMPTS, GREEDY)
+    assert [p for p in pp_children() if p not in before] == []
+
+
+def test_options_the_stages_cannot_run_are_refused_before_any_process_starts():
+    from minillm.config import ParallelConfig
+    from minillm.engine.runners import check_parallel
+
+    pp2, before = ParallelConfig(pipeline_parallel_size=2), pp_children()
+    with pytest.raises(ValueError, match="speculative_config is not supported with pipeline_parallel_size"):
+        check_parallel(tiny(), EngineConfig(parallel_config=pp2, speculative_config={"method": "ngram"}))
+    with pytest.raises(ValueError, match="enforce_eager=False"):
+        check_parallel(tiny(), EngineConfig(parallel_config=pp2, enforce_eager=False))
+    assert pp_children() == before  # (an earlier test's LLM may still be waiting for garbage collection)
