@@ -358,7 +358,8 @@ plt.show()
 # trip through every stage, so at least p micro-batches must be in flight to keep every stage busy.
 #
 # minillm's pipelined generation: `pp_generate` (or `LLM(path, pipeline_parallel_size=2)`) — every stage holds its
-# layers' KV cache, the last stage samples and sends the tokens back to the first.
+# layers' paged KV cache; the last stage sends the logits back to the first process, where the one engine samples
+# (the scheduler, sampling and stop rules of a single process).
 
 # %%
 # NBVAL_IGNORE_OUTPUT

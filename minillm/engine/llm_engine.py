@@ -37,7 +37,7 @@ from minillm.engine.inputs import (
     validate_prompts,
 )
 from minillm.engine.model_runner import Executor, StepResult, sampling_chunks
-from minillm.engine.runners import make_executor, make_runner
+from minillm.engine.runners import check_parallel, make_executor, make_runner
 from minillm.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput, SchedulerStats
 from minillm.engine.sequence import Request, SequenceStatus
 from minillm.engine.sequence import Sequence as Seq
@@ -72,6 +72,7 @@ class LLMEngine:
         # tensor / pipeline parallel: the executor runs the other ranks; this process keeps its own piece of the model
         self.executor, self._owns_executor = executor, executor is None
         if executor is None:
+            check_parallel(model, config)  # ValueError before any process starts
             self.executor = executor = make_executor(model, config.parallel_config)
         self.model, self.tokenizer = (model if executor is None else executor.model), tokenizer
         mc = self.model.config

@@ -85,8 +85,8 @@ def make_runner(model: Transformer, config: EngineConfig, block_manager: BlockMa
                          "a quantized KV cache dequantizes the step's blocks into a pool sized per step; "
                          "pass enforce_eager=None or True with a quantized KV cache")
     if config.enforce_eager is False and executor is not None:
-        raise ValueError("enforce_eager=False is not supported with tensor_parallel_size > 1: tensor-parallel "
-                         "steps run eagerly (pass enforce_eager=None or True)")
+        raise ValueError("enforce_eager=False is not supported over several processes (tensor / pipeline "
+                         "parallel): their steps run eagerly (pass enforce_eager=None or True)")
     static = config.kv_cache_dtype == "auto" and use_static_decode(config.enforce_eager, model.device,
                                                                     compiles(model.kernels), distributed)
     num_blocks, host = block_manager.device.num_blocks, block_manager.host
