@@ -24,7 +24,7 @@ from minillm.models.loader import build_model, load_model
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
 SPECS = {"ngram": {"method": "ngram", "num_speculative_tokens": 4},
-         "early_exit": {"method": "early_exit", "num_speculative_tokens": 3, "num_layers": 2},
+         "early_exit": {"method": "early_exit", "num_speculative_tokens": 3, "num_layers": 1},
          "quantized": {"method": "quantized", "num_speculative_tokens": 3}}
 
 
