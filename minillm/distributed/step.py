@@ -1,4 +1,5 @@
-"""One engine step as the driver sends it to the other tensor-parallel ranks: a small header and one int64 tensor.
+"""One engine step as a driver sends it to the other ranks (tensor or pipeline parallel): a small header and one
+int64 tensor.
 
 The driver (rank 0) schedules, packs the step (``ModelRunner.prepare``: a ``StepInputs``) and samples; the other
 ranks only need what their shard's forward reads, which is all of it — the packed forward's inputs and the step's

@@ -13,12 +13,12 @@ speculative draft chunk [last, x_1..x_k] runs as k + 1 rows for about the cost o
 ``NativeRunner`` is the engine's runner on this path (``engine/runners.py`` picks it): steps whose every chunk is a
 decode or a draft chunk and whose rows fit go through the stack; prefill and mixed steps through the eager forward.
 
-What it runs (``unsupported_reason`` says why not, and the engine then keeps the per-layer path): a ``Transformer``
-of the plain Llama modules on CPU in fp32 whose kernel choice allows native code ("auto"/"native"), no sliding
-window, every linear fp32 (``Linear``) or int8 / Q4_1 int4 (``QuantLinear``), an fp32 ``PagedKVCache`` (not a
-quantized one), and the native libraries built here.  The C table holds raw pointers: if the model's tensors are
-replaced afterwards (``.to()``, ``quantize_model``, a module swap), the next call notices (every layer's modules'
-ids and first tensors' addresses are compared each call) and rebuilds the table, or raises when the model is no
+What it runs (``unsupported_reason`` says why not, and the engine then keeps the per-layer path): a ``Transformer`` of
+the plain Llama modules on CPU in fp32 whose kernel choice allows native code ("auto"/"native"), no sliding window,
+every linear fp32 (``Linear``) or int8 / Q4_1 int4 (``QuantLinear``), an fp32 ``PagedKVCache`` (not a quantized one),
+and the native libraries built here. The C table holds raw pointers: if the model's tensors are replaced afterwards
+(``.to()``, ``quantize_model``, a module swap), the next call notices (the ids of every layer's modules and the
+addresses of the outer layers' tensors are compared each call) and rebuilds the table, or raises when the model is no
 longer one it can run.
 """
 
@@ -108,16 +108,20 @@ def _linears(layer) -> list[tuple[str, object]]:
             ("down_proj", m.down_proj)]
 
 
-def _watch_list(model) -> list[tuple[object, str]]:
-    """(parent module, attribute) pairs whose value a swap replaces and whose tensors a move re-allocates: the
-    final norm, the LM head, and every layer's norms and linears (a swapped middle layer is seen too)."""
+def _watched(model) -> tuple[list[dict], list[Tensor]]:
+    """What a swap or a move changes: the child-module dicts of the model, its body, the layer list and every
+    layer, attention and MLP (a swapped module anywhere, a middle layer's included, changes an id in one of them),
+    and the first tensors of the final norm, the LM head and the first and last layers' modules (``.to()`` moves
+    every tensor, so these show it)."""
     body = model.model
-    out = [(model, "model"), (body, "norm"), (model, "lm_head"), (body, "layers")]
-    for i, layer in enumerate(body.layers):
-        out += [(body.layers, str(i)), (layer, "input_layernorm"), (layer, "post_attention_layernorm"),
-                (layer, "self_attn"), (layer, "mlp"), (layer.self_attn, "qkv_proj"), (layer.self_attn, "o_proj"),
-                (layer.mlp, "gate_up_proj"), (layer.mlp, "down_proj")]
-    return out
+    dicts = [model._modules, body._modules, body.layers._modules]
+    for layer in body.layers:
+        dicts += [layer._modules, layer.self_attn._modules, layer.mlp._modules]
+    ends = [body.norm, model.lm_head]
+    for layer in (body.layers[0], body.layers[-1]) if len(body.layers) else ():
+        ends += [layer.input_layernorm, layer.post_attention_layernorm, layer.self_attn.qkv_proj,
+                 layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj]
+    return dicts, [t for t in map(_first_tensor, ends) if t is not None]
 
 
 def _first_tensor(module) -> Tensor | None:
@@ -164,9 +168,9 @@ class NativeDecodeStack:
         self._cos, self._sin = cos[0, :, 0].contiguous(), sin[0, :, 0].contiguous()
 
     def _probe(self) -> tuple[int, ...]:
-        """Addresses that change when the model's tensors are moved or its modules swapped (a check per call of
-        ~20 attribute reads per layer): the watched modules' ids and first tensors, the layer count, the KV cache."""
-        ids = [id(getattr(parent, name)) for parent, name in self._watch]
+        """Ids and addresses that change when the model's modules are swapped or its tensors moved (``_watched``),
+        the layer count, the KV cache: checked every call, a few C-level loops (3 dicts per layer)."""
+        ids = [tuple(map(id, d.values())) for d in self._watched_dicts]  # C loops: ~0.2 µs a dict
         ptrs = [t.data_ptr() for t in self._watched_tensors]
         return (len(self.model.model.layers), self.kv.k.data_ptr(), self.kv.v.data_ptr(), *ids, *ptrs)
 
@@ -188,8 +192,7 @@ class NativeDecodeStack:
         self._vocab = self._head.contents.N if self._head is not None else 0
         self._layers, self._keep, self._final = layers, keep + [self.kv.k, self.kv.v], final
         self._eps, self._scale = float(body.norm.eps), self.model.config.head_dim**-0.5
-        self._watch = _watch_list(self.model)
-        self._watched_tensors = [t for t in (_first_tensor(getattr(p, n)) for p, n in self._watch) if t is not None]
+        self._watched_dicts, self._watched_tensors = _watched(self.model)
         self._probed = self._probe()
 
     def _refresh(self) -> None:

@@ -1,4 +1,5 @@
-"""The proposer protocol, the engine-wide counters, and the one function that builds a proposer from config."""
+"""The proposer protocol (everything the engine calls on a proposer), what a proposal is, and the engine-wide
+speculation counters.  ``build.py`` builds the proposer a config names."""
 
 from __future__ import annotations
 

@@ -227,6 +227,22 @@ def test_replaced_weights_rebuild_the_table_and_an_unrunnable_change_raises():
         runner.hidden(batch)
 
 
+def test_a_swapped_middle_layer_is_seen_and_the_table_rebuilt():
+    """Layer 1 of 3 gets a new down_proj after the table was built: the next call runs the new weights."""
+    from minillm.layers.linear import Linear
+
+    model = make_model("gqa-d64")
+    kv_a, kv_b = filled_caches(model, 8)
+    runner = fused.NativeDecodeStack(model, kv_a)
+    batch = random_rows([6, 11], 9)
+    old = model.model.layers[1].mlp.down_proj
+    new = Linear(old.weight.shape[1], old.weight.shape[0]).requires_grad_(False)
+    new.weight.copy_(0.2 * torch.randn_like(old.weight))
+    model.model.layers[1].mlp.down_proj = new
+    got = runner.hidden(batch)
+    assert torch.equal(got, per_layer_hidden(model, kv_b, batch))
+
+
 def test_set_kernels_torch_after_the_engine_is_built_turns_the_fused_step_off():
     model = make_model("gqa-d64")
     eng = LLMEngine(model, config=EngineConfig(block_size=BLOCK))
