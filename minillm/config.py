@@ -193,8 +193,9 @@ class EngineConfig:
     """(vLLM's name) The fraction of the CUDA device's total memory this engine may use — weights, activations and
     KV pool together.  With neither ``num_kv_blocks`` nor ``kv_cache_bytes``, a CUDA engine of one process gives
     the KV pool what is left of this share after the loaded weights and a profiled forward of
-    ``max_num_batched_tokens`` tokens (``kv.memory.size_kv_pool``); lower it to leave room for another process on
-    the same device.  Ignored on CPU and with an explicit KV budget."""
+    ``max_num_batched_tokens`` tokens (``kv.memory.size_kv_pool``).  Memory others hold on the device counts
+    against this share: for two engines on one device give the first 0.4 and the second 0.9 (its share covers the
+    first's).  Ignored on CPU, with an explicit KV budget and across tensor/pipeline-parallel processes."""
     max_num_seqs: int = 32
     """Sequences that run at once."""
     max_num_batched_tokens: int = 512

@@ -13,6 +13,7 @@ loaded and the largest step's activations are accounted for:
 
 from __future__ import annotations
 
+import gc
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -58,7 +59,9 @@ class CudaMemory:
     def in_use(self) -> int:
         """Everything on the device (this process's CUDA context, workspaces and weights, and any other process's
         memory): another engine on the same device comes out of this one's share, so the pool never over-commits.
-        Blocks torch caches but no tensor holds are released first: the pool can have them."""
+        Unreachable tensors (a dropped engine's pool in a reference cycle) and blocks torch caches but no tensor
+        holds are released first: the pool can have them."""
+        gc.collect()
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(self.device)
         return total - free

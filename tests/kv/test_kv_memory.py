@@ -12,7 +12,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from minillm import EngineConfig, ModelConfig
-from minillm.kv.memory import device_memory, full_sequences, profile_forward, size_kv_pool
+from minillm.kv.memory import CudaMemory, device_memory, full_sequences, profile_forward, size_kv_pool
 from minillm.kv.paged_cache import kv_bytes_per_block
 from minillm.models.loader import build_model
 
@@ -108,8 +108,10 @@ def test_without_a_probe_the_default_is_unchanged():
     assert size.source == "default"
 
 
-def test_a_cpu_has_no_probe():
+def test_a_cpu_has_no_probe_and_a_cuda_device_reads_the_driver():
     assert device_memory("cpu") is None and device_memory(torch.device("cpu")) is None
+    probe = device_memory("cuda:0")  # built without touching CUDA: nothing is read until the sizing asks
+    assert isinstance(probe, CudaMemory) and probe.device == torch.device("cuda:0")
 
 
 def test_the_device_sizing_logs_one_line_with_blocks_tokens_and_the_source(caplog):
