@@ -170,7 +170,8 @@ DEFAULT_KV_CACHE_BYTES = 256 * 2**20  # when neither num_kv_blocks nor kv_cache_
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """How ``LLMEngine`` batches and stores K/V.  Defaults suit a CPU; on a GPU raise the limits and the KV budget.
+    """How ``LLMEngine`` batches and stores K/V.  Defaults suit a CPU; on a GPU raise the limits (the KV budget
+    follows ``gpu_memory_utilization`` there).
 
     Each field is documented by the string under it; ``entrypoints/arg_utils.py`` reads those strings as the help
     of the command line's flags (``--max-num-seqs`` for ``max_num_seqs``).  The kernels are the model's choice
@@ -185,8 +186,9 @@ class EngineConfig:
     block_size: int = 16
     """Tokens per KV block (16, as vLLM)."""
     num_kv_blocks: int | None = None
-    """KV budget in blocks.  With neither this nor ``kv_cache_bytes``: enough for ``max_num_seqs`` full-context
-    sequences capped at ``DEFAULT_KV_CACHE_BYTES``, and never less than one full-context sequence."""
+    """KV budget in blocks.  With neither this nor ``kv_cache_bytes``: on a CUDA engine of one process, what
+    ``gpu_memory_utilization`` leaves; elsewhere enough for ``max_num_seqs`` full-context sequences capped at
+    ``DEFAULT_KV_CACHE_BYTES``; never less than one full-context sequence."""
     kv_cache_bytes: int | None = None
     """KV budget in bytes (K and V of all layers); give this or ``num_kv_blocks``, not both."""
     gpu_memory_utilization: float = 0.9

@@ -136,8 +136,9 @@ def size_kv_pool(config: EngineConfig, block_bytes: int, max_model_len: int, mem
             fits = size.num_blocks * config.block_size
             raise ValueError(
                 f"gpu_memory_utilization={config.gpu_memory_utilization} of {total / GiB:.2f} GiB leaves "
-                f"{budget / GiB:.2f} GiB for the KV pool after {used / GiB:.2f} GiB in use (weights, runtime) and a "
-                f"{peak / GiB:.2f} GiB activation peak at max_num_batched_tokens={config.max_num_batched_tokens}: "
+                f"{budget / GiB:.2f} GiB for the KV pool after {used / GiB:.2f} GiB in use (weights, runtime, other "
+                f"processes) and a {peak / GiB:.2f} GiB activation peak at max_num_batched_tokens="
+                f"{config.max_num_batched_tokens}: "
                 f"{size.num_blocks} blocks of {block_bytes} bytes, {need} needed for one max_model_len="
                 f"{max_model_len} sequence.  Raise gpu_memory_utilization, lower max_num_batched_tokens, use a "
                 "smaller model" + (f", or set max_model_len <= {fits}" if fits else " (not one block fits)"))
