@@ -170,7 +170,8 @@ DEFAULT_KV_CACHE_BYTES = 256 * 2**20  # when neither num_kv_blocks nor kv_cache_
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """How ``LLMEngine`` batches and stores K/V.  Defaults suit a CPU; on a GPU raise the limits and the KV budget.
+    """How ``LLMEngine`` batches and stores K/V.  Defaults suit a CPU; on a GPU raise the limits (the KV budget
+    follows ``gpu_memory_utilization`` there).
 
     Each field is documented by the string under it; ``entrypoints/arg_utils.py`` reads those strings as the help
     of the command line's flags (``--max-num-seqs`` for ``max_num_seqs``).  The kernels are the model's choice
@@ -185,10 +186,18 @@ class EngineConfig:
     block_size: int = 16
     """Tokens per KV block (16, as vLLM)."""
     num_kv_blocks: int | None = None
-    """KV budget in blocks.  With neither this nor ``kv_cache_bytes``: enough for ``max_num_seqs`` full-context
-    sequences capped at ``DEFAULT_KV_CACHE_BYTES``, and never less than one full-context sequence."""
+    """KV budget in blocks.  With neither this nor ``kv_cache_bytes``: on a CUDA engine of one process, what
+    ``gpu_memory_utilization`` leaves; elsewhere enough for ``max_num_seqs`` full-context sequences capped at
+    ``DEFAULT_KV_CACHE_BYTES``; never less than one full-context sequence."""
     kv_cache_bytes: int | None = None
     """KV budget in bytes (K and V of all layers); give this or ``num_kv_blocks``, not both."""
+    gpu_memory_utilization: float = 0.9
+    """(vLLM's name) The fraction of the CUDA device's total memory this engine may use — weights, activations and
+    KV pool together.  With neither ``num_kv_blocks`` nor ``kv_cache_bytes``, a CUDA engine of one process gives
+    the KV pool what is left of this share after the loaded weights and a profiled forward of
+    ``max_num_batched_tokens`` tokens (``kv.memory.size_kv_pool``).  Memory others hold on the device counts
+    against this share: for two engines on one device give the first 0.4 and the second 0.9 (its share covers the
+    first's).  Ignored on CPU, with an explicit KV budget and across tensor/pipeline-parallel processes."""
     max_num_seqs: int = 32
     """Sequences that run at once."""
     max_num_batched_tokens: int = 512
@@ -259,6 +268,9 @@ class EngineConfig:
                 raise ValueError(f"EngineConfig.{name} must be None or a positive int, got {value!r}")
         if self.num_kv_blocks is not None and self.kv_cache_bytes is not None:
             raise ValueError("give EngineConfig either num_kv_blocks or kv_cache_bytes, not both")
+        u = self.gpu_memory_utilization
+        if isinstance(u, bool) or not isinstance(u, (int, float)) or not 0 < u <= 1:
+            raise ValueError(f"EngineConfig.gpu_memory_utilization must be a number in (0, 1], got {u!r}")
         if self.num_host_blocks is not None and (not isinstance(self.num_host_blocks, int) or self.num_host_blocks < 0):
             raise ValueError(f"EngineConfig.num_host_blocks must be None or an int >= 0, got {self.num_host_blocks!r}")
         if self.max_num_batched_tokens < self.max_num_seqs:

@@ -146,6 +146,8 @@ class EngineState:
     swapped: int = 0  # sequences swapped out to host memory
     kv_blocks_used: int = 0
     kv_blocks_total: int = 0
+    kv_tokens_total: int = 0  # tokens the device pool holds: blocks × block_size
+    kv_max_full_sequences: int = 0  # max_model_len-token sequences that fit the pool at once
     prefix_hit_rate: float = 0.0  # prompt tokens served from the prefix cache / prompt tokens looked up
     steps: int = 0
     preemptions: int = 0

@@ -42,6 +42,7 @@ from minillm.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput, S
 from minillm.engine.sequence import Request, SequenceStatus
 from minillm.engine.sequence import Sequence as Seq
 from minillm.engine.spec_decode import SpecDecoder
+from minillm.kv.memory import device_memory, full_sequences, profile_forward, size_kv_pool
 from minillm.kv.paged_cache import kv_bytes_per_block
 from minillm.models.llama import Transformer
 from minillm.outputs import CompletionOutput, EngineState, RequestOutput, StepOutput
@@ -82,7 +83,11 @@ class LLMEngine:
         self.eos_token_ids = (merge_eos_token_ids(mc.eos_token_ids, tokenizer) if eos_token_ids is None
                               else tuple(eos_token_ids))
         block_bytes = kv_bytes_per_block(mc, config.block_size, self.model.dtype, config.kv_cache_dtype)
-        num_blocks = config.resolve_num_blocks(block_bytes, self.max_model_len)  # int8/fp8 KV: more blocks
+        # one CUDA process profiles its model and sizes the pool to the device; an executor's model is this rank's
+        # piece only (the other ranks' memory is theirs), so a tensor/pipeline-parallel engine keeps today's budget
+        memory = device_memory(self.model.device) if executor is None else None
+        num_blocks = size_kv_pool(config, block_bytes, self.max_model_len, memory,  # int8/fp8 KV: more blocks
+                                  lambda: profile_forward(self.model, config, self.max_model_len)).num_blocks
         self.scheduler = Scheduler(config, num_blocks, self.max_model_len,
                                    num_host_blocks=config.resolve_host_blocks(num_blocks),
                                    eos_token_ids=self.eos_token_ids)
@@ -130,6 +135,8 @@ class LLMEngine:
         return EngineState(
             running=len(s.running), waiting=len(s.waiting), swapped=len(s.swapped),
             kv_blocks_used=bm.device.num_used, kv_blocks_total=bm.device.num_blocks,
+            kv_tokens_total=bm.device.num_blocks * self.config.block_size,
+            kv_max_full_sequences=full_sequences(bm.device.num_blocks, self.config.block_size, self.max_model_len),
             prefix_hit_rate=bm.prefix_stats.hit_rate, steps=s.stats.steps, preemptions=s.stats.preemptions,
             spec_verify_steps=spec.verify_steps if spec else 0, spec_draft_tokens=spec.draft_tokens if spec else 0,
             spec_accepted_tokens=spec.accepted_tokens if spec else 0)

@@ -52,13 +52,14 @@ ENGINE_ARGV = {
     "enforce_eager": ("--enforce-eager",), "kv_cache_dtype": ("--kv-cache-dtype", "int8"),
     "speculative_config": ("--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}'),
     "parallel_config": ("--tensor-parallel-size", "2"),
+    "gpu_memory_utilization": ("--gpu-memory-utilization", "0.5"),
 }
 ENGINE_EXPECTED = EngineConfig(
     policy="static", block_size=32, num_kv_blocks=64, max_num_seqs=4, max_num_batched_tokens=256,
     enable_prefix_caching=False, chunked_prefill=False, preemption="swap", num_host_blocks=8, dynamic_window_s=0.5,
     pad_batches=False, max_model_len=1024, return_logits=True, enforce_eager=True, kv_cache_dtype="int8",
     speculative_config=SpeculativeConfig(method="ngram", num_speculative_tokens=3),
-    parallel_config=ParallelConfig(tensor_parallel_size=2))
+    parallel_config=ParallelConfig(tensor_parallel_size=2), gpu_memory_utilization=0.5)
 
 
 def parse(*argv):

@@ -228,6 +228,14 @@ def test_models_health_and_metrics(live):
     assert 'minillm_http_requests_total{path="/v1/completions",status="200"}' in text
 
 
+def test_metrics_report_what_the_kv_pool_holds(live):
+    text = httpx.get(live.url + "/metrics").text
+    # max_num_seqs=8: the CPU default pool is 8 full 2048-token contexts of 16-token blocks
+    assert metric(text, "minillm_kv_blocks_total") == 8 * CONTEXT // 16
+    assert metric(text, "minillm_kv_tokens_total") == 8 * CONTEXT
+    assert metric(text, "minillm_kv_max_full_sequences") == 8
+
+
 def test_metrics_report_speculative_acceptance_of_an_early_exit_engine(model, tokenizer):
     spec = {"method": "early_exit", "num_speculative_tokens": 3, "num_layers": 1}  # drafts at every step
     server = LiveServer(build_app(LLMEngine(model, tokenizer, EngineConfig(max_num_seqs=2, speculative_config=spec))))

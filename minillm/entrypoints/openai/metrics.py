@@ -64,6 +64,10 @@ class ServerMetrics:
                               "(what load shedding compares with its budget; 0 before any prefill)", registry=r)
         self.kv_used = Gauge("minillm_kv_blocks_used", "KV-cache blocks referenced by a sequence", registry=r)
         self.kv_total = Gauge("minillm_kv_blocks_total", "KV-cache blocks on the device", registry=r)
+        self.kv_tokens = Gauge("minillm_kv_tokens_total", "Tokens the device's KV pool holds (blocks × block size)",
+                               registry=r)
+        self.kv_full_seqs = Gauge("minillm_kv_max_full_sequences", "Sequences of the full context length "
+                                  "(max_model_len) that fit the KV pool at once", registry=r)
         self.prefix_hit_rate = Gauge("minillm_prefix_cache_hit_rate", "Prompt tokens served from the prefix cache "
                                      "/ prompt tokens looked up, since start", registry=r)
         # Speculative decoding (zero without a speculative_config).  Engine-wide counts since start, exported as
@@ -116,6 +120,8 @@ class ServerMetrics:
             self.est_ttft.set(est.estimate_s(admission.tokens_ahead, 1, 0.0, admission.steps_to_seat) or 0.0)
         self.kv_used.set(snapshot.kv_blocks_used)
         self.kv_total.set(snapshot.kv_blocks_total)
+        self.kv_tokens.set(snapshot.kv_tokens_total)
+        self.kv_full_seqs.set(snapshot.kv_max_full_sequences)
         self.prefix_hit_rate.set(snapshot.prefix_hit_rate)
         self.spec_draft.set(snapshot.spec_draft_tokens)
         self.spec_accepted.set(snapshot.spec_accepted_tokens)
