@@ -118,7 +118,7 @@ def size_kv_pool(config: EngineConfig, block_bytes: int, max_model_len: int, mem
 
     An explicit ``num_kv_blocks`` / ``kv_cache_bytes``, or no ``memory``, keeps ``EngineConfig.resolve_num_blocks``
     and never touches the probe.  Otherwise the pool gets ``gpu_memory_utilization × total − in use − peak``
-    bytes; ValueError (naming the numbers and the fixes) when that holds less than one ``max_model_len`` sequence
+    bytes, at most ``max_num_seqs`` full-context sequences' blocks (more could never be in use at once); ValueError (naming the numbers and the fixes) when that holds less than one ``max_model_len`` sequence
     — the longest request the engine accepts must fit, as in the CPU default.
     """
     if memory is None or config.num_kv_blocks is not None or config.kv_cache_bytes is not None:
@@ -130,8 +130,11 @@ def size_kv_pool(config: EngineConfig, block_bytes: int, max_model_len: int, mem
         peak = memory.peak_during(profile or (lambda: None))
         total, used = memory.total(), memory.in_use()  # after the profile: counts what its kernels loaded
         budget = int(config.gpu_memory_utilization * total) - used - peak
-        size = KVPoolSize(max(budget, 0) // block_bytes, budget, "gpu_memory_utilization")
         need = -(-max_model_len // config.block_size)  # blocks of one full-context sequence
+        # never more than max_num_seqs full-context sequences can hold at once (the CPU default's bound too): an
+        # engine of a small model leaves the rest of the device to the next engine (a notebook builds several)
+        size = KVPoolSize(min(max(budget, 0) // block_bytes, config.max_num_seqs * need), budget,
+                          "gpu_memory_utilization")
         if size.num_blocks < need:
             fits = size.num_blocks * config.block_size
             raise ValueError(

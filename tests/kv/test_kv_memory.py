@@ -150,3 +150,11 @@ def test_profile_forward_runs_more_tokens_than_the_context_on_a_tiny_model():
     model = build_model(ModelConfig.from_hf(cfg), LlamaForCausalLM(cfg).state_dict(), dtype=torch.float32,
                         device="cpu")
     assert profile_forward(model, EngineConfig(max_num_batched_tokens=40, max_num_seqs=4), 16) is None
+
+
+def test_pool_stops_at_max_num_seqs_full_context_sequences():
+    """An 80 GiB device and 4 sequences of 8192 tokens: 4 × 512 blocks, not the ~60 GiB the fraction allows —
+    the rest is left to the next engine in the process."""
+    size = size_kv_pool(EngineConfig(max_num_seqs=4), BLOCK_BYTES, 8192, FakeMemory(80 * GiB, 2 * GiB, 1 * GiB))
+    assert size.num_blocks == 4 * 8192 // 16
+    assert size.budget_bytes > size.num_blocks * BLOCK_BYTES  # the budget itself is reported uncapped
