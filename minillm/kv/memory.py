@@ -118,8 +118,9 @@ def size_kv_pool(config: EngineConfig, block_bytes: int, max_model_len: int, mem
 
     An explicit ``num_kv_blocks`` / ``kv_cache_bytes``, or no ``memory``, keeps ``EngineConfig.resolve_num_blocks``
     and never touches the probe.  Otherwise the pool gets ``gpu_memory_utilization × total − in use − peak``
-    bytes, at most ``max_num_seqs`` full-context sequences' blocks (more could never be in use at once); ValueError (naming the numbers and the fixes) when that holds less than one ``max_model_len`` sequence
-    — the longest request the engine accepts must fit, as in the CPU default.
+    bytes, at most ``max_num_seqs`` full-context sequences' blocks (more could never be in use at once);
+    ValueError (naming the numbers and the fixes) when that holds less than one ``max_model_len`` sequence — the
+    longest request the engine accepts must fit, as in the CPU default.
     """
     if memory is None or config.num_kv_blocks is not None or config.kv_cache_bytes is not None:
         blocks = config.resolve_num_blocks(block_bytes, max_model_len)
