@@ -241,6 +241,9 @@ class LLMEngine:
         """Run the step and commit it -> (updates, seconds in the runner: forward and sampling).  A failing request
         ends alone (``_run_isolated``); a failing speculative step is rerun without its drafts."""
         t = time.perf_counter()
+        # Seeded generators' states before sampling advances them: a failed step reruns its survivors from these
+        # (one small CPU copy per seeded sequence per step).
+        rng_states = self._rng_states(out)
         try:
             if self.speculator is None:
                 result = self.runner.run(out, self.config.return_logits)
@@ -249,24 +252,26 @@ class LLMEngine:
             failed: dict[Request, BaseException] = {}
         except Exception as e:  # noqa: BLE001 — a bad request must not take the engine down
             if any(s.drafts for s in out.scheduled):  # drop the drafts: the plain rerun isolates the culprit
+                for g, state in rng_states:
+                    g.set_state(state)
                 return self._run(self.speculator.without_drafts(out, self.block_manager))
-            out, result, failed = self._run_isolated(out, e)
+            out, result, failed = self._run_isolated(out, e, rng_states)
         run_s = time.perf_counter() - t
         updates = [u for request, exc in failed.items() for u in self._fail(request, exc)]
         if not out.is_empty:
             updates += self._postprocess(out, result)
         return updates, run_s
 
-    def _run_isolated(self, out: SchedulerOutput, error: Exception):
+    def _run_isolated(self, out: SchedulerOutput, error: Exception, rng_states: list):
         """The step's forward or sampling raised: rerun each request's chunks alone to find which one fails.
 
         The block copies already ran (they must not run twice: a swapped-out block may be reused this step);
-        writing the same K/V to the same slots again is harmless; seeded generators are rewound so the survivors
-        sample exactly what they would have.  -> (the survivors' SchedulerOutput, their StepResult, the failed).
+        writing the same K/V to the same slots again is harmless; seeded generators are rewound to ``rng_states``
+        (taken before the step ran) so the survivors sample exactly what they would have.  -> (the survivors' SchedulerOutput, their StepResult, the failed).
         """
         if out.is_empty:
             raise error  # the block copies themselves failed: no request to blame
-        for g, state in self._rng_states(out):
+        for g, state in rng_states:
             g.set_state(state)
         by_request: dict[Request, list] = {}
         for s in out.scheduled:

@@ -62,29 +62,35 @@ def prompts_of(seed: int, count: int) -> list[list[int]]:
     return [[rng.randrange(V) for _ in range(rng.randint(2, 16))] for _ in range(count)]
 
 
-def poison(eng: LLMEngine, bad: str, after_tokens: int = 0) -> None:
-    """Make every forward that includes request ``bad`` raise, once it has ``after_tokens`` output tokens."""
+def poison(eng: LLMEngine, bad: str, after_tokens: int = 0, after_sampling: bool = False) -> None:
+    """Make every step that includes request ``bad`` raise, once it has ``after_tokens`` output tokens: before the
+    forward, or (``after_sampling``) once every row has been sampled — the seeded generators have then advanced."""
     real = eng.runner.run
 
     def run(out, return_logits=False):
-        for s in out.scheduled:
-            if s.seq.request.request_id == bad and len(s.seq.output) >= after_tokens:
-                raise RuntimeError("injected fault")
-        return real(out, return_logits)
+        hit = any(s.seq.request.request_id == bad and len(s.seq.output) >= after_tokens for s in out.scheduled)
+        if hit and not after_sampling:
+            raise RuntimeError("injected fault")
+        result = real(out, return_logits)
+        if hit:
+            raise RuntimeError("injected fault")
+        return result
 
     eng.runner.run = run
 
 
 # ---- 1. a failing request fails alone ------------------------------------------------------------------------------
+@pytest.mark.parametrize("after_sampling", [False, True])
 @pytest.mark.parametrize("after_tokens", [0, 3])
-def test_a_request_whose_forward_raises_ends_with_error_and_the_others_finish(model, fresh_probe, after_tokens):
+def test_a_request_whose_forward_raises_ends_with_error_and_the_others_finish(model, fresh_probe, after_tokens,
+                                                                                after_sampling):
     prompts = prompts_of(0, 4)
     seeded = SamplingParams(max_tokens=8, temperature=1.0, seed=11, ignore_eos=True)
     params = [GREEDY, seeded, GREEDY, seeded]
     want = new_engine(model).generate(prompts[:3], params[:3])
     eng = new_engine(model)
     rids = [eng.add_request(p, sp, request_id=f"r{i}") for i, (p, sp) in enumerate(zip(prompts, params, strict=True))]
-    poison(eng, "r3", after_tokens)
+    poison(eng, "r3", after_tokens, after_sampling)
     while eng.has_unfinished_requests():
         eng.step()
     outs = [eng.pop_output(r) for r in rids]
