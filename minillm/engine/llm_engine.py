@@ -267,7 +267,8 @@ class LLMEngine:
 
         The block copies already ran (they must not run twice: a swapped-out block may be reused this step);
         writing the same K/V to the same slots again is harmless; seeded generators are rewound to ``rng_states``
-        (taken before the step ran) so the survivors sample exactly what they would have.  -> (the survivors' SchedulerOutput, their StepResult, the failed).
+        (taken before the step ran) so the survivors sample exactly what they would have.
+        -> (the survivors' SchedulerOutput, their StepResult, the failed).
         """
         if out.is_empty:
             raise error  # the block copies themselves failed: no request to blame
