@@ -4,13 +4,14 @@ listed in ``X-Ignored-Fields``), OpenAI's "off" values accepted, ``continuous_us
 with the default model's tokenizer as ``test_openai_server.py``."""
 
 import logging
+import time
 
 import pytest
 
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("uvicorn")
-from test_openai_server import CONTEXT, MODEL, LiveServer, tiny_hf_model  # noqa: E402
+from test_openai_server import CONTEXT, MODEL, LiveServer, metric, tiny_hf_model  # noqa: E402
 
 from minillm import EngineConfig, LLMEngine, ModelConfig  # noqa: E402
 from minillm.engine.inputs import chat_prompt_ids  # noqa: E402
@@ -154,3 +155,110 @@ def test_max_tokens_omitted_or_null_runs_to_the_end_of_the_context(live):
     long = [{"role": "user", "content": "word " * (CONTEXT - 40)}]
     r = live.client().chat.completions.create(model=MODEL, messages=long, extra_body={"ignore_eos": True})
     assert r.usage.total_tokens == CONTEXT and r.choices[0].finish_reason == "length"
+
+
+# ---- tokenizer endpoints, /version ----------------------------------------------------------------------------------
+def test_tokenize_a_prompt_counts_what_the_completions_endpoint_counts(live, tokenizer):
+    prompt = "The capital of France is"
+    r = httpx.post(live.url + "/tokenize", json={"model": MODEL, "prompt": prompt, "return_token_strs": True})
+    assert r.status_code == 200
+    body = r.json()
+    assert body["tokens"] == tokenizer(prompt).input_ids and body["count"] == len(body["tokens"])
+    assert body["max_model_len"] == CONTEXT and body["token_strs"] == tokenizer.convert_ids_to_tokens(body["tokens"])
+    used = live.client().completions.create(model=MODEL, prompt=prompt, max_tokens=1).usage.prompt_tokens
+    assert used == body["count"]
+
+
+def test_tokenize_messages_counts_what_the_chat_endpoint_counts(live, tokenizer):
+    r = httpx.post(live.url + "/tokenize", json={"messages": CHAT}).json()
+    assert r["tokens"] == chat_prompt_ids(tokenizer, CHAT) and r.get("token_strs") is None
+    assert r["count"] == live.client().chat.completions.create(model=MODEL, messages=CHAT,
+                                                               max_tokens=1).usage.prompt_tokens
+    bare = httpx.post(live.url + "/tokenize", json={"messages": CHAT, "add_generation_prompt": False}).json()
+    assert bare["tokens"] == chat_prompt_ids(tokenizer, CHAT, add_generation_prompt=False)
+    assert bare["count"] < r["count"] and r["tokens"][:bare["count"]] == bare["tokens"]
+
+
+def test_detokenize_round_trips_tokenize(live):
+    text = "Hello, world! Ünïcode too."
+    ids = httpx.post(live.url + "/tokenize", json={"prompt": text}).json()["tokens"]
+    assert httpx.post(live.url + "/detokenize", json={"model": MODEL, "tokens": ids}).json() == {"prompt": text}
+
+
+@pytest.mark.parametrize("path, body, param", [
+    ("/detokenize", {"tokens": [1, 49152, -3]}, "tokens"),
+    ("/detokenize", {"tokens": "abc"}, "tokens"),
+    ("/tokenize", {"messages": [{"role": "user", "content": "a"}], "prompt": "b"}, None),
+    ("/tokenize", {}, None),
+    ("/tokenize", {"messages": "hi"}, "messages"),
+])
+def test_bad_tokenizer_requests_are_400s_with_openai_bodies(live, path, body, param):
+    r = httpx.post(live.url + path, json=body)
+    assert r.status_code == 400 and set(r.json()["error"]) == {"message", "type", "param", "code"}
+    assert r.json()["error"]["param"] == param
+    if param == "tokens" and isinstance(body["tokens"], list):
+        assert "[49152, -3]" in r.json()["error"]["message"]
+
+
+def test_tokenize_with_an_unknown_model_is_a_404(live):
+    r = httpx.post(live.url + "/tokenize", json={"model": "gpt-5", "prompt": "x"})
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+
+
+def test_version_and_tokenizer_info(live, tokenizer):
+    from minillm import __version__
+
+    assert httpx.get(live.url + "/version").json() == {"version": __version__}
+    info = httpx.get(live.url + "/tokenizer_info").json()
+    assert info["tokenizer_class"] == type(tokenizer).__name__ and info["model_max_length"] == CONTEXT
+    assert info["eos_token"] == tokenizer.eos_token and info["chat_template"] == tokenizer.chat_template
+    assert not any(k.endswith("_file") for k in info)
+
+
+# ---- vLLM's metric names --------------------------------------------------------------------------------------------
+VLLM_SERIES = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+               "vllm:gpu_cache_usage_perc", "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total",
+               "vllm:prompt_tokens_total", "vllm:generation_tokens_total", "vllm:time_to_first_token_seconds_count",
+               "vllm:inter_token_latency_seconds_count", "vllm:time_per_output_token_seconds_count",
+               "vllm:request_time_per_output_token_seconds_count", "vllm:e2e_request_latency_seconds_count",
+               "vllm:request_queue_time_seconds_count", "vllm:spec_decode_num_draft_tokens_total")
+
+
+def vllm_metric(text: str, name: str) -> float:
+    return metric(text, rf'{name}\{{model_name="{MODEL}"\}}')
+
+
+def test_metrics_are_exported_under_vllms_names_and_move_with_minillms(live):
+    before = httpx.get(live.url + "/metrics").text
+    r = live.client().completions.create(model=MODEL, prompt="Count: one two", max_tokens=4,
+                                         extra_body={"ignore_eos": True})
+    deadline = time.monotonic() + 10  # the loop thread publishes its state just after answering
+    while vllm_metric(after := httpx.get(live.url + "/metrics").text, "vllm:prefix_cache_queries_total") == \
+            vllm_metric(before, "vllm:prefix_cache_queries_total"):
+        assert time.monotonic() < deadline, "the prefix-cache lookups never showed"
+        time.sleep(0.02)
+    for name in VLLM_SERIES:
+        vllm_metric(after, name)  # present, with the model_name label
+    grew = {name: vllm_metric(after, name) - vllm_metric(before, name) for name in VLLM_SERIES}
+    assert grew["vllm:prompt_tokens_total"] == r.usage.prompt_tokens
+    assert grew["vllm:generation_tokens_total"] == 4 and grew["vllm:e2e_request_latency_seconds_count"] == 1
+    assert grew["vllm:time_to_first_token_seconds_count"] == 1 and grew["vllm:inter_token_latency_seconds_count"] == 3
+    assert grew["vllm:prefix_cache_queries_total"] >= r.usage.prompt_tokens - 1
+    for vllm_name, own in [("vllm:prompt_tokens_total", "minillm_prompt_tokens_total"),
+                           ("vllm:e2e_request_latency_seconds_sum", "minillm_e2e_request_latency_seconds_sum"),
+                           ("vllm:num_requests_running", "minillm_num_sequences_running")]:
+        assert vllm_metric(after, vllm_name) == metric(after, own)  # one source
+    assert 'vllm:request_success_total{finished_reason="length",model_name="SmolLM2-135M-Instruct"}' in after
+    used, total = metric(after, "minillm_kv_blocks_used"), metric(after, "minillm_kv_blocks_total")
+    assert vllm_metric(after, "vllm:kv_cache_usage_perc") == pytest.approx(used / total)
+
+
+def test_kv_cache_usage_is_above_zero_while_a_request_runs(live):
+    body = {"model": MODEL, "prompt": "A long story:", "max_tokens": CONTEXT - 16, "ignore_eos": True, "stream": True}
+    with httpx.Client(base_url=live.url, timeout=60) as client:
+        with client.stream("POST", "/v1/completions", json=body) as r:
+            lines = (line for line in r.iter_lines() if line.startswith("data:"))
+            next(lines)
+            text = httpx.get(live.url + "/metrics").text
+            assert 0 < vllm_metric(text, "vllm:kv_cache_usage_perc") <= 1
+            assert vllm_metric(text, "vllm:num_requests_running") == 1

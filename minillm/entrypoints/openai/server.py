@@ -39,11 +39,13 @@ from minillm.entrypoints.openai.engine_loop import (
 from minillm.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
 from minillm.entrypoints.openai.sse import StreamMeta, sse_stream
 from minillm.entrypoints.openai.sse import event as sse
+from minillm.entrypoints.openai.tokenization import add_tokenization_routes
 from minillm.outputs import StepOutput
 from minillm.sampling.params import SamplingParams
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
-PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
+PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics", "/tokenize", "/detokenize",
+         "/tokenizer_info", "/version")
 
 
 class APIError(Exception):
@@ -366,8 +368,8 @@ def build_app(llm_or_engine, *, served_model_name: str | Sequence[str] | None = 
 
     engine = getattr(llm_or_engine, "engine", llm_or_engine)  # an LLM builds its engine here, before the thread
     names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name or [])
-    server = Server(EngineLoop(engine, max_queue=max_queue, ttft_slo_s=ttft_slo_s), ServerMetrics(),
-                    names or [DEFAULT_MODEL_NAME])
+    names = names or [DEFAULT_MODEL_NAME]
+    server = Server(EngineLoop(engine, max_queue=max_queue, ttft_slo_s=ttft_slo_s), ServerMetrics(names[0]), names)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -382,6 +384,7 @@ def build_app(llm_or_engine, *, served_model_name: str | Sequence[str] | None = 
     app.add_middleware(Gate, metrics=server.metrics, api_key=api_key, max_body_bytes=max_body_bytes)
     _add_error_handlers(app)
     _add_routes(app, server)
+    add_tokenization_routes(app, server, engine.tokenizer)
     return app
 
 
