@@ -1,14 +1,18 @@
 """An OpenAI-compatible HTTP server over ``LLMEngine``: FastAPI + uvicorn, as vLLM and ``transformers serve``.
 
     POST /v1/completions        POST /v1/chat/completions   (JSON, or SSE with "stream": true)
-    GET  /v1/models             GET  /health                 GET /metrics (Prometheus text)
+    GET  /v1/models             GET  /health                GET /metrics (Prometheus text, minillm_* and vllm:*)
+    POST /tokenize              POST /detokenize            GET /tokenizer_info     GET /version  (tokenization.py)
 
 Handlers validate a request (pydantic models in ``protocol.py``; ``SamplingParams`` checks the values), hand it to
-the ``EngineLoop`` thread and stream back what it produces.  Every error is OpenAI's
-``{"error": {"message", "type", "param", "code"}}``: 400 bad values and malformed JSON, 401 wrong API key,
-404 unknown model, 413 prompt over the context (or body over ``max_body_bytes``), 429 admission queue full or
-(with a TTFT budget, ``admission.py``) overloaded, both with ``Retry-After``, 503 shutting down.  A client that
-disconnects aborts its request, which frees its KV blocks.
+the ``EngineLoop`` thread and stream back what it produces.  Requests follow vLLM's semantics (``compat.py``):
+unknown fields are ignored (logged once per name, listed in the ``X-Ignored-Fields`` response header), OpenAI's
+"off" values of unimplemented fields are accepted, ``max_tokens`` null (or omitted, in chat) means the rest of the
+context.  Every error is OpenAI's ``{"error": {"message", "type", "param", "code"}}``: 400 bad values, malformed
+JSON, fields the engine cannot honour (code ``unsupported_parameter``) and a prompt, or prompt + ``max_tokens``,
+over the context (code ``context_length_exceeded``); 401 wrong API key on ``/v1``; 404 unknown model; 413 body
+over ``max_body_bytes``; 429 admission queue full or (with a TTFT budget, ``admission.py``) overloaded, both with
+``Retry-After``; 503 shutting down.  A client that disconnects aborts its request, which frees its KV blocks.
 """
 
 from __future__ import annotations
@@ -384,7 +388,7 @@ def build_app(llm_or_engine, *, served_model_name: str | Sequence[str] | None = 
     app.add_middleware(Gate, metrics=server.metrics, api_key=api_key, max_body_bytes=max_body_bytes)
     _add_error_handlers(app)
     _add_routes(app, server)
-    add_tokenization_routes(app, server, engine.tokenizer)
+    add_tokenization_routes(app, server, engine.tokenizer, APIError)
     return app
 
 

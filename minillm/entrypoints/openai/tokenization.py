@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import threading
+from collections.abc import Callable
 from typing import Any
 
 from fastapi import FastAPI, Response
@@ -129,11 +130,11 @@ def _json_safe(value):
     return _UNSAFE
 
 
-def add_tokenization_routes(app: FastAPI, server, tokenizer) -> None:
-    """Register the endpoints on ``app``; ``server`` (``server.Server``) checks ``model``, maps errors and logs
-    ignored fields; ``tokenizer``: the engine's (copied on first use)."""
+def add_tokenization_routes(app: FastAPI, server, tokenizer, api_error: Callable[..., Exception]) -> None:
+    """Register the endpoints on ``app``.  ``server`` (a ``server.Server``) checks ``model`` and logs ignored
+    fields; ``tokenizer``: the engine's (copied on first use); ``api_error(status, message, param=...)``: the
+    server's error (answered with OpenAI's body), passed in so that this module does not import the server."""
     from minillm import __version__
-    from minillm.entrypoints.openai.server import APIError, _param_of
 
     tk = Tokenization(tokenizer, server.loop.max_model_len)
 
@@ -142,7 +143,7 @@ def add_tokenization_routes(app: FastAPI, server, tokenizer) -> None:
         try:
             return await asyncio.to_thread(fn, body)
         except ValueError as e:
-            raise APIError(400, str(e), param=_param_of(str(e)) or param) from e
+            raise api_error(400, str(e), param=param) from e
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest, response: Response):
@@ -159,7 +160,7 @@ def add_tokenization_routes(app: FastAPI, server, tokenizer) -> None:
         try:
             return await asyncio.to_thread(tk.info)
         except ValueError as e:
-            raise APIError(400, str(e)) from e
+            raise api_error(400, str(e)) from e
 
     @app.get("/version")
     async def version():
