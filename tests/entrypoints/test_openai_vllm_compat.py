@@ -92,6 +92,19 @@ def test_values_the_engine_cannot_honour_stay_400s_naming_the_field(live, on):
     assert e.value.body["code"] == "unsupported_parameter" and e.value.body["param"] in on
 
 
+@pytest.mark.parametrize("extra", [{"min_p": 0.1}, {"guided_json": {"type": "object"}}, {"repetition_penalty": 1.2},
+                                   {"guided_choice": ["a", "b"]}])
+def test_vllm_extensions_not_implemented_yet_are_400s_not_ignored(live, extra):
+    with pytest.raises(openai.BadRequestError) as e:
+        chat(live, extra_body=extra)
+    assert e.value.body["code"] == "unsupported_parameter" and e.value.body["param"] in extra
+
+
+def test_vllm_extensions_at_their_off_values_are_accepted_and_not_listed_as_ignored(live):
+    raw = chat(live, extra_body={"min_p": 0, "repetition_penalty": 1.0, "guided_json": None, "stop_token_ids": []})
+    assert raw.parse().choices and "x-ignored-fields" not in raw.headers
+
+
 # ---- streaming usage ------------------------------------------------------------------------------------------------
 def test_continuous_usage_stats_puts_the_usage_so_far_in_every_chunk(live):
     chunks = list(live.client().chat.completions.create(

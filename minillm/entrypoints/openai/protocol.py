@@ -7,8 +7,9 @@ logs one warning per unknown field name and lists the request's ignored fields i
 response header (``ignored_fields``), so a client can still see them.  Fields OpenAI defines but minillm cannot
 honour yet (``logprobs``, ``tools``, penalties, ...) are declared: their "off" values (``logprobs=false``,
 ``tools=[]``, ``response_format={"type": "text"}``, ... in ``OFF_VALUES``) are accepted, anything else is a 400
-naming the field (``unsupported_fields``).  ``top_k`` and ``ignore_eos`` are vLLM's extensions, accepted with
-vLLM's meanings.
+naming the field (``unsupported_fields``); so are vLLM's extensions minillm does not implement yet (``min_p``,
+``guided_json``, ... in ``VLLM_EXTRA_OFF_VALUES``), which are known, not ignored.  ``top_k`` and ``ignore_eos``
+are vLLM's extensions, accepted with vLLM's meanings.
 """
 
 from __future__ import annotations
@@ -27,6 +28,15 @@ OFF_VALUES: dict[str, tuple] = {
     "logit_bias": (None, {}), "presence_penalty": (None, 0.0, 0), "frequency_penalty": (None, 0.0, 0),
     "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []), "function_call": (None, "none"),
     "response_format": (None, {"type": "text"}), "parallel_tool_calls": (None, False),
+}
+# vLLM's extensions (sent as extra fields) that minillm does not implement yet, with their "off" values (null is
+# off too).  Known, so a value that asks for them is a 400 naming the field rather than silently ignored like an
+# unknown field; a field that the request models declare is never looked up here.
+VLLM_EXTRA_OFF_VALUES: dict[str, tuple] = {
+    "min_p": (0.0, 0), "repetition_penalty": (1.0, 1), "min_tokens": (0,), "stop_token_ids": ([],),
+    "include_stop_str_in_output": (False,), "prompt_logprobs": (), "guided_json": (), "guided_regex": (),
+    "guided_choice": (), "guided_grammar": (), "structured_outputs": (), "use_beam_search": (False,),
+    "length_penalty": (1.0, 1), "bad_words": ([],), "allowed_token_ids": (), "truncate_prompt_tokens": (),
 }
 
 
@@ -107,6 +117,9 @@ def unsupported_fields(request: BaseModel) -> list[str]:
     """Names of the fields set to something other than a "not used" value (the engine cannot honour them)."""
     bad = [name for name, offs in OFF_VALUES.items()
            if name in request.model_fields_set and not _is_off(getattr(request, name, None), offs)]
+    extra = request.model_extra or {}
+    bad += [name for name, offs in VLLM_EXTRA_OFF_VALUES.items()
+            if name in extra and not _is_off(extra[name], (None, *offs))]
     best_of = getattr(request, "best_of", None)
     if best_of is not None and best_of != request.n:
         bad.append("best_of")
@@ -115,8 +128,9 @@ def unsupported_fields(request: BaseModel) -> list[str]:
 
 def ignored_fields(request: BaseModel, prefix: str = "") -> list[str]:
     """The request's unknown fields (dotted paths, e.g. ``store``, ``stream_options.foo``), which the server
-    ignores; nested request models are searched too."""
-    out = [prefix + name for name in (request.model_extra or {})]
+    ignores; nested request models are searched too.  vLLM's known extensions are not listed (an "off" one asks
+    for nothing; any other value is refused by ``unsupported_fields``)."""
+    out = [prefix + name for name in (request.model_extra or {}) if name not in VLLM_EXTRA_OFF_VALUES]
     for name in request.model_fields_set:
         value = getattr(request, name)
         if isinstance(value, OpenAIBaseModel):
