@@ -218,6 +218,18 @@ def test_tokenize_with_an_unknown_model_is_a_404(live):
     assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
 
 
+def test_without_a_tokenizer_the_tokenizer_endpoints_are_400s(live):
+    engine = live.app.state.server.loop.engine
+    server = LiveServer(build_app(LLMEngine(engine.model, None, EngineConfig(max_num_seqs=1))))
+    try:
+        for path, body in [("/tokenize", {"prompt": "x"}), ("/detokenize", {"tokens": [1]})]:
+            r = httpx.post(server.url + path, json=body)
+            assert r.status_code == 400 and "no tokenizer" in r.json()["error"]["message"]
+        assert httpx.get(server.url + "/tokenizer_info").status_code == 400
+    finally:
+        server.stop()
+
+
 def test_version_and_tokenizer_info(live, tokenizer):
     from minillm import __version__
 

@@ -6,10 +6,11 @@
     GET  /tokenizer_info                                          -> {"tokenizer_class", ...tokenizer_config}
     GET  /version                                                 -> {"version": minillm.__version__}
 
-The same tokenizer as the engine, but a private copy used on a worker thread: the engine's own is touched only by
+The same tokenizer as the engine, but a private copy used on worker threads: the engine's own is touched only by
 the engine loop thread (a fast tokenizer refuses concurrent use), and a tokenize call must not wait for an engine
-step.  The copy is made on first use (it costs about as much as loading the tokenizer).  Bad input (token ids
-outside the vocabulary, a chat the template rejects, no tokenizer) is a 400 with OpenAI's error body.
+step.  The copy is made when the app is built, before the loop thread starts (copying while the loop tokenizes
+would be concurrent use too); it costs about as much as loading the tokenizer.  Bad input (token ids outside the
+vocabulary, a chat the template rejects, no tokenizer) is a 400 with OpenAI's error body.
 """
 
 from __future__ import annotations
@@ -63,18 +64,17 @@ class DetokenizeResponse(p.BaseModel):
 
 
 class Tokenization:
-    """The endpoints' tokenizer: a lazily made copy of ``tokenizer``, used under a lock on worker threads."""
+    """The endpoints' tokenizer: a copy of ``tokenizer`` (None: the model has none), used under a lock on worker
+    threads.  Build it before anything else uses ``tokenizer`` concurrently."""
 
     def __init__(self, tokenizer, max_model_len: int):
-        self.source, self.max_model_len = tokenizer, max_model_len
-        self._copy = None
+        self.max_model_len = max_model_len
+        self._copy = None if tokenizer is None else copy.deepcopy(tokenizer)
         self._lock = threading.Lock()
 
     def _tokenizer(self):
-        if self.source is None:
-            raise ValueError("this model has no tokenizer: the server takes and returns token ids only")
         if self._copy is None:
-            self._copy = copy.deepcopy(self.source)
+            raise ValueError("this model has no tokenizer: the server takes and returns token ids only")
         return self._copy
 
     def tokenize(self, body: TokenizeRequest) -> TokenizeResponse:
@@ -132,7 +132,7 @@ def _json_safe(value):
 
 def add_tokenization_routes(app: FastAPI, server, tokenizer, api_error: Callable[..., Exception]) -> None:
     """Register the endpoints on ``app``.  ``server`` (a ``server.Server``) checks ``model`` and logs ignored
-    fields; ``tokenizer``: the engine's (copied on first use); ``api_error(status, message, param=...)``: the
+    fields; ``tokenizer``: the engine's (copied now); ``api_error(status, message, param=...)``: the
     server's error (answered with OpenAI's body), passed in so that this module does not import the server."""
     from minillm import __version__
 
