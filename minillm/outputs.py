@@ -149,6 +149,8 @@ class EngineState:
     kv_tokens_total: int = 0  # tokens the device pool holds: blocks × block_size
     kv_max_full_sequences: int = 0  # max_model_len-token sequences that fit the pool at once
     prefix_hit_rate: float = 0.0  # prompt tokens served from the prefix cache / prompt tokens looked up
+    prefix_query_tokens: int = 0  # prompt tokens looked up in the prefix cache
+    prefix_hit_tokens: int = 0  # of those, served from it
     steps: int = 0
     preemptions: int = 0
     spec_verify_steps: int = 0  # speculative decoding: sequence-steps that verified drafts

@@ -137,7 +137,8 @@ class LLMEngine:
             kv_blocks_used=bm.device.num_used, kv_blocks_total=bm.device.num_blocks,
             kv_tokens_total=bm.device.num_blocks * self.config.block_size,
             kv_max_full_sequences=full_sequences(bm.device.num_blocks, self.config.block_size, self.max_model_len),
-            prefix_hit_rate=bm.prefix_stats.hit_rate, steps=s.stats.steps, preemptions=s.stats.preemptions,
+            prefix_hit_rate=bm.prefix_stats.hit_rate, prefix_query_tokens=bm.prefix_stats.query_tokens,
+            prefix_hit_tokens=bm.prefix_stats.hit_tokens, steps=s.stats.steps, preemptions=s.stats.preemptions,
             spec_verify_steps=spec.verify_steps if spec else 0, spec_draft_tokens=spec.draft_tokens if spec else 0,
             spec_accepted_tokens=spec.accepted_tokens if spec else 0)
 

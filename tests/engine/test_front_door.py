@@ -112,3 +112,10 @@ def test_stream_limits_equal_generate_limits(model):
         with pytest.raises(ValueError, match="context is 32 tokens"):
             call([too_long])
     assert eng.num_live_requests == 0
+
+
+def test_prompt_plus_max_tokens_over_the_context_is_cut_at_the_context_as_in_vllms_offline_llm(model):
+    # (the OpenAI server refuses such a request up front with a 400; the Python API runs it to the context)
+    eng = LLMEngine(model, config=EngineConfig(block_size=4, max_model_len=32))
+    out = eng.generate([list(range(28))], SamplingParams(max_tokens=10**6, temperature=0, ignore_eos=True))[0]
+    assert len(out.outputs[0].token_ids) == 4 and out.outputs[0].finish_reason == "length"

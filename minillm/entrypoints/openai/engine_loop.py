@@ -26,6 +26,7 @@ from dataclasses import dataclass, replace
 
 from minillm.engine.inputs import chat_prompt_ids
 from minillm.entrypoints.openai.admission import AdmissionState, TTFTEstimator, queued_prefill_tokens, steps_to_seat
+from minillm.entrypoints.openai.compat import context_error
 from minillm.outputs import EngineState, RequestOutput, StepOutput
 from minillm.sampling.params import SamplingParams
 
@@ -52,7 +53,8 @@ class ShuttingDown(Exception):
 
 
 class PromptTooLong(ValueError):
-    """The prompt leaves no room in the context for a single output token (413)."""
+    """The request does not fit the context: the prompt leaves no room for an output token, or prompt + an explicit
+    ``max_tokens`` is over it (400 ``context_length_exceeded``; the rule is ``compat.context_error``)."""
 
 
 class EngineFailed(RuntimeError):
@@ -68,6 +70,7 @@ class _Add:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
     reply: concurrent.futures.Future  # -> the prompt's token ids, or the exception that refused it
+    max_tokens_given: bool = True  # False: params.max_tokens stands for "the rest of the context" (not checked)
 
 
 @dataclass(frozen=True)
@@ -175,9 +178,11 @@ class EngineLoop:
             self._thread.join(join_s)
 
     async def submit(self, prompt: Prompt, params: SamplingParams, request_id: str,
-                     arrival_time: float | None = None) -> RequestStream:
+                     arrival_time: float | None = None, *, max_tokens_given: bool = True) -> RequestStream:
         """Queue a request; returns its stream once the engine has accepted it.  Raises ``QueueFull``,
-        ``ShuttingDown``, ``PromptTooLong`` or the engine's ``ValueError`` (then nothing is queued)."""
+        ``ShuttingDown``, ``PromptTooLong`` or the engine's ``ValueError`` (then nothing is queued).
+        ``max_tokens_given`` False: the client left ``max_tokens`` out, so ``params.max_tokens`` only caps the
+        output at the context and prompt + ``max_tokens`` is not checked against it."""
         if self._stopping or not self._thread.is_alive():
             raise ShuttingDown("the server is shutting down")
         if self._in_flight >= self.capacity:
@@ -188,7 +193,7 @@ class EngineLoop:
         reply: concurrent.futures.Future = concurrent.futures.Future()
         self._in_flight += 1
         add = _Add(prompt, params, request_id, time.perf_counter() if arrival_time is None else arrival_time,
-                   asyncio.get_running_loop(), updates, reply)
+                   asyncio.get_running_loop(), updates, reply, max_tokens_given)
         self._commands.put(add)
         try:
             ids = await asyncio.wrap_future(reply)
@@ -302,9 +307,10 @@ class EngineLoop:
     def _add(self, c: _Add) -> None:
         try:
             ids = self._encode(c.prompt)
-            if len(ids) >= self.max_model_len:
-                raise PromptTooLong(f"the prompt has {len(ids)} tokens but the model's context is "
-                                    f"{self.max_model_len} tokens (room is needed for at least one output token)")
+            too_long = context_error(len(ids), c.params.max_tokens if c.max_tokens_given else None,
+                                     self.max_model_len)
+            if too_long:
+                raise PromptTooLong(too_long)
             state, waited = self._queue_state(self.admission.estimator), time.perf_counter() - c.arrival_time
             self._shed(state, len(ids), waited)
             self.engine.add_request(ids, c.params, c.request_id, c.arrival_time)

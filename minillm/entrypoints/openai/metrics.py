@@ -2,7 +2,9 @@
 
 Latencies are histograms (a scraper computes any percentile over any window from the bucket counts); engine
 state is gauges read from the loop thread's latest ``EngineState`` at scrape time.  Each app gets its own
-``CollectorRegistry``, so two servers in one process (tests) never share counters.
+``CollectorRegistry``, so two servers in one process (tests) never share counters.  Every series is exported twice:
+as ``minillm_*`` and under vLLM's names (``vllm:*``, labelled ``model_name``; ``VllmNames``), so dashboards built
+for vLLM work unchanged; the vLLM series are renamed copies of the minillm ones at scrape time, not second counts.
 """
 
 from __future__ import annotations
@@ -20,9 +22,10 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
 class ServerMetrics:
-    """The server's Prometheus metrics (names prefixed ``minillm_``)."""
+    """The server's Prometheus metrics (names prefixed ``minillm_``, and again under vLLM's names with
+    ``model_name``: the served model's first name)."""
 
-    def __init__(self):
+    def __init__(self, model_name: str = "minillm"):
         from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
         self.registry = r = CollectorRegistry()
@@ -70,6 +73,10 @@ class ServerMetrics:
                                   "(max_model_len) that fit the KV pool at once", registry=r)
         self.prefix_hit_rate = Gauge("minillm_prefix_cache_hit_rate", "Prompt tokens served from the prefix cache "
                                      "/ prompt tokens looked up, since start", registry=r)
+        self.prefix_queries = Gauge("minillm_prefix_cache_query_tokens", "Prompt tokens looked up in the prefix "
+                                    "cache, since start", registry=r)
+        self.prefix_hits = Gauge("minillm_prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache, "
+                                 "since start", registry=r)
         # Speculative decoding (zero without a speculative_config).  Engine-wide counts since start, exported as
         # gauges because the engine owns the counting; rate() over them works the same in PromQL.
         self.spec_draft = Gauge("minillm_spec_decode_num_draft_tokens", "Draft tokens proposed, since start",
@@ -80,6 +87,7 @@ class ServerMetrics:
                                  "(one target forward each), since start", registry=r)
         self.spec_acceptance = Gauge("minillm_spec_decode_acceptance_rate", "Accepted / proposed draft tokens, "
                                      "since start (0 before any)", registry=r)
+        r.register(VllmNames(self, model_name))
 
     def count_response(self, path: str, status: int) -> None:
         self.http_requests.labels(path=path, status=str(status)).inc()
@@ -123,8 +131,73 @@ class ServerMetrics:
         self.kv_tokens.set(snapshot.kv_tokens_total)
         self.kv_full_seqs.set(snapshot.kv_max_full_sequences)
         self.prefix_hit_rate.set(snapshot.prefix_hit_rate)
+        self.prefix_queries.set(snapshot.prefix_query_tokens)
+        self.prefix_hits.set(snapshot.prefix_hit_tokens)
         self.spec_draft.set(snapshot.spec_draft_tokens)
         self.spec_accepted.set(snapshot.spec_accepted_tokens)
         self.spec_verify.set(snapshot.spec_verify_steps)
         self.spec_acceptance.set(snapshot.spec_acceptance_rate or 0.0)
         return generate_latest(self.registry)
+
+
+# vLLM's name for each minillm series it has (vLLM V1's names, and V0's where dashboards still use them).
+VLLM_RENAMES: tuple[tuple[str, str], ...] = (
+    ("minillm_num_sequences_running", "vllm:num_requests_running"),
+    ("minillm_num_sequences_waiting", "vllm:num_requests_waiting"),
+    ("minillm_num_sequences_swapped", "vllm:num_requests_swapped"),
+    ("minillm_prefix_cache_hit_rate", "vllm:gpu_prefix_cache_hit_rate"),
+    ("minillm_time_to_first_token_seconds", "vllm:time_to_first_token_seconds"),
+    ("minillm_inter_token_latency_seconds", "vllm:inter_token_latency_seconds"),
+    ("minillm_inter_token_latency_seconds", "vllm:time_per_output_token_seconds"),  # V0's name for the same
+    ("minillm_time_per_output_token_seconds", "vllm:request_time_per_output_token_seconds"),
+    ("minillm_e2e_request_latency_seconds", "vllm:e2e_request_latency_seconds"),
+    ("minillm_request_queue_time_seconds", "vllm:request_queue_time_seconds"),
+    ("minillm_prompt_tokens", "vllm:prompt_tokens"),
+    ("minillm_generation_tokens", "vllm:generation_tokens"),
+    ("minillm_request_success", "vllm:request_success"),
+)
+# minillm gauges of engine-wide counts since start: vLLM exports them as counters.
+VLLM_COUNTERS: tuple[tuple[str, str], ...] = (
+    ("minillm_prefix_cache_query_tokens", "vllm:prefix_cache_queries"),
+    ("minillm_prefix_cache_hit_tokens", "vllm:prefix_cache_hits"),
+    ("minillm_spec_decode_num_draft_tokens", "vllm:spec_decode_num_draft_tokens"),
+    ("minillm_spec_decode_num_accepted_tokens", "vllm:spec_decode_num_accepted_tokens"),
+)
+
+
+class VllmNames:
+    """A Prometheus collector that re-exports ``metrics``' series under vLLM's names, with a ``model_name`` label
+    (and vLLM's ``finished_reason`` for minillm's ``finish_reason``), plus ``vllm:kv_cache_usage_perc`` (and V0's
+    ``vllm:gpu_cache_usage_perc``): KV blocks used / total, a fraction in [0, 1] as vLLM reports it.  Runs at
+    scrape time on the values just collected, so each number has one source."""
+
+    def __init__(self, metrics: ServerMetrics, model_name: str):
+        self.metrics, self.model_name = metrics, model_name
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+        m = self.metrics
+        sources = [m.running, m.waiting, m.swapped, m.prefix_hit_rate, m.ttft, m.itl, m.tpot, m.e2e, m.queue,
+                   m.prompt_tokens, m.generation_tokens, m.finished, m.prefix_queries, m.prefix_hits,
+                   m.spec_draft, m.spec_accepted, m.kv_used, m.kv_total]
+        families = {f.name: f for source in sources for f in source.collect()}
+        label = {"model_name": self.model_name}
+        for old, new in VLLM_RENAMES:
+            f = families[old]
+            out = Metric(new, f.documentation, f.type)
+            for s in f.samples:
+                labels = {("finished_reason" if k == "finish_reason" else k): v for k, v in s.labels.items()}
+                out.add_sample(new + s.name[len(old):], {**label, **labels}, s.value)
+            yield out
+        for old, new in VLLM_COUNTERS:
+            f = families[old]
+            out = CounterMetricFamily(new, f.documentation, labels=["model_name"])
+            out.add_metric([self.model_name], f.samples[0].value)
+            yield out
+        used, total = (families[f"minillm_kv_blocks_{k}"].samples[0].value for k in ("used", "total"))
+        for name in ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"):
+            out = GaugeMetricFamily(name, "KV-cache usage: blocks used / blocks total (1 = full)",
+                                    labels=["model_name"])
+            out.add_metric([self.model_name], used / total if total else 0.0)
+            yield out

@@ -1,9 +1,15 @@
 """OpenAI's request and response bodies as pydantic models, with OpenAI's field names.
 
-Requests forbid unknown fields (OpenAI answers "Unrecognized request argument" too), so a typo such as
-``temprature`` is a 400, not a silently ignored setting.  Fields OpenAI defines but minillm cannot honour
-(``logprobs``, ``tools``, penalties, ...) are declared so that ``unsupported_fields`` can name them in a 400;
-``top_k`` and ``ignore_eos`` are vLLM's extensions, accepted with vLLM's meanings.
+Requests ignore unknown fields, as vLLM does (api.openai.com refuses them): clients written for newer SDKs or
+for other servers send fields minillm does not know (``store``, ``metadata``, ``service_tier``, ...), and refusing
+them breaks those clients.  The cost is that a typo such as ``temprature`` is silently ignored too: the server
+logs one warning per unknown field name and lists the request's ignored fields in its ``X-Ignored-Fields``
+response header (``ignored_fields``), so a client can still see them.  Fields OpenAI defines but minillm cannot
+honour yet (``logprobs``, ``tools``, penalties, ...) are declared: their "off" values (``logprobs=false``,
+``tools=[]``, ``response_format={"type": "text"}``, ... in ``OFF_VALUES``) are accepted, anything else is a 400
+naming the field (``unsupported_fields``); so are vLLM's extensions minillm does not implement yet (``min_p``,
+``guided_json``, ... in ``VLLM_EXTRA_OFF_VALUES``), which are known, not ignored.  ``top_k`` and ``ignore_eos``
+are vLLM's extensions, accepted with vLLM's meanings.
 """
 
 from __future__ import annotations
@@ -14,24 +20,38 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-# OpenAI fields the engine has no implementation for, with the value that means "not used".
-UNSUPPORTED_DEFAULTS: dict[str, Any] = {
-    "logprobs": None, "top_logprobs": None, "echo": False, "best_of": None, "suffix": None, "logit_bias": None,
-    "presence_penalty": 0.0, "frequency_penalty": 0.0, "tools": None, "tool_choice": None, "functions": None,
-    "function_call": None, "response_format": None, "parallel_tool_calls": None,
+# OpenAI fields the engine has no implementation for, with the values that mean "not used" (compared with their
+# type: completions' logprobs=0 asks for the sampled token's logprob, it is not logprobs=false).  ``best_of`` is
+# off when it equals ``n`` (see unsupported_fields).
+OFF_VALUES: dict[str, tuple] = {
+    "logprobs": (None, False), "top_logprobs": (None, 0), "echo": (False,), "suffix": (None,),
+    "logit_bias": (None, {}), "presence_penalty": (None, 0.0, 0), "frequency_penalty": (None, 0.0, 0),
+    "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []), "function_call": (None, "none"),
+    "response_format": (None, {"type": "text"}), "parallel_tool_calls": (None, False),
+}
+# vLLM's extensions (sent as extra fields) that minillm does not implement yet, with their "off" values (null is
+# off too).  Known, so a value that asks for them is a 400 naming the field rather than silently ignored like an
+# unknown field; a field that the request models declare is never looked up here.
+VLLM_EXTRA_OFF_VALUES: dict[str, tuple] = {
+    "min_p": (0.0, 0), "repetition_penalty": (1.0, 1), "min_tokens": (0,), "stop_token_ids": ([],),
+    "include_stop_str_in_output": (False,), "prompt_logprobs": (), "guided_json": (), "guided_regex": (),
+    "guided_choice": (), "guided_grammar": (), "structured_outputs": (), "use_beam_search": (False,),
+    "length_penalty": (1.0, 1), "bad_words": ([],), "allowed_token_ids": (), "truncate_prompt_tokens": (),
 }
 
 
 class OpenAIBaseModel(BaseModel):
-    """Base of the request models: unknown fields are an error, as on api.openai.com."""
+    """Base of the request models: unknown fields are kept in ``model_extra`` and ignored (``ignored_fields``)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="allow")
 
 
 class StreamOptions(OpenAIBaseModel):
-    """``stream_options``: ``include_usage`` adds a last chunk with no choices and the request's usage."""
+    """``stream_options``: ``include_usage`` adds a last chunk with no choices and the request's usage;
+    ``continuous_usage_stats`` (vLLM's extension, with ``include_usage``) puts the usage so far in every chunk."""
 
     include_usage: bool = False
+    continuous_usage_stats: bool = False
 
 
 class _SamplingFields(OpenAIBaseModel):
@@ -89,10 +109,33 @@ class ChatCompletionRequest(_SamplingFields):
     parallel_tool_calls: Any = None
 
 
+def _is_off(value: Any, offs: tuple) -> bool:
+    return any(type(value) is type(off) and value == off for off in offs)
+
+
 def unsupported_fields(request: BaseModel) -> list[str]:
-    """Names of the fields set to something other than their "not used" value (the engine cannot honour them)."""
-    return [name for name, off in UNSUPPORTED_DEFAULTS.items()
-            if name in request.model_fields_set and getattr(request, name, off) not in (off, None)]
+    """Names of the fields set to something other than a "not used" value (the engine cannot honour them)."""
+    bad = [name for name, offs in OFF_VALUES.items()
+           if name in request.model_fields_set and not _is_off(getattr(request, name, None), offs)]
+    extra = request.model_extra or {}
+    bad += [name for name, offs in VLLM_EXTRA_OFF_VALUES.items()
+            if name in extra and not _is_off(extra[name], (None, *offs))]
+    best_of = getattr(request, "best_of", None)
+    if best_of is not None and best_of != request.n:
+        bad.append("best_of")
+    return bad
+
+
+def ignored_fields(request: BaseModel, prefix: str = "") -> list[str]:
+    """The request's unknown fields (dotted paths, e.g. ``store``, ``stream_options.foo``), which the server
+    ignores; nested request models are searched too.  vLLM's known extensions are not listed (an "off" one asks
+    for nothing; any other value is refused by ``unsupported_fields``)."""
+    out = [prefix + name for name in (request.model_extra or {}) if name not in VLLM_EXTRA_OFF_VALUES]
+    for name in request.model_fields_set:
+        value = getattr(request, name)
+        if isinstance(value, OpenAIBaseModel):
+            out += ignored_fields(value, f"{prefix}{name}.")
+    return sorted(out)
 
 
 # ---- responses ---------------------------------------------------------------------------------------------------

@@ -1,14 +1,18 @@
 """An OpenAI-compatible HTTP server over ``LLMEngine``: FastAPI + uvicorn, as vLLM and ``transformers serve``.
 
     POST /v1/completions        POST /v1/chat/completions   (JSON, or SSE with "stream": true)
-    GET  /v1/models             GET  /health                 GET /metrics (Prometheus text)
+    GET  /v1/models             GET  /health                GET /metrics (Prometheus text, minillm_* and vllm:*)
+    POST /tokenize              POST /detokenize            GET /tokenizer_info     GET /version  (tokenization.py)
 
 Handlers validate a request (pydantic models in ``protocol.py``; ``SamplingParams`` checks the values), hand it to
-the ``EngineLoop`` thread and stream back what it produces.  Every error is OpenAI's
-``{"error": {"message", "type", "param", "code"}}``: 400 bad values and malformed JSON, 401 wrong API key,
-404 unknown model, 413 prompt over the context (or body over ``max_body_bytes``), 429 admission queue full or
-(with a TTFT budget, ``admission.py``) overloaded, both with ``Retry-After``, 503 shutting down.  A client that
-disconnects aborts its request, which frees its KV blocks.
+the ``EngineLoop`` thread and stream back what it produces.  Requests follow vLLM's semantics (``compat.py``):
+unknown fields are ignored (logged once per name, listed in the ``X-Ignored-Fields`` response header), OpenAI's
+"off" values of unimplemented fields are accepted, ``max_tokens`` null (or omitted, in chat) means the rest of the
+context.  Every error is OpenAI's ``{"error": {"message", "type", "param", "code"}}``: 400 bad values, malformed
+JSON, fields the engine cannot honour (code ``unsupported_parameter``) and a prompt, or prompt + ``max_tokens``,
+over the context (code ``context_length_exceeded``); 401 wrong API key on ``/v1``; 404 unknown model; 413 body
+over ``max_body_bytes``; 429 admission queue full or (with a TTFT budget, ``admission.py``) overloaded, both with
+``Retry-After``; 503 shutting down.  A client that disconnects aborts its request, which frees its KV blocks.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from minillm.entrypoints.openai import protocol as p
+from minillm.entrypoints.openai.compat import FieldWarnings, UsageEveryChunk
 from minillm.entrypoints.openai.engine_loop import (
     EngineFailed,
     EngineLoop,
@@ -38,11 +43,13 @@ from minillm.entrypoints.openai.engine_loop import (
 from minillm.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
 from minillm.entrypoints.openai.sse import StreamMeta, sse_stream
 from minillm.entrypoints.openai.sse import event as sse
+from minillm.entrypoints.openai.tokenization import add_tokenization_routes
 from minillm.outputs import StepOutput
 from minillm.sampling.params import SamplingParams
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
-PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
+PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics", "/tokenize", "/detokenize",
+         "/tokenizer_info", "/version")
 
 
 class APIError(Exception):
@@ -120,6 +127,20 @@ def sampling_params(body: p.ChatCompletionRequest | p.CompletionRequest, max_tok
                               ignore_eos=body.ignore_eos, **kw)
     except ValueError as e:
         raise APIError(400, str(e), param=_param_of(str(e))) from e
+
+
+def requested_max_tokens(body: p.ChatCompletionRequest | p.CompletionRequest) -> int | None:
+    """The output budget the client asked for; None: the rest of the context (vLLM's meaning of an omitted chat
+    ``max_tokens`` and of an explicit null; the engine stops at the context, ``finish_reason "length"``).  Chat's
+    ``max_completion_tokens`` wins over its deprecated ``max_tokens``."""
+    return next((m for m in (getattr(body, "max_completion_tokens", None), body.max_tokens) if m is not None), None)
+
+
+def continuous_usage(body: p.ChatCompletionRequest | p.CompletionRequest) -> bool:
+    """vLLM's ``stream_options.continuous_usage_stats``: usage in every chunk; as in vLLM, only with
+    ``include_usage``."""
+    o = body.stream_options
+    return o is not None and o.include_usage and o.continuous_usage_stats
 
 
 def completion_prompts(prompt) -> list[str | list[int]]:
@@ -202,23 +223,33 @@ class Server:
 
     def __init__(self, engine_loop: EngineLoop, metrics: ServerMetrics, model_names: Sequence[str]):
         self.loop, self.metrics, self.model_names = engine_loop, metrics, tuple(model_names)
+        self.field_warnings = FieldWarnings()
 
-    def check(self, body) -> None:
-        if body.model not in self.model_names:
-            raise APIError(404, f"The model `{body.model}` does not exist; this server serves "
+    def check_model(self, model: str | None) -> None:
+        """404 unless ``model`` is one of the served names (None: not given, where the field is optional)."""
+        if model is not None and model not in self.model_names:
+            raise APIError(404, f"The model `{model}` does not exist; this server serves "
                                 f"{', '.join(repr(n) for n in self.model_names)}", param="model",
                            code="model_not_found")
+
+    def check(self, body) -> dict[str, str]:
+        """Refuse what cannot be served (unknown model, fields the engine cannot honour); returns the response
+        headers that list the request's ignored (unknown) fields, after logging new ones."""
+        self.check_model(body.model)
         bad = p.unsupported_fields(body)
         if bad:
             raise APIError(400, f"{bad[0]} is not supported by minillm (unsupported: {', '.join(bad)})",
                            param=bad[0], code="unsupported_parameter")
         if body.stream_options is not None and not body.stream:
             raise APIError(400, "stream_options is only allowed with stream=true", param="stream_options")
+        return self.field_warnings.headers(p.ignored_fields(body))
 
-    async def submit(self, prompt, params: SamplingParams, request_id: str, param: str) -> RequestStream:
-        """Hand the request to the engine loop; map its refusals to HTTP errors."""
+    async def submit(self, prompt, params: SamplingParams, request_id: str, param: str,
+                     max_tokens_given: bool = True) -> RequestStream:
+        """Hand the request to the engine loop; map its refusals to HTTP errors.  ``max_tokens_given`` False:
+        ``params.max_tokens`` is the server's "rest of the context" (see ``EngineLoop.submit``)."""
         try:
-            return await self.loop.submit(prompt, params, request_id)
+            return await self.loop.submit(prompt, params, request_id, max_tokens_given=max_tokens_given)
         except Overloaded as e:  # shed: its estimated TTFT is over the budget
             self.metrics.count_shed("overloaded")
             raise APIError(429, str(e), type="rate_limit_error", code="overloaded",
@@ -230,22 +261,23 @@ class Server:
         except ShuttingDown as e:
             raise APIError(503, str(e), type="server_error", code="shutting_down") from e
         except PromptTooLong as e:
-            raise APIError(413, str(e), param=param, code="context_length_exceeded") from e
+            raise APIError(400, str(e), param=param, code="context_length_exceeded") from e
         except ValueError as e:  # the engine's checks: "prompt 0 is empty", "n=3 ... exceed max_num_seqs", ...
             msg = str(e)
             named = msg.startswith(("prompt", "messages", "this model's tokenizer"))
             raise APIError(400, msg, param=_param_of(msg) or (param if named else None)) from e
 
     async def submit_all(self, prompts: Sequence, params: SamplingParams, request_id: str,
-                         param: str) -> list[RequestStream]:
+                         param: str, max_tokens_given: bool = True) -> list[RequestStream]:
         """``submit`` each prompt (ids ``request_id``, or ``request_id-k`` for a batch); if one is refused, the
         ones already admitted are aborted, so a bad batch leaves nothing running."""
         if len(prompts) == 1:
-            return [await self.submit(prompts[0], params, request_id, param)]
+            return [await self.submit(prompts[0], params, request_id, param, max_tokens_given)]
         streams: list[RequestStream] = []
         try:
             for k, prompt in enumerate(prompts):
-                streams.append(await self.submit(prompt, params, f"{request_id}-{k}", f"{param}[{k}]"))
+                streams.append(await self.submit(prompt, params, f"{request_id}-{k}", f"{param}[{k}]",
+                                                 max_tokens_given))
         except BaseException:
             for st in streams:
                 st.close()
@@ -266,11 +298,19 @@ class Server:
             self.metrics.observe(st.output)
         return True
 
-    async def events(self, streams: Sequence[RequestStream], meta: StreamMeta, n: int) -> AsyncIterator[str]:
+    async def events(self, streams: Sequence[RequestStream], meta: StreamMeta, n: int,
+                     continuous_usage: bool = False) -> AsyncIterator[str]:
         """SSE: ``sse_stream`` over the requests' merged updates (``updates``); an engine failure becomes an error
-        event and ``[DONE]``.  Closing the stream early (disconnect) aborts the requests."""
+        event and ``[DONE]``.  ``continuous_usage``: the usage so far in every chunk (``UsageEveryChunk``).
+        Closing the stream early (disconnect) aborts the requests."""
+        updates = self.updates(streams, n)
+        if continuous_usage:
+            usage_so_far = UsageEveryChunk(meta.prompt_tokens)
+            events = usage_so_far.add_usage(sse_stream(usage_so_far.count(updates), meta))
+        else:
+            events = sse_stream(updates, meta)
         try:
-            async for text in sse_stream(self.updates(streams, n), meta):
+            async for text in events:
                 yield text
         except EngineFailed as e:
             yield sse(p.ErrorResponse(error=p.ErrorInfo(message=str(e), type="server_error")))
@@ -296,8 +336,10 @@ class EventStream(StreamingResponse):
     """An SSE response that closes its ``RequestStream``s however the response ends — also when the client left
     before the body generator ever started (then the generator's own ``finally`` never runs)."""
 
-    def __init__(self, events: AsyncIterator[str], streams: Sequence[RequestStream]):
-        super().__init__(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    def __init__(self, events: AsyncIterator[str], streams: Sequence[RequestStream],
+                 headers: dict[str, str] | None = None):
+        super().__init__(events, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", **(headers or {})})
         self.request_streams = tuple(streams)
 
     async def __call__(self, scope, receive, send):
@@ -330,8 +372,8 @@ def build_app(llm_or_engine, *, served_model_name: str | Sequence[str] | None = 
 
     engine = getattr(llm_or_engine, "engine", llm_or_engine)  # an LLM builds its engine here, before the thread
     names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name or [])
-    server = Server(EngineLoop(engine, max_queue=max_queue, ttft_slo_s=ttft_slo_s), ServerMetrics(),
-                    names or [DEFAULT_MODEL_NAME])
+    names = names or [DEFAULT_MODEL_NAME]
+    server = Server(EngineLoop(engine, max_queue=max_queue, ttft_slo_s=ttft_slo_s), ServerMetrics(names[0]), names)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -346,6 +388,7 @@ def build_app(llm_or_engine, *, served_model_name: str | Sequence[str] | None = 
     app.add_middleware(Gate, metrics=server.metrics, api_key=api_key, max_body_bytes=max_body_bytes)
     _add_error_handlers(app)
     _add_routes(app, server)
+    add_tokenization_routes(app, server, engine.tokenizer, APIError)
     return app
 
 
@@ -360,9 +403,6 @@ def _add_error_handlers(app: FastAPI) -> None:
         loc = [str(x) for x in err.get("loc", ()) if x != "body"]
         if err.get("type") == "json_invalid":
             return APIError(400, f"malformed JSON body: {err.get('msg')}", code="invalid_json").response()
-        if err.get("type") == "extra_forbidden":
-            return APIError(400, f"Unrecognized request argument supplied: {'.'.join(loc)}",
-                            param=".".join(loc)).response()
         param = ".".join(loc) or None
         return APIError(400, f"{param}: {err.get('msg')}" if param else str(err.get("msg")), param=param).response()
 
@@ -393,14 +433,17 @@ def _add_routes(app: FastAPI, server: Server) -> None:
                                  for n in server.model_names])
 
     @app.post("/v1/completions")
-    async def completions(body: p.CompletionRequest, request: Request):
-        server.check(body)
-        params = sampling_params(body, 16 if body.max_tokens is None else body.max_tokens)
+    async def completions(body: p.CompletionRequest, request: Request, response: Response):
+        headers = server.check(body)
+        max_tokens = requested_max_tokens(body)  # omitted: 16 (the request model's default); null: the rest
+        params = sampling_params(body, server.loop.max_model_len if max_tokens is None else max_tokens)
         rid, model = p.random_id("cmpl"), body.model
-        streams = await server.submit_all(completion_prompts(body.prompt), params, rid, "prompt")
+        streams = await server.submit_all(completion_prompts(body.prompt), params, rid, "prompt",
+                                          max_tokens is not None)
         if body.stream:
             meta = stream_meta(body, rid, streams, params.n, chat=False)
-            return EventStream(server.events(streams, meta, params.n), streams)
+            return EventStream(server.events(streams, meta, params.n, continuous_usage(body)), streams, headers)
+        response.headers.update(headers)
         try:
             if not await server.collect(streams, request):
                 return Response(status_code=499)  # nginx's "client closed request"; nobody reads it
@@ -412,16 +455,16 @@ def _add_routes(app: FastAPI, server: Server) -> None:
         return p.CompletionResponse(id=rid, model=model, choices=choices, usage=usage(streams))
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(body: p.ChatCompletionRequest, request: Request):
-        server.check(body)
-        max_tokens = next((m for m in (body.max_completion_tokens, body.max_tokens) if m is not None),
-                          server.loop.max_model_len)  # neither: up to the context (the engine stops there)
-        params = sampling_params(body, max_tokens)
+    async def chat_completions(body: p.ChatCompletionRequest, request: Request, response: Response):
+        headers = server.check(body)
+        max_tokens = requested_max_tokens(body)
+        params = sampling_params(body, server.loop.max_model_len if max_tokens is None else max_tokens)
         rid, model = p.random_id("chatcmpl"), body.model
-        streams = [await server.submit(chat_messages(body.messages), params, rid, "messages")]
+        streams = [await server.submit(chat_messages(body.messages), params, rid, "messages", max_tokens is not None)]
         if body.stream:
             meta = stream_meta(body, rid, streams, params.n, chat=True)
-            return EventStream(server.events(streams, meta, params.n), streams)
+            return EventStream(server.events(streams, meta, params.n, continuous_usage(body)), streams, headers)
+        response.headers.update(headers)
         try:
             if not await server.collect(streams, request):
                 return Response(status_code=499)

@@ -1,0 +1,83 @@
+"""vLLM's request semantics, where they differ from a strict reading of OpenAI's API.
+
+- **Unknown fields are ignored** (``FieldWarnings``): logged once per field name, listed per response in the
+  ``X-Ignored-Fields`` header.
+- **The context is checked up front** (``context_error``): a prompt that leaves no room for an output token, or a
+  prompt plus an explicit ``max_tokens`` over the context, is a 400 with code ``context_length_exceeded`` and
+  vLLM's message, instead of a request cut short with ``finish_reason: "length"``.  ``max_tokens`` omitted (chat)
+  or null (both endpoints) means the rest of the context, as in vLLM; completions default to 16, OpenAI's and
+  vLLM's default.  The Python API (``LLM.generate``) keeps the engine's cut at the context, as vLLM's offline
+  ``LLM`` does: there a too-long prompt raises ``ValueError`` and prompt + ``max_tokens`` ends at the context
+  with ``finish_reason "length"``.
+- **``stream_options.continuous_usage_stats``** (``UsageEveryChunk``): every streamed chunk carries the usage so
+  far (prompt tokens, completion tokens over all choices up to that chunk).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import AsyncIterable, AsyncIterator, Sequence
+
+from minillm.outputs import StepOutput
+
+log = logging.getLogger("minillm.serve")
+
+IGNORED_FIELDS_HEADER = "X-Ignored-Fields"
+
+
+class FieldWarnings:
+    """Logs each unknown request field name once (not once per request: a client that always sends ``store``
+    would flood the log); at most ``max_names`` names are remembered, so hostile clients cannot grow it."""
+
+    def __init__(self, max_names: int = 1024):
+        self.max_names = max_names
+        self.seen: set[str] = set()
+
+    def headers(self, fields: Sequence[str]) -> dict[str, str]:
+        """Warn about the names not seen before; the response headers that list ``fields`` (none if empty)."""
+        for name in fields:
+            if name not in self.seen and len(self.seen) < self.max_names:
+                self.seen.add(name)
+                log.warning("ignoring the unknown request field %r (listed in the %s response header; logged once)",
+                            name, IGNORED_FIELDS_HEADER)
+        return {IGNORED_FIELDS_HEADER: ", ".join(fields)} if fields else {}
+
+
+def context_error(prompt_tokens: int, max_tokens: int | None, max_model_len: int) -> str | None:
+    """vLLM's message when a request does not fit the context, else None.  ``max_tokens`` None: the rest of the
+    context (then only the prompt is checked; it must leave room for one output token)."""
+    if prompt_tokens >= max_model_len:
+        return (f"This model's maximum context length is {max_model_len} tokens. However, your request has "
+                f"{prompt_tokens} input tokens (at least one output token must fit). Please reduce the length of "
+                "the input messages.")
+    if max_tokens is not None and prompt_tokens + max_tokens > max_model_len:
+        return (f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+                f"{prompt_tokens + max_tokens} tokens ({prompt_tokens} in the messages, {max_tokens} in the "
+                "completion). Please reduce the length of the messages or completion.")
+    return None
+
+
+class UsageEveryChunk:
+    """``continuous_usage_stats``: ``count`` passes the engine's updates through, counting their tokens;
+    ``add_usage`` then writes the usage so far into every chunk event that has none.  (A wrapper around the SSE
+    events rather than a change to ``sse_stream``: one JSON re-encode per chunk, only for clients that ask.)"""
+
+    def __init__(self, prompt_tokens: int):
+        self.prompt_tokens, self.completion_tokens = prompt_tokens, 0
+
+    async def count(self, updates: AsyncIterable[StepOutput]) -> AsyncIterator[StepOutput]:
+        async for u in updates:
+            self.completion_tokens += len(u.token_ids)
+            yield u
+
+    async def add_usage(self, events: AsyncIterable[str]) -> AsyncIterator[str]:
+        async for text in events:
+            body = text[len("data: "):] if text.startswith("data: {") else None
+            chunk = json.loads(body) if body is not None else None
+            if chunk is None or "choices" not in chunk or chunk.get("usage") is not None:
+                yield text  # [DONE], an error event, or the final usage chunk
+                continue
+            chunk["usage"] = {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+                              "total_tokens": self.prompt_tokens + self.completion_tokens}
+            yield f"data: {json.dumps(chunk)}\n\n"
