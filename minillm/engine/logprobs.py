@@ -11,16 +11,11 @@ target rows a plain decode would use: speculative decoding and the fast runners 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from torch import Tensor
 
 from minillm.engine.sequence import Sequence
 from minillm.outputs import Logprob
 from minillm.sampling.logprobs import TokenLogprobs, token_logprobs
-
-if TYPE_CHECKING:
-    from minillm.engine.scheduler import SchedulerOutput
 
 # per sequence of the step: (its prompt positions' logprobs, its sampled tokens' logprobs), each in order
 StepLogprobs = dict[Sequence, tuple[list[TokenLogprobs], list[TokenLogprobs]]]
@@ -43,8 +38,9 @@ def prompt_logit_rows(seq: Sequence, start: int, num_tokens: int) -> int:
     return max(0, min(start + num_tokens, seq.num_prompt_tokens - 1) - first)
 
 
-def step_logprobs(out: SchedulerOutput, logits: Tensor, tokens: list[list[int]]) -> StepLogprobs:
-    """The step's logprobs for the sequences that asked.  ``logits`` [R, V] at ``logit_rows(out)``; ``tokens``:
+def step_logprobs(out, logits: Tensor, tokens: list[list[int]]) -> StepLogprobs:
+    """The step's logprobs for the sequences that asked.  ``out``: the step's ``SchedulerOutput`` (not imported:
+    the scheduler imports this module); ``logits`` [R, V] at ``logit_rows(out)``; ``tokens``:
     the sampled token lists, one per sampling chunk (``ModelRunner.sample``).  Empty (and free) when none asked."""
     rows, toks, ks, owners = [], [], [], []  # owners[i]: (seq, 0 prompt / 1 sampled)
     row, sampled = 0, iter(tokens)

@@ -16,8 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 # OpenAI fields the engine has no implementation for, with the value that means "not used".
 UNSUPPORTED_DEFAULTS: dict[str, Any] = {
-    "logprobs": None, "top_logprobs": None, "echo": False, "best_of": None, "suffix": None, "logit_bias": None,
-    "presence_penalty": 0.0, "frequency_penalty": 0.0, "tools": None, "tool_choice": None, "functions": None,
+    "best_of": None, "suffix": None, "tools": None, "tool_choice": None, "functions": None,
     "function_call": None, "response_format": None, "parallel_tool_calls": None,
 }
 
@@ -49,12 +48,16 @@ class _SamplingFields(OpenAIBaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None  # accepted and ignored, as a label for the caller's own logs
-    # Declared so that the error names them (see unsupported_fields).
-    logprobs: Any = None
-    top_logprobs: Any = None
-    logit_bias: Any = None
+    logit_bias: dict[str, float] | None = None  # token id (as a string: JSON keys) -> bias in [-100, 100]
     presence_penalty: float | None = 0.0
     frequency_penalty: float | None = 0.0
+    # vLLM's sampling extensions, with vLLM's meanings (SamplingParams documents each)
+    repetition_penalty: float | None = None
+    min_p: float | None = None
+    min_tokens: int | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    # Declared so that the error names them (see unsupported_fields).
     response_format: Any = None
 
 
@@ -63,7 +66,8 @@ class CompletionRequest(_SamplingFields):
 
     prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int | None = 16  # OpenAI's default for completions
-    echo: bool = False
+    logprobs: int | None = None  # 0-5: the sampled token's logprob + this many alternatives per token
+    echo: bool = False  # the prompt before the completion (with logprobs: the prompt's, the first null)
     best_of: int | None = None
     suffix: str | None = None
 
@@ -82,6 +86,8 @@ class ChatCompletionRequest(_SamplingFields):
 
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
+    logprobs: bool | None = False  # the sampled tokens' logprobs
+    top_logprobs: int | None = None  # 0-20 alternatives per token (with logprobs)
     tools: Any = None
     tool_choice: Any = None
     functions: Any = None
@@ -98,6 +104,36 @@ def unsupported_fields(request: BaseModel) -> list[str]:
 # ---- responses ---------------------------------------------------------------------------------------------------
 def _now() -> int:
     return int(time.time())
+
+
+class CompletionLogprobs(BaseModel):
+    """OpenAI's legacy completions ``logprobs``: per token its text, logprob (null for an echoed prompt's first
+    token), {text: logprob} of the sampled token and the top alternatives, and its offset in the choice's text."""
+
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
+
+
+class TopLogprob(BaseModel):
+    """One alternative of a chat token: its text, logprob and UTF-8 bytes."""
+
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatTokenLogprob(TopLogprob):
+    """One sampled chat token and its ``top_logprobs`` alternatives, most likely first."""
+
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatLogprobs(BaseModel):
+    """A chat choice's ``logprobs``: one entry per content token."""
+
+    content: list[ChatTokenLogprob] | None = None
 
 
 def random_id(prefix: str) -> str:
@@ -118,8 +154,9 @@ class CompletionChoice(BaseModel):
 
     index: int
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
+    stop_reason: int | str | None = None  # vLLM: the stop token id that ended it
 
 
 class CompletionResponse(BaseModel):
@@ -145,8 +182,9 @@ class ChatChoice(BaseModel):
 
     index: int
     message: AssistantMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None
+    stop_reason: int | str | None = None  # vLLM: the stop token id that ended it
 
 
 class ChatCompletionResponse(BaseModel):
@@ -172,7 +210,7 @@ class ChatChunkChoice(BaseModel):
 
     index: int
     delta: DeltaMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
 
 

@@ -35,6 +35,12 @@ from minillm.entrypoints.openai.engine_loop import (
     RequestStream,
     ShuttingDown,
 )
+from minillm.entrypoints.openai.logprobs import (
+    LogprobTap,
+    chat_logprobs,
+    completion_choice,
+    sampling_extras,
+)
 from minillm.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
 from minillm.entrypoints.openai.sse import StreamMeta, sse_stream
 from minillm.entrypoints.openai.sse import event as sse
@@ -117,7 +123,7 @@ def sampling_params(body: p.ChatCompletionRequest | p.CompletionRequest, max_tok
     stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
     try:
         return SamplingParams(max_tokens=max_tokens, n=body.n, seed=body.seed, stop=stop,
-                              ignore_eos=body.ignore_eos, **kw)
+                              ignore_eos=body.ignore_eos, **kw, **sampling_extras(body))
     except ValueError as e:
         raise APIError(400, str(e), param=_param_of(str(e))) from e
 
@@ -266,11 +272,17 @@ class Server:
             self.metrics.observe(st.output)
         return True
 
-    async def events(self, streams: Sequence[RequestStream], meta: StreamMeta, n: int) -> AsyncIterator[str]:
-        """SSE: ``sse_stream`` over the requests' merged updates (``updates``); an engine failure becomes an error
-        event and ``[DONE]``.  Closing the stream early (disconnect) aborts the requests."""
+    async def events(self, streams: Sequence[RequestStream], meta: StreamMeta, n: int,
+                     tap: LogprobTap | None = None) -> AsyncIterator[str]:
+        """SSE: ``sse_stream`` over the requests' merged updates (``updates``; through ``tap`` to add logprobs or
+        an echoed prompt); an engine failure becomes an error event and ``[DONE]``.  Closing the stream early
+        (disconnect) aborts the requests."""
         try:
-            async for text in sse_stream(self.updates(streams, n), meta):
+            if tap is None:
+                chunks = sse_stream(self.updates(streams, n), meta)
+            else:
+                chunks = tap.events(sse_stream(tap.updates(self.updates(streams, n)), meta))
+            async for text in chunks:
                 yield text
         except EngineFailed as e:
             yield sse(p.ErrorResponse(error=p.ErrorInfo(message=str(e), type="server_error")))
@@ -376,6 +388,14 @@ def _add_error_handlers(app: FastAPI) -> None:
 
 
 def _add_routes(app: FastAPI, server: Server) -> None:
+    tokenizer = server.loop.engine.tokenizer
+
+    def token_text(token: int) -> str:
+        return tokenizer.decode([token])
+
+    def prompt_text(prompt, ids: list[int]) -> str:
+        return prompt if isinstance(prompt, str) else tokenizer.decode(ids)
+
     @app.get("/health")
     async def health():
         if not server.loop.is_alive():
@@ -395,21 +415,35 @@ def _add_routes(app: FastAPI, server: Server) -> None:
     @app.post("/v1/completions")
     async def completions(body: p.CompletionRequest, request: Request):
         server.check(body)
-        params = sampling_params(body, 16 if body.max_tokens is None else body.max_tokens)
+        echo_only = body.echo and body.max_tokens == 0  # the prompt alone: one token runs and is dropped (vLLM)
+        if echo_only and body.stream:
+            raise APIError(400, "max_tokens=0 (echo the prompt only) needs stream=false", param="max_tokens")
+        if body.echo and body.stream and body.logprobs is not None:
+            raise APIError(400, "echo with logprobs needs stream=false (the prompt's logprobs come at the end)",
+                           param="echo")
+        params = sampling_params(body, 1 if echo_only else 16 if body.max_tokens is None else body.max_tokens)
         rid, model = p.random_id("cmpl"), body.model
-        streams = await server.submit_all(completion_prompts(body.prompt), params, rid, "prompt")
+        prompts = completion_prompts(body.prompt)
+        streams = await server.submit_all(prompts, params, rid, "prompt")
         if body.stream:
             meta = stream_meta(body, rid, streams, params.n, chat=False)
-            return EventStream(server.events(streams, meta, params.n), streams)
+            echo = ({k * params.n + i: prompt_text(pr, st.prompt_token_ids) for k, (pr, st)
+                     in enumerate(zip(prompts, streams, strict=True)) for i in range(params.n)} if body.echo else None)
+            tap = LogprobTap(False, 0, token_text, echo) if body.logprobs is not None or echo else None
+            return EventStream(server.events(streams, meta, params.n, tap), streams)
         try:
             if not await server.collect(streams, request):
                 return Response(status_code=499)  # nginx's "client closed request"; nobody reads it
         finally:
             for st in streams:
                 st.close()
-        choices = [p.CompletionChoice(index=k * params.n + s.index, text=s.text, finish_reason=s.finish_reason)
-                   for k, st in enumerate(streams) for s in st.output.outputs]
-        return p.CompletionResponse(id=rid, model=model, choices=choices, usage=usage(streams))
+        choices = [completion_choice(k * params.n + s.index, s, st.output,
+                                     prompt_text(pr, st.prompt_token_ids) if body.echo else None, echo_only, token_text)
+                   for k, (pr, st) in enumerate(zip(prompts, streams, strict=True)) for s in st.output.outputs]
+        used = usage(streams)
+        if echo_only:  # the token that ran is not part of the answer
+            used = p.UsageInfo(prompt_tokens=used.prompt_tokens, completion_tokens=0, total_tokens=used.prompt_tokens)
+        return p.CompletionResponse(id=rid, model=model, choices=choices, usage=used)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: p.ChatCompletionRequest, request: Request):
@@ -421,14 +455,18 @@ def _add_routes(app: FastAPI, server: Server) -> None:
         streams = [await server.submit(chat_messages(body.messages), params, rid, "messages")]
         if body.stream:
             meta = stream_meta(body, rid, streams, params.n, chat=True)
-            return EventStream(server.events(streams, meta, params.n), streams)
+            tap = LogprobTap(True, params.logprobs, token_text) if params.logprobs is not None else None
+            return EventStream(server.events(streams, meta, params.n, tap), streams)
         try:
             if not await server.collect(streams, request):
                 return Response(status_code=499)
         finally:
             streams[0].close()
         choices = [p.ChatChoice(index=s.index, message=p.AssistantMessage(content=s.text),
-                                finish_reason=s.finish_reason) for s in streams[0].output.outputs]
+                                finish_reason=s.finish_reason, stop_reason=s.stop_reason,
+                                logprobs=None if s.logprobs is None else
+                                chat_logprobs(s.token_ids, s.logprobs, params.logprobs, token_text))
+                   for s in streams[0].output.outputs]
         return p.ChatCompletionResponse(id=rid, model=model, choices=choices, usage=usage(streams))
 
 
