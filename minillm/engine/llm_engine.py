@@ -303,7 +303,8 @@ class LLMEngine:
         at a time (after its rejected drafts' slots are freed), so every stop rule applies per token."""
         chunks = sampling_chunks(out)  # (chunk, its first sampling row in result.logits)
         for seq, (prompt, _) in result.logprobs.items():  # before any commit: a request may end at its first token
-            seq.request.prompt_logprobs += [as_dict(e, self._token_text) for e in prompt]
+            if prompt:
+                seq.request.prompt_logprobs += [as_dict(e, self._token_text) for e in prompt]
         plain = SchedulerOutput([s for s in out.scheduled if not s.drafts], num_padding=0)
         plain_tokens = [t for (s, _), t in zip(chunks, result.tokens, strict=True) if not s.drafts]
         rows = [row for s, row in chunks if not s.drafts for _ in range(s.num_samples)]
