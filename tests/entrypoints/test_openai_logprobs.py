@@ -216,6 +216,7 @@ metric_list:
 
 def test_lm_eval_local_completions_equals_the_hf_backend(live, default_model_dir, tmp_path, monkeypatch):
     lm_eval = pytest.importorskip("lm_eval", reason="lm-eval is not installed (the dev extra installs it)")
+    pytest.importorskip("tenacity", reason="lm-eval's API models need lm-eval[api] (the dev extra installs it)")
     from lm_eval.tasks import TaskManager
 
     for var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):  # local files only
