@@ -2,8 +2,9 @@
 
 Requests forbid unknown fields (OpenAI answers "Unrecognized request argument" too), so a typo such as
 ``temprature`` is a 400, not a silently ignored setting.  Fields OpenAI defines but minillm cannot honour
-(``logprobs``, ``tools``, penalties, ...) are declared so that ``unsupported_fields`` can name them in a 400;
-``top_k`` and ``ignore_eos`` are vLLM's extensions, accepted with vLLM's meanings.
+(``tools``, ``response_format``, ...) are declared so that ``unsupported_fields`` can name them in a 400;
+``top_k``, ``ignore_eos``, ``repetition_penalty``, ``min_p``, ``min_tokens``, ``stop_token_ids`` and
+``include_stop_str_in_output`` are vLLM's extensions, accepted with vLLM's meanings.
 """
 
 from __future__ import annotations
