@@ -111,8 +111,11 @@ def test_chat_logprobs_and_top_logprobs_streamed_and_not(live, ref, tokenizer):
                 and chunk.choices[0].logprobs for e in chunk.choices[0].logprobs.content]
     assert [e.token for e in streamed] == [c.token for c in content]
     assert [e.logprob for e in streamed] == pytest.approx([c.logprob for c in content], abs=TOL)
-    plain = client(live).chat.completions.create(model=MODEL, messages=messages, max_tokens=2, logprobs=False)
+    plain = client(live).chat.completions.create(model=MODEL, messages=messages, max_tokens=2, logprobs=False,
+                                                 top_logprobs=0)  # the "off" values are accepted
     assert plain.choices[0].logprobs is None
+    bare = client(live).chat.completions.create(model=MODEL, messages=messages, max_tokens=2, logprobs=True)
+    assert all(c.top_logprobs == [] for c in bare.choices[0].logprobs.content)
 
 
 @pytest.mark.parametrize("endpoint, kw, param", [
