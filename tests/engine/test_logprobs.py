@@ -111,12 +111,13 @@ def test_prompt_logprobs_skip_prefix_cache_hits_and_chunked_prefill(default_mode
     check_output(out, hf, tokenizer, 1, None)
 
 
-@pytest.mark.parametrize("config", [dict(enforce_eager=True), dict(enforce_eager=False),
-                                    dict(speculative_config=SpeculativeConfig(method="ngram",
-                                                                              num_speculative_tokens=3))],
-                         ids=["eager", "fast-runner", "ngram-speculation"])
-def test_every_runner_path_gives_the_same_logprobs(default_model, tokenizer, hf, config):
+@pytest.mark.parametrize("config, runner", [
+    (dict(enforce_eager=True), "ModelRunner"), (dict(enforce_eager=False), "CudaGraphRunner"),
+    (dict(), None), (dict(speculative_config=SpeculativeConfig(method="ngram", num_speculative_tokens=3)), None)],
+    ids=["eager", "static-decode", "default (native on CPU)", "ngram-speculation"])
+def test_every_runner_path_gives_the_same_logprobs(default_model, tokenizer, hf, config, runner):
     e = engine(default_model, tokenizer, **config)
+    assert runner is None or type(e.runner).__name__ == runner
     prompt = "1 2 3 1 2 3 1 2 3 1 2 3"  # repetitive: the n-gram proposer's drafts get accepted
     params = SamplingParams(max_tokens=8, temperature=0, logprobs=2, ignore_eos=True)
     out = e.generate([prompt, PROMPTS[0]], params)
