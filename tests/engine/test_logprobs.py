@@ -182,3 +182,19 @@ def test_requests_with_penalties_run_without_drafts_under_speculation(default_mo
     alone = plain_engine.generate([prompt], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True,
                                                            repetition_penalty=1.5))[0]
     assert penalised.token_ids == alone.token_ids != plain.token_ids
+
+
+def test_llm_generate_returns_vllm_shaped_logprobs(default_llm):
+    from minillm.outputs import Logprob
+
+    out = default_llm.generate(PROMPTS[0], SamplingParams(max_tokens=3, temperature=0, logprobs=5,
+                                                          prompt_logprobs=0))[0]
+    sample = out.outputs[0]
+    assert out.logprobs is sample.logprobs and len(sample.logprobs) == len(sample.token_ids) == 3
+    for token, entry in zip(sample.token_ids, sample.logprobs, strict=True):
+        assert next(iter(entry)) == token and len(entry) == 5  # greedy: the sampled token is the top one
+        assert all(isinstance(v, Logprob) for v in entry.values())
+        assert entry[token].rank == 1 and entry[token].decoded_token == default_llm.tokenizer.decode([token])
+        assert sorted(v.rank for v in entry.values()) == [1, 2, 3, 4, 5]
+    assert out.prompt_logprobs[0] is None
+    assert [list(d) for d in out.prompt_logprobs[1:]] == [[t] for t in out.prompt_token_ids[1:]]
