@@ -238,6 +238,6 @@ def test_lm_eval_local_completions_equals_the_hf_backend(live, default_model_dir
                     f"tokenizer={default_model_dir},tokenizer_backend=huggingface,num_concurrent=1,max_retries=1")
     hf = scores("hf", f"pretrained={default_model_dir},dtype=float32,device=cpu")
     assert set(served) == {"acc,none", "acc_norm,none"}
-    assert served == hf
+    assert served == hf, (served, hf)
     assert 0.5 <= served["acc,none"] <= 1.0  # the model knows most of these: the scores are not a constant
     assert os.environ["HF_HUB_OFFLINE"] == "1"

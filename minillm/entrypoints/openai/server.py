@@ -390,11 +390,11 @@ def _add_error_handlers(app: FastAPI) -> None:
 def _add_routes(app: FastAPI, server: Server) -> None:
     tokenizer = server.loop.engine.tokenizer
 
-    def token_text(token: int) -> str:
-        return tokenizer.decode([token])
+    def token_text(token: int) -> str:  # an engine without a tokenizer: vLLM's "token_id:N" form
+        return f"token_id:{token}" if tokenizer is None else tokenizer.decode([token])
 
     def prompt_text(prompt, ids: list[int]) -> str:
-        return prompt if isinstance(prompt, str) else tokenizer.decode(ids)
+        return prompt if isinstance(prompt, str) else "" if tokenizer is None else tokenizer.decode(ids)
 
     @app.get("/health")
     async def health():
