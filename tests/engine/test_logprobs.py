@@ -198,3 +198,20 @@ def test_llm_generate_returns_vllm_shaped_logprobs(default_llm):
         assert sorted(v.rank for v in entry.values()) == [1, 2, 3, 4, 5]
     assert out.prompt_logprobs[0] is None
     assert [list(d) for d in out.prompt_logprobs[1:]] == [[t] for t in out.prompt_token_ids[1:]]
+
+
+def test_preempted_requests_score_each_prompt_position_once(default_model, tokenizer):
+    """Recompute preemption re-prefills a sequence from position 0: positions already scored get no rows again,
+    and the logprobs equal those of a pool large enough that nothing is preempted."""
+    prompts = ["The history of the Roman empire is long", "In a distant galaxy far away, there",
+               "Once upon a time in the west of"]
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, prompt_logprobs=1, logprobs=1)
+    tight = LLMEngine(default_model, tokenizer, EngineConfig(num_kv_blocks=11, block_size=4, max_num_seqs=4,
+                                                             max_num_batched_tokens=6))
+    small = tight.generate(prompts, params)
+    assert tight.stats.preemptions > 0
+    for a, b in zip(small, engine(default_model, tokenizer).generate(prompts, params), strict=True):
+        assert a.token_ids == b.token_ids and len(a.prompt_logprobs) == len(b.prompt_logprobs)
+        for x, y in zip(a.prompt_logprobs[1:] + a.logprobs, b.prompt_logprobs[1:] + b.logprobs, strict=True):
+            assert list(x) == list(y)
+            assert [v.logprob for v in x.values()] == pytest.approx([v.logprob for v in y.values()], abs=ATOL)
