@@ -111,7 +111,12 @@ class LLM:
         ``tensor_parallel_size`` or ``pipeline_parallel_size`` > 1 the engine schedules here and every step runs on
         all ranks (each holds a shard of every layer, or a stage of the layers; the workers start on the first call,
         seconds, and are reused); a worker that dies raises ``WorkerError`` (a RuntimeError) naming its rank, and
-        every later call raises it too."""
+        every later call raises it too.
+
+        Logprobs, as vLLM returns them: with ``SamplingParams(logprobs=k)`` each sample's ``outputs[j].logprobs``
+        holds per generated token ``{token_id: Logprob(logprob, rank, decoded_token)}`` (the sampled token, then the
+        top k); with ``prompt_logprobs=k``, ``prompt_logprobs`` holds the same per prompt token (None for the
+        first)."""
         outputs = self.engine.generate(prompts, sampling_params)
         self._check_workers()  # a worker lost mid-call ends the requests with errors in the engine: raise it
         return outputs

@@ -83,6 +83,16 @@ class RequestMetrics:
                 "tpot_s": self.tpot_s, "latency_s": self.latency_s, "decode_tokens_per_s": self.decode_tokens_per_s}
 
 
+@dataclass(frozen=True)
+class Logprob:
+    """One token's log-probability at one position (vLLM's ``Logprob``): raw (``log_softmax`` of the model's
+    logits, before penalties and temperature), its ``rank`` in the vocabulary (1: the most likely), its text."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
 @dataclass
 class RequestOutput:
     """One finished request: the generated ``text`` and ``token_ids``, why it stopped, and its metrics.
@@ -99,6 +109,9 @@ class RequestOutput:
     metrics: RequestMetrics = field(repr=False)
     outputs: list = field(default_factory=list, repr=False)
     error: str | None = None  # with finish_reason "error": what failed (the request ended alone, others ran on)
+    # SamplingParams(prompt_logprobs=k): per prompt token {token_id: Logprob} (None for the first); else None
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = field(default=None, repr=False)
+    logprobs: list[dict[int, Logprob]] | None = field(default=None, repr=False)  # sample 0's (CompletionOutput)
 
 
 @dataclass
@@ -118,6 +131,7 @@ class StepOutput:
     logits: Tensor | None = field(default=None, repr=False)  # [V] fp32, with EngineConfig(return_logits=True)
     metrics: RequestMetrics | None = field(default=None, repr=False)  # on the sample's last update only
     error: str | None = None  # with finish_reason "error"
+    logprobs: list[dict[int, Logprob]] | None = field(default=None, repr=False)  # one per token_ids, when asked
 
     @property
     def finished(self) -> bool:
@@ -134,6 +148,9 @@ class CompletionOutput:
     finish_reason: str
     metrics: RequestMetrics = field(repr=False)
     error: str | None = None  # with finish_reason "error"
+    # SamplingParams(logprobs=k): per output token {token_id: Logprob}, the sampled token first, then the top k
+    logprobs: list[dict[int, Logprob]] | None = field(default=None, repr=False)
+    stop_reason: int | None = None  # the stop_token_ids entry that ended it (None: EOS, a stop string, or length)
 
 
 @dataclass(frozen=True)

@@ -8,9 +8,10 @@ from collections.abc import Sequence
 class IncrementalDetokenizer:
     """Turns a growing list of ids into text deltas, holding back bytes of a character split across tokens."""
 
-    def __init__(self, tokenizer, stop: Sequence[str] = ()):
+    def __init__(self, tokenizer, stop: Sequence[str] = (), include_stop: bool = False):
         self.tokenizer = tokenizer
         self.stop = tuple(stop)
+        self.include_stop = include_stop  # SamplingParams.include_stop_str_in_output: keep the stop string
         self.ids: list[int] = []
         self.text = ""  # text emitted so far (never beyond a stop string)
         self.stopped = False
@@ -31,7 +32,7 @@ class IncrementalDetokenizer:
         for s in self.stop:  # stop strings are searched in the whole text; the output ends before them
             at = full.find(s)
             if at != -1:
-                full, self.stopped = full[:at], True
+                full, self.stopped = full[: at + (len(s) if self.include_stop else 0)], True
         # hold back a tail that could be the start of a stop string, unless this is the end
         hold = 0 if (final or self.stopped) else max((k for s in self.stop for k in range(1, len(s))
                                                        if full.endswith(s[:k])), default=0)

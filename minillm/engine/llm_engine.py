@@ -36,6 +36,7 @@ from minillm.engine.inputs import (
     to_token_ids,
     validate_prompts,
 )
+from minillm.engine.logprobs import as_dict, stop_reason, stop_token_text_dropped
 from minillm.engine.model_runner import Executor, StepResult, sampling_chunks
 from minillm.engine.runners import check_parallel, make_executor, make_runner
 from minillm.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput, SchedulerStats
@@ -46,7 +47,7 @@ from minillm.kv.memory import device_memory, full_sequences, profile_forward, si
 from minillm.kv.paged_cache import kv_bytes_per_block
 from minillm.models.llama import Transformer
 from minillm.outputs import CompletionOutput, EngineState, RequestOutput, StepOutput
-from minillm.sampling.params import SamplingParams
+from minillm.sampling.params import SamplingParams, check_vocab
 from minillm.sampling.sampler import make_generator, sample_seed
 from minillm.spec.proposer import SpecStats
 
@@ -92,6 +93,7 @@ class LLMEngine:
                                    num_host_blocks=config.resolve_host_blocks(num_blocks),
                                    eos_token_ids=self.eos_token_ids)
         self.runner = make_runner(self.model, config, self.scheduler.block_manager, self.max_model_len, executor)
+        self.runner.eos_token_ids = self.eos_token_ids  # min_tokens masks them
         self.kv_cache = self.runner.kv
         spec = config.speculative_config
         self.speculator = SpecDecoder(spec, self.model, self.max_model_len) if spec is not None else None
@@ -100,6 +102,7 @@ class LLMEngine:
         self._live: dict[str, Request] = {}
         self._inboxes: dict[str, deque[StepOutput]] = {}  # request id -> the queue of the stream() that owns it
         self._ids = itertools.count()
+        self._token_texts: dict[int, str] = {}  # logprobs' decoded tokens
         self._lock = threading.RLock()
 
     def check(self) -> None:
@@ -161,6 +164,7 @@ class LLMEngine:
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
         ids = self.encode(prompt)
         validate_prompts([ids], self.max_model_len, self.model.config.vocab_size)
+        check_vocab(params, self.model.config.vocab_size)
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer: LLMEngine(model, tokenizer), or stop on token ids")
         if request_id is None:
@@ -177,7 +181,8 @@ class LLMEngine:
         seeds = [None if params.seed is None else sample_seed(params.seed, i) for i in range(params.n)]
         generators = [make_generator(dataclasses.replace(params, seed=s), self.model.device) for s in seeds]
         return Request(request_id, ids, params, time.perf_counter() if arrival_time is None else arrival_time,
-                       generators, prompt=prompt if isinstance(prompt, str) else None)
+                       generators, prompt=prompt if isinstance(prompt, str) else None,
+                       prompt_logprobs=None if params.prompt_logprobs is None else [None])
 
     def _next_auto_id(self, reserved: Iterable[str]) -> str:
         while True:
@@ -278,7 +283,7 @@ class LLMEngine:
         by_request: dict[Request, list] = {}
         for s in out.scheduled:
             by_request.setdefault(s.seq.request, []).append(s)
-        kept, tokens, logits, failed = [], [], [], {}
+        kept, tokens, logits, failed, logprobs = [], [], [], {}, {}
         for request, chunks in by_request.items():
             solo = SchedulerOutput(scheduled=chunks)
             try:
@@ -290,10 +295,11 @@ class LLMEngine:
                 continue
             kept += chunks
             tokens += r.tokens
+            logprobs.update(r.logprobs)
             if r.logits is not None:
                 logits.append(r.logits)
         survivors = SchedulerOutput(scheduled=kept, num_padding=0)
-        return survivors, StepResult(tokens, torch.cat(logits) if logits else None), failed
+        return survivors, StepResult(tokens, torch.cat(logits) if logits else None, logprobs), failed
 
     @staticmethod
     def _rng_states(out: SchedulerOutput) -> list:
@@ -302,41 +308,64 @@ class LLMEngine:
     def _postprocess(self, out: SchedulerOutput, result: StepResult) -> list[StepOutput]:
         """Commit the step: plain chunks through the scheduler at once, then each draft chunk's verified tokens one
         at a time (after its rejected drafts' slots are freed), so every stop rule applies per token."""
-        chunks = sampling_chunks(out)  # (chunk, its first row in result.logits)
+        chunks = sampling_chunks(out)  # (chunk, its first sampling row in result.logits)
+        for seq, (prompt, _) in result.logprobs.items():  # before any commit: a request may end at its first token
+            if prompt:
+                seq.request.prompt_logprobs += [as_dict(e, self._token_text) for e in prompt]
         plain = SchedulerOutput([s for s in out.scheduled if not s.drafts], num_padding=0)
         plain_tokens = [t for (s, _), t in zip(chunks, result.tokens, strict=True) if not s.drafts]
         rows = [row for s, row in chunks if not s.drafts for _ in range(s.num_samples)]
-        updates = self._commit(plain, plain_tokens, rows, result.logits)
+        entries = [e for s, _ in chunks if not s.drafts for e in self._sampled(result, s)]
+        updates = self._commit(plain, plain_tokens, rows, result.logits, entries)
         for (s, row), tokens in zip(chunks, result.tokens, strict=True):
             if s.drafts:
                 self.speculator.rollback(self.block_manager, s, tokens)
-                updates += self._commit_verified(s, tokens, row, result.logits)
+                updates += self._commit_verified(s, tokens, row, result.logits, self._sampled(result, s))
         return updates
 
+    @staticmethod
+    def _sampled(result: StepResult, chunk: ScheduledSeq) -> list:
+        """The logprobs of the tokens ``chunk`` sampled (``TokenLogprobs`` each, or None each when not asked)."""
+        sampled = result.logprobs.get(chunk.seq, ((), ()))[1]
+        return list(sampled) if sampled else [None] * (len(chunk.drafts) + chunk.num_samples)
+
+    def _token_text(self, token: int) -> str | None:
+        """One token's text, as a logprob's ``decoded_token`` (None without a tokenizer); cached per id."""
+        if self.tokenizer is None:
+            return None
+        text = self._token_texts.get(token)
+        if text is None:
+            text = self._token_texts[token] = self.tokenizer.decode([token])
+        return text
+
     def _commit_verified(self, chunk: ScheduledSeq, tokens: list[int], row: int,
-                         logits: Tensor | None) -> list[StepOutput]:
+                         logits: Tensor | None, entries: list) -> list[StepOutput]:
         """Commit a draft chunk's verified tokens one at a time (nothing after a stop is emitted); count them."""
         seq, updates, emitted = chunk.seq, [], 0
         for j, token in enumerate(tokens):
             if seq.status is not SequenceStatus.RUNNING:
                 break  # EOS, max_tokens or a stop string ended it: the rest is never emitted
             one = SchedulerOutput([ScheduledSeq(seq, seq.num_tokens - 1, 1)], num_padding=0)
-            updates += self._commit(one, [[token]], [row + j], logits)
+            updates += self._commit(one, [[token]], [row + j], logits, [entries[j]])
             emitted += 1
         self.speculator.record(seq, len(chunk.drafts), tokens, emitted)
         return updates
 
     def _commit(self, out: SchedulerOutput, tokens: list[list[int]], rows: list[int],
-                logits: Tensor | None) -> list[StepOutput]:
+                logits: Tensor | None, entries: list) -> list[StepOutput]:
         """The scheduler's postprocess of ``out`` with ``tokens``, then each new token emitted (``rows[i]``: the
-        logits row of the i-th new token)."""
+        logits row of the i-th new token, ``entries[i]``: its ``TokenLogprobs`` or None)."""
         new = self.scheduler.postprocess(out, tokens, time.perf_counter())
         updates = []
-        for (seq, token), row in zip(new, rows, strict=True):
+        for (seq, token), row, entry in zip(new, rows, entries, strict=True):
             if seq.status is SequenceStatus.FINISHED_ERROR:
                 continue  # a sibling's detokenization failed earlier in this loop: the request has ended
             try:
-                updates.append(self._emit(seq, token, None if logits is None else logits[row]))
+                lp = None if entry is None else as_dict(entry, self._token_text)
+                if lp is not None:
+                    seq.logprobs = [] if seq.logprobs is None else seq.logprobs
+                    seq.logprobs.append(lp)
+                updates.append(self._emit(seq, token, None if logits is None else logits[row], lp))
             except Exception as e:  # noqa: BLE001 — e.g. a token id the tokenizer cannot decode
                 updates += self._fail(seq.request, e, seq)
         for request in {seq.request for seq, _ in new}:
@@ -344,13 +373,15 @@ class LLMEngine:
                 self._retire(request)
         return updates
 
-    def _emit(self, seq: Seq, token: int, logits: Tensor | None) -> StepOutput:
+    def _emit(self, seq: Seq, token: int, logits: Tensor | None, logprobs: dict | None = None) -> StepOutput:
         """Detokenize the new token; a completed stop string finishes the sequence here."""
         delta = ""
         if self.tokenizer is not None:
-            detok = self._detoks.setdefault(seq, IncrementalDetokenizer(self.tokenizer, seq.request.params.stop))
-            eos = (seq.status is SequenceStatus.FINISHED_STOPPED and token in self.eos_token_ids
-                   and not seq.request.params.ignore_eos)
+            params = seq.request.params
+            detok = self._detoks.get(seq) or self._detoks.setdefault(
+                seq, IncrementalDetokenizer(self.tokenizer, params.stop, params.include_stop_str_in_output))
+            eos = seq.status is SequenceStatus.FINISHED_STOPPED and stop_token_text_dropped(params, token,
+                                                                                             self.eos_token_ids)
             if not eos:  # EOS is not part of the text
                 delta = detok.push(token)
             if detok.stopped:
@@ -358,7 +389,8 @@ class LLMEngine:
             if seq.status.finished:
                 delta += detok.flush()  # no token follows: release held-back bytes
         return StepOutput(seq.request.request_id, seq.index, [token], delta, seq.finish_reason, logits,
-                          metrics=seq.metrics if seq.status.finished else None)
+                          metrics=seq.metrics if seq.status.finished else None,
+                          logprobs=None if logprobs is None else [logprobs])
 
     def _fail(self, request: Request, error: BaseException, culprit: Seq | None = None) -> list[StepOutput]:
         """End a request with ``finish_reason="error"`` and free its blocks; one update per sample it ends
@@ -376,14 +408,17 @@ class LLMEngine:
         samples = []
         for seq in request.seqs:
             detok = self._detoks.pop(seq, None)
+            asked = request.params.logprobs is not None
             samples.append(CompletionOutput(seq.index, detok.text if detok else "", seq.output,
                                             seq.finish_reason or "abort", seq.metrics,
-                                            error if seq.status is SequenceStatus.FINISHED_ERROR else None))
+                                            error if seq.status is SequenceStatus.FINISHED_ERROR else None,
+                                            logprobs=(seq.logprobs or []) if asked else None,
+                                            stop_reason=stop_reason(seq)))
         first = samples[0]
         self._finished[request.request_id] = RequestOutput(
             prompt=request.prompt, prompt_token_ids=request.prompt_token_ids, text=first.text,
             token_ids=first.token_ids, finish_reason=first.finish_reason, metrics=first.metrics, outputs=samples,
-            error=error)
+            error=error, prompt_logprobs=request.prompt_logprobs, logprobs=first.logprobs)
         self._live.pop(request.request_id, None)
 
     # ---- offline convenience -----------------------------------------------------------------------------------

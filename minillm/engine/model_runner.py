@@ -39,11 +39,13 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
+from minillm.engine.logprobs import StepLogprobs, step_logprobs
 from minillm.engine.scheduler import ScheduledSeq, SchedulerOutput
 from minillm.kv.block_allocator import BlockCopy
 from minillm.kv.block_manager import BlockManager
 from minillm.kv.paged_cache import AttentionMetadata, PagedAttention, PagedKVCache, PrefillChunk
 from minillm.models.llama import Transformer
+from minillm.sampling.processors import process
 from minillm.sampling.rejection import rejection_sample
 from minillm.sampling.sampler import sample
 
@@ -54,10 +56,11 @@ Verify = Callable[..., list[int]]  # rejection_sample's signature: (logits [k+1,
 class StepResult:
     """Sampled tokens, one list per sampling ``ScheduledSeq`` (n tokens for a parent about to fork; the accepted
     drafts + one for a draft chunk); the fp32 logits [R, V] they came from (each chunk's ``num_logit_rows`` rows, in
-    order) when asked for."""
+    order) when asked for; the logprobs of the sequences that asked (``engine.logprobs.step_logprobs``)."""
 
     tokens: list[list[int]]
     logits: Tensor | None
+    logprobs: StepLogprobs = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -130,13 +133,14 @@ def forward_step(model: Transformer, kv: PagedKVCache, step: StepInputs) -> Tens
 
 
 def sampling_chunks(out: SchedulerOutput) -> list[tuple[ScheduledSeq, int]]:
-    """(chunk, its first row in the step's logits) for every chunk that samples, in order: each owns
-    ``num_logit_rows`` consecutive rows of the [R, V] logits ``ModelRunner.forward`` returns."""
+    """(chunk, its first sampling row in the step's logits) for every chunk that samples, in order: each chunk owns
+    ``num_logit_rows`` consecutive rows of the [R, V] logits ``ModelRunner.forward`` returns, its sampling rows
+    after its ``prompt_logit_rows``."""
     chunks, row = [], 0
     for s in out.scheduled:
         if s.samples:
-            chunks.append((s, row))
-            row += s.num_logit_rows
+            chunks.append((s, row + s.prompt_logit_rows))
+        row += s.num_logit_rows
     return chunks
 
 
@@ -155,6 +159,8 @@ class ModelRunner:
     Attention runs on the model's kernels (``model.kernel_ops()``), the same the layers run on.  ``executor``: a
     multi-process group that runs every step on all its ranks (None: this process alone)."""
 
+    eos_token_ids: tuple[int, ...] = ()  # what min_tokens masks (the engine sets its own)
+
     def __init__(self, model: Transformer, kv: PagedKVCache, block_manager: BlockManager,
                  executor: Executor | None = None):
         self.model, self.kv, self.block_manager, self.executor = model, kv, block_manager, executor
@@ -167,7 +173,8 @@ class ModelRunner:
         if logits is None:
             return StepResult([], None)
         logits = logits.float()  # (R, V)
-        return StepResult(self.sample(out, logits, verify), logits if return_logits else None)
+        tokens = self.sample(out, logits, verify)
+        return StepResult(tokens, logits if return_logits else None, step_logprobs(out, logits, tokens))
 
     def forward(self, out: SchedulerOutput) -> Tensor | None:
         """Block copies, then the forward -> logits [R, V] at ``logit_rows(out)``; None for a copies-only step."""
@@ -194,13 +201,15 @@ class ModelRunner:
         """One token list per sampling chunk: ``num_samples`` draws from its last row (generator i each), or for a
         draft chunk the rejection rule over its 1 + k rows (the accepted drafts + a correction or bonus token)."""
         chunks = sampling_chunks(out)
-        rows, params, generators = [], [], []
+        rows, params, generators, seqs = [], [], [], []
         for s, row in chunks:
             for j in range(0 if s.drafts else s.num_samples):  # a parent about to fork draws n from one row
                 rows.append(row)
                 params.append(s.seq.request.params)
                 generators.append(s.seq.request.generators[s.seq.index + j])
-        drawn = iter(sample(logits[rows], params, generators) if rows else [])
+                seqs.append(s.seq)
+        picked = process(logits[rows], params, seqs, self.eos_token_ids)  # penalties, logit_bias, min_tokens
+        drawn = iter(sample(picked, params, generators) if rows else [])
         tokens = []
         for s, row in chunks:
             if s.drafts:  # the rejection rule over every draft chunk, each on its own rows and generator

@@ -23,9 +23,10 @@ from enum import Enum
 from torch import Tensor
 
 from minillm.config import EngineConfig
+from minillm.engine.logprobs import prompt_logit_rows, wants_prompt_rows
 from minillm.engine.sequence import Request, Sequence, SequenceStatus
 from minillm.kv.block_allocator import BlockCopy
-from minillm.kv.block_manager import BlockManager
+from minillm.kv.block_manager import BlockManager, OutOfBlocks
 from minillm.outputs import RequestMetrics
 from minillm.sampling.params import SamplingParams, finish_reason
 
@@ -55,6 +56,7 @@ class ScheduledSeq:
     num_tokens: int
     drafts: tuple[int, ...] = ()
     draft_probs: Tensor | None = field(default=None, compare=False, repr=False)
+    prompt_logit_rows: int = 0  # prompt_logprobs: rows before the sampling row scored too (engine/logprobs.py)
 
     @property
     def token_ids(self) -> list[int]:
@@ -74,8 +76,9 @@ class ScheduledSeq:
 
     @property
     def num_logit_rows(self) -> int:
-        """Rows whose logits the step needs: the last (1 + the drafts, each verified) when it samples, else 0."""
-        return 1 + len(self.drafts) if self.samples else 0
+        """Rows whose logits the step needs, the chunk's last: its ``prompt_logit_rows``, then when it samples the
+        last (1 + the drafts, each verified)."""
+        return self.prompt_logit_rows + (1 + len(self.drafts) if self.samples else 0)
 
 
 @dataclass
@@ -286,7 +289,8 @@ class Scheduler:
         n = prefill_chunk_len(seq.num_tokens - seq.num_computed, budget, self.config.max_num_batched_tokens,
                               self.config.chunked_prefill)
         if n > 0:
-            out.scheduled.append(ScheduledSeq(seq, seq.num_computed, n))
+            out.scheduled.append(ScheduledSeq(seq, seq.num_computed, n,
+                                              prompt_logit_rows=prompt_logit_rows(seq, seq.num_computed, n)))
         return n
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
@@ -369,12 +373,26 @@ class Scheduler:
     def _start_running(self, seq: Sequence, hits: int, now: float) -> None:
         """``seq`` (just allocated, out of the waiting queue) joins ``running`` with its first ``hits`` tokens
         already in the prefix cache; the first admission sets its scheduling metrics."""
+        if hits and wants_prompt_rows(seq):  # prompt logprobs need every prompt row: no prefix-cache hits (vLLM)
+            hits = self._without_prefix_hits(seq)
         seq.num_computed = hits
         seq.status = SequenceStatus.RUNNING
         if seq.metrics.first_scheduled_s is None:
             seq.metrics.first_scheduled_s = now
             seq.metrics.prefix_hit_tokens = hits
         bisect.insort(self.running, seq, key=lambda s: s.priority)
+
+    def _without_prefix_hits(self, seq: Sequence) -> int:
+        """Re-allocate ``seq``'s blocks without prefix-cache hits -> 0.  When the pool cannot hold that, it keeps
+        the cached blocks and recomputes them anyway (same tokens, same positions: the same K/V is written)."""
+        bm = self.block_manager
+        bm.free(seq.seq_id)
+        try:
+            return bm.allocate(seq.seq_id, seq.token_ids, use_prefix_cache=False)
+        except OutOfBlocks:
+            bm.allocate(seq.seq_id, seq.token_ids)  # fits: it did a moment ago
+            bm.sequence(seq.seq_id).num_computed = 0  # computed again from the start, as mark_computed expects
+            return 0
 
     def _form_batch(self, now: float) -> None:
         """Static/dynamic: when no batch is in flight, start one from the head of the waiting queue."""

@@ -52,6 +52,8 @@ class Request:
     order: int = 0  # arrival counter: breaks arrival-time ties first-come-first-served
     prompt: str | None = None
     seqs: list[Sequence] = field(default_factory=list)
+    # SamplingParams(prompt_logprobs=k): [None] + {token_id: Logprob} per prompt token scored so far; else None
+    prompt_logprobs: list | None = None
 
     @property
     def needs_fork(self) -> bool:
@@ -75,6 +77,7 @@ class Sequence:
     metrics: RequestMetrics
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed: int = 0  # leading tokens whose K/V is in the cache
+    logprobs: list | None = None  # SamplingParams(logprobs=k): {token_id: Logprob} per output token
 
     @property
     def output(self) -> list[int]:

@@ -90,7 +90,8 @@ class SpecDecoder:
             seq = s.seq
             if budget <= 0:
                 break
-            if s.num_tokens != 1 or not s.samples or s.num_samples != 1 or seq.request.needs_fork:
+            if s.num_tokens != 1 or not s.samples or s.num_samples != 1 or seq.request.needs_fork \
+                    or seq.request.params.processes_logits:  # penalties etc.: decoded plainly, without drafts
                 continue
             room = min(seq.request.params.max_tokens - len(seq.output), self.max_model_len - seq.num_tokens) - 1
             k = min(self.config.num_speculative_tokens, room, budget)

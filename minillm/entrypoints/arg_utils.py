@@ -128,9 +128,9 @@ def _parse_as(cls: type, name: str, hint: Any) -> dict[str, Any]:
         return {"type": None, "action": argparse.BooleanOptionalAction}
     if kinds[0] in (int, float, str):
         return {"type": kinds[0]}
-    if typing.get_origin(kinds[0]) is tuple and typing.get_args(kinds[0]) == (str, ...):
-        return {"type": str, "action": "append"}
-    if dict in kinds:
+    if typing.get_origin(kinds[0]) is tuple and typing.get_args(kinds[0]) in ((str, ...), (int, ...)):
+        return {"type": typing.get_args(kinds[0])[0], "action": "append"}  # the flag repeated: one value each
+    if dict in kinds or dict in map(typing.get_origin, kinds):
         return {"type": json_object, "metavar": "JSON"}
     raise TypeError(f"{cls.__name__}.{name}: no command-line form for {hint}")
 

@@ -84,8 +84,9 @@ class BlockManager:
         need, available = self._prompt_shortfall(len(tokens), self._match_prefix(tokens)[0])
         return need <= available
 
-    def allocate(self, seq_id: Hashable, prompt_token_ids: Sequence[int]) -> int:
-        """Give a new sequence blocks for its whole prompt; returns how many leading tokens the cache already holds.
+    def allocate(self, seq_id: Hashable, prompt_token_ids: Sequence[int], use_prefix_cache: bool = True) -> int:
+        """Give a new sequence blocks for its whole prompt; returns how many leading tokens the cache already holds
+        (0 with ``use_prefix_cache=False``: every token is computed, and its full blocks are still cached after).
 
         All or nothing: raises ``OutOfBlocks`` without changing any state when the prompt does not fit.
         """
@@ -94,7 +95,7 @@ class BlockManager:
         if len(prompt_token_ids) == 0:
             raise ValueError("cannot allocate an empty prompt: it needs at least one token")
         tokens = list(prompt_token_ids)
-        hits, hashes = self._match_prefix(tokens)
+        hits, hashes = self._match_prefix(tokens) if use_prefix_cache else ([], [])
         need, available = self._prompt_shortfall(len(tokens), hits)
         if need > available:
             raise OutOfBlocks(f"a {len(tokens)}-token prompt needs {need} new blocks but {available} are free; "

@@ -1,7 +1,8 @@
 """From logits to the next token: temperature, top-k, top-p, greedy, and seeded sampling.
 
 Meanings follow vLLM's ``SamplingParams``: temperature 0 is greedy; top_k 0 or -1 is off; top_p 1.0 is off.
-Filters apply in the order temperature → top-k → top-p, each on the result of the previous one.
+Filters apply in the order temperature → min-p → top-k → top-p, each on the result of the previous one (the
+history-dependent processors — penalties, logit_bias, min_tokens — run before, in ``processors.py``).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import torch
 from torch import Tensor
 
 from minillm.sampling.params import MIN_TEMPERATURE, SamplingParams
+from minillm.sampling.processors import min_p_mask
 
 
 def top_k_mask(logits: Tensor, k: int) -> Tensor:
@@ -49,6 +51,7 @@ def probabilities(logits: Tensor, params: SamplingParams) -> Tensor:
     x = logits.float()
     masked = x == float("-inf")  # stays -inf: a huge temperature (inf in fp32) would turn -inf / inf into nan
     x = ((x - x.amax(dim=-1, keepdim=True)) / max(params.temperature, MIN_TEMPERATURE)).masked_fill(masked, -torch.inf)
+    x = min_p_mask(x, params.min_p)
     x = top_k_mask(x, params.top_k)
     x = top_p_mask(x, params.top_p)
     return x.softmax(dim=-1)

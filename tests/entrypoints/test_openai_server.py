@@ -285,8 +285,8 @@ def test_bad_temperature_is_a_400_naming_it(live):
 
 def test_unsupported_field_is_a_400_naming_it(live):
     with pytest.raises(openai.BadRequestError) as e:
-        live.client().completions.create(model=MODEL, prompt="hi", logprobs=2)
-    assert e.value.body["param"] == "logprobs"
+        live.client().completions.create(model=MODEL, prompt="hi", suffix="!")
+    assert e.value.body["param"] == "suffix"
     with pytest.raises(openai.BadRequestError) as e:
         live.client().chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
                                               tools=[{"type": "function", "function": {"name": "f"}}])

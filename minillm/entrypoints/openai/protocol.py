@@ -5,11 +5,12 @@ for other servers send fields minillm does not know (``store``, ``metadata``, ``
 them breaks those clients.  The cost is that a typo such as ``temprature`` is silently ignored too: the server
 logs one warning per unknown field name and lists the request's ignored fields in its ``X-Ignored-Fields``
 response header (``ignored_fields``), so a client can still see them.  Fields OpenAI defines but minillm cannot
-honour yet (``logprobs``, ``tools``, penalties, ...) are declared: their "off" values (``logprobs=false``,
-``tools=[]``, ``response_format={"type": "text"}``, ... in ``OFF_VALUES``) are accepted, anything else is a 400
-naming the field (``unsupported_fields``); so are vLLM's extensions minillm does not implement yet (``min_p``,
-``guided_json``, ... in ``VLLM_EXTRA_OFF_VALUES``), which are known, not ignored.  ``top_k`` and ``ignore_eos``
-are vLLM's extensions, accepted with vLLM's meanings.
+honour yet (``tools``, ``response_format``, ...) are declared: their "off" values (``tools=[]``,
+``response_format={"type": "text"}``, ... in ``OFF_VALUES``) are accepted, anything else is a 400 naming the field
+(``unsupported_fields``); so are vLLM's extensions minillm does not implement yet (``guided_json``, ... in
+``VLLM_EXTRA_OFF_VALUES``), which are known, not ignored.  ``top_k``, ``ignore_eos``, ``repetition_penalty``,
+``min_p``, ``min_tokens``, ``stop_token_ids`` and ``include_stop_str_in_output`` are vLLM's extensions, accepted
+with vLLM's meanings.
 """
 
 from __future__ import annotations
@@ -21,22 +22,18 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 # OpenAI fields the engine has no implementation for, with the values that mean "not used" (compared with their
-# type: completions' logprobs=0 asks for the sampled token's logprob, it is not logprobs=false).  ``best_of`` is
-# off when it equals ``n`` (see unsupported_fields).
+# type: False is not 0).  ``best_of`` is off when it equals ``n`` (see unsupported_fields).
 OFF_VALUES: dict[str, tuple] = {
-    "logprobs": (None, False), "top_logprobs": (None, 0), "echo": (False,), "suffix": (None,),
-    "logit_bias": (None, {}), "presence_penalty": (None, 0.0, 0), "frequency_penalty": (None, 0.0, 0),
-    "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []), "function_call": (None, "none"),
-    "response_format": (None, {"type": "text"}), "parallel_tool_calls": (None, False),
+    "suffix": (None,), "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []),
+    "function_call": (None, "none"), "response_format": (None, {"type": "text"}), "parallel_tool_calls": (None, False),
 }
 # vLLM's extensions (sent as extra fields) that minillm does not implement yet, with their "off" values (null is
 # off too).  Known, so a value that asks for them is a 400 naming the field rather than silently ignored like an
 # unknown field; a field that the request models declare is never looked up here.
 VLLM_EXTRA_OFF_VALUES: dict[str, tuple] = {
-    "min_p": (0.0, 0), "repetition_penalty": (1.0, 1), "min_tokens": (0,), "stop_token_ids": ([],),
-    "include_stop_str_in_output": (False,), "prompt_logprobs": (), "guided_json": (), "guided_regex": (),
-    "guided_choice": (), "guided_grammar": (), "structured_outputs": (), "use_beam_search": (False,),
-    "length_penalty": (1.0, 1), "bad_words": ([],), "allowed_token_ids": (), "truncate_prompt_tokens": (),
+    "prompt_logprobs": (), "guided_json": (), "guided_regex": (), "guided_choice": (), "guided_grammar": (),
+    "structured_outputs": (), "use_beam_search": (False,), "length_penalty": (1.0, 1), "bad_words": ([],),
+    "allowed_token_ids": (), "truncate_prompt_tokens": (),
 }
 
 
@@ -69,12 +66,16 @@ class _SamplingFields(OpenAIBaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None  # accepted and ignored, as a label for the caller's own logs
-    # Declared so that the error names them (see unsupported_fields).
-    logprobs: Any = None
-    top_logprobs: Any = None
-    logit_bias: Any = None
+    logit_bias: dict[str, float] | None = None  # token id (as a string: JSON keys) -> bias in [-100, 100]
     presence_penalty: float | None = 0.0
     frequency_penalty: float | None = 0.0
+    # vLLM's sampling extensions, with vLLM's meanings (SamplingParams documents each)
+    repetition_penalty: float | None = None
+    min_p: float | None = None
+    min_tokens: int | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    # Declared so that the error names them (see unsupported_fields).
     response_format: Any = None
 
 
@@ -83,7 +84,8 @@ class CompletionRequest(_SamplingFields):
 
     prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int | None = 16  # OpenAI's default for completions
-    echo: bool = False
+    logprobs: int | None = None  # 0-5: the sampled token's logprob + this many alternatives per token
+    echo: bool = False  # the prompt before the completion (with logprobs: the prompt's, the first null)
     best_of: int | None = None
     suffix: str | None = None
 
@@ -102,6 +104,8 @@ class ChatCompletionRequest(_SamplingFields):
 
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
+    logprobs: bool | None = False  # the sampled tokens' logprobs
+    top_logprobs: int | None = None  # 0-20 alternatives per token (with logprobs)
     tools: Any = None
     tool_choice: Any = None
     functions: Any = None
@@ -143,6 +147,36 @@ def _now() -> int:
     return int(time.time())
 
 
+class CompletionLogprobs(BaseModel):
+    """OpenAI's legacy completions ``logprobs``: per token its text, logprob (null for an echoed prompt's first
+    token), {text: logprob} of the sampled token and the top alternatives, and its offset in the choice's text."""
+
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
+
+
+class TopLogprob(BaseModel):
+    """One alternative of a chat token: its text, logprob and UTF-8 bytes."""
+
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatTokenLogprob(TopLogprob):
+    """One sampled chat token and its ``top_logprobs`` alternatives, most likely first."""
+
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatLogprobs(BaseModel):
+    """A chat choice's ``logprobs``: one entry per content token."""
+
+    content: list[ChatTokenLogprob] | None = None
+
+
 def random_id(prefix: str) -> str:
     """An OpenAI-looking id such as ``chatcmpl-3f2a...``; also the engine's request id."""
     return f"{prefix}-{uuid.uuid4().hex}"
@@ -161,8 +195,9 @@ class CompletionChoice(BaseModel):
 
     index: int
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
+    stop_reason: int | str | None = None  # vLLM: the stop token id that ended it
 
 
 class CompletionResponse(BaseModel):
@@ -188,8 +223,9 @@ class ChatChoice(BaseModel):
 
     index: int
     message: AssistantMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None
+    stop_reason: int | str | None = None  # vLLM: the stop token id that ended it
 
 
 class ChatCompletionResponse(BaseModel):
@@ -215,7 +251,7 @@ class ChatChunkChoice(BaseModel):
 
     index: int
     delta: DeltaMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
 
 

@@ -40,6 +40,12 @@ from minillm.entrypoints.openai.engine_loop import (
     RequestStream,
     ShuttingDown,
 )
+from minillm.entrypoints.openai.logprobs import (
+    LogprobTap,
+    chat_logprobs,
+    completion_choice,
+    sampling_extras,
+)
 from minillm.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
 from minillm.entrypoints.openai.sse import StreamMeta, sse_stream
 from minillm.entrypoints.openai.sse import event as sse
@@ -124,7 +130,7 @@ def sampling_params(body: p.ChatCompletionRequest | p.CompletionRequest, max_tok
     stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
     try:
         return SamplingParams(max_tokens=max_tokens, n=body.n, seed=body.seed, stop=stop,
-                              ignore_eos=body.ignore_eos, **kw)
+                              ignore_eos=body.ignore_eos, **kw, **sampling_extras(body))
     except ValueError as e:
         raise APIError(400, str(e), param=_param_of(str(e))) from e
 
@@ -299,16 +305,21 @@ class Server:
         return True
 
     async def events(self, streams: Sequence[RequestStream], meta: StreamMeta, n: int,
-                     continuous_usage: bool = False) -> AsyncIterator[str]:
+                     continuous_usage: bool = False, tap: LogprobTap | None = None) -> AsyncIterator[str]:
         """SSE: ``sse_stream`` over the requests' merged updates (``updates``); an engine failure becomes an error
-        event and ``[DONE]``.  ``continuous_usage``: the usage so far in every chunk (``UsageEveryChunk``).
-        Closing the stream early (disconnect) aborts the requests."""
+        event and ``[DONE]``.  ``continuous_usage``: the usage so far in every chunk (``UsageEveryChunk``); ``tap``:
+        adds logprobs or an echoed prompt.  Closing the stream early (disconnect) aborts the requests."""
         updates = self.updates(streams, n)
+        if tap is not None:
+            updates = tap.updates(updates)
         if continuous_usage:
             usage_so_far = UsageEveryChunk(meta.prompt_tokens)
-            events = usage_so_far.add_usage(sse_stream(usage_so_far.count(updates), meta))
-        else:
-            events = sse_stream(updates, meta)
+            updates = usage_so_far.count(updates)
+        events = sse_stream(updates, meta)
+        if continuous_usage:
+            events = usage_so_far.add_usage(events)
+        if tap is not None:
+            events = tap.events(events)
         try:
             async for text in events:
                 yield text
@@ -416,6 +427,14 @@ def _add_error_handlers(app: FastAPI) -> None:
 
 
 def _add_routes(app: FastAPI, server: Server) -> None:
+    tokenizer = server.loop.engine.tokenizer
+
+    def token_text(token: int) -> str:  # an engine without a tokenizer: vLLM's "token_id:N" form
+        return f"token_id:{token}" if tokenizer is None else tokenizer.decode([token])
+
+    def prompt_text(prompt, ids: list[int]) -> str:
+        return prompt if isinstance(prompt, str) else "" if tokenizer is None else tokenizer.decode(ids)
+
     @app.get("/health")
     async def health():
         if not server.loop.is_alive():
@@ -435,14 +454,23 @@ def _add_routes(app: FastAPI, server: Server) -> None:
     @app.post("/v1/completions")
     async def completions(body: p.CompletionRequest, request: Request, response: Response):
         headers = server.check(body)
-        max_tokens = requested_max_tokens(body)  # omitted: 16 (the request model's default); null: the rest
+        echo_only = body.echo and body.max_tokens == 0  # the prompt alone: one token runs and is dropped (vLLM)
+        if echo_only and body.stream:
+            raise APIError(400, "max_tokens=0 (echo the prompt only) needs stream=false", param="max_tokens")
+        if body.echo and body.stream and body.logprobs is not None:
+            raise APIError(400, "echo with logprobs needs stream=false (the prompt's logprobs come at the end)",
+                           param="echo")
+        max_tokens = 1 if echo_only else requested_max_tokens(body)  # omitted: 16 (the model's default); null: the rest
         params = sampling_params(body, server.loop.max_model_len if max_tokens is None else max_tokens)
         rid, model = p.random_id("cmpl"), body.model
-        streams = await server.submit_all(completion_prompts(body.prompt), params, rid, "prompt",
-                                          max_tokens is not None)
+        prompts = completion_prompts(body.prompt)
+        streams = await server.submit_all(prompts, params, rid, "prompt", max_tokens is not None)
         if body.stream:
             meta = stream_meta(body, rid, streams, params.n, chat=False)
-            return EventStream(server.events(streams, meta, params.n, continuous_usage(body)), streams, headers)
+            echo = ({k * params.n + i: prompt_text(pr, st.prompt_token_ids) for k, (pr, st)
+                     in enumerate(zip(prompts, streams, strict=True)) for i in range(params.n)} if body.echo else None)
+            tap = LogprobTap(False, 0, token_text, echo) if body.logprobs is not None or echo else None
+            return EventStream(server.events(streams, meta, params.n, continuous_usage(body), tap), streams, headers)
         response.headers.update(headers)
         try:
             if not await server.collect(streams, request):
@@ -450,9 +478,13 @@ def _add_routes(app: FastAPI, server: Server) -> None:
         finally:
             for st in streams:
                 st.close()
-        choices = [p.CompletionChoice(index=k * params.n + s.index, text=s.text, finish_reason=s.finish_reason)
-                   for k, st in enumerate(streams) for s in st.output.outputs]
-        return p.CompletionResponse(id=rid, model=model, choices=choices, usage=usage(streams))
+        choices = [completion_choice(k * params.n + s.index, s, st.output,
+                                     prompt_text(pr, st.prompt_token_ids) if body.echo else None, echo_only, token_text)
+                   for k, (pr, st) in enumerate(zip(prompts, streams, strict=True)) for s in st.output.outputs]
+        used = usage(streams)
+        if echo_only:  # the token that ran is not part of the answer
+            used = p.UsageInfo(prompt_tokens=used.prompt_tokens, completion_tokens=0, total_tokens=used.prompt_tokens)
+        return p.CompletionResponse(id=rid, model=model, choices=choices, usage=used)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: p.ChatCompletionRequest, request: Request, response: Response):
@@ -463,7 +495,8 @@ def _add_routes(app: FastAPI, server: Server) -> None:
         streams = [await server.submit(chat_messages(body.messages), params, rid, "messages", max_tokens is not None)]
         if body.stream:
             meta = stream_meta(body, rid, streams, params.n, chat=True)
-            return EventStream(server.events(streams, meta, params.n, continuous_usage(body)), streams, headers)
+            tap = LogprobTap(True, params.logprobs, token_text) if params.logprobs is not None else None
+            return EventStream(server.events(streams, meta, params.n, continuous_usage(body), tap), streams, headers)
         response.headers.update(headers)
         try:
             if not await server.collect(streams, request):
@@ -471,7 +504,10 @@ def _add_routes(app: FastAPI, server: Server) -> None:
         finally:
             streams[0].close()
         choices = [p.ChatChoice(index=s.index, message=p.AssistantMessage(content=s.text),
-                                finish_reason=s.finish_reason) for s in streams[0].output.outputs]
+                                finish_reason=s.finish_reason, stop_reason=s.stop_reason,
+                                logprobs=None if s.logprobs is None else
+                                chat_logprobs(s.token_ids, s.logprobs, params.logprobs, token_text))
+                   for s in streams[0].output.outputs]
         return p.ChatCompletionResponse(id=rid, model=model, choices=choices, usage=usage(streams))
 
 
