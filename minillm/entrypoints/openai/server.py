@@ -14,7 +14,6 @@ disconnects aborts its request, which frees its KV blocks.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import re
 import time
 from collections.abc import AsyncIterator, Sequence
@@ -26,6 +25,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from minillm.entrypoints.openai import protocol as p
+from minillm.entrypoints.openai.connections import ConnectionLimits
 from minillm.entrypoints.openai.engine_loop import (
     EngineFailed,
     EngineLoop,
@@ -35,6 +35,8 @@ from minillm.entrypoints.openai.engine_loop import (
     RequestStream,
     ShuttingDown,
 )
+from minillm.entrypoints.openai.guard import error_response, guard
+from minillm.entrypoints.openai.limits import DEFAULT_MAX_BODY_BYTES
 from minillm.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
 from minillm.entrypoints.openai.sse import StreamMeta, sse_stream
 from minillm.entrypoints.openai.sse import event as sse
@@ -58,10 +60,6 @@ class APIError(Exception):
         return error_response(self.status, self.info, self.headers)
 
 
-def error_response(status: int, info: p.ErrorInfo, headers: dict | None = None) -> JSONResponse:
-    return JSONResponse(p.ErrorResponse(error=info).model_dump(), status_code=status, headers=headers)
-
-
 def _param_of(message: str) -> str | None:
     """minillm's ValueErrors start with the parameter's name ("temperature must be ..."): use it as ``param``."""
     m = re.match(r"(\w+) must\b", message)
@@ -70,9 +68,9 @@ def _param_of(message: str) -> str | None:
 
 # ---- the gate: runs before routing, for every request -----------------------------------------------------------
 class Gate:
-    """Pure ASGI middleware: rejects oversized bodies (413) and, with an API key, unauthenticated ``/v1`` calls
-    (401); counts every response by path and status.  (Pure ASGI, not ``BaseHTTPMiddleware``, so that
-    streaming responses and client disconnects pass through untouched.)"""
+    """Pure ASGI middleware: ``guard.guard`` (the API key, 401, then the body read to at most ``max_body_bytes``,
+    413) before the app sees a request; counts every response by path and status.  (Pure ASGI, not
+    ``BaseHTTPMiddleware``, so that streaming responses and client disconnects pass through untouched.)"""
 
     def __init__(self, app, *, metrics: ServerMetrics, api_key: str | None, max_body_bytes: int):
         self.app, self.metrics, self.api_key, self.max_body_bytes = app, metrics, api_key, max_body_bytes
@@ -89,25 +87,12 @@ class Gate:
             await send(message)
 
         try:
-            rejection = self._reject(scope)
-            app = rejection if rejection is not None else self.app
-            await app(scope, receive, send_and_record)
+            checked = await guard(scope, receive, api_key=self.api_key, max_body_bytes=self.max_body_bytes)
+            app = checked.rejection if checked.rejection is not None else self.app
+            await app(scope, checked.receive, send_and_record)
         finally:
             path = scope["path"] if scope["path"] in PATHS else "other"  # bounded label values
             self.metrics.count_response(path, status)
-
-    def _reject(self, scope) -> Response | None:
-        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
-        length = headers.get("content-length", "0")
-        if length.isdigit() and int(length) > self.max_body_bytes:
-            return APIError(413, f"the request body has {length} bytes; the limit is {self.max_body_bytes}",
-                            code="request_too_large").response()
-        if self.api_key is not None and scope["path"].startswith("/v1"):
-            given = headers.get("authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {self.api_key}".encode()):
-                return APIError(401, "Incorrect API key provided: pass it as 'Authorization: Bearer <key>'",
-                                code="invalid_api_key").response()
-        return None
 
 
 # ---- requests -> engine inputs ----------------------------------------------------------------------------------
@@ -315,7 +300,8 @@ async def _disconnected(request: Request) -> None:
 
 
 def build_app(llm_or_engine, *, served_model_name: str | Sequence[str] | None = None, api_key: str | None = None,
-              max_queue: int = 64, ttft_slo_s: float | None = None, max_body_bytes: int = 4 << 20) -> FastAPI:
+              max_queue: int = 64, ttft_slo_s: float | None = None,
+              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
     """The FastAPI app serving ``llm_or_engine`` (an ``LLM`` or an ``LLMEngine``).
 
     ``served_model_name``: the name(s) clients must pass as ``model`` (default "SmolLM2-135M-Instruct");
@@ -433,10 +419,11 @@ def _add_routes(app: FastAPI, server: Server) -> None:
 
 
 def run_server(llm_or_engine, *, host: str = "127.0.0.1", port: int = 8000, shutdown_timeout_s: float = 10.0,
-               log_level: str = "info", **app_options) -> None:
+               log_level: str = "info", connection_limits: ConnectionLimits | None = None, **app_options) -> None:
     """Serve until SIGINT/SIGTERM.  On a signal new requests get 503, in-flight ones run on for up to
     ``shutdown_timeout_s`` seconds, the rest are aborted (their streams end with finish_reason "abort" and
-    ``[DONE]``), then uvicorn closes the connections and the process exits."""
+    ``[DONE]``), then uvicorn closes the connections and the process exits.  ``connection_limits``: when slow or
+    idle clients are dropped (default ``ConnectionLimits()``)."""
     import uvicorn
 
     app = build_app(llm_or_engine, **app_options)
@@ -448,6 +435,7 @@ def run_server(llm_or_engine, *, host: str = "127.0.0.1", port: int = 8000, shut
             await super().shutdown(sockets)
 
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
-                            timeout_graceful_shutdown=shutdown_timeout_s)  # a backstop: streams have ended
+                            timeout_graceful_shutdown=shutdown_timeout_s,  # a backstop: streams have ended
+                            **(connection_limits or ConnectionLimits()).uvicorn_options())
     DrainingServer(config).run()
 

@@ -1,0 +1,210 @@
+"""No single client can stall or exhaust the server: each probe of a red-team run, bounded in time and bytes,
+against a live server on 127.0.0.1 (a tiny random Llama with the default model's tokenizer, as the server tests).
+
+Timing assertions compare against generous bounds that hold on a loaded 2-core host (a timeout of 1 s checked
+within 15 s); byte assertions read this process's resident memory, sampled while the probe runs.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import pytest
+
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("uvicorn")
+from test_openai_server import LiveServer, tiny_hf_model  # noqa: E402
+
+from minillm import EngineConfig, LLMEngine, ModelConfig  # noqa: E402
+from minillm.entrypoints.openai.connections import ConnectionLimits  # noqa: E402
+from minillm.entrypoints.openai.router import Replica, ReplicaPool, build_router_app  # noqa: E402
+from minillm.entrypoints.openai.server import build_app  # noqa: E402
+from minillm.models.loader import build_model, load_tokenizer  # noqa: E402
+
+MODEL = "SmolLM2-135M-Instruct"
+KEY = "sesame"
+BODY_LIMIT = 1 << 20
+HEADER_TIMEOUT_S = 1.0
+LIMITS = ConnectionLimits(timeout_headers_s=HEADER_TIMEOUT_S, timeout_keep_alive_s=HEADER_TIMEOUT_S)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer(None)
+
+
+@pytest.fixture(scope="module")
+def engine(tokenizer):
+    import torch
+
+    hf = tiny_hf_model()
+    model = build_model(ModelConfig.from_hf(hf.config), hf.state_dict(), dtype=torch.float32, device="cpu")
+    return LLMEngine(model, tokenizer, EngineConfig(max_num_seqs=8))
+
+
+@pytest.fixture(scope="module")
+def server(engine):
+    live = LiveServer(build_app(engine, api_key=KEY, max_body_bytes=BODY_LIMIT), **LIMITS.uvicorn_options())
+    yield live
+    live.stop()
+
+
+@pytest.fixture(scope="module")
+def router(server):
+    live = LiveServer(build_router_app(ReplicaPool([Replica(0, server.url)]), api_key=KEY, max_body_bytes=BODY_LIMIT),
+                      **LIMITS.uvicorn_options())
+    yield live
+    live.stop()
+
+
+AUTH = {"Authorization": f"Bearer {KEY}"}
+
+
+def address(live: LiveServer) -> tuple[str, int]:
+    host, port = live.url.removeprefix("http://").split(":")
+    return host, int(port)
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096
+
+
+class PeakRSS:
+    """This process's resident memory sampled every few milliseconds while the block runs: ``growth`` is the peak
+    over the value at entry."""
+
+    def __enter__(self):
+        self.start = self.peak = rss_bytes()
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self._sample, daemon=True)
+        self.thread.start()
+        return self
+
+    def _sample(self):
+        while not self.done.wait(0.005):
+            self.peak = max(self.peak, rss_bytes())
+
+    def __exit__(self, *exc):
+        self.done.set()
+        self.thread.join()
+        self.peak = max(self.peak, rss_bytes())
+
+    @property
+    def growth(self) -> int:
+        return self.peak - self.start
+
+
+def status_of(reply: bytes) -> int:
+    assert reply.startswith(b"HTTP/1.1 "), reply[:80]
+    return int(reply.split(b" ", 2)[1])
+
+
+def read_reply(sock: socket.socket, limit: int = 1 << 16) -> bytes:
+    data = b""
+    try:
+        while len(data) < limit:
+            chunk = sock.recv(4096)
+            if not chunk:
+                break
+            data += chunk
+            if b"\r\n\r\n" in data and (b"content-length: 0" in data.lower() or data.endswith(b"}")):
+                break
+    except (TimeoutError, ConnectionResetError):
+        pass
+    return data
+
+
+def post_chunked(live: LiveServer, total: int, headers: dict[str, str], chunk: int = 64 << 10) -> tuple[int, int]:
+    """POST ``total`` bytes to /v1/completions in chunked transfer encoding from one reused buffer; stops sending
+    when the server stops reading or closes.  Returns (the status the server answered, bytes sent)."""
+    piece = b"x" * chunk
+    frame = f"{chunk:x}\r\n".encode() + piece + b"\r\n"
+    head = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
+    with socket.create_connection(address(live), timeout=5) as sock:
+        sock.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     f"Transfer-Encoding: chunked\r\n{head}\r\n".encode())
+        sent = 0
+        try:
+            while sent < total:
+                sock.sendall(frame)
+                sent += chunk
+            sock.sendall(b"0\r\n\r\n")
+        except (TimeoutError, BrokenPipeError, ConnectionResetError):
+            pass  # the server answered and stopped reading
+        return status_of(read_reply(sock)), sent
+
+
+# ---- request bodies ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("front", ["server", "router"])
+def test_a_chunked_64_mb_body_gets_413_and_holds_under_16_mb(front, request):
+    live = request.getfixturevalue(front)
+    with PeakRSS() as rss:
+        status, sent = post_chunked(live, 64 << 20, AUTH)
+    assert status == 413
+    assert rss.growth < 16 << 20, f"resident memory grew by {rss.growth >> 20} MiB"
+    r = httpx.post(live.url + "/v1/completions", headers=AUTH, json={"model": MODEL, "prompt": "hi", "max_tokens": 2})
+    assert r.status_code == 200  # and the front still serves
+
+
+@pytest.mark.parametrize("front", ["server", "router"])
+def test_the_api_key_is_checked_before_the_body_is_read(front, request):
+    live = request.getfixturevalue(front)
+    with PeakRSS() as rss:
+        status, sent = post_chunked(live, 64 << 20, {})
+    assert status == 401 and rss.growth < 16 << 20
+    assert sent < 64 << 20  # the server answered without reading the body, and the client had to stop
+
+
+def test_a_body_declared_over_the_limit_is_refused_before_it_is_sent(router):
+    r = httpx.post(router.url + "/v1/completions", headers=AUTH, content=b"x" * (BODY_LIMIT + 1))
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+
+
+# ---- connections ---------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("front", ["server", "router"])
+def test_slowloris_connections_are_closed_within_the_header_timeout(front, request):
+    """30 connections that send half a request line and then one header byte per 0.3 s, and 30 that send nothing:
+    every one is closed by the server (recv returns b"" or resets) well before 15 × the 1 s timeout."""
+    live = request.getfixturevalue(front)
+    socks = [socket.create_connection(address(live), timeout=15 * HEADER_TIMEOUT_S) for _ in range(60)]
+    for s in socks[:30]:
+        s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")
+    t0 = time.monotonic()
+    closed_after = []
+    for k in range(8):  # the trickle: more than twice the timeout in all
+        time.sleep(0.3)
+        for s in socks[:30]:
+            try:
+                s.sendall(f"X-{k}: y\r\n".encode())
+            except OSError:
+                pass
+    for s in socks:
+        try:
+            data = s.recv(1024)
+        except (ConnectionResetError, TimeoutError) as e:
+            data = type(e).__name__.encode()
+        closed_after.append(time.monotonic() - t0)
+        assert data in (b"", b"ConnectionResetError"), data
+        s.close()
+    assert max(closed_after) < 15 * HEADER_TIMEOUT_S
+    assert httpx.get(live.url + "/health").status_code == 200  # the server still answers
+
+
+def test_headers_over_the_byte_limit_get_431(server):
+    with socket.create_connection(address(server), timeout=10) as s:
+        s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: " + b"y" * (LIMITS.max_header_bytes + 10))
+        assert status_of(read_reply(s)) == 431
+
+
+def test_a_request_in_progress_is_not_cut_by_the_header_timeout(server):
+    """A stream longer than the header timeout runs to its end: the deadline covers the headers only."""
+    body = {"model": MODEL, "prompt": "Go", "max_tokens": 64, "ignore_eos": True, "stream": True}
+    t0, chunks = time.monotonic(), 0
+    with httpx.stream("POST", server.url + "/v1/completions", headers=AUTH, json=body, timeout=60) as r:
+        for line in r.iter_lines():
+            chunks += line.startswith("data: {")
+            time.sleep(0.05)  # a slow reader: 64 tokens take > 3 s, past the 1 s header timeout
+    assert chunks == 64 and time.monotonic() - t0 > HEADER_TIMEOUT_S
