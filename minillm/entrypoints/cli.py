@@ -19,6 +19,7 @@ from minillm.entrypoints.arg_utils import (
 from minillm.entrypoints.openai.limits import (
     DEFAULT_MAX_BODY_BYTES,
     DEFAULT_MAX_HEADER_BYTES,
+    DEFAULT_STALL_TIMEOUT_S,
     DEFAULT_TIMEOUT_HEADERS_S,
     DEFAULT_TIMEOUT_KEEP_ALIVE_S,
 )
@@ -37,6 +38,8 @@ SERVER_OPTIONS = (
            default=DEFAULT_TIMEOUT_HEADERS_S),
     Option("max_header_bytes", "the most bytes of request line and headers (431 past it)", type=int,
            default=DEFAULT_MAX_HEADER_BYTES),
+    Option("stall_timeout", "/health answers 503 once the engine's current step has run this many seconds (a "
+                            "liveness probe's signal to restart)", type=float, default=DEFAULT_STALL_TIMEOUT_S),
     Option("max_queue", "requests that may wait beyond --max-num-seqs; more get 429", type=int, default=64),
     Option("shutdown_timeout", "seconds in-flight requests may run on after SIGTERM before they are aborted",
            type=float, default=10.0),
@@ -197,7 +200,7 @@ def cmd_serve(a) -> int:
     print(f"[serving {model or DEFAULT_MODEL_NAME} ({llm.model.dtype}, {llm.model.device}) on "
           f"http://{a.host}:{a.port}/v1]", file=sys.stderr)
     run_server(llm, host=a.host, port=a.port, api_key=key, max_queue=a.max_queue, max_body_bytes=a.max_body_bytes,
-               connection_limits=limits,
+               connection_limits=limits, stall_timeout_s=a.stall_timeout,
                ttft_slo_s=None if a.ttft_slo_ms is None else a.ttft_slo_ms / 1e3, shutdown_timeout_s=a.shutdown_timeout,
                served_model_name=str(model) if model else DEFAULT_MODEL_NAME, log_level=a.log_level)
     return 0

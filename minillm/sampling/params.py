@@ -104,10 +104,10 @@ def _check_stop_limits(stop: tuple[str, ...]) -> None:
     """At most ``MAX_STOP_STRINGS`` stop strings of at most ``MAX_STOP_CHARS`` characters each (values are not
     echoed: a refused stop string may be megabytes)."""
     if len(stop) > MAX_STOP_STRINGS:
-        raise ValueError(f"stop has {len(stop)} strings; at most {MAX_STOP_STRINGS} are allowed: send fewer")
+        raise ValueError(f"stop must hold at most {MAX_STOP_STRINGS} strings, got {len(stop)}: send fewer")
     longest = max(map(len, stop), default=0)
     if longest > MAX_STOP_CHARS:
-        raise ValueError(f"stop strings may be at most {MAX_STOP_CHARS} characters each, got one of {longest}: "
+        raise ValueError(f"stop must hold strings of at most {MAX_STOP_CHARS} characters, got one of {longest}: "
                          "send a shorter stop string")
 
 

@@ -92,8 +92,8 @@ def test_a_stop_string_at_the_limit_holds_back_exactly_what_could_still_match():
 
 
 @pytest.mark.parametrize("stop, match", [
-    (["x"] * (MAX_STOP_STRINGS + 1), f"at most {MAX_STOP_STRINGS}"),
-    (["y" * (MAX_STOP_CHARS + 1)], f"at most {MAX_STOP_CHARS} characters"),
+    (["x"] * (MAX_STOP_STRINGS + 1), f"at most {MAX_STOP_STRINGS} strings"),
+    (["y" * (MAX_STOP_CHARS + 1)], f"strings of at most {MAX_STOP_CHARS} characters"),
 ])
 def test_stop_strings_beyond_the_limits_are_refused_naming_the_limit(stop, match):
     with pytest.raises(ValueError, match=match):

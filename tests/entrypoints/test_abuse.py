@@ -7,6 +7,8 @@ within 15 s); byte assertions read this process's resident memory, sampled while
 
 from __future__ import annotations
 
+import json
+import re
 import socket
 import threading
 import time
@@ -18,14 +20,16 @@ pytest.importorskip("uvicorn")
 from test_openai_server import LiveServer, tiny_hf_model  # noqa: E402
 
 from minillm import EngineConfig, LLMEngine, ModelConfig  # noqa: E402
+from minillm.engine.inputs import chat_prompt_ids, to_token_ids  # noqa: E402
 from minillm.entrypoints.openai.connections import ConnectionLimits  # noqa: E402
+from minillm.entrypoints.openai.limits import DEFAULT_MAX_BODY_BYTES  # noqa: E402
 from minillm.entrypoints.openai.router import Replica, ReplicaPool, build_router_app  # noqa: E402
 from minillm.entrypoints.openai.server import build_app  # noqa: E402
 from minillm.models.loader import build_model, load_tokenizer  # noqa: E402
 
 MODEL = "SmolLM2-135M-Instruct"
 KEY = "sesame"
-BODY_LIMIT = 1 << 20
+BODY_LIMIT = DEFAULT_MAX_BODY_BYTES
 HEADER_TIMEOUT_S = 1.0
 LIMITS = ConnectionLimits(timeout_headers_s=HEADER_TIMEOUT_S, timeout_keep_alive_s=HEADER_TIMEOUT_S)
 
@@ -36,11 +40,15 @@ def tokenizer():
 
 
 @pytest.fixture(scope="module")
-def engine(tokenizer):
+def model():
     import torch
 
     hf = tiny_hf_model()
-    model = build_model(ModelConfig.from_hf(hf.config), hf.state_dict(), dtype=torch.float32, device="cpu")
+    return build_model(ModelConfig.from_hf(hf.config), hf.state_dict(), dtype=torch.float32, device="cpu")
+
+
+@pytest.fixture(scope="module")
+def engine(model, tokenizer):
     return LLMEngine(model, tokenizer, EngineConfig(max_num_seqs=8))
 
 
@@ -208,3 +216,127 @@ def test_a_request_in_progress_is_not_cut_by_the_header_timeout(server):
             chunks += line.startswith("data: {")
             time.sleep(0.05)  # a slow reader: 64 tokens take > 3 s, past the 1 s header timeout
     assert chunks == 64 and time.monotonic() - t0 > HEADER_TIMEOUT_S
+
+
+# ---- stop strings -------------------------------------------------------------------------------------------------
+def test_a_600k_character_stop_string_is_a_400_naming_the_limit(server):
+    """Refused by its length; the per-token cost of the stop strings that are accepted is linear in the new text
+    (the detokenizer's property test checks it against the plain whole-text check)."""
+    r = httpx.post(server.url + "/v1/completions", headers=AUTH, timeout=30,
+                   json={"model": MODEL, "prompt": "hi", "max_tokens": 2, "stop": ["x" * 600_000]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "stop"
+    assert "of at most 1024 characters" in r.json()["error"]["message"] and len(r.content) < 1000  # not echoed
+
+
+# ---- prompts ---------------------------------------------------------------------------------------------------------
+def completion(live: LiveServer, prompt, **extra) -> httpx.Response:
+    body = json.dumps({"model": MODEL, "prompt": prompt, "max_tokens": 2, **extra})
+    return httpx.post(live.url + "/v1/completions", headers={**AUTH, "Content-Type": "application/json"},
+                      content=body, timeout=60)
+
+
+def test_a_3_mb_prompt_is_refused_untokenized_and_no_prompt_is_tokenized_on_the_engine_thread(server, engine,
+                                                                                             monkeypatch):
+    calls = []
+    encode = engine.encode
+
+    def recording_encode(prompt):  # text is tokenized here (the engine also passes ids through it: not recorded)
+        if isinstance(prompt, str):
+            calls.append((threading.current_thread().name, len(prompt)))
+        return encode(prompt)
+
+    monkeypatch.setattr(engine, "encode", recording_encode)
+    r = completion(server, "word " * 600_000)
+    assert r.status_code in (400, 413) and r.json()["error"]["code"] == "context_length_exceeded"
+    assert "bytes" in r.json()["error"]["message"]
+    assert calls == []  # refused by its byte count: never tokenized
+    assert completion(server, "Hello").status_code == 200
+    assert completion(server, "word " * 5000).json()["error"]["code"] == "context_length_exceeded"  # tokenized
+    assert [name for name, _ in calls] == ["minillm-tokenize_0"] * 2
+
+
+def test_a_request_may_ask_for_at_most_max_num_seqs_sequences(server):
+    r = completion(server, ["p"] * 96)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "too_many_sequences"
+    assert "max_num_seqs = 8" in r.json()["error"]["message"]
+    assert completion(server, ["p"] * 4, n=2).status_code == 200  # 8: a full batch is allowed
+
+
+@pytest.fixture
+def small(model, tokenizer):
+    """Two running sequences and two waiting: four in all."""
+    live = LiveServer(build_app(LLMEngine(model, tokenizer, EngineConfig(max_num_seqs=2)), max_queue=2))
+    yield live
+    live.stop()
+
+
+def test_admission_counts_sequences_not_requests(small):
+    """Two requests of n=2 fill the four slots: a third request is refused with 429 while they run (counted as
+    requests, two of four slots would look taken)."""
+    body = {"model": MODEL, "prompt": "Go", "max_tokens": 2000, "ignore_eos": True, "stream": True, "n": 2}
+    with httpx.Client(base_url=small.url, timeout=60) as client:
+        with client.stream("POST", "/v1/completions", json=body) as a, \
+                client.stream("POST", "/v1/completions", json=body) as b:
+            assert a.status_code == b.status_code == 200
+            r = client.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2})
+            assert r.status_code == 429 and "sequences in flight" in r.json()["error"]["message"]
+    deadline = time.monotonic() + 30
+    while small.app.state.server.loop.in_flight:
+        assert time.monotonic() < deadline, "the streams were never released"
+        time.sleep(0.05)
+    r = httpx.post(small.url + "/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2})
+    assert r.status_code == 200
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/completions", {"model": MODEL, "prompt": "a\ud800b", "max_tokens": 2}),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "a\ud800b"}]}),
+])
+def test_a_lone_surrogate_is_a_400_naming_the_fix(server, path, body):
+    r = httpx.post(server.url + path, headers={**AUTH, "Content-Type": "application/json"}, content=json.dumps(body))
+    assert r.status_code == 400 and "lone surrogate" in r.json()["error"]["message"]
+
+
+def test_a_lone_surrogate_is_a_value_error_in_the_python_api(tokenizer):
+    with pytest.raises(ValueError, match="prompt must be valid Unicode.*lone surrogate"):
+        to_token_ids("a\ud800b", tokenizer)
+    with pytest.raises(ValueError, match=r"messages\[0\]\['content'\] must be valid Unicode"):
+        chat_prompt_ids(tokenizer, [{"role": "user", "content": "a\ud800b"}])
+
+
+# ---- health ----------------------------------------------------------------------------------------------------------
+def test_health_is_503_while_the_engine_step_is_stuck(model, tokenizer):
+    engine = LLMEngine(model, tokenizer, EngineConfig(max_num_seqs=2))
+    live = LiveServer(build_app(engine, stall_timeout_s=0.5))
+    release, stuck = threading.Event(), threading.Event()
+    step = engine.step
+
+    def stuck_step():
+        stuck.set()
+        release.wait(30)
+        return step()
+
+    try:
+        assert httpx.get(live.url + "/health").status_code == 200
+        engine.step = stuck_step
+        reply = {}
+        thread = threading.Thread(target=lambda: reply.update(r=httpx.post(
+            live.url + "/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2}, timeout=60)))
+        thread.start()
+        assert stuck.wait(30)
+        deadline = time.monotonic() + 15
+        while (r := httpx.get(live.url + "/health")).status_code == 200:
+            assert time.monotonic() < deadline, "/health never noticed the stuck step"
+            time.sleep(0.1)
+        assert r.status_code == 503 and "has not advanced" in r.json()["error"]["message"]
+        age = float(re.search(r"^minillm_engine_step_age_seconds (\S+)$", httpx.get(live.url + "/metrics").text,
+                              re.M).group(1))
+        assert age > 0.5
+        engine.step = step
+        release.set()
+        thread.join(30)
+        assert reply["r"].status_code == 200
+        assert httpx.get(live.url + "/health").status_code == 200  # healthy again once the step returns
+    finally:
+        release.set()
+        live.stop()

@@ -17,6 +17,7 @@ import asyncio
 import re
 import time
 from collections.abc import AsyncIterator, Sequence
+from contextlib import contextmanager
 from dataclasses import replace
 
 from fastapi import FastAPI, Request
@@ -34,9 +35,10 @@ from minillm.entrypoints.openai.engine_loop import (
     QueueFull,
     RequestStream,
     ShuttingDown,
+    TooManySequences,
 )
 from minillm.entrypoints.openai.guard import error_response, guard
-from minillm.entrypoints.openai.limits import DEFAULT_MAX_BODY_BYTES
+from minillm.entrypoints.openai.limits import DEFAULT_MAX_BODY_BYTES, DEFAULT_STALL_TIMEOUT_S
 from minillm.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
 from minillm.entrypoints.openai.sse import StreamMeta, sse_stream
 from minillm.entrypoints.openai.sse import event as sse
@@ -202,8 +204,16 @@ class Server:
 
     async def submit(self, prompt, params: SamplingParams, request_id: str, param: str) -> RequestStream:
         """Hand the request to the engine loop; map its refusals to HTTP errors."""
-        try:
+        with self.refusals(param):
             return await self.loop.submit(prompt, params, request_id)
+
+    @contextmanager
+    def refusals(self, param: str):
+        """The engine loop's refusals as HTTP errors (``param``: the prompt's name in the request)."""
+        try:
+            yield
+        except TooManySequences as e:
+            raise APIError(400, str(e), param="n", code="too_many_sequences") from e
         except Overloaded as e:  # shed: its estimated TTFT is over the budget
             self.metrics.count_shed("overloaded")
             raise APIError(429, str(e), type="rate_limit_error", code="overloaded",
@@ -227,6 +237,8 @@ class Server:
         ones already admitted are aborted, so a bad batch leaves nothing running."""
         if len(prompts) == 1:
             return [await self.submit(prompts[0], params, request_id, param)]
+        with self.refusals(param):  # the whole batch counts against the slots, before any of it is queued
+            self.loop.admit(len(prompts) * params.n)
         streams: list[RequestStream] = []
         try:
             for k, prompt in enumerate(prompts):
@@ -301,14 +313,16 @@ async def _disconnected(request: Request) -> None:
 
 def build_app(llm_or_engine, *, served_model_name: str | Sequence[str] | None = None, api_key: str | None = None,
               max_queue: int = 64, ttft_slo_s: float | None = None,
-              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+              stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S) -> FastAPI:
     """The FastAPI app serving ``llm_or_engine`` (an ``LLM`` or an ``LLMEngine``).
 
     ``served_model_name``: the name(s) clients must pass as ``model`` (default "SmolLM2-135M-Instruct");
     ``api_key``: require ``Authorization: Bearer <key>`` on ``/v1``; ``max_queue``: requests that may wait beyond
     the engine's ``max_num_seqs`` before new ones get 429; ``ttft_slo_s``: shed load — a request whose estimated
     time to first token exceeds this many seconds gets 429 "overloaded" at once (None: off; ``admission.py``);
-    ``max_body_bytes``: larger bodies get 413.
+    ``max_body_bytes``: larger bodies get 413 (counted as they arrive); ``stall_timeout_s``: ``/health`` answers
+    503 once the engine's current step has run this long (``EngineLoop.stalled``).
     The engine loop thread starts with the app (lifespan) and stops with it, aborting what is still running.
     ``app.state.server.loop`` is the ``EngineLoop``.
     """
@@ -316,7 +330,8 @@ def build_app(llm_or_engine, *, served_model_name: str | Sequence[str] | None = 
 
     engine = getattr(llm_or_engine, "engine", llm_or_engine)  # an LLM builds its engine here, before the thread
     names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name or [])
-    server = Server(EngineLoop(engine, max_queue=max_queue, ttft_slo_s=ttft_slo_s), ServerMetrics(),
+    loop = EngineLoop(engine, max_queue=max_queue, ttft_slo_s=ttft_slo_s, stall_timeout_s=stall_timeout_s)
+    server = Server(loop, ServerMetrics(),
                     names or [DEFAULT_MODEL_NAME])
 
     @asynccontextmanager
@@ -364,13 +379,15 @@ def _add_error_handlers(app: FastAPI) -> None:
 def _add_routes(app: FastAPI, server: Server) -> None:
     @app.get("/health")
     async def health():
-        if not server.loop.is_alive():
-            raise APIError(503, "the engine loop is not running", type="server_error")
+        why = server.loop.stalled()
+        if why is not None:
+            raise APIError(503, why, type="server_error", code="engine_unhealthy")
         return {"status": "ok"}
 
     @app.get("/metrics")
     async def metrics():
         loop = server.loop
+        server.metrics.step_age.set(loop.step_age_s())
         return Response(server.metrics.render(loop.snapshot, loop.in_flight, loop.admission), media_type=CONTENT_TYPE)
 
     @app.get("/v1/models")
