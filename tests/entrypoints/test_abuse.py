@@ -340,3 +340,57 @@ def test_health_is_503_while_the_engine_step_is_stuck(model, tokenizer):
     finally:
         release.set()
         live.stop()
+
+
+# ---- hang-ups --------------------------------------------------------------------------------------------------------
+def hang_up(live: LiveServer, stream: bool) -> None:
+    """Send a long request, wait until it runs, then reset the connection (RST, as a killed client does)."""
+    body = json.dumps({"model": MODEL, "prompt": "Go", "max_tokens": 2000, "ignore_eos": True, "stream": stream})
+    with socket.create_connection(address(live), timeout=10) as s:
+        s.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  f"Authorization: Bearer {KEY}\r\nContent-Length: {len(body)}\r\n\r\n{body}".encode())
+        if stream:
+            s.recv(100)
+        time.sleep(0.3)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+
+
+def test_each_client_hang_up_logs_one_quiet_line_and_no_traceback(server, caplog):
+    import gc
+    import logging
+
+    with caplog.at_level(logging.INFO, logger="uvicorn.error.minillm"):  # the server logs at warning in these tests
+        for stream in (False, True, False, True):
+            hang_up(server, stream)
+        deadline = time.monotonic() + 20
+        while server.app.state.server.loop.in_flight:
+            assert time.monotonic() < deadline, "the hung-up requests were never aborted"
+            time.sleep(0.05)
+        gc.collect()  # an unretrieved future's "exception was never retrieved" is logged when it is collected
+        time.sleep(0.2)
+    lines = [r for r in caplog.records if "hung up" in r.getMessage()]
+    assert len(lines) == 4 and all(r.exc_info is None for r in lines)
+    noisy = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING or r.exc_info]
+    assert noisy == []
+
+
+def test_a_stream_lets_the_event_loop_run_between_chunks():
+    """``yielding``: a callback scheduled before a chunk runs before the next chunk is written (so a reset
+    connection's ``connection_lost`` runs before a backlog of writes lands on it)."""
+    import asyncio
+
+    from minillm.entrypoints.openai.connections import yielding
+
+    async def run():
+        events = []
+
+        async def send(message):
+            events.append("write")
+            asyncio.get_running_loop().call_soon(events.append, "loop ran")
+
+        send = yielding(send)
+        for _ in range(3):
+            await send({"type": "http.response.body", "body": b"x", "more_body": True})
+        return events
+
+    assert asyncio.run(run()) == ["write", "loop ran"] * 3

@@ -113,3 +113,18 @@ def header_deadline_protocol(limits: ConnectionLimits, base: type | None = None)
                 self.transport.close()
 
     return HeaderDeadline
+
+
+def yielding(send):
+    """An ASGI ``send`` that lets the event loop run once after each body chunk.  A stream with a backlog of
+    tokens otherwise writes them all in one loop iteration; if the client has just reset the connection, each write
+    after the first lands on a closed transport (asyncio warns "socket.send() raised exception." from the fifth on)
+    before the loop can run ``connection_lost``, which makes uvicorn drop further writes.  One extra iteration per
+    chunk; it also interleaves concurrent streams' writes."""
+
+    async def send_then_yield(message):
+        await send(message)
+        if message["type"] == "http.response.body" and message.get("more_body", False):
+            await asyncio.sleep(0)
+
+    return send_then_yield

@@ -45,6 +45,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from minillm.entrypoints.openai import protocol as p
+from minillm.entrypoints.openai.connections import yielding
 from minillm.entrypoints.openai.guard import Guard
 from minillm.entrypoints.openai.limits import DEFAULT_MAX_BODY_BYTES
 from minillm.entrypoints.openai.metrics import CONTENT_TYPE
@@ -170,7 +171,7 @@ class Upstream(StreamingResponse):
 
     async def __call__(self, scope, receive, send):
         try:
-            await super().__call__(scope, receive, send)
+            await super().__call__(scope, receive, yielding(send))
         finally:
             await self.release()
 

@@ -14,10 +14,11 @@ disconnects aborts its request, which frees its KV blocks.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
 import re
 import time
 from collections.abc import AsyncIterator, Sequence
-from contextlib import contextmanager
 from dataclasses import replace
 
 from fastapi import FastAPI, Request
@@ -26,7 +27,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from minillm.entrypoints.openai import protocol as p
-from minillm.entrypoints.openai.connections import ConnectionLimits
+from minillm.entrypoints.openai.connections import ConnectionLimits, yielding
 from minillm.entrypoints.openai.engine_loop import (
     EngineFailed,
     EngineLoop,
@@ -45,6 +46,7 @@ from minillm.entrypoints.openai.sse import event as sse
 from minillm.outputs import StepOutput
 from minillm.sampling.params import SamplingParams
 
+log = logging.getLogger("uvicorn.error.minillm")  # a child of uvicorn's logger: shown at its --log-level (info)
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
 
@@ -207,7 +209,7 @@ class Server:
         with self.refusals(param):
             return await self.loop.submit(prompt, params, request_id)
 
-    @contextmanager
+    @contextlib.contextmanager
     def refusals(self, param: str):
         """The engine loop's refusals as HTTP errors (``param``: the prompt's name in the request)."""
         try:
@@ -257,6 +259,9 @@ class Server:
         gone.cancel()
         if not done.done():
             done.cancel()
+            with contextlib.suppress(asyncio.CancelledError):  # retrieved, so asyncio logs no traceback for it
+                await done
+            log_hang_up(request, streams)
             return False
         done.result()  # raises EngineFailed
         for st in streams:
@@ -269,6 +274,9 @@ class Server:
         try:
             async for text in sse_stream(self.updates(streams, n), meta):
                 yield text
+        except (GeneratorExit, asyncio.CancelledError):  # the client left mid-stream
+            log.info("client hung up: stream %s aborted", meta.id)
+            raise
         except EngineFailed as e:
             yield sse(p.ErrorResponse(error=p.ErrorInfo(message=str(e), type="server_error")))
             yield sse("[DONE]")
@@ -299,10 +307,17 @@ class EventStream(StreamingResponse):
 
     async def __call__(self, scope, receive, send):
         try:
-            await super().__call__(scope, receive, send)
+            await super().__call__(scope, receive, yielding(send))
         finally:
             for st in self.request_streams:
                 st.close()
+
+
+def log_hang_up(request: Request, streams: Sequence[RequestStream]) -> None:
+    """One quiet line per client that left before its answer (no traceback: hanging up is the client's right)."""
+    client = request.client
+    log.info("client %s hung up: request %s aborted", f"{client.host}:{client.port}" if client else "?",
+             streams[0].request_id if streams else "?")
 
 
 async def _disconnected(request: Request) -> None:
