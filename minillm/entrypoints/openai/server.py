@@ -41,6 +41,7 @@ from minillm.entrypoints.openai.engine_loop import (
 from minillm.entrypoints.openai.guard import error_response, guard
 from minillm.entrypoints.openai.limits import DEFAULT_MAX_BODY_BYTES, DEFAULT_STALL_TIMEOUT_S
 from minillm.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
+from minillm.entrypoints.openai.openapi import use_declared_errors
 from minillm.entrypoints.openai.sse import StreamMeta, sse_stream
 from minillm.entrypoints.openai.sse import event as sse
 from minillm.outputs import StepOutput
@@ -362,6 +363,7 @@ def build_app(llm_or_engine, *, served_model_name: str | Sequence[str] | None = 
     app.add_middleware(Gate, metrics=server.metrics, api_key=api_key, max_body_bytes=max_body_bytes)
     _add_error_handlers(app)
     _add_routes(app, server)
+    use_declared_errors(app, api_key=api_key is not None)
     return app
 
 
@@ -399,7 +401,8 @@ def _add_routes(app: FastAPI, server: Server) -> None:
             raise APIError(503, why, type="server_error", code="engine_unhealthy")
         return {"status": "ok"}
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=Response, responses={200: {
+        "description": "Prometheus text exposition", "content": {"text/plain": {"schema": {"type": "string"}}}}})
     async def metrics():
         loop = server.loop
         server.metrics.step_age.set(loop.step_age_s())
