@@ -305,9 +305,18 @@ def test_a_lone_surrogate_is_a_value_error_in_the_python_api(tokenizer):
 
 
 # ---- health ----------------------------------------------------------------------------------------------------------
-def test_health_is_503_while_the_engine_step_is_stuck(model, tokenizer):
+def wait_for_status(url: str, status: int, timeout_s: float = 15.0) -> httpx.Response:
+    deadline = time.monotonic() + timeout_s
+    while (r := httpx.get(url)).status_code != status:
+        assert time.monotonic() < deadline, f"{url} never answered {status}"
+        time.sleep(0.1)
+    return r
+
+
+def test_health_is_503_while_the_engine_step_is_stuck_and_the_router_takes_the_replica_out(model, tokenizer):
     engine = LLMEngine(model, tokenizer, EngineConfig(max_num_seqs=2))
     live = LiveServer(build_app(engine, stall_timeout_s=0.5))
+    front = LiveServer(build_router_app(ReplicaPool([Replica(0, live.url)])))
     release, stuck = threading.Event(), threading.Event()
     step = engine.step
 
@@ -324,11 +333,9 @@ def test_health_is_503_while_the_engine_step_is_stuck(model, tokenizer):
             live.url + "/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2}, timeout=60)))
         thread.start()
         assert stuck.wait(30)
-        deadline = time.monotonic() + 15
-        while (r := httpx.get(live.url + "/health")).status_code == 200:
-            assert time.monotonic() < deadline, "/health never noticed the stuck step"
-            time.sleep(0.1)
-        assert r.status_code == 503 and "has not advanced" in r.json()["error"]["message"]
+        r = wait_for_status(live.url + "/health", 503)
+        assert "has not advanced" in r.json()["error"]["message"]
+        assert wait_for_status(front.url + "/health", 503).json()["error"]["code"] == "no_replica"
         age = float(re.search(r"^minillm_engine_step_age_seconds (\S+)$", httpx.get(live.url + "/metrics").text,
                               re.M).group(1))
         assert age > 0.5
@@ -337,8 +344,10 @@ def test_health_is_503_while_the_engine_step_is_stuck(model, tokenizer):
         thread.join(30)
         assert reply["r"].status_code == 200
         assert httpx.get(live.url + "/health").status_code == 200  # healthy again once the step returns
+        wait_for_status(front.url + "/health", 200)  # and back in the router's rotation
     finally:
         release.set()
+        front.stop()
         live.stop()
 
 

@@ -266,8 +266,9 @@ def relay(upstream, rep: Replica, metrics: RouterMetrics) -> Upstream:
 
 # ---- the app ------------------------------------------------------------------------------------------------------
 async def watch(pool: ReplicaPool, client, metrics: RouterMetrics) -> None:
-    """Every ``HEALTH_PERIOD_S``: a replica whose process exited leaves the rotation for good; one marked
-    unhealthy after a failed request comes back when its ``/health`` answers 200 again."""
+    """Every ``HEALTH_PERIOD_S``: a replica whose process exited leaves the rotation for good; one whose
+    ``/health`` answers 503 (its engine stuck) leaves it too; one marked unhealthy (a failed request, or that 503)
+    comes back when its ``/health`` answers 200 again.  (An unreachable replica is noticed by the next request.)"""
     import httpx
 
     while True:
@@ -282,9 +283,10 @@ async def watch(pool: ReplicaPool, client, metrics: RouterMetrics) -> None:
                 if not pool.draining:
                     print(f"[replica {rep.index} (pid {rep.process.pid}) exited with code {code}; "
                           f"{len(pool.live())} of {len(pool.replicas)} replicas left]", file=sys.stderr)
-            elif not rep.healthy:
+            else:
                 with contextlib.suppress(httpx.HTTPError):
-                    rep.healthy = (await client.get(rep.url + "/health", timeout=2)).status_code == 200
+                    status = (await client.get(rep.url + "/health", timeout=2)).status_code
+                    rep.healthy = status == 200 if not rep.healthy else status != 503
 
 
 async def replica_metrics(client, pool: ReplicaPool) -> str:
