@@ -38,6 +38,8 @@ SERVER_OPTIONS = (
            default=DEFAULT_TIMEOUT_HEADERS_S),
     Option("max_header_bytes", "the most bytes of request line and headers (431 past it)", type=int,
            default=DEFAULT_MAX_HEADER_BYTES),
+    Option("allowed_hosts", "answer only requests whose Host header names HOST (repeatable; default: any) — a "
+                            "guard against DNS rebinding for a server on loopback", action="append", metavar="HOST"),
     Option("stall_timeout", "/health answers 503 once the engine's current step has run this many seconds (a "
                             "liveness probe's signal to restart)", type=float, default=DEFAULT_STALL_TIMEOUT_S),
     Option("max_queue", "requests that may wait beyond --max-num-seqs; more get 429", type=int, default=64),
@@ -153,7 +155,7 @@ def _replica_args(a) -> list[str]:
     port or routing, nor the API key (the front passes it in the environment)."""
     model = a.model_path or a.model
     options = [o for o in (*model_options(), *engine_options(), *SERVER_OPTIONS)
-               if o.dest not in ("model", "api_key", "api_key_file")]
+               if o.dest not in ("model", "api_key", "api_key_file", "allowed_hosts")]  # the front's
     return ([model] if model else []) + to_argv(a, options)
 
 
@@ -190,7 +192,8 @@ def cmd_serve(a) -> int:
 
         run_router(_replica_args(a), replicas=a.replicas, routing=a.routing, host=a.host, port=a.port,
                    shutdown_timeout_s=a.shutdown_timeout, log_level=a.log_level, api_key=api_key(a),
-                   max_body_bytes=a.max_body_bytes, uvicorn_options=_connection_limits(a).uvicorn_options())
+                   max_body_bytes=a.max_body_bytes, uvicorn_options=_connection_limits(a).uvicorn_options(),
+                   allowed_hosts=a.allowed_hosts)
         return 0
     from minillm.entrypoints.openai.server import DEFAULT_MODEL_NAME, run_server
 
@@ -200,7 +203,7 @@ def cmd_serve(a) -> int:
     print(f"[serving {model or DEFAULT_MODEL_NAME} ({llm.model.dtype}, {llm.model.device}) on "
           f"http://{a.host}:{a.port}/v1]", file=sys.stderr)
     run_server(llm, host=a.host, port=a.port, api_key=key, max_queue=a.max_queue, max_body_bytes=a.max_body_bytes,
-               connection_limits=limits, stall_timeout_s=a.stall_timeout,
+               connection_limits=limits, stall_timeout_s=a.stall_timeout, allowed_hosts=a.allowed_hosts,
                ttft_slo_s=None if a.ttft_slo_ms is None else a.ttft_slo_ms / 1e3, shutdown_timeout_s=a.shutdown_timeout,
                served_model_name=str(model) if model else DEFAULT_MODEL_NAME, log_level=a.log_level)
     return 0

@@ -448,3 +448,18 @@ def test_schemathesis_finds_no_failure_with_the_model_pinned(server, tmp_path):
                      "response_schema_conformance", "--request-timeout", "30", "--no-color"],
         capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-2000:]
+
+
+# ---- Host header -----------------------------------------------------------------------------------------------------
+def test_only_allowed_host_names_are_answered(server):
+    from minillm.entrypoints.openai.guard import host_name
+
+    assert [host_name(h) for h in ("API.example:8000", "[::1]:80", "[::1]", "a.b")] == ["api.example", "[::1]",
+                                                                                        "[::1]", "a.b"]
+    front = LiveServer(build_router_app(ReplicaPool([Replica(0, server.url)]), allowed_hosts=["api.example"]))
+    try:
+        r = httpx.get(front.url + "/health", headers={"Host": "evil.example"})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_host"
+        assert httpx.get(front.url + "/health", headers={"Host": "api.example:8000"}).status_code == 200
+    finally:
+        front.stop()

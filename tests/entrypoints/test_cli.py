@@ -134,6 +134,7 @@ def test_help_text_comes_from_the_field_docs(capsys):
 def test_a_replica_gets_every_model_engine_and_server_option_given():
     argv = ["serve", "/models/smol", "--replicas", "2", "--port", "9000", "--routing", "round_robin",
             "--dtype", "float32", "--kernels", "compiled", "--api-key", "k", "--ttft-slo-ms", "500",
+            "--allowed-hosts", "api.example",
             *(arg for args in ENGINE_ARGV.values() for arg in args)]
     replica_argv = cli._replica_args(parse(*argv))
     assert replica_argv[0] == "/models/smol"
@@ -143,6 +144,7 @@ def test_a_replica_gets_every_model_engine_and_server_option_given():
     assert (replica.dtype, replica.kernels, replica.ttft_slo_ms) == ("float32", "compiled", 500)
     assert (replica.max_queue, replica.shutdown_timeout) == (64, 10.0)
     assert "k" not in replica_argv and replica.api_key is None  # the key travels in the environment, not argv
+    assert replica.allowed_hosts is None  # the front checks Host; replicas see the front's loopback requests
     assert cli.api_key(replica, environ={"MINILLM_API_KEY": "k"}) == "k"
 
 

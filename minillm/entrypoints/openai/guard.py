@@ -9,6 +9,7 @@ most ``max_body_bytes`` of it were held in memory, never parsed whole.
 from __future__ import annotations
 
 import hmac
+import re
 from dataclasses import dataclass
 
 from fastapi.responses import JSONResponse, Response
@@ -46,10 +47,26 @@ class Checked:
     receive: object
 
 
-async def guard(scope, receive, *, api_key: str | None, max_body_bytes: int) -> Checked:
-    """The key (401), the declared length (413), then the body read to at most ``max_body_bytes`` (413 past it).
-    Memory: at most ``max_body_bytes`` plus one chunk of the body per request."""
+def host_name(value: str) -> str:
+    """The name of a ``Host`` header, without its port ("[::1]:8000" -> "[::1]", "a.b:80" -> "a.b"), lowercased."""
+    m = re.fullmatch(r"(\[[^\]]*\]|[^:]*)(:\d*)?", value.strip())
+    return (m.group(1) if m else value).lower()
+
+
+def host_set(hosts) -> frozenset[str] | None:
+    """``--allowed-hosts`` as the set ``guard`` compares with (None stays None: any host)."""
+    return None if hosts is None else frozenset(host_name(h) for h in hosts)
+
+
+async def guard(scope, receive, *, api_key: str | None, max_body_bytes: int,
+                allowed_hosts: frozenset[str] | None = None) -> Checked:
+    """The ``Host`` (400 unless in ``allowed_hosts``; None: any), the key (401), the declared length (413), then
+    the body read to at most ``max_body_bytes`` (413 past it).  Memory: at most ``max_body_bytes`` plus one chunk
+    of the body per request."""
     headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+    if allowed_hosts is not None and host_name(headers.get("host", "")) not in allowed_hosts:
+        return Checked(_refusal(400, "the Host header names a host this server does not answer for (see its "
+                                     "--allowed-hosts)", "invalid_host"), receive)
     if api_key is not None and needs_key(scope) and not authorized(headers, api_key):
         return Checked(_refusal(401, "Incorrect API key provided: pass it as 'Authorization: Bearer <key>'",
                                       "invalid_api_key"), receive)
@@ -79,13 +96,14 @@ class Guard:
     """Pure ASGI middleware that runs ``guard`` before ``app`` (the router's front door; the server's ``Gate``
     also counts responses)."""
 
-    def __init__(self, app, *, api_key: str | None, max_body_bytes: int):
-        self.app, self.api_key, self.max_body_bytes = app, api_key, max_body_bytes
+    def __init__(self, app, *, api_key: str | None, max_body_bytes: int, allowed_hosts: frozenset[str] | None = None):
+        self.app, self.api_key, self.max_body_bytes, self.allowed_hosts = app, api_key, max_body_bytes, allowed_hosts
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        checked = await guard(scope, receive, api_key=self.api_key, max_body_bytes=self.max_body_bytes)
+        checked = await guard(scope, receive, api_key=self.api_key, max_body_bytes=self.max_body_bytes,
+                              allowed_hosts=self.allowed_hosts)
         await (checked.rejection or self.app)(scope, checked.receive, send)
 
 

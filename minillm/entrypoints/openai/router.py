@@ -46,7 +46,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from minillm.entrypoints.openai import protocol as p
 from minillm.entrypoints.openai.connections import yielding
-from minillm.entrypoints.openai.guard import Guard
+from minillm.entrypoints.openai.guard import Guard, host_set
 from minillm.entrypoints.openai.limits import DEFAULT_MAX_BODY_BYTES
 from minillm.entrypoints.openai.metrics import CONTENT_TYPE
 from minillm.entrypoints.openai.replicas import ReplicaProcess
@@ -303,11 +303,12 @@ async def replica_metrics(client, pool: ReplicaPool) -> str:
     return relabel({rep.index: t for rep, t in zip(live, texts, strict=True) if t is not None})
 
 
-def build_router_app(pool: ReplicaPool, *, api_key: str | None = None,
-                     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+def build_router_app(pool: ReplicaPool, *, api_key: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+                     allowed_hosts: Sequence[str] | None = None) -> FastAPI:
     """The router's FastAPI app over ``pool``.  Its lifespan owns the httpx client and the health-watching task;
     ``app.state.pool`` and ``app.state.metrics`` are the pool and the ``RouterMetrics``.  ``api_key`` and
-    ``max_body_bytes`` are checked here, before a body is read or forwarded (``guard.py``), as each replica does."""
+    ``max_body_bytes`` are checked here, before a body is read or forwarded (``guard.py``), as each replica does;
+    so is ``allowed_hosts`` (the replicas see the router's own loopback requests)."""
     import httpx
 
     metrics = RouterMetrics(pool)
@@ -327,7 +328,7 @@ def build_router_app(pool: ReplicaPool, *, api_key: str | None = None,
 
     app = FastAPI(title="minillm router", lifespan=lifespan)
     app.state.pool, app.state.metrics = pool, metrics
-    app.add_middleware(Guard, api_key=api_key, max_body_bytes=max_body_bytes)
+    app.add_middleware(Guard, api_key=api_key, max_body_bytes=max_body_bytes, allowed_hosts=host_set(allowed_hosts))
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, e: APIError):
@@ -367,7 +368,7 @@ def build_router_app(pool: ReplicaPool, *, api_key: str | None = None,
 def run_router(serve_args: Sequence[str], *, replicas: int, routing: str = "least_loaded", host: str = "127.0.0.1",
                port: int = 8000, shutdown_timeout_s: float = 10.0, ready_timeout_s: float = 600.0,
                log_level: str = "info", api_key: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-               uvicorn_options: dict | None = None) -> None:
+               uvicorn_options: dict | None = None, allowed_hosts: Sequence[str] | None = None) -> None:
     """Start ``replicas`` servers (``replicas.start_replicas(serve_args, ...)``), wait until all are ready, route
     ``host:port`` to them until SIGINT/SIGTERM, then stop them: SIGTERM, up to ``shutdown_timeout_s`` for them to
     drain plus 15 s to exit, then SIGKILL.  A replica that fails to start stops the others and raises.
@@ -405,7 +406,7 @@ def run_router(serve_args: Sequence[str], *, replicas: int, routing: str = "leas
 
         print(f"[router: {routing} over {', '.join(p.url for p in procs)}; serving on http://{host}:{port}/v1]",
               file=sys.stderr, flush=True)
-        app = build_router_app(pool, api_key=api_key, max_body_bytes=max_body_bytes)
+        app = build_router_app(pool, api_key=api_key, max_body_bytes=max_body_bytes, allowed_hosts=allowed_hosts)
         config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
                                 timeout_graceful_shutdown=shutdown_timeout_s, **(uvicorn_options or {}))
         RouterServer(config).run()

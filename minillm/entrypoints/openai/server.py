@@ -38,7 +38,7 @@ from minillm.entrypoints.openai.engine_loop import (
     ShuttingDown,
     TooManySequences,
 )
-from minillm.entrypoints.openai.guard import error_response, guard
+from minillm.entrypoints.openai.guard import error_response, guard, host_set
 from minillm.entrypoints.openai.limits import DEFAULT_MAX_BODY_BYTES, DEFAULT_STALL_TIMEOUT_S
 from minillm.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
 from minillm.entrypoints.openai.openapi import use_declared_errors
@@ -77,8 +77,10 @@ class Gate:
     413) before the app sees a request; counts every response by path and status.  (Pure ASGI, not
     ``BaseHTTPMiddleware``, so that streaming responses and client disconnects pass through untouched.)"""
 
-    def __init__(self, app, *, metrics: ServerMetrics, api_key: str | None, max_body_bytes: int):
+    def __init__(self, app, *, metrics: ServerMetrics, api_key: str | None, max_body_bytes: int,
+                 allowed_hosts: frozenset[str] | None = None):
         self.app, self.metrics, self.api_key, self.max_body_bytes = app, metrics, api_key, max_body_bytes
+        self.allowed_hosts = allowed_hosts
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -92,7 +94,8 @@ class Gate:
             await send(message)
 
         try:
-            checked = await guard(scope, receive, api_key=self.api_key, max_body_bytes=self.max_body_bytes)
+            checked = await guard(scope, receive, api_key=self.api_key, max_body_bytes=self.max_body_bytes,
+                                  allowed_hosts=self.allowed_hosts)
             app = checked.rejection if checked.rejection is not None else self.app
             await app(scope, checked.receive, send_and_record)
         finally:
@@ -330,7 +333,7 @@ async def _disconnected(request: Request) -> None:
 def build_app(llm_or_engine, *, served_model_name: str | Sequence[str] | None = None, api_key: str | None = None,
               max_queue: int = 64, ttft_slo_s: float | None = None,
               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-              stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S) -> FastAPI:
+              stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S, allowed_hosts: Sequence[str] | None = None) -> FastAPI:
     """The FastAPI app serving ``llm_or_engine`` (an ``LLM`` or an ``LLMEngine``).
 
     ``served_model_name``: the name(s) clients must pass as ``model`` (default "SmolLM2-135M-Instruct");
@@ -338,7 +341,8 @@ def build_app(llm_or_engine, *, served_model_name: str | Sequence[str] | None = 
     the engine's ``max_num_seqs`` before new ones get 429; ``ttft_slo_s``: shed load — a request whose estimated
     time to first token exceeds this many seconds gets 429 "overloaded" at once (None: off; ``admission.py``);
     ``max_body_bytes``: larger bodies get 413 (counted as they arrive); ``stall_timeout_s``: ``/health`` answers
-    503 once the engine's current step has run this long (``EngineLoop.stalled``).
+    503 once the engine's current step has run this long (``EngineLoop.stalled``); ``allowed_hosts``: the host
+    names a request's ``Host`` header may carry (None: any; a guard against DNS rebinding).
     The engine loop thread starts with the app (lifespan) and stops with it, aborting what is still running.
     ``app.state.server.loop`` is the ``EngineLoop``.
     """
@@ -360,7 +364,8 @@ def build_app(llm_or_engine, *, served_model_name: str | Sequence[str] | None = 
 
     app = FastAPI(title="minillm", lifespan=lifespan)
     app.state.server = server
-    app.add_middleware(Gate, metrics=server.metrics, api_key=api_key, max_body_bytes=max_body_bytes)
+    app.add_middleware(Gate, metrics=server.metrics, api_key=api_key, max_body_bytes=max_body_bytes,
+                       allowed_hosts=host_set(allowed_hosts))
     _add_error_handlers(app)
     _add_routes(app, server)
     use_declared_errors(app, api_key=api_key is not None)
