@@ -174,12 +174,16 @@ def test_a_body_declared_over_the_limit_is_refused_before_it_is_sent(router):
 # ---- connections ---------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("front", ["server", "router"])
 def test_slowloris_connections_are_closed_within_the_header_timeout(front, request):
-    """30 connections that send half a request line and then one header byte per 0.3 s, and 30 that send nothing:
-    every one is closed by the server (recv returns b"" or resets) well before 15 × the 1 s timeout."""
+    """30 connections that send half a request's headers and then a header line per 0.3 s, 30 that send nothing and
+    10 that stop halfway through a body: every one is closed by the server (recv returns b"" or resets) well before
+    15 × the 1 s timeout."""
     live = request.getfixturevalue(front)
-    socks = [socket.create_connection(address(live), timeout=15 * HEADER_TIMEOUT_S) for _ in range(60)]
+    socks = [socket.create_connection(address(live), timeout=15 * HEADER_TIMEOUT_S) for _ in range(70)]
     for s in socks[:30]:
         s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")
+    for s in socks[60:]:
+        s.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
+                  "Content-Length: 1000\r\n\r\n{\"model\": ".encode())
     t0 = time.monotonic()
     closed_after = []
     for k in range(8):  # the trickle: more than twice the timeout in all
@@ -446,7 +450,7 @@ def test_schemathesis_finds_no_failure_with_the_model_pinned(server, tmp_path):
          "--max-examples", "10", "--seed", "1", "--workers", "1", "--phases", "examples,coverage,fuzzing",
          "--checks", "not_a_server_error,status_code_conformance,content_type_conformance,"
                      "response_schema_conformance", "--request-timeout", "30", "--no-color"],
-        capture_output=True, text=True, timeout=300)
+        capture_output=True, text=True, timeout=300, cwd=tmp_path)  # its cache directory goes there
     assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-2000:]
 
 

@@ -2,10 +2,11 @@
 
 uvicorn closes a keep-alive connection idle between requests after ``timeout_keep_alive`` seconds, but it sets no
 deadline on a request's headers: a client that connects and sends nothing, or trickles a header a byte at a time
-("slowloris"), holds its socket forever.  ``HeaderDeadline`` (a subclass of uvicorn's HTTP protocol) closes a
-connection whose next request's headers have not all arrived within ``timeout_headers`` seconds of its first byte
-(or of the connection being made), and one whose headers run past ``max_header_bytes`` (431).  Once the headers are
-in, the request runs as long as it needs (a long stream is not a slow client).
+("slowloris"), or stops halfway through its body, holds its socket forever.  ``HeaderDeadline`` (a subclass of
+uvicorn's HTTP protocol) closes a connection whose next request's headers have not all arrived within
+``timeout_headers`` seconds of its first byte (or of the connection being made), one whose body pauses that long
+between chunks, and one whose headers run past ``max_header_bytes`` (431).  Once the headers and body are in, the
+request runs as long as it needs (a long stream is not a slow client).
 """
 
 from __future__ import annotations
@@ -79,17 +80,27 @@ def header_deadline_protocol(limits: ConnectionLimits, base: type | None = None)
         def data_received(self, data: bytes) -> None:
             waiting, before = self._between_requests(), self.cycle
             super().data_received(data)
-            if self.cycle is not before:  # a request's headers are complete: it runs as long as it needs
+            if self.cycle is not before:  # a request's headers are complete
                 self._disarm()
                 self._header_bytes = 0
-            elif waiting:  # still reading a request line and headers
+            elif waiting:  # still reading a request line and headers (or the rest of a refused body)
                 self._arm()
                 self._header_bytes += len(data)
                 if self._header_bytes > limits.max_header_bytes:
-                    self._drop(HEADERS_TOO_LARGE)
+                    refused_body = self.cycle is not None and self.cycle.more_body  # answered already: just close
+                    self._drop(b"" if refused_body else HEADERS_TOO_LARGE)
+                    return
+            if self._body_arriving():  # the same deadline between a body's chunks, from the latest one
+                self._disarm()
+                self._arm()
+            elif not self._between_requests():  # headers and body in: the request runs as long as it needs
+                self._disarm()
 
         def _between_requests(self) -> bool:
             return self.cycle is None or self.cycle.response_complete
+
+        def _body_arriving(self) -> bool:
+            return not self._between_requests() and self.cycle.more_body
 
         def _arm(self) -> None:
             if self._deadline is None:
@@ -102,7 +113,7 @@ def header_deadline_protocol(limits: ConnectionLimits, base: type | None = None)
 
         def _expire(self) -> None:
             self._deadline = None
-            if self._between_requests():
+            if self._between_requests() or self._body_arriving():
                 self._drop(b"")
 
         def _drop(self, reply: bytes) -> None:
