@@ -34,15 +34,17 @@ SERVER_OPTIONS = (
            default=DEFAULT_MAX_BODY_BYTES),
     Option("timeout_keep_alive", "seconds an idle keep-alive connection stays open", type=float,
            default=DEFAULT_TIMEOUT_KEEP_ALIVE_S),
-    Option("timeout_headers", "seconds a client has to send a request's headers before it is dropped", type=float,
+    Option("timeout_headers", "seconds a client has to send a request's headers (and the most a body may pause) "
+                              "before it is dropped", type=float,
            default=DEFAULT_TIMEOUT_HEADERS_S),
     Option("max_header_bytes", "the most bytes of request line and headers (431 past it)", type=int,
            default=DEFAULT_MAX_HEADER_BYTES),
-    Option("allowed_hosts", "answer only requests whose Host header names HOST (repeatable; default: any) — a "
-                            "guard against DNS rebinding for a server on loopback", action="append", metavar="HOST"),
+    Option("allowed_hosts", "answer only requests whose Host header names HOST (default: any) — a guard "
+                            "against DNS rebinding for a server on loopback", action="append", metavar="HOST"),
     Option("stall_timeout", "/health answers 503 once the engine's current step has run this many seconds (a "
                             "liveness probe's signal to restart)", type=float, default=DEFAULT_STALL_TIMEOUT_S),
-    Option("max_queue", "requests that may wait beyond --max-num-seqs; more get 429", type=int, default=64),
+    Option("max_queue", "sequences (prompts × n) that may wait beyond --max-num-seqs; more get 429", type=int,
+           default=64),
     Option("shutdown_timeout", "seconds in-flight requests may run on after SIGTERM before they are aborted",
            type=float, default=10.0),
     Option("ttft_slo_ms", "load shedding: answer 429 'overloaded' (with Retry-After) at once to a request whose "

@@ -139,9 +139,10 @@ class RequestStream:
 class EngineLoop:
     """Owns ``engine`` (an ``LLMEngine``) on one background thread; ``submit`` and ``abort`` from the event loop.
 
-    ``max_queue``: requests allowed to wait beyond the ``max_num_seqs`` that can run.  ``ttft_slo_s``: shed load —
-    refuse (``Overloaded``) a request whose estimated TTFT exceeds this many seconds; None (default) admits by count
-    only.  ``admission`` (an ``AdmissionState``) is the loop's latest estimate, whether or not it sheds.
+    ``max_queue``: sequences (prompts × n) allowed to wait beyond the ``max_num_seqs`` that can run.
+    ``ttft_slo_s``: shed load — refuse (``Overloaded``) a request whose estimated TTFT exceeds this many seconds; None
+    (default) admits by count only.  ``admission`` (an ``AdmissionState``) is the loop's latest estimate, whether or
+    not it sheds.
     ``stall_timeout_s``: ``stalled()`` reports the loop once its current iteration (a step and the commands before
     it) has run this long — the liveness probe's signal that the engine is stuck.
     """

@@ -5,10 +5,13 @@
 
 Handlers validate a request (pydantic models in ``protocol.py``; ``SamplingParams`` checks the values), hand it to
 the ``EngineLoop`` thread and stream back what it produces.  Every error is OpenAI's
-``{"error": {"message", "type", "param", "code"}}``: 400 bad values and malformed JSON, 401 wrong API key,
-404 unknown model, 413 prompt over the context (or body over ``max_body_bytes``), 429 admission queue full or
-(with a TTFT budget, ``admission.py``) overloaded, both with ``Retry-After``, 503 shutting down.  A client that
-disconnects aborts its request, which frees its KV blocks.
+``{"error": {"message", "type", "param", "code"}}``: 400 bad values, malformed JSON, undecodable text, more
+sequences than ``max_num_seqs`` or a ``Host`` not allowed, 401 wrong API key (checked before the body is read),
+404 unknown model, 413 prompt over the context (or body over ``max_body_bytes``, counted as it arrives:
+``guard.py``), 429 admission queue full or (with a TTFT budget, ``admission.py``) overloaded, both with
+``Retry-After``, 503 shutting down (and ``/health`` while the engine step is stuck).  Slow and idle connections are
+dropped (``connections.py``).  A client that disconnects aborts its request, which frees its KV blocks; the server
+logs one line for it.
 """
 
 from __future__ import annotations
@@ -337,12 +340,13 @@ def build_app(llm_or_engine, *, served_model_name: str | Sequence[str] | None = 
     """The FastAPI app serving ``llm_or_engine`` (an ``LLM`` or an ``LLMEngine``).
 
     ``served_model_name``: the name(s) clients must pass as ``model`` (default "SmolLM2-135M-Instruct");
-    ``api_key``: require ``Authorization: Bearer <key>`` on ``/v1``; ``max_queue``: requests that may wait beyond
-    the engine's ``max_num_seqs`` before new ones get 429; ``ttft_slo_s``: shed load — a request whose estimated
-    time to first token exceeds this many seconds gets 429 "overloaded" at once (None: off; ``admission.py``);
-    ``max_body_bytes``: larger bodies get 413 (counted as they arrive); ``stall_timeout_s``: ``/health`` answers
-    503 once the engine's current step has run this long (``EngineLoop.stalled``); ``allowed_hosts``: the host
-    names a request's ``Host`` header may carry (None: any; a guard against DNS rebinding).
+    ``api_key``: require ``Authorization: Bearer <key>`` on ``/v1`` and every body; ``max_queue``: sequences that
+    may wait beyond the engine's ``max_num_seqs`` before new ones get 429; ``ttft_slo_s``: shed load — a request
+    whose estimated time to first token exceeds this many seconds gets 429 "overloaded" at once (None: off;
+    ``admission.py``); ``max_body_bytes``: larger bodies get 413 (counted as they arrive); ``stall_timeout_s``:
+    ``/health`` answers 503 once the engine's current step has run this long (``EngineLoop.stalled``);
+    ``allowed_hosts``: the host names a request's ``Host`` header may carry (None: any; a guard against DNS
+    rebinding).
     The engine loop thread starts with the app (lifespan) and stops with it, aborting what is still running.
     ``app.state.server.loop`` is the ``EngineLoop``.
     """
