@@ -1,17 +1,70 @@
-"""Incremental detokenization: ids in, text deltas out, with stop strings and split UTF-8 characters held back."""
+"""Incremental detokenization: ids in, text deltas out, with stop strings and split UTF-8 characters held back.
+
+The stop-string check runs on the engine thread once per token, so its cost must not grow with the text or with
+the square of a stop string: each stop string keeps a Knuth–Morris–Pratt matcher whose state is the length of the
+longest suffix of the text read so far that is a prefix of the stop string.  That state is both the match (state ==
+len(stop)) and the hold-back (the text that could still become a stop string), and reading a new character moves it
+in amortised O(1): a token costs O(new characters × stop strings), and building a matcher O(len(stop)) once.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
 
+def prefix_function(s: str) -> list[int]:
+    """KMP's failure table: ``pi[i]`` = the length of the longest proper prefix of ``s[:i + 1]`` that is also its
+    suffix.  O(len(s)) time and memory."""
+    pi = [0] * len(s)
+    k = 0
+    for i in range(1, len(s)):
+        while k and s[i] != s[k]:
+            k = pi[k - 1]
+        if s[i] == s[k]:
+            k += 1
+        pi[i] = k
+    return pi
+
+
+class StopMatcher:
+    """One stop string read character by character: ``state`` is the length of the longest suffix of the text read
+    so far that is a prefix of ``stop``; ``found`` is the end offset (in the text) of its first occurrence, if any."""
+
+    def __init__(self, stop: str):
+        self.stop = stop
+        self.pi = prefix_function(stop)
+        self.state = 0
+        self.found: int | None = None
+
+    def feed(self, text: str, start: int) -> None:
+        """Read ``text[start:]`` (the characters not read yet); stops at the first full match."""
+        s, pi, k = self.stop, self.pi, self.state
+        for i in range(start, len(text)):
+            c = text[i]
+            while k and c != s[k]:
+                k = pi[k - 1]
+            if c == s[k]:
+                k += 1
+            if k == len(s):
+                self.found, self.state = i + 1, k
+                return
+        self.state = k
+
+
 class IncrementalDetokenizer:
-    """Turns a growing list of ids into text deltas, holding back bytes of a character split across tokens."""
+    """Turns a growing list of ids into text deltas, holding back bytes of a character split across tokens and any
+    tail that could still become a stop string.
+
+    Stop strings end the output before the first one generated; with several, the earliest found in the order
+    given wins unless a later-listed one ends before it starts (the output is cut before the first stop string
+    that lies wholly inside the output so far)."""
 
     def __init__(self, tokenizer, stop: Sequence[str] = (), include_stop: bool = False):
         self.tokenizer = tokenizer
         self.stop = tuple(stop)
         self.include_stop = include_stop  # SamplingParams.include_stop_str_in_output: keep the stop string
+        self._matchers = [StopMatcher(s) for s in self.stop]
+        self._read = 0  # characters of the decoded text already read by the matchers
         self.ids: list[int] = []
         self.text = ""  # text emitted so far (never beyond a stop string)
         self.stopped = False
@@ -29,13 +82,18 @@ class IncrementalDetokenizer:
         full = self.tokenizer.decode(self.ids, skip_special_tokens=True)
         if full.endswith("\ufffd") and not final:
             return ""  # an incomplete UTF-8 sequence: wait for the next token
-        for s in self.stop:  # stop strings are searched in the whole text; the output ends before them
-            at = full.find(s)
-            if at != -1:
-                full, self.stopped = full[: at + (len(s) if self.include_stop else 0)], True
+        if self.stopped:  # the output already ends before a stop string: nothing more is visible
+            return ""
+        # the text read before held no stop string, so a new one ends in the new characters: read only those
+        for m in self._matchers:
+            m.feed(full, self._read)
+        self._read = len(full)
+        end = len(full)
+        for m in self._matchers:  # in order: cut before each stop string that lies wholly inside what is left
+            if m.found is not None and m.found <= end:
+                end, self.stopped = m.found - (0 if self.include_stop else len(m.stop)), True
         # hold back a tail that could be the start of a stop string, unless this is the end
-        hold = 0 if (final or self.stopped) else max((k for s in self.stop for k in range(1, len(s))
-                                                       if full.endswith(s[:k])), default=0)
-        visible = full[: len(full) - hold]
+        hold = 0 if (final or self.stopped) else max((m.state for m in self._matchers), default=0)
+        visible = full[: end - hold]
         delta, self.text = visible[len(self.text):], visible
         return delta

@@ -68,6 +68,7 @@ def to_token_ids(prompt, tokenizer=None) -> list[int]:
             raise ValueError("prompt is an empty string: pass at least one character or token id")
         if tokenizer is None:
             raise ValueError("string prompts need a tokenizer: LLMEngine(model, tokenizer), or pass token ids")
+        utf8_bytes(prompt, "prompt")
         return list(tokenizer(prompt, add_special_tokens=True).input_ids)
     if prompt is None or isinstance(prompt, (bytes, bytearray)):
         raise ValueError(f"prompt must be a string or a sequence of int token ids, got {type(prompt).__name__}"
@@ -122,7 +123,42 @@ def validate_messages(messages) -> list[dict]:
             if not isinstance(m[key], str):
                 raise ValueError(f"messages[{i}][{key!r}] must be a string, got {type(m[key]).__name__} "
                                  f"({m[key]!r})")
+            utf8_bytes(m[key], f"messages[{i}][{key!r}]")
     return messages
+
+
+def utf8_bytes(text: str, name: str) -> int:
+    """``len(text.encode())``; ``ValueError`` naming ``name`` when ``text`` is not valid Unicode (a lone surrogate,
+    half of a UTF-16 pair, as JSON's ``"\\ud800"`` escape can carry), which no tokenizer can encode."""
+    try:
+        return len(text.encode("utf-8"))
+    except UnicodeEncodeError as e:
+        raise ValueError(f"{name} must be valid Unicode text: the character at index {e.start} "
+                         f"({text[e.start:e.end]!r}) is a lone surrogate, half of a UTF-16 pair; send both halves "
+                         "or drop it") from None
+
+
+def max_token_bytes(tokenizer) -> int:
+    """An upper bound on the bytes of UTF-8 text one token can cover: the longest token string of the vocabulary
+    in UTF-8 (byte-level BPE stores one character per byte, SentencePiece '▁' for a space and ``<0x..>`` for a
+    fallback byte — each at least as long as the bytes it stands for), times 4 when the tokenizer normalizes its
+    input (a normalizer may shrink text, by at most the 4 bytes of a UTF-8 character per character it keeps).
+
+    Every byte of a prompt lands in some token, so a prompt of B bytes has at least B / max_token_bytes tokens: a
+    cheap check that refuses a megabyte prompt before it is tokenized.  O(V) once per tokenizer."""
+    tokens = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
+    longest = max((len(t.encode("utf-8", errors="replace")) for t in tokens if t is not None), default=1)
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    return longest * (1 if backend is not None and backend.normalizer is None else 4)
+
+
+def prompt_text_bytes(prompt) -> int:
+    """The UTF-8 bytes of a prompt's text (a string, or chat messages' contents); 0 for token ids."""
+    if isinstance(prompt, str):
+        return utf8_bytes(prompt, "prompt")
+    if isinstance(prompt, Sequence) and prompt and isinstance(prompt[0], dict):
+        return sum(utf8_bytes(str(m.get("content", "")), f"messages[{i}]['content']") for i, m in enumerate(prompt))
+    return 0
 
 
 def chat_prompt_ids(tokenizer, messages, *, add_generation_prompt: bool = True,

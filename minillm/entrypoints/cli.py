@@ -16,12 +16,35 @@ from minillm.entrypoints.arg_utils import (
     sampling_options,
     to_argv,
 )
+from minillm.entrypoints.openai.limits import (
+    DEFAULT_MAX_BODY_BYTES,
+    DEFAULT_MAX_HEADER_BYTES,
+    DEFAULT_STALL_TIMEOUT_S,
+    DEFAULT_TIMEOUT_HEADERS_S,
+    DEFAULT_TIMEOUT_KEEP_ALIVE_S,
+)
 from minillm.sampling.params import SamplingParams
 
 # run_server's options that each ``serve --replicas`` replica gets too (the front's own: host, port, routing)
 SERVER_OPTIONS = (
-    Option("api_key", "require 'Authorization: Bearer KEY' on /v1"),
-    Option("max_queue", "requests that may wait beyond --max-num-seqs; more get 429", type=int, default=64),
+    Option("api_key", "require 'Authorization: Bearer KEY' on /v1 and every request with a body (visible in ps: "
+                      "prefer --api-key-file or the MINILLM_API_KEY environment variable)"),
+    Option("api_key_file", "as --api-key, the key read from this file (its first line)", metavar="PATH"),
+    Option("max_body_bytes", "larger request bodies get 413, counted as they arrive (chunked too)", type=int,
+           default=DEFAULT_MAX_BODY_BYTES),
+    Option("timeout_keep_alive", "seconds an idle keep-alive connection stays open", type=float,
+           default=DEFAULT_TIMEOUT_KEEP_ALIVE_S),
+    Option("timeout_headers", "seconds a client has to send a request's headers (and the most a body may pause) "
+                              "before it is dropped", type=float,
+           default=DEFAULT_TIMEOUT_HEADERS_S),
+    Option("max_header_bytes", "the most bytes of request line and headers (431 past it)", type=int,
+           default=DEFAULT_MAX_HEADER_BYTES),
+    Option("allowed_hosts", "answer only requests whose Host header names HOST (default: any) — a guard "
+                            "against DNS rebinding for a server on loopback", action="append", metavar="HOST"),
+    Option("stall_timeout", "/health answers 503 once the engine's current step has run this many seconds (a "
+                            "liveness probe's signal to restart)", type=float, default=DEFAULT_STALL_TIMEOUT_S),
+    Option("max_queue", "sequences (prompts × n) that may wait beyond --max-num-seqs; more get 429", type=int,
+           default=64),
     Option("shutdown_timeout", "seconds in-flight requests may run on after SIGTERM before they are aborted",
            type=float, default=10.0),
     Option("ttft_slo_ms", "load shedding: answer 429 'overloaded' (with Retry-After) at once to a request whose "
@@ -131,10 +154,36 @@ def cmd_chat(a) -> int:
 
 def _replica_args(a) -> list[str]:
     """The serve options each replica gets: every model, engine and server option given, not the front's host,
-    port or routing."""
+    port or routing, nor the API key (the front passes it in the environment)."""
     model = a.model_path or a.model
-    options = [o for o in (*model_options(), *engine_options(), *SERVER_OPTIONS) if o.dest != "model"]
+    options = [o for o in (*model_options(), *engine_options(), *SERVER_OPTIONS)
+               if o.dest not in ("model", "api_key", "api_key_file", "allowed_hosts")]  # the front's
     return ([model] if model else []) + to_argv(a, options)
+
+
+def api_key(a, environ=None) -> str | None:
+    """The server's key: ``--api-key``, else the first line of ``--api-key-file``, else ``$MINILLM_API_KEY``,
+    else None (no key required)."""
+    import os
+
+    from minillm.entrypoints.openai.replicas import API_KEY_ENV
+
+    if a.api_key is not None:
+        return a.api_key
+    if a.api_key_file is not None:
+        with open(a.api_key_file, encoding="utf-8") as f:
+            key = f.readline().strip()
+        if not key:
+            raise ValueError(f"--api-key-file {a.api_key_file} is empty: write the key on its first line")
+        return key
+    return (os.environ if environ is None else environ).get(API_KEY_ENV) or None
+
+
+def _connection_limits(a):
+    from minillm.entrypoints.openai.connections import ConnectionLimits
+
+    return ConnectionLimits(timeout_keep_alive_s=a.timeout_keep_alive, timeout_headers_s=a.timeout_headers,
+                            max_header_bytes=a.max_header_bytes)
 
 
 def cmd_serve(a) -> int:
@@ -144,15 +193,19 @@ def cmd_serve(a) -> int:
         from minillm.entrypoints.openai.router import run_router
 
         run_router(_replica_args(a), replicas=a.replicas, routing=a.routing, host=a.host, port=a.port,
-                   shutdown_timeout_s=a.shutdown_timeout, log_level=a.log_level)
+                   shutdown_timeout_s=a.shutdown_timeout, log_level=a.log_level, api_key=api_key(a),
+                   max_body_bytes=a.max_body_bytes, uvicorn_options=_connection_limits(a).uvicorn_options(),
+                   allowed_hosts=a.allowed_hosts)
         return 0
     from minillm.entrypoints.openai.server import DEFAULT_MODEL_NAME, run_server
 
     model = a.model_path or a.model
+    key, limits = api_key(a), _connection_limits(a)  # bad values fail before the model loads
     llm = _llm(a, model)
     print(f"[serving {model or DEFAULT_MODEL_NAME} ({llm.model.dtype}, {llm.model.device}) on "
           f"http://{a.host}:{a.port}/v1]", file=sys.stderr)
-    run_server(llm, host=a.host, port=a.port, api_key=a.api_key, max_queue=a.max_queue,
+    run_server(llm, host=a.host, port=a.port, api_key=key, max_queue=a.max_queue, max_body_bytes=a.max_body_bytes,
+               connection_limits=limits, stall_timeout_s=a.stall_timeout, allowed_hosts=a.allowed_hosts,
                ttft_slo_s=None if a.ttft_slo_ms is None else a.ttft_slo_ms / 1e3, shutdown_timeout_s=a.shutdown_timeout,
                served_model_name=str(model) if model else DEFAULT_MODEL_NAME, log_level=a.log_level)
     return 0

@@ -11,6 +11,13 @@ from dataclasses import dataclass
 # temperature this small already puts all the mass on the argmax.  The same floor as vLLM's _SAMPLING_EPS.
 MIN_TEMPERATURE = 1e-5
 
+# Stop strings are checked on the engine thread every token, so one request's list is bounded: OpenAI allows 4
+# strings; vLLM's TGIS-compatible front end 6 of at most 240 characters.  Evaluation harnesses pass a handful of
+# short stops ("\n\n", "Question:"), so 16 strings of 1,024 characters leave them room while keeping a request's
+# stop matchers small (O(total characters) to build, once).
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 1024
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -92,6 +99,7 @@ class SamplingParams:
             raise ValueError(f"seed must be None or an integer in [0, 2**63), got {self.seed!r}")
         if not isinstance(self.stop, tuple) or not all(isinstance(s, str) and s for s in self.stop):
             raise ValueError(f"stop must be a string or a list of non-empty strings, got {self.stop!r}")
+        _check_stop_limits(self.stop)
         if not _is_int(self.n) or self.n < 1:
             raise ValueError(f"n must be an integer >= 1, got {self.n!r}")
         if not isinstance(self.ignore_eos, bool):
@@ -182,6 +190,17 @@ def check_vocab(params: SamplingParams, vocab_size: int) -> None:
         v = getattr(params, name)
         if v is not None and v > vocab_size:
             raise ValueError(f"{name} must be at most the vocabulary size {vocab_size}, got {v}")
+
+
+def _check_stop_limits(stop: tuple[str, ...]) -> None:
+    """At most ``MAX_STOP_STRINGS`` stop strings of at most ``MAX_STOP_CHARS`` characters each (values are not
+    echoed: a refused stop string may be megabytes)."""
+    if len(stop) > MAX_STOP_STRINGS:
+        raise ValueError(f"stop must hold at most {MAX_STOP_STRINGS} strings, got {len(stop)}: send fewer")
+    longest = max(map(len, stop), default=0)
+    if longest > MAX_STOP_CHARS:
+        raise ValueError(f"stop must hold strings of at most {MAX_STOP_CHARS} characters, got one of {longest}: "
+                         "send a shorter stop string")
 
 
 def _is_int(v) -> bool:

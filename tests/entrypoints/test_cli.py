@@ -134,14 +134,30 @@ def test_help_text_comes_from_the_field_docs(capsys):
 def test_a_replica_gets_every_model_engine_and_server_option_given():
     argv = ["serve", "/models/smol", "--replicas", "2", "--port", "9000", "--routing", "round_robin",
             "--dtype", "float32", "--kernels", "compiled", "--api-key", "k", "--ttft-slo-ms", "500",
+            "--allowed-hosts", "api.example",
             *(arg for args in ENGINE_ARGV.values() for arg in args)]
     replica_argv = cli._replica_args(parse(*argv))
     assert replica_argv[0] == "/models/smol"
     assert not {"--replicas", "--port", "--routing", "--host"} & set(replica_argv)
     replica = parse("serve", *replica_argv)
     assert EngineConfig(**engine_kwargs(replica)) == ENGINE_EXPECTED
-    assert (replica.dtype, replica.kernels, replica.api_key, replica.ttft_slo_ms) == ("float32", "compiled", "k", 500)
+    assert (replica.dtype, replica.kernels, replica.ttft_slo_ms) == ("float32", "compiled", 500)
     assert (replica.max_queue, replica.shutdown_timeout) == (64, 10.0)
+    assert "k" not in replica_argv and replica.api_key is None  # the key travels in the environment, not argv
+    assert replica.allowed_hosts is None  # the front checks Host; replicas see the front's loopback requests
+    assert cli.api_key(replica, environ={"MINILLM_API_KEY": "k"}) == "k"
+
+
+def test_the_api_key_comes_from_the_flag_the_file_or_the_environment(tmp_path):
+    key_file = tmp_path / "key"
+    key_file.write_text("from-file\n")
+    assert cli.api_key(parse("serve", "--api-key", "flag"), environ={"MINILLM_API_KEY": "env"}) == "flag"
+    assert cli.api_key(parse("serve", "--api-key-file", str(key_file)), environ={}) == "from-file"
+    assert cli.api_key(parse("serve"), environ={"MINILLM_API_KEY": "env"}) == "env"
+    assert cli.api_key(parse("serve"), environ={}) is None
+    key_file.write_text("\n")
+    with pytest.raises(ValueError, match="api-key-file .* is empty"):
+        cli.api_key(parse("serve", "--api-key-file", str(key_file)), environ={})
 
 
 def test_a_bad_speculative_config_is_refused_as_not_json(capsys):

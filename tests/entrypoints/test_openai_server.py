@@ -51,12 +51,13 @@ def model():
 
 
 class LiveServer:
-    """uvicorn in a thread; ``url`` is its base URL, ``app`` the FastAPI app."""
+    """uvicorn in a thread; ``url`` is its base URL, ``app`` the FastAPI app; ``uvicorn_options`` go to its
+    ``Config`` (connection limits)."""
 
-    def __init__(self, app):
+    def __init__(self, app, **uvicorn_options):
         self.app = app
         self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning",
-                                                    timeout_graceful_shutdown=2))
+                                                    timeout_graceful_shutdown=2, **uvicorn_options))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
         deadline = time.monotonic() + 30

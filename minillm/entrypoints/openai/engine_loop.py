@@ -3,10 +3,13 @@
     handler ──submit()──▶ commands (queue.SimpleQueue) ──▶ loop thread: add / abort / stop, then engine.step()
     handler ◀──RequestStream (asyncio.Queue per request)◀── loop.call_soon_threadsafe(queue.put_nowait, StepOutput)
 
-The engine is plain, single-threaded Python: only the loop thread ever calls it (tokenizing prompts and applying
-the chat template included, since the engine's detokenizer uses the same tokenizer).  A handler never blocks the
-event loop on the model: it awaits its own queue.  Admission is bounded: at most ``max_num_seqs + max_queue``
-requests are in flight; the next one is refused at once (``QueueFull``) instead of waiting without limit.  With a
+The engine is plain, single-threaded Python: only the loop thread ever calls it.  Prompts are tokenized (the chat
+template applied) before they reach it, on one tokenizer thread, after a byte-count check that refuses a text too
+long for the context without tokenizing it: the loop thread receives token ids, so a long prompt never stalls the
+other requests' steps.  A handler never blocks the event loop on the model: it awaits its own queue.  Admission is
+bounded and counts sequences (prompts × ``n``): at most ``max_num_seqs + max_queue`` are in flight, the next
+request is refused at once (``QueueFull``) instead of waiting without limit, and one request may ask for at most
+``max_num_seqs`` (``TooManySequences``), so it cannot take the slots the queue keeps for everyone else.  With a
 TTFT budget (``ttft_slo_s``) the loop also sheds load: it times every step, estimates a newcomer's TTFT from the
 prefill work queued ahead of it (``admission.TTFTEstimator``) and refuses it (``Overloaded``) when that estimate is
 over the budget — first on the event loop from the last published queue (no wait at all when the queue alone is
@@ -24,9 +27,10 @@ import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, replace
 
-from minillm.engine.inputs import chat_prompt_ids
+from minillm.engine.inputs import chat_prompt_ids, max_token_bytes, prompt_text_bytes
 from minillm.entrypoints.openai.admission import AdmissionState, TTFTEstimator, queued_prefill_tokens, steps_to_seat
 from minillm.entrypoints.openai.compat import context_error
+from minillm.entrypoints.openai.limits import DEFAULT_STALL_TIMEOUT_S
 from minillm.outputs import EngineState, RequestOutput, StepOutput
 from minillm.sampling.params import SamplingParams
 
@@ -38,6 +42,10 @@ Prompt = str | Sequence[int] | Sequence[dict]
 
 class QueueFull(Exception):
     """Every in-flight slot is taken (running and waiting): answer 429 now rather than queue without bound."""
+
+
+class TooManySequences(ValueError):
+    """One request asks for more sequences (prompts × n) than ``max_num_seqs``, a full batch (400)."""
 
 
 class Overloaded(QueueFull):
@@ -63,7 +71,7 @@ class EngineFailed(RuntimeError):
 
 @dataclass(frozen=True)
 class _Add:
-    prompt: Prompt
+    prompt: list[int]  # tokenized on the handler's side
     params: SamplingParams
     request_id: str
     arrival_time: float
@@ -134,20 +142,32 @@ class RequestStream:
 class EngineLoop:
     """Owns ``engine`` (an ``LLMEngine``) on one background thread; ``submit`` and ``abort`` from the event loop.
 
-    ``max_queue``: requests allowed to wait beyond the ``max_num_seqs`` that can run.  ``ttft_slo_s``: shed load —
-    refuse (``Overloaded``) a request whose estimated TTFT exceeds this many seconds; None (default) admits by count
-    only.  ``admission`` (an ``AdmissionState``) is the loop's latest estimate, whether or not it sheds.
+    ``max_queue``: sequences (prompts × n) allowed to wait beyond the ``max_num_seqs`` that can run.
+    ``ttft_slo_s``: shed load — refuse (``Overloaded``) a request whose estimated TTFT exceeds this many seconds; None
+    (default) admits by count only.  ``admission`` (an ``AdmissionState``) is the loop's latest estimate, whether or
+    not it sheds.
+    ``stall_timeout_s``: ``stalled()`` reports the loop once its current iteration (a step and the commands before
+    it) has run this long — the liveness probe's signal that the engine is stuck.
     """
 
-    def __init__(self, engine, *, max_queue: int = 64, ttft_slo_s: float | None = None):
+    def __init__(self, engine, *, max_queue: int = 64, ttft_slo_s: float | None = None,
+                 stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S):
         if not isinstance(max_queue, int) or max_queue < 0:
             raise ValueError(f"max_queue must be an int >= 0, got {max_queue!r}")
         if ttft_slo_s is not None and (not isinstance(ttft_slo_s, (int, float)) or not ttft_slo_s > 0):
             raise ValueError(f"ttft_slo_s must be None (no shedding) or a number of seconds > 0, got {ttft_slo_s!r}")
-        self.ttft_slo_s = ttft_slo_s
+        if not isinstance(stall_timeout_s, (int, float)) or not stall_timeout_s > 0:
+            raise ValueError(f"stall_timeout_s must be a number of seconds > 0, got {stall_timeout_s!r}")
+        self.ttft_slo_s, self.stall_timeout_s = ttft_slo_s, stall_timeout_s
+        self._busy_since: float | None = None  # loop thread writes: when its current iteration began; None: idle
         self.engine = engine  # touched only by the loop thread once start() has run
         self.max_model_len: int = engine.max_model_len  # constants, read once here
-        self.capacity = engine.config.max_num_seqs + max_queue
+        self.max_num_seqs: int = engine.config.max_num_seqs
+        self.capacity = self.max_num_seqs + max_queue  # sequences
+        tokenizer = engine.tokenizer
+        self.max_prompt_bytes = None if tokenizer is None else self.max_model_len * max_token_bytes(tokenizer)
+        # One thread: a tokenizer is not promised to be safe under concurrent encodes (the loop thread only decodes)
+        self._tokenizer_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="minillm-tokenize")
         # The engine's load after the loop's latest iteration, for /metrics: read without a lock — the loop thread
         # replaces the whole frozen object, and rebinding an attribute is atomic in CPython.
         self.snapshot: EngineState = engine.state()
@@ -155,7 +175,8 @@ class EngineLoop:
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}  # loop thread only
         self._modelled: dict[str, tuple[float, float]] = {}  # loop thread only: id -> (arrival, model's TTFT)
-        self._in_flight = 0  # event-loop thread only
+        self._in_flight = 0  # requests; event-loop thread only
+        self._seqs_in_flight = 0  # their sequences (prompt × n each): what admission counts
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="minillm-engine-loop", daemon=True)
 
@@ -167,15 +188,42 @@ class EngineLoop:
     def is_alive(self) -> bool:
         return self._thread.is_alive()
 
+    def step_age_s(self) -> float:
+        """Seconds the loop thread has spent in its current iteration (commands, then a step); 0 while it waits
+        idle for a request.  A healthy loop keeps this near one step's time."""
+        since = self._busy_since
+        return 0.0 if since is None else max(0.0, time.monotonic() - since)
+
+    def stalled(self) -> str | None:
+        """Why the loop is unhealthy — not running, or its step stuck past ``stall_timeout_s`` — or None."""
+        if not self.is_alive():
+            return "the engine loop is not running"
+        age = self.step_age_s()
+        if age > self.stall_timeout_s:
+            return (f"the engine step has not advanced for {age:.1f} s (the limit is {self.stall_timeout_s:g} s) "
+                    f"with {self._in_flight} requests in flight: the engine is stuck")
+        return None
+
     def start(self) -> None:
         self._thread.start()
 
     def stop(self, drain_s: float = 0.0, join_s: float = 30.0) -> None:
         """Refuse new requests, let running ones finish for up to ``drain_s`` seconds, abort the rest, and join."""
         self._stopping = True
+        self._tokenizer_thread.shutdown(wait=False, cancel_futures=True)
         if self._thread.is_alive():
             self._commands.put(_Stop(drain_s))
             self._thread.join(join_s)
+
+    def admit(self, num_seqs: int) -> None:
+        """Raise if a request of ``num_seqs`` sequences (prompts × n) cannot be admitted: ``TooManySequences``
+        over ``max_num_seqs`` (never), ``QueueFull`` over the free slots (not now)."""
+        if num_seqs > self.max_num_seqs:
+            raise TooManySequences(f"this request asks for {num_seqs} sequences (prompts × n) but one request may "
+                                   f"run at most max_num_seqs = {self.max_num_seqs}: split it into smaller requests")
+        if self._seqs_in_flight + num_seqs > self.capacity:
+            raise QueueFull(f"the server is at capacity ({self._seqs_in_flight} sequences in flight, this request "
+                            f"adds {num_seqs}, the limit is {self.capacity}: max_num_seqs + max_queue); retry later")
 
     async def submit(self, prompt: Prompt, params: SamplingParams, request_id: str,
                      arrival_time: float | None = None, *, max_tokens_given: bool = True) -> RequestStream:
@@ -185,32 +233,52 @@ class EngineLoop:
         output at the context and prompt + ``max_tokens`` is not checked against it."""
         if self._stopping or not self._thread.is_alive():
             raise ShuttingDown("the server is shutting down")
-        if self._in_flight >= self.capacity:
-            raise QueueFull(f"the server is at capacity ({self._in_flight} requests in flight, the limit is "
-                            f"{self.capacity}: max_num_seqs + max_queue); retry later")
+        self.admit(params.n)
         self._shed(self.admission, 0)  # the queue alone is over the budget: refuse without waiting for a step
+        arrival_time = time.perf_counter() if arrival_time is None else arrival_time
         updates: asyncio.Queue = asyncio.Queue()
         reply: concurrent.futures.Future = concurrent.futures.Future()
-        self._in_flight += 1
-        add = _Add(prompt, params, request_id, time.perf_counter() if arrival_time is None else arrival_time,
-                   asyncio.get_running_loop(), updates, reply, max_tokens_given)
-        self._commands.put(add)
+        self._count(params.n, +1)
+        try:
+            loop = asyncio.get_running_loop()
+            ids = await loop.run_in_executor(self._tokenizer_thread, self.tokenize, prompt)
+        except BaseException:
+            self._count(params.n, -1)
+            raise
+        self._commands.put(_Add(ids, params, request_id, arrival_time, loop, updates, reply, max_tokens_given))
         try:
             ids = await asyncio.wrap_future(reply)
         except asyncio.CancelledError:  # the client left while we waited: the add may still happen, so undo it
-            self._release(request_id, False)
+            self._release(request_id, False, params.n)
             raise
         except BaseException:
-            self._in_flight -= 1
+            self._count(params.n, -1)
             raise
-        return RequestStream(request_id, ids, updates, self._release)
+        return RequestStream(request_id, ids, updates, lambda rid, done: self._release(rid, done, params.n))
+
+    def tokenize(self, prompt: Prompt) -> list[int]:
+        """A prompt's token ids (text tokenized, chat messages through the template, ids as they are); a text over
+        ``max_prompt_bytes`` — more bytes than the context's tokens can cover — raises ``PromptTooLong`` without
+        being tokenized.  Runs on the tokenizer thread."""
+        size = prompt_text_bytes(prompt)
+        if self.max_prompt_bytes is not None and size > self.max_prompt_bytes:
+            raise PromptTooLong(f"the prompt has {size} bytes of text; a token of this model's vocabulary covers at "
+                                f"most {self.max_prompt_bytes // self.max_model_len} bytes, so that is more than the "
+                                f"model's context of {self.max_model_len} tokens: shorten the prompt")
+        if isinstance(prompt, str) or not prompt or not isinstance(prompt[0], dict):
+            return self.engine.encode(prompt)
+        return chat_prompt_ids(self.engine.tokenizer, prompt)
+
+    def _count(self, num_seqs: int, sign: int) -> None:
+        self._in_flight += sign
+        self._seqs_in_flight += sign * num_seqs
 
     def abort(self, request_id: str) -> None:
         """Abort a request (no-op if it already finished); its KV blocks are freed before the next step."""
         self._commands.put(_Abort(request_id))
 
-    def _release(self, request_id: str, finished: bool) -> None:
-        self._in_flight -= 1
+    def _release(self, request_id: str, finished: bool, num_seqs: int) -> None:
+        self._count(num_seqs, -1)
         if not finished:
             self.abort(request_id)
 
@@ -238,7 +306,10 @@ class EngineLoop:
         engine = self.engine
         wait: float | None = None  # how long to wait for the first command: forever when idle
         while True:
-            for command in self._drain(wait):
+            self._busy_since = None
+            commands = self._drain(wait)
+            self._busy_since = time.monotonic()
+            for command in commands:
                 if isinstance(command, _Stop):
                     self._shutdown(command.drain_s)
                     return
@@ -306,7 +377,7 @@ class EngineLoop:
 
     def _add(self, c: _Add) -> None:
         try:
-            ids = self._encode(c.prompt)
+            ids = c.prompt
             too_long = context_error(len(ids), c.params.max_tokens if c.max_tokens_given else None,
                                      self.max_model_len)
             if too_long:
@@ -322,11 +393,6 @@ class EngineLoop:
             self._modelled[c.request_id] = (c.arrival_time, model)
         self._streams[c.request_id] = (c.loop, c.queue)
         c.reply.set_result(ids)
-
-    def _encode(self, prompt: Prompt) -> list[int]:
-        if isinstance(prompt, str) or not prompt or not isinstance(prompt[0], dict):
-            return self.engine.encode(prompt)
-        return chat_prompt_ids(self.engine.tokenizer, prompt)
 
     def _dispatch(self, updates: list[StepOutput]) -> None:
         for u in updates:

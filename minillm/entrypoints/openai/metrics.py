@@ -87,6 +87,8 @@ class ServerMetrics:
                                  "(one target forward each), since start", registry=r)
         self.spec_acceptance = Gauge("minillm_spec_decode_acceptance_rate", "Accepted / proposed draft tokens, "
                                      "since start (0 before any)", registry=r)
+        self.step_age = Gauge("minillm_engine_step_age_seconds", "Seconds the engine loop has spent in its current "
+                              "step (0 while idle); /health is 503 past the stall timeout", registry=r)
         r.register(VllmNames(self, model_name))
 
     def count_response(self, path: str, status: int) -> None:

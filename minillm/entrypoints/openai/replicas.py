@@ -66,15 +66,23 @@ def _die_with_parent() -> None:  # runs in the child between fork and exec
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
-def start_replicas(serve_args: Sequence[str], replicas: int, *, threads: int | None = None) -> list[ReplicaProcess]:
+API_KEY_ENV = "MINILLM_API_KEY"  # where a server finds its key when no --api-key / --api-key-file is given
+
+
+def start_replicas(serve_args: Sequence[str], replicas: int, *, threads: int | None = None,
+                   api_key: str | None = None) -> list[ReplicaProcess]:
     """Start ``replicas`` processes of ``python -m minillm serve *serve_args --host 127.0.0.1 --port P``.
 
     ``serve_args``: the model and engine options, as the single server takes them (no ``--host``/``--port``);
     ``threads``: torch threads per replica (default ``threads_per_replica``).  Replicas log warnings only (the
-    router logs the requests) to the front's stdout/stderr.  Returns at once: see ``wait_ready``.
+    router logs the requests) to the front's stdout/stderr; ``api_key`` is passed in ``MINILLM_API_KEY`` (not in
+    argv, which any user may read).  Returns at once: see ``wait_ready``.
     """
     threads = threads or threads_per_replica(replicas)
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
+    env.pop(API_KEY_ENV, None)
+    if api_key is not None:
+        env[API_KEY_ENV] = api_key
     out: list[ReplicaProcess] = []
     try:
         for i in range(replicas):

@@ -45,6 +45,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from minillm.entrypoints.openai import protocol as p
+from minillm.entrypoints.openai.connections import yielding
+from minillm.entrypoints.openai.guard import Guard, host_set
+from minillm.entrypoints.openai.limits import DEFAULT_MAX_BODY_BYTES
 from minillm.entrypoints.openai.metrics import CONTENT_TYPE
 from minillm.entrypoints.openai.replicas import ReplicaProcess
 from minillm.entrypoints.openai.server import APIError
@@ -168,7 +171,7 @@ class Upstream(StreamingResponse):
 
     async def __call__(self, scope, receive, send):
         try:
-            await super().__call__(scope, receive, send)
+            await super().__call__(scope, receive, yielding(send))
         finally:
             await self.release()
 
@@ -263,8 +266,9 @@ def relay(upstream, rep: Replica, metrics: RouterMetrics) -> Upstream:
 
 # ---- the app ------------------------------------------------------------------------------------------------------
 async def watch(pool: ReplicaPool, client, metrics: RouterMetrics) -> None:
-    """Every ``HEALTH_PERIOD_S``: a replica whose process exited leaves the rotation for good; one marked
-    unhealthy after a failed request comes back when its ``/health`` answers 200 again."""
+    """Every ``HEALTH_PERIOD_S``: a replica whose process exited leaves the rotation for good; one whose
+    ``/health`` answers 503 (its engine stuck) leaves it too; one marked unhealthy (a failed request, or that 503)
+    comes back when its ``/health`` answers 200 again.  (An unreachable replica is noticed by the next request.)"""
     import httpx
 
     while True:
@@ -279,9 +283,10 @@ async def watch(pool: ReplicaPool, client, metrics: RouterMetrics) -> None:
                 if not pool.draining:
                     print(f"[replica {rep.index} (pid {rep.process.pid}) exited with code {code}; "
                           f"{len(pool.live())} of {len(pool.replicas)} replicas left]", file=sys.stderr)
-            elif not rep.healthy:
+            else:
                 with contextlib.suppress(httpx.HTTPError):
-                    rep.healthy = (await client.get(rep.url + "/health", timeout=2)).status_code == 200
+                    status = (await client.get(rep.url + "/health", timeout=2)).status_code
+                    rep.healthy = status == 200 if not rep.healthy else status != 503
 
 
 async def replica_metrics(client, pool: ReplicaPool) -> str:
@@ -298,9 +303,12 @@ async def replica_metrics(client, pool: ReplicaPool) -> str:
     return relabel({rep.index: t for rep, t in zip(live, texts, strict=True) if t is not None})
 
 
-def build_router_app(pool: ReplicaPool) -> FastAPI:
+def build_router_app(pool: ReplicaPool, *, api_key: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+                     allowed_hosts: Sequence[str] | None = None) -> FastAPI:
     """The router's FastAPI app over ``pool``.  Its lifespan owns the httpx client and the health-watching task;
-    ``app.state.pool`` and ``app.state.metrics`` are the pool and the ``RouterMetrics``."""
+    ``app.state.pool`` and ``app.state.metrics`` are the pool and the ``RouterMetrics``.  ``api_key`` and
+    ``max_body_bytes`` are checked here, before a body is read or forwarded (``guard.py``), as each replica does;
+    so is ``allowed_hosts`` (the replicas see the router's own loopback requests)."""
     import httpx
 
     metrics = RouterMetrics(pool)
@@ -320,6 +328,7 @@ def build_router_app(pool: ReplicaPool) -> FastAPI:
 
     app = FastAPI(title="minillm router", lifespan=lifespan)
     app.state.pool, app.state.metrics = pool, metrics
+    app.add_middleware(Guard, api_key=api_key, max_body_bytes=max_body_bytes, allowed_hosts=host_set(allowed_hosts))
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, e: APIError):
@@ -358,10 +367,13 @@ def build_router_app(pool: ReplicaPool) -> FastAPI:
 
 def run_router(serve_args: Sequence[str], *, replicas: int, routing: str = "least_loaded", host: str = "127.0.0.1",
                port: int = 8000, shutdown_timeout_s: float = 10.0, ready_timeout_s: float = 600.0,
-               log_level: str = "info") -> None:
+               log_level: str = "info", api_key: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+               uvicorn_options: dict | None = None, allowed_hosts: Sequence[str] | None = None) -> None:
     """Start ``replicas`` servers (``replicas.start_replicas(serve_args, ...)``), wait until all are ready, route
     ``host:port`` to them until SIGINT/SIGTERM, then stop them: SIGTERM, up to ``shutdown_timeout_s`` for them to
-    drain plus 15 s to exit, then SIGKILL.  A replica that fails to start stops the others and raises."""
+    drain plus 15 s to exit, then SIGKILL.  A replica that fails to start stops the others and raises.
+    ``api_key`` reaches the replicas in their environment (``MINILLM_API_KEY``), never on a command line that
+    ``ps`` shows; ``uvicorn_options``: the front's connection limits (``connections.uvicorn_options``)."""
     import signal
 
     import uvicorn
@@ -379,7 +391,7 @@ def run_router(serve_args: Sequence[str], *, replicas: int, routing: str = "leas
     previous = signal.signal(signal.SIGTERM, interrupt)
     procs: list[ReplicaProcess] = []
     try:
-        procs = start_replicas(serve_args, replicas, threads=threads)
+        procs = start_replicas(serve_args, replicas, threads=threads, api_key=api_key)
         print(f"[router: {replicas} replicas ({threads} torch threads each) loading: pids "
               f"{', '.join(str(p.pid) for p in procs)}]", file=sys.stderr, flush=True)
         wait_ready(procs, ready_timeout_s)
@@ -394,8 +406,9 @@ def run_router(serve_args: Sequence[str], *, replicas: int, routing: str = "leas
 
         print(f"[router: {routing} over {', '.join(p.url for p in procs)}; serving on http://{host}:{port}/v1]",
               file=sys.stderr, flush=True)
-        config = uvicorn.Config(build_router_app(pool), host=host, port=port, log_level=log_level,
-                                timeout_graceful_shutdown=shutdown_timeout_s)
+        app = build_router_app(pool, api_key=api_key, max_body_bytes=max_body_bytes, allowed_hosts=allowed_hosts)
+        config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                                timeout_graceful_shutdown=shutdown_timeout_s, **(uvicorn_options or {}))
         RouterServer(config).run()
     except KeyboardInterrupt:
         pass  # Ctrl-C (or SIGTERM while loading): stop the replicas below and return

@@ -9,16 +9,20 @@ the ``EngineLoop`` thread and stream back what it produces.  Requests follow vLL
 unknown fields are ignored (logged once per name, listed in the ``X-Ignored-Fields`` response header), OpenAI's
 "off" values of unimplemented fields are accepted, ``max_tokens`` null (or omitted, in chat) means the rest of the
 context.  Every error is OpenAI's ``{"error": {"message", "type", "param", "code"}}``: 400 bad values, malformed
-JSON, fields the engine cannot honour (code ``unsupported_parameter``) and a prompt, or prompt + ``max_tokens``,
-over the context (code ``context_length_exceeded``); 401 wrong API key on ``/v1``; 404 unknown model; 413 body
-over ``max_body_bytes``; 429 admission queue full or (with a TTFT budget, ``admission.py``) overloaded, both with
-``Retry-After``; 503 shutting down.  A client that disconnects aborts its request, which frees its KV blocks.
+JSON, undecodable text, fields the engine cannot honour (code ``unsupported_parameter``), a prompt, or prompt +
+``max_tokens``, over the context (code ``context_length_exceeded``), more sequences than ``max_num_seqs`` or a
+``Host`` not allowed; 401 wrong API key (checked before the body is read); 404 unknown model; 413 body over
+``max_body_bytes`` (counted as it arrives: ``guard.py``); 429 admission queue full or (with a TTFT budget,
+``admission.py``) overloaded, both with ``Retry-After``; 503 shutting down (and ``/health`` while the engine step
+is stuck).  Slow and idle connections are dropped (``connections.py``).  A client that disconnects aborts its
+request, which frees its KV blocks; the server logs one line for it.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hmac
+import contextlib
+import logging
 import re
 import time
 from collections.abc import AsyncIterator, Sequence
@@ -31,6 +35,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from minillm.entrypoints.openai import protocol as p
 from minillm.entrypoints.openai.compat import FieldWarnings, UsageEveryChunk
+from minillm.entrypoints.openai.connections import ConnectionLimits, yielding
 from minillm.entrypoints.openai.engine_loop import (
     EngineFailed,
     EngineLoop,
@@ -39,7 +44,10 @@ from minillm.entrypoints.openai.engine_loop import (
     QueueFull,
     RequestStream,
     ShuttingDown,
+    TooManySequences,
 )
+from minillm.entrypoints.openai.guard import error_response, guard, host_set
+from minillm.entrypoints.openai.limits import DEFAULT_MAX_BODY_BYTES, DEFAULT_STALL_TIMEOUT_S
 from minillm.entrypoints.openai.logprobs import (
     LogprobTap,
     chat_logprobs,
@@ -47,12 +55,14 @@ from minillm.entrypoints.openai.logprobs import (
     sampling_extras,
 )
 from minillm.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
+from minillm.entrypoints.openai.openapi import use_declared_errors
 from minillm.entrypoints.openai.sse import StreamMeta, sse_stream
 from minillm.entrypoints.openai.sse import event as sse
 from minillm.entrypoints.openai.tokenization import add_tokenization_routes
 from minillm.outputs import StepOutput
 from minillm.sampling.params import SamplingParams
 
+log = logging.getLogger("uvicorn.error.minillm")  # a child of uvicorn's logger: shown at its --log-level (info)
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics", "/tokenize", "/detokenize",
          "/tokenizer_info", "/version")
@@ -71,10 +81,6 @@ class APIError(Exception):
         return error_response(self.status, self.info, self.headers)
 
 
-def error_response(status: int, info: p.ErrorInfo, headers: dict | None = None) -> JSONResponse:
-    return JSONResponse(p.ErrorResponse(error=info).model_dump(), status_code=status, headers=headers)
-
-
 def _param_of(message: str) -> str | None:
     """minillm's ValueErrors start with the parameter's name ("temperature must be ..."): use it as ``param``."""
     m = re.match(r"(\w+) must\b", message)
@@ -83,12 +89,14 @@ def _param_of(message: str) -> str | None:
 
 # ---- the gate: runs before routing, for every request -----------------------------------------------------------
 class Gate:
-    """Pure ASGI middleware: rejects oversized bodies (413) and, with an API key, unauthenticated ``/v1`` calls
-    (401); counts every response by path and status.  (Pure ASGI, not ``BaseHTTPMiddleware``, so that
-    streaming responses and client disconnects pass through untouched.)"""
+    """Pure ASGI middleware: ``guard.guard`` (the API key, 401, then the body read to at most ``max_body_bytes``,
+    413) before the app sees a request; counts every response by path and status.  (Pure ASGI, not
+    ``BaseHTTPMiddleware``, so that streaming responses and client disconnects pass through untouched.)"""
 
-    def __init__(self, app, *, metrics: ServerMetrics, api_key: str | None, max_body_bytes: int):
+    def __init__(self, app, *, metrics: ServerMetrics, api_key: str | None, max_body_bytes: int,
+                 allowed_hosts: frozenset[str] | None = None):
         self.app, self.metrics, self.api_key, self.max_body_bytes = app, metrics, api_key, max_body_bytes
+        self.allowed_hosts = allowed_hosts
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -102,25 +110,13 @@ class Gate:
             await send(message)
 
         try:
-            rejection = self._reject(scope)
-            app = rejection if rejection is not None else self.app
-            await app(scope, receive, send_and_record)
+            checked = await guard(scope, receive, api_key=self.api_key, max_body_bytes=self.max_body_bytes,
+                                  allowed_hosts=self.allowed_hosts)
+            app = checked.rejection if checked.rejection is not None else self.app
+            await app(scope, checked.receive, send_and_record)
         finally:
             path = scope["path"] if scope["path"] in PATHS else "other"  # bounded label values
             self.metrics.count_response(path, status)
-
-    def _reject(self, scope) -> Response | None:
-        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
-        length = headers.get("content-length", "0")
-        if length.isdigit() and int(length) > self.max_body_bytes:
-            return APIError(413, f"the request body has {length} bytes; the limit is {self.max_body_bytes}",
-                            code="request_too_large").response()
-        if self.api_key is not None and scope["path"].startswith("/v1"):
-            given = headers.get("authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {self.api_key}".encode()):
-                return APIError(401, "Incorrect API key provided: pass it as 'Authorization: Bearer <key>'",
-                                code="invalid_api_key").response()
-        return None
 
 
 # ---- requests -> engine inputs ----------------------------------------------------------------------------------
@@ -254,8 +250,16 @@ class Server:
                      max_tokens_given: bool = True) -> RequestStream:
         """Hand the request to the engine loop; map its refusals to HTTP errors.  ``max_tokens_given`` False:
         ``params.max_tokens`` is the server's "rest of the context" (see ``EngineLoop.submit``)."""
-        try:
+        with self.refusals(param):
             return await self.loop.submit(prompt, params, request_id, max_tokens_given=max_tokens_given)
+
+    @contextlib.contextmanager
+    def refusals(self, param: str):
+        """The engine loop's refusals as HTTP errors (``param``: the prompt's name in the request)."""
+        try:
+            yield
+        except TooManySequences as e:
+            raise APIError(400, str(e), param="n", code="too_many_sequences") from e
         except Overloaded as e:  # shed: its estimated TTFT is over the budget
             self.metrics.count_shed("overloaded")
             raise APIError(429, str(e), type="rate_limit_error", code="overloaded",
@@ -279,6 +283,8 @@ class Server:
         ones already admitted are aborted, so a bad batch leaves nothing running."""
         if len(prompts) == 1:
             return [await self.submit(prompts[0], params, request_id, param, max_tokens_given)]
+        with self.refusals(param):  # the whole batch counts against the slots, before any of it is queued
+            self.loop.admit(len(prompts) * params.n)
         streams: list[RequestStream] = []
         try:
             for k, prompt in enumerate(prompts):
@@ -298,6 +304,9 @@ class Server:
         gone.cancel()
         if not done.done():
             done.cancel()
+            with contextlib.suppress(asyncio.CancelledError):  # retrieved, so asyncio logs no traceback for it
+                await done
+            log_hang_up(request, streams)
             return False
         done.result()  # raises EngineFailed
         for st in streams:
@@ -323,6 +332,9 @@ class Server:
         try:
             async for text in events:
                 yield text
+        except (GeneratorExit, asyncio.CancelledError):  # the client left mid-stream
+            log.info("client hung up: stream %s aborted", meta.id)
+            raise
         except EngineFailed as e:
             yield sse(p.ErrorResponse(error=p.ErrorInfo(message=str(e), type="server_error")))
             yield sse("[DONE]")
@@ -355,10 +367,17 @@ class EventStream(StreamingResponse):
 
     async def __call__(self, scope, receive, send):
         try:
-            await super().__call__(scope, receive, send)
+            await super().__call__(scope, receive, yielding(send))
         finally:
             for st in self.request_streams:
                 st.close()
+
+
+def log_hang_up(request: Request, streams: Sequence[RequestStream]) -> None:
+    """One quiet line per client that left before its answer (no traceback: hanging up is the client's right)."""
+    client = request.client
+    log.info("client %s hung up: request %s aborted", f"{client.host}:{client.port}" if client else "?",
+             streams[0].request_id if streams else "?")
 
 
 async def _disconnected(request: Request) -> None:
@@ -368,14 +387,19 @@ async def _disconnected(request: Request) -> None:
 
 
 def build_app(llm_or_engine, *, served_model_name: str | Sequence[str] | None = None, api_key: str | None = None,
-              max_queue: int = 64, ttft_slo_s: float | None = None, max_body_bytes: int = 4 << 20) -> FastAPI:
+              max_queue: int = 64, ttft_slo_s: float | None = None,
+              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+              stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S, allowed_hosts: Sequence[str] | None = None) -> FastAPI:
     """The FastAPI app serving ``llm_or_engine`` (an ``LLM`` or an ``LLMEngine``).
 
     ``served_model_name``: the name(s) clients must pass as ``model`` (default "SmolLM2-135M-Instruct");
-    ``api_key``: require ``Authorization: Bearer <key>`` on ``/v1``; ``max_queue``: requests that may wait beyond
-    the engine's ``max_num_seqs`` before new ones get 429; ``ttft_slo_s``: shed load — a request whose estimated
-    time to first token exceeds this many seconds gets 429 "overloaded" at once (None: off; ``admission.py``);
-    ``max_body_bytes``: larger bodies get 413.
+    ``api_key``: require ``Authorization: Bearer <key>`` on ``/v1`` and every body; ``max_queue``: sequences that
+    may wait beyond the engine's ``max_num_seqs`` before new ones get 429; ``ttft_slo_s``: shed load — a request
+    whose estimated time to first token exceeds this many seconds gets 429 "overloaded" at once (None: off;
+    ``admission.py``); ``max_body_bytes``: larger bodies get 413 (counted as they arrive); ``stall_timeout_s``:
+    ``/health`` answers 503 once the engine's current step has run this long (``EngineLoop.stalled``);
+    ``allowed_hosts``: the host names a request's ``Host`` header may carry (None: any; a guard against DNS
+    rebinding).
     The engine loop thread starts with the app (lifespan) and stops with it, aborting what is still running.
     ``app.state.server.loop`` is the ``EngineLoop``.
     """
@@ -384,7 +408,8 @@ def build_app(llm_or_engine, *, served_model_name: str | Sequence[str] | None = 
     engine = getattr(llm_or_engine, "engine", llm_or_engine)  # an LLM builds its engine here, before the thread
     names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name or [])
     names = names or [DEFAULT_MODEL_NAME]
-    server = Server(EngineLoop(engine, max_queue=max_queue, ttft_slo_s=ttft_slo_s), ServerMetrics(names[0]), names)
+    loop = EngineLoop(engine, max_queue=max_queue, ttft_slo_s=ttft_slo_s, stall_timeout_s=stall_timeout_s)
+    server = Server(loop, ServerMetrics(names[0]), names)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -396,10 +421,12 @@ def build_app(llm_or_engine, *, served_model_name: str | Sequence[str] | None = 
 
     app = FastAPI(title="minillm", lifespan=lifespan)
     app.state.server = server
-    app.add_middleware(Gate, metrics=server.metrics, api_key=api_key, max_body_bytes=max_body_bytes)
+    app.add_middleware(Gate, metrics=server.metrics, api_key=api_key, max_body_bytes=max_body_bytes,
+                       allowed_hosts=host_set(allowed_hosts))
     _add_error_handlers(app)
     _add_routes(app, server)
     add_tokenization_routes(app, server, engine.tokenizer, APIError)
+    use_declared_errors(app, api_key=api_key is not None)
     return app
 
 
@@ -437,13 +464,16 @@ def _add_routes(app: FastAPI, server: Server) -> None:
 
     @app.get("/health")
     async def health():
-        if not server.loop.is_alive():
-            raise APIError(503, "the engine loop is not running", type="server_error")
+        why = server.loop.stalled()
+        if why is not None:
+            raise APIError(503, why, type="server_error", code="engine_unhealthy")
         return {"status": "ok"}
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=Response, responses={200: {
+        "description": "Prometheus text exposition", "content": {"text/plain": {"schema": {"type": "string"}}}}})
     async def metrics():
         loop = server.loop
+        server.metrics.step_age.set(loop.step_age_s())
         return Response(server.metrics.render(loop.snapshot, loop.in_flight, loop.admission), media_type=CONTENT_TYPE)
 
     @app.get("/v1/models")
@@ -512,10 +542,11 @@ def _add_routes(app: FastAPI, server: Server) -> None:
 
 
 def run_server(llm_or_engine, *, host: str = "127.0.0.1", port: int = 8000, shutdown_timeout_s: float = 10.0,
-               log_level: str = "info", **app_options) -> None:
+               log_level: str = "info", connection_limits: ConnectionLimits | None = None, **app_options) -> None:
     """Serve until SIGINT/SIGTERM.  On a signal new requests get 503, in-flight ones run on for up to
     ``shutdown_timeout_s`` seconds, the rest are aborted (their streams end with finish_reason "abort" and
-    ``[DONE]``), then uvicorn closes the connections and the process exits."""
+    ``[DONE]``), then uvicorn closes the connections and the process exits.  ``connection_limits``: when slow or
+    idle clients are dropped (default ``ConnectionLimits()``)."""
     import uvicorn
 
     app = build_app(llm_or_engine, **app_options)
@@ -527,6 +558,7 @@ def run_server(llm_or_engine, *, host: str = "127.0.0.1", port: int = 8000, shut
             await super().shutdown(sockets)
 
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
-                            timeout_graceful_shutdown=shutdown_timeout_s)  # a backstop: streams have ended
+                            timeout_graceful_shutdown=shutdown_timeout_s,  # a backstop: streams have ended
+                            **(connection_limits or ConnectionLimits()).uvicorn_options())
     DrainingServer(config).run()
 
