@@ -56,12 +56,21 @@ def test_unknown_fields_are_ignored_listed_in_a_header_and_logged_once_per_name(
             assert raw.parse().usage.completion_tokens <= 2
             assert raw.headers["x-ignored-fields"] == ", ".join(sorted(names))
     warned = [r.getMessage() for r in caplog.records if "unknown request field" in r.getMessage()]
-    assert sorted(warned) == sorted(f"ignoring the unknown request field {n!r} (listed in the X-Ignored-Fields "
+    assert sorted(warned) == sorted(f"ignoring the unknown request field '{n}' (listed in the X-Ignored-Fields "
                                     "response header; logged once)" for n in names)  # two requests, one each
     raw = live.client().completions.with_raw_response.create(model=MODEL, prompt="hi", max_tokens=1,
                                                              extra_body={"store": True})
     assert raw.headers["x-ignored-fields"] == "store"
     assert "x-ignored-fields" not in chat(live).headers  # nothing ignored: no header
+
+
+def test_unknown_field_names_no_header_can_carry_are_escaped_cut_and_counted(live):
+    raw = chat(live, extra_body={"\U00034117": 1, "a\r\nSet-Cookie: x": 1, "k" * 500: 1})
+    assert raw.parse().choices and "set-cookie" not in raw.headers
+    assert set(raw.headers["x-ignored-fields"].split(", ")) == {"\\U00034117", "a\\r\\nSet-Cookie: x",
+                                                                "k" * 61 + "..."}  # escaped; 500 chars cut to 64
+    raw = chat(live, extra_body={f"f{i:02d}": i for i in range(20)})
+    assert raw.headers["x-ignored-fields"] == ", ".join(f"f{i:02d}" for i in range(16)) + ", +4 more"
 
 
 def test_unknown_fields_of_a_streamed_request_and_inside_stream_options_are_listed(live):

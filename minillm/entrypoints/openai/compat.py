@@ -24,6 +24,15 @@ from minillm.outputs import StepOutput
 log = logging.getLogger("minillm.serve")
 
 IGNORED_FIELDS_HEADER = "X-Ignored-Fields"
+MAX_LISTED_FIELDS = 16  # names in one header; the rest are counted ("+N more")
+MAX_NAME_CHARS = 64  # a field name is shown up to this many characters
+
+
+def printable_name(name: str) -> str:
+    """A field name as a header value may carry it: ASCII with backslash escapes (a JSON key may hold any
+    character, CR/LF and non-Latin-1 included, and HTTP headers cannot), cut to ``MAX_NAME_CHARS``."""
+    shown = name.encode("unicode_escape").decode("ascii")
+    return shown if len(shown) <= MAX_NAME_CHARS else shown[: MAX_NAME_CHARS - 3] + "..."
 
 
 class FieldWarnings:
@@ -36,12 +45,16 @@ class FieldWarnings:
 
     def headers(self, fields: Sequence[str]) -> dict[str, str]:
         """Warn about the names not seen before; the response headers that list ``fields`` (none if empty)."""
-        for name in fields:
+        shown = [printable_name(name) for name in fields]
+        for name in shown:
             if name not in self.seen and len(self.seen) < self.max_names:
                 self.seen.add(name)
-                log.warning("ignoring the unknown request field %r (listed in the %s response header; logged once)",
-                            name, IGNORED_FIELDS_HEADER)
-        return {IGNORED_FIELDS_HEADER: ", ".join(fields)} if fields else {}
+                log.warning("ignoring the unknown request field '%s' (listed in the %s response header; logged "
+                            "once)", name, IGNORED_FIELDS_HEADER)
+        if not shown:
+            return {}
+        more = len(shown) - MAX_LISTED_FIELDS
+        return {IGNORED_FIELDS_HEADER: ", ".join(shown[:MAX_LISTED_FIELDS]) + (f", +{more} more" if more > 0 else "")}
 
 
 def context_error(prompt_tokens: int, max_tokens: int | None, max_model_len: int) -> str | None:
