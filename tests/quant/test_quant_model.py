@@ -40,7 +40,8 @@ def test_load_model_quantizes_a_float_checkpoint_on_load(tiny_dir, scheme, kind)
 
 @pytest.mark.parametrize("bad", ["int3", "fp4", "INT4", ""])
 def test_an_unknown_quantization_is_a_value_error_listing_the_choices(tiny_dir, bad):
-    with pytest.raises(ValueError, match=r"quantization must be None or one of \('int8', 'int4', 'awq', 'gptq'\)"):
+    with pytest.raises(ValueError, match=r"quantization must be None or one of \('int8', 'int4', 'awq', 'gptq', "
+                                         r"'w8a8', 'w8a8-static', 'w8a8-smooth', 'fp8'\)"):
         load_model(str(tiny_dir), quantization=bad)
     with pytest.raises(ValueError, match="quantization must be"):
         LLM(str(tiny_dir), quantization=bad)
@@ -125,3 +126,36 @@ def test_the_cli_evaluates_the_int4_default_models_perplexity(capsys):
     out = capsys.readouterr().out
     ppl = float(out.split()[1])
     assert 1 < ppl < 100 and "199 held-out tokens" in out and "int4 quantization" in out
+
+
+def test_w8a8_loads_and_the_engine_generates_as_the_cached_loop_does(tiny_dir):
+    from minillm.config import EngineConfig
+    from minillm.engine.llm_engine import LLMEngine
+    from minillm.layers.linear import W8A8Linear
+
+    model = load_model(str(tiny_dir), device="cpu", quantization="w8a8")
+    assert type(model.model.layers[1].self_attn.qkv_proj) is W8A8Linear
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    prompts = [[1, 2, 3, 4], [9, 8, 7]]
+    got = [o.outputs[0].token_ids for o in LLMEngine(model, None, EngineConfig()).generate(prompts, params)]
+    assert [list(g) for g in got] == [s.output for s in generate(model, prompts, params)]
+
+
+@pytest.mark.parametrize("quantization,config,match", [
+    ("w8a8-smooth", {"alpha": 1.2}, r"alpha must be a number in \[0, 1\]"),
+    ("w8a8-smooth", {"alpha": -0.5}, r"alpha must be a number in \[0, 1\]"),
+    ("w8a8", {"alpha": 0.5}, "applies to quantization='w8a8-smooth' only"),
+    ("int8", {"alpha": 0.5}, "applies to quantization='w8a8-smooth' only"),
+    ("w8a8-smooth", {"beta": 0.5}, "one key 'alpha'"),
+])
+def test_a_bad_quantization_config_is_a_value_error_before_loading(tiny_dir, quantization, config, match):
+    with pytest.raises(ValueError, match=match):
+        load_model(str(tiny_dir), quantization=quantization, quantization_config=config)
+    with pytest.raises(ValueError, match=match):
+        LLM(str(tiny_dir), quantization=quantization, quantization_config=config)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without an fp8 GPU")
+def test_fp8_on_a_cpu_is_a_value_error_saying_why_and_what_to_use():
+    with pytest.raises(ValueError, match=r"needs a CUDA GPU with compute capability ≥ 8.9.*use quantization='w8a8'"):
+        LLM(device="cpu", quantization="fp8")
