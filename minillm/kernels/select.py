@@ -31,6 +31,12 @@ the reference dequantizes then ``F.linear``; "native" (and "auto" on CPU) runs `
 rows (``native_quant.supports``: ≤ 8 rows, fp32/bf16) and the reference past that; "triton" (and "auto" on CUDA)
 the dequant GEMV of ``kernels/triton/dequant_gemv.py`` up to ``TRITON_GEMV_MAX_ROWS`` rows.
 
+Activation-quantized linears (``w8a8_linear``, ``fp8_linear``: ``quant/activation.py``): the reference
+dequantizes both operands then ``F.linear``; "native" (and "auto" on CPU and CUDA) is ATen's 8-bit GEMM —
+``torch._int_mm`` (oneDNN's int8 GEMM on CPU, any shape; cuBLASLt on CUDA, M > 16 and K, N multiples of 8: fewer
+rows are padded) with the per-token × per-channel scales applied after it, and ``torch._scaled_mm`` for fp8 (CUDA
+only, compute capability ≥ 8.9).
+
 Adding a kernel for an op is one row of ``KERNELS``, e.g. ``Kernel("int4_linear", "triton", _triton_int4,
 auto_on=("cuda",))``; a new op is its reference row plus one ``KernelOps`` field, where its signature is documented.
 Layers call ``ops.<op>``: no model code branches on the choice.

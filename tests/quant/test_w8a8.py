@@ -199,3 +199,31 @@ def test_bad_w8a8_input_is_a_value_error_naming_the_fix():
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="compute capability ≥ 8.9.*use quantization='w8a8'"):
             quantize_model_w8a8(tiny_model(), "fp8")
+
+
+# ----------------------------------------------------------------------------------------------- on a GPU
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 16, 17, 300])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_the_cuda_int8_gemm_equals_the_reference(rows, dtype):
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 576, generator=g).to("cuda", dtype)
+    w8 = quantize_int8(torch.randn(960, 576, generator=g)).to("cuda")
+    assert ops_for("auto", "cuda", dtype).w8a8_linear is w8a8_linear_int_mm
+    for scale in (None, x.float().abs().amax() / 127):
+        got, want = w8a8_linear_int_mm(x, w8, scale), w8a8_linear_ref(x, w8, scale)
+        torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-2 * float(want.abs().max()))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 17, 300])
+def test_the_cuda_fp8_gemm_equals_the_reference_where_the_gpu_has_one(rows):
+    if fp8_supported("cuda") is not None:
+        pytest.skip(fp8_supported("cuda"))
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 576, generator=g).to("cuda", torch.bfloat16)
+    fw = quantize_fp8(torch.randn(960, 576, generator=g).cuda())
+    b = torch.randn(960, generator=g).to("cuda", torch.bfloat16)
+    assert ops_for("auto", "cuda", torch.bfloat16).fp8_linear is fp8_linear_scaled_mm
+    got, want = fp8_linear_scaled_mm(x, fw, b), fp8_linear_ref(x, fw, b)
+    torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2 * float(want.abs().max()))
