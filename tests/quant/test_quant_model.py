@@ -159,3 +159,41 @@ def test_a_bad_quantization_config_is_a_value_error_before_loading(tiny_dir, qua
 def test_fp8_on_a_cpu_is_a_value_error_saying_why_and_what_to_use():
     with pytest.raises(ValueError, match=r"needs a CUDA GPU with compute capability ≥ 8.9.*use quantization='w8a8'"):
         LLM(device="cpu", quantization="fp8")
+
+
+def test_the_cli_passes_alpha_to_w8a8_smooth_and_refuses_one_out_of_range(capsys):
+    from minillm.entrypoints.cli import build_parser, main
+
+    a = build_parser().parse_args(["eval", "perplexity", "--quantization", "w8a8-smooth", "--alpha", "0.8"])
+    assert (a.quantization, a.alpha) == ("w8a8-smooth", 0.8)
+    assert main(["eval", "perplexity", "--quantization", "w8a8-smooth", "--alpha", "1.5", "--max-tokens", "10"]) == 2
+    assert "alpha must be a number in [0, 1]" in capsys.readouterr().err
+    b = build_parser().parse_args(["bench", "quant", "--prefill-len", "512", "--batch", "32"])
+    assert (b.prefill_len, b.batch) == (512, 32)
+
+
+def test_bench_quant_loads_each_w8a8_row_with_its_scheme_and_alpha(monkeypatch):
+    from minillm.models import loader
+    from minillm.perf.bench import quant as bench
+
+    calls = []
+    monkeypatch.setattr(loader, "load_model", lambda name, **kw: calls.append(kw) or kw)
+    for scheme in ("w8a8", "w8a8-static", "w8a8-smooth", "w8a8-smooth-a0.8", "fp8"):
+        assert scheme in bench.SCHEMES
+        bench._load(scheme, None, torch.device("cpu"))
+    assert [c["quantization"] for c in calls] == ["w8a8", "w8a8-static", "w8a8-smooth", "w8a8-smooth", "fp8"]
+    assert calls[3]["quantization_config"] == {"alpha": 0.8} and "quantization_config" not in calls[2]
+
+
+@pytest.mark.slow
+def test_the_cli_reports_outlier_ratios_before_and_after_smoothing(capsys):
+    from minillm.entrypoints.cli import main
+
+    assert main(["eval", "outliers", "--device", "cpu", "--alpha", "0.5"]) == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines() if line.startswith("layers.")]
+    assert len(rows) == 4 * 30  # SmolLM2-135M: 30 layers × 4 linears
+    before = {r[0]: float(r[1]) for r in rows}
+    after = {r[0]: float(r[2]) for r in rows}
+    assert all(after[n] == before[n] for n in before if n.endswith("o_proj"))  # left unsmoothed
+    qkv = [n for n in before if n.endswith("qkv_proj")]
+    assert sum(after[n] for n in qkv) < 0.8 * sum(before[n] for n in qkv)  # the norms' outlier channels flatten
