@@ -26,6 +26,8 @@ error lands on every logit).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import Tensor, nn
 
@@ -101,24 +103,28 @@ def fold_into_norm(norm_weight: Tensor, linear_weight: Tensor, s: Tensor) -> Non
 
 
 @torch.no_grad()
-def smooth_model(model: nn.Module, act_absmax: dict[str, Tensor], alpha: float = DEFAULT_ALPHA) -> dict[str, Tensor]:
+def smooth_model(model: nn.Module, act_absmax: dict[str, Tensor], alpha: float = DEFAULT_ALPHA, *,
+                 factors: Callable[[Tensor, Tensor, float], Tensor] | None = None,
+                 fold: Callable[[Tensor, Tensor, Tensor], None] | None = None) -> dict[str, Tensor]:
     """SmoothQuant on a float ``Transformer``, in place: per decoder layer, qkv_proj's factors folded into
     input_layernorm, gate_up_proj's into post_attention_layernorm, down_proj's into gate_up_proj's up rows (see the
     module doc); o_proj is left as it is.  ``act_absmax``: ``activation_absmax`` of this model before smoothing.
-    Returns the statistics of the smoothed model's inputs (max|x_j| / s_j; o_proj's unchanged)."""
+    ``factors`` / ``fold``: other implementations of ``smoothing_factors`` / ``fold_into_norm`` (a notebook passes
+    its own).  Returns the statistics of the smoothed model's inputs (max|x_j| / s_j; o_proj's unchanged)."""
     check_alpha(alpha)
+    factors, fold = factors or smoothing_factors, fold or fold_into_norm
     out = dict(act_absmax)
     for i, layer in enumerate(model.model.layers):
         p = f"model.layers.{i}."
         for norm, name in ((layer.input_layernorm, "self_attn.qkv_proj"),
                            (layer.post_attention_layernorm, "mlp.gate_up_proj")):
             lin = layer.get_submodule(name)
-            s = smoothing_factors(act_absmax[p + name], lin.weight, alpha)
-            fold_into_norm(norm.weight, lin.weight, s)
+            s = factors(act_absmax[p + name], lin.weight, alpha)
+            fold(norm.weight, lin.weight, s)
             out[p + name] = act_absmax[p + name] / s
         up, down = layer.mlp.gate_up_proj, layer.mlp.down_proj
         F = down.weight.shape[1]
-        s = smoothing_factors(act_absmax[p + "mlp.down_proj"], down.weight, alpha)
+        s = factors(act_absmax[p + "mlp.down_proj"], down.weight, alpha)
         up.weight[F:] = (up.weight[F:].float() / s[:, None]).to(up.weight.dtype)  # up's row j feeds channel j
         if up.bias is not None:
             up.bias[F:] = (up.bias[F:].float() / s).to(up.bias.dtype)
@@ -145,22 +151,25 @@ def check_w8a8_scheme(scheme: str, alpha: float | None = None) -> None:
 
 @torch.no_grad()
 def quantize_model_w8a8(model: nn.Module, scheme: str, calibration_ids: Tensor | None = None,
-                        alpha: float | None = None, head_scheme: str = "int8") -> nn.Module:
+                        alpha: float | None = None, head_scheme: str = "int8",
+                        act_absmax: dict[str, Tensor] | None = None) -> nn.Module:
     """Swap every decoder ``Linear`` of a float ``Transformer`` for a ``W8A8Linear`` (int8 weights per channel)
     or, for "fp8", an ``Fp8Linear``; the LM head becomes an int8 weight-only ``QuantLinear`` (``head_scheme``) and
     a tied embedding shares its codes.  "w8a8-static" and "w8a8-smooth" first measure ``activation_absmax`` on
     ``calibration_ids`` [n, L] (the calibration split; ValueError without it); "w8a8-smooth" then folds
     SmoothQuant's factors (``alpha``, default 0.5) into the float model before rounding.  In place; returns
-    ``model``.  ValueError for "fp8" where the device has no fp8 GEMM (the message says what to use)."""
+    ``model``.  ``act_absmax``: this model's ``activation_absmax``, already measured (the calibration pass is
+    then skipped: a sweep over α measures once).  ValueError for "fp8" where the device has no fp8 GEMM (the
+    message says what to use)."""
     check_w8a8_scheme(scheme, alpha)
     if scheme == "fp8" and (why := fp8_supported(model.device)) is not None:
         raise ValueError(why)
     stats = None
     if scheme in CALIBRATED_W8A8:
-        if calibration_ids is None:
+        if calibration_ids is None and act_absmax is None:
             raise ValueError(f"quantization={scheme!r} calibrates activation statistics: pass calibration_ids "
                              "[n, L] (quant.calibrate.calibration_token_ids(tokenizer))")
-        stats = activation_absmax(model, calibration_ids)
+        stats = activation_absmax(model, calibration_ids) if act_absmax is None else act_absmax
         if scheme == "w8a8-smooth":
             stats = smooth_model(model, stats, DEFAULT_ALPHA if alpha is None else alpha)
 

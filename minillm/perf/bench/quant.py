@@ -200,7 +200,7 @@ def weight_bytes_per_step(model) -> int:
     return total + sum(p.nbytes for n, p in model.named_parameters() if "norm" in n)
 
 
-def _decode_rate(model, prompts: list[list[int]], n_tokens: int) -> tuple[float, float]:
+def decode_rate(model, prompts: list[list[int]], n_tokens: int) -> tuple[float, float]:
     """(seconds to the first token, decode tokens/s summed over the batch after it) for a greedy batch, through
     ``LLMEngine`` — the path a user's ``LLM.generate`` takes (paged KV, the scheduler, and on CPU the fused native
     decode step where ``engine.native_runner`` supports the model).  The engine is made before the clock starts."""
@@ -274,10 +274,10 @@ def bench_quant(model_name: str | None = None, device: str | None = None, scheme
         kv_token = 2 * cfg.num_layers * cfg.kv_size * model.dtype.itemsize  # K and V, every layer
         prompts = [torch.randint(100, cfg.vocab_size, (prompt_len,), generator=gen).tolist() for _ in range(batch)]
         long = torch.randint(100, cfg.vocab_size, (prefill_len,), generator=gen).tolist()
-        _decode_rate(model, prompts[:1], 4)  # warm-up (native library load, first allocations)
-        b1 = sorted(_decode_rate(model, prompts[:1], n_tokens)[1] for _ in range(repeats))[repeats // 2]
-        bn = sorted(_decode_rate(model, prompts, n_tokens)[1] for _ in range(repeats))[repeats // 2]
-        ttft = sorted(_decode_rate(model, [long], 1)[0] for _ in range(repeats))[repeats // 2]
+        decode_rate(model, prompts[:1], 4)  # warm-up (native library load, first allocations)
+        b1 = sorted(decode_rate(model, prompts[:1], n_tokens)[1] for _ in range(repeats))[repeats // 2]
+        bn = sorted(decode_rate(model, prompts, n_tokens)[1] for _ in range(repeats))[repeats // 2]
+        ttft = sorted(decode_rate(model, [long], 1)[0] for _ in range(repeats))[repeats // 2]
         wbytes = weight_bytes_per_step(model)
         kv_len = prompt_len + n_tokens // 2
         step1, stepn = wbytes + kv_len * kv_token, wbytes + batch * kv_len * kv_token
