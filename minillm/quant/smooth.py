@@ -39,7 +39,7 @@ from minillm.quant.weight import quantize_int8
 W8A8_SCHEMES = ("w8a8", "w8a8-static", "w8a8-smooth", "fp8")
 CALIBRATED_W8A8 = ("w8a8-static", "w8a8-smooth")  # need activation statistics from the calibration split
 DEFAULT_ALPHA = 0.5  # SmoothQuant's default migration strength (0.8 for some larger models)
-_EPS = 1e-5  # SmoothQuant's floor on both maxima: a channel never seen active gets a finite factor
+SMOOTH_FLOOR = 1e-5  # SmoothQuant's floor on both maxima: a channel never seen active gets a finite factor
 
 
 def check_alpha(alpha: float) -> float:
@@ -86,8 +86,8 @@ def smoothing_factors(act_absmax: Tensor, weight: Tensor, alpha: float) -> Tenso
     leaves x Wᵀ unchanged and gives x / s and W · s the same per-channel range max|X_j|^(1−α) · max|W_j|^α."""
     check_alpha(alpha)
     ### BEGIN SOLUTION
-    x_max = act_absmax.float().clamp_min(_EPS)
-    w_max = weight.detach().float().abs().amax(0).clamp_min(_EPS)
+    x_max = act_absmax.float().clamp_min(SMOOTH_FLOOR)
+    w_max = weight.detach().float().abs().amax(0).clamp_min(SMOOTH_FLOOR)
     return x_max.pow(alpha) / w_max.pow(1 - alpha)
     ### END SOLUTION
 
@@ -136,7 +136,7 @@ def smooth_model(model: nn.Module, act_absmax: dict[str, Tensor], alpha: float =
 def outlier_ratios(act_absmax: dict[str, Tensor]) -> dict[str, float]:
     """{linear name: max_j / median_j of max|x_j|}: how far the largest input channel stands above a typical one
     (1 for a flat profile; the rounding step of a per-token int8 scale grows with it)."""
-    return {n: float(a.max() / a.median().clamp_min(_EPS)) for n, a in act_absmax.items()}
+    return {n: float(a.max() / a.median().clamp_min(SMOOTH_FLOOR)) for n, a in act_absmax.items()}
 
 
 def check_w8a8_scheme(scheme: str, alpha: float | None = None) -> None:
