@@ -588,3 +588,251 @@ else:
 #   sequences per GPU.
 # - Once the weights are small, **the overhead is the roof**: profile it, then fuse or compile the decode step
 #   (minillm's fused CPU step: from ~2,000 ATen ops per int4 token to a few dozen).
+
+# %% [markdown]
+# ## 10. Quantizing the activations too: W8A8, SmoothQuant, FP8
+#
+# Every scheme so far rounds the **weights** only: the matmul still multiplies floats (W8A16, W4A16), so it saves
+# bytes — what a batch-1 decode is bound by — and no arithmetic. Prefill and large decode batches are bound by
+# arithmetic instead (notebook 00: a linear's intensity grows with its rows M). There the win is an **integer
+# matmul**: round the activations to int8 as well, multiply int8 × int8 into int32 sums (AVX-512 VNNI and AMX on
+# CPUs, int8 tensor cores on GPUs, 2× the bf16 rate on an H100), and apply the two scales once per output:
+#
+# $$y_{mn} = s^x_m \, s^w_n \sum_k q^x_{mk} \, q^w_{nk}$$
+#
+# with one scale per **token** $m$ for the activations (computed at each call: *dynamic*, or calibrated once per
+# tensor: *static*) and one per **output channel** $n$ for the weights.
+#
+# The catch is the activations' **outlier channels**: in LLMs a few hidden dimensions carry values far above the
+# rest in almost every token, so one per-token scale spends its 255 levels on them and rounds the other channels
+# to a few levels. **SmoothQuant** moves that difficulty into the weights, which have no such channels: for any
+# $s_j > 0$, $x W^\top = (x / s)(W \operatorname{diag}(s))^\top$, with
+#
+# $$s_j = \frac{\max|X_j|^{\alpha}}{\max|W_j|^{1-\alpha}}$$
+#
+# measured on calibration text ($\alpha = 0.5$ splits the range evenly). The $1/s$ costs nothing at run time: it
+# is folded into the RMSNorm weight that produces $x$.
+#
+# First the statistics: per decoder linear, how far the largest input channel stands above the median one.
+
+# %% tags=["slide-output"]
+# NBVAL_IGNORE_OUTPUT
+from minillm.config import EngineConfig
+from minillm.engine.llm_engine import LLMEngine
+from minillm.perf.bench.quant import decode_rate
+from minillm.perf.hardware import get_spec
+from minillm.quant.activation import fp8_supported
+from minillm.quant.calibrate import calibration_token_ids
+from minillm.quant.smooth import (
+    activation_absmax,
+    SMOOTH_FLOOR,  # noqa: F401  (used by your smoothing_factors)
+    check_alpha,  # noqa: F401  (used by your smoothing_factors)
+    outlier_ratios,
+    quantize_model_w8a8,
+    smooth_model,
+)
+
+calib_ids = calibration_token_ids(llm.tokenizer, *((2, 64) if FAST else (8, 256))).to(device)
+stats = activation_absmax(model, calib_ids)  # {linear: max |x_j| over the calibration tokens, per channel [K]}
+before = outlier_ratios(stats)
+alpha = 0.5  # SmoothQuant's default migration strength
+library = quantize_model_w8a8(copy.deepcopy(model), "w8a8-smooth", alpha=alpha, act_absmax=stats)  # the reference
+kinds = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
+for kind in kinds:
+    r = [before[f"model.layers.{i}.{kind}"] for i in range(config.num_layers)]
+    print(f"{kind:20} max/median over channels: median layer {np.median(r):6.1f}, worst {max(r):6.1f} "
+          f"(layer {int(np.argmax(r))})")
+
+# %% [markdown]
+# ### Exercise 7.4 — `smoothing_factors`
+#
+# Per input channel $j$: $\max|X_j|$ is given (`act_absmax`, over the calibration tokens), $\max|W_j|$ is the
+# largest $|W_{nj}|$ over the weight's rows. Floor both at 1e-5 (a channel that never fired must not divide by
+# zero), then return $s_j$. After smoothing at $\alpha = 0.5$ the activation's range $\max|X_j| / s_j$ and the
+# weight's $\max|W_j| \cdot s_j$ are equal, channel by channel.
+
+# %%
+# exercise 7.4: minillm.quant.smooth.smoothing_factors
+
+# %%
+checks.check_smoothing_factors(smoothing_factors)
+
+# %% [markdown]
+# ### Exercise 7.5 — `fold_into_norm`
+#
+# The layer computes `linear(rms_norm(h) · g)`. Divide the norm's weight $g$ by $s$ and multiply the linear's
+# columns by $s$, in place: the product is unchanged, and the linear now receives $x / s$. (The library does the
+# same for `down_proj`, whose input is $\mathrm{silu}(gate) \cdot up$: it divides the *up* rows by $s$. It leaves
+# `o_proj` alone, as SmoothQuant does for Llama: with grouped K/V heads one V channel feeds several query heads.)
+
+# %%
+# exercise 7.5: minillm.quant.smooth.fold_into_norm
+
+# %%
+checks.check_fold_into_norm(fold_into_norm)
+
+# %% [markdown]
+# ### The engine runs your smoothed model
+#
+# Your two functions smooth a copy of the model (`smooth_model` calls them for every layer), then its linears
+# become `W8A8Linear`s: int8 weights per channel, int8 activations per token, `torch._int_mm` integer GEMMs.
+# The library's own `quantization="w8a8-smooth"` path must give the same tokens.
+
+# %%
+yours = copy.deepcopy(model)
+smoothed_stats = smooth_model(yours, stats, alpha, factors=smoothing_factors, fold=fold_into_norm)
+yours = quantize_model_w8a8(yours, "w8a8")  # already smoothed: dynamic per-token int8 from here
+greedy = SamplingParams(max_tokens=4 if FAST else 12, temperature=0.0, ignore_eos=True)
+prompt_ids = llm.tokenizer("The three laws of thermodynamics are")["input_ids"]
+outs = [LLMEngine(m, llm.tokenizer, EngineConfig()).generate([prompt_ids], greedy)[0].outputs[0].text
+        for m in (yours, library)]
+print(f"your smoothed W8A8 model: {outs[0]!r}\nthe library's:            {outs[1]!r}")
+assert outs[0] == outs[1], "your smoothing differs from the library's: recheck 7.4 / 7.5"
+after = outlier_ratios(smoothed_stats)
+qkv_names = [f"model.layers.{i}.self_attn.qkv_proj" for i in range(config.num_layers)]
+print(f"qkv_proj inputs, max/median over channels, median layer: {np.median([before[n] for n in qkv_names]):.1f} "
+      f"before smoothing, {np.median([after[n] for n in qkv_names]):.1f} after")
+
+# %% [markdown]
+# ### Predict from the roofline: where does W8A8 beat weight-only int8?
+#
+# Both store the same int8 weights, so at small M (decode at batch 1) both read the same bytes and take the same
+# time. W8A8 wins only where the matmul is **compute bound**: its integer units (twice bf16's rate on an H100;
+# on a CPU, VNNI's int8 dot products against fp32 FMAs) then finish sooner. The model below is the roofline —
+# time = max(FLOPs / peak, bytes / bandwidth) — for SmolLM2's gate_up projection (K 576, N 3072), with this
+# machine's measured fp32 peak and an int8 GEMM rate measured now, and with the H100's datasheet numbers.
+
+# %% tags=["slide-output"]
+# NBVAL_IGNORE_OUTPUT
+n = 256 if FAST else 1024
+a8, b8 = (torch.randint(-127, 128, (n, n), dtype=torch.int8, device=device) for _ in range(2))
+torch._int_mm(a8, b8)
+t0 = time.perf_counter()
+for _ in range(3):
+    torch._int_mm(a8, b8)
+if device == "cuda":
+    torch.cuda.synchronize()
+int8_rate_here = 3 * 2 * n**3 / (time.perf_counter() - t0)
+float_name = "float32" if device == "cpu" else "bfloat16"
+machines = {"this machine": (spec.peak(float_name), int8_rate_here, bandwidth, 4 if device == "cpu" else 2),
+            "H100-SXM": (get_spec("H100-SXM").peak("bfloat16"), get_spec("H100-SXM").peak("int8"),
+                         get_spec("H100-SXM").memory_bandwidth, 2)}
+K_, N_ = config.hidden_size, 2 * config.intermediate_size
+Ms = np.unique(np.logspace(0, 12, 49, base=2).astype(int))
+first_win = {}
+for name, (peak_float, peak_int8, bw, act_bytes) in machines.items():
+    w8a16 = [max(2 * M * K_ * N_ / peak_float, (K_ * N_ + (M * K_ + M * N_) * act_bytes) / bw) for M in Ms]
+    w8a8 = [max(2 * M * K_ * N_ / peak_int8, (K_ * N_ + M * K_ + M * N_ * act_bytes) / bw) for M in Ms]
+    speedup = np.array(w8a16) / np.array(w8a8)
+    first_win[name] = next((int(M) for M, s in zip(Ms, speedup, strict=True) if s >= 1.2), None)
+    versus = float_name if name == "this machine" else "bfloat16"
+    plt.plot(Ms, speedup, marker=".", label=f"{name}: int8 {peak_int8 / 1e12:.2f} vs {versus} "
+                                             f"{peak_float / 1e12:.2f} T/s")
+    print(f"{name}: W8A8 predicted ≥ 1.2× weight-only int8 from M = {first_win[name]} rows (int8 / "
+          f"{versus} peak {peak_int8 / peak_float:.2f}×, ridge {peak_float / bw:.0f} FLOP/byte)")
+plt.xscale("log", base=2)
+plt.xlabel("rows M (tokens in the step: batch × new tokens)")
+plt.ylabel("predicted W8A16 time / W8A8 time")
+plt.title("W8A8 pays where the linear is compute bound")
+plt.legend(fontsize="small")
+plt.show()
+
+# %% [markdown]
+# ### Measure: prefill and batch-32 decode
+#
+# Now the engine itself on this machine: prefill throughput on a long prompt (M = its length) and decode at
+# batch 32 (M = 32), for fp32, weight-only int8 and W8A8 (dynamic, and smoothed). On a CPU whose int8 dot
+# products are fast the W8A8 prefill should beat fp32; at batch 1 W8A8 is no better than weight-only (the same
+# bytes, plus the cost of rounding each activation row).
+
+# %% tags=["slide-output"]
+# NBVAL_IGNORE_OUTPUT
+prefill_len, batch, steps = (64, 4, 2) if FAST else (512, 32, 8)
+gen = torch.Generator().manual_seed(0)
+long_prompt = torch.randint(100, config.vocab_size, (prefill_len,), generator=gen).tolist()
+batch_prompts = [torch.randint(100, config.vocab_size, (16,), generator=gen).tolist() for _ in range(batch)]
+contenders = {"fp32": model, "int8 weight-only": models["int8"],
+              "w8a8": quantize_model_w8a8(copy.deepcopy(model), "w8a8"), "w8a8-smooth": library}
+speed = {}
+for name, m in contenders.items():
+    decode_rate(m, batch_prompts[:1], 2)  # warm-up
+    ttft = min(decode_rate(m, [long_prompt], 1)[0] for _ in range(1 if FAST else 2))
+    rate = max(decode_rate(m, batch_prompts, steps)[1] for _ in range(1 if FAST else 2))
+    speed[name] = (prefill_len / ttft, rate)
+    print(f"{name:17} prefill {prefill_len} tokens: {prefill_len / ttft:7.0f} tok/s   decode at batch {batch}: "
+          f"{rate:7.1f} tok/s")
+base_prefill, base_decode = speed["fp32"]
+print(f"w8a8 vs fp32: prefill {speed['w8a8'][0] / base_prefill:.2f}×, batch-{batch} decode "
+      f"{speed['w8a8'][1] / base_decode:.2f}×; vs weight-only int8: prefill "
+      f"{speed['w8a8'][0] / speed['int8 weight-only'][0]:.2f}×, decode "
+      f"{speed['w8a8'][1] / speed['int8 weight-only'][1]:.2f}×")
+
+# %% [markdown]
+# ### Perplexity against α
+#
+# Smoothing trades activation error for weight error: α = 0 leaves the activations as they are (and scales the
+# weights by $1/\max|W_j|$), α = 1 moves the whole activation range into the weights. The curve below is measured
+# on the same held-out tokens as section 6; the horizontal lines are fp32, weight-only int8 and plain W8A8
+# (dynamic and static).
+
+# %% tags=["slide-output"]
+# NBVAL_IGNORE_OUTPUT
+alphas = (0.0, 0.5, 1.0) if FAST else (0.0, 0.25, 0.5, 0.8, 1.0)
+ppl_alpha = {}
+for a in alphas:
+    m = quantize_model_w8a8(copy.deepcopy(model), "w8a8-smooth", alpha=a, act_absmax=stats)
+    ppl_alpha[a] = perplexity(m, ppl_ids, window=window, stride=window // 2).ppl
+for name in ("w8a8", "w8a8-static"):
+    m = quantize_model_w8a8(copy.deepcopy(model), name, act_absmax=stats)
+    ppl[name] = perplexity(m, ppl_ids, window=window, stride=window // 2).ppl
+plt.plot(list(ppl_alpha), list(ppl_alpha.values()), marker="o", label="w8a8-smooth")
+for name, style in (("fp32", "-"), ("int8 per channel", "--"), ("w8a8", ":"), ("w8a8-static", "-.")):
+    plt.axhline(ppl[name], linestyle=style, color="gray", label=f"{name}: {ppl[name]:.2f}")
+plt.xlabel("SmoothQuant α")
+plt.ylabel("perplexity on held-out text")
+plt.title("Perplexity vs α")
+plt.legend(fontsize="small")
+plt.show()
+best = min(ppl_alpha, key=ppl_alpha.get)
+print(f"best α here: {best} (perplexity {ppl_alpha[best]:.3f}, {ppl_alpha[best] / ppl['fp32'] - 1:+.2%} vs fp32); "
+      f"plain w8a8 {ppl['w8a8'] / ppl['fp32'] - 1:+.2%}, static {ppl['w8a8-static'] / ppl['fp32'] - 1:+.2%}, "
+      f"weight-only int8 {ppl['int8 per channel'] / ppl['fp32'] - 1:+.2%}")
+worst = max(before, key=before.get)
+print(f"smoothing at α {best} {'beats' if ppl_alpha[best] < ppl['w8a8'] else 'does not beat'} plain w8a8 on this "
+      f"model; its largest outlier ratio, {before[worst]:.0f}, is at {worst.removeprefix('model.')}'s input, "
+      f"{before[worst] / np.median(list(before.values())):.0f}× the median linear's")
+
+# %% [markdown]
+# ### FP8
+#
+# FP8 (e4m3: 4 exponent bits, 3 mantissa bits, largest 448) is a *float*: its relative error is the same for large
+# and small values, so an outlier channel costs far less than with int8's evenly spaced levels — often no
+# smoothing is needed. Only GPUs of compute capability ≥ 8.9 (Ada, Hopper) multiply it natively
+# (`torch._scaled_mm`); `LLM(quantization="fp8")` refuses anything else and says what to use instead.
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+why_not = fp8_supported(device)
+if why_not is None:
+    fp8_model = quantize_model_w8a8(copy.deepcopy(model), "fp8")
+    ppl["fp8"] = perplexity(fp8_model, ppl_ids, window=window, stride=window // 2).ppl
+    ttft = decode_rate(fp8_model, [long_prompt], 1)[0]
+    print(f"fp8: perplexity {ppl['fp8']:.3f} ({ppl['fp8'] / ppl['fp32'] - 1:+.2%} vs fp32), prefill "
+          f"{prefill_len / ttft:.0f} tok/s ({prefill_len / ttft / speed['fp32'][0]:.2f}× the {float_name} model)")
+else:
+    h100 = get_spec("H100-SXM")
+    print(f"No fp8 here: {why_not}.\nOn an H100 the datasheet gives fp8 {h100.peak('float8') / 1e12:.0f} TFLOP/s "
+          f"against bf16 {h100.peak('bfloat16') / 1e12:.0f}: {h100.peak('float8') / h100.peak('bfloat16'):.0f}× "
+          "for compute-bound prefill, and half of bf16's weight bytes for decode.")
+
+# %% [markdown]
+# ### Takeaways: activation quantization
+#
+# - **W8A8 buys arithmetic, weight-only buys bytes.** With the same int8 weights they tie at batch 1; W8A8 pulls
+#   ahead only where the linear is compute bound (long prefills, large batches), by up to the int8 / float peak
+#   ratio of the machine.
+# - **Activations have outlier channels, weights don't.** SmoothQuant's $s_j$ moves range from one to the other,
+#   folded into the norm at no run-time cost; α sets the split and is tuned on calibration text.
+# - **Dynamic per-token scales** adapt to every token (one extra pass over x); **static** ones are free at run time
+#   but clip whatever the calibration text never showed.
+# - **FP8** sidesteps much of the outlier problem with a float grid, on GPUs that have it.

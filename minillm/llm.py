@@ -26,7 +26,8 @@ class LLM:
     ``dtype``: "float32" | "float16" | "bfloat16" | None; ``device``: "cpu" | "cuda" | None (CUDA when present);
     ``kernels``: "auto" | "torch" | "native" | "triton" | "compiled" (``kernels.select``); ``quantization``: None |
     "int8" | "int4" | "awq" | "gptq" (weight-only, see ``load_model``: "int4" on the default model runs its own Q4_1
-    blocks).
+    blocks) | "w8a8" | "w8a8-static" | "w8a8-smooth" | "fp8" (weights and activations, ``quant.smooth``;
+    ``quantization_config={"alpha": α}`` sets SmoothQuant's α for "w8a8-smooth").
     Other keyword arguments are ``EngineConfig`` options (``policy``, ``block_size``, ``num_kv_blocks``,
     ``max_num_seqs``, ``max_model_len``, ``kv_cache_dtype`` = "auto" | "int8" | "fp8" (K/V stored as 1-byte codes
     with a scale per token and head: ~2×/4× the tokens of bf16/fp32 in the same memory), ...) for the
@@ -40,14 +41,16 @@ class LLM:
     """
 
     def __init__(self, model: str | os.PathLike | None = None, *, dtype=None, device=None, kernels: str = "auto",
-                 quantization: str | None = None, tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,
+                 quantization: str | None = None, quantization_config: dict | None = None,
+                 tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,
                  **engine_options):
         if (tensor_parallel_size, pipeline_parallel_size) != (1, 1):
             if engine_options.get("parallel_config") is not None:
                 raise ValueError("give either parallel_config or tensor_parallel_size / pipeline_parallel_size")
             engine_options["parallel_config"] = ParallelConfig(tensor_parallel_size, pipeline_parallel_size)
         self.engine_config = EngineConfig(**engine_options)  # validated before the model loads
-        self.model = load_model(model, dtype=dtype, device=device, kernels=kernels, quantization=quantization)
+        self.model = load_model(model, dtype=dtype, device=device, kernels=kernels, quantization=quantization,
+                                quantization_config=quantization_config)
         check_parallel(self.model, self.engine_config)  # ValueError naming the valid sizes, before any process starts
         parallel = self.engine_config.parallel_config
         self.tensor_parallel_size = parallel.tensor_parallel_size

@@ -10,7 +10,9 @@ capped by what is left of ``--budget-s``: a hang costs that step, not the others
 
 - ``env``: GPU name, capability and memory, torch / triton / transformers versions, copy bandwidth and bf16 matmul
   TFLOP/s measured in the run (on CPU: versions only);
-- ``pytest_gpu``: ``pytest -m gpu`` with a junit XML (and ``--timeout`` when pytest-timeout is installed);
+- ``pytest_gpu``: ``pytest -m gpu`` with a junit XML (and ``--timeout`` when pytest-timeout is installed) — among
+  them the 8-bit GEMMs against their references: ``torch._int_mm`` (W8A8) and ``torch._scaled_mm`` (FP8, compute
+  capability ≥ 8.9) in ``tests/quant/test_w8a8.py``;
 - ``bench_decode``: ``bench decode --device cuda`` — the default model's shape and Llama-3.2-1B's, batch 1/8/32,
   eager vs CUDA graphs, beside transformers eager and static cache + ``torch.compile``;
 - ``bench_attention``: ``bench attention --device cuda`` (the Triton kernels against SDPA);

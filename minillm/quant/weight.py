@@ -41,8 +41,26 @@ def check_group_size(K: int, group_size: int, multiple: int = 1) -> None:
 _check_group = check_group_size  # former private name, kept for code written against it on other branches
 
 
+class CodesAndScales:
+    """What a weight stored as ``qweight`` codes [N, K] (one byte each) and ``scales`` reports (``Int8Weight``,
+    ``quant.activation.Fp8Weight``)."""
+
+    qweight: Tensor
+    scales: Tensor
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """(N, K) of the weight it stands for."""
+        return tuple(self.qweight.shape)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes stored (codes + scales): what a GEMV streams from memory."""
+        return self.qweight.nbytes + self.scales.nbytes
+
+
 @dataclass(frozen=True)
-class Int8Weight:
+class Int8Weight(CodesAndScales):
     """W8A16 weight: ``qweight`` int8 [N, K], ``scales`` [N, K // group_size] (fp32 or fp16), w = scales · q."""
 
     qweight: Tensor
@@ -57,16 +75,6 @@ class Int8Weight:
         if self.scales.shape != (N, K // self.group_size) or self.scales.dtype not in (torch.float32, torch.float16):
             raise ValueError(f"scales must be fp32/fp16 [{N}, {K // self.group_size}], got {self.scales.dtype} "
                              f"{tuple(self.scales.shape)}")
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        """(N, K) of the weight it stands for."""
-        return tuple(self.qweight.shape)
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes stored (codes + scales): what a GEMV streams from memory."""
-        return self.qweight.nbytes + self.scales.nbytes
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> Tensor:
         """[N, K] in ``dtype``, computed in fp32 (q · scale, as gguf's Q8_0 dequantization)."""

@@ -276,6 +276,7 @@ def _wrong_int4_linear(x, w4, bias=None):
 
 
 WRONG.update({"7.1": _wrong_quantize, "7.2": _wrong_quantize_int4, "7.3": _wrong_int4_linear})  # notebook 07
+WRONG.update(__import__("test_checks_smoothquant").WRONG_07_SMOOTH)  # 7.4, 7.5 (test_checks_smoothquant.py)
 
 
 # --- the exercises students write in full (1.5, 4.3, 5.4, 6.3) and the predictions (N.0) -----------------------

@@ -17,9 +17,11 @@ ATTENTION = ("prefill_attention", "decode_attention", "paged_decode_attention")
 ALL_TORCH = dict.fromkeys(OPS, "torch")
 NATIVE_CPU = {"linear": "native", "rms_norm": "native", "prefill_attention": "torch", "decode_attention": "native",
               "paged_decode_attention": "native", "add_rms_norm": "native", "rope": "native", "silu_and_mul": "native",
-              "write_kv": "native", "int4_linear": "native", "int8_linear": "native"}  # no native prefill kernel: SDPA
+              "write_kv": "native", "int4_linear": "native", "int8_linear": "native",
+              "w8a8_linear": "native", "fp8_linear": "torch"}  # no native prefill kernel: SDPA; fp8 is GPU-only
 QUANT = ("int4_linear", "int8_linear")  # the dequant GEMVs
 TRITON = {op: "triton" if op in ATTENTION + QUANT else "torch" for op in OPS}  # no Triton linear / rms_norm yet
+EIGHT_BIT_GEMMS = {"w8a8_linear": "native", "fp8_linear": "native"}  # ATen's int8 / fp8 GEMMs, on CUDA too
 
 
 @pytest.fixture
@@ -103,11 +105,11 @@ def test_triton_on_cpu_needs_the_interpreter_and_the_package(machine):
 
 def test_auto_on_cuda_picks_triton_attention_when_installed_and_the_references_otherwise(machine):
     machine(native_built=True, interpret=False)
-    assert describe("auto", "cuda", torch.bfloat16) == TRITON
+    assert describe("auto", "cuda", torch.bfloat16) == TRITON | EIGHT_BIT_GEMMS
     assert describe("triton", "cuda", torch.float16) == TRITON
-    assert describe("native", "cuda", torch.float32) == ALL_TORCH  # the C kernels are CPU-only
+    assert describe("native", "cuda", torch.float32) == ALL_TORCH | EIGHT_BIT_GEMMS  # the C kernels are CPU-only
     machine(native_built=True, triton=False, interpret=False)
-    assert describe("auto", "cuda", torch.bfloat16) == ALL_TORCH
+    assert describe("auto", "cuda", torch.bfloat16) == ALL_TORCH | EIGHT_BIT_GEMMS
 
 
 def test_resolution_is_cached_per_choice_device_and_dtype():

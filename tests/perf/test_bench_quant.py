@@ -28,13 +28,13 @@ def test_decode_rate_times_every_sequence_through_the_engine(monkeypatch):
         return updates
 
     monkeypatch.setattr(llm_engine.LLMEngine, "step", counting_step)
-    ttft, rate = bench._decode_rate(tiny_model(), [[1, 2, 3], [4, 5, 6, 7, 8]], 6)
+    ttft, rate = bench.decode_rate(tiny_model(), [[1, 2, 3], [4, 5, 6, 7, 8]], 6)
     assert sum(steps) == 2 * 6  # every token of both sequences came from engine steps
     assert ttft > 0 and math.isfinite(rate) and rate > 0
 
 
 def test_decode_rate_of_one_token_has_a_first_token_time_and_no_rate():
-    ttft, rate = bench._decode_rate(tiny_model(), [[1, 2, 3, 4]], 1)
+    ttft, rate = bench.decode_rate(tiny_model(), [[1, 2, 3, 4]], 1)
     assert ttft > 0 and math.isnan(rate)
 
 

@@ -40,7 +40,8 @@ def test_load_model_quantizes_a_float_checkpoint_on_load(tiny_dir, scheme, kind)
 
 @pytest.mark.parametrize("bad", ["int3", "fp4", "INT4", ""])
 def test_an_unknown_quantization_is_a_value_error_listing_the_choices(tiny_dir, bad):
-    with pytest.raises(ValueError, match=r"quantization must be None or one of \('int8', 'int4', 'awq', 'gptq'\)"):
+    with pytest.raises(ValueError, match=r"quantization must be None or one of \('int8', 'int4', 'awq', 'gptq', "
+                                         r"'w8a8', 'w8a8-static', 'w8a8-smooth', 'fp8'\)"):
         load_model(str(tiny_dir), quantization=bad)
     with pytest.raises(ValueError, match="quantization must be"):
         LLM(str(tiny_dir), quantization=bad)
@@ -125,3 +126,74 @@ def test_the_cli_evaluates_the_int4_default_models_perplexity(capsys):
     out = capsys.readouterr().out
     ppl = float(out.split()[1])
     assert 1 < ppl < 100 and "199 held-out tokens" in out and "int4 quantization" in out
+
+
+def test_w8a8_loads_and_the_engine_generates_as_the_cached_loop_does(tiny_dir):
+    from minillm.config import EngineConfig
+    from minillm.engine.llm_engine import LLMEngine
+    from minillm.layers.linear import W8A8Linear
+
+    model = load_model(str(tiny_dir), device="cpu", quantization="w8a8")
+    assert type(model.model.layers[1].self_attn.qkv_proj) is W8A8Linear
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    prompts = [[1, 2, 3, 4], [9, 8, 7]]
+    got = [o.outputs[0].token_ids for o in LLMEngine(model, None, EngineConfig()).generate(prompts, params)]
+    assert [list(g) for g in got] == [s.output for s in generate(model, prompts, params)]
+
+
+@pytest.mark.parametrize("quantization,config,match", [
+    ("w8a8-smooth", {"alpha": 1.2}, r"alpha must be a number in \[0, 1\]"),
+    ("w8a8-smooth", {"alpha": -0.5}, r"alpha must be a number in \[0, 1\]"),
+    ("w8a8", {"alpha": 0.5}, "applies to quantization='w8a8-smooth' only"),
+    ("int8", {"alpha": 0.5}, "applies to quantization='w8a8-smooth' only"),
+    ("w8a8-smooth", {"beta": 0.5}, "one key 'alpha'"),
+])
+def test_a_bad_quantization_config_is_a_value_error_before_loading(tiny_dir, quantization, config, match):
+    with pytest.raises(ValueError, match=match):
+        load_model(str(tiny_dir), quantization=quantization, quantization_config=config)
+    with pytest.raises(ValueError, match=match):
+        LLM(str(tiny_dir), quantization=quantization, quantization_config=config)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without an fp8 GPU")
+def test_fp8_on_a_cpu_is_a_value_error_saying_why_and_what_to_use():
+    with pytest.raises(ValueError, match=r"needs a CUDA GPU with compute capability ≥ 8.9.*use quantization='w8a8'"):
+        LLM(device="cpu", quantization="fp8")
+
+
+def test_the_cli_passes_alpha_to_w8a8_smooth_and_refuses_one_out_of_range(capsys):
+    from minillm.entrypoints.cli import build_parser, main
+
+    a = build_parser().parse_args(["eval", "perplexity", "--quantization", "w8a8-smooth", "--alpha", "0.8"])
+    assert (a.quantization, a.alpha) == ("w8a8-smooth", 0.8)
+    assert main(["eval", "perplexity", "--quantization", "w8a8-smooth", "--alpha", "1.5", "--max-tokens", "10"]) == 2
+    assert "alpha must be a number in [0, 1]" in capsys.readouterr().err
+    b = build_parser().parse_args(["bench", "quant", "--prefill-len", "512", "--batch", "32"])
+    assert (b.prefill_len, b.batch) == (512, 32)
+
+
+def test_bench_quant_loads_each_w8a8_row_with_its_scheme_and_alpha(monkeypatch):
+    from minillm.models import loader
+    from minillm.perf.bench import quant as bench
+
+    calls = []
+    monkeypatch.setattr(loader, "load_model", lambda name, **kw: calls.append(kw) or kw)
+    for scheme in ("w8a8", "w8a8-static", "w8a8-smooth", "w8a8-smooth-a0.8", "fp8"):
+        assert scheme in bench.SCHEMES
+        bench._load(scheme, None, torch.device("cpu"))
+    assert [c["quantization"] for c in calls] == ["w8a8", "w8a8-static", "w8a8-smooth", "w8a8-smooth", "fp8"]
+    assert calls[3]["quantization_config"] == {"alpha": 0.8} and "quantization_config" not in calls[2]
+
+
+@pytest.mark.slow
+def test_the_cli_reports_outlier_ratios_before_and_after_smoothing(capsys):
+    from minillm.entrypoints.cli import main
+
+    assert main(["eval", "outliers", "--device", "cpu", "--alpha", "0.5"]) == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines() if line.startswith("layers.")]
+    assert len(rows) == 4 * 30  # SmolLM2-135M: 30 layers × 4 linears
+    before = {r[0]: float(r[1]) for r in rows}
+    after = {r[0]: float(r[2]) for r in rows}
+    assert all(after[n] == before[n] for n in before if n.endswith("o_proj"))  # left unsmoothed
+    qkv = [n for n in before if n.endswith("qkv_proj")]
+    assert sum(after[n] for n in qkv) < 0.8 * sum(before[n] for n in qkv)  # the norms' outlier channels flatten

@@ -2,8 +2,10 @@
 
 ``bench_quant`` (``python -m minillm bench quant``): the default model (or any) per scheme — fp32, bf16 where the
 device has it natively, int8, int4 g32 (quantized on load), int4 from the GGUF's own Q4_1 blocks, and at group 128
-(64 where 128 does not divide K: ``apply.fit_group_size``) plain int4, AWQ and GPTQ (calibrated on load) — side by
-side in one run: weight MB (stored, packed), KV bytes per token, batch-1 and batch-8 greedy decode tok/s, prefill
+(64 where 128 does not divide K: ``apply.fit_group_size``) plain int4, AWQ and GPTQ (calibrated on load); then the
+weight-and-activation schemes (``quant.smooth``): W8A8 dynamic, static, SmoothQuant at α 0.5 and 0.8, and FP8
+where the GPU has fp8 GEMMs — side by side in one run (``--prefill-len 512 --batch 32``: the compute-bound rows
+where W8A8 should pay): weight MB (stored, packed), KV bytes per token, batch-1 and batch-8 greedy decode tok/s, prefill
 tok/s, GB/s and MBU counted in the bytes a decode step reads (packed weights + KV), and perplexity on held-out text;
 then the KV-cache rows (fp32 weights, ``kv_cache_dtype`` int8 / fp8): KV bytes per token and perplexity only;
 plus llama.cpp on the same GGUF when ``llama_cpp`` is importable.
@@ -28,6 +30,8 @@ import torch
 import torch.nn.functional as F
 
 from minillm.models.configs import decoder_linear_shapes, smollm2_135m_config
+from minillm.quant.activation import fp8_supported
+from minillm.quant.smooth import W8A8_SCHEMES
 from minillm.quant.weight import quantize_int4, quantize_int8
 
 # SmolLM2-135M: hidden 576, intermediate 1536, 9 query / 3 KV heads of 64 -> (N, K) of each linear per layer
@@ -145,7 +149,9 @@ def print_table(rows: list[dict]) -> None:
 
 
 # --------------------------------------------------------------------------------------------- whole-model bench
-SCHEMES = ("fp32", "bf16", "int8", "int4-g32", "int4-gguf", "int4-g128", "awq-g128", "gptq-g128")
+SCHEMES = ("fp32", "bf16", "int8", "int4-g32", "int4-gguf", "int4-g128", "awq-g128", "gptq-g128",
+           "w8a8", "w8a8-static", "w8a8-smooth", "w8a8-smooth-a0.8", "fp8")  # fp8: CUDA ≥ 8.9 only
+SMOOTH_PREFIX = "w8a8-smooth-a"  # "w8a8-smooth-a0.8": SmoothQuant at alpha 0.8
 KV_SCHEMES = ("int8", "fp8")  # kv_cache_dtype rows: fp32 weights, the cache quantized
 
 
@@ -172,6 +178,11 @@ def _load(scheme: str, model_name: str | None, device: torch.device):
         return quantize_model(load_model(model_name, dtype=dtype, device=device), "int4", group, fit_group=True)
     if scheme in ("awq-g128", "gptq-g128"):  # calibrated on load (a GGUF is dequantized to fp32 first)
         return load_model(model_name, dtype=dtype, device=device, quantization=scheme.split("-")[0])
+    if scheme.startswith(SMOOTH_PREFIX):
+        return load_model(model_name, dtype=dtype, device=device, quantization="w8a8-smooth",
+                          quantization_config={"alpha": float(scheme.removeprefix(SMOOTH_PREFIX))})
+    if scheme in W8A8_SCHEMES:  # weights and activations (quant.smooth), the calibrated ones on the same split
+        return load_model(model_name, dtype=dtype, device=device, quantization=scheme)
     return load_model(model_name, dtype=dtype, device=device, quantization=quantization)
 
 
@@ -189,7 +200,7 @@ def weight_bytes_per_step(model) -> int:
     return total + sum(p.nbytes for n, p in model.named_parameters() if "norm" in n)
 
 
-def _decode_rate(model, prompts: list[list[int]], n_tokens: int) -> tuple[float, float]:
+def decode_rate(model, prompts: list[list[int]], n_tokens: int) -> tuple[float, float]:
     """(seconds to the first token, decode tokens/s summed over the batch after it) for a greedy batch, through
     ``LLMEngine`` — the path a user's ``LLM.generate`` takes (paged KV, the scheduler, and on CPU the fused native
     decode step where ``engine.native_runner`` supports the model).  The engine is made before the clock starts."""
@@ -256,15 +267,17 @@ def bench_quant(model_name: str | None = None, device: str | None = None, scheme
             continue
         if scheme == "int4-gguf" and model_name is not None and not str(model_name).endswith(".gguf"):
             continue
+        if scheme == "fp8" and fp8_supported(dev) is not None:
+            continue  # no fp8 GEMM on this device (CPUs, GPUs below compute capability 8.9)
         model = _load(scheme, model_name, dev)
         cfg = model.config
         kv_token = 2 * cfg.num_layers * cfg.kv_size * model.dtype.itemsize  # K and V, every layer
         prompts = [torch.randint(100, cfg.vocab_size, (prompt_len,), generator=gen).tolist() for _ in range(batch)]
         long = torch.randint(100, cfg.vocab_size, (prefill_len,), generator=gen).tolist()
-        _decode_rate(model, prompts[:1], 4)  # warm-up (native library load, first allocations)
-        b1 = sorted(_decode_rate(model, prompts[:1], n_tokens)[1] for _ in range(repeats))[repeats // 2]
-        bn = sorted(_decode_rate(model, prompts, n_tokens)[1] for _ in range(repeats))[repeats // 2]
-        ttft = sorted(_decode_rate(model, [long], 1)[0] for _ in range(repeats))[repeats // 2]
+        decode_rate(model, prompts[:1], 4)  # warm-up (native library load, first allocations)
+        b1 = sorted(decode_rate(model, prompts[:1], n_tokens)[1] for _ in range(repeats))[repeats // 2]
+        bn = sorted(decode_rate(model, prompts, n_tokens)[1] for _ in range(repeats))[repeats // 2]
+        ttft = sorted(decode_rate(model, [long], 1)[0] for _ in range(repeats))[repeats // 2]
         wbytes = weight_bytes_per_step(model)
         kv_len = prompt_len + n_tokens // 2
         step1, stepn = wbytes + kv_len * kv_token, wbytes + batch * kv_len * kv_token
