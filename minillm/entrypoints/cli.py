@@ -1,4 +1,4 @@
-"""``python -m minillm generate | chat | serve | bench | eval | roofline``."""
+"""``python -m minillm generate | chat | serve | bench | eval | roofline | make-model``."""
 
 from __future__ import annotations
 
@@ -16,6 +16,8 @@ from minillm.entrypoints.arg_utils import (
     sampling_options,
     to_argv,
 )
+from minillm.models.configs import SHAPES
+from minillm.models.synthetic import GGUF_FORMATS, HF_DTYPES
 from minillm.sampling.params import SamplingParams
 
 # run_server's options that each ``serve --replicas`` replica gets too (the front's own: host, port, routing)
@@ -196,6 +198,27 @@ def cmd_bench(a) -> int:
     return 0
 
 
+# make-model's options (models.synthetic.make_model's arguments)
+MAKE_MODEL_OPTIONS = (
+    Option("shape", "the published model whose shape to copy (required)", choices=tuple(SHAPES)),
+    Option("out", "directory to write (created): HF config.json + safetensors + tokenizer, and the GGUFs (required)"),
+    Option("gguf", f"comma-separated GGUF formats to write too: {', '.join(GGUF_FORMATS)} (default: none)"),
+    Option("dtype", "the safetensors' dtype", choices=HF_DTYPES, default="bfloat16"),
+    Option("seed", "seed of the random weights", type=int, default=0),
+)
+
+
+def cmd_make_model(a) -> int:
+    from minillm.models.synthetic import make_model, print_report
+
+    for o in MAKE_MODEL_OPTIONS[:2]:
+        if getattr(a, o.dest) is None:
+            raise ValueError(f"make-model needs {o.flag} (e.g. make-model --shape llama-3.2-1b --out DIR)")
+    formats = tuple(f.strip().lower() for f in a.gguf.split(",") if f.strip()) if a.gguf else ()
+    print_report(make_model(a.shape, a.out, gguf=formats, dtype=a.dtype, seed=a.seed))
+    return 0
+
+
 def cmd_eval(a) -> int:
     from minillm.models.loader import load_model, load_tokenizer
     from minillm.perf.perplexity import heldout_token_ids, perplexity
@@ -234,6 +257,10 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--stride", type=int, default=256)
     add_options(e, [o for o in engine_options() if o.dest == "kv_cache_dtype"], {"kv_cache_dtype": "auto"})
     e.set_defaults(fn=cmd_eval)
+    m = sub.add_parser("make-model", help="write a checkpoint with a published model's shape and seeded random "
+                                          "weights (HF directory + GGUF files; no download)")
+    add_options(m, MAKE_MODEL_OPTIONS)
+    m.set_defaults(fn=cmd_make_model)
     sub.add_parser("roofline", help="this machine's measured peaks (cached per machine; --remeasure to measure "
                                     "again) and the reference specs (options: --device, --quick, --remeasure, "
                                     "--runs N, --json PATH)")

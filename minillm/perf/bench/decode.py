@@ -21,19 +21,14 @@ from pathlib import Path
 
 import torch
 
+from minillm.models.configs import hf_config_dict, llama32_1b_config, smollm2_135m_config
+
 RESULTS_DIR = Path("benchmarks") / "results"
 
-# Shapes from the models' config.json (random weights: a decode step's time depends on shapes, not values).
-SHAPES: dict[str, dict] = {
-    "default": dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,  # SmolLM2-135M
-                    num_attention_heads=9, num_key_value_heads=3, rope_theta=100000.0, tie_word_embeddings=True,
-                    max_position_embeddings=8192, rms_norm_eps=1e-5),
-    "llama-3.2-1b": dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
-                         num_attention_heads=32, num_key_value_heads=8, head_dim=64, rope_theta=500000.0,
-                         tie_word_embeddings=True, max_position_embeddings=131072, rms_norm_eps=1e-5,
-                         rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
-                                       "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}),
-}
+# Shapes from the models' config.json (``models.configs``; random weights: a decode step's time depends on shapes,
+# not values), as LlamaConfig keyword dicts.
+SHAPES: dict[str, dict] = {"default": hf_config_dict(smollm2_135m_config()),
+                           "llama-3.2-1b": hf_config_dict(llama32_1b_config())}
 
 
 def machine_info() -> dict:
