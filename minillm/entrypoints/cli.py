@@ -190,6 +190,12 @@ def cmd_bench(a) -> int:
         from minillm.entrypoints.bench_serve import bench_serve_main
 
         return bench_serve_main([])
+    elif a.what == "cpu-peers":
+        from minillm.perf.bench.cpu_peers import FORMATS, PROMPT_LENS, bench_cpu_peers
+
+        bench_cpu_peers(shapes=_csv(a.shapes) or ("llama-3.2-1b",), formats=_csv(a.formats) or FORMATS,
+                        prompt_lens=tuple(_ints(a.prompt_lens, "--prompt-lens")) or PROMPT_LENS, threads=a.threads,
+                        repeats=a.repeats, n_tokens=a.tokens, models_dir=a.models_dir, out=a.out)
     elif a.what == "quant":
         from minillm.perf.bench.quant import SCHEMES, bench_quant
 
@@ -217,6 +223,17 @@ def cmd_make_model(a) -> int:
     formats = tuple(f.strip().lower() for f in a.gguf.split(",") if f.strip()) if a.gguf else ()
     print_report(make_model(a.shape, a.out, gguf=formats, dtype=a.dtype, seed=a.seed))
     return 0
+
+
+def _csv(text: str | None) -> tuple[str, ...]:
+    return tuple(x.strip() for x in text.split(",") if x.strip()) if text else ()
+
+
+def _ints(text: str | None, flag: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in _csv(text))
+    except ValueError:
+        raise ValueError(f"{flag} takes comma-separated integers (e.g. 128,512), got {text!r}") from None
 
 
 def cmd_eval(a) -> int:
@@ -287,17 +304,30 @@ def _serve_parser(sub) -> None:
 
 def _bench_parser(sub) -> None:
     b = sub.add_parser("bench", help="side-by-side benchmarks (decode | attention | serving | quant | spec | tp | "
-                                     "disagg | serve: a load generator for any OpenAI server, 'bench serve --help')")
-    b.add_argument("what", choices=["decode", "attention", "serving", "quant", "spec", "serve", "tp", "disagg"])
+                                     "disagg | cpu-peers | serve: a load generator for any OpenAI server, "
+                                     "'bench serve --help')")
+    b.add_argument("what", choices=["decode", "attention", "serving", "quant", "spec", "serve", "tp", "disagg",
+                                    "cpu-peers"])
     add_options(b, [o for o in model_options() if o.dest in ("model", "device")])
     b.add_argument("--dtypes", default=None, help="decode: comma-separated (default bfloat16 on CUDA, float32 on CPU)")
     b.add_argument("--tokens", type=int, default=64)
     b.add_argument("--repeats", type=int, default=3)
-    b.add_argument("--threads", type=int, default=None, help="torch threads (serving; default: torch's)")
+    b.add_argument("--threads", type=int, default=None, help="torch threads (serving, cpu-peers: llama.cpp's too; "
+                                                              "default: torch's)")
     b.add_argument("--quick", action="store_true", help="serving: a small trace (~1 min); disagg: N = 4 only")
     b.add_argument("--ppl-tokens", type=int, default=2048, help="quant: held-out tokens for perplexity (0: skip)")
     b.add_argument("--schemes", default=None, help="quant: comma-separated weight schemes (default: all of "
                                                    "perf.bench.quant.SCHEMES)")
+    peers = b.add_argument_group("cpu-peers (minillm beside llama.cpp and transformers at published shapes)")
+    peers.add_argument("--shapes", default=None, help=f"comma-separated, of {', '.join(SHAPES)} (default: "
+                                                      "llama-3.2-1b); made once by make-model under --models-dir")
+    peers.add_argument("--formats", default=None, help="comma-separated, of fp32, bf16, q8_0, q4_1, q4_0 (default: "
+                                                       "all)")
+    peers.add_argument("--prompt-lens", default=None, help="prefill prompt lengths (default: 128,512,2048)")
+    peers.add_argument("--models-dir", default=None, help="where the shapes' checkpoints are made and kept "
+                                                          "(default: the minillm cache's shapes/)")
+    peers.add_argument("--out", default=None, help="the JSON file to write (default: "
+                                                   "benchmarks/results/cpu-peers.json)")
     b.set_defaults(fn=cmd_bench)
 
 

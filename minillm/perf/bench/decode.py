@@ -176,9 +176,9 @@ def _hf_generate(hf, ids: torch.Tensor, n_tokens: int, streamer=None) -> None:
                     do_sample=False, streamer=streamer, pad_token_id=0)
 
 
-def time_hf(hf, prompts: list[list[int]], n_tokens: int) -> tuple[float, float]:
+def time_hf(hf, prompts: list[list[int]], n_tokens: int, count_ops: bool = True) -> tuple[float, float | None]:
     """transformers ``generate`` on the batch: (median seconds between decode steps, kernels per decode step as
-    the difference between a 6-token and a 2-token generate, divided by 4)."""
+    the difference between a 6-token and a 2-token generate, divided by 4; None without ``count_ops``)."""
     from transformers.generation.streamers import BaseStreamer
 
     class Clock(BaseStreamer):
@@ -196,6 +196,8 @@ def time_hf(hf, prompts: list[list[int]], n_tokens: int) -> tuple[float, float]:
     clock = Clock()
     _hf_generate(hf, ids, n_tokens, clock)
     steps = [b - a for a, b in zip(clock.times[2:], clock.times[3:], strict=False)]  # decode steps only
+    if not count_ops:
+        return statistics.median(steps), None
     long = count_kernels(lambda: _hf_generate(hf, ids, 6), hf.device)
     short = count_kernels(lambda: _hf_generate(hf, ids, 2), hf.device)
     return statistics.median(steps), (long - short) / 4
