@@ -8,7 +8,8 @@ import sys
 
 import pytest
 
-from minillm.perf.bench.cpu_peers import LlamaCppPeer, PeerDied, bench_cpu_peers, describe_exit, weight_bytes
+from minillm.perf.bench.cpu_peers import bench_cpu_peers, weight_bytes
+from minillm.perf.bench.llamacpp import LlamaCppPeer, PeerDied, describe_exit
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +62,7 @@ def test_quantized_formats_read_fewer_bytes_per_step_than_floats():
 
 def test_a_worker_killed_by_sigill_is_reported_not_fatal(tmp_path):
     die = "import os, signal; os.kill(os.getpid(), signal.SIGILL)"
-    peer = LlamaCppPeer(tmp_path, "tiny", "q4_1", threads=1, n_ctx=64, command=(sys.executable, "-c", die))
+    peer = LlamaCppPeer(tmp_path / "x.gguf", threads=1, n_ctx=64, command=(sys.executable, "-c", die))
     with pytest.raises(PeerDied, match="SIGILL.*GGML_NATIVE"):
         peer.load()
     assert describe_exit(3, "a\nb\nTraceback: boom") == "exited with status 3: a | b | Traceback: boom"

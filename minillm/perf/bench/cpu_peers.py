@@ -7,8 +7,8 @@ For each shape (``models.configs.SHAPES``; its checkpoint made once by ``models.
 - fp32, bf16: minillm (``load_model`` in that dtype) and transformers (``from_pretrained``) on the HF directory;
 - q8_0, q4_1, q4_0: minillm on the GGUF's own blocks (``quant.gguf.read_gguf_weights`` + ``model_from_packed``: no
   float round trip; a format its reader lacks is reported as failed, with the reader's message) and llama.cpp
-  (``llama-cpp-python``, in its own process, ``llamacpp_worker``: a SIGILL there is reported, not fatal) on the
-  same file.
+  (``llama-cpp-python``, in its own process, ``perf.bench.llamacpp``: a SIGILL there is reported, not fatal) on
+  the same file.
 
 Each peer measures greedy batch-1 decode tok/s after a short prompt, and prefill tok/s (one prompt through an
 empty cache, each engine batching it its own default way) at each prompt length.  The peers take turns within every
@@ -26,17 +26,14 @@ numbers move with the neighbours' load.
 
 from __future__ import annotations
 
-import importlib.util
-import json
-import os
-import signal
 import statistics
 import subprocess
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+
+from minillm.perf.bench.llamacpp import LlamaCppPeer
 
 FLOAT_FORMATS = ("fp32", "bf16")
 GGUF_FORMATS = ("q8_0", "q4_1", "q4_0")  # the GGUF formats both minillm and llama.cpp are asked to run
@@ -134,85 +131,6 @@ class TransformersPeer:
         self.model = None
 
 
-class PeerDied(RuntimeError):
-    """A peer's process ended before answering (a signal such as SIGILL, or an error it printed)."""
-
-
-def describe_exit(returncode: int | None, stderr: str = "") -> str:
-    """Why a worker process ended: the signal (SIGILL with its usual cause) or the exit status and its last words."""
-    if returncode is not None and returncode < 0:
-        sig = signal.Signals(-returncode).name
-        why = f"killed by {sig}"
-        if sig == "SIGILL":
-            why += (" (an instruction this CPU or VM does not run: a llama.cpp built with GGML_NATIVE=ON on a host "
-                    "whose AMX tiles are not enabled faults on tilezero; rebuild it with the flags BENCHMARKS.md "
-                    "gives)")
-        return why
-    tail = stderr.strip().splitlines()[-3:]
-    return f"exited with status {returncode}" + (f": {' | '.join(tail)}" if tail else "")
-
-
-class LlamaCppPeer:
-    """llama.cpp through ``llama-cpp-python`` in a worker process (``llamacpp_worker``) on the same GGUF."""
-
-    name = "llama.cpp"
-
-    def __init__(self, directory: Path, shape: str, fmt: str, *, threads: int, n_ctx: int,
-                 command: tuple[str, ...] | None = None):
-        self.gguf, self.threads, self.n_ctx, self.proc = gguf_path(directory, shape, fmt), threads, n_ctx, None
-        self.command = command or (sys.executable, "-m", "minillm.perf.bench.llamacpp_worker")
-        self.version: str | None = None
-
-    @staticmethod
-    def unavailable() -> str | None:
-        """Why llama.cpp cannot run here, or None (found without importing it: a bad build must not load here)."""
-        if importlib.util.find_spec("llama_cpp") is None:
-            return "llama-cpp-python is not installed (the optional bench extra: pip install 'minillm[bench]')"
-        return None
-
-    def load(self) -> None:
-        import minillm
-
-        root = str(Path(minillm.__file__).resolve().parents[1])  # the worker imports this minillm
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
-        cmd = [*self.command, str(self.gguf), "--threads", str(self.threads), "--n-ctx", str(self.n_ctx)]
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                     text=True, env=env)
-        self.version = self._answer().get("version")
-
-    def _answer(self) -> dict:
-        line = self.proc.stdout.readline()
-        if not line:
-            self.proc.stdin.close()
-            rc = self.proc.wait(60)
-            raise PeerDied(describe_exit(rc, self.proc.stderr.read()))
-        return json.loads(line)
-
-    def _ask(self, request: dict) -> float:
-        try:
-            self.proc.stdin.write(json.dumps(request) + "\n")
-            self.proc.stdin.flush()
-        except BrokenPipeError:
-            pass  # it died: _answer says how
-        return self._answer()["tok_s"]
-
-    def decode(self, prompt: list[int], n: int) -> float:
-        return self._ask({"op": "decode", "prompt": prompt, "n": n})
-
-    def prefill(self, prompt: list[int]) -> float:
-        return self._ask({"op": "prefill", "prompt": prompt})
-
-    def close(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.stdin.close()
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.proc = None
-
-
 # ------------------------------------------------------------------------------------------------ bytes and FLOPs
 def weight_bytes(config, fmt: str) -> int:
     """Stored weight bytes one decode step reads in ``fmt``: every linear, the norms and the LM head (the embedding
@@ -308,7 +226,7 @@ def _peers(directory: Path, shape: str, fmt: str, threads: int, n_ctx: int) -> t
     elif (why := LlamaCppPeer.unavailable()) is not None:
         skipped["llama.cpp"] = why
     else:
-        peers.append(LlamaCppPeer(directory, shape, fmt, threads=threads, n_ctx=n_ctx))
+        peers.append(LlamaCppPeer(gguf_path(directory, shape, fmt), threads=threads, n_ctx=n_ctx))
     return peers, skipped
 
 
