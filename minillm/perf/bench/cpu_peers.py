@@ -293,9 +293,13 @@ def bench_cpu_peers(shapes: tuple[str, ...] = ("llama-3.2-1b",), formats: tuple[
         n_ctx = max(max(prompt_lens), DECODE_PROMPT_LEN + n_tokens) + 16
         for fmt in formats:
             peers, skipped = _peers(directory, shape, fmt, threads, n_ctx)
+            # a peer holds its weights plus, while loading a float format, the bf16 file's tensors (~1.5x)
+            need, free = 1.5 * weight_bytes(config, fmt), _available_memory()
+            for p in [p for p in peers if need > 0.9 * free]:
+                peers.remove(p)
+                skipped[p.name] = f"needs ~{need / 1e9:.1f} GB of memory, {free / 1e9:.1f} GB available"
             records = [_Record(p) for p in peers]
-            need = 2 * weight_bytes(config, fmt) * len(records)  # weights + a margin for activations and copies
-            interleaved = need < 0.8 * _available_memory()
+            interleaved = need * len(records) < 0.8 * free
             print(f"[{shape} {fmt}: {', '.join(p.name for p in peers)}"
                   f"{'' if interleaved else ', one after another (they do not fit in memory together)'}]", flush=True)
             groups = [records] if interleaved else [[r] for r in records]
