@@ -178,6 +178,8 @@ class Probes:
     matmul_peak: dict = field(default_factory=dict)
 
     def take_turn(self) -> None:
+        """One turn between the peers' repeats: a streaming read of an ``nbytes`` buffer (allocated for the turn
+        only: the peers' weights keep the memory) and a ``matmul_n``³ matmul per dtype; the best so far is kept."""
         from minillm.kernels.cpu import native
         from minillm.kernels.probe import matmul_flops
         from minillm.perf.hardware import read_bandwidth
