@@ -26,14 +26,19 @@ from pathlib import Path
 
 def decode_rate(llm, prompt: list[int], n: int) -> float:
     """Greedy batch-1 decode: ``prompt`` evaluated (untimed), then ``n`` single-token steps, each the argmax of the
-    last logits (llama.cpp's ``eval`` is the forward; the argmax over V is numpy's) -> tokens/s."""
+    last position's logits (llama.cpp's ``eval`` is the forward; the argmax over V is numpy's) -> tokens/s.  The
+    logits are read from the context (``llama_get_logits_ith(ctx, -1)``): without ``logits_all`` ``Llama.eval``
+    no longer copies them into ``Llama.scores``."""
+    import llama_cpp
     import numpy as np
 
+    vocab = llm.n_vocab()
     llm.reset()
     llm.eval(prompt)
     start = time.perf_counter()
     for _ in range(n):
-        llm.eval([int(np.argmax(llm.scores[llm.n_tokens - 1]))])
+        logits = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm.ctx, -1), shape=(vocab,))
+        llm.eval([int(np.argmax(logits))])
     return n / (time.perf_counter() - start)
 
 
