@@ -73,3 +73,42 @@ def test_rejects_unknown_formats_and_shapes(tmp_path):
         bench_cpu_peers(shapes=("tiny",), formats=("q5_k",), models_dir=tmp_path, save=False)
     with pytest.raises(ValueError, match="shape must be one of"):
         bench_cpu_peers(shapes=("llama-9",), models_dir=tmp_path, save=False)
+
+
+FAKE_LLAMA_CPP = '''
+"""A stand-in for llama-cpp-python with the calls the worker makes: each eval sleeps 1 ms per token."""
+import ctypes, time
+__version__ = "0.0-fake"
+_logits = (ctypes.c_float * 8)(*[0, 0, 0, 5, 0, 0, 0, 0])
+def llama_get_logits_ith(ctx, i):
+    return _logits
+class Llama:
+    def __init__(self, model_path, n_ctx, n_threads, n_threads_batch, verbose):
+        open(model_path).close()  # the file must exist
+        self.ctx, self.n_tokens = object(), 0
+    def n_vocab(self):
+        return 8
+    def reset(self):
+        self.n_tokens = 0
+    def eval(self, tokens):
+        time.sleep(0.001 * len(tokens))
+        self.n_tokens += len(tokens)
+'''
+
+
+def test_the_llamacpp_worker_answers_decode_and_prefill_over_its_pipe(tmp_path, monkeypatch):
+    (tmp_path / "fake" / "llama_cpp").mkdir(parents=True)
+    (tmp_path / "fake" / "llama_cpp" / "__init__.py").write_text(FAKE_LLAMA_CPP)
+    (tmp_path / "m.gguf").write_bytes(b"")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path / "fake"))
+    peer = LlamaCppPeer(tmp_path / "m.gguf", threads=1, n_ctx=64)
+    peer.load()
+    try:
+        assert peer.version == "0.0-fake"
+        assert 0 < peer.decode([1, 2, 3], 5) <= 1000  # 5 steps of >= 1 ms each
+        assert 0 < peer.prefill(list(range(20))) <= 1000
+    finally:
+        peer.close()
+    assert peer.proc is None
+    with pytest.raises(PeerDied, match="status 1.*FileNotFoundError"):  # its error, not a hang
+        LlamaCppPeer(tmp_path / "missing.gguf", threads=1, n_ctx=64).load()
