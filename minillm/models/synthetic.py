@@ -214,6 +214,11 @@ def _write_hf_files(out: Path, config: ModelConfig, dtype: str) -> None:
     (out / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
 
 
+def gguf_file_name(shape: str, fmt: str) -> str:
+    """``llama-3.2-1b-Q4_1.gguf`` for ("llama-3.2-1b", "q4_1"): llama.cpp's naming, the format upper-case."""
+    return f"{shape}-{fmt.upper()}.gguf"
+
+
 def check_formats(gguf: tuple[str, ...] | list[str], dtype: str) -> None:
     """ValueError naming a GGUF format or HF dtype that ``make_model`` does not write."""
     for fmt in gguf:
@@ -236,7 +241,7 @@ def make_model(shape: str, out: str | Path, gguf: tuple[str, ...] | list[str] = 
     torch_dtype = MODEL_DTYPES[dtype]
     plans = tensor_plan(config)
     _write_hf_files(out, config, dtype)
-    writers = {fmt: _gguf_writer(out / f"{shape}-{fmt.upper()}.gguf", config, fmt, plans,
+    writers = {fmt: _gguf_writer(out / gguf_file_name(shape, fmt), config, fmt, plans,
                                  f"minillm random {shape} {fmt}") for fmt in gguf}
     shards = _shards(plans, torch_dtype.itemsize)
     files = (["model.safetensors"] if len(shards) == 1 else

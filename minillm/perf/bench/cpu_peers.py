@@ -61,7 +61,9 @@ def ensure_checkpoint(shape: str, formats: tuple[str, ...], models_dir: Path) ->
 
 
 def gguf_path(directory: Path, shape: str, fmt: str) -> Path:
-    return Path(directory) / f"{shape}-{fmt.upper()}.gguf"
+    from minillm.models.synthetic import gguf_file_name
+
+    return Path(directory) / gguf_file_name(shape, fmt)
 
 
 # ------------------------------------------------------------------------------------------------ the peers
