@@ -96,12 +96,19 @@ class Llama:
 '''
 
 
-def test_the_llamacpp_worker_answers_decode_and_prefill_over_its_pipe(tmp_path, monkeypatch):
+@pytest.fixture
+def fake_llama_cpp(tmp_path, monkeypatch):
+    """``FAKE_LLAMA_CPP`` importable here and in the worker processes; returns an (empty) GGUF path it accepts."""
     (tmp_path / "fake" / "llama_cpp").mkdir(parents=True)
     (tmp_path / "fake" / "llama_cpp" / "__init__.py").write_text(FAKE_LLAMA_CPP)
     (tmp_path / "m.gguf").write_bytes(b"")
     monkeypatch.setenv("PYTHONPATH", str(tmp_path / "fake"))
-    peer = LlamaCppPeer(tmp_path / "m.gguf", threads=1, n_ctx=64)
+    monkeypatch.syspath_prepend(str(tmp_path / "fake"))
+    return tmp_path / "m.gguf"
+
+
+def test_the_llamacpp_worker_answers_decode_and_prefill_over_its_pipe(fake_llama_cpp, tmp_path):
+    peer = LlamaCppPeer(fake_llama_cpp, threads=1, n_ctx=64)
     peer.load()
     try:
         assert peer.version == "0.0-fake"
@@ -112,3 +119,11 @@ def test_the_llamacpp_worker_answers_decode_and_prefill_over_its_pipe(tmp_path, 
     assert peer.proc is None
     with pytest.raises(PeerDied, match="status 1.*FileNotFoundError"):  # its error, not a hang
         LlamaCppPeer(tmp_path / "missing.gguf", threads=1, n_ctx=64).load()
+
+
+def test_bench_quant_runs_its_llama_cpp_row_through_the_worker(fake_llama_cpp, tmp_path):
+    from minillm.perf.bench.quant import _llama_cpp_row
+
+    row = _llama_cpp_row(fake_llama_cpp, [1, 2, 3], 4, repeats=3)
+    assert row["scheme"] == "llama.cpp Q4_1" and 0 < row["decode_b1_tok_s"] <= 1000
+    assert "error" in _llama_cpp_row(tmp_path / "missing.gguf", [1, 2, 3], 4, repeats=1)
