@@ -53,7 +53,8 @@ def bench_serve_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--peers", default=None, metavar="NAMES",
                    help="start these servers in turn and measure each on the same trace instead of --base-url: "
-                        "a comma list of minillm, transformers, llamacpp (perf/bench/peers.py)")
+                        "a comma list of minillm, transformers, llamacpp, vllm (perf/bench/peers.py; vllm runs "
+                        "$VLLM_VENV/bin/vllm)")
     p.add_argument("--device", default="cpu", help="with --peers: the device every server runs on")
     return p
 

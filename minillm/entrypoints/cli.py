@@ -1,4 +1,4 @@
-"""``python -m minillm generate | chat | serve | bench | eval | roofline``."""
+"""``python -m minillm generate | chat | serve | bench | eval | roofline | make-model``."""
 
 from __future__ import annotations
 
@@ -23,6 +23,8 @@ from minillm.entrypoints.openai.limits import (
     DEFAULT_TIMEOUT_HEADERS_S,
     DEFAULT_TIMEOUT_KEEP_ALIVE_S,
 )
+from minillm.models.configs import SHAPES
+from minillm.models.synthetic import GGUF_FORMATS, HF_DTYPES
 from minillm.sampling.params import SamplingParams
 
 # run_server's options that each ``serve --replicas`` replica gets too (the front's own: host, port, routing)
@@ -241,6 +243,12 @@ def cmd_bench(a) -> int:
         from minillm.entrypoints.bench_serve import bench_serve_main
 
         return bench_serve_main([])
+    elif a.what == "cpu-peers":
+        from minillm.perf.bench.cpu_peers import FORMATS, PROMPT_LENS, bench_cpu_peers
+
+        bench_cpu_peers(shapes=_csv(a.shapes) or ("llama-3.2-1b",), formats=_csv(a.formats) or FORMATS,
+                        prompt_lens=tuple(_ints(a.prompt_lens, "--prompt-lens")) or PROMPT_LENS, threads=a.threads,
+                        repeats=a.repeats, n_tokens=a.tokens, models_dir=a.models_dir, out=a.out)
     elif a.what == "quant":
         from minillm.perf.bench.quant import SCHEMES, bench_quant
 
@@ -248,6 +256,38 @@ def cmd_bench(a) -> int:
                     schemes=tuple(a.schemes.split(",")) if a.schemes else SCHEMES, prefill_len=a.prefill_len,
                     batch=a.batch)
     return 0
+
+
+# make-model's options (models.synthetic.make_model's arguments)
+MAKE_MODEL_OPTIONS = (
+    Option("shape", "the published model whose shape to copy (required)", choices=tuple(SHAPES)),
+    Option("out", "directory to write (created): HF config.json + safetensors + tokenizer, and the GGUFs (required)"),
+    Option("gguf", f"comma-separated GGUF formats to write too: {', '.join(GGUF_FORMATS)} (default: none)"),
+    Option("dtype", "the safetensors' dtype", choices=HF_DTYPES, default="bfloat16"),
+    Option("seed", "seed of the random weights", type=int, default=0),
+)
+
+
+def cmd_make_model(a) -> int:
+    from minillm.models.synthetic import make_model, print_report
+
+    for o in MAKE_MODEL_OPTIONS[:2]:
+        if getattr(a, o.dest) is None:
+            raise ValueError(f"make-model needs {o.flag} (e.g. make-model --shape llama-3.2-1b --out DIR)")
+    formats = tuple(f.strip().lower() for f in a.gguf.split(",") if f.strip()) if a.gguf else ()
+    print_report(make_model(a.shape, a.out, gguf=formats, dtype=a.dtype, seed=a.seed))
+    return 0
+
+
+def _csv(text: str | None) -> tuple[str, ...]:
+    return tuple(x.strip() for x in text.split(",") if x.strip()) if text else ()
+
+
+def _ints(text: str | None, flag: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in _csv(text))
+    except ValueError:
+        raise ValueError(f"{flag} takes comma-separated integers (e.g. 128,512), got {text!r}") from None
 
 
 def cmd_eval(a) -> int:
@@ -315,6 +355,10 @@ def build_parser() -> argparse.ArgumentParser:
                                                              "--quantization w8a8-smooth and outliers (default 0.5)")
     add_options(e, [o for o in engine_options() if o.dest == "kv_cache_dtype"], {"kv_cache_dtype": "auto"})
     e.set_defaults(fn=cmd_eval)
+    m = sub.add_parser("make-model", help="write a checkpoint with a published model's shape and seeded random "
+                                          "weights (HF directory + GGUF files; no download)")
+    add_options(m, MAKE_MODEL_OPTIONS)
+    m.set_defaults(fn=cmd_make_model)
     sub.add_parser("roofline", help="this machine's measured peaks (cached per machine; --remeasure to measure "
                                     "again) and the reference specs (options: --device, --quick, --remeasure, "
                                     "--runs N, --json PATH)")
@@ -341,19 +385,32 @@ def _serve_parser(sub) -> None:
 
 def _bench_parser(sub) -> None:
     b = sub.add_parser("bench", help="side-by-side benchmarks (decode | attention | serving | quant | spec | tp | "
-                                     "disagg | serve: a load generator for any OpenAI server, 'bench serve --help')")
-    b.add_argument("what", choices=["decode", "attention", "serving", "quant", "spec", "serve", "tp", "disagg"])
+                                     "disagg | cpu-peers | serve: a load generator for any OpenAI server, "
+                                     "'bench serve --help')")
+    b.add_argument("what", choices=["decode", "attention", "serving", "quant", "spec", "serve", "tp", "disagg",
+                                    "cpu-peers"])
     add_options(b, [o for o in model_options() if o.dest in ("model", "device")])
     b.add_argument("--dtypes", default=None, help="decode: comma-separated (default bfloat16 on CUDA, float32 on CPU)")
     b.add_argument("--tokens", type=int, default=64)
     b.add_argument("--repeats", type=int, default=3)
-    b.add_argument("--threads", type=int, default=None, help="torch threads (serving; default: torch's)")
+    b.add_argument("--threads", type=int, default=None, help="torch threads (serving, cpu-peers: llama.cpp's too; "
+                                                              "default: torch's)")
     b.add_argument("--quick", action="store_true", help="serving: a small trace (~1 min); disagg: N = 4 only")
     b.add_argument("--ppl-tokens", type=int, default=2048, help="quant: held-out tokens for perplexity (0: skip)")
     b.add_argument("--schemes", default=None, help="quant: comma-separated weight schemes (default: all of "
                                                    "perf.bench.quant.SCHEMES)")
     b.add_argument("--prefill-len", type=int, default=256, help="quant: prompt tokens of the prefill row")
     b.add_argument("--batch", type=int, default=8, help="quant: sequences of the batched decode row")
+    peers = b.add_argument_group("cpu-peers (minillm beside llama.cpp and transformers at published shapes)")
+    peers.add_argument("--shapes", default=None, help=f"comma-separated, of {', '.join(SHAPES)} (default: "
+                                                      "llama-3.2-1b); made once by make-model under --models-dir")
+    peers.add_argument("--formats", default=None, help="comma-separated, of fp32, bf16, q8_0, q4_1, q4_0 (default: "
+                                                       "all)")
+    peers.add_argument("--prompt-lens", default=None, help="prefill prompt lengths (default: 128,512,2048)")
+    peers.add_argument("--models-dir", default=None, help="where the shapes' checkpoints are made and kept "
+                                                          "(default: the minillm cache's shapes/)")
+    peers.add_argument("--out", default=None, help="the JSON file to write (default: "
+                                                   "benchmarks/results/cpu-peers.json)")
     b.set_defaults(fn=cmd_bench)
 
 

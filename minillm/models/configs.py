@@ -7,7 +7,10 @@ only place those shapes are written down; ``minillm.perf`` (roofline, simulation
 
 from __future__ import annotations
 
-from minillm.config import ModelConfig
+from collections.abc import Callable
+from dataclasses import replace
+
+from minillm.config import ModelConfig, RopeScaling
 
 
 def smollm2_135m_config() -> ModelConfig:
@@ -35,6 +38,77 @@ def llama3_8b_config() -> ModelConfig:
                        num_kv_heads=8, head_dim=128, max_position_embeddings=8192, rms_norm_eps=1e-5,
                        rope_theta=500000.0, tie_word_embeddings=False, bos_token_id=128000,
                        eos_token_ids=(128001,))
+
+
+def llama32_1b_config() -> ModelConfig:
+    """Llama-3.2-1B's shape, from meta-llama/Llama-3.2-1B ``config.json``: 16 layers, hidden 2048, 32 query and 8
+    K/V heads of 64, SwiGLU 8192, vocab 128256, 131072 context with llama3 RoPE scaling (factor 32), RoPE θ 500000,
+    tied LM head: 1.24e9 parameters."""
+    return ModelConfig(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_layers=16, num_heads=32,
+                       num_kv_heads=8, head_dim=64, max_position_embeddings=131072, rms_norm_eps=1e-5,
+                       rope_theta=500000.0, rope_scaling=_LLAMA3_ROPE_32, tie_word_embeddings=True,
+                       bos_token_id=128000, eos_token_ids=(128001,))
+
+
+def llama32_3b_config() -> ModelConfig:
+    """Llama-3.2-3B's shape, from meta-llama/Llama-3.2-3B ``config.json``: 28 layers, hidden 3072, 24 query and 8
+    K/V heads of 128, SwiGLU 8192, vocab 128256, 131072 context with llama3 RoPE scaling (factor 32), RoPE θ
+    500000, tied LM head: 3.21e9 parameters."""
+    return replace(llama32_1b_config(), hidden_size=3072, num_layers=28, num_heads=24, head_dim=128)
+
+
+def llama31_8b_config() -> ModelConfig:
+    """Llama-3.1-8B's shape, from meta-llama/Llama-3.1-8B ``config.json``: Llama-3-8B's body (32 layers, hidden
+    4096, 32/8 heads of 128, SwiGLU 14336, untied LM head over 128256 tokens) with 131072 context and llama3 RoPE
+    scaling (factor 8): 8.03e9 parameters."""
+    return replace(llama3_8b_config(), max_position_embeddings=131072,
+                   rope_scaling=replace(_LLAMA3_ROPE_32, factor=8.0))
+
+
+def tiny_config() -> ModelConfig:
+    """A made-up Llama shape small enough for a test to build in seconds (2 layers, hidden 64, 4 query and 2 K/V
+    heads of 16, SwiGLU 128, SmolLM2's vocabulary and RoPE θ, tied): every K is a multiple of GGUF's 32-weight
+    blocks."""
+    return replace(smollm2_135m_config(), hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+                   num_kv_heads=2, head_dim=16)
+
+
+# llama3 RoPE scaling as Llama-3.1/3.2 ship it (factor 8 for 3.1, 32 for 3.2; 8192 original context)
+_LLAMA3_ROPE_32 = RopeScaling(kind="llama3", factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                              original_max_position_embeddings=8192)
+
+# The shapes ``python -m minillm make-model --shape NAME`` writes and ``bench cpu-peers`` measures.
+SHAPES: dict[str, Callable[[], ModelConfig]] = {
+    "tiny": tiny_config, "smollm2-135m": smollm2_135m_config, "llama-3.2-1b": llama32_1b_config,
+    "llama-3.2-3b": llama32_3b_config, "llama-3.1-8b": llama31_8b_config,
+}
+
+
+def shape_config(name: str) -> ModelConfig:
+    """The ``ModelConfig`` of the shape called ``name`` (a key of ``SHAPES``); ValueError naming them otherwise."""
+    if name not in SHAPES:
+        raise ValueError(f"shape must be one of {', '.join(SHAPES)}, got {name!r}")
+    return SHAPES[name]()
+
+
+def hf_config_dict(config: ModelConfig) -> dict:
+    """``config`` as a transformers ``LlamaConfig`` keyword dict (what a ``config.json`` holds): the inverse of
+    ``ModelConfig.from_hf`` for the Llama fields."""
+    c = config
+    d = dict(vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
+             num_hidden_layers=c.num_layers, num_attention_heads=c.num_heads, num_key_value_heads=c.num_kv_heads,
+             head_dim=c.head_dim, max_position_embeddings=c.max_position_embeddings, rms_norm_eps=c.rms_norm_eps,
+             rope_theta=c.rope_theta, tie_word_embeddings=c.tie_word_embeddings, attention_bias=c.qkv_bias)
+    if c.rope_scaling.kind != "default":
+        r = c.rope_scaling
+        d["rope_scaling"] = {"rope_type": r.kind, "factor": r.factor, "low_freq_factor": r.low_freq_factor,
+                             "high_freq_factor": r.high_freq_factor,
+                             "original_max_position_embeddings": r.original_max_position_embeddings}
+    if c.bos_token_id is not None:
+        d["bos_token_id"] = c.bos_token_id
+    if c.eos_token_ids:
+        d["eos_token_id"] = c.eos_token_ids[0] if len(c.eos_token_ids) == 1 else list(c.eos_token_ids)
+    return d
 
 
 def llama2_70b_config() -> ModelConfig:

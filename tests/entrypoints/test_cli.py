@@ -164,3 +164,24 @@ def test_a_bad_speculative_config_is_refused_as_not_json(capsys):
     with pytest.raises(SystemExit):
         parse("serve", "--speculative-config", "ngram")
     assert "not valid JSON" in capsys.readouterr().err
+
+
+def test_make_model_writes_the_shape_it_is_asked_for(tmp_path, capsys):
+    import json
+
+    assert cli.main(["make-model", "--shape", "tiny", "--out", str(tmp_path), "--gguf", "Q8_0",
+                     "--dtype", "float32", "--seed", "1"]) == 0
+    assert json.loads((tmp_path / "config.json").read_text())["num_hidden_layers"] == 2
+    assert (tmp_path / "tiny-Q8_0.gguf").is_file()
+    assert "tiny-Q8_0.gguf" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv, named", [
+    (["make-model", "--shape", "tiny"], "--out"),
+    (["make-model", "--shape", "tiny", "--out", "x", "--gguf", "q5_k"], "q5_k"),
+    (["bench", "cpu-peers", "--formats", "int3"], "int3"),
+    (["bench", "cpu-peers", "--prompt-lens", "128,lots"], "--prompt-lens"),
+])
+def test_make_model_and_cpu_peers_name_a_bad_value(argv, named, capsys):
+    assert cli.main(argv) == 2
+    assert named in capsys.readouterr().err

@@ -12,8 +12,25 @@ pytest.importorskip("uvicorn")
 
 
 def test_an_unknown_peer_is_a_value_error_naming_the_choices():
-    with pytest.raises(ValueError, match="minillm, transformers, llamacpp"):
-        peers.compare_servers(["vllm"], save=False)
+    with pytest.raises(ValueError, match="minillm, transformers, llamacpp, vllm"):
+        peers.compare_servers(["sglang"], save=False)
+
+
+def test_vllm_is_skipped_with_the_reason_when_its_venv_is_not_given(monkeypatch, tmp_path):
+    monkeypatch.delenv("VLLM_VENV", raising=False)
+    payload = peers.compare_servers(["vllm"], [1.0], 1, out_dir=tmp_path, save=False)
+    assert payload["peers"] == {} and "VLLM_VENV is unset" in payload["skipped"]["vllm"]
+    monkeypatch.setenv("VLLM_VENV", str(tmp_path))
+    assert peers.make_peer("vllm") is None and "has no bin/vllm" in peers.unavailable("vllm")
+
+
+def test_vllm_serves_the_transformers_directory_from_its_own_venv(monkeypatch, tmp_path):
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "vllm").write_text("#!/bin/sh\n")
+    monkeypatch.setenv("VLLM_VENV", str(tmp_path))
+    peer = peers.make_peer("vllm", port=8123)
+    assert peer.command[:3] == (str(tmp_path / "bin" / "vllm"), "serve", str(peers.hf_directory()))
+    assert peer.command[-2:] == ("--port", "8123") and peer.model == str(peers.hf_directory())
 
 
 def test_the_transformers_directory_is_a_checkpoint_transformers_can_load(tmp_path):

@@ -21,19 +21,14 @@ from pathlib import Path
 
 import torch
 
+from minillm.models.configs import hf_config_dict, llama32_1b_config, smollm2_135m_config
+
 RESULTS_DIR = Path("benchmarks") / "results"
 
-# Shapes from the models' config.json (random weights: a decode step's time depends on shapes, not values).
-SHAPES: dict[str, dict] = {
-    "default": dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,  # SmolLM2-135M
-                    num_attention_heads=9, num_key_value_heads=3, rope_theta=100000.0, tie_word_embeddings=True,
-                    max_position_embeddings=8192, rms_norm_eps=1e-5),
-    "llama-3.2-1b": dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
-                         num_attention_heads=32, num_key_value_heads=8, head_dim=64, rope_theta=500000.0,
-                         tie_word_embeddings=True, max_position_embeddings=131072, rms_norm_eps=1e-5,
-                         rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
-                                       "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}),
-}
+# Shapes from the models' config.json (``models.configs``; random weights: a decode step's time depends on shapes,
+# not values), as LlamaConfig keyword dicts.
+SHAPES: dict[str, dict] = {"default": hf_config_dict(smollm2_135m_config()),
+                           "llama-3.2-1b": hf_config_dict(llama32_1b_config())}
 
 
 def machine_info() -> dict:
@@ -181,9 +176,9 @@ def _hf_generate(hf, ids: torch.Tensor, n_tokens: int, streamer=None) -> None:
                     do_sample=False, streamer=streamer, pad_token_id=0)
 
 
-def time_hf(hf, prompts: list[list[int]], n_tokens: int) -> tuple[float, float]:
+def time_hf(hf, prompts: list[list[int]], n_tokens: int, count_ops: bool = True) -> tuple[float, float | None]:
     """transformers ``generate`` on the batch: (median seconds between decode steps, kernels per decode step as
-    the difference between a 6-token and a 2-token generate, divided by 4)."""
+    the difference between a 6-token and a 2-token generate, divided by 4; None without ``count_ops``)."""
     from transformers.generation.streamers import BaseStreamer
 
     class Clock(BaseStreamer):
@@ -201,6 +196,8 @@ def time_hf(hf, prompts: list[list[int]], n_tokens: int) -> tuple[float, float]:
     clock = Clock()
     _hf_generate(hf, ids, n_tokens, clock)
     steps = [b - a for a, b in zip(clock.times[2:], clock.times[3:], strict=False)]  # decode steps only
+    if not count_ops:
+        return statistics.median(steps), None
     long = count_kernels(lambda: _hf_generate(hf, ids, 6), hf.device)
     short = count_kernels(lambda: _hf_generate(hf, ids, 2), hf.device)
     return statistics.median(steps), (long - short) / 4

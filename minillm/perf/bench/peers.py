@@ -10,7 +10,10 @@ runs at a time, so none steals the other's cores.  Peers:
   server; offline: DIR is minillm's converted checkpoint with ``architectures`` filled in, which GGUF-derived
   configs lack and ``transformers serve`` needs);
 - ``llamacpp``: ``python -m llama_cpp.server`` on the GGUF itself, when ``llama-cpp-python[server]`` is installed
-  (the optional ``bench`` extra; skipped with a message otherwise).
+  (the optional ``bench`` extra; skipped with a message otherwise);
+- ``vllm``: ``$VLLM_VENV/bin/vllm serve DIR`` (vLLM's CPU build in a virtual environment of its own, never a
+  dependency of minillm; DIR as for transformers; skipped with the reason when ``VLLM_VENV`` is unset or has no
+  ``bin/vllm``).
 
 The result is each peer's ``bench serve`` summary per rate and minillm's ratios (output tokens/s, goodput).
 """
@@ -30,7 +33,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-PEERS = ("minillm", "transformers", "llamacpp")
+PEERS = ("minillm", "transformers", "llamacpp", "vllm")
 
 
 @dataclass(frozen=True)
@@ -71,9 +74,24 @@ def hf_directory(out: Path | None = None) -> Path:
     return out
 
 
+def unavailable(name: str) -> str | None:
+    """Why the peer ``name`` cannot start here (not installed, ``VLLM_VENV`` unset), or None when it can."""
+    if name == "transformers" and not Path(sys.executable).with_name("transformers").exists():
+        return "transformers' command-line tool is not installed beside this Python"
+    if name == "llamacpp" and importlib.util.find_spec("llama_cpp") is None:
+        return "llama-cpp-python[server] is not installed (the optional bench extra)"
+    if name == "vllm":
+        venv = os.environ.get("VLLM_VENV")
+        if not venv:
+            return "VLLM_VENV is unset: point it at a virtual environment with vLLM's CPU build (BENCHMARKS.md)"
+        if not (Path(venv) / "bin" / "vllm").exists():
+            return f"VLLM_VENV={venv} has no bin/vllm"
+    return None
+
+
 def make_peer(name: str, device: str = "cpu", port: int | None = None,
               minillm_args: Sequence[str] = ()) -> Peer | None:
-    """The ``Peer`` for ``name`` (one of ``PEERS``), or None when it is not installed here."""
+    """The ``Peer`` for ``name`` (one of ``PEERS``), or None when it cannot start here (``unavailable`` says why)."""
     from minillm.entrypoints.openai.server import DEFAULT_MODEL_NAME
     from minillm.models.loader import default_model_path
 
@@ -82,10 +100,10 @@ def make_peer(name: str, device: str = "cpu", port: int | None = None,
     if name == "minillm":
         cmd = [sys.executable, "-m", "minillm", "serve", "--device", device, *common, *minillm_args]
         return Peer(name, tuple(cmd), port, DEFAULT_MODEL_NAME)
+    if name in PEERS and unavailable(name) is not None:
+        return None
     if name == "transformers":
         exe = Path(sys.executable).with_name("transformers")
-        if not exe.exists():
-            return None
         from minillm.models.loader import cache_root
 
         d = hf_directory()
@@ -94,9 +112,11 @@ def make_peer(name: str, device: str = "cpu", port: int | None = None,
         hub.mkdir(parents=True, exist_ok=True)
         cmd = [str(exe), "serve", str(d), "--continuous-batching", "--device", device, *common]
         return Peer(name, tuple(cmd), port, str(d), {"HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(hub)})
+    if name == "vllm":  # the same checkpoint directory transformers serves; vLLM picks the CPU platform itself
+        d = hf_directory()
+        cmd = [str(Path(os.environ["VLLM_VENV"]) / "bin" / "vllm"), "serve", str(d), *common]
+        return Peer(name, tuple(cmd), port, str(d), {"HF_HUB_OFFLINE": "1"})
     if name == "llamacpp":
-        if importlib.util.find_spec("llama_cpp") is None:
-            return None
         gguf = default_model_path()
         cmd = [sys.executable, "-m", "llama_cpp.server", "--model", str(gguf), "--n_ctx", "8192", *common]
         return Peer(name, tuple(cmd), port, str(gguf))
@@ -172,8 +192,8 @@ def compare_servers(peers: Sequence[str] = ("minillm", "transformers", "llamacpp
     for name in peers:
         peer = make_peer(name, device, minillm_args=minillm_args)
         if peer is None:
-            skipped[name] = "not installed here"
-            print(f"[{name}: not installed, skipped]")
+            skipped[name] = unavailable(name) or "not installed here"
+            print(f"[{name}: skipped: {skipped[name]}]")
             continue
         print(f"[{name}: {' '.join(peer.command)}]", flush=True)
         with running(peer, logs / f"serve-{name}.log") as p:

@@ -229,19 +229,21 @@ def decode_rate(model, prompts: list[list[int]], n_tokens: int) -> tuple[float, 
 
 
 def _llama_cpp_row(gguf, prompt: list[int], n_tokens: int, repeats: int) -> dict | None:
+    """llama.cpp's batch-1 decode on ``gguf`` in its own process (``perf.bench.llamacpp``: a build that dies of
+    SIGILL is reported in the row); None when llama-cpp-python (the optional ``bench`` extra) is not installed."""
+    from minillm.perf.bench.llamacpp import LlamaCppPeer, PeerDied
+
+    if LlamaCppPeer.unavailable() is not None:
+        return None
+    peer = LlamaCppPeer(gguf, threads=torch.get_num_threads(), n_ctx=1024)
     try:
-        from llama_cpp import Llama
-    except ImportError:
-        return None  # optional peer (the ``bench`` extra): skipped silently
-    llm = Llama(model_path=str(gguf), n_ctx=1024, n_threads=torch.get_num_threads(), verbose=False)
-    rates = []
-    for _ in range(repeats):
-        times = []
-        for _ in llm.create_completion(prompt, max_tokens=n_tokens, temperature=0.0, stream=True):
-            times.append(time.perf_counter())
-        rates.append((len(times) - 1) / (times[-1] - times[0]) if len(times) > 1 else float("nan"))
-        llm.reset()
-    return {"scheme": "llama.cpp Q4_1", "decode_b1_tok_s": sorted(rates)[len(rates) // 2]}
+        peer.load()
+        rates = sorted(peer.decode(prompt, n_tokens) for _ in range(repeats))
+    except PeerDied as e:
+        return {"scheme": "llama.cpp Q4_1", "error": str(e)}
+    finally:
+        peer.close()
+    return {"scheme": "llama.cpp Q4_1", "decode_b1_tok_s": rates[len(rates) // 2]}
 
 
 def bench_quant(model_name: str | None = None, device: str | None = None, schemes=SCHEMES, n_tokens: int = 32,

@@ -1,0 +1,134 @@
+"""``make-model``: a checkpoint at a published shape with seeded random weights, as an HF directory and GGUFs that
+encode the same weights, loadable by transformers and minillm alike."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from minillm.models.configs import SHAPES, hf_config_dict, shape_config
+from minillm.models.synthetic import GGUF_FORMATS, make_model, synthetic_config, tensor_plan
+
+IDS = torch.tensor([[1, 2, 3, 400, 5000, 17, 49151]])  # the last id is the vocabulary's last row
+POS = torch.arange(IDS.shape[1])[None]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    out = tmp_path_factory.mktemp("tiny")
+    return make_model("tiny", out, gguf=GGUF_FORMATS, dtype="float32", seed=3), out
+
+
+def _safetensors(out):
+    from minillm.models.loader import read_safetensors
+
+    return read_safetensors(out)
+
+
+def test_every_shape_config_round_trips_through_config_json():
+    from minillm.config import ModelConfig
+
+    for name in SHAPES:
+        c = shape_config(name)
+        assert ModelConfig.from_hf(hf_config_dict(c) | {"model_type": "llama"}) == c
+
+
+def test_published_shapes_keep_their_bodies_and_take_the_default_vocabulary():
+    c = synthetic_config("llama-3.1-8b")
+    assert (c.num_layers, c.hidden_size, c.intermediate_size, c.num_heads, c.num_kv_heads, c.head_dim) == \
+        (32, 4096, 14336, 32, 8, 128)
+    assert not c.tie_word_embeddings and synthetic_config("llama-3.2-1b").tie_word_embeddings
+    assert c.vocab_size == 49152 and c.rope_theta == 500000.0
+    assert [p.gguf for p in tensor_plan(c)][-1] == "output.weight"  # untied: the head is its own tensor
+    with pytest.raises(ValueError, match="shape must be one of"):
+        shape_config("llama-4")
+
+
+def test_writes_an_hf_directory_and_one_gguf_per_format(tiny):
+    report, out = tiny
+    names = set(report["files"])
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= names
+    assert {f"tiny-{f.upper()}.gguf" for f in GGUF_FORMATS} <= names
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"] and config["vocab_size"] == 49152
+    assert config["num_hidden_layers"] == 2 and config["torch_dtype"] == "float32"
+
+
+def test_the_same_seed_gives_the_same_weights_and_another_seed_others(tiny, tmp_path):
+    _, out = tiny
+    make_model("tiny", tmp_path / "a", dtype="float32", seed=3)
+    make_model("tiny", tmp_path / "b", dtype="float32", seed=4)
+    ref, same, other = _safetensors(out), _safetensors(tmp_path / "a"), _safetensors(tmp_path / "b")
+    name = "model.layers.1.mlp.down_proj.weight"
+    assert torch.equal(ref[name], same[name]) and not torch.equal(ref[name], other[name])
+    assert ref[name].std().item() == pytest.approx(0.02, rel=0.05)
+    assert torch.equal(ref["model.norm.weight"], torch.ones(64))
+
+
+def test_hf_directory_gives_equal_logits_in_transformers_and_minillm(tiny):
+    from transformers import AutoModelForCausalLM
+
+    from minillm.models.loader import load_model, load_tokenizer
+
+    _, out = tiny
+    hf = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    ours = load_model(out, dtype="float32", device="cpu")
+    with torch.inference_mode():
+        expected = hf(IDS).logits
+    torch.testing.assert_close(ours(IDS, POS), expected)
+    assert torch.isfinite(expected).all() and expected.std() > 0
+    assert load_tokenizer(out)("Hello world").input_ids == load_tokenizer(None)("Hello world").input_ids
+
+
+# the largest |dequantized - original| a format allows, as a fraction of the tensor's largest |weight|:
+# Q8_0 half a step of absmax/127; Q4_1 half a step of (max - min)/15 ≤ 2·absmax/15; Q4_0 one step of absmax/8
+# (its code 15 clips +absmax's side); F16 its relative rounding
+FORMAT_ERROR = {"q8_0": 0.5 / 127 + 1e-3, "q4_1": 1 / 15 + 1e-3, "q4_0": 1 / 8 + 1e-3, "f16": 1e-3}
+
+
+@pytest.mark.parametrize("fmt", GGUF_FORMATS)
+def test_gguf_dequantizes_to_the_safetensors_weights_within_its_format_error(tiny, fmt):
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+
+    from minillm.quant.gguf import hf_name, unpermute_index
+
+    _, out = tiny
+    ref = _safetensors(out)
+    reader = GGUFReader(out / f"tiny-{fmt.upper()}.gguf")
+    assert int(reader.fields["llama.block_count"].contents()) == 2
+    assert reader.fields["tokenizer.ggml.model"].contents() == "gpt2"
+    assert len(reader.tensors) == len(ref)
+    for t in reader.tensors:
+        name = hf_name(t.name)
+        w = torch.from_numpy(np.array(dequantize(t.data, t.tensor_type))).reshape(ref[name].shape)
+        if ".q_proj." in name or ".k_proj." in name:  # llama.cpp's row order, undone as every reader does
+            w = w[unpermute_index(w.shape[0], 4 if ".q_proj." in name else 2)]
+        err = (w - ref[name]).abs().max().item()
+        assert err <= FORMAT_ERROR[fmt] * ref[name].abs().max().item(), (t.name, t.tensor_type.name, err)
+
+
+@pytest.mark.parametrize("fmt", ["q4_1", "q8_0"])
+def test_minillm_runs_the_gguf_blocks_close_to_the_float_model(tiny, fmt):
+    from minillm.models.loader import load_config, load_model, resolve
+    from minillm.quant.apply import model_from_packed
+    from minillm.quant.gguf import read_gguf_weights
+
+    _, out = tiny
+    packed = model_from_packed(load_config(resolve(out)), read_gguf_weights(out / f"tiny-{fmt.upper()}.gguf"),
+                               dtype=torch.float32, device="cpu")
+    full = load_model(out, dtype="float32", device="cpu")
+    with torch.inference_mode():
+        a, b = packed(IDS, POS), full(IDS, POS)
+    # the weights' quantization error, carried through two layers: 4-bit moves the logits by some % of their
+    # largest value, 8-bit by about 1 %
+    assert (a - b).abs().max() < (0.25 if fmt == "q4_1" else 0.05) * b.abs().max()
+
+
+def test_rejects_an_unknown_format_before_writing(tmp_path):
+    with pytest.raises(ValueError, match="q5_k"):
+        make_model("tiny", tmp_path / "x", gguf=("q5_k",))
+    assert not (tmp_path / "x").exists()
