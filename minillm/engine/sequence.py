@@ -52,6 +52,7 @@ class Request:
     order: int = 0  # arrival counter: breaks arrival-time ties first-come-first-served
     prompt: str | None = None
     seqs: list[Sequence] = field(default_factory=list)
+    matchers: list | None = None  # guided decoding: one xgrammar GrammarMatcher per sample, advanced per token
 
     @property
     def needs_fork(self) -> bool:
@@ -87,6 +88,11 @@ class Sequence:
     @property
     def generator(self) -> torch.Generator | None:
         return self.request.generators[self.index]
+
+    @property
+    def matcher(self):
+        """This sample's grammar matcher (guided decoding), or None."""
+        return None if self.request.matchers is None else self.request.matchers[self.index]
 
     @property
     def priority(self) -> tuple[float, int, int]:
