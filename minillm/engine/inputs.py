@@ -125,16 +125,19 @@ def validate_messages(messages) -> list[dict]:
     return messages
 
 
-def chat_prompt_ids(tokenizer, messages) -> list[int]:
+def chat_prompt_ids(tokenizer, messages, tools: list[dict] | None = None) -> list[int]:
     """Chat messages -> prompt ids ending with the assistant's turn (the tokenizer's chat template).  The one place
-    every front end (``LLM.chat``, the CLI, the OpenAI server) turns a conversation into a prompt.  Raises
-    ``ValueError`` for bad messages, a tokenizer without a template, or a conversation the template rejects."""
+    every front end (``LLM.chat``, the CLI, the OpenAI server) turns a conversation into a prompt.  ``tools``
+    (OpenAI's ``[{"type": "function", "function": {...}}]``) are rendered by templates that support them (others
+    ignore them).  Raises ``ValueError`` for bad messages, a tokenizer without a template, or a conversation the
+    template rejects."""
     messages = validate_messages(messages)
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
         raise ValueError("this model's tokenizer has no chat template: send a plain prompt (generate(), or "
                          "/v1/completions on the server) instead")
     try:
-        out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        extra = {} if tools is None else {"tools": tools}
+        out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **extra)
     except Exception as e:  # jinja raises TemplateError for e.g. an unsupported role: the caller's mistake
         raise ValueError(f"messages: the chat template rejected them ({e})") from e
     return list(out["input_ids"] if hasattr(out, "keys") else out)

@@ -146,11 +146,15 @@ class LLMEngine:
     @property
     def grammar_compiler(self) -> GrammarCompiler:
         """Compiles guided decoding constraints for this engine's tokenizer and LM head (built on first use; its
-        compiled grammars are cached per constraint).  Raises ``ValueError`` without a tokenizer or xgrammar."""
+        compiled grammars are cached per constraint).  Raises ``ValueError`` without a tokenizer or xgrammar.
+        Thread-safe (xgrammar's compiler is), so a server may compile a request's grammar before queueing it."""
         if self._grammars is None:
-            if self.tokenizer is None:
-                raise ValueError("guided_decoding needs a tokenizer: LLMEngine(model, tokenizer)")
-            self._grammars = GrammarCompiler(self.tokenizer, self.model.config.vocab_size, list(self.eos_token_ids))
+            with self._lock:  # built once, even when a server thread and the step ask at the same time
+                if self.tokenizer is None:
+                    raise ValueError("guided_decoding needs a tokenizer: LLMEngine(model, tokenizer)")
+                if self._grammars is None:
+                    self._grammars = GrammarCompiler(self.tokenizer, self.model.config.vocab_size,
+                                                     list(self.eos_token_ids))
         return self._grammars
 
     @property

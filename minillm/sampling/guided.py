@@ -124,7 +124,8 @@ class GrammarCompiler:
             try:
                 compiled = {
                     "json": lambda: self._compiler.compile_json_schema(spec, any_whitespace=False),
-                    "json_object": lambda: self._compiler.compile_builtin_json_grammar(),
+                    "json_object": lambda: self._compiler.compile_json_schema('{"type": "object"}',
+                                                                              any_whitespace=False),
                     "regex": lambda: self._compiler.compile_regex(spec),
                     "choice": lambda: self._compiler.compile_grammar(choice_grammar(guided.choice)),
                     "grammar": lambda: self._compiler.compile_grammar(spec),

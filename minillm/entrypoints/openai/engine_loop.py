@@ -31,8 +31,18 @@ from minillm.sampling.params import SamplingParams
 
 log = logging.getLogger("minillm.serve")
 
-# A prompt as the loop thread receives it: text, token ids, or chat messages ([{"role", "content"}, ...]).
-Prompt = str | Sequence[int] | Sequence[dict]
+
+@dataclass(frozen=True)
+class ChatPrompt:
+    """Chat messages with the tools the chat template renders beside them (OpenAI's ``tools`` list)."""
+
+    messages: list[dict]
+    tools: list[dict]
+
+
+# A prompt as the loop thread receives it: text, token ids, chat messages ([{"role", "content"}, ...]) or those
+# with tools (tokenized on the loop thread: a fast tokenizer must not be used by two threads at once).
+Prompt = str | Sequence[int] | Sequence[dict] | ChatPrompt
 
 
 class QueueFull(Exception):
@@ -166,6 +176,12 @@ class EngineLoop:
 
     def start(self) -> None:
         self._thread.start()
+
+    def compile_grammar(self, guided) -> None:
+        """Compile a request's structured-output grammar (``GuidedDecodingParams``) into the engine's cache, from
+        any thread: the one engine part a handler may touch (its grammar compiler is thread-safe).  Raises
+        ``ValueError`` naming what cannot be compiled."""
+        self.engine.grammar_compiler.compile(guided)
 
     def stop(self, drain_s: float = 0.0, join_s: float = 30.0) -> None:
         """Refuse new requests, let running ones finish for up to ``drain_s`` seconds, abort the rest, and join."""
@@ -318,6 +334,8 @@ class EngineLoop:
         c.reply.set_result(ids)
 
     def _encode(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, ChatPrompt):
+            return chat_prompt_ids(self.engine.tokenizer, prompt.messages, prompt.tools)
         if isinstance(prompt, str) or not prompt or not isinstance(prompt[0], dict):
             return self.engine.encode(prompt)
         return chat_prompt_ids(self.engine.tokenizer, prompt)

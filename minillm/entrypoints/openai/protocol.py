@@ -2,7 +2,7 @@
 
 Requests forbid unknown fields (OpenAI answers "Unrecognized request argument" too), so a typo such as
 ``temprature`` is a 400, not a silently ignored setting.  Fields OpenAI defines but minillm cannot honour
-(``logprobs``, ``tools``, penalties, ...) are declared so that ``unsupported_fields`` can name them in a 400;
+(``logprobs``, penalties, ...) are declared so that ``unsupported_fields`` can name them in a 400;
 ``top_k`` and ``ignore_eos`` are vLLM's extensions, accepted with vLLM's meanings.
 """
 
@@ -17,8 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field
 # OpenAI fields the engine has no implementation for, with the value that means "not used".
 UNSUPPORTED_DEFAULTS: dict[str, Any] = {
     "logprobs": None, "top_logprobs": None, "echo": False, "best_of": None, "suffix": None, "logit_bias": None,
-    "presence_penalty": 0.0, "frequency_penalty": 0.0, "tools": None, "tool_choice": None, "functions": None,
-    "function_call": None, "response_format": None, "parallel_tool_calls": None,
+    "presence_penalty": 0.0, "frequency_penalty": 0.0, "functions": None, "function_call": None,
 }
 
 
@@ -55,7 +54,12 @@ class _SamplingFields(OpenAIBaseModel):
     logit_bias: Any = None
     presence_penalty: float | None = 0.0
     frequency_penalty: float | None = 0.0
-    response_format: Any = None
+    response_format: Any = None  # {"type": "text" | "json_object" | "json_schema", ...}: structured.py
+    # vLLM's structured-output extras (structured.py): a JSON schema, a regex, a list of strings, an EBNF grammar
+    guided_json: Any = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
 
 class CompletionRequest(_SamplingFields):
@@ -133,11 +137,27 @@ class CompletionResponse(BaseModel):
     usage: UsageInfo | None = None
 
 
+class FunctionCall(BaseModel):
+    """The function a tool call calls and its arguments (a JSON string, as OpenAI sends them)."""
+
+    name: str
+    arguments: str
+
+
+class ToolCall(BaseModel):
+    """One call the assistant makes (``tools.py``)."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class AssistantMessage(BaseModel):
-    """The reply of a chat completion."""
+    """The reply of a chat completion: text, or (``content`` None) the tool calls it makes."""
 
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
 class ChatChoice(BaseModel):
@@ -165,6 +185,7 @@ class DeltaMessage(BaseModel):
 
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[dict[str, Any]] = Field(default_factory=list)  # pieces of calls: tools.tool_call_stream
 
 
 class ChatChunkChoice(BaseModel):

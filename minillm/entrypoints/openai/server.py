@@ -27,6 +27,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from minillm.entrypoints.openai import protocol as p
 from minillm.entrypoints.openai.engine_loop import (
+    ChatPrompt,
     EngineFailed,
     EngineLoop,
     Overloaded,
@@ -38,7 +39,11 @@ from minillm.entrypoints.openai.engine_loop import (
 from minillm.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
 from minillm.entrypoints.openai.sse import StreamMeta, sse_stream
 from minillm.entrypoints.openai.sse import event as sse
+from minillm.entrypoints.openai.structured import FieldError, guided_decoding
+from minillm.entrypoints.openai.tools import ToolPlan, tool_call_stream, tool_plan
+from minillm.entrypoints.openai.tools import finish_reason as tool_finish_reason
 from minillm.outputs import StepOutput
+from minillm.sampling.guided import GuidedDecodingParams
 from minillm.sampling.params import SamplingParams
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -111,15 +116,33 @@ class Gate:
 
 
 # ---- requests -> engine inputs ----------------------------------------------------------------------------------
-def sampling_params(body: p.ChatCompletionRequest | p.CompletionRequest, max_tokens: int) -> SamplingParams:
+def sampling_params(body: p.ChatCompletionRequest | p.CompletionRequest, max_tokens: int,
+                    guided: GuidedDecodingParams | None = None) -> SamplingParams:
     """The request's ``SamplingParams``; unset fields keep minillm's defaults.  A bad value is a 400 naming it."""
     kw = {name: getattr(body, name) for name in ("temperature", "top_p", "top_k") if getattr(body, name) is not None}
     stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
     try:
         return SamplingParams(max_tokens=max_tokens, n=body.n, seed=body.seed, stop=stop,
-                              ignore_eos=body.ignore_eos, **kw)
+                              ignore_eos=body.ignore_eos, guided_decoding=guided, **kw)
     except ValueError as e:
         raise APIError(400, str(e), param=_param_of(str(e))) from e
+
+
+def structured(body, plan: ToolPlan | None = None) -> tuple[GuidedDecodingParams | None, str | None]:
+    """The request's output constraint and the field it came from (``structured.guided_decoding``); a 400 naming
+    the field when it is malformed."""
+    try:
+        return guided_decoding(body, plan)
+    except FieldError as e:
+        raise APIError(400, str(e), param=e.param) from e
+
+
+def chat_tools(body: p.ChatCompletionRequest) -> ToolPlan | None:
+    """The chat request's ``ToolPlan`` (``tools.tool_plan``); a 400 naming the field when it is malformed."""
+    try:
+        return tool_plan(body.tools, body.tool_choice, body.parallel_tool_calls)
+    except ValueError as e:
+        raise APIError(400, str(e), param=re.match(r"\w+", str(e)).group(0)) from e
 
 
 def completion_prompts(prompt) -> list[str | list[int]]:
@@ -143,6 +166,14 @@ def chat_messages(messages: Sequence[p.ChatMessage]) -> list[dict]:
             content = "".join(str(part.get("text", "")) for part in content)
         out.append({**m.model_dump(exclude_none=True), "content": content})
     return out
+
+
+def chat_choice(sample, plan: ToolPlan | None) -> p.ChatChoice:
+    """One finished sample as a chat choice: its text, or (with a ``plan``) the tool calls it makes."""
+    calls = [] if plan is None else plan.parse(sample.text)
+    message = p.AssistantMessage(content=None if calls else sample.text, tool_calls=calls)
+    return p.ChatChoice(index=sample.index, message=message, finish_reason=tool_finish_reason(calls,
+                                                                                             sample.finish_reason))
 
 
 def usage(streams: Sequence[RequestStream]) -> p.UsageInfo:
@@ -215,6 +246,16 @@ class Server:
         if body.stream_options is not None and not body.stream:
             raise APIError(400, "stream_options is only allowed with stream=true", param="stream_options")
 
+    async def compile_grammar(self, guided: GuidedDecodingParams | None, field: str | None) -> None:
+        """Compile the request's grammar off the engine thread (a large schema compiles for a while; the engine
+        then finds it cached), so a constraint that cannot be compiled is a 400 naming ``field`` before queueing."""
+        if guided is None:
+            return
+        try:
+            await asyncio.to_thread(self.loop.compile_grammar, guided)
+        except ValueError as e:
+            raise APIError(400, str(e).replace(f"guided_decoding.{guided.kind}", field), param=field) from e
+
     async def submit(self, prompt, params: SamplingParams, request_id: str, param: str) -> RequestStream:
         """Hand the request to the engine loop; map its refusals to HTTP errors."""
         try:
@@ -266,11 +307,15 @@ class Server:
             self.metrics.observe(st.output)
         return True
 
-    async def events(self, streams: Sequence[RequestStream], meta: StreamMeta, n: int) -> AsyncIterator[str]:
-        """SSE: ``sse_stream`` over the requests' merged updates (``updates``); an engine failure becomes an error
-        event and ``[DONE]``.  Closing the stream early (disconnect) aborts the requests."""
+    async def events(self, streams: Sequence[RequestStream], meta: StreamMeta, n: int,
+                     plan: ToolPlan | None = None) -> AsyncIterator[str]:
+        """SSE: ``sse_stream`` (with a ``plan``: ``tool_call_stream``) over the requests' merged updates
+        (``updates``); an engine failure becomes an error event and ``[DONE]``.  Closing the stream early
+        (disconnect) aborts the requests."""
+        events = sse_stream(self.updates(streams, n), meta) if plan is None else tool_call_stream(
+            self.updates(streams, n), meta, plan)
         try:
-            async for text in sse_stream(self.updates(streams, n), meta):
+            async for text in events:
                 yield text
         except EngineFailed as e:
             yield sse(p.ErrorResponse(error=p.ErrorInfo(message=str(e), type="server_error")))
@@ -395,7 +440,9 @@ def _add_routes(app: FastAPI, server: Server) -> None:
     @app.post("/v1/completions")
     async def completions(body: p.CompletionRequest, request: Request):
         server.check(body)
-        params = sampling_params(body, 16 if body.max_tokens is None else body.max_tokens)
+        guided, field = structured(body)
+        params = sampling_params(body, 16 if body.max_tokens is None else body.max_tokens, guided)
+        await server.compile_grammar(guided, field)
         rid, model = p.random_id("cmpl"), body.model
         streams = await server.submit_all(completion_prompts(body.prompt), params, rid, "prompt")
         if body.stream:
@@ -416,19 +463,24 @@ def _add_routes(app: FastAPI, server: Server) -> None:
         server.check(body)
         max_tokens = next((m for m in (body.max_completion_tokens, body.max_tokens) if m is not None),
                           server.loop.max_model_len)  # neither: up to the context (the engine stops there)
-        params = sampling_params(body, max_tokens)
+        plan = chat_tools(body)
+        guided, field = structured(body, plan)
+        params = sampling_params(body, max_tokens, guided)
+        await server.compile_grammar(guided, field)
         rid, model = p.random_id("chatcmpl"), body.model
-        streams = [await server.submit(chat_messages(body.messages), params, rid, "messages")]
+        prompt = chat_messages(body.messages)
+        if body.tools:  # templates that support tools render them into the prompt
+            prompt = ChatPrompt(prompt, body.tools)
+        streams = [await server.submit(prompt, params, rid, "messages")]
         if body.stream:
             meta = stream_meta(body, rid, streams, params.n, chat=True)
-            return EventStream(server.events(streams, meta, params.n), streams)
+            return EventStream(server.events(streams, meta, params.n, plan), streams)
         try:
             if not await server.collect(streams, request):
                 return Response(status_code=499)
         finally:
             streams[0].close()
-        choices = [p.ChatChoice(index=s.index, message=p.AssistantMessage(content=s.text),
-                                finish_reason=s.finish_reason) for s in streams[0].output.outputs]
+        choices = [chat_choice(s, plan) for s in streams[0].output.outputs]
         return p.ChatCompletionResponse(id=rid, model=model, choices=choices, usage=usage(streams))
 
 
