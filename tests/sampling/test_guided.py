@@ -128,7 +128,9 @@ def test_200_outputs_per_constraint_all_validate_beside_unconstrained_requests(d
             prompts.append(f"Tell me about the number {i}.")
             params.append(SamplingParams(max_tokens=12, temperature=temperature, seed=i))
             kinds.append(None)
-    outs = default_llm.generate(prompts, params)
+    engine = LLMEngine(default_llm.model, default_llm.tokenizer,
+                       EngineConfig(max_num_seqs=64, max_num_batched_tokens=1024))  # wide batches: fewer steps
+    outs = engine.generate(prompts, params)
     bad = [(k, o.text, o.finish_reason) for k, o in zip(kinds, outs, strict=True) if k and
            (o.finish_reason != "stop" or not _valid(k, o.text))]
     assert not bad, bad[:5]
@@ -163,3 +165,26 @@ def test_speculative_engine_never_drafts_for_guided_requests(default_llm):
     assert eng.spec_stats.draft_tokens == 0
     plain = eng.generate("a a a a a a a a a a a a", SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))
     assert plain[0].token_ids and eng.spec_stats.draft_tokens > 0  # the same engine does draft for the others
+
+
+def test_llm_chat_renders_tools_with_a_template_that_supports_them(default_llm, monkeypatch):
+    tools = [{"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}]
+    seen = []
+    real = default_llm.tokenizer.apply_chat_template
+
+    def spy(messages, **kw):
+        seen.append(kw.get("tools"))
+        return real(messages, **kw)
+
+    monkeypatch.setattr(default_llm.tokenizer, "apply_chat_template", spy)
+    default_llm.chat([{"role": "user", "content": "Time?"}], SamplingParams(max_tokens=2), tools=tools)
+    default_llm.chat([{"role": "user", "content": "Time?"}], SamplingParams(max_tokens=2))
+    assert seen == [tools, None]
+
+
+@needs_xgrammar
+def test_llm_chat_with_guided_decoding_returns_json_that_validates(default_llm):
+    pytest.importorskip("jsonschema")
+    params = SamplingParams(max_tokens=80, temperature=0, guided_decoding=GuidedDecodingParams(json=PERSON))
+    out = default_llm.chat([{"role": "user", "content": "Describe Ann, 31, who likes red."}], params)
+    assert _valid("json", out[0].text)
