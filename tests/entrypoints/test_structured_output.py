@@ -194,3 +194,16 @@ def test_bench_serve_runs_the_same_trace_with_and_without_a_json_schema(live, tm
     bad.write_text("[1, 2]")
     assert bench_serve_main(["--base-url", live.url, "--json-schema", str(bad), "--no-save"]) == 2
     assert "a JSON schema is an object" in capsys.readouterr().err
+
+
+def test_a_bad_constraint_leaves_a_running_stream_untouched(live):
+    kw = {"model": MODEL, "prompt": "Count to ten:", "max_tokens": 24, "temperature": 0,
+          "extra_body": {"ignore_eos": True}}
+    alone = live.client().completions.create(**kw).choices[0].text
+    stream = iter(live.client().completions.create(stream=True, **kw))
+    chunks = [next(stream)]  # the request is running in the engine now
+    with pytest.raises(openai.BadRequestError):
+        chat(live, extra_body={"guided_regex": "a("})
+    chunks += list(stream)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == alone
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"

@@ -188,3 +188,14 @@ def test_llm_chat_with_guided_decoding_returns_json_that_validates(default_llm):
     params = SamplingParams(max_tokens=80, temperature=0, guided_decoding=GuidedDecodingParams(json=PERSON))
     out = default_llm.chat([{"role": "user", "content": "Describe Ann, 31, who likes red."}], params)
     assert _valid("json", out[0].text)
+
+
+@needs_xgrammar
+def test_guided_samples_survive_preemption_by_recompute(default_llm):
+    pytest.importorskip("jsonschema")
+    eng = LLMEngine(default_llm.model, default_llm.tokenizer,
+                    EngineConfig(block_size=16, num_kv_blocks=12, max_num_seqs=8, preemption="recompute"))
+    params = SamplingParams(max_tokens=80, temperature=1.0, seed=4, guided_decoding=GuidedDecodingParams(json=PERSON))
+    outs = eng.generate([f"Person number {i}, described in JSON with all fields:" for i in range(8)], params)
+    assert eng.stats.preemptions > 0  # the grammar state outlived the recomputed prefill
+    assert all(o.finish_reason == "stop" and _valid("json", o.text) for o in outs), [o.text for o in outs]
