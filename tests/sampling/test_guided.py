@@ -199,3 +199,12 @@ def test_guided_samples_survive_preemption_by_recompute(default_llm):
     outs = eng.generate([f"Person number {i}, described in JSON with all fields:" for i in range(8)], params)
     assert eng.stats.preemptions > 0  # the grammar state outlived the recomputed prefill
     assert all(o.finish_reason == "stop" and _valid("json", o.text) for o in outs), [o.text for o in outs]
+
+
+@needs_xgrammar
+def test_guided_bench_times_the_mask_and_the_step_per_batch(compiler, default_llm):
+    from minillm.perf.bench.guided import time_decode_step, time_masks
+
+    row = time_masks(compiler, 4, 6)
+    assert row["mask_ms"] > 0 and row["per_row_fill_ms"] > 0
+    assert time_decode_step(LLMEngine(default_llm.model, default_llm.tokenizer), 2, 3) > 0
