@@ -15,8 +15,11 @@ xgrammar is imported on first use (the ``serve`` extra installs it): unconstrain
 from __future__ import annotations
 
 import json
+import sys
 from dataclasses import dataclass, fields
 
+import numpy as np
+import torch
 from torch import Tensor
 
 KINDS = ("json", "regex", "choice", "grammar", "json_object")
@@ -163,7 +166,7 @@ def mask_logits(logits: Tensor, matchers: list) -> Tensor:
 
     logits [R, V] fp32 on the CPU or a device (masked in place: pass the step's gathered rows, not a view the caller
     reuses unmasked) and R matchers -> the same tensor.  One bitmask [R, ceil(V / 32)] int32 is filled for all
-    guided rows in one call (xgrammar's ``BatchGrammarMatcher``), then applied in one pass.
+    guided rows in one call (xgrammar's ``BatchGrammarMatcher``), then applied in one pass over the guided rows.
     """
     if logits.dim() != 2 or logits.shape[0] != len(matchers):
         raise ValueError(f"need logits [R, V] and R matchers; got {tuple(logits.shape)}, {len(matchers)}")
@@ -173,15 +176,20 @@ def mask_logits(logits: Tensor, matchers: list) -> Tensor:
     xgr = _import_xgrammar()
     bitmask = xgr.allocate_token_bitmask(len(matchers), logits.shape[-1])
     xgr.BatchGrammarMatcher(max_threads=1).batch_fill_next_token_bitmask([matchers[i] for i in rows], bitmask, rows)
-    xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), indices=rows)
+    if logits.device.type != "cpu" or sys.byteorder != "little":
+        xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), indices=rows)  # its CUDA kernel
+        return logits
+    # CPU: unpack the bits (token 32 w + b is bit b of word w: little-endian bytes, low bit first) and mask the
+    # guided rows in one masked_fill — several times faster here than xgrammar's element-wise CPU apply
+    allowed = np.unpackbits(bitmask[rows].numpy().view(np.uint8), axis=-1, bitorder="little")[:, : logits.shape[-1]]
+    index = torch.tensor(rows)
+    logits[index] = logits[index].masked_fill(torch.from_numpy(allowed) == 0, float("-inf"))  # (G, V)
     return logits
 
 
 def reference_mask(matcher, vocab_size: int) -> Tensor:
     """The plain twin of one row's mask: token t is allowed iff the matcher accepts it (tried, then rolled back).
     -> bool [V].  V ``accept_token`` calls: for tests on tiny cases only."""
-    import torch
-
     allowed = torch.zeros(vocab_size, dtype=torch.bool)
     for t in range(vocab_size):
         if matcher.accept_token(t):
