@@ -138,6 +138,7 @@ def test_auto_tool_choice_parses_a_reply_that_is_a_call_and_keeps_text_as_conten
     assert len(plan.parse('[{"name": "get_time", "parameters": {}}, {"name": "get_weather", "parameters": {}}]')) == 2
     assert plan.parse("It is sunny.") == [] and plan.parse('{"name": "unknown", "arguments": {}}') == []
     assert tool_plan([WEATHER], "none", None) is None and tool_plan([], "auto", None) is None
+    assert tool_plan([WEATHER], None, None).choice == "auto"  # OpenAI's default with tools
     assert ToolPlan((WEATHER["function"],), "required", parallel=False).schema()["maxItems"] == 1
 
 

@@ -4,7 +4,9 @@
     GET  /v1/models             GET  /health                 GET /metrics (Prometheus text)
 
 Handlers validate a request (pydantic models in ``protocol.py``; ``SamplingParams`` checks the values), hand it to
-the ``EngineLoop`` thread and stream back what it produces.  Every error is OpenAI's
+the ``EngineLoop`` thread and stream back what it produces.  Structured output (``response_format``, vLLM's
+``guided_*``) and tool calls (``tools``, ``tool_choice``) become a grammar on the reply (``structured.py``,
+``tools.py``), compiled before the request is queued.  Every error is OpenAI's
 ``{"error": {"message", "type", "param", "code"}}``: 400 bad values and malformed JSON, 401 wrong API key,
 404 unknown model, 413 prompt over the context (or body over ``max_body_bytes``), 429 admission queue full or
 (with a TTFT budget, ``admission.py``) overloaded, both with ``Retry-After``, 503 shutting down.  A client that

@@ -92,6 +92,8 @@ def tool_plan(tools, tool_choice, parallel_tool_calls) -> ToolPlan | None:
         if not isinstance(f.get("parameters") or {}, dict):
             raise ValueError(f"tools[{i}].function.parameters must be a JSON schema object, got {f['parameters']!r}")
         functions.append(f)
+    if tool_choice is None and functions:  # OpenAI's default when tools are given
+        tool_choice = "auto"
     if tool_choice in (None, "none") or not functions:
         if tool_choice not in (None, "none", "auto"):
             raise ValueError(f"tool_choice {tool_choice!r} needs tools: pass tools=[...] or tool_choice='none'")
