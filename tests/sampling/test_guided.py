@@ -208,3 +208,10 @@ def test_guided_bench_times_the_mask_and_the_step_per_batch(compiler, default_ll
     row = time_masks(compiler, 4, 6)
     assert row["mask_ms"] > 0 and row["per_row_fill_ms"] > 0
     assert time_decode_step(LLMEngine(default_llm.model, default_llm.tokenizer), 2, 3) > 0
+
+
+def test_guided_decoding_without_a_tokenizer_is_a_value_error(default_llm):
+    eng = LLMEngine(default_llm.model, config=EngineConfig(num_kv_blocks=8))
+    with pytest.raises(ValueError, match="needs a tokenizer"):
+        eng.add_request([1, 2, 3], SamplingParams(guided_decoding=GuidedDecodingParams(regex="a")))
+    assert eng.num_live_requests == 0
