@@ -12,7 +12,7 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_serializer
 
 # OpenAI fields the engine has no implementation for, with the value that means "not used".
 UNSUPPORTED_DEFAULTS: dict[str, Any] = {
@@ -185,7 +185,15 @@ class DeltaMessage(BaseModel):
 
     role: Literal["assistant"] | None = None
     content: str | None = None
-    tool_calls: list[dict[str, Any]] = Field(default_factory=list)  # pieces of calls: tools.tool_call_stream
+    tool_calls: list[dict[str, Any]] | None = None  # pieces of calls (tools.tool_call_stream)
+
+    @model_serializer(mode="wrap")
+    def _without_absent_tool_calls(self, handler):
+        """A delta without tool calls leaves the key out: plain text streams stay as they were."""
+        data = handler(self)
+        if self.tool_calls is None:
+            data.pop("tool_calls", None)
+        return data
 
 
 class ChatChunkChoice(BaseModel):
