@@ -7,7 +7,7 @@ its tokenizer with the LM head's vocabulary size, so ids the tokenizer lacks are
 guided request gets its own ``GrammarMatcher``; every step ``mask_logits`` fills one int32 bitmask for all guided
 rows at once (1 bit per vocabulary entry: V / 8 bytes a row) and sets the disallowed logits to -inf in place, and
 the engine advances each matcher by the token committed.  Cost per step: one bitmask fill per guided row (a walk
-of the grammar's stack over precomputed token sets) plus one pass over [R, V] logits.
+of the grammar's stack over precomputed token sets) plus one masked write of the guided rows' logits [G, V].
 
 xgrammar is imported on first use (the ``serve`` extra installs it): unconstrained requests never need it.
 """
@@ -133,7 +133,7 @@ class GrammarCompiler:
                     "choice": lambda: self._compiler.compile_grammar(choice_grammar(guided.choice)),
                     "grammar": lambda: self._compiler.compile_grammar(spec),
                 }[kind]()
-            except RuntimeError as e:  # xgrammar's parse / conversion errors
+            except Exception as e:  # noqa: BLE001 — xgrammar's parse / conversion errors: the constraint's fault
                 reason = str(e).strip().splitlines()[-1].split(": ", 1)[-1]
                 raise ValueError(f"guided_decoding.{kind} cannot be compiled: {reason}") from e
             self._check_satisfiable(kind, compiled)
