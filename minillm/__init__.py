@@ -11,8 +11,9 @@ from minillm.llm import LLM
 from minillm.models.llama import Transformer
 from minillm.models.loader import load_model, load_tokenizer
 from minillm.outputs import RequestOutput
+from minillm.sampling.guided import GuidedDecodingParams
 from minillm.sampling.params import SamplingParams
 
-__all__ = ["LLM", "EngineConfig", "LLMEngine", "ModelConfig", "RequestOutput", "SamplingParams", "Transformer",
-           "load_model", "load_tokenizer"]
+__all__ = ["LLM", "EngineConfig", "GuidedDecodingParams", "LLMEngine", "ModelConfig", "RequestOutput",
+           "SamplingParams", "Transformer", "load_model", "load_tokenizer"]
 __version__ = "0.1.0"

@@ -102,9 +102,10 @@ class LLM:
         """A string (tokenized with special tokens) or 1-d token ids -> a list of ids (no KV cache allocated)."""
         return to_token_ids(prompt, self.tokenizer)
 
-    def apply_chat_template(self, messages: list[dict]) -> list[int]:
-        """Messages [{"role": str, "content": str}] -> prompt ids ending with the assistant's turn."""
-        return chat_prompt_ids(self.tokenizer, messages)
+    def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+        """Messages [{"role": str, "content": str}] -> prompt ids ending with the assistant's turn; ``tools``
+        (OpenAI's function list) are rendered by templates that support them."""
+        return chat_prompt_ids(self.tokenizer, messages, tools)
 
     # --- generation ----------------------------------------------------------------------------------------
     def generate(self, prompts: Prompt | Sequence[Prompt],
@@ -132,8 +133,11 @@ class LLM:
         yield from self.engine.stream(prompts, sampling_params)
         self._check_workers()
 
-    def chat(self, messages: list[dict] | list[list[dict]],
-             sampling_params: SamplingParams | None = None) -> list[RequestOutput]:
-        """One conversation (a list of messages) or several; the reply is generated with the chat template."""
+    def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
+             tools: list[dict] | None = None) -> list[RequestOutput]:
+        """One conversation (a list of messages) or several; the reply is generated with the chat template.
+        ``tools`` (``[{"type": "function", "function": {"name", "description", "parameters"}}]``, as vLLM's
+        ``LLM.chat``) go into the template for models whose template renders them; to force a call's shape,
+        constrain the reply with ``SamplingParams(guided_decoding=GuidedDecodingParams(json=parameters_schema))``."""
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
-        return self.generate([self.apply_chat_template(c) for c in convs], sampling_params)
+        return self.generate([self.apply_chat_template(c, tools) for c in convs], sampling_params)

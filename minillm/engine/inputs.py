@@ -161,20 +161,23 @@ def prompt_text_bytes(prompt) -> int:
     return 0
 
 
-def chat_prompt_ids(tokenizer, messages, *, add_generation_prompt: bool = True,
+def chat_prompt_ids(tokenizer, messages, tools: list[dict] | None = None, *, add_generation_prompt: bool = True,
                     add_special_tokens: bool = False) -> list[int]:
     """Chat messages -> prompt ids ending with the assistant's turn (the tokenizer's chat template).  The one place
-    every front end (``LLM.chat``, the CLI, the OpenAI server) turns a conversation into a prompt.  Raises
-    ``ValueError`` for bad messages, a tokenizer without a template, or a conversation the template rejects.
-    ``add_generation_prompt`` False: without the assistant's opening; ``add_special_tokens``: also the tokens the
-    tokenizer adds to any text (e.g. a BOS the template does not write itself) — both for ``/tokenize``."""
+    every front end (``LLM.chat``, the CLI, the OpenAI server) turns a conversation into a prompt.  ``tools``
+    (OpenAI's ``[{"type": "function", "function": {...}}]``) are rendered by templates that support them (others
+    ignore them).  Raises ``ValueError`` for bad messages, a tokenizer without a template, or a conversation the
+    template rejects.  ``add_generation_prompt`` False: without the assistant's opening; ``add_special_tokens``:
+    also the tokens the tokenizer adds to any text (e.g. a BOS the template does not write itself) — both for
+    ``/tokenize``."""
     messages = validate_messages(messages)
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
         raise ValueError("this model's tokenizer has no chat template: send a plain prompt (generate(), or "
                          "/v1/completions on the server) instead")
     try:
+        extra = {} if tools is None else {"tools": tools}
         out = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
-                                            tokenize=not add_special_tokens)
+                                            tokenize=not add_special_tokens, **extra)
     except Exception as e:  # jinja raises TemplateError for e.g. an unsupported role: the caller's mistake
         raise ValueError(f"messages: the chat template rejected them ({e})") from e
     if add_special_tokens:  # out is the rendered text

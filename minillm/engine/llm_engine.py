@@ -47,6 +47,7 @@ from minillm.kv.memory import device_memory, full_sequences, profile_forward, si
 from minillm.kv.paged_cache import kv_bytes_per_block
 from minillm.models.llama import Transformer
 from minillm.outputs import CompletionOutput, EngineState, RequestOutput, StepOutput
+from minillm.sampling.guided import GrammarCompiler
 from minillm.sampling.params import SamplingParams, check_vocab
 from minillm.sampling.sampler import make_generator, sample_seed
 from minillm.spec.proposer import SpecStats
@@ -104,6 +105,7 @@ class LLMEngine:
         self._ids = itertools.count()
         self._token_texts: dict[int, str] = {}  # logprobs' decoded tokens
         self._lock = threading.RLock()
+        self._grammars: GrammarCompiler | None = None  # built by the first guided request (reads the vocabulary)
 
     def check(self) -> None:
         """Raise the executor's failure (a worker that died or raised: ``WorkerError`` naming its rank), if any."""
@@ -146,6 +148,20 @@ class LLMEngine:
             spec_accepted_tokens=spec.accepted_tokens if spec else 0)
 
     @property
+    def grammar_compiler(self) -> GrammarCompiler:
+        """Compiles guided decoding constraints for this engine's tokenizer and LM head (built on first use; its
+        compiled grammars are cached per constraint).  Raises ``ValueError`` without a tokenizer or xgrammar.
+        Thread-safe (xgrammar's compiler is), so a server may compile a request's grammar before queueing it."""
+        if self._grammars is None:
+            with self._lock:  # built once, even when a server thread and the step ask at the same time
+                if self.tokenizer is None:
+                    raise ValueError("guided_decoding needs a tokenizer: LLMEngine(model, tokenizer)")
+                if self._grammars is None:
+                    self._grammars = GrammarCompiler(self.tokenizer, self.model.config.vocab_size,
+                                                     list(self.eos_token_ids))
+        return self._grammars
+
+    @property
     def num_live_requests(self) -> int:
         """Requests added and not yet finished (their outputs are not counted)."""
         return len(self._live)
@@ -180,9 +196,11 @@ class LLMEngine:
         self.scheduler.check(request_id, len(ids), params)
         seeds = [None if params.seed is None else sample_seed(params.seed, i) for i in range(params.n)]
         generators = [make_generator(dataclasses.replace(params, seed=s), self.model.device) for s in seeds]
+        matchers = (None if params.guided_decoding is None  # compiled here: a bad constraint never reaches a step
+                    else self.grammar_compiler.matchers(params.guided_decoding, params.n))
         return Request(request_id, ids, params, time.perf_counter() if arrival_time is None else arrival_time,
                        generators, prompt=prompt if isinstance(prompt, str) else None,
-                       prompt_logprobs=None if params.prompt_logprobs is None else [None])
+                       prompt_logprobs=None if params.prompt_logprobs is None else [None], matchers=matchers)
 
     def _next_auto_id(self, reserved: Iterable[str]) -> str:
         while True:
@@ -361,6 +379,7 @@ class LLMEngine:
             if seq.status is SequenceStatus.FINISHED_ERROR:
                 continue  # a sibling's detokenization failed earlier in this loop: the request has ended
             try:
+                self._advance_grammar(seq, token)
                 lp = None if entry is None else as_dict(entry, self._token_text)
                 if lp is not None:
                     seq.logprobs = [] if seq.logprobs is None else seq.logprobs
@@ -372,6 +391,17 @@ class LLMEngine:
             if request.finished and request.request_id in self._live:
                 self._retire(request)
         return updates
+
+    def _advance_grammar(self, seq: Seq, token: int) -> None:
+        """Feed a committed token to the sample's grammar matcher (guided decoding); a grammar that has accepted its
+        stop token ends the sample with "stop" (also under ``ignore_eos``)."""
+        matcher = seq.matcher
+        if matcher is None:
+            return
+        if not matcher.accept_token(token):
+            raise RuntimeError(f"token {token} is not allowed by the request's guided_decoding grammar")
+        if matcher.is_terminated() and not seq.status.finished:
+            self.scheduler.finish(seq, SequenceStatus.FINISHED_STOPPED, time.perf_counter())
 
     def _emit(self, seq: Seq, token: int, logits: Tensor | None, logprobs: dict | None = None) -> StepOutput:
         """Detokenize the new token; a completed stop string finishes the sequence here."""

@@ -45,6 +45,7 @@ from minillm.kv.block_allocator import BlockCopy
 from minillm.kv.block_manager import BlockManager
 from minillm.kv.paged_cache import AttentionMetadata, PagedAttention, PagedKVCache, PrefillChunk
 from minillm.models.llama import Transformer
+from minillm.sampling.guided import mask_logits
 from minillm.sampling.processors import process
 from minillm.sampling.rejection import rejection_sample
 from minillm.sampling.sampler import sample
@@ -199,16 +200,20 @@ class ModelRunner:
 
     def sample(self, out: SchedulerOutput, logits: Tensor, verify: Verify = rejection_sample) -> list[list[int]]:
         """One token list per sampling chunk: ``num_samples`` draws from its last row (generator i each), or for a
-        draft chunk the rejection rule over its 1 + k rows (the accepted drafts + a correction or bonus token)."""
+        draft chunk the rejection rule over its 1 + k rows (the accepted drafts + a correction or bonus token).
+        Rows of guided samples are masked first by their grammar matchers (``sampling.guided.mask_logits``)."""
         chunks = sampling_chunks(out)
-        rows, params, generators, seqs = [], [], [], []
+        rows, params, generators, seqs, matchers = [], [], [], [], []
         for s, row in chunks:
             for j in range(0 if s.drafts else s.num_samples):  # a parent about to fork draws n from one row
                 rows.append(row)
                 params.append(s.seq.request.params)
                 generators.append(s.seq.request.generators[s.seq.index + j])
                 seqs.append(s.seq)
-        picked = process(logits[rows], params, seqs, self.eos_token_ids)  # penalties, logit_bias, min_tokens
+                matchers.append(None if s.seq.request.matchers is None else s.seq.request.matchers[s.seq.index + j])
+        picked = process(logits[rows], params, seqs, self.eos_token_ids)  # penalties, logit_bias, min_tokens: a copy
+        if any(m is not None for m in matchers):  # then the structured-output mask, on that copy (never ``logits``)
+            picked = mask_logits(picked, matchers)
         drawn = iter(sample(picked, params, generators) if rows else [])
         tokens = []
         for s, row in chunks:

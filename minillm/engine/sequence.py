@@ -54,6 +54,7 @@ class Request:
     seqs: list[Sequence] = field(default_factory=list)
     # SamplingParams(prompt_logprobs=k): [None] + {token_id: Logprob} per prompt token scored so far; else None
     prompt_logprobs: list | None = None
+    matchers: list | None = None  # guided decoding: one xgrammar GrammarMatcher per sample, advanced per token
 
     @property
     def needs_fork(self) -> bool:
@@ -90,6 +91,11 @@ class Sequence:
     @property
     def generator(self) -> torch.Generator | None:
         return self.request.generators[self.index]
+
+    @property
+    def matcher(self):
+        """This sample's grammar matcher (guided decoding), or None."""
+        return None if self.request.matchers is None else self.request.matchers[self.index]
 
     @property
     def priority(self) -> tuple[float, int, int]:

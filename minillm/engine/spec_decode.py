@@ -93,6 +93,8 @@ class SpecDecoder:
             if s.num_tokens != 1 or not s.samples or s.num_samples != 1 or seq.request.needs_fork \
                     or seq.request.params.processes_logits:  # penalties etc.: decoded plainly, without drafts
                 continue
+            if seq.matcher is not None:  # guided: the drafts' rows would need masks of states not reached yet
+                continue
             room = min(seq.request.params.max_tokens - len(seq.output), self.max_model_len - seq.num_tokens) - 1
             k = min(self.config.num_speculative_tokens, room, budget)
             if k >= 1:

@@ -143,8 +143,9 @@ def engine_options() -> tuple[Option, ...]:
 
 @cache
 def sampling_options() -> tuple[Option, ...]:
-    """``SamplingParams``' fields but ``n``: the command line streams one sample's text."""
-    return dataclass_options(SamplingParams, skip=("n",))
+    """``SamplingParams``' fields but ``n`` (the command line streams one sample's text) and ``guided_decoding``
+    (structured output is the server's ``response_format`` and the Python API's)."""
+    return dataclass_options(SamplingParams, skip=("n", "guided_decoding"))
 
 
 @cache

@@ -5,6 +5,7 @@ modules, so neither imports the other's caller."""
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import sys
 from collections.abc import Sequence
@@ -56,7 +57,23 @@ def bench_serve_parser() -> argparse.ArgumentParser:
                         "a comma list of minillm, transformers, llamacpp, vllm (perf/bench/peers.py; vllm runs "
                         "$VLLM_VENV/bin/vllm)")
     p.add_argument("--device", default="cpu", help="with --peers: the device every server runs on")
+    p.add_argument("--json-schema", default=None, metavar="FILE",
+                   help="also run the same trace with every answer constrained to this JSON schema "
+                        "(response_format json_schema) and report output tok/s both ways")
     return p
+
+
+def _json_schema(path: str | None) -> dict | None:
+    """``--json-schema FILE`` -> the schema (a JSON object); ValueError naming the file otherwise."""
+    if path is None:
+        return None
+    try:
+        schema = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"--json-schema {path}: cannot read a JSON schema ({e})") from e
+    if not isinstance(schema, dict):
+        raise ValueError(f"--json-schema {path}: a JSON schema is an object, got {type(schema).__name__}")
+    return schema
 
 
 def bench_serve_main(argv: Sequence[str]) -> int:
@@ -67,6 +84,9 @@ def bench_serve_main(argv: Sequence[str]) -> int:
     a = bench_serve_parser().parse_args(argv)
     try:
         ttft, tpot = _slo(a.goodput)
+        schema = _json_schema(a.json_schema)
+        if a.peers and schema is not None:
+            raise ValueError("--json-schema measures one server (--base-url); drop --peers")
         if a.peers:
             _bench_serve_peers(a, ttft, tpot)
             return 0
@@ -74,7 +94,7 @@ def bench_serve_main(argv: Sequence[str]) -> int:
                     max_tokens=a.max_tokens, endpoint=a.endpoint, burstiness=a.burstiness, ignore_eos=a.ignore_eos,
                     ttft_slo_s=ttft, tpot_slo_s=tpot, api_key=a.api_key, max_concurrency=a.max_concurrency,
                     overload=a.overload, progress=not a.no_progress, save=not a.no_save,
-                    out_dir=Path(a.result_dir) if a.result_dir else None)
+                    out_dir=Path(a.result_dir) if a.result_dir else None, json_schema=schema)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

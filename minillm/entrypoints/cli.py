@@ -239,6 +239,10 @@ def cmd_bench(a) -> int:
         from minillm.perf.bench.disagg import bench_disagg
 
         bench_disagg(quick=a.quick)
+    elif a.what == "guided":
+        from minillm.perf.bench.guided import bench_guided
+
+        bench_guided(tokens=a.tokens)
     elif a.what == "serve":  # main() hands "bench serve ..." to the load generator's own parser
         from minillm.entrypoints.bench_serve import bench_serve_main
 
@@ -385,10 +389,10 @@ def _serve_parser(sub) -> None:
 
 def _bench_parser(sub) -> None:
     b = sub.add_parser("bench", help="side-by-side benchmarks (decode | attention | serving | quant | spec | tp | "
-                                     "disagg | cpu-peers | serve: a load generator for any OpenAI server, "
-                                     "'bench serve --help')")
+                                     "disagg | cpu-peers | guided: the structured-output mask per step | serve: a "
+                                     "load generator for any OpenAI server, 'bench serve --help')")
     b.add_argument("what", choices=["decode", "attention", "serving", "quant", "spec", "serve", "tp", "disagg",
-                                    "cpu-peers"])
+                                    "cpu-peers", "guided"])
     add_options(b, [o for o in model_options() if o.dest in ("model", "device")])
     b.add_argument("--dtypes", default=None, help="decode: comma-separated (default bfloat16 on CUDA, float32 on CPU)")
     b.add_argument("--tokens", type=int, default=64)

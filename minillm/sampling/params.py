@@ -7,6 +7,8 @@ import numbers
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
+from minillm.sampling.guided import GuidedDecodingParams
+
 # Below this temperature sampling is greedy: logits / 1e-45 overflow fp32 to inf (softmax -> nan), and any
 # temperature this small already puts all the mass on the argmax.  The same floor as vLLM's _SAMPLING_EPS.
 MIN_TEMPERATURE = 1e-5
@@ -69,6 +71,8 @@ class SamplingParams:
     """Token ids that end the output (finish_reason "stop", ``stop_reason`` the id); not part of the text."""
     include_stop_str_in_output: bool = False
     """Keep the stop string (or a stop token's text) at the end of the output text."""
+    guided_decoding: GuidedDecodingParams | None = None
+    """Structured output: the tokens are constrained to a JSON schema, regex, choice or grammar (needs xgrammar)."""
 
     def __post_init__(self):
         stop = self.stop
@@ -104,6 +108,9 @@ class SamplingParams:
             raise ValueError(f"n must be an integer >= 1, got {self.n!r}")
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
+        if self.guided_decoding is not None and not isinstance(self.guided_decoding, GuidedDecodingParams):
+            raise ValueError(f"guided_decoding must be a GuidedDecodingParams(json=... | regex=... | choice=[...] | "
+                             f"grammar=... | json_object=True), got {self.guided_decoding!r}")
         check_extras(self)
 
     @property

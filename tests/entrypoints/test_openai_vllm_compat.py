@@ -98,16 +98,16 @@ def test_best_of_one_on_completions_is_accepted_and_over_n_is_a_400(live):
     assert e.value.body["param"] == "best_of"
 
 
-@pytest.mark.parametrize("on", [{"tool_choice": "auto", "tools": [{"type": "function", "function": {"name": "f"}}]},
-                                {"response_format": {"type": "json_object"}}])
+@pytest.mark.parametrize("on", [{"functions": [{"name": "f", "parameters": {"type": "object"}}]},
+                                {"function_call": "auto"}])
 def test_values_the_engine_cannot_honour_stay_400s_naming_the_field(live, on):
     with pytest.raises(openai.BadRequestError) as e:
         chat(live, extra_body=on)
     assert e.value.body["code"] == "unsupported_parameter" and e.value.body["param"] in on
 
 
-@pytest.mark.parametrize("extra", [{"use_beam_search": True}, {"guided_json": {"type": "object"}},
-                                   {"bad_words": ["x"]}, {"guided_choice": ["a", "b"]}])
+@pytest.mark.parametrize("extra", [{"use_beam_search": True}, {"allowed_token_ids": [1, 2]},
+                                   {"bad_words": ["x"]}, {"structured_outputs": {"choice": ["a", "b"]}}])
 def test_vllm_extensions_not_implemented_yet_are_400s_not_ignored(live, extra):
     with pytest.raises(openai.BadRequestError) as e:
         chat(live, extra_body=extra)

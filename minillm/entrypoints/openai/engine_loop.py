@@ -36,8 +36,19 @@ from minillm.sampling.params import SamplingParams
 
 log = logging.getLogger("minillm.serve")
 
-# A prompt as the loop thread receives it: text, token ids, or chat messages ([{"role", "content"}, ...]).
-Prompt = str | Sequence[int] | Sequence[dict]
+
+@dataclass(frozen=True)
+class ChatPrompt:
+    """Chat messages with the tools the chat template renders beside them (OpenAI's ``tools`` list)."""
+
+    messages: list[dict]
+    tools: list[dict]
+
+
+# A prompt as a handler submits it: text, token ids, chat messages ([{"role", "content"}, ...]) or those with tools
+# (tokenized on the one tokenizer thread, ``EngineLoop.tokenize``: a fast tokenizer must not be used by two threads
+# at once, and the engine thread only ever sees token ids).
+Prompt = str | Sequence[int] | Sequence[dict] | ChatPrompt
 
 
 class QueueFull(Exception):
@@ -207,6 +218,12 @@ class EngineLoop:
     def start(self) -> None:
         self._thread.start()
 
+    def compile_grammar(self, guided) -> None:
+        """Compile a request's structured-output grammar (``GuidedDecodingParams``) into the engine's cache, from
+        any thread: the one engine part a handler may touch (its grammar compiler is thread-safe).  Raises
+        ``ValueError`` naming what cannot be compiled."""
+        self.engine.grammar_compiler.compile(guided)
+
     def stop(self, drain_s: float = 0.0, join_s: float = 30.0) -> None:
         """Refuse new requests, let running ones finish for up to ``drain_s`` seconds, abort the rest, and join."""
         self._stopping = True
@@ -260,11 +277,14 @@ class EngineLoop:
         """A prompt's token ids (text tokenized, chat messages through the template, ids as they are); a text over
         ``max_prompt_bytes`` — more bytes than the context's tokens can cover — raises ``PromptTooLong`` without
         being tokenized.  Runs on the tokenizer thread."""
-        size = prompt_text_bytes(prompt)
+        messages, tools = (prompt.messages, prompt.tools) if isinstance(prompt, ChatPrompt) else (None, None)
+        size = prompt_text_bytes(prompt if messages is None else messages)
         if self.max_prompt_bytes is not None and size > self.max_prompt_bytes:
             raise PromptTooLong(f"the prompt has {size} bytes of text; a token of this model's vocabulary covers at "
                                 f"most {self.max_prompt_bytes // self.max_model_len} bytes, so that is more than the "
                                 f"model's context of {self.max_model_len} tokens: shorten the prompt")
+        if messages is not None:
+            return chat_prompt_ids(self.engine.tokenizer, messages, tools)
         if isinstance(prompt, str) or not prompt or not isinstance(prompt[0], dict):
             return self.engine.encode(prompt)
         return chat_prompt_ids(self.engine.tokenizer, prompt)

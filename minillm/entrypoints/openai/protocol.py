@@ -5,12 +5,12 @@ for other servers send fields minillm does not know (``store``, ``metadata``, ``
 them breaks those clients.  The cost is that a typo such as ``temprature`` is silently ignored too: the server
 logs one warning per unknown field name and lists the request's ignored fields in its ``X-Ignored-Fields``
 response header (``ignored_fields``), so a client can still see them.  Fields OpenAI defines but minillm cannot
-honour yet (``tools``, ``response_format``, ...) are declared: their "off" values (``tools=[]``,
-``response_format={"type": "text"}``, ... in ``OFF_VALUES``) are accepted, anything else is a 400 naming the field
-(``unsupported_fields``); so are vLLM's extensions minillm does not implement yet (``guided_json``, ... in
-``VLLM_EXTRA_OFF_VALUES``), which are known, not ignored.  ``top_k``, ``ignore_eos``, ``repetition_penalty``,
-``min_p``, ``min_tokens``, ``stop_token_ids`` and ``include_stop_str_in_output`` are vLLM's extensions, accepted
-with vLLM's meanings.
+honour (``suffix``, the deprecated ``functions``, ...) are declared: their "off" values (in ``OFF_VALUES``) are
+accepted, anything else is a 400 naming the field (``unsupported_fields``); so are vLLM's extensions minillm does
+not implement (``use_beam_search``, ``bad_words``, ... in ``VLLM_EXTRA_OFF_VALUES``), which are known, not
+ignored.  ``top_k``, ``ignore_eos``, ``repetition_penalty``, ``min_p``, ``min_tokens``, ``stop_token_ids``,
+``include_stop_str_in_output`` and ``guided_json`` / ``guided_regex`` / ``guided_choice`` / ``guided_grammar`` are
+vLLM's extensions, accepted with vLLM's meanings.
 """
 
 from __future__ import annotations
@@ -19,21 +19,17 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_serializer
 
 # OpenAI fields the engine has no implementation for, with the values that mean "not used" (compared with their
 # type: False is not 0).  ``best_of`` is off when it equals ``n`` (see unsupported_fields).
-OFF_VALUES: dict[str, tuple] = {
-    "suffix": (None,), "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []),
-    "function_call": (None, "none"), "response_format": (None, {"type": "text"}), "parallel_tool_calls": (None, False),
-}
+OFF_VALUES: dict[str, tuple] = {"suffix": (None,), "functions": (None, []), "function_call": (None, "none")}
 # vLLM's extensions (sent as extra fields) that minillm does not implement yet, with their "off" values (null is
 # off too).  Known, so a value that asks for them is a 400 naming the field rather than silently ignored like an
 # unknown field; a field that the request models declare is never looked up here.
 VLLM_EXTRA_OFF_VALUES: dict[str, tuple] = {
-    "prompt_logprobs": (), "guided_json": (), "guided_regex": (), "guided_choice": (), "guided_grammar": (),
-    "structured_outputs": (), "use_beam_search": (False,), "length_penalty": (1.0, 1), "bad_words": ([],),
-    "allowed_token_ids": (), "truncate_prompt_tokens": (),
+    "prompt_logprobs": (), "structured_outputs": (), "use_beam_search": (False,), "length_penalty": (1.0, 1),
+    "bad_words": ([],), "allowed_token_ids": (), "truncate_prompt_tokens": (),
 }
 
 
@@ -75,8 +71,12 @@ class _SamplingFields(OpenAIBaseModel):
     min_tokens: int | None = None
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
-    # Declared so that the error names them (see unsupported_fields).
-    response_format: Any = None
+    response_format: Any = None  # {"type": "text" | "json_object" | "json_schema", ...}: structured.py
+    # vLLM's structured-output extras (structured.py): a JSON schema, a regex, a list of strings, an EBNF grammar
+    guided_json: Any = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
 
 class CompletionRequest(_SamplingFields):
@@ -211,11 +211,27 @@ class CompletionResponse(BaseModel):
     usage: UsageInfo | None = None
 
 
+class FunctionCall(BaseModel):
+    """The function a tool call calls and its arguments (a JSON string, as OpenAI sends them)."""
+
+    name: str
+    arguments: str
+
+
+class ToolCall(BaseModel):
+    """One call the assistant makes (``tools.py``)."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class AssistantMessage(BaseModel):
-    """The reply of a chat completion."""
+    """The reply of a chat completion: text, or (``content`` None) the tool calls it makes."""
 
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
 class ChatChoice(BaseModel):
@@ -244,6 +260,15 @@ class DeltaMessage(BaseModel):
 
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # pieces of calls (tools.tool_call_stream)
+
+    @model_serializer(mode="wrap")
+    def _without_absent_tool_calls(self, handler):
+        """A delta without tool calls leaves the key out: plain text streams stay as they were."""
+        data = handler(self)
+        if self.tool_calls is None:
+            data.pop("tool_calls", None)
+        return data
 
 
 class ChatChunkChoice(BaseModel):

@@ -15,7 +15,9 @@ JSON, undecodable text, fields the engine cannot honour (code ``unsupported_para
 ``max_body_bytes`` (counted as it arrives: ``guard.py``); 429 admission queue full or (with a TTFT budget,
 ``admission.py``) overloaded, both with ``Retry-After``; 503 shutting down (and ``/health`` while the engine step
 is stuck).  Slow and idle connections are dropped (``connections.py``).  A client that disconnects aborts its
-request, which frees its KV blocks; the server logs one line for it.
+request, which frees its KV blocks; the server logs one line for it.  Structured output (``response_format``,
+vLLM's ``guided_*``) and tool calls (``tools``, ``tool_choice``) become a grammar on the reply (``structured.py``,
+``tools.py``), compiled before the request is queued.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import contextlib
 import logging
 import re
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import replace
 
 from fastapi import FastAPI, Request
@@ -37,6 +39,7 @@ from minillm.entrypoints.openai import protocol as p
 from minillm.entrypoints.openai.compat import FieldWarnings, UsageEveryChunk
 from minillm.entrypoints.openai.connections import ConnectionLimits, yielding
 from minillm.entrypoints.openai.engine_loop import (
+    ChatPrompt,
     EngineFailed,
     EngineLoop,
     Overloaded,
@@ -58,8 +61,12 @@ from minillm.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
 from minillm.entrypoints.openai.openapi import use_declared_errors
 from minillm.entrypoints.openai.sse import StreamMeta, sse_stream
 from minillm.entrypoints.openai.sse import event as sse
+from minillm.entrypoints.openai.structured import FieldError, guided_decoding
 from minillm.entrypoints.openai.tokenization import add_tokenization_routes
+from minillm.entrypoints.openai.tools import ToolPlan, tool_call_stream, tool_plan
+from minillm.entrypoints.openai.tools import finish_reason as tool_finish_reason
 from minillm.outputs import StepOutput
+from minillm.sampling.guided import GuidedDecodingParams
 from minillm.sampling.params import SamplingParams
 
 log = logging.getLogger("uvicorn.error.minillm")  # a child of uvicorn's logger: shown at its --log-level (info)
@@ -120,13 +127,14 @@ class Gate:
 
 
 # ---- requests -> engine inputs ----------------------------------------------------------------------------------
-def sampling_params(body: p.ChatCompletionRequest | p.CompletionRequest, max_tokens: int) -> SamplingParams:
+def sampling_params(body: p.ChatCompletionRequest | p.CompletionRequest, max_tokens: int,
+                    guided: GuidedDecodingParams | None = None) -> SamplingParams:
     """The request's ``SamplingParams``; unset fields keep minillm's defaults.  A bad value is a 400 naming it."""
     kw = {name: getattr(body, name) for name in ("temperature", "top_p", "top_k") if getattr(body, name) is not None}
     stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
     try:
         return SamplingParams(max_tokens=max_tokens, n=body.n, seed=body.seed, stop=stop,
-                              ignore_eos=body.ignore_eos, **kw, **sampling_extras(body))
+                              ignore_eos=body.ignore_eos, guided_decoding=guided, **kw, **sampling_extras(body))
     except ValueError as e:
         raise APIError(400, str(e), param=_param_of(str(e))) from e
 
@@ -143,6 +151,23 @@ def continuous_usage(body: p.ChatCompletionRequest | p.CompletionRequest) -> boo
     ``include_usage``."""
     o = body.stream_options
     return o is not None and o.include_usage and o.continuous_usage_stats
+
+
+def structured(body, plan: ToolPlan | None = None) -> tuple[GuidedDecodingParams | None, str | None]:
+    """The request's output constraint and the field it came from (``structured.guided_decoding``); a 400 naming
+    the field when it is malformed."""
+    try:
+        return guided_decoding(body, plan)
+    except FieldError as e:
+        raise APIError(400, str(e), param=e.param) from e
+
+
+def chat_tools(body: p.ChatCompletionRequest) -> ToolPlan | None:
+    """The chat request's ``ToolPlan`` (``tools.tool_plan``); a 400 naming the field when it is malformed."""
+    try:
+        return tool_plan(body.tools, body.tool_choice, body.parallel_tool_calls)
+    except ValueError as e:
+        raise APIError(400, str(e), param=re.match(r"\w+", str(e)).group(0)) from e
 
 
 def completion_prompts(prompt) -> list[str | list[int]]:
@@ -166,6 +191,18 @@ def chat_messages(messages: Sequence[p.ChatMessage]) -> list[dict]:
             content = "".join(str(part.get("text", "")) for part in content)
         out.append({**m.model_dump(exclude_none=True), "content": content})
     return out
+
+
+def chat_choice(sample, plan: ToolPlan | None, top_logprobs: int | None,
+                token_text: Callable[[int], str]) -> p.ChatChoice:
+    """One finished sample as a chat choice: its text, or (with a ``plan``) the tool calls it makes; with
+    ``top_logprobs`` (``SamplingParams.logprobs``) its tokens' logprobs in the chat shape."""
+    calls = [] if plan is None else plan.parse(sample.text)
+    message = p.AssistantMessage(content=None if calls else sample.text, tool_calls=calls)
+    logprobs = (None if sample.logprobs is None else
+                chat_logprobs(sample.token_ids, sample.logprobs, top_logprobs, token_text))
+    return p.ChatChoice(index=sample.index, message=message, stop_reason=sample.stop_reason, logprobs=logprobs,
+                        finish_reason=tool_finish_reason(calls, sample.finish_reason))
 
 
 def usage(streams: Sequence[RequestStream]) -> p.UsageInfo:
@@ -246,6 +283,16 @@ class Server:
             raise APIError(400, "stream_options is only allowed with stream=true", param="stream_options")
         return self.field_warnings.headers(p.ignored_fields(body))
 
+    async def compile_grammar(self, guided: GuidedDecodingParams | None, field: str | None) -> None:
+        """Compile the request's grammar off the engine thread (a large schema compiles for a while; the engine
+        then finds it cached), so a constraint that cannot be compiled is a 400 naming ``field`` before queueing."""
+        if guided is None:
+            return
+        try:
+            await asyncio.to_thread(self.loop.compile_grammar, guided)
+        except ValueError as e:
+            raise APIError(400, str(e).replace(f"guided_decoding.{guided.kind}", field), param=field) from e
+
     async def submit(self, prompt, params: SamplingParams, request_id: str, param: str,
                      max_tokens_given: bool = True) -> RequestStream:
         """Hand the request to the engine loop; map its refusals to HTTP errors.  ``max_tokens_given`` False:
@@ -314,17 +361,19 @@ class Server:
         return True
 
     async def events(self, streams: Sequence[RequestStream], meta: StreamMeta, n: int,
-                     continuous_usage: bool = False, tap: LogprobTap | None = None) -> AsyncIterator[str]:
-        """SSE: ``sse_stream`` over the requests' merged updates (``updates``); an engine failure becomes an error
-        event and ``[DONE]``.  ``continuous_usage``: the usage so far in every chunk (``UsageEveryChunk``); ``tap``:
-        adds logprobs or an echoed prompt.  Closing the stream early (disconnect) aborts the requests."""
+                     continuous_usage: bool = False, tap: LogprobTap | None = None,
+                     plan: ToolPlan | None = None) -> AsyncIterator[str]:
+        """SSE: ``sse_stream`` (with a tool ``plan``: ``tool_call_stream``) over the requests' merged updates
+        (``updates``); an engine failure becomes an error event and ``[DONE]``.  ``continuous_usage``: the usage so
+        far in every chunk (``UsageEveryChunk``); ``tap``: adds logprobs or an echoed prompt.  Closing the stream
+        early (disconnect) aborts the requests."""
         updates = self.updates(streams, n)
         if tap is not None:
             updates = tap.updates(updates)
         if continuous_usage:
             usage_so_far = UsageEveryChunk(meta.prompt_tokens)
             updates = usage_so_far.count(updates)
-        events = sse_stream(updates, meta)
+        events = sse_stream(updates, meta) if plan is None else tool_call_stream(updates, meta, plan)
         if continuous_usage:
             events = usage_so_far.add_usage(events)
         if tap is not None:
@@ -491,7 +540,9 @@ def _add_routes(app: FastAPI, server: Server) -> None:
             raise APIError(400, "echo with logprobs needs stream=false (the prompt's logprobs come at the end)",
                            param="echo")
         max_tokens = 1 if echo_only else requested_max_tokens(body)  # omitted: 16 (the model's default); null: the rest
-        params = sampling_params(body, server.loop.max_model_len if max_tokens is None else max_tokens)
+        guided, field = structured(body)
+        params = sampling_params(body, server.loop.max_model_len if max_tokens is None else max_tokens, guided)
+        await server.compile_grammar(guided, field)
         rid, model = p.random_id("cmpl"), body.model
         prompts = completion_prompts(body.prompt)
         streams = await server.submit_all(prompts, params, rid, "prompt", max_tokens is not None)
@@ -520,24 +571,27 @@ def _add_routes(app: FastAPI, server: Server) -> None:
     async def chat_completions(body: p.ChatCompletionRequest, request: Request, response: Response):
         headers = server.check(body)
         max_tokens = requested_max_tokens(body)
-        params = sampling_params(body, server.loop.max_model_len if max_tokens is None else max_tokens)
+        plan = chat_tools(body)
+        guided, field = structured(body, plan)
+        params = sampling_params(body, server.loop.max_model_len if max_tokens is None else max_tokens, guided)
+        await server.compile_grammar(guided, field)
         rid, model = p.random_id("chatcmpl"), body.model
-        streams = [await server.submit(chat_messages(body.messages), params, rid, "messages", max_tokens is not None)]
+        prompt = chat_messages(body.messages)
+        if body.tools:  # templates that support tools render them into the prompt
+            prompt = ChatPrompt(prompt, body.tools)
+        streams = [await server.submit(prompt, params, rid, "messages", max_tokens is not None)]
         if body.stream:
             meta = stream_meta(body, rid, streams, params.n, chat=True)
             tap = LogprobTap(True, params.logprobs, token_text) if params.logprobs is not None else None
-            return EventStream(server.events(streams, meta, params.n, continuous_usage(body), tap), streams, headers)
+            return EventStream(server.events(streams, meta, params.n, continuous_usage(body), tap, plan), streams,
+                               headers)
         response.headers.update(headers)
         try:
             if not await server.collect(streams, request):
                 return Response(status_code=499)
         finally:
             streams[0].close()
-        choices = [p.ChatChoice(index=s.index, message=p.AssistantMessage(content=s.text),
-                                finish_reason=s.finish_reason, stop_reason=s.stop_reason,
-                                logprobs=None if s.logprobs is None else
-                                chat_logprobs(s.token_ids, s.logprobs, params.logprobs, token_text))
-                   for s in streams[0].output.outputs]
+        choices = [chat_choice(s, plan, params.logprobs, token_text) for s in streams[0].output.outputs]
         return p.ChatCompletionResponse(id=rid, model=model, choices=choices, usage=usage(streams))
 
 

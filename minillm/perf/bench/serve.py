@@ -20,6 +20,10 @@ every request completed and p99 TTFT met the SLO — then send ``2 ×`` that rat
 (``minillm serve --ttft-slo-ms``) should then lose nothing and keep its admitted requests within the SLO,
 refusing the excess with 429; one that queues without bound keeps every request and misses the SLO on most.
 
+Structured output (``json_schema``): the same trace runs again with ``response_format`` json_schema on every
+request, and the run reports both output throughputs and their ratio — the cost of the grammar masks (and of
+the shorter, JSON-shaped answers: compare at ``ignore_eos`` only where the server stops a completed schema anyway).
+
 Output tokens come from the server's usage chunk (``stream_options.include_usage``), else
 one per text chunk.  Prompts are real English cut from CPython's ``pydoc_data.topics`` (always installed, no
 download) at lognormal lengths, wrapped in chat-like instructions, with a seed: the same trace on every run.
@@ -133,9 +137,13 @@ def make_trace(n: int, rate: float, max_tokens: int, seed: int = 0, burstiness: 
 
 
 # ---- one request -------------------------------------------------------------------------------------------------
-def request_body(endpoint: str, model: str, prompt: str, max_tokens: int, ignore_eos: bool) -> dict:
+def request_body(endpoint: str, model: str, prompt: str, max_tokens: int, ignore_eos: bool,
+                 json_schema: dict | None = None) -> dict:
+    """One streamed request; ``json_schema``: constrain the answer (OpenAI's ``response_format`` json_schema)."""
     body = {"model": model, "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
             "stream_options": {"include_usage": True}}
+    if json_schema is not None:
+        body["response_format"] = {"type": "json_schema", "json_schema": {"name": "bench", "schema": json_schema}}
     if endpoint == "chat":
         body["messages"] = [{"role": "user", "content": prompt}]
     else:
@@ -212,10 +220,11 @@ async def send_request(client, url: str, body: dict, headers: dict, *,
 # ---- a run -------------------------------------------------------------------------------------------------------
 async def run_trace(base_url: str, trace: Sequence[BenchRequest], *, model: str, endpoint: str = "chat",
                     api_key: str | None = None, ignore_eos: bool = False, max_concurrency: int | None = None,
-                    timeout_s: float = 600.0, progress: bool = True,
+                    timeout_s: float = 600.0, progress: bool = True, json_schema: dict | None = None,
                     parse: Callable[..., RequestResult] = parse_stream) -> tuple[list[RequestResult], float]:
     """Send ``trace`` on its schedule; returns each request's result (trace order) and the wall time.
-    ``parse`` turns a response's timed lines into its result (see ``parse_stream``)."""
+    ``parse`` turns a response's timed lines into its result (see ``parse_stream``); ``json_schema``: every
+    request's answer is constrained to it."""
     import httpx
     from tqdm.auto import tqdm
 
@@ -230,7 +239,7 @@ async def run_trace(base_url: str, trace: Sequence[BenchRequest], *, model: str,
         async def one(req: BenchRequest) -> RequestResult:
             await asyncio.sleep(max(0.0, start + req.arrival_s - time.perf_counter()))
             async with gate:
-                body = request_body(endpoint, model, req.prompt, req.max_tokens, ignore_eos)
+                body = request_body(endpoint, model, req.prompt, req.max_tokens, ignore_eos, json_schema)
                 result = await send_request(client, path, body, headers, parse=parse)
             bar.update(1)
             return result
@@ -286,14 +295,17 @@ def bench_serve(base_url: str = "http://127.0.0.1:8000", request_rates: Sequence
                 endpoint: str = "chat", burstiness: float = 1.0, ignore_eos: bool = False,
                 ttft_slo_s: float = 1.0, tpot_slo_s: float = 0.2, api_key: str | None = None,
                 max_concurrency: int | None = None, overload: float | None = None, progress: bool = True,
-                save: bool = True, out_dir: Path | None = None) -> dict:
+                save: bool = True, out_dir: Path | None = None, json_schema: dict | None = None) -> dict:
     """Run the trace once per rate against ``base_url``; print a table, save JSON (with the machine) and return
     ``{"runs": [summary per rate], ...}``.  The trace (prompts, lengths, arrival pattern) depends only on
     ``seed``, ``num_prompts`` and the rate, so two servers are measured on the same requests.
 
     ``overload`` (e.g. 2.0): after the sweep, run once more at ``overload ×`` the capacity (``capacity_rate``:
     the highest swept rate that completed everything within the TTFT SLO) and report it as
-    ``payload["overload"]``; skipped, with a message, if no swept rate qualifies."""
+    ``payload["overload"]``; skipped, with a message, if no swept rate qualifies.
+
+    ``json_schema`` (a JSON schema): each rate runs the trace twice, unconstrained then with every answer
+    constrained to the schema (``payload["runs_json_schema"]``), and prints both output throughputs."""
     from minillm.perf.bench.decode import save_results
 
     if endpoint not in ("chat", "completions"):
@@ -302,13 +314,15 @@ def bench_serve(base_url: str = "http://127.0.0.1:8000", request_rates: Sequence
         raise ValueError(f"num_prompts must be an int >= 1, got {num_prompts!r}")
     if overload is not None and not overload > 0:
         raise ValueError(f"overload must be a factor > 0 (e.g. 2 for twice the capacity), got {overload!r}")
+    if json_schema is not None and not isinstance(json_schema, dict):
+        raise ValueError(f"json_schema must be a JSON schema object, got {json_schema!r}")
     model = model or discover_model(base_url, api_key)
 
-    def measure(rate: float) -> dict:
+    def measure(rate: float, schema: dict | None = None) -> dict:
         trace = make_trace(num_prompts, rate, max_tokens, seed, burstiness)
         results, duration = asyncio.run(run_trace(base_url, trace, model=model, endpoint=endpoint, api_key=api_key,
                                                   ignore_eos=ignore_eos, max_concurrency=max_concurrency,
-                                                  progress=progress))
+                                                  progress=progress, json_schema=schema))
         summary = summarize_run(results, duration, ttft_slo_s=ttft_slo_s, tpot_slo_s=tpot_slo_s)
         run = {"request_rate": rate, "num_prompts": num_prompts, **summary,
                "requests": [{k: v for k, v in asdict(r).items() if k != "itl_s"} for r in results]}
@@ -318,6 +332,11 @@ def bench_serve(base_url: str = "http://127.0.0.1:8000", request_rates: Sequence
     runs = [measure(rate) for rate in request_rates]
     payload = {"benchmark": "serve", "base_url": base_url, "model": model, "endpoint": endpoint, "seed": seed,
                "max_tokens": max_tokens, "burstiness": burstiness, "ignore_eos": ignore_eos, "runs": runs}
+    if json_schema is not None:
+        print("\nthe same trace, every answer constrained to the JSON schema:")
+        payload["json_schema"] = json_schema
+        payload["runs_json_schema"] = [measure(rate, json_schema) for rate in request_rates]
+        print_structured_cost(runs, payload["runs_json_schema"])
     if overload is not None:
         capacity = capacity_rate(runs)
         if capacity is None or math.isinf(capacity):
@@ -357,6 +376,15 @@ def print_summary(run: dict) -> None:
     print("                 p50      p90      p99   (ms)")
     for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
         print(f"  {key[:-3].upper():6s}  {ms(key)}")
+
+
+def print_structured_cost(plain: Sequence[dict], constrained: Sequence[dict]) -> None:
+    """Per rate: output tok/s unconstrained and with the JSON schema, and their ratio."""
+    print("\nstructured output: output tok/s per rate (same trace)")
+    for a, b in zip(plain, constrained, strict=True):
+        ratio = b["output_throughput"] / a["output_throughput"] if a["output_throughput"] else float("nan")
+        print(f"  rate {a['request_rate']:g}: unconstrained {a['output_throughput']:.1f}, json_schema "
+              f"{b['output_throughput']:.1f} ({ratio:.2f}x)")
 
 
 def print_overload(run: dict) -> None:

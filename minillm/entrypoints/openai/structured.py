@@ -1,0 +1,72 @@
+"""Structured output from a request's fields: OpenAI's ``response_format``, vLLM's ``guided_*`` extras and a chat
+request's ``ToolPlan`` -> one ``GuidedDecodingParams`` (at most one of them may constrain a request).
+
+    response_format={"type": "json_object"}                       any JSON object
+    response_format={"type": "json_schema", "json_schema": {"name": ..., "schema": {...}, "strict": bool}}
+                                                                  JSON valid against the schema (strict or not:
+                                                                  the output always follows it)
+    response_format={"type": "text"} / None                       unconstrained
+    guided_json / guided_regex / guided_choice / guided_grammar   vLLM's extras (schema, regex, list, EBNF)
+"""
+
+from __future__ import annotations
+
+from minillm.entrypoints.openai.tools import ToolPlan
+from minillm.sampling.guided import GuidedDecodingParams
+
+GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
+                 "guided_grammar": "grammar"}
+
+
+class FieldError(ValueError):
+    """A bad structured-output field: ``param`` is the request field to name in the 400."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(message)
+        self.param = param
+
+
+def guided_decoding(body, plan: ToolPlan | None = None) -> tuple[GuidedDecodingParams | None, str | None]:
+    """-> (the request's constraint, the field it came from) or (None, None).  Raises ``FieldError``."""
+    found = []
+    rf = _response_format(body.response_format)
+    if rf is not None:
+        found.append(("response_format", rf))
+    for name, kind in GUIDED_FIELDS.items():
+        value = getattr(body, name, None)
+        if value is not None:
+            found.append((name, {kind: value}))
+    if plan is not None and plan.schema() is not None:
+        found.append(("tool_choice", {"json": plan.schema()}))
+    if not found:
+        return None, None
+    if len(found) > 1:
+        names = [f for f, _ in found]
+        raise FieldError(names[1], f"{' and '.join(names)} each constrain the output: send only one of them")
+    field, kwargs = found[0]
+    try:
+        return GuidedDecodingParams(**kwargs), field
+    except ValueError as e:
+        raise FieldError(field, f"{field}: {e}") from e
+
+
+def _response_format(rf) -> dict | None:
+    """``response_format`` -> ``GuidedDecodingParams`` keyword arguments (None: unconstrained)."""
+    if rf is None:
+        return None
+    kind = rf.get("type") if isinstance(rf, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"json_object": True}
+    if kind == "json_schema":
+        spec = rf.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+            raise FieldError("response_format", "response_format.json_schema must be {'name': ..., 'schema': "
+                                                f"{{JSON schema}}, 'strict': true|false}}, got {spec!r}")
+        if spec.get("strict") not in (None, True, False):
+            raise FieldError("response_format", f"response_format.json_schema.strict must be true or false, got "
+                                                f"{spec['strict']!r}")
+        return {"json": spec["schema"]}
+    raise FieldError("response_format", "response_format must be {'type': 'text' | 'json_object' | 'json_schema', "
+                                        f"...}}, got {rf!r}")
