@@ -424,9 +424,9 @@ def test_solution_cell_passes_its_checker(number, capsys):
 
 
 @pytest.mark.parametrize("number", NUMBERS)
-def test_library_reference_passes_its_checker(number, capsys):
+def test_library_reference_passes_its_checker(number, capsys, solution_copy):
     ex = EXERCISES[number]
-    ex.check(ex.answer())
+    ex.check(solution_copy(ex))
     assert f"✓ Exercise {number} passed" in capsys.readouterr().out
 
 
@@ -482,11 +482,29 @@ def test_judge_prediction_computes_its_verdict_from_the_numbers(capsys):
 @pytest.mark.parametrize("number", [n for n in NUMBERS if n.endswith(".0")])
 def test_prediction_checker_records_the_students_number(number, capsys):
     ex = EXERCISES[number]
-    assert ex.check(lambda *numbers: 12.5) == 12.5
-    assert "12.5" in capsys.readouterr().out
+    bound = ex.check.bound()
+    assert ex.check(lambda *numbers: bound) == bound
+    assert f"{bound:,.4g}" in capsys.readouterr().out
     for bad in (None, -1.0, float("nan"), "40", True):
         with pytest.raises(AssertionError, match="expected a positive number"):
             ex.check(lambda *numbers, bad=bad: bad)
+
+
+@pytest.mark.parametrize("number", [n for n in NUMBERS if n.endswith(".0")])
+def test_prediction_checker_accepts_only_a_number_near_the_bound(number):
+    """A prediction off by more than the stated factor fails, and one that beats a ceiling (or undercuts a floor)
+    by more than 5 % fails: no pre-filled number and no wild guess passes."""
+    ex = EXERCISES[number]
+    bound, kind, factor = ex.check.bound(), ex.check.kind, ex.check.factor
+    for wrong in (bound * factor * 2, bound / factor / 2):
+        with pytest.raises(AssertionError, match="expected between"):
+            ex.check(lambda *numbers, wrong=wrong: wrong)
+    if kind == "ceiling":
+        with pytest.raises(AssertionError, match="nothing can beat it"):
+            ex.check(lambda *numbers: bound * 1.2)
+    if kind == "floor":
+        with pytest.raises(AssertionError, match="nothing can undercut it"):
+            ex.check(lambda *numbers: bound * 0.8)
 
 
 def test_prediction_bytes_tolerance():
