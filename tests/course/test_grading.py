@@ -253,7 +253,7 @@ def test_stub_solution_and_delegation_are_rendered_from_the_fence(lib):
     assert "### BEGIN SOLUTION" not in ex.code(student=True) + ex.code(student=False)
 
 
-def test_a_checker_that_swallows_the_refusal_still_fails(lib, monkeypatch, capsys):
+def test_a_checker_that_swallows_the_refusal_still_fails(lib, monkeypatch, capsys, solution_copy):
     monkeypatch.setattr(registry, "EXERCISES", {})
 
     @registry.exercise("99.2", "minillm_fixture_lib.solved.area", "area", "w × h")
@@ -268,7 +268,7 @@ def test_a_checker_that_swallows_the_refusal_still_fails(lib, monkeypatch, capsy
     assert registry.EXERCISES["99.2"].check is check_area
     with pytest.raises(LibrarySolutionCalled):
         check_area(registry.EXERCISES["99.2"].delegate())
-    check_area(registry.EXERCISES["99.2"].answer())  # the student's own code passes
+    check_area(solution_copy(registry.EXERCISES["99.2"]))  # the student's own code passes
 
 
 def test_a_checker_that_rewraps_the_refusal_reports_delegation(lib, monkeypatch):
