@@ -451,8 +451,8 @@ def test_stub_message_survives_unchanged_through_a_checker():
 def test_roofline_prediction_is_a_bound_and_reports_the_fraction_honestly(capsys):
     assert checks.check_roofline_prediction(100.0, 85.0, device="cpu") == pytest.approx(0.85)
     assert "at 85% of the roofline bound: bandwidth bound" in capsys.readouterr().out
-    with pytest.raises(AssertionError, match="beats the predicted bound"):
-        checks.check_roofline_prediction(100.0, 130.0, device="cpu")
+    checks.check_roofline_prediction(100.0, 130.0, device="cpu")  # a roof measured low on a busy machine
+    assert "⚠ measured decode tokens/s 130 beats the predicted bound 100 by 30%" in capsys.readouterr().out
     checks.check_roofline_prediction(100.0, 32.0, device="cpu")  # no band to pass: a verdict, never "✓ holds"
     out = capsys.readouterr().out
     assert "at 32% of the roofline bound: overhead dominates" in out and "✓" not in out
@@ -471,8 +471,8 @@ def test_judge_prediction_computes_its_verdict_from_the_numbers(capsys):
     assert "beyond the roofline bound" in v.text and "85% of the roofline bound (40): bandwidth bound" in v.text
     v = checks.judge_prediction(12.0, 10.0, bound=6.0, what="step", unit="ms", lower_is_faster=True)
     assert "1.2× too pessimistic" in v.text and v.of_bound == pytest.approx(0.6)
-    with pytest.raises(AssertionError, match="beats"):
-        checks.judge_prediction(10.0, 60.0, bound=40.0, what="x")
+    v = checks.judge_prediction(10.0, 60.0, bound=40.0, what="x")  # noise or a low roof: said, not raised
+    assert "⚠ measured x 60 beats the roofline bound 40 by 50%" in v.text and "--remeasure" in v.text
     with pytest.raises(ValueError, match="write your prediction"):
         checks.judge_prediction(-3.0, 10.0, bound=40.0, what="x")
     v = checks.judge_prediction(None, 10.0, bound=40.0, what="x")  # not written yet: the measurement still placed

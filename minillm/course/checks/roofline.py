@@ -283,6 +283,14 @@ def gap_verdict(of_bound: float) -> str:
     return "overhead dominates, not bandwidth"
 
 
+def beyond_bound_note(what: str, measured: str, bound: str, excess: float) -> str:
+    """The line printed when a measurement beats a bandwidth bound by more than noise allows.  Not an error: a
+    cached roof measured while the machine was busy is the usual cause, and a notebook must not fail on noise."""
+    return (f"  ⚠ measured {what} {measured} beats {bound} by {excess:.0%}: the cached roof was probably measured "
+            "while this machine was busy (`python -m minillm roofline --remeasure` measures it again), or the bound "
+            "counts bytes the work does not read")
+
+
 def _speed(x: float, lower_is_faster: bool) -> float:
     return 1 / x if lower_is_faster else x
 
@@ -294,9 +302,10 @@ def judge_prediction(mine: float | None, measured: float, *, bound: float | None
 
     No band passes or fails the student: the verdict states how far each number is from the others (ratios
     computed here) — a prediction within 15 % "held"; a measurement at ≥ 80 % of the bound is bandwidth bound,
-    50–80 % mostly so, below 50 % overhead dominates (``see`` points at where the notebook explains it).  The only
-    assertion is on the model: a measurement beating a bandwidth bound by more than ``upper`` − 1 means the bound
-    counts the wrong bytes.  ``lower_is_faster``: the quantities are times (ms), not rates.  ``bandwidth=False``: the
+    50–80 % mostly so, below 50 % overhead dominates (``see`` points at where the notebook explains it).  A
+    measurement beating a bandwidth bound by more than ``upper`` − 1 gets a ⚠ line (a roof measured on a busy
+    machine, or a bound counting the wrong bytes), not an error: noise must not fail a notebook.
+    ``lower_is_faster``: the quantities are times (ms), not rates.  ``bandwidth=False``: the
     bound is another model's limit (a ratio of step counts, a no-waste capacity), so the verdict says how close
     the measurement came without calling it bandwidth bound.  ``mine`` None (the prediction exercise is not written
     yet): the measurement is still placed against the bound, with a reminder.  Raises ``ValueError`` for anything
@@ -325,10 +334,8 @@ def judge_prediction(mine: float | None, measured: float, *, bound: float | None
     if bound is not None:
         assert bound > 0, f"the bound must be positive, got {bound}"
         of_bound = _speed(measured, lower_is_faster) / _speed(bound, lower_is_faster)
-        assert of_bound <= upper or not bandwidth, (
-            f"measured {what} {fmt(measured)} beats {bound_name} {fmt(bound)} by {of_bound - 1:.0%} (more than "
-            f"{upper - 1:.0%} of noise): the bound counts more bytes than the work reads, or the bandwidth "
-            "measurement is too low.")
+        if bandwidth and of_bound > upper:
+            lines.append(beyond_bound_note(what, fmt(measured), f"{bound_name} {fmt(bound)}", of_bound - 1))
         if mine is not None and _speed(mine, lower_is_faster) > _speed(bound, lower_is_faster) * 1.05:
             lines.append(f"  your prediction is beyond {bound_name} ({fmt(bound)}): nothing on this machine can "
                          "reach it — recheck the bytes and the bandwidth behind it")
