@@ -404,8 +404,9 @@ verdict = checks.judge_prediction(my_prediction, weight_bytes / gemv_s["torch"][
 # ### Spot the bug
 #
 # A widely read textbook works this example: *"a 7B-parameter model in 16-bit precision generating 100 tokens per
-# second reads 7B × 2 bytes × 100 /s = 700 GB/s, so on an A100 with 2 TB/s of bandwidth its MBU is 35 %."*
-# One number in that sentence is wrong. Find it before you write the exercise (its docstring gives the answer away).
+# second reads 7B × 2 bytes × 100 /s = 700 GB/s, so on an A100 with 2 TB/s of bandwidth its MBU is 70 %."*
+# Two steps in that sentence are wrong, and their errors cancel. Find both before you write the exercise (its
+# docstring gives the answer away).
 #
 # ### Exercise 0.4 — MBU
 #
@@ -427,8 +428,9 @@ checks.check_mbu(mbu)
 params, bytes_per_param, tokens_per_s, a100_bandwidth = 7e9, 2, 100, 2e12
 print(f"7e9 × {bytes_per_param} bytes × {tokens_per_s} per second = "
       f"{params * bytes_per_param * tokens_per_s / 1e12:.1f} TB per second, not 0.7")
-print(f"MBU = {mbu(params * bytes_per_param, tokens_per_s, a100_bandwidth):.0%} "
-      f"(700 GB/s would be {mbu(7e11, 1, a100_bandwidth):.0%}: the slip drops the 2 bytes per parameter)")
+print(f"MBU = {mbu(params * bytes_per_param, tokens_per_s, a100_bandwidth):.0%}: the textbook's 70 % is right, "
+      f"but not from its own 700 GB/s, which would give {mbu(7e11, 1, a100_bandwidth):.0%} — the first slip drops "
+      "the 2 bytes per parameter, the second doubles the quotient back")
 
 # %% [markdown]
 # ### Plug it in: the engine's MBU on this machine

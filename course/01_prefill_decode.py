@@ -33,6 +33,7 @@ import torch
 
 from minillm import LLM, SamplingParams
 from minillm.course import checks
+from minillm.course.conclusions import conclude
 from minillm.course.predictions import predict_decode_tok_s
 from minillm.engine.simple import _append, _right_pad, _start, generate
 from minillm.sampling.sampler import sample
@@ -356,6 +357,43 @@ for label, tok_s in [("this server, one request at a time", served_tok_s),
     print(f"{label:36} {tok_s:8.1f} tok/s -> ${cost_per_million_tokens(PRICE_PER_HOUR, tok_s):8.2f} per 1M tokens")
 
 # %% [markdown]
+# ### What one request costs, prefill included
+#
+# A request pays for its prompt's prefill and then one decode step per output token. Per token, prefill is cheap:
+# it reuses every weight across the whole prompt (compute bound), while each output token reads all the weights
+# again (memory bound). The roofline predicts the ratio of an output token's cost to an input token's — the reason
+# price lists charge several times more for output tokens — and the measurements above give it on this machine.
+
+# %% tags=["slide-output"]
+# NBVAL_IGNORE_OUTPUT
+P, ANSWER = prompt_lengths[-1], 128  # a request: the longest prompt measured, a 128-token answer
+
+
+def roofline_time(cost: roofline.Cost) -> float:
+    """The roofline's lower bound on the time of ``cost`` on this machine (seconds)."""
+    return max(cost.flops / spec.peak(dtype), cost.bytes / spec.memory_bandwidth)
+
+
+per_input = {"measured": ttft[P] / P, "roofline": roofline_time(roofline.prefill_cost(config, 1, P, dtype)) / P}
+per_output = {"measured": 1 / measured_tok_s,
+              "roofline": roofline_time(roofline.decode_step_cost(config, 1, P + ANSWER // 2, dtype))}
+dollars_per_s = PRICE_PER_HOUR / 3600
+for kind in ("measured", "roofline"):
+    request_s = P * per_input[kind] + ANSWER * per_output[kind]
+    print(f"{kind:9}: input token {per_input[kind] * 1e3:7.2f} ms, output token {per_output[kind] * 1e3:7.2f} ms "
+          f"(ratio {per_output[kind] / per_input[kind]:5.1f}×); one request ({P} in, {ANSWER} out) "
+          f"{request_s:6.2f} s = ${request_s * dollars_per_s * 1e3:.4f} per thousand requests "
+          f"at ${PRICE_PER_HOUR:.2f}/h, {P * per_input[kind] / request_s:.0%} of it prefill")
+conclude("output token ÷ input token, measured", per_output["measured"] / per_input["measured"], 1, expect=">",
+         unit="×", held="an output token costs more than an input token here, as the roofline predicts",
+         missed="an input token cost as much as an output token here: prefill did not reach the compute roof")
+conclude("that ratio, measured ÷ roofline", (per_output["measured"] / per_input["measured"])
+         / (per_output["roofline"] / per_input["roofline"]), 1, expect="≈", tolerance=0.5, unit="×",
+         held="the roofline predicts the output/input cost ratio within a factor of about two",
+         missed="the measured ratio is off the roofline's by more than half: one of the two phases runs far from "
+                "its roof on this machine (section 5 shows which)")
+
+# %% [markdown]
 # ## 5. Place the measurements on the roofline
 #
 # Each prefill and the decode step become a point: x = the cost model's intensity, y = its FLOPs ÷ measured
@@ -384,3 +422,5 @@ plt.show()
 # - Report **percentiles**, not means; judge a server by **goodput** under an SLO; **$/1M tokens** =
 #   $/h ÷ (tok/s × 3600) × 10⁶, so throughput is the lever on cost — batching (notebook 06) moves decode up the
 #   slanted roof.
+# - A request's cost is its prefill plus one decode step per output token; per token, an output token costs
+#   several input tokens (memory bound vs compute bound), which is why providers price output tokens higher.

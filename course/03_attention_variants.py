@@ -39,6 +39,7 @@ from torch import Tensor, nn
 
 from minillm import LLM, SamplingParams, kernels
 from minillm.course import checks
+from minillm.course.conclusions import conclude
 from minillm.course.predictions import predict_mqa_speedup
 from minillm.engine.simple import generate
 from minillm.kernels.reference import check_qkv  # grouped_attention's shape check (the exercise's first line)
@@ -342,6 +343,14 @@ verdict = checks.judge_prediction(my_prediction, results[h_mqa]["tok_s"] / resul
                                   what=f"decode speedup of H_kv = {h_mqa} over H_kv = {h_mha}",
                                   see="the weights' fixed costs, and attention turning compute bound on a CPU "
                                       "(the next paragraph)")
+speedup = results[h_mqa]["tok_s"] / results[h_mha]["tok_s"]
+conclude(f"decode tok/s, H_kv = {h_mqa} ÷ H_kv = {h_mha}", speedup, 1, expect=">", unit="×",
+         held="fewer K/V heads make decode steps faster: fewer cache bytes per step",
+         missed="fewer K/V heads did not make decode faster in this run: the weights dominate the bytes at this "
+                "context, or attention turned compute bound (next paragraph)")
+conclude("that speedup ÷ the ratio of the bounds", speedup / bound_ratio, 1, expect="<", unit="×",
+         held="the measured speedup is smaller than the bounds' ratio: the step is not purely bandwidth bound",
+         missed="the measured speedup reaches the bounds' ratio: this machine streams both models at the roof")
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -360,8 +369,8 @@ plt.tight_layout()
 plt.show()
 
 # %% [markdown]
-# Fewer K/V heads: a smaller cache, exactly as predicted, and faster decode steps. The measured speedup is smaller
-# than the bound's wherever a step is not purely bandwidth bound: the weights' GEMVs have fixed costs, and on a
+# Fewer K/V heads: a smaller cache, exactly as predicted; the ▸ lines above say how decode speed followed here.
+# The measured speedup falls short of the bounds' ratio wherever a step is not purely bandwidth bound: the weights' GEMVs have fixed costs, and on a
 # CPU — whose ridge is a few FLOP/byte — attention with G = 9 query heads per K/V head does 2·9 FLOPs per K/V
 # element, 4.5 FLOP/byte in fp32: MQA's attention becomes compute bound there (section 7 shows it). On a GPU,
 # with its ridge near 300 FLOP/byte, every variant stays bandwidth bound.

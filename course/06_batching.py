@@ -40,6 +40,7 @@ import torch
 
 from minillm import LLM, EngineConfig, LLMEngine, SamplingParams
 from minillm.course import checks
+from minillm.course.conclusions import conclude
 from minillm.course.slot_model import slot_timeline
 from minillm.course.predictions import predict_continuous_speedup
 from minillm.engine.scheduler import Policy, Scheduler
@@ -238,16 +239,26 @@ assert dropped[1] == measured["static"][1], "dropping finished rows changes the 
 print(f"  static, finished rows dropped: {dropped[0].output_tok_s:5.1f} output tokens/s, mean step "
       f"{1e3 * dropped[0].duration_s / len(dropped[1]):5.1f} ms; continuous ÷ it: "
       f"{measured['continuous'][0].output_tok_s / dropped[0].output_tok_s:.2f}×")
+conclude("continuous ÷ static throughput", ratio, 1, expect=">", unit="×",
+         held="continuous batching is faster than static on this trace, as its fewer steps predict",
+         missed="continuous batching is slower than static here: its fuller steps cost more than the steps it "
+                "saves on this machine, which turns compute bound at a few sequences (section 6)")
+conclude("static with finished rows dropped ÷ padded static", dropped[0].output_tok_s / measured["static"][0].output_tok_s,
+         1, expect=">", unit="×",
+         held="dropping finished rows recovers part of the gap: a step's cost grows with its rows on this machine",
+         missed="dropping finished rows gains nothing measurable here: a step costs about the same whatever its "
+                "rows at this batch size, or the machine's noise hides the difference")
 
 # %% [markdown]
 # The engine ran exactly your timelines. Its static batches keep their shape, as a padded batch does: a finished
-# request's row is still computed, on a pad token, until the batch ends. The time ratio is still below the step
-# ratio: both runs prefill every prompt once, and on this trace (prompts of 8–24 tokens, most answers a few
-# tokens) prefill is a large share of the work — continuous batching saves decode rows, not prefill. An engine
-# can also drop the finished rows instead of padding them (`EngineConfig(pad_batches=False)`, the last line): on
-# this CPU that recovers part of the gap, because past a few sequences a step's cost grows with its rows
-# (section 6 shows why: this CPU's ridge is a few FLOP/byte, so batching soon makes it compute bound). On a GPU,
-# where a decode step of a few sequences costs about the same as one, dropping rows saves almost nothing.
+# request's row is still computed, on a pad token, until the batch ends. Time is not steps: both runs prefill
+# every prompt once, and on this trace (prompts of 8–24 tokens, most answers a few tokens) prefill is a large share
+# of the work — continuous batching saves decode rows, not prefill — and a fuller step costs more where the
+# machine turns compute bound at a few sequences. The lines marked ▸ above say what this run measured. An engine
+# can also drop the finished rows instead of padding them (`EngineConfig(pad_batches=False)`): that pays where a
+# step's cost grows with its rows (section 6 shows when: a ridge of a few FLOP/byte, as on a CPU, makes batching
+# compute bound early). On a GPU, where a decode step of a few sequences costs about the same as one, dropping
+# rows saves almost nothing.
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -509,12 +520,51 @@ for chunked, budget in ((False, 1024), (True, 128)):
     print(f"chunked_prefill={str(chunked):5} (budget {budget:4d}): decoders' ITL p50 "
           f"{statistics.median(itl) * 1e3:6.0f} ms, max {max(itl) * 1e3:6.0f} ms; the {long_len}-token prompt's "
           f"TTFT {long_ttft * 1e3:6.0f} ms")
+conclude("decoders' longest gap, chunked ÷ unchunked", max(stall[True]) / max(stall[False]), 1, expect="<", unit="×",
+         held="chunking shrinks the longest gap a decoding user sees toward one chunk's prefill",
+         missed="chunking did not shorten the longest gap in this run: the machine's noise outweighed the prefill "
+                "it spreads (run the cell again)")
 
 # %% [markdown]
-# The longest gap a decoding user sees shrinks to about one chunk's prefill time; the long prompt's TTFT grows a
-# little (its chunks share steps with the decodes). Production engines pick the chunk size that keeps the
+# Chunking bounds the longest gap a decoding user sees by one chunk's prefill time instead of the whole prompt's
+# (the ▸ line says what this run measured); the long prompt's TTFT grows a little (its chunks share steps with the
+# decodes). Production engines pick the chunk size that keeps the
 # decoders' TPOT within the SLO (Sarathi-Serve, OSDI 2024).
 #
+# ### Measure: forced preemption, recompute vs swap
+#
+# When the KV blocks run out mid-decode, the scheduler preempts the newest running sequence. **Recompute** frees
+# its blocks and prefills prompt + generated tokens again later (compute: cheap for short sequences, and prefill is
+# the efficient phase); **swap** copies its blocks to host memory and back (bytes: cheap when the link is fast and
+# the sequence long). Eight requests on a cache of 12 blocks of 16 tokens force it; both modes must produce the
+# same tokens, and the cheaper mode is what this machine measures. (On a CPU the "host" is the same memory, so a
+# swap is a plain copy; on a GPU it crosses PCIe.)
+
+# %% tags=["slide-output"]
+# NBVAL_IGNORE_OUTPUT
+def preempting_run(mode: str) -> tuple[float, int, dict]:
+    """Serve 8 requests on 12 KV blocks with ``mode`` preemption; -> (seconds, preemptions, tokens per request)."""
+    engine = LLMEngine(model, llm.tokenizer, EngineConfig(max_num_seqs=8, num_kv_blocks=12, block_size=16,
+                                                          max_num_batched_tokens=512, preemption=mode,
+                                                          enable_prefix_caching=False))
+    prompts = [corpus[40 * i : 40 * i + 24] for i in range(8)]
+    params = SamplingParams(max_tokens=16 if FAST else 40, temperature=0, ignore_eos=True)
+    t = time.perf_counter()
+    outs = engine.generate(prompts, params)
+    return time.perf_counter() - t, engine.stats.preemptions, [o.token_ids for o in outs]
+
+
+preempt = {mode: min((preempting_run(mode) for _ in range(REPEATS)), key=lambda r: r[0])
+           for mode in ("recompute", "swap")}
+assert preempt["recompute"][2] == preempt["swap"][2], "recompute and swap must produce the same tokens"
+for mode, (seconds, count, _) in preempt.items():
+    print(f"preemption by {mode:9}: {count:3d} preemptions, {seconds:5.2f} s for 8 requests")
+conclude("swap time ÷ recompute time", preempt["swap"][0] / preempt["recompute"][0], 1, expect="<", unit="×",
+         held="swapping is cheaper here: copying the blocks costs less than prefilling the tokens again",
+         missed="recomputing is cheaper here: re-prefilling these short sequences costs less than copying their "
+                "blocks out and back (vLLM's default for the same reason)")
+
+# %% [markdown]
 # ## 6. Place it on the roofline: MBU and MFU against batch size
 #
 # Time decode steps of B sequences on this machine, then compute **MBU** (bytes the step must read × steps/s ÷
@@ -547,6 +597,10 @@ for B in batches:
           f"{roofline.mbu(costs[B].bytes, 1 / step_s[B], spec):5.1%}, MFU "
           f"{roofline.mfu(costs[B].flops, 1 / step_s[B], spec.peak(dtype)):5.1%}, step intensity "
           f"{costs[B].intensity:5.2f} FLOP/B")
+conclude(f"decode step time, B = {batches[-1]} ÷ B = 1", step_s[batches[-1]] / step_s[1], 2, expect=">", unit="×",
+         held="a fuller step costs clearly more on this machine: it turns compute bound within these batches",
+         missed="a full step costs less than two single ones here: the step stays mostly memory bound, so batching "
+                "is nearly free")
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -571,10 +625,10 @@ plt.tight_layout()
 plt.show()
 
 # %% [markdown]
-# On this CPU the ridge is only a few FLOP/byte, so a handful of sequences already saturate the arithmetic: the
-# step intensity passes the ridge, MFU rises toward its ceiling, and each step grows more expensive — which is
-# why a static batch that drops its finished rows comes closer to continuous batching here than the step counts
-# suggest. On an H100 the ridge
+# On a CPU the ridge is only a few FLOP/byte, so a handful of sequences already saturate the arithmetic: the
+# step intensity passes the ridge, MFU rises toward its ceiling, and each step grows more expensive (the line
+# marked ▸ above says how much on this machine) — which is why dropping finished rows can matter on a CPU.
+# On an H100 the ridge
 # is ~295 FLOP/byte: the MLP needs a batch of hundreds to get there, while attention stays at ≈ 1 FLOP/byte
 # (≈ H_q/H_kv with GQA) at any batch — the reason long contexts and big batches make decode memory bound again
 # (and why notebooks 03, 05 and 07 shrink the cache).

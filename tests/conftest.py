@@ -44,3 +44,11 @@ def default_llm():
 def default_model(default_llm):
     """The default model's ``Transformer`` (the one ``default_llm`` runs: one copy of the weights)."""
     return default_llm.model
+
+
+@pytest.fixture(scope="session")
+def solution_copy():
+    """``solution_copy(ex)``: an unmarked copy of exercise ``ex``'s solution, as the solution notebook's cell runs
+    it.  ``Exercise.answer()`` copies are marked and rejected by their checker (a notebook can import them, so they
+    are not a student's work); tests that pass the solution itself take this one."""
+    return lambda ex: ex._run(ex.code(student=False), "test copy")

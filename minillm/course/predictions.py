@@ -9,7 +9,8 @@ side by side with ``checks.judge_prediction``: an honest verdict, never a pass o
 from __future__ import annotations
 
 __all__ = ["predict_attention_gb_s", "predict_continuous_speedup", "predict_decode_step_ms", "predict_decode_tok_s",
-           "predict_gemv_gb_s", "predict_mqa_speedup", "predict_paged_sequences"]
+           "predict_gemv_gb_s", "predict_int4_tok_s", "predict_mqa_speedup", "predict_paged_sequences",
+           "predict_server_tok_s"]
 
 
 def predict_gemv_gb_s(roof_gb_s: float) -> float:
@@ -64,4 +65,20 @@ def predict_continuous_speedup(step_ratio: float) -> float:
     step counts from your slot model (the speedup if every step cost the same)."""
     ### BEGIN SOLUTION
     return 1 + 0.6 * (step_ratio - 1)  # both prefill every prompt once, and a fuller batch makes each step dearer
+    ### END SOLUTION
+
+
+def predict_int4_tok_s(bound_tok_s: float) -> float:
+    """Notebook 07: batch-1 decode tokens/s of the int4 (Q4_1) model, given its roofline bound (bandwidth ÷ its
+    weight bytes per token)."""
+    ### BEGIN SOLUTION
+    return 0.3 * bound_tok_s  # every weight is unpacked and converted, and the per-token fixed cost stays
+    ### END SOLUTION
+
+
+def predict_server_tok_s(capacity_tok_s: float, offered_tok_s: float) -> float:
+    """Notebook 09: output tokens/s the server delivers at the overload rate, given the engine's capacity measured
+    offline and the load offered (rate × tokens per answer)."""
+    ### BEGIN SOLUTION
+    return 0.8 * min(capacity_tok_s, offered_tok_s)  # batches are rarely full; HTTP and streaming share the CPU
     ### END SOLUTION

@@ -48,6 +48,7 @@ import dataclasses
 import importlib
 import importlib.util
 import os
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache, lru_cache
@@ -313,6 +314,32 @@ def triton_available() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
+# Triton's supported NVIDIA GPUs are compute capability 8.0+ (Ampere on); below it (a T4 is sm_75, a V100 sm_70)
+# its compiler may reject what these kernels use — bf16, and tl.dot on the tile shapes of flash/decode/paged
+# attention and the int4/int8 GEMVs — so "auto" runs the torch references there and says why, once.
+TRITON_MIN_CAPABILITY = (8, 0)
+
+
+@lru_cache(maxsize=8)
+def triton_unsupported_reason(device_index: int | None = None) -> str:
+    """"" when the CUDA device (default: the current one) can run minillm's Triton kernels, else one line saying
+    which device, its generation, what the kernels need and what runs instead.  Cached per device."""
+    if not torch.cuda.is_available():
+        return ""  # no device to judge (a resolution for "cuda" asked on a CPU-only machine)
+    major, minor = torch.cuda.get_device_capability(device_index)
+    if (major, minor) >= TRITON_MIN_CAPABILITY:
+        return ""
+    need = ".".join(map(str, TRITON_MIN_CAPABILITY))
+    return (f"{torch.cuda.get_device_name(device_index)} is sm_{major}{minor}: minillm's Triton kernels (flash, "
+            f"decode and paged attention; int4/int8 GEMV) need compute capability {need}+ (Triton's supported "
+            "GPUs; bf16 and their tl.dot tiles), so the torch references run instead")
+
+
+@lru_cache(maxsize=8)
+def _warn_triton_fallback(reason: str) -> None:
+    warnings.warn(reason, RuntimeWarning, stacklevel=3)  # once per reason: the first op resolved says it
+
+
 def check_choice(choice: str, name: str = "kernels") -> str:
     """``choice`` if it is one of ``CHOICES``; else ValueError naming the parameter and the allowed values."""
     if choice not in CHOICES:
@@ -348,6 +375,8 @@ def clear_cache() -> None:
     _resolve.cache_clear()
     _ops.cache_clear()
     triton_available.cache_clear()
+    triton_unsupported_reason.cache_clear()
+    _warn_triton_fallback.cache_clear()
 
 
 def compiles(choice: str) -> bool:
@@ -373,6 +402,8 @@ def _require(choice: str, device_type: str, env: tuple[bool, bool, bool]) -> Non
                            "build here (no C compiler, or MINILLM_DISABLE_NATIVE is set); use 'auto' or 'torch'")
     if choice == "triton" and not triton_ok:
         raise RuntimeError("'triton' kernels need the triton package (pip install 'minillm[gpu]')")
+    if choice == "triton" and device_type == "cuda" and triton_ok and triton_unsupported_reason():
+        raise RuntimeError(f"kernels='triton': {triton_unsupported_reason()}; use 'auto' or 'torch'")
     if choice == "triton" and device_type != "cuda" and not interpret:
         raise RuntimeError(f"'triton' kernels on {device_type} tensors need Triton's interpreter: set "
                            "TRITON_INTERPRET=1 before minillm's Triton kernels are imported (or use 'auto'/'torch', "
@@ -386,6 +417,9 @@ def _runs_here(kernel: Kernel, device_type: str, dtype: torch.dtype, env: tuple[
     if kernel.impl == "native":
         return native_ok
     if kernel.impl == "triton":
+        if triton_ok and device_type == "cuda" and triton_unsupported_reason():
+            _warn_triton_fallback(triton_unsupported_reason())
+            return False
         return triton_ok and (device_type == "cuda" or interpret)
     return True
 

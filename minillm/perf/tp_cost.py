@@ -15,6 +15,7 @@ takes microseconds (where α alone exceeds the saving).
 
 from __future__ import annotations
 
+import statistics
 from dataclasses import dataclass
 
 from minillm.config import ModelConfig
@@ -39,6 +40,36 @@ class Link:
     def __post_init__(self):
         if not self.bandwidth > 0 or self.latency_s < 0:
             raise ValueError(f"{self.name}: bandwidth must be > 0 and latency_s >= 0")
+
+
+def fit_link(name: str, nbytes: list[float], seconds: list[float], source: str = "fitted") -> tuple[Link, str]:
+    """Fit t = α + bytes / β to timed collectives (``nbytes[i]`` sent per rank took ``seconds[i]``), robustly:
+    the slope is the median of the pairwise slopes (Theil–Sen) and α the median of t − bytes · slope, so one
+    stalled run on a busy host moves neither.  Returns the ``Link`` and a note, empty unless the data could not
+    give a physical fit: a slope ≤ 0 (noise larger than the bytes' cost) falls back to the largest message's
+    bytes ÷ its time as β (a lower bound), and a negative α is clamped to 0 — the note says which.  O(n²) pairs.
+    Raises ``ValueError`` for fewer than two points, unequal lengths or a non-positive size or time."""
+    if len(nbytes) != len(seconds) or len(nbytes) < 2:
+        raise ValueError(f"fit_link needs ≥ 2 (bytes, seconds) pairs of equal length, got {len(nbytes)} and "
+                         f"{len(seconds)}")
+    if min(nbytes) <= 0 or min(seconds) <= 0:
+        raise ValueError("fit_link: every size and time must be > 0 (a zero time means the clock did not advance)")
+    pairs = sorted(zip(nbytes, seconds, strict=True))
+    slopes = [(t2 - t1) / (b2 - b1) for i, (b1, t1) in enumerate(pairs) for b2, t2 in pairs[i + 1:] if b2 > b1]
+    if not slopes:
+        raise ValueError("fit_link: the sizes must differ to separate latency from bandwidth")
+    slope = statistics.median(slopes)
+    notes = []
+    if slope <= 0:
+        big_bytes, big_s = pairs[-1]
+        slope = big_s / big_bytes
+        notes.append("the times did not grow with the size (noise above the bytes' cost): β is the largest "
+                     "message's bytes ÷ its time, a lower bound")
+    alpha = statistics.median(t - b * slope for b, t in pairs)
+    if alpha < 0:
+        alpha = 0.0
+        notes.append("the fitted latency came out negative and is clamped to 0")
+    return Link(name, 1 / slope, alpha, source), "; ".join(notes)
 
 
 LINKS = {

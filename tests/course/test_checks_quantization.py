@@ -190,3 +190,16 @@ def test_int4_gemv_pairing_per_group_passes_when_the_group_is_the_block():
     w4 = q4(torch.randn(3, 64), 32)
     x = torch.randn(2, 64)
     torch.testing.assert_close(_gemv("per-group halves")(x, w4), int4_linear_ref(x, w4))
+
+
+@pytest.mark.parametrize("rounding", ["torch.floor(xg / scale + 0.5)",  # half up
+                                      "torch.sign(xg / scale) * torch.floor((xg / scale).abs() + 0.5)"],  # away
+                         ids=["half up", "half away from zero"])
+def test_quantize_rounding_ties_otherwise_than_half_to_even_fails(rounding):
+    """The contract rounds half to even (torch.round); the right answer with another tie rule must fail."""
+    ex = EXERCISES["7.1"]
+    code = ex.code(student=False)
+    assert code.count("torch.round(xg / scale)") == 1
+    wrong = ex._run(code.replace("torch.round(xg / scale)", rounding), "tie rule")
+    with pytest.raises(AssertionError, match="round half to even"):
+        checks.check_quantize(wrong)

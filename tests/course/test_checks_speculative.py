@@ -18,7 +18,7 @@ from minillm.spec import ngram
 
 
 # --- 8.1: wrong accept/resample rules ---------------------------------------------------------------------------
-def _rule(accept_prob, residual, bonus=True, greedy_row_offset=0):
+def _rule(accept_prob, residual, bonus=True, greedy_row_offset=0, bonus_row_offset=0):
     """A rejection sampler assembled from parts, so each wrong answer changes exactly one of them."""
 
     def rejection_sample(target_logits, draft_tokens, draft_probs, params, generator=None):
@@ -42,7 +42,8 @@ def _rule(accept_prob, residual, bonus=True, greedy_row_offset=0):
                 out.append(x)
                 continue
             return out + [int(torch.multinomial(residual(p[i], q), 1, generator=generator))]
-        return out + ([int(torch.multinomial(p[gamma], 1, generator=generator))] if bonus else [])
+        bonus_row = p[gamma + bonus_row_offset]
+        return out + ([int(torch.multinomial(bonus_row, 1, generator=generator))] if bonus else [])
 
     return rejection_sample
 
@@ -61,6 +62,7 @@ resample_from_p = _rule(_right_accept, lambda p, q: p)
 accept_with_p_ignoring_q = _rule(lambda p, q: p, _right_residual)
 inverted_ratio = _rule(lambda p, q: min(1.0, q / p) if p > 0 else 0.0, _right_residual)
 no_bonus_token = _rule(_right_accept, _right_residual, bonus=False)
+bonus_from_the_last_drafts_row = _rule(_right_accept, _right_residual, bonus_row_offset=-1)  # p[γ-1], not p[γ]
 greedy_compares_the_next_row = _rule(_right_accept, _right_residual, greedy_row_offset=1)
 resample_from_q_minus_p = _rule(_right_accept, lambda p, q: (q - p).clamp(min=0) + 1e-9)
 
@@ -267,9 +269,10 @@ def _hidden(*args, **kwargs):
 
 
 @pytest.mark.parametrize("number", ["8.1", "8.2", "8.3"])
-def test_checker_passes_the_solution_while_the_librarys_function_is_hidden(number, monkeypatch, capsys):
+def test_checker_passes_the_solution_while_the_librarys_function_is_hidden(number, monkeypatch, capsys,
+                                                                          solution_copy):
     ex = EXERCISES[number]
-    solution = ex.answer()
+    solution = solution_copy(ex)
     if number == "8.3":  # the student's class is a subclass; hide the base class's method
         solution = type("Solved", (BlockManager,), {"truncate": BlockManager.truncate})
         monkeypatch.setattr(BlockManager, "truncate", _hidden)
@@ -285,3 +288,14 @@ def test_checker_passes_the_solution_while_the_librarys_function_is_hidden(numbe
 
 # wrong answers for tests/course/test_checks.py's every-exercise test (one per exercise, "expected" in the message)
 WRONG_08 = {"8.1": resample_from_p, "8.2": first_occurrence, "8.3": FloorBlocks}
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_rejection_sample_checker_fails_a_bonus_token_from_the_wrong_row(seed, monkeypatch):
+    """A rule that draws the bonus token from p[γ-1] (the last draft's row) instead of p[γ] fails, whatever the
+    checker's seed, with a message that names the row."""
+    from minillm.course.checks import speculative
+
+    monkeypatch.setattr(speculative.random, "SystemRandom", lambda: random.Random(seed))
+    with pytest.raises(AssertionError, match="p_γ = p_1.*you drew from the last draft's row"):
+        checks.check_rejection_sample(bonus_from_the_last_drafts_row)

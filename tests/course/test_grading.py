@@ -48,8 +48,8 @@ def test_exercises_are_registered():
 
 
 @pytest.mark.parametrize("number", NUMBERS)
-def test_checker_passes_the_library_solution(number, capsys):
-    EXERCISES[number].check(EXERCISES[number].answer())
+def test_checker_passes_the_library_solution(number, capsys, solution_copy):
+    EXERCISES[number].check(solution_copy(EXERCISES[number]))
     assert f"✓ Exercise {number} passed" in capsys.readouterr().out
 
 
@@ -68,6 +68,37 @@ def test_checker_fails_an_answer_that_delegates_to_the_library(number, capsys):
     with pytest.raises(LibrarySolutionCalled, match=rf"^Exercise {re.escape(number)}: your answer calls the "
                                                     r"library's solution \(.*\); write it yourself$"):
         ex.check(ex.delegate())
+
+
+@pytest.mark.parametrize("number", NUMBERS)
+def test_checker_fails_the_registrys_answer_passed_as_the_students_work(number):
+    """``EXERCISES[n].answer()`` is one importable line away from a notebook: as the answer itself it is rejected."""
+    ex = EXERCISES[number]
+    with pytest.raises(LibrarySolutionCalled, match=rf"^Exercise {re.escape(number)}: .*answer\(\) is the library"):
+        ex.check(ex.answer())
+
+
+@pytest.mark.parametrize("number", NUMBERS)
+def test_checker_fails_an_answer_that_fetches_the_registrys_answer_while_checked(number):
+    """An answer that calls ``EXERCISES[n].answer()`` (or reads the solution's source) only when it runs."""
+    if number in NOT_WRAPPABLE:
+        pytest.skip(NOT_WRAPPABLE[number])
+    ex = EXERCISES[number]
+    delegating = ex.delegate()  # the right signature and, for a method, the right class to build on
+    if isinstance(delegating, type):
+        method = ex.qualname.split(".")[-1]
+
+        def lazy(self, *args, **kwargs):
+            return getattr(EXERCISES[number].answer(), method)(self, *args, **kwargs)
+
+        answer = type(delegating.__name__, delegating.__bases__, {method: lazy})
+    else:
+        def answer(*args, **kwargs):
+            return EXERCISES[number].answer()(*args, **kwargs)
+
+    with pytest.raises(LibrarySolutionCalled, match=rf"^Exercise {re.escape(number)}: your answer calls"):
+        ex.check(answer)
+    assert ex.answer() is not None  # refused only while its own check runs
 
 
 @pytest.mark.parametrize("number", NUMBERS)
@@ -222,7 +253,7 @@ def test_stub_solution_and_delegation_are_rendered_from_the_fence(lib):
     assert "### BEGIN SOLUTION" not in ex.code(student=True) + ex.code(student=False)
 
 
-def test_a_checker_that_swallows_the_refusal_still_fails(lib, monkeypatch, capsys):
+def test_a_checker_that_swallows_the_refusal_still_fails(lib, monkeypatch, capsys, solution_copy):
     monkeypatch.setattr(registry, "EXERCISES", {})
 
     @registry.exercise("99.2", "minillm_fixture_lib.solved.area", "area", "w × h")
@@ -237,7 +268,7 @@ def test_a_checker_that_swallows_the_refusal_still_fails(lib, monkeypatch, capsy
     assert registry.EXERCISES["99.2"].check is check_area
     with pytest.raises(LibrarySolutionCalled):
         check_area(registry.EXERCISES["99.2"].delegate())
-    check_area(registry.EXERCISES["99.2"].answer())  # the student's own code passes
+    check_area(solution_copy(registry.EXERCISES["99.2"]))  # the student's own code passes
 
 
 def test_a_checker_that_rewraps_the_refusal_reports_delegation(lib, monkeypatch):
@@ -346,4 +377,34 @@ def test_grade_runs_a_directory_of_notebooks_into_a_csv_and_an_exit_status(tmp_p
     assert "write it yourself" in rows[1]["detail"]
     out = capsys.readouterr().out
     assert "⇢ Exercise 9.1: delegates-to-library" in out and "1/1" in out and "0/1" in out
+    assert [r["student"] for r in rows] == ["alice", "bob"]
+    assert "bob  bob.ipynb  Exercise 9.1: delegates-to-library — Exercise 9.1: your answer calls" in out
     assert grade.main([str(submissions / "alice.ipynb")]) == 0
+
+
+def test_students_are_the_first_folder_under_a_directory_given(tmp_path):
+    root = tmp_path / "submissions"
+    root.mkdir()
+    assert grade.student_of(root / "alice" / "02_kv_cache.ipynb", [root]) == "alice"
+    assert grade.student_of(root / "alice" / "week2" / "02_kv_cache.ipynb", [root]) == "alice"
+    assert grade.student_of(root / "bob.ipynb", [root]) == "bob"
+    assert grade.student_of(Path("carol") / "07_quantization.ipynb", [Path("carol") / "07_quantization.ipynb"]) \
+        == "carol"
+
+
+def test_totals_count_each_students_exercises_and_problems_say_which_and_why():
+    graded = {"s/alice/02.ipynb": {"2.1": ("passed", ""), "2.2": ("wrong", "AssertionError: returned K differs")},
+              "s/alice/03.ipynb": {"3.1": ("passed", "")},
+              "s/bob/02.ipynb": {"2.1": ("delegates-to-library", "Exercise 2.1: your answer calls …"),
+                                 "2.2": ("unfinished", "")}}
+    students = {name: name.split("/")[1] for name in graded}
+    lines = grade.totals(graded, students).splitlines()
+    alice = next(ln for ln in lines if ln.startswith("alice"))
+    bob = next(ln for ln in lines if ln.startswith("bob"))
+    assert "2/3" in alice and "1 wrong" in alice
+    assert "0/2" in bob and "1 unfinished" in bob and "1 delegates-to-library" in bob
+    report = grade.problems(graded, students).splitlines()
+    assert report == ["alice  02.ipynb  Exercise 2.2: wrong — AssertionError: returned K differs",
+                      "bob  02.ipynb  Exercise 2.1: delegates-to-library — Exercise 2.1: your answer calls …",
+                      "bob  02.ipynb  Exercise 2.2: unfinished"]
+    assert grade.problems({"s/a/02.ipynb": {"2.1": ("passed", "")}}, {"s/a/02.ipynb": "a"}) == "every exercise passed"

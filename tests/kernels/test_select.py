@@ -112,6 +112,31 @@ def test_auto_on_cuda_picks_triton_attention_when_installed_and_the_references_o
     assert describe("auto", "cuda", torch.bfloat16) == ALL_TORCH | EIGHT_BIT_GEMMS
 
 
+@pytest.mark.parametrize("capability, name, runs_triton", [((7, 5), "Tesla T4", False), ((8, 0), "A100", True),
+                                                         ((9, 0), "H100", True)])
+def test_triton_runs_on_cuda_only_from_compute_capability_8_and_says_why_not(machine, monkeypatch, capability,
+                                                                          name, runs_triton):
+    machine(native_built=True, interpret=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: capability)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=None: name)
+    forget = (select._resolve, select._ops, select.triton_unsupported_reason, select._warn_triton_fallback)
+    for cached in forget:  # (clear_cache would also clear triton_available, which the fixture replaced)
+        cached.cache_clear()
+    try:
+        if runs_triton:
+            assert describe("auto", "cuda", torch.float16) == TRITON
+            assert select.triton_unsupported_reason() == ""
+            return
+        with pytest.warns(RuntimeWarning, match=r"Tesla T4 is sm_75: .*compute capability 8\.0\+.*torch references"):
+            assert describe("auto", "cuda", torch.float16) == ALL_TORCH
+        with pytest.raises(RuntimeError, match=r"kernels='triton': Tesla T4 is sm_75"):
+            describe("triton", "cuda", torch.float16)
+    finally:
+        for cached in forget:
+            cached.cache_clear()
+
+
 def test_resolution_is_cached_per_choice_device_and_dtype():
     assert ops_for("torch", "cpu", torch.float32) is ops_for("torch", torch.device("cpu"), torch.float32)
     assert ops_for("torch", "cpu", torch.float32) is not ops_for("torch", "cpu", torch.bfloat16)

@@ -48,7 +48,12 @@ from minillm.course.checks.paged import (
     check_prediction_paged,
     check_slot_mapping,
 )
-from minillm.course.checks.quantization import check_int4_linear_ref, check_quantize, check_quantize_int4
+from minillm.course.checks.quantization import (
+    check_int4_linear_ref,
+    check_prediction_int4,
+    check_quantize,
+    check_quantize_int4,
+)
 from minillm.course.checks.registry import CONFIGS, EXERCISES, LLAMA2_7B, SMOLLM2_135M, TINY_MQA, Exercise, exercise
 from minillm.course.checks.roofline import (
     Verdict,
@@ -60,7 +65,12 @@ from minillm.course.checks.roofline import (
     judge_prediction,
 )
 from minillm.course.checks.scaling import check_gpipe_schedule, check_layer_comm_time, check_shard_linear
-from minillm.course.checks.serving import check_arrival_times, check_parse_stream, check_sse_stream
+from minillm.course.checks.serving import (
+    check_arrival_times,
+    check_parse_stream,
+    check_prediction_server,
+    check_sse_stream,
+)
 from minillm.course.checks.smoothquant import check_fold_into_norm, check_smoothing_factors
 from minillm.course.checks.speculative import check_ngram_lookup, check_rejection_sample, check_truncate
 
@@ -75,8 +85,8 @@ __all__ = ["CONFIGS", "EXERCISES", "Exercise", "LLAMA2_7B", "SMOLLM2_135M", "TIN
            "check_prediction_paged", "check_prediction_step", "check_prefill_chunk_len",
            "check_roofline_prediction", "check_slot_mapping", "exercise", "judge_prediction"]
 __all__ += ["check_cached_attention", "check_pool_kv_weight", "check_read_bandwidth"]  # 02, 03, 00
-__all__ += ["check_int4_linear_ref", "check_quantize", "check_quantize_int4"]  # notebook 07
+__all__ += ["check_int4_linear_ref", "check_prediction_int4", "check_quantize", "check_quantize_int4"]  # notebook 07
 __all__ += ["check_fold_into_norm", "check_smoothing_factors"]  # notebook 07, activation quantization
 __all__ += ["check_ngram_lookup", "check_rejection_sample", "check_truncate"]  # notebook 08
-__all__ += ["check_arrival_times", "check_parse_stream", "check_sse_stream"]  # notebook 09
+__all__ += ["check_arrival_times", "check_parse_stream", "check_prediction_server", "check_sse_stream"]  # 09
 __all__ += ["check_gpipe_schedule", "check_layer_comm_time", "check_shard_linear"]  # notebook 10

@@ -188,4 +188,4 @@ def check_pool_kv_weight(pool_kv_weight: Callable) -> None:
 
 check_prediction_mqa = prediction_checker(
     "3.0", "prediction_mqa", "minillm.course.predictions.predict_mqa_speedup",
-    "the multi-query over multi-head decode speedup", "×")
+    "the multi-query over multi-head decode speedup", "×", example=(2.5,), factor=4.0)

@@ -222,4 +222,4 @@ def check_admit(scheduler_class: type) -> None:
 
 check_prediction_batching = prediction_checker(
     "6.0", "prediction_batching", "minillm.course.predictions.predict_continuous_speedup",
-    "the continuous ÷ static throughput", "×")
+    "the continuous ÷ static throughput", "×", example=(2.0,), kind="estimate", factor=4.0)

@@ -115,21 +115,20 @@ def check_roofline_prediction(predicted: float, measured: float, *, what: str = 
                               device: str = "cpu", upper: float = 1.25, see: str = "") -> float:
     """Place a measured rate against the roofline bound ``predicted`` and say honestly what the gap means.
 
-    A bound cannot be beaten: ``measured`` may exceed ``predicted`` by at most ``upper`` − 1 (25 %: bandwidth and
-    speed are measured at different moments, on a machine that may be shared) — past that the cost model is
-    wrong, and this raises.  Below the bound nothing passes or fails: the verdict reports the fraction reached
+    A bound cannot be beaten: ``measured`` may exceed ``predicted`` by ``upper`` − 1 (25 %: bandwidth and speed are
+    measured at different moments, on a machine that may be shared); past that a ⚠ line says the roof was probably
+    measured on a busy machine, or the cost model counts the wrong bytes — printed, not raised: noise must not fail
+    a notebook.  Below the bound nothing passes or fails: the verdict reports the fraction reached
     (≥ 80 % bandwidth bound, 50–80 % mostly so, < 50 % overhead dominates; ``see`` points at the explanation).
     On a GPU a small model at batch 1 pays ~5 µs of launch overhead for each of hundreds of kernels per step.
     Returns the fraction of the bound reached.
     """
-    from minillm.course.checks.roofline import gap_verdict
+    from minillm.course.checks.roofline import beyond_bound_note, gap_verdict
 
     assert predicted > 0 and measured > 0, f"need positive rates, got predicted={predicted}, measured={measured}"
     ratio = measured / predicted
-    assert ratio <= upper, (
-        f"measured {what} {measured:.4g} beats the predicted bound {predicted:.4g} by {ratio - 1:.0%} "
-        f"(allowed {upper - 1:.0%}): the prediction counts more bytes than the step reads, or the bandwidth "
-        "measurement is too low.")
+    if ratio > upper:
+        print(beyond_bound_note(what, f"{measured:.4g}", f"the predicted bound {predicted:.4g}", ratio - 1).strip())
     why = gap_verdict(ratio)
     if ratio < 0.5 and str(device).startswith("cuda"):
         why += " (kernel launches: hundreds per step at ~5 µs each)"

@@ -193,4 +193,4 @@ def check_prediction_bytes(predicted: float, measured: float, *, tolerance: floa
 
 check_prediction_step = prediction_checker(
     "2.0", "prediction_step", "minillm.course.predictions.predict_decode_step_ms",
-    "the decode step over the longest cache", "ms")
+    "the decode step over the longest cache", "ms", kind="floor")

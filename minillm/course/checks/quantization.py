@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from minillm.course.checks.registry import _passed, exercise
+from minillm.course.checks.roofline import prediction_checker
 from minillm.quant.formats import Granularity, QuantSpec
 from minillm.quant.weight import Int4Weight
 
@@ -157,7 +158,22 @@ def check_quantize(quantize: Callable) -> None:
             _check_one_quantize(quantize, t, spec, f"seed {seed}, {name}")
     _expect_value_error(lambda: quantize(torch.randn(2, 40, generator=g), QuantSpec(4, False, "group", 32)),
                         "quantize(x [2, 40], group_size=32) (32 does not divide K = 40)")
+    _check_ties(quantize)
     _passed("7.1")
+
+
+def _check_ties(quantize: Callable) -> None:
+    """Codes exactly halfway between two integers round half to even (the contract; ``torch.round``): symmetric
+    int8 per tensor with max|x| = 127 makes the scale exactly 1, so x / scale is x itself."""
+    x = torch.tensor([[127.0, 0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 3.5]])
+    expected = [127, 0, 2, 2, 0, -2, -2, 4]
+    got = quantize(x, QuantSpec(8, True, "tensor"))
+    codes = [int(c) for c in got.q.reshape(-1).tolist()]
+    assert codes == expected, (
+        f"ties: quantize(x = {x.reshape(-1).tolist()}, QuantSpec(bits=8, symmetric=True, granularity='tensor')) — "
+        f"the scale is exactly 1, so the codes are round(x) — returned codes {codes}, expected {expected}: round "
+        "half to even, as the contract says (torch.round does; floor(x + 0.5) or rounding half away from zero "
+        "do not).")
 
 
 # ------------------------------------------------------------------------------------------------ exercise 7.2
@@ -306,3 +322,8 @@ def check_int4_linear_ref(int4_linear: Callable) -> None:
     _expect_value_error(lambda: int4_linear(torch.randn(2, 32, generator=g), w4, None),
                         "int4_linear_ref(x [2, 32], w4 [4, 64]) (x's last dim is not K)")
     _passed("7.3")
+
+
+check_prediction_int4 = prediction_checker(
+    "7.0", "prediction_int4", "minillm.course.predictions.predict_int4_tok_s",
+    "int4 (Q4_1) decode tokens/s at batch 1", "tokens/s")

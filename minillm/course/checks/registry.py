@@ -21,7 +21,10 @@ checker raises), so every route to it fails: the module attribute, ``from x impo
 a reference bound before the check, and ``super().method(...)`` from a subclass of the solved class.  Should a
 checker swallow that error, the wrapper raises it anyway: an answer that reached the library's solution never
 passes.  ``Exercise.answer()`` is a fresh copy of the solution (the fenced source, executed again, as the solution
-notebook runs it), which the hiding does not touch: tests pass it to the checker.
+notebook runs it); it is importable from a notebook, so it cannot count as the student's work: a checker rejects a
+copy it made (marked), and ``answer()`` / ``source()`` refuse to run while their own exercise is being checked (an
+answer that fetches the solution lazily).  What stays undetectable: a student who copies the library's source into
+the cell (or wraps an ``answer()`` copy in a function of their own); INSTRUCTORS.md says so.
 """
 
 from __future__ import annotations
@@ -45,6 +48,10 @@ BEGIN, END = "### BEGIN SOLUTION", "### END SOLUTION"
 
 class LibrarySolutionCalled(AssertionError):
     """An answer under check called the library's own solution of the exercise being checked."""
+
+
+ANSWER_MARK = "__minillm_answer_of__"  # set on every ``Exercise.answer()`` copy: the exercise number it solves
+_ACTIVE: dict[str, _Tripwire] = {}  # exercise number -> its tripwire, while its checker runs
 
 
 class _Tripwire:
@@ -125,7 +132,10 @@ class Exercise:
         return obj
 
     def source(self) -> str:
-        """The fenced function's source, dedented (a method keeps its own body indentation)."""
+        """The fenced function's source, dedented (a method keeps its own body indentation).  Refused (the
+        tripwire's ``LibrarySolutionCalled``) while this exercise's checker runs."""
+        if self.number in _ACTIVE:
+            raise _ACTIVE[self.number].called()
         return textwrap.dedent(inspect.getsource(self.reference()))
 
     def code(self, student: bool) -> str:
@@ -159,8 +169,12 @@ class Exercise:
 
     def answer(self):
         """A fresh copy of the library's solution, as the checker takes it (the function, or the ``My<Class>``
-        subclass for a method): what the solution notebook runs, untouched by the hiding."""
-        return self._run(self.code(student=False), "solution")
+        subclass for a method): what the solution notebook runs, untouched by the hiding — but marked
+        (``ANSWER_MARK``), so that this exercise's checker rejects it as delegation, and refused while that
+        checker runs.  (Tests that need an unmarked copy execute ``code(student=False)`` themselves.)"""
+        copy = self._run(self.code(student=False), "solution")
+        setattr(copy, ANSWER_MARK, self.number)
+        return copy
 
     def stub(self):
         """The student's stub as the build renders it: raises ``NotImplementedError(stub_message)``."""
@@ -184,6 +198,8 @@ class Exercise:
         ``calls`` counts the attempts to call it.  Restored on exit, exceptions included."""
         tripwire = _Tripwire(self.delegation_message)
         undo: list[Callable[[], None]] = []
+        outer = _ACTIVE.get(self.number)
+        _ACTIVE[self.number] = tripwire
         try:
             for path in (self.target, *self.hide):
                 undo += _disarm(path, tripwire)
@@ -191,6 +207,10 @@ class Exercise:
         finally:
             for restore in reversed(undo):
                 restore()
+            if outer is None:
+                _ACTIVE.pop(self.number, None)
+            else:
+                _ACTIVE[self.number] = outer
 
 
 def _module_of(path: str) -> str:
@@ -259,6 +279,9 @@ def exercise(number: str, target: str, title: str, hint: str, *, hide: tuple[str
         @functools.wraps(check)
         def guarded(*args, **kwargs):
             ex = EXERCISES[number]
+            if any(getattr(a, ANSWER_MARK, None) == number for a in (*args, *kwargs.values())):
+                raise LibrarySolutionCalled(ex.delegation_message + " (EXERCISES[...].answer() is the library's "
+                                                                    "solution, not yours)")
             with ex.hidden() as tripwire:
                 try:
                     result = check(*args, **kwargs)

@@ -20,6 +20,7 @@ import statistics
 from collections.abc import Callable, Iterator
 
 from minillm.course.checks.registry import _close, _passed, exercise
+from minillm.course.checks.roofline import prediction_checker
 
 
 @contextlib.contextmanager
@@ -377,3 +378,9 @@ def check_sse_stream(sse_stream: Callable) -> None:
                           prompt_tokens=rng.randint(1, 300))
         _check_one_stream(sse_stream, updates, meta, texts, tokens)
     _passed("9.3")
+
+
+check_prediction_server = prediction_checker(
+    "9.0", "prediction_server", "minillm.course.predictions.predict_server_tok_s",
+    "the server's output tokens/s at overload", "tokens/s", example=(100.0, 200.0),
+    bound=lambda capacity, offered: min(capacity, offered), kind="estimate", factor=4.0)

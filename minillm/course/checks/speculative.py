@@ -153,6 +153,32 @@ def _check_distribution(rejection_sample: Callable, rng: random.Random, gen: tor
         f"({why}): when every draft is accepted append a bonus token drawn from the last row p_γ.")
 
 
+def _check_bonus(rejection_sample: Callable, gen: torch.Generator) -> None:
+    """γ = 1 with a draft that is the target's own row 0 (q_0 = p_0: every draft accepted), and rows 0 and 1 far
+    apart: the bonus token must follow the row after the last draft, p_γ = p_1 — not p_{γ-1}."""
+    params, V, n = SamplingParams(temperature=1.0), 6, 2000
+    rows = torch.tensor([[4.0, 2.0, 0.0, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0, 2.0, 4.0]])
+    p = probabilities(rows, params)
+    q = p[:1].clone()
+    bonus = []
+    for _ in range(n):
+        draft = [int(torch.multinomial(q[0], 1, generator=gen))]
+        out = rejection_sample(rows, list(draft), q.clone(), params, gen)
+        assert isinstance(out, list) and len(out) == 2 and out[0] == draft[0], (
+            f"γ = 1 with draft_probs equal to the target's filtered row 0 (p_0 = q_0 = {_table(p[0].tolist())}): "
+            f"returned {out!r} for draft {draft}, expected the draft kept (p/q = 1 always accepts) plus one bonus "
+            "token.")
+        bonus.append(out[1])
+    counts = [bonus.count(y) for y in range(V)]
+    why = _chi_square_failure(counts, p[1].tolist())
+    wrong_row = "" if _chi_square_failure(counts, p[0].tolist()) else " — they follow p_0: you drew from the last " \
+        "draft's row p_{γ-1}"
+    assert why is None, (
+        f"every draft accepted (γ = 1, q_0 = p_0): the bonus tokens' frequencies {_table([c / n for c in counts])} "
+        f"differ from p_γ = p_1 = {_table(p[1].tolist())} ({why}){wrong_row}. The bonus token is drawn from the row "
+        "after the last draft: row γ of target_logits.")
+
+
 def _check_seeded(rejection_sample: Callable, gen: torch.Generator) -> None:
     params = SamplingParams(temperature=1.0)
     rows = torch.randn(4, 8, generator=gen)
@@ -174,7 +200,8 @@ def check_rejection_sample(rejection_sample: Callable) -> None:
     """``rejection_sample(target_logits, draft_tokens, draft_probs, params, generator)``: greedy on random rows
     (γ = 0 included), then 4000 seeded verification steps with a disagreeing draft model and with a point-mass
     (n-gram) proposal, whose emitted tokens must follow the target's filtered rows (chi-square), whose acceptance
-    must be sum_y min(p, q), and which must be reproducible from the generator."""
+    must be sum_y min(p, q), 2000 all-accepted steps whose bonus token must follow p_γ (not p_{γ-1}), and
+    reproducibility from the generator."""
     seed = random.SystemRandom().randrange(2**31)
     rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)
     threads = torch.get_num_threads()
@@ -183,6 +210,7 @@ def check_rejection_sample(rejection_sample: Callable) -> None:
         _check_greedy(rejection_sample, rng, gen)
         _check_distribution(rejection_sample, rng, gen, point_mass=False)
         _check_distribution(rejection_sample, rng, gen, point_mass=True)
+        _check_bonus(rejection_sample, gen)
         _check_seeded(rejection_sample, gen)
     finally:
         torch.set_num_threads(threads)
