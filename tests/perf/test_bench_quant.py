@@ -2,6 +2,7 @@
 
 import math
 
+import pytest
 import torch
 
 from minillm import ModelConfig
@@ -54,3 +55,12 @@ def test_gemv_bench_times_each_scheme_per_call_as_one_native_stack_and_read_only
     assert rows["int4 g32 stack"]["MB"] == rows["int4 g32 native"]["MB"]  # the same weights, both ways
     assert rows["int8 stack 1 region"]["MB"] == rows["int8 native"]["MB"]
     assert "read bandwidth" not in rows and all("pct_of_read" not in r for r in rows.values())
+
+
+@pytest.mark.parametrize("bad", ["int4", "w8a8-smooth-a1.5", "w8a8-smooth-ax", "fp16"])
+def test_an_unknown_scheme_is_a_value_error_naming_the_known_ones(bad):
+    from minillm.perf.bench.quant import SCHEMES, bench_quant
+
+    with pytest.raises(ValueError, match="unknown scheme") as e:
+        bench_quant(schemes=[bad], save=False)
+    assert SCHEMES[0] in str(e.value)

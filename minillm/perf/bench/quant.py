@@ -166,6 +166,22 @@ def bf16_is_native(device: torch.device) -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
+def check_schemes(schemes) -> None:
+    """ValueError naming any scheme ``bench_quant`` does not know (an unknown name must not load fp32 silently)."""
+    for scheme in schemes:
+        if scheme.startswith(SMOOTH_PREFIX):
+            try:
+                alpha = float(scheme.removeprefix(SMOOTH_PREFIX))
+            except ValueError:
+                alpha = -1.0
+            if 0.0 <= alpha <= 1.0:
+                continue
+        elif scheme in SCHEMES:
+            continue
+        raise ValueError(f"schemes: unknown scheme {scheme!r}; use any of {', '.join(SCHEMES)} "
+                         f"(or {SMOOTH_PREFIX}<alpha in [0, 1]>)")
+
+
 def _load(scheme: str, model_name: str | None, device: torch.device):
     from minillm.models.loader import load_model
 
@@ -258,6 +274,7 @@ def bench_quant(model_name: str | None = None, device: str | None = None, scheme
     from minillm.perf.machine import machine_spec
     from minillm.perf.perplexity import heldout_token_ids, perplexity
 
+    check_schemes(schemes)
     dev = resolve_device(device)
     bandwidth = machine_spec(str(dev)).memory_bandwidth  # the cached roof of this machine
     tokenizer = load_tokenizer(model_name)
