@@ -125,11 +125,11 @@ def test_triton_runs_on_cuda_only_from_compute_capability_8_and_says_why_not(mac
         cached.cache_clear()
     try:
         if runs_triton:
-            assert describe("auto", "cuda", torch.float16) == TRITON
+            assert describe("auto", "cuda", torch.float16) == TRITON | EIGHT_BIT_GEMMS  # (ATen's, not Triton's)
             assert select.triton_unsupported_reason() == ""
             return
         with pytest.warns(RuntimeWarning, match=r"Tesla T4 is sm_75: .*compute capability 8\.0\+.*torch references"):
-            assert describe("auto", "cuda", torch.float16) == ALL_TORCH
+            assert describe("auto", "cuda", torch.float16) == ALL_TORCH | EIGHT_BIT_GEMMS
         with pytest.raises(RuntimeError, match=r"kernels='triton': Tesla T4 is sm_75"):
             describe("triton", "cuda", torch.float16)
     finally:
