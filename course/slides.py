@@ -13,9 +13,17 @@ The notebook is the deck's only source; the rule that turns it into slides (one 
   slide under the same title. The full text of every paragraph, list item, table and code block goes into the
   slide's speaker notes (``<aside class="notes">``), so no prose is lost.
 - Evidence gets a slide of its own, in notebook order, titled by its section: every PNG figure a code cell
-  produced; the printed text of cells tagged ``slide-output``; the source of cells tagged ``slide``. The
-  paragraph just before it (the claim it supports) becomes its caption rather than a slide. Long text is set in
-  a smaller font (never below ``MIN_FONT_PX``) and, if it still does not fit, split over slides.
+  produced; the printed text of cells tagged ``slide-output``; the source of cells tagged ``slide``; every
+  markdown table. The paragraph just before it (the claim it supports) becomes its caption rather than a slide,
+  and so does a lone one-sentence paragraph before that (a task and its evidence on one slide). Long text is set
+  in a smaller font, never below ``MIN_FONT_PX`` (18 px, what a projector shows): printed output drops native
+  loggers' lines (the profiler's start/stop) and local cache paths, aligned columns are narrowed to two-space
+  gaps, prose lines wrap, a table still too wide is shown in column groups beside its row labels, and what is
+  still too tall is split over slides (a table's header repeated). A markdown table too big for one slide shows
+  only its cells' marks (✓ ~ —) when most cells open with one, else its columns and rows over several slides;
+  the full text of anything shortened goes into the notes.
+- A ``###`` section that comes to a single sentence (a one-line task such as "Write ``f(x)``.") joins the slide
+  before it as a point labelled with its heading, when that slide has room.
 - Cells tagged ``slide-skip`` or ``colab-badge`` are left out.
 
 A slide is a fixed 1280 × 720 px stage that the deck scales to the window, so what the headless-browser test
@@ -50,10 +58,19 @@ MAX_LEAD_WORDS = 24  # a lead longer than this is cut at a clause, then at a wor
 SHORT_LEAD_WORDS = 7  # a first sentence shorter than this is a label: the next sentence joins it
 WIDTH, HEIGHT = 1280, 720  # the stage, px; the deck scales it to the window
 TEXT_W, TEXT_H = 1168, 540  # room for a <pre> under a one-line title (WIDTH − padding; HEIGHT − title − padding)
-MAX_CAPTION_WORDS, CAPTION_H = 30, 90  # a lead this short captions the evidence after it; two 24-px lines + gap
-MAX_FONT_PX, MIN_FONT_PX = 22, 12  # monospaced output: as large as fits, never smaller than readable
+PRE_W = TEXT_W - 2 * 14  # a <pre>'s text width: the slide's less the <pre>'s own padding
+MAX_CAPTION_WORDS = 30  # a lead this short captions the evidence after it
+CAPTION_LINE, CAPTION_CHARS, CAPTION_GAP = 33, 80, 14  # a 24-px caption line's height, its characters, the gap
+MAX_FONT_PX, MIN_FONT_PX = 22, 18  # monospaced output: as large as fits, never smaller than a projector shows
+MAX_WRAP_ROWS = 3  # a printed prose line wraps over at most this many rows on a slide (all of it in the notes)
 MONO_EM, LINE_EM = 0.61, 1.3  # DejaVu Sans Mono's advance width and the line height, in ems (+1 % margin)
 
+NATIVE_LOG = re.compile(r"^[A-Z]+:\d{4}-\d\d-\d\d \d\d:\d\d:\d\d \d+:\d+ \S+\.(?:cpp|cc|h):\d+\] ")  # glog-style
+LOCAL_PATH_ASIDE = re.compile(r" \([^()]*?(?:/root|/home|/tmp|/Users|~)/[^()]*\)")  # "(cached in /root/…)"
+DANGLING = {"and", "or", "but", "of", "the", "a", "an", "to", "with", "for", "in", "on", "by", "from", "as"}  # no end
+LINK = re.compile(r"\[([^\]]*)\]\([^)]*\)")
+MARK = re.compile(r"^[✓~—✗](?: / [✓~—✗])?(?=\s|$)")  # a feature table's verdict: supported, partial, absent
+TABLE_EM, TABLE_PAD = 0.6, 8  # DejaVu Sans's mean advance width in ems (generous); a table cell's padding, px
 HEADING = re.compile(r"^(#{1,3}) +(.*)$")
 ITEM = re.compile(r"^(?:[-*+]|(\d+)\.) +")
 ABBREVIATION = re.compile(r"(?:\be\.g|\bi\.e|\bet al|\bvs|\bcf|\bFig|\bapprox|\betc)\.$")
@@ -86,6 +103,7 @@ class Slide:
     kind: str  # "title", "text", "statement" (a single claim), "figure", "code"
     body: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    points: list[Point] = field(default_factory=list)  # a text slide's leads (to fold another section's into it)
 
 
 def parse_blocks(source: str) -> list[Block]:
@@ -164,10 +182,15 @@ def lead(markdown: str) -> str:
     if len(text.split()) > MAX_LEAD_WORDS:  # asides, not calls like min(a, b) nor formulas
         text = re.sub(r"(?<= )\([^()`×÷=·+−^]*\)(?=[ ,.;:]|$)", "", text)
         text = re.sub(r" +([,.;:])", r"\1", re.sub(r"  +", " ", text))
-    if len(text.split()) > MAX_LEAD_WORDS:
-        for m in re.finditer(r"(?::|;| —) ", text):  # the first clause of 5+ words: a claim, not a label
-            if _outside_code(text, m.start()) and 5 <= len(text[:m.start()].split()) <= MAX_LEAD_WORDS:
-                text = text[:m.start()] + "."
+    # the first clause of 5+ words (a claim, not a label); a colon last: what follows it is often the content
+    for clause in (r"(?:;| —) ", r": "):
+        if len(text.split()) <= MAX_LEAD_WORDS:
+            break
+        for m in re.finditer(clause, text):
+            head = text[:m.start()]
+            if _outside_code(text, m.start()) and 5 <= len(head.split()) <= MAX_LEAD_WORDS \
+                    and head.split()[-1].lower() not in DANGLING and head.count(" — ") % 2 == 0:  # not in an aside
+                text = head + "."
                 break
     if len(text.split()) > MAX_LEAD_WORDS:
         text = _unclosed(" ".join(text.split()[:MAX_LEAD_WORDS - 4]).rstrip(",;:—(")) + " …"
@@ -177,7 +200,8 @@ def lead(markdown: str) -> str:
 
 def words(markdown: str) -> int:
     """Words a reader sees once ``markdown`` is rendered: tokens with a letter or digit (so "—" and "×" are not)."""
-    return sum(1 for w in markdown.split() if re.search(r"[^\W_]", w))
+    shown = html.unescape(re.sub(r"<[^>]+>", " ", inline(markdown)))  # "`a`/`b`" shows as two words
+    return sum(1 for w in shown.split() if re.search(r"[^\W_]", w))
 
 
 def inline(markdown: str) -> str:
@@ -197,13 +221,32 @@ class DeckBuilder:
         self.points: list[Point] = []  # prose waiting for its slide
         self.loose_notes: list[str] = []
         self._lists = 0
+        self.first = 0  # the current section's first slide
+
 
     def heading(self, block: Block) -> None:
         """Close the current section and open the one ``block`` heads."""
         self.flush()
         if not self.shown:  # a heading with nothing under it still gets its slide (a section divider)
             self.slides.append(Slide(self.title, "title" if self.level == 1 else "text"))
-        self.title, self.level, self.shown = block.text, block.level, False
+        self.fold()
+        self.title, self.level, self.shown, self.first = block.text, block.level, False, len(self.slides)
+
+    def fold(self) -> None:
+        """A ``###`` section that came to one sentence on a slide of its own (a one-line task: "Write f(x).")
+        joins the slide before it as a point labelled with its heading, when that slide has room."""
+        mine, before = self.slides[self.first:], self.slides[self.first - 1] if self.first else None
+        if self.level != 3 or len(mine) != 1 or mine[0].kind != "statement" or before is None \
+                or before.kind not in ("text", "statement") or not before.points:
+            return
+        point = mine[0].points[0]
+        label = Point(f"**{self.title}:** {point.lead}", point.notes, None)
+        merged = before.points + [label]
+        if len(merged) > MAX_POINTS or words(before.title) + sum(words(p.lead) for p in merged) > MAX_WORDS:
+            return
+        before.kind, before.body, before.points = "text", [_points_html(merged)], merged
+        before.notes += mine[0].notes
+        self.slides.pop()
 
     def prose(self, block: Block) -> None:
         """Queue a paragraph's or list's leads for the next text slide; tables and code go to the notes only."""
@@ -214,22 +257,33 @@ class DeckBuilder:
             tag = "ol" if block.start is not None else "ul"
             for item in block.items:
                 self.points.append(Point(lead(item), _markdown(item), (self._lists, tag, block.start)))
+        elif block.text.startswith("|"):
+            self.evidence("table", block.text)
         else:
             self.loose_notes.append(_markdown(block.text))
 
     def evidence(self, kind: str, content: str) -> None:
         """A figure (``content`` is its ``<img>``) or monospaced text (``kind`` "code" or "output": the text) on
-        slides of its own; a short paragraph just before it becomes its caption instead of a slide."""
-        caption = None
-        if self.points and self.points[-1].group is None and words(self.points[-1].lead) <= MAX_CAPTION_WORDS:
-            caption = self.points.pop()
+        slides of its own. A short paragraph just before it (the claim it supports) becomes its caption instead
+        of a slide, and so does a lone paragraph before that one (a one-sentence task: claim and evidence on one
+        slide rather than a slide each)."""
+        captions: list[Point] = []
+        title_slide = self.level == 1 and not self.shown  # keeps its leads: the deck opens with its claim
+        if self.points and self.points[-1].group is None and words(self.points[-1].lead) <= MAX_CAPTION_WORDS \
+                and not title_slide:
+            captions.append(self.points.pop())
+            if len(self.points) == 1 and self.points[0].group is None and not self.shown \
+                    and words(self.title) + words(self.points[0].lead) + words(captions[0].lead) <= MAX_WORDS - 10:
+                captions.insert(0, self.points.pop())
         self.flush()
-        room = TEXT_H - (CAPTION_H if caption else 0)
-        bodies = [content] if kind == "figure" else text_pages(content, kind, room)
-        for k, body in enumerate(bodies):
-            top = f'<p class="caption">{inline(caption.lead)}</p>\n' if caption and k == 0 else ""
-            notes = ([caption.notes] if caption and k == 0 else []) + (self.loose_notes if k == 0 else [])
-            self.slides.append(Slide(self.title, "figure" if kind == "figure" else "code", [top + body], notes))
+        top = "".join(f'<p class="caption">{inline(c.lead)}</p>\n' for c in captions)
+        room = TEXT_H - sum(caption_height(c.lead) for c in captions)
+        pages = [(content, "")] if kind == "figure" else table_pages(content, room) if kind == "table" \
+            else text_pages(content, kind, room)
+        for k, (body, full) in enumerate(pages):
+            notes = ([c.notes for c in captions] + self.loose_notes if k == 0 else []) + ([full] if full else [])
+            self.slides.append(Slide(self.title, "code" if kind in ("output", "code") else kind,
+                                     [(top if k == 0 else "") + body], notes))
         self.loose_notes, self.shown = [], True
 
     def flush(self) -> None:
@@ -244,7 +298,7 @@ class DeckBuilder:
         for k, page in enumerate(pages):
             kind = "title" if self.level == 1 and not self.shown and k == 0 else \
                 "statement" if len(page) == 1 and page[0].group is None else "text"  # one claim: say it big
-            self.slides.append(Slide(self.title, kind, [_points_html(page)], [p.notes for p in page]))
+            self.slides.append(Slide(self.title, kind, [_points_html(page)], [p.notes for p in page], page))
         if pages:
             self.slides[-1].notes += self.loose_notes
             self.loose_notes, self.shown = [], True
@@ -252,6 +306,12 @@ class DeckBuilder:
             self.slides[-1].notes += self.loose_notes
             self.loose_notes = []
         self.points = []
+
+
+def caption_height(markdown: str) -> int:
+    """Pixels a caption takes above the evidence: its estimated lines of 24-px text and the gap under it."""
+    text = html.unescape(re.sub(r"<[^>]+>", "", inline(markdown)))
+    return -(-len(text) // CAPTION_CHARS) * CAPTION_LINE + CAPTION_GAP
 
 
 def _points_html(page: list[Point]) -> str:
@@ -270,26 +330,215 @@ def _points_html(page: list[Point]) -> str:
     return "\n".join(out)
 
 
-def text_pages(text: str, css_class: str, height: int = TEXT_H) -> list[str]:
-    """``<pre>`` blocks for monospaced text, in the largest font that fits the stage, split if it cannot."""
-    lines = ANSI.sub("", text.rstrip()).expandtabs().split("\n")
-    widest = max(len(ln) for ln in lines) or 1
-    font = min(MAX_FONT_PX, int(TEXT_W / (MONO_EM * widest)), int(height / (LINE_EM * len(lines))))
-    if font >= MIN_FONT_PX:
-        pages = [lines]
-    else:  # as small as allowed; long lines wrap, and the lines are shared out over slides
-        font = max(MIN_FONT_PX, min(MAX_FONT_PX, int(TEXT_W / (MONO_EM * widest))))
-        per_line = max(1, int(TEXT_W / (MONO_EM * font)))
-        rows, pages, used = int(height / (LINE_EM * font)), [[]], 0
-        for ln in lines:
-            need = max(1, -(-len(ln) // per_line))
-            if used + need > rows and pages[-1]:
-                pages.append([])
-                used = 0
-            pages[-1].append(ln)
-            used += need
-    return [f'<pre class="{css_class}" style="font-size: {font}px">{html.escape(chr(10).join(p))}</pre>'
-            for p in pages]
+def clean_output(text: str) -> list[str]:
+    """A cell's printed text as the slide shows it: colour codes, native loggers' lines (the profiler's
+    start/stop) and asides naming local cache files dropped; trailing blank lines gone."""
+    text = ANSI.sub("", text.rstrip()).expandtabs()
+    lines = [LOCAL_PATH_ASIDE.sub("", ln) for ln in text.split("\n") if not NATIVE_LOG.match(ln)]
+    while lines and not lines[0].strip():
+        lines.pop(0)
+    return lines or [""]
+
+
+def is_tabular(line: str) -> bool:
+    """A line whose spacing carries meaning (aligned columns: two spaces inside it) must not wrap; prose may."""
+    return "  " in line.strip()
+
+
+def _blocks(lines: list[str]) -> list[tuple[bool, list[str]]]:
+    """``lines`` in runs: ``(True, lines)`` for two or more consecutive tabular lines, else ``(False, [line])``."""
+    out, k = [], 0
+    while k < len(lines):
+        end = k
+        while end < len(lines) and is_tabular(lines[end]):
+            end += 1
+        if end - k >= 2:
+            out.append((True, lines[k:end]))
+            k = end
+        else:
+            out.append((False, [lines[k]]))
+            k += 1
+    return out
+
+
+def _blank_columns(block: list[str]) -> tuple[list[str], list[bool]]:
+    width = max(len(ln) for ln in block)
+    padded = [ln.ljust(width) for ln in block]
+    return padded, [all(ln[c] == " " for ln in padded) for c in range(width)]
+
+
+def compact_columns(lines: list[str]) -> list[str]:
+    """Narrow aligned text without breaking its alignment: inside each run of two or more tabular lines, every
+    stretch of character columns that is blank in all of them keeps at most two of its columns; a lone line's
+    spacing aligns it with nothing, so its gaps become one space."""
+    out: list[str] = []
+    for table, block in _blocks(lines):
+        if not table:
+            out.append(re.sub(r"(?<=\S)  +", " ", block[0]))
+            continue
+        padded, blank = _blank_columns(block)
+        keep, run = [], 0
+        for c, is_blank in enumerate(blank):
+            run = run + 1 if is_blank and c > 0 else 0
+            keep.append(run <= 2)
+        out += ["".join(ch for ch, kept in zip(ln, keep, strict=True) if kept).rstrip() for ln in padded]
+    return out
+
+
+def split_columns(lines: list[str], width: int) -> list[str]:
+    """Tables wider than ``width`` characters shown as several narrower ones, each with the row labels (the
+    columns before the first two-space gap) and as many further columns as fit; a table of two lines is too small
+    to split, so it becomes prose that wraps."""
+    out: list[str] = []
+    for table, block in _blocks(lines):
+        if not table or max(len(ln) for ln in block) <= width:
+            out += block
+            continue
+        if len(block) < 3:
+            out += [re.sub(r"(?<=\S)  +", " ", ln) for ln in block]
+            continue
+        padded, blank = _blank_columns(block)
+        fields, start = [], None  # [start, end) spans of non-blank character columns
+        for c, is_blank in enumerate(blank + [True]):
+            if not is_blank and start is None:
+                start = c
+            elif is_blank and start is not None:
+                fields.append((start, c))
+                start = None
+        label = next((k for k in range(1, len(fields)) if fields[k][0] - fields[k - 1][1] >= 2), 1)
+        label_end, groups = fields[label - 1][1], [[]]
+        for f in fields[label:]:
+            if groups[-1] and f[1] - groups[-1][0][0] + label_end + 2 > width:
+                groups.append([])
+            groups[-1].append(f)
+        for g, group in enumerate(groups):
+            out += ([""] if g else []) + [(ln[:label_end] + "  " + ln[group[0][0]:group[-1][1]]).rstrip()
+                                          for ln in padded]
+    return out
+
+
+def _rows(line: str, per_line: int) -> int:
+    return max(1, -(-len(line) // per_line))
+
+
+def text_pages(text: str, css_class: str, height: int = TEXT_H) -> list[tuple[str, str]]:
+    """Monospaced text as ``(slide HTML, notes HTML)`` pages: ``<pre>`` blocks in the largest font (at least
+    ``MIN_FONT_PX``) at which every aligned line fits the width and the text the height; prose lines wrap (at most
+    ``MAX_WRAP_ROWS`` rows, the rest in the notes), and what is still too tall is split over slides, repeating a
+    table's first line on the slide that continues it. Cost: a few passes over the lines."""
+    raw = ANSI.sub("", text.rstrip()).expandtabs()
+
+    def per_line(font: int) -> int:
+        return max(1, int(PRE_W / (MONO_EM * font)))
+
+    lines = compact_columns(clean_output(text)) if css_class == "output" else raw.split("\n")
+    if css_class == "output":
+        lines = split_columns(lines, per_line(MIN_FONT_PX))
+    widest = max((len(ln) for ln in lines if css_class != "output" or is_tabular(ln)), default=1) or 1
+
+    def fitted(font: int) -> list[str]:
+        n = per_line(font)
+        if css_class != "output":
+            return lines
+        most = n * MAX_WRAP_ROWS
+        return [ln if len(ln) <= most or is_tabular(ln) else ln[:most - 2].rstrip() + " …" for ln in lines]
+
+    font = MIN_FONT_PX
+    for size in range(MAX_FONT_PX, MIN_FONT_PX - 1, -1):  # the largest font that fits on one slide
+        if widest <= per_line(size) and sum(_rows(ln, per_line(size)) for ln in fitted(size)) \
+                <= int(height / (LINE_EM * size)):
+            font = size
+            break
+    else:  # does not fit one slide: the largest font at which the aligned lines fit their width, then split
+        font = next((size for size in range(MAX_FONT_PX, MIN_FONT_PX - 1, -1) if widest <= per_line(size)),
+                    MIN_FONT_PX)
+    shown, n = fitted(font), per_line(font)
+    rows, pages, used, header = int(height / (LINE_EM * font)), [[]], 0, None
+    for k, ln in enumerate(shown):
+        starts_table = is_tabular(ln) and (k == 0 or not is_tabular(shown[k - 1]))
+        header = ln if starts_table else header if is_tabular(ln) else None
+        need = _rows(ln, n)
+        if used + need > rows and pages[-1]:
+            pages.append([header] if header is not None and header != ln else [])
+            used = sum(_rows(h, n) for h in pages[-1])
+        pages[-1].append(ln)
+        used += need
+    trimmed = shown != lines
+    return [(f'<pre class="{css_class}" style="font-size: {font}px">{html.escape(chr(10).join(p))}</pre>',
+             f"<pre>{html.escape(raw)}</pre>" if trimmed and k == 0 else "") for k, p in enumerate(pages)]
+
+
+def _cells(row: str) -> list[str]:
+    return [c.strip() for c in row.strip().strip("|").split("|")]
+
+
+def _plain(markdown: str) -> str:
+    """What a reader sees of a table cell: links' text, no emphasis marks."""
+    return re.sub(r"\*\*|`", "", LINK.sub(r"\1", markdown))
+
+
+def _table_size(rows: list[list[str]], font: int) -> tuple[int, int]:
+    """Estimated (narrowest possible width, height at the stage's width) of ``rows`` as an HTML table, px."""
+    char, pad = TABLE_EM * font, 2 * TABLE_PAD
+    cols = list(zip(*rows, strict=True))
+    least = [max(len(w) for c in col for w in (c.split() or [""])) * char + pad for col in cols]
+    natural = [max(len(c) for c in col) * char + pad for col in cols]
+    spare = max(0.0, TEXT_W - sum(least))
+    extra = [n - m for n, m in zip(natural, least, strict=True)]
+    widths = [m + spare * e / (sum(extra) or 1) if sum(natural) > TEXT_W else n
+              for m, n, e in zip(least, natural, extra, strict=True)]
+    lines = [max(-(-int(len(c) * char) // max(1, int(w - pad))) or 1 for c, w in zip(row, widths, strict=True))
+             for row in rows]
+    return int(sum(least)), int(sum(n * LINE_EM * font + pad for n in lines))
+
+
+def table_pages(markdown: str, height: int = TEXT_H) -> list[tuple[str, str]]:
+    """A markdown table as ``(slide HTML, notes HTML)`` pages, at the largest font from ``MAX_FONT_PX`` down to
+    ``MIN_FONT_PX`` that fits. A table too big for that shows only the marks (✓ ~ —) its cells open with, when
+    most do (the full table goes to the notes), then its columns in groups beside the first column, then its rows
+    over several slides, the header repeated."""
+    lines = [ln for ln in markdown.strip().splitlines() if not re.match(r"^\|[\s:|-]+\|?$", ln)]
+    md_rows = [[LINK.sub(r"\1", c) for c in _cells(ln)] for ln in lines]  # the deck has no notebooks to link
+    md_rows = [(row + [""] * len(md_rows[0]))[:len(md_rows[0])] for row in md_rows]  # ragged rows: header-wide
+    rows = [[_plain(c) for c in row] for row in md_rows]
+    notes = ""
+    body = [c for row in rows[1:] for c in row[1:]]
+    marked = [MARK.match(c) for c in body]
+    font = next((f for f in range(MAX_FONT_PX, MIN_FONT_PX - 1, -1)
+                 if _table_size(rows, f)[0] <= TEXT_W and _table_size(rows, f)[1] <= height), None)
+    if font is None and sum(bool(m) for m in marked) * 2 >= len(body):
+        md_rows = [md_rows[0]] + [[row[0]] + [(MARK.match(_plain(c)) or [c])[0].strip() for c in row[1:]]
+                                  for row in md_rows[1:]]
+        rows, notes = [[_plain(c) for c in row] for row in md_rows], _markdown(markdown)
+        font = next((f for f in range(MAX_FONT_PX, MIN_FONT_PX - 1, -1)
+                     if _table_size(rows, f)[0] <= TEXT_W and _table_size(rows, f)[1] <= height), None)
+    if font is not None:
+        groups = [list(range(len(rows[0])))]
+    else:  # columns in groups beside the first, then rows over slides
+        font, notes, groups = MIN_FONT_PX, _markdown(markdown), [[0]]
+        for c in range(1, len(rows[0])):
+            trial = groups[-1] + [c]
+            if len(groups[-1]) > 1 and _table_size([[r[k] for k in trial] for r in rows], font)[0] > TEXT_W:
+                groups.append([0])
+            groups[-1].append(c)
+    pages = []
+    for group in groups:
+        chunk: list[int] = []
+        for r in range(1, len(rows)):
+            trial = [0] + chunk + [r]
+            if chunk and _table_size([[rows[i][k] for k in group] for i in trial], font)[1] > height:
+                pages.append((group, chunk))
+                chunk = []
+            chunk.append(r)
+        pages.append((group, chunk))
+    out = []
+    for k, (group, chunk) in enumerate(pages):
+        head = "".join(f"<th>{inline(md_rows[0][c])}</th>" for c in group)
+        body_html = "".join("<tr>" + "".join(f"<td>{inline(md_rows[r][c])}</td>" for c in group) + "</tr>\n"
+                            for r in chunk)
+        out.append((f'<table class="deck-table" style="font-size: {font}px">\n<thead><tr>{head}</tr></thead>\n'
+                    f"<tbody>\n{body_html}</tbody>\n</table>", notes if k == 0 else ""))
+    return out
 
 
 def build_slides(nb: nbformat.NotebookNode) -> list[Slide]:

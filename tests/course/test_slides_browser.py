@@ -1,5 +1,6 @@
 """The committed decks render in a real browser: every slide shows something, nothing overflows the 1280 × 720
-slide, every figure loads, and no slide carries more than ~60 words of prose (course/slides.py's rule).
+slide, every figure loads, no text is set under 18 px, and no slide carries more than ~60 words of prose
+(course/slides.py's rule; printed outputs and tables are evidence, not prose).
 
 Chromium runs headless on each deck (`chromium --headless --dump-dom`) with a probe script appended to a copy of
 the deck: on load the probe walks the deck with the deck's own keyboard navigation (ArrowRight), measures every
@@ -28,7 +29,7 @@ DECKS = sorted((ROOT / "slides").glob("[0-9][0-9]_*.html"))
 WIDTH, HEIGHT = 1280, 720  # the viewport the decks are checked at (and their stage size)
 MAX_WORDS = 62  # course/slides.py allows 60 words of prose per slide; rendering may split a token in two
 MIN_FIGURE_SHARE = 0.2  # a figure covers at least this share of the slide, or it is too small to read
-MIN_FONT_PX = 12
+MIN_FONT_PX = 18  # body text a projector shows: outputs and tables too (course/slides.py sets none smaller)
 
 PROBE = """
 <script>
@@ -69,7 +70,7 @@ window.addEventListener('load', () => {
       return {loaded: img.complete && img.naturalWidth > 0, share: drawn / (box.width * box.height)};
     });
     const prose = slide.cloneNode(true);
-    prose.querySelectorAll('pre, .notes').forEach((el) => el.remove());
+    prose.querySelectorAll('pre, table, .notes').forEach((el) => el.remove());
     const notes = slide.querySelector('.notes');
     out.slides.push({problems, images, minFont, text: slide.innerText.trim().length,
                      words: prose.textContent.split(/\\s+/).filter((w) => /\\w/.test(w)).length,
