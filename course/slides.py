@@ -24,6 +24,10 @@ The notebook is the deck's only source; the rule that turns it into slides (one 
   the full text of anything shortened goes into the notes.
 - A ``###`` section that comes to a single sentence (a one-line task such as "Write ``f(x)``.") joins the slide
   before it as a point labelled with its heading, when that slide has room.
+- A figure without a caption followed by one claim of its section takes that claim as its caption; a slide left
+  without speaker notes gets its section's nearest notes.
+- Decks 05, 06, 08 and 10 get their component's diagram (course/diagrams.py: inline SVG, drawn at the slide's
+  size) after the first slide of the section it illustrates.
 - Cells tagged ``slide-skip`` or ``colab-badge`` are left out.
 
 A slide is a fixed 1280 × 720 px stage that the deck scales to the window, so what the headless-browser test
@@ -45,6 +49,9 @@ from typing import NamedTuple
 
 import mistune
 import nbformat
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import diagrams  # noqa: E402  (course/diagrams.py: the component diagrams, inline SVG)
 
 ROOT = Path(__file__).resolve().parent.parent
 SOLUTIONS, SLIDES = ROOT / "solutions", ROOT / "slides"
@@ -541,8 +548,8 @@ def table_pages(markdown: str, height: int = TEXT_H) -> list[tuple[str, str]]:
     return out
 
 
-def build_slides(nb: nbformat.NotebookNode) -> list[Slide]:
-    """The deck's slides, in notebook order."""
+def build_slides(nb: nbformat.NotebookNode, name: str = "") -> list[Slide]:
+    """The deck's slides, in notebook order; ``name`` (``NN_name``) picks the component diagram, if any."""
     deck = DeckBuilder()
     for cell in nb.cells:
         tags = cell.metadata.get("tags", [])
@@ -564,7 +571,44 @@ def build_slides(nb: nbformat.NotebookNode) -> list[Slide]:
                     alt = html.escape(out.get("data", {}).get("text/plain", "figure"), quote=True)
                     deck.evidence("figure", f'<img alt="{alt}" src="data:image/png;base64,{png.strip()}">')
     deck.heading(Block("heading", "", level=1))  # flush the last section
-    return deck.slides
+    return with_diagram(finish(deck.slides), name[:2])
+
+
+def with_diagram(slides: list[Slide], number: str) -> list[Slide]:
+    """The deck's component diagram (course/diagrams.py) as a slide after the first slide of its section."""
+    if number not in diagrams.DIAGRAMS:
+        return slides
+    heading, draw = diagrams.DIAGRAMS[number]
+    where = next((k for k, s in enumerate(slides) if s.title.startswith(heading)), None)
+    if where is None:
+        raise ValueError(f"deck {number}: no section titled {heading!r} for its diagram; "
+                         f"fix the heading in course/diagrams.py DIAGRAMS")
+    caption, notes, svg = draw()
+    slide = Slide(slides[where].title, "diagram", [f'<p class="caption">{inline(caption)}</p>\n{svg}'], [notes])
+    return slides[:where + 1] + [slide] + slides[where + 1:]
+
+
+def finish(slides: list[Slide]) -> list[Slide]:
+    """Last touches over the whole deck. A figure without a caption followed by one claim of its section takes
+    that claim as its caption (the figure and its reading are one idea); a slide still without speaker notes
+    gets its section's nearest notes, so the presenter always has the notebook's words at hand."""
+    out: list[Slide] = []
+    for slide in slides:
+        before = out[-1] if out else None
+        if before is not None and before.kind == "figure" and slide.kind == "statement" \
+                and slide.title == before.title and 'class="caption"' not in before.body[0]:
+            before.body = [f'<p class="caption">{inline(slide.points[0].lead)}</p>\n' + before.body[0]]
+            before.notes += slide.notes
+            continue
+        out.append(slide)
+    for k, slide in enumerate(out):
+        if slide.notes or slide.kind == "title":
+            continue
+        near = [out[j] for j in (k - 1, k + 1, k - 2, k + 2) if 0 <= j < len(out) and out[j].title == slide.title]
+        source = next((other for other in near if other.notes), None)
+        if source is not None:
+            slide.notes = list(source.notes)
+    return out
 
 
 def _slide_html(k: int, slide: Slide) -> str:
@@ -579,9 +623,9 @@ def _slide_html(k: int, slide: Slide) -> str:
 
 
 
-def render_deck(nb: nbformat.NotebookNode, title: str) -> str:
-    """The whole deck as one self-contained HTML document."""
-    body = "\n".join(_slide_html(k, s) for k, s in enumerate(build_slides(nb)))
+def render_deck(nb: nbformat.NotebookNode, title: str, name: str = "") -> str:
+    """The whole deck as one self-contained HTML document (``name``: the notebook's ``NN_name``)."""
+    body = "\n".join(_slide_html(k, s) for k, s in enumerate(build_slides(nb, name)))
     css, js = (RUNTIME / "deck.css").read_text(), (RUNTIME / "deck.js").read_text()
     return (f'<!DOCTYPE html>\n<html lang="en">\n<head>\n<meta charset="utf-8">\n'
             f'<meta name="viewport" content="width=device-width, initial-scale=1">\n'
@@ -609,7 +653,7 @@ def build(names: list[str], *, check: bool, solutions: Path = SOLUTIONS, out_dir
     stale = []
     for path in notebooks:
         nb = nbformat.read(path, as_version=4)
-        text = render_deck(nb, deck_title(nb, path.stem))
+        text = render_deck(nb, deck_title(nb, path.stem), path.stem)
         target = out_dir / f"{path.stem}.html"
         if not target.exists() or target.read_text() != text:
             stale.append(target)

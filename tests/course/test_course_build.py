@@ -206,8 +206,8 @@ def test_slides_build_offline_with_headings_figures_and_notes(tmp_path):
 
 
 def _visible_words(slide) -> int:
-    """Prose words on a slide (title and body; outputs in <pre> and tables not counted), as a reader sees them."""
-    body = re.sub(r"<pre.*?</pre>|<table.*?</table>", "", "".join(slide.body), flags=re.S)
+    """Prose words on a slide (title and body; outputs, tables and diagrams not counted), as a reader sees them."""
+    body = re.sub(r"<pre.*?</pre>|<table.*?</table>|<svg.*?</svg>", "", "".join(slide.body), flags=re.S)
     shown = html.unescape(re.sub(r"<[^>]+>", " ", body))  # "&quot;" is one character, not a word
     return slides.words(slide.title) + sum(1 for w in shown.split() if re.search(r"\w", w))
 

@@ -108,3 +108,50 @@ def test_a_lead_keeps_what_its_colon_introduces():
             "int4 has 4× fewer bytes than bf16 but is not 4× faster, which the notebook explains at length later.")
     assert slides.lead(text) == ("**Published anchors.** gpt-fast, Llama-2-7B batch 1 on an A100: bf16 105 tok/s, "
                                  "int8 156, int4 197.")
+
+
+def _load_diagrams():
+    import diagrams  # course/ is on sys.path once slides.py is loaded (it imports its sibling the same way)
+
+    return diagrams
+
+
+def test_each_component_deck_has_its_diagram_drawn_at_readable_sizes_and_offline():
+    diagrams = _load_diagrams()
+    assert set(diagrams.DIAGRAMS) == {"05", "06", "08", "10"}
+    for number, (_heading, draw) in diagrams.DIAGRAMS.items():
+        caption, notes, svg = draw()
+        assert caption and notes.startswith("<p>") and svg.startswith("<svg")
+        sizes = [int(s) for s in re.findall(r'font-size="(\d+)"', svg)]
+        assert sizes and min(sizes) >= slides.MIN_FONT_PX, f"{number}: text under {slides.MIN_FONT_PX} px"
+        assert not re.search(r'(?:src|href)="(?!#)', svg), f"{number}: the diagram refers to something outside"
+        assert re.search(r'width="(\d+)"', svg)[1] == str(slides.TEXT_W), "drawn at the size the slide shows it"
+        deck = (ROOT / "slides").glob(f"{number}_*.html")
+        assert svg in next(deck).read_text(), f"{number}: the committed deck lacks its diagram (rebuild the slides)"
+
+
+def test_the_batching_diagram_shows_the_slot_models_schedule():
+    from minillm.course.slot_model import slot_timeline
+
+    caption, _, svg = _load_diagrams().batching_timeline()
+    lengths = [3, 8, 4, 6, 5, 2, 4, 3]
+    static, continuous = len(slot_timeline(lengths, 4, "static")), len(slot_timeline(lengths, 4, "continuous"))
+    assert f"{continuous} steps instead of {static}" in caption
+    assert svg.count(">R2<") == 2 * 8 and svg.count(">R1<") == 2 * 3, "each request fills its length in both panels"
+
+
+def test_the_speculative_diagram_rejects_where_u_exceeds_p_over_q_and_drops_the_rest():
+    _, _, svg = _load_diagrams().speculative_verification()
+    verdicts = re.findall(r">(✓ accept|✗ reject|dropped)<", svg)
+    assert verdicts == ["✓ accept", "✓ accept", "✗ reject", "dropped"]
+    assert "yields 3 tokens" in svg
+
+
+def test_a_diagram_whose_section_is_gone_is_an_error_naming_the_heading():
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_markdown_cell("# 05 — Title\n\nClaim.")])
+    try:
+        slides.build_slides(nb, "05_paged_attention")
+    except ValueError as error:
+        assert "3. Build: growing a sequence" in str(error)
+    else:
+        raise AssertionError("a deck without its diagram's section built silently")

@@ -1,6 +1,6 @@
 """The committed decks render in a real browser: every slide shows something, nothing overflows the 1280 × 720
 slide, every figure loads, no text is set under 18 px, and no slide carries more than ~60 words of prose
-(course/slides.py's rule; printed outputs and tables are evidence, not prose).
+(course/slides.py's rule; printed outputs, tables and diagrams are evidence, not prose).
 
 Chromium runs headless on each deck (`chromium --headless --dump-dom`) with a probe script appended to a copy of
 the deck: on load the probe walks the deck with the deck's own keyboard navigation (ArrowRight), measures every
@@ -70,7 +70,7 @@ window.addEventListener('load', () => {
       return {loaded: img.complete && img.naturalWidth > 0, share: drawn / (box.width * box.height)};
     });
     const prose = slide.cloneNode(true);
-    prose.querySelectorAll('pre, table, .notes').forEach((el) => el.remove());
+    prose.querySelectorAll('pre, table, svg, .notes').forEach((el) => el.remove());
     const notes = slide.querySelector('.notes');
     out.slides.push({problems, images, minFont, text: slide.innerText.trim().length,
                      words: prose.textContent.split(/\\s+/).filter((w) => /\\w/.test(w)).length,
@@ -170,7 +170,8 @@ def test_every_slide_renders_inside_the_slide_with_its_figures_loaded(chromium, 
 
 
 def test_the_probe_reports_an_overflowing_slide(chromium, tmp_path):
-    """The check can fail: a slide holding a 2000-px-tall block is reported, a plain slide is not."""
+    """The check can fail: a slide holding a 2000-px-tall block is reported, a plain slide is not, and 12-px text
+    in an SVG diagram is measured at 12 px."""
     deck = tmp_path / "deck" / "00_overflow.html"
     deck.parent.mkdir()
     template = DECKS[0].read_text()
@@ -178,7 +179,10 @@ def test_the_probe_reports_an_overflowing_slide(chromium, tmp_path):
     tail = rest[rest.index('<div id="notes">') - len("</div>\n"):]
     deck.write_text(head + '<div id="stage">\n<section class="slide text" id="s1"><h2>Fine</h2><div class="body">'
                     '<p>Short.</p></div></section>\n<section class="slide text" id="s2"><h2>Too tall</h2>'
-                    '<div class="body"><div style="height: 2000px; flex: none">x</div></div></section>\n' + tail)
-    fine, tall = probe(chromium, deck, tmp_path)["slides"]
-    assert fine["problems"] == []
+                    '<div class="body"><div style="height: 2000px; flex: none">x</div></div></section>\n'
+                    '<section class="slide text" id="s3"><h2>Small</h2><div class="body"><svg width="400" '
+                    'height="100"><text x="0" y="50" font-size="12">tiny</text></svg></div></section>\n' + tail)
+    fine, tall, small = probe(chromium, deck, tmp_path)["slides"]
+    assert fine["problems"] == [] and fine["minFont"] >= MIN_FONT_PX
     assert any("outside the slide" in p for p in tall["problems"])
+    assert small["minFont"] == 12, "text inside a diagram is measured like any other"
