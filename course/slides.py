@@ -107,7 +107,8 @@ class Slide:
     """A slide under construction: its title, the HTML of its body, its notes' HTML and its kind."""
 
     title: str
-    kind: str  # "title", "text", "statement" (a single claim), "figure", "code"
+    kind: str  # "title", "section" (a divider), "text", "statement" (a single claim), "figure", "code", "table",
+    # "diagram"
     body: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     points: list[Point] = field(default_factory=list)  # a text slide's leads (to fold another section's into it)
@@ -234,8 +235,8 @@ class DeckBuilder:
     def heading(self, block: Block) -> None:
         """Close the current section and open the one ``block`` heads."""
         self.flush()
-        if not self.shown:  # a heading with nothing under it still gets its slide (a section divider)
-            self.slides.append(Slide(self.title, "title" if self.level == 1 else "text"))
+        if not self.shown:  # a heading with nothing under it still gets its slide: a divider, its title centred
+            self.slides.append(Slide(self.title, "title" if self.level == 1 else "section"))
         self.fold()
         self.title, self.level, self.shown, self.first = block.text, block.level, False, len(self.slides)
 
