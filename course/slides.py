@@ -24,7 +24,8 @@ The notebook is the deck's only source; the rule that turns it into slides (one 
   the full text of anything shortened goes into the notes.
 - A ``###`` section that comes to a single sentence (a one-line task such as "Write ``f(x)``.") joins the slide
   before it as a point labelled with its heading, when that slide has room.
-- A figure without a caption followed by one claim of its section takes that claim as its caption; a slide left
+- A figure without a caption followed by one claim of its section takes that claim as its caption, and a short
+  output followed by one claim shows it underneath (the evidence and its reading are one idea); a slide left
   without speaker notes gets its section's nearest notes.
 - Decks 05, 06, 08 and 10 get their component's diagram (course/diagrams.py: inline SVG, drawn at the slide's
   size) after the first slide of the section it illustrates.
@@ -316,6 +317,17 @@ class DeckBuilder:
         self.points = []
 
 
+def _used_height(body: str) -> int:
+    """Estimated pixels an evidence slide's captions and ``<pre>`` take (as ``text_pages`` laid them out)."""
+    used = sum(caption_height(html.unescape(re.sub(r"<[^>]+>", "", c)))
+               for c in re.findall(r'<p class="caption[^"]*">(.*?)</p>', body, re.S))
+    for font, text in re.findall(r'<pre class="\w+" style="font-size: (\d+)px">(.*?)</pre>', body, re.S):
+        per_line = max(1, int(PRE_W / (MONO_EM * int(font))))
+        rows = sum(_rows(ln, per_line) for ln in html.unescape(text).split("\n"))
+        used += int(rows * LINE_EM * int(font)) + 2 * 10  # the <pre>'s vertical padding
+    return used if "<pre" in body else TEXT_H  # only text evidence has a known height
+
+
 def caption_height(markdown: str) -> int:
     """Pixels a caption takes above the evidence: its estimated lines of 24-px text and the gap under it."""
     text = html.unescape(re.sub(r"<[^>]+>", "", inline(markdown)))
@@ -599,6 +611,12 @@ def finish(slides: list[Slide]) -> list[Slide]:
         if before is not None and before.kind == "figure" and slide.kind == "statement" \
                 and slide.title == before.title and 'class="caption"' not in before.body[0]:
             before.body = [f'<p class="caption">{inline(slide.points[0].lead)}</p>\n' + before.body[0]]
+            before.notes += slide.notes
+            continue
+        if before is not None and before.kind == "code" and slide.kind == "statement" \
+                and slide.title == before.title and _used_height(before.body[0]) \
+                + caption_height(slide.points[0].lead) <= TEXT_H:  # the reading of a short output goes under it
+            before.body = [before.body[0] + f'\n<p class="caption takeaway">{inline(slide.points[0].lead)}</p>']
             before.notes += slide.notes
             continue
         out.append(slide)

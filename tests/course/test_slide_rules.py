@@ -155,3 +155,29 @@ def test_a_diagram_whose_section_is_gone_is_an_error_naming_the_heading():
         assert "3. Build: growing a sequence" in str(error)
     else:
         raise AssertionError("a deck without its diagram's section built silently")
+
+
+def test_a_claim_after_a_short_output_goes_under_it_and_after_a_long_one_gets_its_own_slide():
+    def deck(lines: int):
+        cell = nbformat.v4.new_code_cell("print()", metadata={"tags": ["slide-output"]})
+        cell.outputs = [nbformat.v4.new_output("stream", name="stdout", text="\n".join(["row  1.0"] * lines))]
+        nb = nbformat.v4.new_notebook(cells=[
+            nbformat.v4.new_markdown_cell("# 99 — Title\n\nThe deck's claim."),
+            nbformat.v4.new_markdown_cell("## 1. Measure\n\nThe table below times it."), cell,
+            nbformat.v4.new_markdown_cell("The cache wins by a wide margin here."),
+        ])
+        return [s for s in slides.build_slides(nb) if s.title == "1. Measure"]
+
+    [short] = deck(3)
+    assert '<p class="caption takeaway">The cache wins by a wide margin here.</p>' in short.body[0]
+    assert "The cache wins" in "".join(short.notes)
+    outcomes = set()
+    for lines in range(10, 60):  # the claim goes under the last slide of output only where it fits
+        *evidence, last = deck(lines)
+        if last.kind == "statement":
+            outcomes.add("own slide")
+            assert "takeaway" not in "".join(s.body[0] for s in evidence)
+        else:
+            outcomes.add("under")
+            assert "takeaway" in last.body[0] and slides._used_height(last.body[0]) <= slides.TEXT_H
+    assert outcomes == {"own slide", "under"}
