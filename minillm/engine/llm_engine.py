@@ -43,6 +43,7 @@ from minillm.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput, S
 from minillm.engine.sequence import Request, SequenceStatus
 from minillm.engine.sequence import Sequence as Seq
 from minillm.engine.spec_decode import SpecDecoder
+from minillm.kv.eviction import make_eviction_policy
 from minillm.kv.memory import device_memory, full_sequences, profile_forward, size_kv_pool
 from minillm.kv.paged_cache import kv_bytes_per_block
 from minillm.models.llama import Transformer
@@ -80,8 +81,7 @@ class LLMEngine:
         self.model, self.tokenizer = (model if executor is None else executor.model), tokenizer
         mc = self.model.config
         self.max_model_len = min(mc.max_position_embeddings, config.max_model_len or mc.max_position_embeddings)
-        if mc.sliding_window is not None:  # the paged cache attends to everything: within the window that is exact
-            self.max_model_len = min(self.max_model_len, mc.sliding_window)
+        eviction = make_eviction_policy(mc.sliding_window, None, None, 0)  # windowed models free old blocks
         self.eos_token_ids = (merge_eos_token_ids(mc.eos_token_ids, tokenizer) if eos_token_ids is None
                               else tuple(eos_token_ids))
         block_bytes = kv_bytes_per_block(mc, config.block_size, self.model.dtype, config.kv_cache_dtype)
@@ -92,7 +92,7 @@ class LLMEngine:
                                   lambda: profile_forward(self.model, config, self.max_model_len)).num_blocks
         self.scheduler = Scheduler(config, num_blocks, self.max_model_len,
                                    num_host_blocks=config.resolve_host_blocks(num_blocks),
-                                   eos_token_ids=self.eos_token_ids)
+                                   eos_token_ids=self.eos_token_ids, eviction=eviction)
         self.runner = make_runner(self.model, config, self.scheduler.block_manager, self.max_model_len, executor)
         self.runner.eos_token_ids = self.eos_token_ids  # min_tokens masks them
         self.kv_cache = self.runner.kv
