@@ -45,9 +45,10 @@ def check_parallel(model: Transformer, config: EngineConfig) -> None:
         check_shardable(model, parallel.tensor_parallel_size)
     if parallel.pipeline_parallel_size > 1:
         stage_layers(model.config, parallel.pipeline_parallel_size, 0)
-    if parallel.world_size > 1 and model.config.sliding_window is not None:
-        raise ValueError("a sliding-window model is not supported over several processes (tensor / pipeline "
-                         "parallel): their steps do not carry the window; run it in one process")
+    if parallel.world_size > 1 and (model.config.sliding_window is not None or config.kv_eviction is not None):
+        raise ValueError("KV eviction (kv_eviction, or a sliding-window model) is not supported over several "
+                         "processes (tensor / pipeline parallel): their steps do not carry the window; run it in "
+                         "one process")
     if parallel.world_size > 1:
         from minillm.distributed.driver import check_engine_config
 

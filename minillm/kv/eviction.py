@@ -68,13 +68,10 @@ class KVEvictionPolicy:
 
 def make_eviction_policy(sliding_window: int | None, kv_eviction: str | None, window_tokens: int | None,
                          sink_tokens: int) -> KVEvictionPolicy | None:
-    """The engine's policy from the model's ``sliding_window`` and ``EngineConfig``'s eviction fields, or None
-    (full attention, nothing evicted).  With both, the window is the smaller one and the sinks are kept too."""
+    """The engine's policy from the model's ``sliding_window`` and ``EngineConfig``'s eviction fields (which its
+    constructor checked), or None (full attention, nothing evicted).  With both a model window and
+    ``kv_eviction``, the window is the smaller one and the sinks are kept too."""
     if kv_eviction is None:
         return None if sliding_window is None else KVEvictionPolicy(sliding_window)
-    if kv_eviction not in KV_EVICTIONS:
-        raise ValueError(f"kv_eviction must be None or one of {KV_EVICTIONS}, got {kv_eviction!r}")
-    if window_tokens is None:
-        raise ValueError('kv_eviction="sink" needs window_tokens (the recent tokens kept), e.g. window_tokens=1024')
     window = window_tokens if sliding_window is None else min(window_tokens, sliding_window)
     return KVEvictionPolicy(window, sink_tokens)

@@ -1,12 +1,14 @@
 """The engine with KV eviction: a sliding-window (Mistral-shaped) model against transformers past its window, with
-bounded blocks; prefix caching across evicted blocks."""
+bounded blocks; prefix caching across evicted blocks; attention sinks + window against the full forward under the
+same mask; bad eviction configs."""
 
 import pytest
 import torch
-from transformers import MistralConfig, MistralForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
 
 from minillm import EngineConfig, ModelConfig, SamplingParams
 from minillm.engine.llm_engine import LLMEngine
+from minillm.kernels.reference import kept_keys, sdpa_attention
 from minillm.models.loader import build_model
 
 WINDOW, BS = 12, 4
@@ -79,3 +81,62 @@ def test_prefix_cache_hits_past_evicted_blocks_give_the_same_tokens(mistral):
 def test_windowed_model_is_no_longer_capped_at_its_window(mistral):
     eng = LLMEngine(ours(mistral, "torch"), config=EngineConfig(block_size=BS, num_kv_blocks=64, max_num_seqs=2))
     assert eng.max_model_len == TINY["max_position_embeddings"]
+
+
+# ---- attention sinks (StreamingLLM) on a full-attention model -------------------------------------------------------
+SINKS, SINK_WINDOW = 3, 9
+
+
+class MaskedFullAttention:
+    """The ``cache`` of a plain forward over the whole sequence: attention under an explicit mask (the reference
+    for eviction: every key is there, the mask drops the ones the policy evicts)."""
+
+    def __init__(self, mask):
+        self.mask = mask  # (L, L) bool
+
+    def attention(self, layer, q, k, v, scale):
+        return sdpa_attention(q, k, v, self.mask[None, None], scale=scale)
+
+
+@pytest.fixture(scope="module")
+def llama():
+    cfg = LlamaConfig(**TINY)
+    torch.manual_seed(0)
+    return build_model(ModelConfig.from_hf(cfg), LlamaForCausalLM(cfg).eval().state_dict(), dtype=torch.float32,
+                       device="cpu", kernels="native")
+
+
+@pytest.mark.parametrize("batched_tokens", [8, 64])
+def test_sinks_and_window_equal_the_full_forward_under_the_same_mask_with_constant_blocks(llama, batched_tokens):
+    eng = LLMEngine(llama, config=EngineConfig(block_size=BS, num_kv_blocks=64, max_num_seqs=2, return_logits=True,
+                                               max_num_batched_tokens=batched_tokens, kv_eviction="sink",
+                                               sink_tokens=SINKS, window_tokens=SINK_WINDOW))
+    prompt = prompt_of(20, seed=4)
+    total = 10 * (SINKS + SINK_WINDOW)
+    tokens, logits, used = run(eng, prompt, total - len(prompt))
+    seq = torch.tensor([prompt + tokens[:-1]])
+    pos = torch.arange(seq.shape[1])
+    mask = kept_keys(pos[:, None], pos, SINK_WINDOW, SINKS)
+    with torch.no_grad():
+        want = llama.compute_logits(llama.hidden_states(seq, pos[None], MaskedFullAttention(mask)))[0]
+        plain = llama(seq, pos[None])[0]
+    torch.testing.assert_close(logits, want[len(prompt) - 1 :])
+    assert tokens == want[len(prompt) - 1 :].argmax(-1).tolist()
+    assert not torch.allclose(want, plain, atol=1e-3)  # the mask matters: eviction is not full attention here
+    bound = eng.block_manager.eviction.max_blocks(BS)
+    steady = used[len(used) // 4 : -1]  # long after the window filled (and before the end frees all): flat
+    assert max(steady) <= bound and max(steady) - min(steady) <= 1
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(window_tokens=0), "window_tokens must be a positive int"),
+    (dict(window_tokens=8, sink_tokens=8), "sink_tokens=8 must be smaller than window_tokens=8"),
+    (dict(), "needs window_tokens"),
+    (dict(window_tokens=8, speculative_config={"method": "ngram", "num_speculative_tokens": 2}), "drop one"),
+    (dict(window_tokens=8, enforce_eager=False), "enforce_eager=None"),
+])
+def test_bad_eviction_config_names_the_fix(kw, match):
+    with pytest.raises(ValueError, match=match):
+        EngineConfig(kv_eviction="sink", **kw)
+    with pytest.raises(ValueError, match="kv_eviction must be None or one of"):
+        EngineConfig(kv_eviction="h2o", window_tokens=8)
