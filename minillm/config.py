@@ -310,9 +310,11 @@ class EngineConfig:
         if self.enforce_eager is False:
             raise ValueError("enforce_eager=False (static decode buffers / CUDA graphs) cannot run kv_eviction: "
                              "its buffers hold whole block tables without the window; pass enforce_eager=None")
-        if self.speculative_config is not None:
-            raise ValueError("kv_eviction cannot be combined with speculative_config yet: a draft model's own "
-                             "KV cache keeps every token, so memory would not stay bounded; drop one of them")
+        spec = self.speculative_config
+        if spec is not None and spec.method != "ngram":
+            raise ValueError(f"kv_eviction works with speculative_config method 'ngram' only, got {spec.method!r}: "
+                             "the other proposers run a model over their own KV cache that keeps every token, so "
+                             "memory would not stay bounded; use method='ngram' or drop one of them")
 
     def resolve_num_blocks(self, bytes_per_block: int, max_model_len: int) -> int:
         """Device KV blocks: ``num_kv_blocks``, or the byte budget divided by ``bytes_per_block`` (K and V, all

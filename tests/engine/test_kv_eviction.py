@@ -132,7 +132,7 @@ def test_sinks_and_window_equal_the_full_forward_under_the_same_mask_with_consta
     (dict(window_tokens=0), "window_tokens must be a positive int"),
     (dict(window_tokens=8, sink_tokens=8), "sink_tokens=8 must be smaller than window_tokens=8"),
     (dict(), "needs window_tokens"),
-    (dict(window_tokens=8, speculative_config={"method": "ngram", "num_speculative_tokens": 2}), "drop one"),
+    (dict(window_tokens=8, speculative_config={"method": "early_exit", "num_layers": 1}), "'ngram' only"),
     (dict(window_tokens=8, enforce_eager=False), "enforce_eager=None"),
 ])
 def test_bad_eviction_config_names_the_fix(kw, match):
@@ -140,3 +140,16 @@ def test_bad_eviction_config_names_the_fix(kw, match):
         EngineConfig(kv_eviction="sink", **kw)
     with pytest.raises(ValueError, match="kv_eviction must be None or one of"):
         EngineConfig(kv_eviction="h2o", window_tokens=8)
+
+
+def test_ngram_speculation_under_sinks_gives_the_same_greedy_tokens(llama):
+    """Drafts are verified through the eviction mask and rolled back only where uncomputed (``truncate``)."""
+    config = dict(block_size=BS, num_kv_blocks=64, max_num_seqs=2, max_num_batched_tokens=16, kv_eviction="sink",
+                  sink_tokens=SINKS, window_tokens=SINK_WINDOW)
+    prompt = [5, 6, 7, 8, 9] * 6  # repeats: the n-gram proposer drafts, and some drafts are rejected
+    params = SamplingParams(max_tokens=60, temperature=0, ignore_eos=True)
+    plain = LLMEngine(llama, config=EngineConfig(**config)).generate([prompt], params)[0].outputs[0].token_ids
+    eng = LLMEngine(llama, config=EngineConfig(**config, speculative_config={"method": "ngram",
+                                                                             "num_speculative_tokens": 3}))
+    assert eng.generate([prompt], params)[0].outputs[0].token_ids == plain
+    assert eng.spec_stats.draft_tokens > eng.spec_stats.accepted_tokens > 0  # drafts ran, some were rolled back
