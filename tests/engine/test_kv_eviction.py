@@ -153,3 +153,14 @@ def test_ngram_speculation_under_sinks_gives_the_same_greedy_tokens(llama):
                                                                              "num_speculative_tokens": 3}))
     assert eng.generate([prompt], params)[0].outputs[0].token_ids == plain
     assert eng.spec_stats.draft_tokens > eng.spec_stats.accepted_tokens > 0  # drafts ran, some were rolled back
+
+
+def test_a_pool_smaller_than_the_sequence_admits_and_finishes_it_under_eviction(llama):
+    tiny_pool = dict(block_size=BS, num_kv_blocks=8, max_num_seqs=2, max_num_batched_tokens=16)
+    params = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)  # 220 tokens = 55 blocks without eviction
+    with pytest.raises(ValueError, match="needs up to 55 KV blocks"):
+        LLMEngine(llama, config=EngineConfig(**tiny_pool)).add_request(prompt_of(20), params)
+    eng = LLMEngine(llama, config=EngineConfig(**tiny_pool, kv_eviction="sink", sink_tokens=SINKS,
+                                               window_tokens=SINK_WINDOW))
+    out = eng.generate([prompt_of(20)], params)[0].outputs[0]
+    assert len(out.token_ids) == 200 and eng.stats.preemptions == 0
