@@ -89,7 +89,11 @@ class LLMEngine:
         # one CUDA process profiles its model and sizes the pool to the device; an executor's model is this rank's
         # piece only (the other ranks' memory is theirs), so a tensor/pipeline-parallel engine keeps today's budget
         memory = device_memory(self.model.device) if executor is None else None
-        num_blocks = size_kv_pool(config, block_bytes, self.max_model_len, memory,  # int8/fp8 KV: more blocks
+        # the pool's floor is one sequence's blocks at once: with eviction, its window's (as the old window cap),
+        # not the whole context's; a longer prompt (allocated whole at admission) needs a larger explicit budget
+        held = (self.max_model_len if eviction is None
+                else min(self.max_model_len, eviction.max_blocks(config.block_size) * config.block_size))
+        num_blocks = size_kv_pool(config, block_bytes, held, memory,  # int8/fp8 KV: more blocks
                                   lambda: profile_forward(self.model, config, self.max_model_len)).num_blocks
         self.scheduler = Scheduler(config, num_blocks, self.max_model_len,
                                    num_host_blocks=config.resolve_host_blocks(num_blocks),
