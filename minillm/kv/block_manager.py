@@ -36,7 +36,9 @@ class BlockManager:
     Preemption by recompute is ``free``; by swap, ``swap_out``/``swap_in`` (needs ``num_host_blocks``).
     ``allocator`` is the ``BlockAllocator`` class of both pools (the course passes its own subclass here).
     ``eviction``: a ``KVEvictionPolicy`` consulted by ``mark_computed``; the blocks it names are freed and their
-    table entries become ``EVICTED`` (None: every block stays until the sequence is freed or truncated).
+    table entries become ``EVICTED`` (None: every block stays until the sequence is freed or truncated).  With
+    eviction, ``truncate`` may drop only uncomputed (speculative) tokens, as the engine's rollback does: computed
+    tokens rolled back would need keys that are already freed.
     """
 
     def __init__(self, num_blocks: int, block_size: int = 16, *, enable_prefix_caching: bool = True,
@@ -256,13 +258,9 @@ class BlockManager:
         table = self._table(seq_id)
         if not 1 <= num_tokens <= len(table.token_ids):
             raise ValueError(f"num_tokens={num_tokens} must lie in [1, {len(table.token_ids)}]; use free() to drop all")
-        if num_tokens < table.num_computed and EVICTED in table.block_ids:
-            raise ValueError(f"cannot roll {seq_id!r} back to {num_tokens} tokens below its {table.num_computed} "
-                             "computed ones: blocks their window needs may be evicted; truncate only uncomputed "
-                             "(speculative) tokens, or free() and recompute")
         ### BEGIN SOLUTION
         keep = self._blocks_for(num_tokens)
-        for block_id in reversed(_held(table.block_ids[keep:])):
+        for block_id in reversed(table.block_ids[keep:]):
             self.device.free(block_id)
         del table.block_ids[keep:], table.token_ids[num_tokens:], table.block_hashes[num_tokens // self.block_size :]
         table.num_computed = min(table.num_computed, num_tokens)
