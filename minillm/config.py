@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from minillm.kv.eviction import KV_EVICTIONS, KVEvictionPolicy
+
 # model_type -> what differs from plain Llama. Everything else (RMSNorm, RoPE, SwiGLU, GQA) is shared.
 SUPPORTED_ARCHITECTURES = {
     "llama": "Llama 2/3 and SmolLM2",
@@ -232,6 +234,15 @@ class EngineConfig:
     """How K/V are stored — "auto" (the model's dtype), "int8" (symmetric, one fp32 scale per token and KV head)
     or "fp8" (e4m3 with the same scales; ``kv/quant.py``).  1 byte per element + 4 per (token, head): for D = 64 a
     block holds ~1.9× the tokens of bf16 and ~3.8× fp32 in the same bytes."""
+    kv_eviction: str | None = None
+    """Free the KV blocks no later query reads, so a sequence holds constant KV memory however long it runs:
+    "sink" keeps the first ``sink_tokens`` tokens (StreamingLLM's attention sinks) and the last ``window_tokens``
+    (``kv/eviction.py``; keys keep their original positions).  None keeps every token (a sliding-window model still
+    frees what falls out of its window)."""
+    sink_tokens: int = 4
+    """(kv_eviction="sink") leading tokens every query keeps seeing; fewer than ``window_tokens``."""
+    window_tokens: int | None = None
+    """(kv_eviction="sink", required) recent tokens each query sees, itself included."""
     speculative_config: SpeculativeConfig | dict | None = None
     """Speculative decoding: a ``SpeculativeConfig``, or a dict of its fields (vLLM's shape, e.g.
     ``{"method": "ngram", "num_speculative_tokens": 4}``) that becomes one; None: off."""
@@ -284,6 +295,26 @@ class EngineConfig:
                 raise ValueError(f"EngineConfig.{name} must be True or False, got {getattr(self, name)!r}")
         if self.enforce_eager is not None and not isinstance(self.enforce_eager, bool):
             raise ValueError(f"EngineConfig.enforce_eager must be None, True or False, got {self.enforce_eager!r}")
+        self._check_eviction()
+
+    def _check_eviction(self) -> None:
+        if self.kv_eviction is None:
+            return
+        if self.kv_eviction not in KV_EVICTIONS:
+            raise ValueError(f"EngineConfig.kv_eviction must be None or one of {KV_EVICTIONS}, got "
+                             f"{self.kv_eviction!r}")
+        if self.window_tokens is None:
+            raise ValueError(f'EngineConfig(kv_eviction="{self.kv_eviction}") needs window_tokens, the recent '
+                             "tokens kept (e.g. window_tokens=1024)")
+        KVEvictionPolicy(self.window_tokens, self.sink_tokens)  # ValueError naming the fix for a bad pair
+        if self.enforce_eager is False:
+            raise ValueError("enforce_eager=False (static decode buffers / CUDA graphs) cannot run kv_eviction: "
+                             "its buffers hold whole block tables without the window; pass enforce_eager=None")
+        spec = self.speculative_config
+        if spec is not None and spec.method != "ngram":
+            raise ValueError(f"kv_eviction works with speculative_config method 'ngram' only, got {spec.method!r}: "
+                             "the other proposers run a model over their own KV cache that keeps every token, so "
+                             "memory would not stay bounded; use method='ngram' or drop one of them")
 
     def resolve_num_blocks(self, bytes_per_block: int, max_model_len: int) -> int:
         """Device KV blocks: ``num_kv_blocks``, or the byte budget divided by ``bytes_per_block`` (K and V, all

@@ -43,6 +43,7 @@ from minillm.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput, S
 from minillm.engine.sequence import Request, SequenceStatus
 from minillm.engine.sequence import Sequence as Seq
 from minillm.engine.spec_decode import SpecDecoder
+from minillm.kv.eviction import make_eviction_policy
 from minillm.kv.memory import device_memory, full_sequences, profile_forward, size_kv_pool
 from minillm.kv.paged_cache import kv_bytes_per_block
 from minillm.models.llama import Transformer
@@ -80,19 +81,23 @@ class LLMEngine:
         self.model, self.tokenizer = (model if executor is None else executor.model), tokenizer
         mc = self.model.config
         self.max_model_len = min(mc.max_position_embeddings, config.max_model_len or mc.max_position_embeddings)
-        if mc.sliding_window is not None:  # the paged cache attends to everything: within the window that is exact
-            self.max_model_len = min(self.max_model_len, mc.sliding_window)
+        eviction = make_eviction_policy(mc.sliding_window, config.kv_eviction, config.window_tokens,
+                                        config.sink_tokens)  # windowed models and kv_eviction free old blocks
         self.eos_token_ids = (merge_eos_token_ids(mc.eos_token_ids, tokenizer) if eos_token_ids is None
                               else tuple(eos_token_ids))
         block_bytes = kv_bytes_per_block(mc, config.block_size, self.model.dtype, config.kv_cache_dtype)
         # one CUDA process profiles its model and sizes the pool to the device; an executor's model is this rank's
         # piece only (the other ranks' memory is theirs), so a tensor/pipeline-parallel engine keeps today's budget
         memory = device_memory(self.model.device) if executor is None else None
-        num_blocks = size_kv_pool(config, block_bytes, self.max_model_len, memory,  # int8/fp8 KV: more blocks
+        # the pool's floor is one sequence's blocks at once: with eviction, its window's (as the old window cap),
+        # not the whole context's; a longer prompt (allocated whole at admission) needs a larger explicit budget
+        held = (self.max_model_len if eviction is None
+                else min(self.max_model_len, eviction.max_blocks(config.block_size) * config.block_size))
+        num_blocks = size_kv_pool(config, block_bytes, held, memory,  # int8/fp8 KV: more blocks
                                   lambda: profile_forward(self.model, config, self.max_model_len)).num_blocks
         self.scheduler = Scheduler(config, num_blocks, self.max_model_len,
                                    num_host_blocks=config.resolve_host_blocks(num_blocks),
-                                   eos_token_ids=self.eos_token_ids)
+                                   eos_token_ids=self.eos_token_ids, eviction=eviction)
         self.runner = make_runner(self.model, config, self.scheduler.block_manager, self.max_model_len, executor)
         self.runner.eos_token_ids = self.eos_token_ids  # min_tokens masks them
         self.kv_cache = self.runner.kv

@@ -145,6 +145,12 @@ def sampling_chunks(out: SchedulerOutput) -> list[tuple[ScheduledSeq, int]]:
     return chunks
 
 
+def eviction_window(block_manager: BlockManager) -> dict[str, int]:
+    """``AttentionMetadata``'s window and sinks from the block manager's eviction policy ({} without one)."""
+    policy = block_manager.eviction
+    return {} if policy is None else {"window": policy.window_tokens, "sinks": policy.sink_tokens}
+
+
 def logit_rows(out: SchedulerOutput) -> list[int]:
     """Indices into the packed rows of the rows whose logits the step needs (``num_logit_rows`` of each chunk, its
     last rows), in order."""
@@ -273,7 +279,7 @@ class ModelRunner:
         meta = AttentionMetadata(tensor(slots), tensor(decode_rows),
                                  tensor(padded, torch.int32).view(len(tables), width), tensor(lens, torch.int32),
                                  prefills, out.num_padding, decode_only=len(decode_rows) == len(ids) > 0
-                                 and out.num_padding == 0)
+                                 and out.num_padding == 0, **eviction_window(bm))
         # pad rows: token 0 at position 0, after the real rows; they go through the LM head too (sampled from: no)
         sample_rows += range(len(ids), len(ids) + out.num_padding)
         ids += [0] * out.num_padding

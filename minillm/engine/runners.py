@@ -8,6 +8,7 @@
     enforce_eager=True                                     -> ModelRunner: eager, every layer from Python
     static decode (``use_static_decode``)                  -> CudaGraphRunner: decode steps replay CUDA graphs
                                                               (compiled, or the padded path uncaptured, on CPU)
+    KV eviction (sliding window, attention sinks)          -> ModelRunner: the per-layer kernels take the window
     CPU, fp32, plain Llama modules, native kernels built   -> NativeRunner: decode and draft steps in one native call
     anything else                                          -> ModelRunner
 
@@ -35,7 +36,8 @@ from minillm.models.llama import Transformer
 def check_parallel(model: Transformer, config: EngineConfig) -> None:
     """ValueError, before any process starts, for a parallel config the model or the engine options cannot run:
     a tensor-parallel size that does not divide the heads (naming those that do), a pipeline size that does not
-    divide the layers (same), a speculative config or ``enforce_eager=False`` with either."""
+    divide the layers (same), a speculative config or ``enforce_eager=False`` with either, KV eviction with
+    either."""
     parallel = config.parallel_config
     if parallel.tensor_parallel_size > 1:
         from minillm.layers.parallel import check_shardable
@@ -43,6 +45,10 @@ def check_parallel(model: Transformer, config: EngineConfig) -> None:
         check_shardable(model, parallel.tensor_parallel_size)
     if parallel.pipeline_parallel_size > 1:
         stage_layers(model.config, parallel.pipeline_parallel_size, 0)
+    if parallel.world_size > 1 and (model.config.sliding_window is not None or config.kv_eviction is not None):
+        raise ValueError("KV eviction (kv_eviction, or a sliding-window model) is not supported over several "
+                         "processes (tensor / pipeline parallel): their steps do not carry the window; run it in "
+                         "one process")
     if parallel.world_size > 1:
         from minillm.distributed.driver import check_engine_config
 
@@ -87,8 +93,13 @@ def make_runner(model: Transformer, config: EngineConfig, block_manager: BlockMa
     if config.enforce_eager is False and executor is not None:
         raise ValueError("enforce_eager=False is not supported over several processes (tensor / pipeline "
                          "parallel): their steps run eagerly (pass enforce_eager=None or True)")
-    static = config.kv_cache_dtype == "auto" and use_static_decode(config.enforce_eager, model.device,
-                                                                    compiles(model.kernels), distributed)
+    evicting = block_manager.eviction is not None
+    if evicting and config.enforce_eager is False:
+        raise ValueError("enforce_eager=False (static decode buffers / CUDA graphs) cannot run KV eviction (a "
+                         "sliding-window model or kv_eviction): its buffers hold whole block tables without the "
+                         "window; pass enforce_eager=None or True")
+    static = config.kv_cache_dtype == "auto" and not evicting and use_static_decode(
+        config.enforce_eager, model.device, compiles(model.kernels), distributed)
     num_blocks, host = block_manager.device.num_blocks, block_manager.host
     kv_args = {"num_blocks": num_blocks + static, "block_size": config.block_size, "dtype": model.dtype,
                "num_host_blocks": host.num_blocks if host else 0, "kv_cache_dtype": config.kv_cache_dtype}
@@ -100,7 +111,7 @@ def make_runner(model: Transformer, config: EngineConfig, block_manager: BlockMa
         return CudaGraphRunner(model, kv, block_manager, buckets=batch_buckets(config.max_num_seqs),
                                max_blocks=-(-max_model_len // config.block_size),
                                capture=model.device.type == "cuda", compile=compiles(model.kernels))
-    if config.enforce_eager is None and supports(model, kv):  # enforce_eager=True keeps the per-layer path
+    if config.enforce_eager is None and not evicting and supports(model, kv):  # True keeps the per-layer path
         gamma = config.speculative_config.num_speculative_tokens if config.speculative_config else 0
         rows = config.max_num_seqs * (1 + gamma)  # a verify step feeds γ + 1 rows per sequence
         return NativeRunner(model, kv, block_manager, max_rows=min(MAX_ROWS, rows), max_positions=max_model_len)

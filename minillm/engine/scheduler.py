@@ -27,6 +27,7 @@ from minillm.engine.logprobs import prompt_logit_rows, wants_prompt_rows
 from minillm.engine.sequence import Request, Sequence, SequenceStatus
 from minillm.kv.block_allocator import BlockCopy
 from minillm.kv.block_manager import BlockManager, OutOfBlocks
+from minillm.kv.eviction import KVEvictionPolicy
 from minillm.outputs import RequestMetrics
 from minillm.sampling.params import SamplingParams, finish_reason
 
@@ -138,17 +139,18 @@ class Scheduler:
     """Owns the requests, their queues and the ``BlockManager``; ``schedule`` then ``postprocess`` each step.
 
     ``num_blocks`` device KV blocks (``num_host_blocks`` for swapping); ``max_model_len`` caps prompt + output;
-    ``eos_token_ids`` end a sequence unless its params say ``ignore_eos``.
+    ``eos_token_ids`` end a sequence unless its params say ``ignore_eos``; ``eviction``: the block manager's
+    ``KVEvictionPolicy`` (sliding window, sinks), None to keep every block.
     """
 
     def __init__(self, config: EngineConfig, num_blocks: int, max_model_len: int, *, num_host_blocks: int = 0,
-                 eos_token_ids: tuple[int, ...] = ()):
+                 eos_token_ids: tuple[int, ...] = (), eviction: KVEvictionPolicy | None = None):
         self.config = config
         self.policy = Policy(config.policy)
         self.max_model_len = max_model_len
         self.eos_token_ids = frozenset(eos_token_ids)
         self.block_manager = BlockManager(num_blocks, config.block_size, num_host_blocks=num_host_blocks,
-                                          enable_prefix_caching=config.enable_prefix_caching)
+                                          enable_prefix_caching=config.enable_prefix_caching, eviction=eviction)
         self.requests: dict[str, Request] = {}  # unfinished requests by id
         self.waiting: deque[Sequence] = deque()  # admission order (recompute-preempted ones at the front)
         self.running: list[Sequence] = []  # sorted by priority: oldest first, preemption victim last
@@ -174,7 +176,7 @@ class Scheduler:
                              "splits a prompt; enable chunked_prefill or raise max_num_batched_tokens")
         # The last sampled token is never fed back, so a sequence needs slots for at most len - 1 tokens.
         slots = min(num_prompt_tokens + params.max_tokens, self.max_model_len) - 1
-        need = -(-max(slots, num_prompt_tokens) // bm.block_size)
+        need = bm.max_blocks(num_prompt_tokens, slots)
         if need > bm.device.num_blocks:
             raise ValueError(f"request {request_id!r}: a {num_prompt_tokens}-token prompt with max_tokens="
                              f"{params.max_tokens} needs up to {need} KV blocks of {bm.block_size} tokens but the "

@@ -25,14 +25,15 @@ from dataclasses import dataclass
 from functools import cache
 from typing import Any
 
-from minillm.config import KV_CACHE_DTYPES, POLICIES, PREEMPTION_MODES, EngineConfig, ParallelConfig
+from minillm.config import KV_CACHE_DTYPES, KV_EVICTIONS, POLICIES, PREEMPTION_MODES, EngineConfig, ParallelConfig
 from minillm.dtypes import MODEL_DTYPES as DTYPES
 from minillm.kernels.select import CHOICES as KERNEL_CHOICES
 from minillm.models.loader import QUANTIZATIONS
 from minillm.sampling.params import SamplingParams
 
 # field name -> the constant its __post_init__ checks against
-FIELD_CHOICES = {"policy": POLICIES, "preemption": PREEMPTION_MODES, "kv_cache_dtype": KV_CACHE_DTYPES}
+FIELD_CHOICES = {"policy": POLICIES, "preemption": PREEMPTION_MODES, "kv_cache_dtype": KV_CACHE_DTYPES,
+                 "kv_eviction": KV_EVICTIONS}
 # EngineConfig fields given as their own dataclass's fields, one flag each (vLLM's --tensor-parallel-size)
 FLATTENED = {"parallel_config": ParallelConfig}
 

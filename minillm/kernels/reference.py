@@ -97,6 +97,33 @@ def paged_decode_attention_ref(q: Tensor, k_cache: Tensor, v_cache: Tensor, bloc
     ### END SOLUTION
 
 
+def kept_keys(query_pos: Tensor, key_pos: Tensor, window: int = 0, sinks: int = 0) -> Tensor:
+    """Which keys each query attends to: bool, query_pos [..., Q, 1] against key_pos [..., 1, K] (anything that
+    broadcasts).  Causal (key ≤ query); with ``window`` W > 0 only the last W keys (the query's own included) and
+    the first ``sinks`` keys — the rule of ``kv.eviction.KVEvictionPolicy``; window 0: every earlier key."""
+    kept = key_pos <= query_pos
+    if window:
+        kept = kept & ((query_pos - key_pos < window) | (key_pos < sinks))
+    return kept
+
+
+def paged_window_attention_ref(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor,
+                               seq_lens: Tensor, scale: float | None = None, window: int = 0,
+                               sinks: int = 0) -> Tensor:
+    """``paged_decode_attention_ref`` where the query at position seq_lens[b] - 1 sees only the keys ``kept_keys``
+    keeps (a sliding window of ``window`` keys plus ``sinks`` first keys; window 0: all of them).  Table entries
+    of blocks holding no kept key may be any valid id (evicted blocks).  Shapes as there; the same gather cost."""
+    B, max_blocks = block_tables.shape
+    block_size = k_cache.shape[1]
+    lens = seq_lens.to(k_cache.device).long()
+    key_pos = torch.arange(max_blocks * block_size, device=k_cache.device)
+    mask = kept_keys(lens[:, None] - 1, key_pos, window, sinks)  # (B, S_max)
+    ids = block_tables.long().to(k_cache.device).clamp(0, k_cache.shape[0] - 1)  # padding: any id
+    k = k_cache[ids].flatten(1, 2).transpose(1, 2)  # (B, H_kv, S_max, D)
+    v = v_cache[ids].flatten(1, 2).transpose(1, 2)
+    return grouped_attention(q[:, :, None], k, v, mask[:, None, None], scale=scale)[:, :, 0]
+
+
 def attention_partial(q: Tensor, k: Tensor, v: Tensor, *, scale: float | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """One split of flash-decoding: the softmax pieces of q over a chunk of keys, unnormalised.
 

@@ -80,7 +80,9 @@ class KernelOps:
       (causal: the L queries are the last L of the S positions)
     - ``decode_attention(q [B, H_q, D], k, v [B, H_kv, S_max, D], seq_lens [B], *, sm_scale) -> [B, H_q, D]``
     - ``paged_decode_attention(q [B, H_q, D], k_cache, v_cache [num_blocks, block_size, H_kv, D],
-      block_tables [B, max_blocks] int32, seq_lens [B] int32, *, sm_scale) -> [B, H_q, D]``
+      block_tables [B, max_blocks] int32, seq_lens [B] int32, *, sm_scale, window=0, sinks=0) -> [B, H_q, D]``
+      (``window`` > 0: the query at position seq_lens - 1 sees only its last ``window`` keys and the first
+      ``sinks``, as ``reference.kept_keys``; blocks holding none of them are not read)
     - ``int4_linear(x [..., K], w: Int4Weight [N, K], bias [N] | None) -> [..., N]`` and
       ``int8_linear(x [..., K], w: Int8Weight [N, K], bias [N] | None) -> [..., N]``: weight-only quantized
       linears (``layers.linear.QuantLinear``); x's dtype is the one resolved for, the weight stays packed.
@@ -159,7 +161,9 @@ def _torch_decode(q, k, v, seq_lens, *, sm_scale=None):
     return ref.decode_attention(q, k, v, seq_lens, scale=sm_scale)
 
 
-def _torch_paged(q, k_cache, v_cache, block_tables, seq_lens, *, sm_scale=None):
+def _torch_paged(q, k_cache, v_cache, block_tables, seq_lens, *, sm_scale=None, window=0, sinks=0):
+    if window:
+        return ref.paged_window_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, sm_scale, window, sinks)
     return ref.paged_decode_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, scale=sm_scale)
 
 
@@ -184,12 +188,12 @@ def _native_decode(q, k, v, seq_lens, *, sm_scale=None):
     return native.decode_attention(q, k, v, seq_lens, _scale(q, sm_scale), check_lens=False)
 
 
-def _native_paged(q, k_cache, v_cache, block_tables, seq_lens, *, sm_scale=None):
+def _native_paged(q, k_cache, v_cache, block_tables, seq_lens, *, sm_scale=None, window=0, sinks=0):
     # reads K/V through the tables in place: no gather (the reference copies every sequence's blocks)
     if seq_lens.dtype != torch.int32:  # .to() is an ATen op even when it has nothing to do
         seq_lens = seq_lens.to(torch.int32)
     return native.paged_decode_attention(q, k_cache.contiguous(), v_cache.contiguous(), block_tables, seq_lens,
-                                         _scale(q, sm_scale))
+                                         _scale(q, sm_scale), window, sinks)
 
 
 def torch_add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:

@@ -1,5 +1,7 @@
 """The block manager: per-sequence block tables over a ``paged.BlockAllocator``, with prefix caching,
-copy-on-write for shared blocks, forks (parallel sampling), truncation (speculative rollback) and swap to host.
+copy-on-write for shared blocks, forks (parallel sampling), truncation (speculative rollback), swap to host and
+KV eviction (a ``kv.eviction.KVEvictionPolicy``: sliding window, attention sinks) that frees the blocks no future
+query reads, leaving ``EVICTED`` in their table entries.
 
 It works on sequence ids and token lists and returns the ``BlockCopy`` operations the engine must run; see
 ``minillm.kv.block_allocator`` for the allocator, the data types and the slot arithmetic.
@@ -22,6 +24,7 @@ from minillm.kv.block_allocator import (
     hash_block_tokens,
     slot_mapping,
 )
+from minillm.kv.eviction import EVICTED, KVEvictionPolicy
 
 
 class BlockManager:
@@ -32,17 +35,22 @@ class BlockManager:
     ``slot_mapping``/``block_table`` to attention, then ``mark_computed`` so finished full blocks become cacheable.
     Preemption by recompute is ``free``; by swap, ``swap_out``/``swap_in`` (needs ``num_host_blocks``).
     ``allocator`` is the ``BlockAllocator`` class of both pools (the course passes its own subclass here).
+    ``eviction``: a ``KVEvictionPolicy`` consulted by ``mark_computed``; the blocks it names are freed and their
+    table entries become ``EVICTED`` (None: every block stays until the sequence is freed or truncated).  With
+    eviction, ``truncate`` may drop only uncomputed (speculative) tokens, as the engine's rollback does: computed
+    tokens rolled back would need keys that are already freed.
     """
 
     def __init__(self, num_blocks: int, block_size: int = 16, *, enable_prefix_caching: bool = True,
                  num_host_blocks: int = 0, hash_fn: HashFn = hash_block_tokens,
-                 allocator: type[BlockAllocator] = BlockAllocator):
+                 allocator: type[BlockAllocator] = BlockAllocator, eviction: KVEvictionPolicy | None = None):
         if not isinstance(num_host_blocks, int) or num_host_blocks < 0:
             raise ValueError(f"num_host_blocks must be an int >= 0 (0 disables swapping), got {num_host_blocks!r}")
         self.device = allocator(num_blocks, block_size, enable_prefix_caching)
         self.host = allocator(num_host_blocks, block_size, False) if num_host_blocks else None
         self.block_size = block_size
         self.prefix_stats = PrefixHitStats()
+        self.eviction = eviction
         self._hash = hash_fn
         self._seqs: dict[Hashable, BlockTable] = {}
 
@@ -52,6 +60,14 @@ class BlockManager:
 
     def _blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
+
+    def max_blocks(self, num_prompt_tokens: int, num_tokens: int) -> int:
+        """The most blocks a sequence holds at once over its life: its whole prompt (allocated at admission) or, as
+        it decodes to ``num_tokens`` slots, the policy's bound when one evicts (the blocks for every slot if not)."""
+        if self.eviction is None:
+            return self._blocks_for(max(num_prompt_tokens, num_tokens))
+        return max(self._blocks_for(num_prompt_tokens),
+                   min(self._blocks_for(num_tokens), self.eviction.max_blocks(self.block_size)))
 
     # ---- new sequences -----------------------------------------------------------------------------------------
     def _match_prefix(self, token_ids: Sequence[int]) -> tuple[list[int], list[bytes]]:
@@ -190,11 +206,26 @@ class BlockManager:
                              "computed tokens only grow and cannot exceed the allocated ones")
         table.num_computed = num_tokens
         self._register_full_blocks(table)
+        self._evict(table)
+
+    def _evict(self, table: BlockTable) -> None:
+        """Free the blocks the eviction policy says no later query reads (tail first, as ``free``); their entries
+        become ``EVICTED`` so positions keep their logical block.  Evicted blocks form a run from the policy's first
+        freeable index, so the walk stops at the first one already evicted: O(blocks freed) per call."""
+        if self.eviction is None:
+            return
+        for i in reversed(self.eviction.freeable_blocks(table.num_computed, self.block_size)):
+            if table.block_ids[i] == EVICTED:
+                break
+            self.device.free(table.block_ids[i])
+            table.block_ids[i] = EVICTED
 
     def _register_full_blocks(self, table: BlockTable) -> None:
         bs = self.block_size
         while self.device.enable_prefix_caching and len(table.block_hashes) < table.num_computed // bs:
             i = len(table.block_hashes)
+            if table.block_ids[i] == EVICTED or (i and table.block_ids[i - 1] == EVICTED):
+                return  # its K/V (or its parent's) is gone: the chain cannot grow past it
             block = table.token_ids[i * bs : (i + 1) * bs]
             block_hash = self._hash(table.block_hashes[-1] if i else None, block)
             if not self.device.register(table.block_ids[i], block_hash, block, table.block_ids[i - 1] if i else None):
@@ -209,7 +240,8 @@ class BlockManager:
         if parent.num_computed != len(parent.token_ids):
             raise RuntimeError(f"fork {parent_id!r} only after its K/V is written (mark_computed), otherwise both "
                                "sequences would write the same shared slots")
-        self._seqs[child_id] = BlockTable(self.device.fork(parent.block_ids), list(parent.token_ids),
+        self.device.fork(_held(parent.block_ids))  # evicted entries stay placeholders in both tables
+        self._seqs[child_id] = BlockTable(list(parent.block_ids), list(parent.token_ids),
                                           parent.num_computed, list(parent.block_hashes))
 
     def truncate(self, seq_id: Hashable, num_tokens: int) -> None:
@@ -240,13 +272,13 @@ class BlockManager:
         if table is None:
             raise KeyError(f"unknown sequence {seq_id!r}; it was never allocated or is already freed")
         pool = self.device if table.residence is Residence.DEVICE else self.host
-        for block_id in reversed(table.block_ids):  # tail first: the LRU then evicts a prefix's tail before its head
+        for block_id in reversed(_held(table.block_ids)):  # tail first: the LRU evicts a prefix's tail before its head
             pool.free(block_id)
 
     # ---- swap (preemption by copying to host memory) -----------------------------------------------------------
     def can_swap_in(self, seq_id: Hashable) -> bool:
         """Whether the device has a free block for every block of swapped-out ``seq_id``."""
-        return len(self._table(seq_id, Residence.HOST).block_ids) <= self.device.num_free
+        return len(_held(self._table(seq_id, Residence.HOST).block_ids)) <= self.device.num_free
 
     def swap_out(self, seq_id: Hashable) -> list[BlockCopy]:
         """Move a sequence to host blocks; returns device->host copies. Shared blocks are copied per sequence."""
@@ -264,20 +296,23 @@ class BlockManager:
 
     def _move(self, table: BlockTable, src: BlockAllocator, dst: BlockAllocator, residence: Residence,
               kind: CopyKind) -> list[BlockCopy]:
-        if len(table.block_ids) > dst.num_free:
-            raise OutOfBlocks(f"moving {len(table.block_ids)} blocks to the {residence.value} but only "
+        held = _held(table.block_ids)
+        if len(held) > dst.num_free:
+            raise OutOfBlocks(f"moving {len(held)} blocks to the {residence.value} but only "
                               f"{dst.num_free} are free there")
-        new_ids = [dst.allocate() for _ in table.block_ids]
-        copies = [BlockCopy(old, new, kind) for old, new in zip(table.block_ids, new_ids, strict=True)]
-        for block_id in reversed(table.block_ids):
+        new_ids = [EVICTED if old == EVICTED else dst.allocate() for old in table.block_ids]
+        copies = [BlockCopy(old, new, kind) for old, new in zip(table.block_ids, new_ids, strict=True)
+                  if old != EVICTED]
+        for block_id in reversed(held):
             src.free(block_id)
         table.block_ids, table.block_hashes, table.residence = new_ids, [], residence
         return copies
 
     # ---- what attention and the scheduler read -----------------------------------------------------------------
     def block_table(self, seq_id: Hashable) -> list[int]:
-        """Physical block of each logical block (a row of attention's ``block_tables``)."""
-        return list(self._table(seq_id).block_ids)
+        """Physical block of each logical block (a row of attention's ``block_tables``); an evicted block reads as
+        block 0, a valid id that attention never reads for this sequence (its keys are masked out)."""
+        return [0 if block_id == EVICTED else block_id for block_id in self._table(seq_id).block_ids]
 
     def slot_mapping(self, seq_id: Hashable, start: int = 0, end: int | None = None) -> list[int]:
         """Flat cache slot (block_id * block_size + offset) of each token position in [start, end)."""
@@ -308,8 +343,15 @@ class BlockManager:
             if table.residence is Residence.DEVICE:
                 logical += len(table.token_ids)
                 for i, block_id in enumerate(table.block_ids):
+                    if block_id == EVICTED:
+                        continue
                     n = min(self.block_size, len(table.token_ids) - i * self.block_size)
                     filled[block_id] = max(filled.get(block_id, 0), n)
         return MemoryStats(self.device.num_blocks, self.block_size, self.device.num_used,
                            self.device.num_free - self.device.num_evictable, self.device.num_evictable,
                            logical, sum(filled.values()))
+
+
+def _held(block_ids: Sequence[int]) -> list[int]:
+    """The entries of a block table that hold a block (``EVICTED`` placeholders left out)."""
+    return [block_id for block_id in block_ids if block_id != EVICTED]

@@ -13,6 +13,7 @@ from torch import Tensor
 
 from minillm.config import ModelConfig
 from minillm.dtypes import DType
+from minillm.kernels.reference import kept_keys, sdpa_attention
 from minillm.kernels.select import KernelOps
 from minillm.kv.block_allocator import BlockCopy, CopyKind
 from minillm.kv.quant import KVQuantizer, kv_bytes_per_token, kv_quantizer
@@ -224,6 +225,8 @@ class AttentionMetadata:
     prefills: list[PrefillChunk]
     num_padding: int = 0  # pad rows at the end of the T packed rows: no KV slot, no attention (output 0)
     decode_only: bool = False  # every packed row is a decode, in order (decode_rows = 0..T-1): the fast path
+    window: int = 0  # > 0: each query sees only its last ``window`` keys and the first ``sinks`` (kv.eviction)
+    sinks: int = 0
 
 
 class PagedAttention:
@@ -231,6 +234,10 @@ class PagedAttention:
 
     ``ops``: the kernels it attends with (``kernels.select.ops_for``; the engine passes the model's own), their
     ``paged_decode_attention`` for the decode rows and ``prefill_attention`` for each prefill chunk.
+    With ``meta.window`` (a ``kv.eviction.KVEvictionPolicy``'s window and sinks) every query sees only the keys
+    ``kernels.reference.kept_keys`` keeps: the decode kernel gets them as arguments, each prefill chunk runs SDPA
+    under that mask over its gathered blocks (whole tables, evicted entries included as block 0: O(context) gather
+    per chunk, O(kept keys) attention weights that are not zero).
     """
 
     def __init__(self, kv: PagedKVCache, meta: AttentionMetadata, ops: KernelOps):
@@ -246,19 +253,26 @@ class PagedAttention:
         self.kv.write(layer, k[0, :, :real].transpose(0, 1), v[0, :, :real].transpose(0, 1), m.slot_mapping, self.ops)
         if m.decode_rows.numel():
             kc, vc, tables = self.kv.decode_kv(layer, self.decode_plan)  # (blocks, block_size, H_kv, D)
+        window = {"window": m.window, "sinks": m.sinks} if m.window else {}  # no new kwargs on the default path
         if m.decode_only:  # a pure decode step (steady state): no scatter of rows, no prefill loop
             out = self.ops.paged_decode_attention(q[0].transpose(0, 1), kc, vc, tables, m.seq_lens,
-                                                  sm_scale=scale)  # (T, H_q, D)
+                                                  sm_scale=scale, **window)  # (T, H_q, D)
             return out.transpose(0, 1)[None]
         out = q.new_empty(T, Hq, D)
         out[real:] = 0
         qt = q[0].transpose(0, 1)  # (T, H_q, D)
         if m.decode_rows.numel():  # the block manager built the tables: no per-layer input checks (no syncs)
             out[m.decode_rows] = self.ops.paged_decode_attention(qt[m.decode_rows], kc, vc, tables, m.seq_lens,
-                                                                 sm_scale=scale)
+                                                                 sm_scale=scale, **window)
         for p in m.prefills:
             kk, vv = self.kv.context_kv(layer, p, k[:, :, p.start : p.end], v[:, :, p.start : p.end])
-            # causal with the L queries at the last L of the S keys (Triton on CUDA, SDPA elsewhere)
-            o = self.ops.prefill_attention(q[:, :, p.start : p.end], kk, vv, causal=True, sm_scale=scale)
+            qc = q[:, :, p.start : p.end]
+            if m.window:  # SDPA under the eviction mask (evicted blocks gathered as block 0: masked, never used)
+                S = kk.shape[2]
+                positions = torch.arange(S, device=q.device)
+                mask = kept_keys(positions[S - qc.shape[2] :, None], positions, m.window, m.sinks)  # (L, S)
+                o = sdpa_attention(qc, kk, vv, mask[None, None], scale=scale)
+            else:  # causal with the L queries at the last L of the S keys (Triton on CUDA, SDPA elsewhere)
+                o = self.ops.prefill_attention(qc, kk, vv, causal=True, sm_scale=scale)
             out[p.start : p.end] = o[0].transpose(0, 1)
         return out.transpose(0, 1)[None]  # (1, H_q, T, D)

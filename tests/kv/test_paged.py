@@ -23,6 +23,7 @@ from minillm.kv.block_allocator import (
     paged_waste,
 )
 from minillm.kv.block_manager import BlockManager
+from minillm.kv.eviction import EVICTED, KVEvictionPolicy
 
 
 def observable_state(mgr: BlockManager, seq_ids) -> tuple:
@@ -331,11 +332,12 @@ class PagedMachine(RuleBasedStateMachine):
     BS, NUM_BLOCKS, HOST_BLOCKS = 4, 12, 8
     CACHING = True
     HASH = staticmethod(hash_block_tokens)
+    EVICTION: KVEvictionPolicy | None = None
 
     def __init__(self):
         super().__init__()
         self.mgr = BlockManager(self.NUM_BLOCKS, self.BS, enable_prefix_caching=self.CACHING,
-                                num_host_blocks=self.HOST_BLOCKS, hash_fn=self.HASH)
+                                num_host_blocks=self.HOST_BLOCKS, hash_fn=self.HASH, eviction=self.EVICTION)
         self.slots = {Residence.DEVICE: {}, Residence.HOST: {}}  # slot -> prefix tuple ending at its token
         self.tokens: dict[int, list[int]] = {}
         self.computed: dict[int, int] = {}
@@ -491,7 +493,8 @@ class PagedMachine(RuleBasedStateMachine):
                 table = self.mgr.sequence(sid)
                 if table.residence is residence:
                     for b in table.block_ids:
-                        refs[b] += 1
+                        if b != EVICTED:
+                            refs[b] += 1
             assert [pool.ref_count(b) for b in range(pool.num_blocks)] == refs
             unreferenced = {b for b in range(pool.num_blocks) if refs[b] == 0}
             evictable = pool.evictable_blocks()
@@ -506,6 +509,10 @@ class PagedMachine(RuleBasedStateMachine):
             assert table.token_ids == tokens and len(table.block_ids) == -(-len(tokens) // self.BS)
             shadow = self.slots[table.residence]
             for p in range(self.computed[sid]):
+                if table.block_ids[p // self.BS] == EVICTED:  # only blocks no later query reads are freed
+                    ev = self.EVICTION
+                    assert ev is not None and ev.sink_tokens <= p < self.computed[sid] - ev.window_tokens + 1
+                    continue
                 assert shadow.get(table.block_ids[p // self.BS] * self.BS + p % self.BS) == tuple(tokens[: p + 1])
 
     @invariant()
@@ -517,6 +524,8 @@ class PagedMachine(RuleBasedStateMachine):
             if table.residence is Residence.HOST:
                 assert table.block_hashes == []
             for i in range(len(table.block_hashes)):
+                if table.block_ids[i] == EVICTED:
+                    continue
                 assert cached[table.block_ids[i]] == tuple(tokens[i * self.BS : (i + 1) * self.BS])
 
     @invariant()
@@ -542,6 +551,29 @@ class NoCachingMachine(PagedMachine):
     CACHING = False
 
 
+class WindowMachine(PagedMachine):
+    """Sliding window with sinks: blocks leave the tables as sequences are computed.  Rollbacks stay within the
+    uncomputed (speculative) tokens, as the engine's (below them the window's keys may be gone)."""
+
+    EVICTION = KVEvictionPolicy(window_tokens=5, sink_tokens=2)
+
+    @precondition(lambda self: self._ids())
+    @rule(data=st.data())
+    def truncate(self, data):
+        sid = self._pick(data)
+        self.truncate_to(sid, data.draw(st.integers(max(1, self.computed[sid]), len(self.tokens[sid]))))
+
+    def reject_speculative_tokens(self):  # not a rule here: it rolls computed tokens back
+        pass
+
+    @invariant()
+    def evicted_blocks_are_the_policys_and_the_rest_are_held(self):
+        for sid in self.tokens:
+            table = self.mgr.sequence(sid)
+            evicted = {i for i, b in enumerate(table.block_ids) if b == EVICTED}
+            assert evicted <= set(self.EVICTION.freeable_blocks(self.computed[sid], self.BS))
+
+
 _settings = settings(max_examples=60, stateful_step_count=50, deadline=None,
                      suppress_health_check=[HealthCheck.too_slow])
 TestPagedInvariants = PagedMachine.TestCase
@@ -550,3 +582,23 @@ TestPagedInvariantsWithHashCollisions = CollidingHashMachine.TestCase
 TestPagedInvariantsWithHashCollisions.settings = _settings
 TestPagedInvariantsWithoutPrefixCaching = NoCachingMachine.TestCase
 TestPagedInvariantsWithoutPrefixCaching.settings = _settings
+TestPagedInvariantsWithEviction = WindowMachine.TestCase
+TestPagedInvariantsWithEviction.settings = _settings
+
+
+def test_eviction_frees_exactly_the_blocks_outside_window_and_sinks():
+    mgr = BlockManager(16, 4, eviction=KVEvictionPolicy(window_tokens=6, sink_tokens=3))
+    mgr.allocate("a", list(range(10)))
+    mgr.mark_computed("a", 10)  # next query at 10 keeps 0..2 (sinks) and 5..10: block 1 (4..7) still holds 5..7
+    assert EVICTED not in mgr.sequence("a").block_ids
+    for t in range(10, 30):
+        mgr.append_slot("a", t)
+        mgr.mark_computed("a", t + 1)
+        table = mgr.sequence("a")
+        n = t + 1
+        kept_blocks = {p // 4 for p in range(n) if p < 3 or p >= n - 6 + 1}
+        assert {i for i, b in enumerate(table.block_ids) if b != EVICTED} == kept_blocks
+        assert mgr.device.num_used == len(kept_blocks) <= KVEvictionPolicy(6, 3).max_blocks(4)
+    assert mgr.block_table("a")[1] == 0  # attention sees a valid id where a block was freed
+    mgr.free("a")
+    assert mgr.device.num_free == 16

@@ -122,6 +122,8 @@ def _lib() -> ctypes.CDLL | None:
     for name in ("paged_decode_attention_f32", "paged_decode_attention_bf16"):
         getattr(lib, name).argtypes = [vp] * 6 + [i64] * 6 + [ctypes.c_float, i64, i64]
         getattr(lib, name).restype = None
+        getattr(lib, name + "_window").argtypes = [vp] * 6 + [i64] * 6 + [ctypes.c_float] + [i64] * 4
+        getattr(lib, name + "_window").restype = None
     for name in ("rope_f32", "rope_bf16"):
         getattr(lib, name).argtypes = [vp] * 4 + [i64] * 4
         getattr(lib, name).restype = None
@@ -232,12 +234,13 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_lens
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                           seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+                           seq_lens: torch.Tensor, scale: float, window: int = 0, sinks: int = 0) -> torch.Tensor:
     """Decode attention through block tables, on CPU.  q [B, H_q, D] (any row/head strides, e.g. a view into the qkv
     projection: no copy); k/v cache [num_blocks, block_size, H_kv, D] (contiguous); block_tables [B, W] int32;
     seq_lens [B] int32 -> [B, H_q, D].  The caller guarantees the table entries below each length are valid
-    blocks (the engine's block manager does); no checks cost a sync.
-    Reference: ``minillm.kernels.reference.paged_decode_attention_ref``."""
+    blocks (the engine's block manager does); no checks cost a sync.  ``window`` > 0: only the last ``window``
+    keys and the first ``sinks`` are read (blocks holding none of them may have any entry).
+    Reference: ``minillm.kernels.reference.paged_decode_attention_ref`` (``paged_window_attention_ref``)."""
     B, Hq, D = q.shape
     nb, bs, Hkv, Dk = k_cache.shape
     if q.stride(2) != 1:
@@ -252,9 +255,13 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         raise ValueError("native.paged_decode_attention needs fp32/bf16 CPU tensors and the native library")
     tables, lens = block_tables.contiguous(), seq_lens.contiguous()
     out = torch.empty(B, Hq, D, dtype=q.dtype)
-    fn = _lib().paged_decode_attention_f32 if q.dtype == torch.float32 else _lib().paged_decode_attention_bf16
-    fn(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), lens.data_ptr(), out.data_ptr(),
-       B, Hq, Hkv, D, bs, tables.shape[1], scale, q.stride(0), q.stride(1))
+    name = "paged_decode_attention_" + ("f32" if q.dtype == torch.float32 else "bf16")
+    args = (q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), lens.data_ptr(), out.data_ptr(),
+            B, Hq, Hkv, D, bs, tables.shape[1], scale, q.stride(0), q.stride(1))
+    if window:
+        getattr(_lib(), name + "_window")(*args, window, sinks)
+    else:
+        getattr(_lib(), name)(*args)
     return out
 
 

@@ -31,7 +31,7 @@ from minillm.kernels.validate import check_paged
 
 @triton.jit
 def _paged_partial_kernel(Q, KC, VC, BlockTables, SeqLens, Mp, Lp, Op, sqb, sqh, skc0, skc1, skc2, svc0, svc1, svc2,
-                          sbt, H_kv, D, GROUP, split_size, num_splits, qk_scale,
+                          sbt, H_kv, D, GROUP, split_size, num_splits, qk_scale, WINDOW, SINKS,
                           BLOCK_SIZE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
                           BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr):
     pid = tl.program_id(0)
@@ -58,6 +58,8 @@ def _paged_partial_kernel(Q, KC, VC, BlockTables, SeqLens, Mp, Lp, Op, sqb, sqh,
     for start_n in range(start, end, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         n_mask = offs_n < end
+        if WINDOW > 0:  # only the last WINDOW keys and the first SINKS (reference.kept_keys); the rest not loaded
+            n_mask = n_mask & ((offs_n >= seq_len - WINDOW) | (offs_n < SINKS))
         kv_mask = n_mask[:, None] & d_mask[None, :]
         block = tl.load(table + offs_n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)  # physical block per key
         slot = offs_n % BLOCK_SIZE
@@ -66,8 +68,9 @@ def _paged_partial_kernel(Q, KC, VC, BlockTables, SeqLens, Mp, Lp, Op, sqb, sqh,
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [G, N], log2 units
         s = tl.where(n_mask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a tile of evicted keys only: no -inf - -inf
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(VC + (block * svc0 + slot * svc1 + h_kv * svc2)[:, None] + offs_d[None, :], mask=kv_mask,
                     other=0.0)
@@ -86,8 +89,11 @@ def _interpreted() -> bool:
 
 def paged_decode_attention_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor,
                                   seq_lens: Tensor, *, sm_scale: float | None = None, split_size: int | None = None,
-                                  block_n: int | None = None) -> Tensor:
+                                  block_n: int | None = None, window: int = 0, sinks: int = 0) -> Tensor:
     """Launch paged flash-decoding -> new [B, H_q, D].  Shapes as in the module docstring.
+
+    ``window`` > 0: each query sees only its last ``window`` keys and the first ``sinks``
+    (``reference.paged_window_attention_ref``); the other keys are masked out of their tiles and never loaded.
 
     ``split_size`` (keys per split, ≥ 1) and ``block_n`` (keys per tile, power of two ≥ 16) override the defaults.
     """
@@ -109,7 +115,7 @@ def paged_decode_attention_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor, b
     o_part = torch.empty(B, Hq, num_splits, D, dtype=torch.float32, device=q.device)
     _paged_partial_kernel[(B * Hkv, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, m, den, o_part, q.stride(0), q.stride(1), *k_cache.stride()[:3],
-        *v_cache.stride()[:3], block_tables.stride(0), Hkv, D, G, split_size, num_splits, scale * LOG2E,
+        *v_cache.stride()[:3], block_tables.stride(0), Hkv, D, G, split_size, num_splits, scale * LOG2E, window, sinks,
         BLOCK_SIZE=block_size, BLOCK_G=max(16, triton.next_power_of_2(G)), BLOCK_N=block_n,
         BLOCK_D=max(16, triton.next_power_of_2(D)), DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=4, num_stages=2)

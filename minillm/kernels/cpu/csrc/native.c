@@ -413,7 +413,8 @@ void rms_norm_bf16(const uint16_t *restrict x, const uint16_t *restrict w, uint1
 /* Decode attention over a paged KV cache: key/value position s of sequence b lives in physical block
  * tables[b, s / bs] at offset s % bs.  k/v [num_blocks, bs, H_kv, D] contiguous; q/out [B, H_q, D];
  * tables [B, W] int32; lens [B] int32; q row b, head h at q + b * sqb + h * sqh (a view into the packed qkv
- * projection needs no copy).  Reference: minillm.kernels.reference.paged_decode_attention_ref.
+ * projection needs no copy).  Reference: minillm.kernels.reference.paged_decode_attention_ref.  The _window
+ * variant keeps only the last `window` keys and the first `sinks` (window 0: all; reference.paged_window_attention_ref).
  *
  * Cost per (b, h): S dots and S axpys of D elements plus S exps.  Work is split by (row b, query head h) and each
  * output is computed whole by one thread in a fixed order, so a row's result depends neither on the other rows of
@@ -425,50 +426,63 @@ void rms_norm_bf16(const uint16_t *restrict x, const uint16_t *restrict w, uint1
  * best of 7): 15.6 -> 6.1 µs at S = 64, 61.5 -> 24.5 µs at S = 256, 300 -> 111 µs at S = 1024 (~2.5x; same at B = 4
  * and on 2 threads). */
 #define PAGED_STACK 4096 /* 16 KiB of fp32 scores: beyond it, a heap buffer */
+/* The kept keys of a query at position S - 1 are two position ranges: the sinks [0, a) and the window [lo, S)
+ * (window 0, or S <= window: the second is [0, S) and the first empty).  PAGED_RANGES walks both, block by block
+ * in table order, running BODY with kb/vb (the block's K or V head row 0), j (its offset) and c (the compact index
+ * of the key among the kept ones); blocks holding no kept key are never read. */
+#define PAGED_RANGES(T, BASE, BODY)                                                                             \
+    for (int64_t r = 0, c = 0; r < 2; r++) {                                                                  \
+        int64_t s0 = r ? lo : 0, s1 = r ? S : a;                                                               \
+        for (int64_t i = s0 / bs; i * bs < s1; i++) {                                                          \
+            const T *kb = BASE + (int64_t)tb[i] * bs * rs;                                                     \
+            int64_t j0 = s0 > i * bs ? s0 - i * bs : 0, j1 = s1 - i * bs < bs ? s1 - i * bs : bs;              \
+            for (int64_t j = j0; j < j1; j++, c++) BODY                                                       \
+        }                                                                                                      \
+    }
 #define PAGED_DECODE_ATTENTION(NAME, T, LOAD, STORE)                                                           \
-    void NAME(const T *restrict q, const T *restrict k, const T *restrict v, const int32_t *restrict tables,   \
-              const int32_t *restrict lens, T *restrict out, int64_t B, int64_t Hq, int64_t Hkv, int64_t D,    \
-              int64_t bs, int64_t W, float scale, int64_t sqb, int64_t sqh) {                                  \
+    void NAME##_window(const T *restrict q, const T *restrict k, const T *restrict v,                          \
+                       const int32_t *restrict tables, const int32_t *restrict lens, T *restrict out, int64_t B, \
+                       int64_t Hq, int64_t Hkv, int64_t D, int64_t bs, int64_t W, float scale, int64_t sqb,    \
+                       int64_t sqh, int64_t window, int64_t sinks) {                                           \
         int64_t G = Hq / Hkv, rs = Hkv * D;                                                                    \
         _Pragma("omp parallel for collapse(2) schedule(static)")                                               \
         for (int64_t b = 0; b < B; b++)                                                                        \
             for (int64_t h = 0; h < Hq; h++) {                                                                 \
-                int64_t S = lens[b], nb = (S + bs - 1) / bs;                                                   \
+                int64_t S = lens[b];                                                                           \
+                int64_t lo = window > 0 && S > window ? S - window : 0, a = sinks < lo ? sinks : lo;           \
+                int64_t n_kept = a + S - lo;                                                                   \
                 const T *qh = q + b * sqb + h * sqh;                                                           \
                 const int32_t *tb = tables + b * W;                                                            \
                 const T *kh = k + (h / G) * D, *vh = v + (h / G) * D;                                          \
                 float qf[D], acc[D], stack[PAGED_STACK];                                                       \
-                float *p = S <= PAGED_STACK ? stack : (float *)malloc(sizeof(float) * S);                      \
+                float *p = n_kept <= PAGED_STACK ? stack : (float *)malloc(sizeof(float) * n_kept);           \
                 for (int64_t d = 0; d < D; d++) { qf[d] = LOAD(qh[d]) * scale; acc[d] = 0.f; }                 \
                 float m = -FLT_MAX;                                                                            \
-                for (int64_t i = 0; i < nb; i++) {                                                             \
-                    const T *kb = kh + (int64_t)tb[i] * bs * rs;                                               \
-                    int64_t n = S - i * bs < bs ? S - i * bs : bs;                                             \
-                    for (int64_t j = 0; j < n; j++) {                                                          \
-                        const T *ks = kb + j * rs;                                                             \
-                        float dot = 0.f;                                                                       \
-                        _Pragma("omp simd reduction(+ : dot)")                                                 \
-                        for (int64_t d = 0; d < D; d++) dot += qf[d] * LOAD(ks[d]);                            \
-                        p[i * bs + j] = dot;                                                                   \
-                        m = dot > m ? dot : m;                                                                 \
-                    }                                                                                          \
-                }                                                                                              \
+                PAGED_RANGES(T, kh, {                                                                          \
+                    const T *ks = kb + j * rs;                                                                 \
+                    float dot = 0.f;                                                                           \
+                    _Pragma("omp simd reduction(+ : dot)")                                                     \
+                    for (int64_t d = 0; d < D; d++) dot += qf[d] * LOAD(ks[d]);                                \
+                    p[c] = dot;                                                                                \
+                    m = dot > m ? dot : m;                                                                     \
+                })                                                                                             \
                 float l = 0.f;                                                                                 \
-                for (int64_t s = 0; s < S; s++) { p[s] = expf(p[s] - m); l += p[s]; }                          \
-                for (int64_t i = 0; i < nb; i++) {                                                             \
-                    const T *vb = vh + (int64_t)tb[i] * bs * rs;                                               \
-                    int64_t n = S - i * bs < bs ? S - i * bs : bs;                                             \
-                    for (int64_t j = 0; j < n; j++) {                                                          \
-                        const T *vs = vb + j * rs;                                                             \
-                        float w = p[i * bs + j];                                                               \
-                        _Pragma("omp simd")                                                                    \
-                        for (int64_t d = 0; d < D; d++) acc[d] += w * LOAD(vs[d]);                             \
-                    }                                                                                          \
-                }                                                                                              \
+                for (int64_t s = 0; s < n_kept; s++) { p[s] = expf(p[s] - m); l += p[s]; }                     \
+                PAGED_RANGES(T, vh, {                                                                          \
+                    const T *vs = kb + j * rs;                                                                 \
+                    float w = p[c];                                                                            \
+                    _Pragma("omp simd")                                                                        \
+                    for (int64_t d = 0; d < D; d++) acc[d] += w * LOAD(vs[d]);                                 \
+                })                                                                                             \
                 T *o = out + (b * Hq + h) * D;                                                                 \
                 for (int64_t d = 0; d < D; d++) o[d] = STORE(acc[d] / l);                                      \
                 if (p != stack) free(p);                                                                       \
             }                                                                                                  \
+    }                                                                                                          \
+    void NAME(const T *restrict q, const T *restrict k, const T *restrict v, const int32_t *restrict tables,   \
+              const int32_t *restrict lens, T *restrict out, int64_t B, int64_t Hq, int64_t Hkv, int64_t D,    \
+              int64_t bs, int64_t W, float scale, int64_t sqb, int64_t sqh) {                                  \
+        NAME##_window(q, k, v, tables, lens, out, B, Hq, Hkv, D, bs, W, scale, sqb, sqh, 0, 0);                \
     }
 
 PAGED_DECODE_ATTENTION(paged_decode_attention_f32, float, load_f32, store_f32)
