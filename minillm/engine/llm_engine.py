@@ -48,8 +48,9 @@ from minillm.kv.memory import device_memory, full_sequences, profile_forward, si
 from minillm.kv.paged_cache import kv_bytes_per_block
 from minillm.models.llama import Transformer
 from minillm.outputs import CompletionOutput, EngineState, RequestOutput, StepOutput
-from minillm.sampling.guided import GrammarCompiler
+from minillm.sampling.guided import GrammarCompiler, GuidedDecodingParams
 from minillm.sampling.params import SamplingParams, check_vocab
+from minillm.sampling.regex import RegexCompiler
 from minillm.sampling.sampler import make_generator, sample_seed
 from minillm.spec.proposer import SpecStats
 
@@ -111,6 +112,7 @@ class LLMEngine:
         self._token_texts: dict[int, str] = {}  # logprobs' decoded tokens
         self._lock = threading.RLock()
         self._grammars: GrammarCompiler | None = None  # built by the first guided request (reads the vocabulary)
+        self._regexes: RegexCompiler | None = None  # likewise, for backend="minillm"
 
     def check(self) -> None:
         """Raise the executor's failure (a worker that died or raised: ``WorkerError`` naming its rank), if any."""
@@ -167,6 +169,26 @@ class LLMEngine:
         return self._grammars
 
     @property
+    def regex_compiler(self) -> RegexCompiler:
+        """Compiles ``backend="minillm"`` regexes (``sampling.regex``) for this engine's tokenizer and LM head (built
+        on first use: reads the vocabulary's bytes once; masks are cached per regex and DFA state).  Its
+        ``mask_fn`` is the per-state mask function the engine runs (``sampling.regex.token_mask`` by default)."""
+        if self._regexes is None:
+            with self._lock:
+                if self.tokenizer is None:
+                    raise ValueError("guided_decoding needs a tokenizer: LLMEngine(model, tokenizer)")
+                if self._regexes is None:
+                    self._regexes = RegexCompiler(self.tokenizer, self.model.config.vocab_size,
+                                                  list(self.eos_token_ids))
+        return self._regexes
+
+    def _matchers(self, guided: GuidedDecodingParams, n: int) -> list:
+        """One matcher per sample, from the backend the constraint names (xgrammar unless "minillm")."""
+        if guided.backend == "minillm":
+            return self.regex_compiler.matchers(guided.regex, n)
+        return self.grammar_compiler.matchers(guided, n)
+
+    @property
     def num_live_requests(self) -> int:
         """Requests added and not yet finished (their outputs are not counted)."""
         return len(self._live)
@@ -202,7 +224,7 @@ class LLMEngine:
         seeds = [None if params.seed is None else sample_seed(params.seed, i) for i in range(params.n)]
         generators = [make_generator(dataclasses.replace(params, seed=s), self.model.device) for s in seeds]
         matchers = (None if params.guided_decoding is None  # compiled here: a bad constraint never reaches a step
-                    else self.grammar_compiler.matchers(params.guided_decoding, params.n))
+                    else self._matchers(params.guided_decoding, params.n))
         return Request(request_id, ids, params, time.perf_counter() if arrival_time is None else arrival_time,
                        generators, prompt=prompt if isinstance(prompt, str) else None,
                        prompt_logprobs=None if params.prompt_logprobs is None else [None], matchers=matchers)

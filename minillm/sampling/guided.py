@@ -17,12 +17,14 @@ from __future__ import annotations
 import json
 import sys
 from dataclasses import dataclass, fields
+from typing import Protocol
 
 import numpy as np
 import torch
 from torch import Tensor
 
 KINDS = ("json", "regex", "choice", "grammar", "json_object")
+BACKENDS = ("xgrammar", "minillm")  # minillm: the engine's own byte-level regex DFA (``sampling.regex``), regex only
 
 
 @dataclass(frozen=True)
@@ -45,9 +47,14 @@ class GuidedDecodingParams:
     """An EBNF grammar (xgrammar's / GBNF syntax, start rule ``root``) the output must derive from."""
     json_object: bool = False
     """The output is any JSON object (OpenAI's ``response_format={"type": "json_object"}``)."""
+    backend: str | None = None
+    """Who computes the token masks: None or "xgrammar" (every kind), or "minillm" (``regex`` only: the engine's
+    own regex DFA, ``sampling.regex``, whose per-state mask the course has students write)."""
 
     def __post_init__(self):
-        given = [f.name for f in fields(self) if getattr(self, f.name) not in (None, False)]
+        if self.backend is not None and self.backend not in BACKENDS:
+            raise ValueError(f"guided_decoding.backend must be one of {BACKENDS} (or None), got {self.backend!r}")
+        given = [f.name for f in fields(self) if f.name != "backend" and getattr(self, f.name) not in (None, False)]
         if len(given) != 1:
             raise ValueError(f"guided_decoding needs exactly one of json, regex, choice, grammar, json_object; got "
                              f"{given or 'none'}")
@@ -70,6 +77,9 @@ class GuidedDecodingParams:
                 raise ValueError(f"guided_decoding.{name} must be a string, got {getattr(self, name)!r}")
         if not isinstance(self.json_object, bool):
             raise ValueError(f"guided_decoding.json_object must be True or False, got {self.json_object!r}")
+        if self.backend == "minillm" and self.kind != "regex":
+            raise ValueError(f"guided_decoding.backend 'minillm' constrains regex only, got {self.kind}; use "
+                             "backend='xgrammar' (the default)")
 
     @property
     def kind(self) -> str:
@@ -87,10 +97,11 @@ class GuidedDecodingParams:
         return self.kind, str(spec)
 
     def __eq__(self, other) -> bool:
-        return isinstance(other, GuidedDecodingParams) and self.key == other.key
+        return (isinstance(other, GuidedDecodingParams) and self.key == other.key
+                and (self.backend or "xgrammar") == (other.backend or "xgrammar"))
 
     def __hash__(self) -> int:
-        return hash(self.key)
+        return hash((self.key, self.backend or "xgrammar"))
 
 
 def _import_xgrammar():
@@ -161,16 +172,40 @@ def choice_grammar(choice: tuple[str, ...]) -> str:
     return "root ::= " + " | ".join(json.dumps(c) for c in choice)
 
 
+class TokenMatcher(Protocol):
+    """What the engine needs of a sample's constraint besides xgrammar's ``GrammarMatcher``: its own mask.
+    ``sampling.regex.RegexTokenMatcher`` is one; write another to plug any automaton into the engine."""
+
+    def allowed_tokens(self) -> Tensor:
+        """bool [V] (the LM head's V): the tokens allowed next."""
+
+    def accept_token(self, token: int) -> bool:
+        """Advance by ``token``; False (and no change) if it is not allowed."""
+
+    def is_terminated(self) -> bool:
+        """True once a stop token was accepted in an accepting state: the sample ends."""
+
+    def reset(self) -> None:
+        """Back to the start state."""
+
+
 def mask_logits(logits: Tensor, matchers: list) -> Tensor:
     """Set every token a row's grammar disallows to -inf; rows whose matcher is None are left alone.
 
     logits [R, V] fp32 on the CPU or a device (masked in place: pass the step's gathered rows, not a view the caller
-    reuses unmasked) and R matchers -> the same tensor.  One bitmask [R, ceil(V / 32)] int32 is filled for all
-    guided rows in one call (xgrammar's ``BatchGrammarMatcher``), then applied in one pass over the guided rows.
+    reuses unmasked) and R matchers -> the same tensor.  A matcher with ``allowed_tokens()`` (``TokenMatcher``)
+    gives its bool [V] mask, applied in one masked write over those rows; for xgrammar's matchers one bitmask
+    [R, ceil(V / 32)] int32 is filled for all of them in one call (``BatchGrammarMatcher``), then applied in one
+    pass over their rows.
     """
     if logits.dim() != 2 or logits.shape[0] != len(matchers):
         raise ValueError(f"need logits [R, V] and R matchers; got {tuple(logits.shape)}, {len(matchers)}")
-    rows = [i for i, m in enumerate(matchers) if m is not None]
+    own = [i for i, m in enumerate(matchers) if m is not None and hasattr(m, "allowed_tokens")]
+    if own:
+        allowed = torch.stack([matchers[i].allowed_tokens() for i in own]).to(logits.device)  # (G, V) bool
+        index = torch.tensor(own, device=logits.device)
+        logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
+    rows = [i for i, m in enumerate(matchers) if m is not None and not hasattr(m, "allowed_tokens")]
     if not rows:
         return logits
     xgr = _import_xgrammar()

@@ -239,6 +239,7 @@ def _wrong_parse_stream(sent_s, lines, end_s):
 
 WRONG.update({"9.1": _wrong_arrival_times, "9.2": _wrong_parse_stream})  # notebook 09
 WRONG.update(__import__("test_checks_serving").WRONG_09)  # 9.3 (tests/course/test_checks_serving.py)
+WRONG.update(__import__("test_checks_constrained").WRONG_09_CD)  # 9.4 (test_checks_constrained.py)
 WRONG.update(__import__("test_checks_scaling").WRONG_10)  # notebook 10 (tests/course/test_checks_scaling.py)
 from test_checks_speculative import WRONG_08  # noqa: E402  (notebook 08's wrong answers live beside its tests)
 

@@ -70,6 +70,7 @@ from minillm.course.checks.serving import (
     check_parse_stream,
     check_prediction_server,
     check_sse_stream,
+    check_token_mask,
 )
 from minillm.course.checks.smoothquant import check_fold_into_norm, check_smoothing_factors
 from minillm.course.checks.speculative import check_ngram_lookup, check_rejection_sample, check_truncate
@@ -88,5 +89,6 @@ __all__ += ["check_cached_attention", "check_pool_kv_weight", "check_read_bandwi
 __all__ += ["check_int4_linear_ref", "check_prediction_int4", "check_quantize", "check_quantize_int4"]  # notebook 07
 __all__ += ["check_fold_into_norm", "check_smoothing_factors"]  # notebook 07, activation quantization
 __all__ += ["check_ngram_lookup", "check_rejection_sample", "check_truncate"]  # notebook 08
-__all__ += ["check_arrival_times", "check_parse_stream", "check_prediction_server", "check_sse_stream"]  # 09
+__all__ += ["check_arrival_times", "check_parse_stream", "check_prediction_server", "check_sse_stream",
+            "check_token_mask"]  # 09
 __all__ += ["check_gpipe_schedule", "check_layer_comm_time", "check_shard_linear"]  # notebook 10

@@ -384,3 +384,62 @@ check_prediction_server = prediction_checker(
     "9.0", "prediction_server", "minillm.course.predictions.predict_server_tok_s",
     "the server's output tokens/s at overload", "tokens/s", example=(100.0, 200.0),
     bound=lambda capacity, offered: min(capacity, offered), kind="estimate", factor=4.0)
+
+
+# ---------------------------------------------------------------------------------------------- 9.4
+@exercise("9.4", "minillm.sampling.regex.token_mask", "the token mask of a DFA state",
+          "walk every token's bytes through table at once, one column at a time, only for the tokens that still "
+          "have a byte there (lengths); a token is allowed iff its walk never reaches DEAD and it has bytes")
+def check_token_mask(token_mask: Callable) -> None:
+    """``token_mask(table, state, token_bytes, lengths)`` on made-up vocabularies (random byte strings, empty
+    tokens, tokens past which a walk dies late) for several regexes, in every DFA state, dead one included: each
+    mask equals the token-by-token walk (``reference_token_mask``), and a mismatch is explained on its token."""
+    import torch
+
+    from minillm.sampling.regex import DEAD, compile_regex, pad_vocabulary, reference_token_mask
+
+    rng = random.Random(94)
+    patterns = [r"[0-9]{3}-[0-9]{2}", r"(yes|no|maybe)", r"[a-z]+@[a-z]+\.(com|org)", r"-?[0-9]+(\.[0-9]+)?",
+                r"(ab)*c", r"héllo|wörld"]
+    pieces = ["1", "12", "123", "-", "-1", "12-", "1-2", "yes", "y", "es", "no", "may", "maybe", "b@", "x.co",
+              ".com", "m", "ab", "abab", "abc", "c", "ba", "h", "é", "hé", "llo", "wö", "rld", " ", "3.", ".5"]
+    for pattern in patterns:
+        dfa = compile_regex(pattern)
+        alphabet = sorted({ch for ch in pattern if ch.isalnum() or ch in "-.@ "}) + list("0123456789")
+        vocab = [p.encode() for p in pieces] + [b"", None]
+        vocab += ["".join(rng.choice(alphabet) for _ in range(rng.randint(1, 7))).encode() for _ in range(200)]
+        rng.shuffle(vocab)
+        token_bytes, lengths = pad_vocabulary(vocab)
+        table = dfa.table.clone()
+        for state in range(dfa.num_states):
+            got = token_mask(table, state, token_bytes, lengths)
+            call = f"token_mask(table of {pattern!r}, state {state}, ...)"
+            assert isinstance(got, torch.Tensor) and got.dtype == torch.bool and got.shape == (len(vocab),), (
+                f"{call} returned {type(got).__name__} {getattr(got, 'dtype', '')} "
+                f"{tuple(getattr(got, 'shape', ()))}; expected a bool tensor of shape ({len(vocab)},): one entry "
+                "per token")
+            assert torch.equal(table, dfa.table), f"{call} changed the transition table: read it, do not write it"
+            expected = reference_token_mask(dfa, state, vocab)
+            wrong = (got != expected).nonzero().flatten().tolist()
+            if wrong:
+                t = wrong[0]
+                data = vocab[t] or b""
+                walk, s = [], state
+                for b in data:
+                    s = int(dfa.table[s, b])
+                    walk.append(s)
+                where = (f"token {t} = {data!r} (length {int(lengths[t])}) from state {state}: its bytes lead "
+                         f"through states {walk}")
+                if not data:
+                    raise AssertionError(f"{call}: {where} — a token of length 0 spells nothing and is never "
+                                         "allowed, but your mask allows it (expected: refused)")
+                if got[t]:
+                    raise AssertionError(
+                        f"{call}: {where}, reaching DEAD ({DEAD}) at byte {walk.index(DEAD)}, yet your mask allows "
+                        "it (expected: refused). Every byte of the token must keep the automaton alive, not only "
+                        "the first ones.")
+                raise AssertionError(
+                    f"{call}: {where} and never reach DEAD ({DEAD}), yet your mask refuses it (expected: allowed). "
+                    f"Walk only the token's own {int(lengths[t])} bytes: the zero padding after them in token_bytes "
+                    "is not part of the token.")
+    _passed("9.4")
