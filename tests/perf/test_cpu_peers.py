@@ -32,7 +32,7 @@ def test_writes_one_json_with_the_machine_the_probes_and_a_row_per_format_and_pe
 def test_rows_that_ran_carry_decode_and_prefill_in_roofline_units(payload):
     ran = [r for r in payload["rows"] if r["status"] == "ok"]
     assert {(r["format"], r["peer"]) for r in ran} >= {("fp32", "minillm"), ("fp32", "transformers"),
-                                                       ("q4_1", "minillm")}
+                                                       ("q4_1", "minillm"), ("q4_0", "minillm")}
     for r in ran:
         assert r["decode_tok_s"] > 0 and r["decode_gb_s"] > 0 and r["decode_pct_read"] > 0
         assert [p["prompt_len"] for p in r["prefill"]] == [8, 24]
@@ -46,8 +46,6 @@ def test_a_peer_that_cannot_run_is_reported_with_its_reason(payload):
     llama = rows[("q4_1", "llama.cpp")]
     if llama["status"] != "ok":  # llama-cpp-python is optional
         assert llama["status"] in ("skipped", "failed") and llama["reason"]
-    q4_0 = rows[("q4_0", "minillm")]  # minillm's GGUF reader takes Q4_1/Q8_0 blocks
-    assert q4_0["status"] == "ok" or "Q4_0" in q4_0["reason"]
 
 
 def test_quantized_formats_read_fewer_bytes_per_step_than_floats():
