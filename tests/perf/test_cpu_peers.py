@@ -24,6 +24,7 @@ def test_writes_one_json_with_the_machine_the_probes_and_a_row_per_format_and_pe
     saved = json.loads(open(payload["path"]).read())
     assert saved["benchmark"] == "cpu-peers" and saved["cpu"]["model"] and isinstance(saved["cpu"]["flags"], list)
     assert saved["read_bandwidth_gb_s"] > 0 and saved["matmul_peak_gflop_s"]["float32"] > 0
+    assert saved["neighbour"] == {"kind": "none"}
     peers = {(r["format"], r["peer"]) for r in saved["rows"]}
     assert peers == {("fp32", "minillm"), ("fp32", "transformers"), ("q4_1", "minillm"), ("q4_1", "llama.cpp"),
                      ("q4_0", "minillm"), ("q4_0", "llama.cpp")}
@@ -71,6 +72,9 @@ def test_rejects_unknown_formats_and_shapes(tmp_path):
         bench_cpu_peers(shapes=("tiny",), formats=("q5_k",), models_dir=tmp_path, save=False)
     with pytest.raises(ValueError, match="shape must be one of"):
         bench_cpu_peers(shapes=("llama-9",), models_dir=tmp_path, save=False)
+    with pytest.raises(ValueError, match="--neighbour must be one of none, copy, compute, got 'stream'"):
+        bench_cpu_peers(shapes=("tiny",), neighbour="stream", models_dir=tmp_path, save=False)
+    assert not any(tmp_path.iterdir())  # refused before making a checkpoint
 
 
 FAKE_LLAMA_CPP = '''
