@@ -48,6 +48,7 @@ def test_vllm_serves_the_transformers_directory_from_its_own_venv(monkeypatch, t
     cores = sorted(os.sched_getaffinity(0))
     assert peer.env["VLLM_CPU_OMP_THREADS_BIND"] == ",".join(map(str, cores))
     assert peer.env["VLLM_CPU_KVCACHE_SPACE"] == "1"
+    assert peer.ready_timeout_s > peers.make_peer("minillm").ready_timeout_s  # its first start compiles
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0")  # the user's setting wins
     bf16 = peers.make_peer("vllm", port=8123, dtype="bfloat16")
     assert bf16.env["VLLM_CPU_OMP_THREADS_BIND"] == "0" and bf16.command[5:7] == ("--dtype", "bfloat16")

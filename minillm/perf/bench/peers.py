@@ -49,6 +49,7 @@ class Peer:
     port: int
     model: str
     env: dict = field(default_factory=dict)
+    ready_timeout_s: float = 600.0  # from start to answering GET /v1/models
 
     @property
     def base_url(self) -> str:
@@ -135,7 +136,8 @@ def make_peer(name: str, device: str = "cpu", port: int | None = None,
         cmd = [str(Path(os.environ["VLLM_VENV"]) / "bin" / "python"), "-m", "vllm.entrypoints.openai.api_server",
                "--model", str(d), "--dtype", vllm_dtype, *common]
         env = {"HF_HUB_OFFLINE": "1", **(vllm_cpu_env() if device == "cpu" else {})}
-        return Peer(name, tuple(cmd), port, str(d), env)
+        # its first start compiles the model (torch.compile, minutes on a loaded 2-core host; cached after)
+        return Peer(name, tuple(cmd), port, str(d), env, ready_timeout_s=1800.0)
     if name == "llamacpp":
         gguf = default_model_path()
         cmd = [sys.executable, "-m", "llama_cpp.server", "--model", str(gguf), "--n_ctx", "8192", *common]
@@ -144,10 +146,13 @@ def make_peer(name: str, device: str = "cpu", port: int | None = None,
 
 
 @contextlib.contextmanager
-def running(peer: Peer, log_path: Path, ready_timeout_s: float = 600.0) -> Iterator[Peer]:
-    """Start ``peer``'s process (output to ``log_path``), wait until ``GET /v1/models`` answers, yield; then
-    SIGTERM, and SIGKILL after 30 s.  A process that exits before it is ready raises with its log's tail."""
+def running(peer: Peer, log_path: Path, ready_timeout_s: float | None = None) -> Iterator[Peer]:
+    """Start ``peer``'s process (output to ``log_path``), wait until ``GET /v1/models`` answers (at most
+    ``ready_timeout_s``, default the peer's own), yield; then SIGTERM, and SIGKILL after 30 s.  A process that exits
+    before it is ready raises with its log's tail."""
     import httpx
+
+    ready_timeout_s = ready_timeout_s or peer.ready_timeout_s
 
     env = {**os.environ, **peer.env}
     with open(log_path, "w") as log:
