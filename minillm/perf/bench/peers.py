@@ -97,9 +97,12 @@ def unavailable(name: str) -> str | None:
 
 def vllm_cpu_env(threads: int | None = None) -> dict[str, str]:
     """vLLM's CPU settings for a fair run beside minillm: OpenMP threads bound to the first ``threads`` cores this
-    process may use (default all of them, as torch's default thread count), a 1 GiB K/V cache; a value already in
-    the environment is kept."""
-    cores = sorted(os.sched_getaffinity(0))[:threads or None]
+    process may use — default as many as minillm's server gets: ``OMP_NUM_THREADS`` when set (vLLM ignores it
+    and binds its own), else all of them (torch's default) — and a 1 GiB K/V cache; a value already in the
+    environment is kept."""
+    omp = os.environ.get("OMP_NUM_THREADS", "")
+    threads = threads or (int(omp) if omp.isdigit() and int(omp) > 0 else None)
+    cores = sorted(os.sched_getaffinity(0))[:threads]
     env = {"VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, cores)), "VLLM_CPU_KVCACHE_SPACE": "1"}
     return {k: os.environ.get(k, v) for k, v in env.items()}
 
