@@ -57,6 +57,8 @@ def bench_serve_parser() -> argparse.ArgumentParser:
                         "a comma list of minillm, transformers, llamacpp, vllm (perf/bench/peers.py; vllm runs "
                         "$VLLM_VENV/bin/vllm)")
     p.add_argument("--device", default="cpu", help="with --peers: the device every server runs on")
+    p.add_argument("--dtype", default=None, help="with --peers: minillm's and vLLM's --dtype (default: minillm's "
+                                                 "own; vLLM float32 on CPU, where it would run fp32 weights in bf16)")
     p.add_argument("--json-schema", default=None, metavar="FILE",
                    help="also run the same trace with every answer constrained to this JSON schema "
                         "(response_format json_schema) and report output tok/s both ways")
@@ -105,7 +107,7 @@ def _bench_serve_peers(a: argparse.Namespace, ttft_slo_s: float, tpot_slo_s: flo
     from minillm.perf.bench import peers  # starts server processes: imported only for --peers
 
     peers.compare_servers([p.strip() for p in a.peers.split(",") if p.strip()], _rates(a.request_rate),
-                          a.num_prompts, device=a.device, save=not a.no_save,
+                          a.num_prompts, device=a.device, dtype=a.dtype, save=not a.no_save,
                           out_dir=Path(a.result_dir) if a.result_dir else None, seed=a.seed, max_tokens=a.max_tokens,
                           endpoint=a.endpoint, burstiness=a.burstiness, ignore_eos=a.ignore_eos,
                           ttft_slo_s=ttft_slo_s, tpot_slo_s=tpot_slo_s, max_concurrency=a.max_concurrency,

@@ -252,7 +252,8 @@ def cmd_bench(a) -> int:
 
         bench_cpu_peers(shapes=_csv(a.shapes) or ("llama-3.2-1b",), formats=_csv(a.formats) or FORMATS,
                         prompt_lens=tuple(_ints(a.prompt_lens, "--prompt-lens")) or PROMPT_LENS, threads=a.threads,
-                        repeats=a.repeats, n_tokens=a.tokens, models_dir=a.models_dir, out=a.out)
+                        repeats=a.repeats, n_tokens=a.tokens, models_dir=a.models_dir, out=a.out,
+                        neighbour=a.neighbour)
     elif a.what == "quant":
         from minillm.perf.bench.quant import SCHEMES, bench_quant
 
@@ -415,6 +416,9 @@ def _bench_parser(sub) -> None:
                                                           "(default: the minillm cache's shapes/)")
     peers.add_argument("--out", default=None, help="the JSON file to write (default: "
                                                    "benchmarks/results/cpu-peers.json)")
+    peers.add_argument("--neighbour", default="none",
+                       help="none | copy | compute: a separate process on the same cores during the measurement, "
+                            "copy a STREAM-like loop over 2 x 256 MB, compute a busy loop (default: none)")
     b.set_defaults(fn=cmd_bench)
 
 

@@ -1,8 +1,11 @@
-"""GGUF blocks straight into packed weights: Q4_1 -> ``Int4Weight`` (group 32), Q8_0 -> ``Int8Weight``
+"""GGUF blocks straight into packed weights: Q4_1 and Q4_0 -> ``Int4Weight`` (group 32), Q8_0 -> ``Int8Weight``
 (group 32), F32/F16 -> plain tensors — no float round trip, so the model runs exactly the weights llama.cpp runs.
 
 A Q4_1 row of K weights is K/32 blocks of 20 bytes: fp16 d, fp16 m, 16 bytes of nibbles (the ``Int4Weight``
-packing).  A Q8_0 row is K/32 blocks of 34 bytes: fp16 d, 32 int8 codes.  Tensor names are mapped to Hugging
+packing).  A Q4_0 row is K/32 blocks of 18 bytes: fp16 d, the same 16 bytes of nibbles, w = d · (q − 8) — a Q4_1
+block with m = −8·d, which is exact in fp16 (a power-of-two multiple; fp32 scales for the rare block whose −8·d
+would overflow fp16), so Q4_0 runs on the int4 kernels as it is, dequantizing bit for bit as gguf does.  A Q8_0
+row is K/32 blocks of 34 bytes: fp16 d, 32 int8 codes.  Tensor names are mapped to Hugging
 Face's (``blk.3.attn_q.weight`` -> ``model.layers.3.self_attn.q_proj.weight``).
 
 llama.cpp's converter permutes the rows of q_proj and k_proj (per head, it interleaves the two rotary halves:
@@ -23,7 +26,7 @@ from torch import Tensor
 
 from minillm.quant.weight import Int4Weight, Int8Weight
 
-GGUF_BLOCK = 32  # QK4_1 = QK8_0 = 32 weights per block
+GGUF_BLOCK = 32  # QK4_1 = QK4_0 = QK8_0 = 32 weights per block
 _LAYER_NAMES = {
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
@@ -66,6 +69,19 @@ def q4_1_to_int4(raw: np.ndarray, N: int, K: int) -> Int4Weight:
     return Int4Weight(b[..., 4:].reshape(N, K // 2).contiguous(), d, m, GGUF_BLOCK)
 
 
+def q4_0_to_int4(raw: np.ndarray, N: int, K: int) -> Int4Weight:
+    """Q4_0 bytes (writable, C-contiguous) [N, K/32 · 18] -> ``Int4Weight`` (group 32) with m = −8·d: the codes
+    and d as they are, m exact (d · q + m = d · (q − 8) in fp32 for every code).  Scales stay fp16 unless some
+    −8·d overflows fp16 (|d| > 8188), then d and m are fp32 for the whole weight.  Cost: one pass over the bytes."""
+    b = torch.from_numpy(raw).view(N, K // GGUF_BLOCK, 18)
+    d = b[..., 0:2].contiguous().view(torch.float16).view(N, K // GGUF_BLOCK)
+    m = d * -8  # exact: a power-of-two scaling, unless it overflows
+    if not torch.isfinite(m[torch.isfinite(d)]).all():
+        d = d.float()
+        m = d * -8
+    return Int4Weight(b[..., 2:].reshape(N, K // 2).contiguous(), d, m, GGUF_BLOCK)
+
+
 def q8_0_to_int8(raw: np.ndarray, N: int, K: int) -> Int8Weight:
     """Q8_0 bytes (writable, C-contiguous) [N, K/32 · 34] -> ``Int8Weight`` (fp16 scales, group 32): the bytes
     reinterpreted, no arithmetic."""
@@ -85,7 +101,7 @@ def _permute_rows(w: Tensor | Int4Weight | Int8Weight, index: Tensor):
 
 
 def read_gguf_weights(path: str | os.PathLike, unpermute: bool = True) -> dict[str, Tensor | Int4Weight | Int8Weight]:
-    """Every tensor of a Llama-family GGUF under its Hugging Face name: Q4_1 as ``Int4Weight``, Q8_0 as
+    """Every tensor of a Llama-family GGUF under its Hugging Face name: Q4_1 and Q4_0 as ``Int4Weight``, Q8_0 as
     ``Int8Weight``, F32/F16/BF16 as tensors.  With ``unpermute`` q_proj/k_proj rows are in Hugging Face order."""
     from gguf import GGMLQuantizationType as T
     from gguf import GGUFReader
@@ -100,6 +116,8 @@ def read_gguf_weights(path: str | os.PathLike, unpermute: bool = True) -> dict[s
         kind = t.tensor_type
         if kind == T.Q4_1:
             w = q4_1_to_int4(*_rows(t))
+        elif kind == T.Q4_0:
+            w = q4_0_to_int4(*_rows(t))
         elif kind == T.Q8_0:
             w = q8_0_to_int8(*_rows(t))
         elif kind in (T.F32, T.F16):
@@ -107,8 +125,8 @@ def read_gguf_weights(path: str | os.PathLike, unpermute: bool = True) -> dict[s
         elif kind == T.BF16:
             w = torch.from_numpy(np.array(t.data)).view(torch.bfloat16).reshape([int(s) for s in reversed(t.shape)])
         else:
-            raise ValueError(f"{t.name}: GGUF type {kind.name} is not supported (Q4_1, Q8_0, F32, F16, BF16 are); "
-                             "convert the file with llama.cpp's llama-quantize or load the original checkpoint")
+            raise ValueError(f"{t.name}: GGUF type {kind.name} is not supported (Q4_1, Q4_0, Q8_0, F32, F16, BF16 "
+                             "are); convert the file with llama.cpp's llama-quantize or load the original checkpoint")
         if unpermute and (".q_proj." in name or ".k_proj." in name):
             heads = n_head if ".q_proj." in name else n_kv
             w = _permute_rows(w, unpermute_index(w.shape[0], heads))

