@@ -36,9 +36,10 @@ class StopMatcher:
         self.state = 0
         self.found: int | None = None
 
-    def feed(self, new: str, offset: int) -> None:
+    def feed(self, new: str, offset: int, armed: bool = True) -> None:
         """Read ``new``, the characters of the text from ``offset`` on (those not read yet); stops at the first full
-        match (``found`` is an offset in the whole text)."""
+        match (``found`` is an offset in the whole text).  Not ``armed`` (before ``min_tokens``): a match is passed
+        over, so one that ends later, even one overlapping it, is still found."""
         s, pi, k = self.stop, self.pi, self.state
         for i, c in enumerate(new):
             while k and c != s[k]:
@@ -46,8 +47,10 @@ class StopMatcher:
             if c == s[k]:
                 k += 1
             if k == len(s):
-                self.found, self.state = offset + i + 1, k
-                return
+                if armed:
+                    self.found, self.state = offset + i + 1, k
+                    return
+                k = pi[k - 1]
         self.state = k
 
 
@@ -64,13 +67,16 @@ class IncrementalDetokenizer:
 
     Stop strings end the output before the first one generated; with several, the earliest found in the order
     given wins unless a later-listed one ends before it starts (the output is cut before the first stop string
-    that lies wholly inside the output so far)."""
+    that lies wholly inside the output so far); ``stop_reason`` is the one that cut.  As in vLLM, no stop string
+    counts before ``min_tokens`` tokens: one must end in the text of a later token (it may start earlier)."""
 
-    def __init__(self, tokenizer, stop: Sequence[str] = (), include_stop: bool = False):
+    def __init__(self, tokenizer, stop: Sequence[str] = (), include_stop: bool = False, min_tokens: int = 0):
         self.tokenizer = tokenizer
         self.stop = tuple(stop)
         self.include_stop = include_stop  # SamplingParams.include_stop_str_in_output: keep the stop string
         self._matchers = [StopMatcher(s) for s in self.stop]
+        self.min_tokens = min_tokens
+        self.stop_reason: str | None = None  # the stop string that ended the output
         self.ids: list[int] = []
         self._prefix = 0  # ids[_prefix:_read]: context decoded again with the new ids (the previous delta's ids)
         self._offset = 0  # ids[:_offset] are decoded into whole characters (read by the matchers)
@@ -112,13 +118,15 @@ class IncrementalDetokenizer:
         if new is None or self.stopped:  # stopped: the output already ends before a stop string
             return ""
         # the text read before held no stop string, so a new one ends in the new characters: read only those
+        armed = len(self.ids) > self.min_tokens
         for m in self._matchers:
-            m.feed(new, self._read)
+            m.feed(new, self._read, armed)
         self._read += len(new)
         end = self._read
         for m in self._matchers:  # in order: cut before each stop string that lies wholly inside what is left
             if m.found is not None and m.found <= end:
                 end, self.stopped = m.found - (0 if self.include_stop else len(m.stop)), True
+                self.stop_reason = m.stop
         # hold back a tail that could be the start of a stop string, unless this is the end
         hold = 0 if (final or self.stopped) else max((m.state for m in self._matchers), default=0)
         pending = self._pending + new  # the text from character _emitted on

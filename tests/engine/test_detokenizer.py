@@ -140,6 +140,38 @@ def test_incremental_decoding_with_stop_strings_gives_the_old_deltas_with_the_re
     assert run_ids(IncrementalDetokenizer, tok, ids, stop) == run_ids(ReferenceDetokenizer, tok, ids, stop)
 
 
+def min_tokens_reference(pieces: list[bytes], stop: list[str], min_tokens: int) -> tuple[str, str | None]:
+    """vLLM's rule read plainly (ASCII pieces: one character per byte): after each token past the first
+    ``min_tokens``, the stop strings, in the order given, that end in the text after those tokens' characters (they
+    may start before) cut the text before them; the first token with a cut ends the output."""
+    armed_from = len(b"".join(pieces[:min_tokens]))  # a stop string must end after this many characters
+    for t in range(min_tokens + 1, len(pieces) + 1):
+        text = b"".join(pieces[:t]).decode()
+        cut, reason = len(text), None
+        for s in stop:
+            at = text.find(s, max(0, armed_from - len(s) + 1))
+            if at != -1 and at + len(s) <= cut:  # wholly inside what is left, as the order rule reads
+                cut, reason = at, s
+        if reason is not None:
+            return text[:cut], reason
+    return b"".join(pieces).decode(), None
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.lists(st.text(alphabet="ab", min_size=1, max_size=3), max_size=12),
+       st.lists(st.text(alphabet="ab", min_size=1, max_size=4), min_size=1, max_size=3), st.integers(0, 12))
+def test_no_stop_string_counts_before_min_tokens_and_the_one_that_cut_is_the_stop_reason(words, stop, min_tokens):
+    pieces = [w.encode() for w in words]
+    detok = IncrementalDetokenizer(ByteTokenizer(pieces), stop, min_tokens=min_tokens)
+    out = ""
+    for i in range(len(pieces)):
+        out += detok.push(i)
+        if detok.stopped:
+            break
+    out += detok.flush()
+    assert (out, detok.stop_reason) == min_tokens_reference(pieces, stop, min_tokens)
+
+
 class CountingTokenizer(ByteTokenizer):
     """Counts the ids each decode reads."""
 
