@@ -132,6 +132,9 @@ class StepOutput:
     metrics: RequestMetrics | None = field(default=None, repr=False)  # on the sample's last update only
     error: str | None = None  # with finish_reason "error"
     logprobs: list[dict[int, Logprob]] | None = field(default=None, repr=False)  # one per token_ids, when asked
+    stop_reason: int | str | None = None  # on the last update: the stop token id or stop string that ended it
+    # SamplingParams(prompt_logprobs=k): on a sample's first update, the request's prompt logprobs (for echo)
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = field(default=None, repr=False)
 
     @property
     def finished(self) -> bool:
@@ -150,7 +153,7 @@ class CompletionOutput:
     error: str | None = None  # with finish_reason "error"
     # SamplingParams(logprobs=k): per output token {token_id: Logprob}, the sampled token first, then the top k
     logprobs: list[dict[int, Logprob]] | None = field(default=None, repr=False)
-    stop_reason: int | None = None  # the stop_token_ids entry that ended it (None: EOS, a stop string, or length)
+    stop_reason: int | str | None = None  # the stop_token_ids entry or stop string that ended it (None: EOS, length)
 
 
 @dataclass(frozen=True)

@@ -436,7 +436,8 @@ class LLMEngine:
         if self.tokenizer is not None:
             params = seq.request.params
             detok = self._detoks.get(seq) or self._detoks.setdefault(
-                seq, IncrementalDetokenizer(self.tokenizer, params.stop, params.include_stop_str_in_output))
+                seq, IncrementalDetokenizer(self.tokenizer, params.stop, params.include_stop_str_in_output,
+                                            params.min_tokens))
             eos = seq.status is SequenceStatus.FINISHED_STOPPED and stop_token_text_dropped(params, token,
                                                                                              self.eos_token_ids)
             if not eos:  # EOS is not part of the text
@@ -445,9 +446,18 @@ class LLMEngine:
                 self.scheduler.finish(seq, SequenceStatus.FINISHED_STOPPED, time.perf_counter())
             if seq.status.finished:
                 delta += detok.flush()  # no token follows: release held-back bytes
+        finished = seq.status.finished
         return StepOutput(seq.request.request_id, seq.index, [token], delta, seq.finish_reason, logits,
-                          metrics=seq.metrics if seq.status.finished else None,
-                          logprobs=None if logprobs is None else [logprobs])
+                          metrics=seq.metrics if finished else None,
+                          logprobs=None if logprobs is None else [logprobs],
+                          stop_reason=self._stop_reason(seq) if finished else None,
+                          prompt_logprobs=seq.request.prompt_logprobs if len(seq.output) == 1 else None)
+
+    def _stop_reason(self, seq: Seq) -> int | str | None:
+        """vLLM's ``stop_reason``: the stop token id or the stop string that ended ``seq``; None at EOS or length."""
+        token = stop_reason(seq)
+        detok = self._detoks.get(seq)
+        return token if token is not None or detok is None else detok.stop_reason
 
     def _fail(self, request: Request, error: BaseException, culprit: Seq | None = None) -> list[StepOutput]:
         """End a request with ``finish_reason="error"`` and free its blocks; one update per sample it ends
@@ -464,13 +474,14 @@ class LLMEngine:
     def _retire(self, request: Request, error: str | None = None) -> None:
         samples = []
         for seq in request.seqs:
+            reason = self._stop_reason(seq)
             detok = self._detoks.pop(seq, None)
             asked = request.params.logprobs is not None
             samples.append(CompletionOutput(seq.index, detok.text if detok else "", seq.output,
                                             seq.finish_reason or "abort", seq.metrics,
                                             error if seq.status is SequenceStatus.FINISHED_ERROR else None,
                                             logprobs=(seq.logprobs or []) if asked else None,
-                                            stop_reason=stop_reason(seq)))
+                                            stop_reason=reason))
         first = samples[0]
         self._finished[request.request_id] = RequestOutput(
             prompt=request.prompt, prompt_token_ids=request.prompt_token_ids, text=first.text,

@@ -183,6 +183,76 @@ def test_logit_bias_stop_token_ids_and_include_stop_str(live, ref, tokenizer, st
         assert text == tokenizer.decode(greedy.token_ids[: first + (1 if include else 0)])
 
 
+def joined_logprobs(chunks) -> tuple[list, list, list]:
+    """The streamed completion logprobs, concatenated: tokens, token_logprobs, text_offset."""
+    lps = [c.choices[0].logprobs for c in chunks if c.choices and c.choices[0].logprobs]
+    return ([t for lp in lps for t in lp.tokens], [v for lp in lps for v in lp.token_logprobs],
+            [o for lp in lps for o in lp.text_offset])
+
+
+@pytest.mark.parametrize("max_tokens", [3, 0])
+def test_echo_with_logprobs_streams_the_prompt_and_its_logprobs_first_as_the_whole_response_has_them(
+        live, tokenizer, max_tokens):
+    """vLLM streams the echoed prompt (and, with logprobs, the prompt's, first null) in the first chunk, then the
+    generated tokens; ``max_tokens=0``: the prompt alone, ``finish_reason "length"``, no completion tokens."""
+    kw = dict(model=MODEL, prompt=PROMPT, max_tokens=max_tokens, temperature=0, logprobs=1, echo=True)
+    whole = client(live).completions.create(**kw).choices[0]
+    chunks = list(client(live).completions.create(stream=True, stream_options={"include_usage": True}, **kw))
+    texts = [c for c in chunks if c.choices]
+    assert texts[0].choices[0].text.startswith(PROMPT)
+    assert "".join(c.choices[0].text for c in texts) == whole.text
+    assert texts[-1].choices[0].finish_reason == whole.finish_reason == ("length" if max_tokens == 0 else "length")
+    tokens, values, offsets = joined_logprobs(chunks)
+    n_prompt = len(tokenizer.encode(PROMPT))
+    assert tokens == whole.logprobs.tokens and offsets == whole.logprobs.text_offset
+    assert len(tokens) == n_prompt + max_tokens and values[0] is None
+    assert values[1:] == pytest.approx(whole.logprobs.token_logprobs[1:], abs=TOL)
+    assert chunks[-1].usage.completion_tokens == max_tokens and chunks[-1].usage.prompt_tokens == n_prompt
+
+
+def test_max_tokens_0_with_echo_streams_the_prompt_alone(live):
+    chunks = [c for c in client(live).completions.create(model=MODEL, prompt=[PROMPT, "Hi"], max_tokens=0,
+                                                         echo=True, stream=True) if c.choices]
+    by_choice = {i: "".join(c.choices[0].text for c in chunks if c.choices[0].index == i) for i in (0, 1)}
+    assert by_choice == {0: PROMPT, 1: "Hi"}
+    assert [c.choices[0].finish_reason for c in chunks if c.choices[0].finish_reason] == ["length", "length"]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_stop_reason_is_the_stop_string_that_ended_the_text_and_null_at_the_length_limit(live, ref, stream):
+    greedy = ref.generate([PROMPT], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))[0]
+    stop = greedy.text[3:5]
+    want = greedy.text[: greedy.text.find(stop)]
+    for kw, reason, text in ((dict(stop=[stop, "\x00never"]), stop, want), ({}, None, None)):
+        r = client(live).completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0,
+                                            stream=stream, extra_body={"ignore_eos": True}, **kw)
+        last = [c for c in r if c.choices][-1].choices[0] if stream else r.choices[0]
+        assert last.model_extra["stop_reason"] == reason and last.finish_reason == ("stop" if reason else "length")
+        if text is not None and not stream:
+            assert r.choices[0].text == text
+    messages = [{"role": "user", "content": "Count to ten."}]
+    plain = client(live).chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0,
+                                                 extra_body={"ignore_eos": True}).choices[0].message.content
+    stop = plain[2:4]
+    r = client(live).chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0,
+                                             stop=[stop], stream=stream, extra_body={"ignore_eos": True})
+    last = [c for c in r if c.choices][-1].choices[0] if stream else r.choices[0]
+    assert last.model_extra["stop_reason"] == stop and last.finish_reason == "stop"
+
+
+def test_no_stop_string_counts_before_min_tokens(live, ref):
+    """The stop string occurs in the first tokens: with ``min_tokens`` past it the text runs on (vLLM skips every
+    stop condition before ``min_tokens``), as the engine's own answer to the same parameters."""
+    greedy = ref.generate([PROMPT], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))[0]
+    stop = greedy.text[1:3]
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, stop=[stop], min_tokens=5)
+    want = ref.generate([PROMPT], params)[0]
+    r = client(live).completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0, stop=[stop],
+                                        extra_body={"ignore_eos": True, "min_tokens": 5})
+    assert r.choices[0].text == want.text and r.usage.completion_tokens == len(want.token_ids) >= 5
+    assert len(want.text) > greedy.text.find(stop)
+
+
 # ---- lm-eval: local-completions against this server == the hf backend on the same weights ----------------------
 DOCS = [
     ("The capital of France is", ["Paris", "Berlin", "Madrid", "Rome"], 0),

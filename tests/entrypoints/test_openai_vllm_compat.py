@@ -135,6 +135,22 @@ def test_continuous_usage_stats_puts_the_usage_so_far_in_every_chunk(live):
     assert with_text and with_text[-1].usage.completion_tokens >= 1
 
 
+def test_continuous_usage_stats_counts_each_choice_on_its_own_with_n_and_several_prompts(live, tokenizer):
+    """vLLM's per-choice usage: a chunk of choice i carries the prompt tokens of i's prompt and the tokens i has
+    generated so far; the last usage chunk counts every choice.  Every choice gets its finishing chunk, also when
+    samples of one request finish in the same step."""
+    prompts = ["Once upon a time", "Hi"]
+    chunks = list(live.client().completions.create(
+        model=MODEL, prompt=prompts, n=2, max_tokens=4, temperature=1, stream=True, extra_body={"ignore_eos": True},
+        stream_options={"include_usage": True, "continuous_usage_stats": True}))
+    for i in range(4):
+        mine = [c.usage for c in chunks if c.choices and c.choices[0].index == i]
+        counts = [u.completion_tokens for u in mine]
+        assert mine and counts == sorted(counts) and counts[-1] == 4
+        assert all(u.prompt_tokens == len(tokenizer.encode(prompts[i // 2])) for u in mine)
+    assert chunks[-1].usage.completion_tokens == 16
+
+
 def test_continuous_usage_stats_without_include_usage_adds_nothing_as_in_vllm(live):
     chunks = list(live.client().completions.create(
         model=MODEL, prompt="Once", max_tokens=3, stream=True, extra_body={"ignore_eos": True},

@@ -189,14 +189,18 @@ def test_llm_cli_schema_returns_json_that_validates(live, tmp_path):
 
 def test_bench_serve_runs_the_same_trace_with_and_without_a_json_schema(live, tmp_path, capsys):
     from minillm.entrypoints.bench_serve import bench_serve_main
-    from minillm.perf.bench.serve import bench_serve
+    from minillm.perf.bench.serve import bench_serve, mean_output_tokens
 
     result = bench_serve(live.url, [float("inf")], 3, seed=1, max_tokens=24, progress=False, save=False,
                          json_schema=PERSON)
     plain, constrained = result["runs"][0], result["runs_json_schema"][0]
     assert plain["completed"] == constrained["completed"] == 3
     assert [r["prompt_tokens"] for r in plain["requests"]] == [r["prompt_tokens"] for r in constrained["requests"]]
-    assert constrained["output_throughput"] > 0 and "json_schema" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert constrained["output_throughput"] > 0 and "json_schema" in out
+    for run in (plain, constrained):  # each run's mean answer length is printed beside its throughput
+        tokens = [r["output_tokens"] for r in run["requests"]]
+        assert mean_output_tokens(run) == sum(tokens) / 3 and f"({sum(tokens) / 3:.1f} tok)" in out
     bad = tmp_path / "schema.json"
     bad.write_text("[1, 2]")
     assert bench_serve_main(["--base-url", live.url, "--json-schema", str(bad), "--no-save"]) == 2

@@ -76,6 +76,27 @@ def test_batched_mask_equals_accept_token_over_the_vocabulary(compiler, default_
 
 
 @needs_xgrammar
+@pytest.mark.parametrize("guided_rows", [[0, 1, 2, 3], [1, 3], [2]])
+def test_the_mask_is_applied_in_place_to_the_guided_rows_only(compiler, guided_rows):
+    """Every row guided (the served ``--json-schema`` batch) or some: the tensor passed in is masked in place (no
+    copy of its rows comes back), each guided row as the per-token reference says, the others untouched."""
+    from minillm.sampling.guided import mask_logits, reference_mask
+
+    V = compiler.vocab_size
+    matchers = [None] * 4
+    for i, m in zip(guided_rows, compiler.matchers(GuidedDecodingParams(regex=CODE), len(guided_rows)),
+                    strict=True):
+        matchers[i] = m
+    logits = torch.randn(4, V, generator=torch.Generator().manual_seed(1))
+    x = logits.clone()
+    storage = x.untyped_storage().data_ptr()
+    assert mask_logits(x, matchers) is x and x.untyped_storage().data_ptr() == storage
+    for i, m in enumerate(matchers):
+        want = logits[i] if m is None else logits[i].masked_fill(~reference_mask(m, V), float("-inf"))
+        assert torch.equal(x[i], want)
+
+
+@needs_xgrammar
 @pytest.mark.parametrize("guided, field", [
     (GuidedDecodingParams(regex="a("), "guided_decoding.regex"),
     (GuidedDecodingParams(json={"type": "integer", "minimum": 5, "maximum": 1}), "guided_decoding.json"),

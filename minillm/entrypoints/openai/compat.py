@@ -9,8 +9,11 @@
   vLLM's default.  The Python API (``LLM.generate``) keeps the engine's cut at the context, as vLLM's offline
   ``LLM`` does: there a too-long prompt raises ``ValueError`` and prompt + ``max_tokens`` ends at the context
   with ``finish_reason "length"``.
-- **``stream_options.continuous_usage_stats``** (``UsageEveryChunk``): every streamed chunk carries the usage so
-  far (prompt tokens, completion tokens over all choices up to that chunk).
+- **``stream_options.continuous_usage_stats``** (``UsageEveryChunk``): every streamed chunk carries its choice's
+  usage so far (the prompt tokens of the choice's prompt, the tokens that choice has generated), as vLLM counts
+  with ``n`` > 1 or several prompts; the last usage chunk counts every choice.
+- **``stop_reason``** (``StopReasonTap`` in streams): the stop string or stop token id that ended a choice, on its
+  last chunk too; null at EOS or the length limit.
 """
 
 from __future__ import annotations
@@ -71,26 +74,58 @@ def context_error(prompt_tokens: int, max_tokens: int | None, max_model_len: int
     return None
 
 
-class UsageEveryChunk:
-    """``continuous_usage_stats``: ``count`` passes the engine's updates through, counting their tokens;
-    ``add_usage`` then writes the usage so far into every chunk event that has none.  (A wrapper around the SSE
-    events rather than a change to ``sse_stream``: one JSON re-encode per chunk, only for clients that ask.)"""
+def reparse(text: str) -> dict | None:
+    """The JSON body of a ``data: {...}`` chunk event, else None (``[DONE]``)."""
+    return json.loads(text[len("data: "):]) if text.startswith("data: {") else None
 
-    def __init__(self, prompt_tokens: int):
-        self.prompt_tokens, self.completion_tokens = prompt_tokens, 0
+
+class UsageEveryChunk:
+    """``continuous_usage_stats``: ``count`` passes the engine's updates through, counting each choice's tokens;
+    ``add_usage`` then writes the usage so far of a chunk's choice into every chunk event that has none.
+    ``prompt_tokens[i]``: the prompt tokens of choice i's prompt.  (A wrapper around the SSE events rather than a
+    change to ``sse_stream``: one JSON re-encode per chunk, only for clients that ask.)"""
+
+    def __init__(self, prompt_tokens: Sequence[int]):
+        self.prompt_tokens = list(prompt_tokens)
+        self.completion_tokens = [0] * len(self.prompt_tokens)
 
     async def count(self, updates: AsyncIterable[StepOutput]) -> AsyncIterator[StepOutput]:
         async for u in updates:
-            self.completion_tokens += len(u.token_ids)
+            self.completion_tokens[u.index] += len(u.token_ids)
             yield u
 
     async def add_usage(self, events: AsyncIterable[str]) -> AsyncIterator[str]:
         async for text in events:
-            body = text[len("data: "):] if text.startswith("data: {") else None
-            chunk = json.loads(body) if body is not None else None
-            if chunk is None or "choices" not in chunk or chunk.get("usage") is not None:
+            chunk = reparse(text)
+            if chunk is None or not chunk.get("choices") or chunk.get("usage") is not None:
                 yield text  # [DONE], an error event, or the final usage chunk
                 continue
-            chunk["usage"] = {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
-                              "total_tokens": self.prompt_tokens + self.completion_tokens}
+            i = chunk["choices"][0]["index"]  # one choice per chunk
+            prompt, done = self.prompt_tokens[i], self.completion_tokens[i]
+            chunk["usage"] = {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done}
             yield f"data: {json.dumps(chunk)}\n\n"
+
+
+class StopReasonTap:
+    """vLLM's ``stop_reason`` in a stream: ``updates`` passes the engine's updates through and keeps each choice's
+    (the last update of a choice carries it); ``events`` writes it into that choice's finishing chunk.  Only a
+    chunk that finishes a choice with a reason is re-encoded."""
+
+    def __init__(self):
+        self.reasons: dict[int, int | str] = {}
+
+    async def updates(self, updates: AsyncIterable[StepOutput]) -> AsyncIterator[StepOutput]:
+        async for u in updates:
+            if u.stop_reason is not None:
+                self.reasons[u.index] = u.stop_reason
+            yield u
+
+    async def events(self, events: AsyncIterable[str]) -> AsyncIterator[str]:
+        async for text in events:
+            if self.reasons and '"finish_reason":null' not in text.replace(" ", ""):
+                chunk = reparse(text)
+                for choice in (chunk or {}).get("choices") or ():
+                    if choice.get("finish_reason") is not None and choice["index"] in self.reasons:
+                        choice["stop_reason"] = self.reasons.pop(choice["index"])
+                        text = f"data: {json.dumps(chunk)}\n\n"
+            yield text

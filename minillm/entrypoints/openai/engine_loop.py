@@ -415,6 +415,9 @@ class EngineLoop:
         c.reply.set_result(ids)
 
     def _dispatch(self, updates: list[StepOutput]) -> None:
+        """Post a step's updates to their streams, then end the requests that finished: samples of one request
+        (``n`` > 1) that finish in the same step each get their last update before the request's output."""
+        finished: dict[str, None] = {}  # request ids in order, once each
         for u in updates:
             modelled = self._modelled.pop(u.request_id, None)
             if modelled is not None and u.finish_reason != "error":  # its first token: how far off was the model?
@@ -423,7 +426,9 @@ class EngineLoop:
                 self.admission = replace(self.admission, estimator=est)
             self._post(u.request_id, u)
             if u.finished:
-                self._finish(u.request_id)
+                finished[u.request_id] = None
+        for request_id in finished:
+            self._finish(request_id)
 
     def _finish(self, request_id: str) -> None:
         """Hand a retired request's output to its stream (no-op while other samples of it still run)."""

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterable, AsyncIterator, Callable, Sequence
+from dataclasses import replace
 
 from minillm.entrypoints.openai import protocol as p
 from minillm.outputs import CompletionOutput, Logprob, RequestOutput, StepOutput
@@ -97,16 +98,27 @@ class LogprobTap:
     what a choice has pending to the next chunk event of that choice.
 
     ``chat``: the chat shape with ``top`` alternatives, else the completions shape; ``echo``: choice -> prompt text
-    put in front of that choice's first text chunk (completions ``echo`` without logprobs)."""
+    put in front of that choice's first text chunk (completions ``echo``, vLLM's order: the prompt streams first);
+    ``echo_ids``: choice -> prompt ids, whose logprobs (the engine's ``prompt_logprobs``, on a choice's first
+    update) go first with the echoed text (``echo`` with ``logprobs``); ``echo_only`` (``max_tokens=0``): the
+    generated token is dropped, so the choice is its prompt alone with ``finish_reason "length"``."""
 
-    def __init__(self, chat: bool, top: int, token_text: Callable[[int], str], echo: dict[int, str] | None = None):
+    def __init__(self, chat: bool, top: int, token_text: Callable[[int], str], echo: dict[int, str] | None = None,
+                 echo_ids: dict[int, list[int]] | None = None, echo_only: bool = False):
         self.chat, self.top, self.token_text, self.echo = chat, top, token_text, dict(echo or {})
-        self.pending: dict[int, list[tuple[int, dict[int, Logprob]]]] = {}
-        # choice -> characters of its text sent so far, the echoed prompt included (text_offset)
-        self.offsets: dict[int, int] = {i: len(t) for i, t in self.echo.items()}
+        self.echo_ids, self.echo_only = dict(echo_ids or {}), echo_only
+        self.pending: dict[int, list[tuple[int, dict[int, Logprob] | None]]] = {}
+        # choice -> characters of its text sent so far, the echoed prompt included unless its tokens are (text_offset)
+        self.offsets: dict[int, int] = {i: 0 if i in self.echo_ids else len(t) for i, t in self.echo.items()}
 
     async def updates(self, updates: AsyncIterable[StepOutput]) -> AsyncIterator[StepOutput]:
         async for u in updates:
+            prompt_ids = self.echo_ids.pop(u.index, None)
+            if prompt_ids is not None and u.prompt_logprobs is not None:
+                self.pending.setdefault(u.index, []).extend(zip(prompt_ids, u.prompt_logprobs, strict=True))
+            if self.echo_only:  # the prompt is the whole answer: the token that ran is not part of it
+                u = replace(u, token_ids=[], text="", logprobs=None, stop_reason=None,
+                            finish_reason=None if u.finish_reason is None else "length")
             if u.logprobs:
                 self.pending.setdefault(u.index, []).extend(zip(u.token_ids, u.logprobs, strict=True))
             yield u

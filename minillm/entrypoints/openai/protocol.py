@@ -197,7 +197,7 @@ class CompletionChoice(BaseModel):
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
-    stop_reason: int | str | None = None  # vLLM: the stop token id that ended it
+    stop_reason: int | str | None = None  # vLLM: the stop token id or stop string that ended it
 
 
 class CompletionResponse(BaseModel):
@@ -241,7 +241,7 @@ class ChatChoice(BaseModel):
     message: AssistantMessage
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None
-    stop_reason: int | str | None = None  # vLLM: the stop token id that ended it
+    stop_reason: int | str | None = None  # vLLM: the stop token id or stop string that ended it
 
 
 class ChatCompletionResponse(BaseModel):
@@ -278,6 +278,7 @@ class ChatChunkChoice(BaseModel):
     delta: DeltaMessage
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
+    stop_reason: int | str | None = None  # vLLM: on the last chunk, the stop token id or stop string that ended it
 
 
 class ChatCompletionChunk(BaseModel):

@@ -36,7 +36,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from minillm.entrypoints.openai import protocol as p
-from minillm.entrypoints.openai.compat import FieldWarnings, UsageEveryChunk
+from minillm.entrypoints.openai.compat import FieldWarnings, StopReasonTap, UsageEveryChunk
 from minillm.entrypoints.openai.connections import ConnectionLimits, yielding
 from minillm.entrypoints.openai.engine_loop import (
     ChatPrompt,
@@ -365,19 +365,22 @@ class Server:
                      plan: ToolPlan | None = None) -> AsyncIterator[str]:
         """SSE: ``sse_stream`` (with a tool ``plan``: ``tool_call_stream``) over the requests' merged updates
         (``updates``); an engine failure becomes an error event and ``[DONE]``.  ``continuous_usage``: the usage so
-        far in every chunk (``UsageEveryChunk``); ``tap``: adds logprobs or an echoed prompt.  Closing the stream
+        far of a chunk's choice in that chunk (``UsageEveryChunk``); ``tap``: adds logprobs or an echoed prompt;
+        every choice's last chunk carries its ``stop_reason`` (``StopReasonTap``).  Closing the stream
         early (disconnect) aborts the requests."""
-        updates = self.updates(streams, n)
+        reasons = StopReasonTap()
+        updates = reasons.updates(self.updates(streams, n))
         if tap is not None:
             updates = tap.updates(updates)
         if continuous_usage:
-            usage_so_far = UsageEveryChunk(meta.prompt_tokens)
+            usage_so_far = UsageEveryChunk([len(st.prompt_token_ids) for st in streams for _ in range(n)])
             updates = usage_so_far.count(updates)
         events = sse_stream(updates, meta) if plan is None else tool_call_stream(updates, meta, plan)
         if continuous_usage:
             events = usage_so_far.add_usage(events)
         if tap is not None:
             events = tap.events(events)
+        events = reasons.events(events)
         try:
             async for text in events:
                 yield text
@@ -534,11 +537,6 @@ def _add_routes(app: FastAPI, server: Server) -> None:
     async def completions(body: p.CompletionRequest, request: Request, response: Response):
         headers = server.check(body)
         echo_only = body.echo and body.max_tokens == 0  # the prompt alone: one token runs and is dropped (vLLM)
-        if echo_only and body.stream:
-            raise APIError(400, "max_tokens=0 (echo the prompt only) needs stream=false", param="max_tokens")
-        if body.echo and body.stream and body.logprobs is not None:
-            raise APIError(400, "echo with logprobs needs stream=false (the prompt's logprobs come at the end)",
-                           param="echo")
         max_tokens = 1 if echo_only else requested_max_tokens(body)  # omitted: 16 (the model's default); null: the rest
         guided, field = structured(body)
         params = sampling_params(body, server.loop.max_model_len if max_tokens is None else max_tokens, guided)
@@ -548,9 +546,13 @@ def _add_routes(app: FastAPI, server: Server) -> None:
         streams = await server.submit_all(prompts, params, rid, "prompt", max_tokens is not None)
         if body.stream:
             meta = stream_meta(body, rid, streams, params.n, chat=False)
-            echo = ({k * params.n + i: prompt_text(pr, st.prompt_token_ids) for k, (pr, st)
-                     in enumerate(zip(prompts, streams, strict=True)) for i in range(params.n)} if body.echo else None)
-            tap = LogprobTap(False, 0, token_text, echo) if body.logprobs is not None or echo else None
+            choices = [(k * params.n + i, pr, st) for k, (pr, st) in enumerate(zip(prompts, streams, strict=True))
+                       for i in range(params.n)]
+            echo = {c: prompt_text(pr, st.prompt_token_ids) for c, pr, st in choices} if body.echo else None
+            echo_ids = ({c: st.prompt_token_ids for c, _, st in choices}
+                        if body.echo and body.logprobs is not None else None)
+            tap = (LogprobTap(False, 0, token_text, echo, echo_ids, echo_only)
+                   if body.logprobs is not None or echo else None)
             return EventStream(server.events(streams, meta, params.n, continuous_usage(body), tap), streams, headers)
         response.headers.update(headers)
         try:

@@ -21,8 +21,11 @@ every request completed and p99 TTFT met the SLO — then send ``2 ×`` that rat
 refusing the excess with 429; one that queues without bound keeps every request and misses the SLO on most.
 
 Structured output (``json_schema``): the same trace runs again with ``response_format`` json_schema on every
-request, and the run reports both output throughputs and their ratio — the cost of the grammar masks (and of
-the shorter, JSON-shaped answers: compare at ``ignore_eos`` only where the server stops a completed schema anyway).
+request, and the run reports both output throughputs, their ratio and the mean answer length of each — the cost
+of the grammar masks, and of the shorter, JSON-shaped answers (a grammar ends its answer at the closing brace,
+also under ``ignore_eos``), which leave a larger share of the run to prefill.  The second run of a trace finds its
+prompts in a server's prefix cache: compare against a server started with prefix caching off (minillm and vLLM:
+``--no-enable-prefix-caching``), or the constrained run looks cheaper than it is.
 
 Output tokens come from the server's usage chunk (``stream_options.include_usage``), else
 one per text chunk.  Prompts are real English cut from CPython's ``pydoc_data.topics`` (always installed, no
@@ -378,13 +381,22 @@ def print_summary(run: dict) -> None:
         print(f"  {key[:-3].upper():6s}  {ms(key)}")
 
 
+def mean_output_tokens(run: dict) -> float:
+    """The mean answer length (output tokens) of a run's completed requests; nan if none completed."""
+    done = [r["output_tokens"] for r in run["requests"]
+            if r["status"] == 200 and r["error"] is None and r["output_tokens"] > 0]
+    return sum(done) / len(done) if done else float("nan")
+
+
 def print_structured_cost(plain: Sequence[dict], constrained: Sequence[dict]) -> None:
-    """Per rate: output tok/s unconstrained and with the JSON schema, and their ratio."""
-    print("\nstructured output: output tok/s per rate (same trace)")
+    """Per rate: output tok/s unconstrained and with the JSON schema, their ratio, and each run's mean answer
+    length (constrained answers end at the closing brace: shorter answers, more of the run in prefill)."""
+    print("\nstructured output: output tok/s per rate (same trace; mean output tokens per answer)")
     for a, b in zip(plain, constrained, strict=True):
         ratio = b["output_throughput"] / a["output_throughput"] if a["output_throughput"] else float("nan")
-        print(f"  rate {a['request_rate']:g}: unconstrained {a['output_throughput']:.1f}, json_schema "
-              f"{b['output_throughput']:.1f} ({ratio:.2f}x)")
+        print(f"  rate {a['request_rate']:g}: unconstrained {a['output_throughput']:.1f} "
+              f"({mean_output_tokens(a):.1f} tok), json_schema {b['output_throughput']:.1f} "
+              f"({mean_output_tokens(b):.1f} tok) ({ratio:.2f}x)")
 
 
 def print_overload(run: dict) -> None:
