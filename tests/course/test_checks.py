@@ -394,6 +394,27 @@ if importlib.util.find_spec("triton") is not None:  # conftest set TRITON_INTERP
 
     WRONG["4.3"] = _wrong_decode_partial_program
 
+    def _wrong_paged_partial_program():
+        """The solution with one table entry per tile (a tile taken for one block): right while a tile stays inside
+        one block, wrong once a tile spans several scattered blocks."""
+        ex = EXERCISES["5.5"]
+        right = "block = tl.load(table + offs_n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)"
+        code = ex.code(student=False)
+        assert right in code, "the 5.5 solution changed: update its wrong answer"
+        return ex._run(code.replace(right, "block = tl.load(table + start_n // BLOCK_SIZE).to(tl.int64)"), "wrong")
+
+    WRONG["5.5"] = _wrong_paged_partial_program()
+
+    def _wrong_int4_gemv_program():
+        """The solution with the nibbles swapped (weight j in the high nibble): the other common packing."""
+        ex = EXERCISES["7.6"]
+        right = "shift = ((ks % 32) // 16) * 4"
+        code = ex.code(student=False)
+        assert right in code, "the 7.6 solution changed: update its wrong answer"
+        return ex._run(code.replace(right, "shift = (1 - (ks % 32) // 16) * 4"), "wrong")
+
+    WRONG["7.6"] = _wrong_int4_gemv_program()
+
 NUMBERS = sorted(EXERCISES)
 
 

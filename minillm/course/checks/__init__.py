@@ -45,11 +45,13 @@ from minillm.course.checks.paged import (
     check_append_slots,
     check_block_free,
     check_paged_decode_attention,
+    check_paged_partial_program,
     check_prediction,
     check_prediction_paged,
     check_slot_mapping,
 )
 from minillm.course.checks.quantization import (
+    check_int4_gemv_program,
     check_int4_linear_ref,
     check_prediction_int4,
     check_quantize,
@@ -92,3 +94,5 @@ __all__ += ["check_ngram_lookup", "check_rejection_sample", "check_truncate"]  #
 __all__ += ["check_arrival_times", "check_parse_stream", "check_prediction_server", "check_sse_stream"]  # 09
 __all__ += ["check_gpipe_schedule", "check_layer_comm_time", "check_shard_linear"]  # notebook 10
 __all__ += ["check_apply_rope", "check_rms_norm", "check_top_k_top_p_mask"]  # notebook 01
+__all__ += ["check_paged_partial_program"]  # notebook 05, the Triton kernel
+__all__ += ["check_int4_gemv_program"]  # notebook 07, the Triton GEMV
