@@ -325,8 +325,8 @@ def check_int4_linear_ref(int4_linear: Callable) -> None:
 
 
 @exercise("7.6", "minillm.kernels.triton.dequant_gemv.int4_gemv_program", "the dequantizing int4 GEMV in Triton",
-          "per BLOCK_K tile: byte (k // 32)·16 + k % 16, shift 4 when k % 32 ≥ 16, & 0xF; the group's d and m at "
-          "column k // G; acc += Σ (q·d + m)·x over the tile, masked at K")
+          "per BLOCK_K tile: byte (k // 32)·16 + k % 16, shift 4 when k % 32 ≥ 16, & 0xF; d and m of group "
+          "k // G; acc += Σ (q·d + m)·x over the tile, masked at K")
 def check_int4_gemv_program(int4_gemv_program: Callable) -> None:
     """Your program, compiled with ``triton.jit`` and launched by the library's ``int4_gemv_triton``, against
     ``int4_linear_ref`` (the unpack-then-``F.linear`` reference of exercise 7.3) on random Q4_1 weights: groups of
