@@ -14,8 +14,10 @@
 # SLO) and convert throughput into **dollars per million tokens**.
 #
 # **In this notebook** you predict decode speed from the roofline (exercise 1.1) and write down your own number
-# (1.0), measure TTFT and TPOT on this machine, write the generation loop (1.5) and see why generating without a
-# cache costs O(T²), and build the serving metrics: percentiles (1.2), goodput (1.3) and cost (1.4). Every measurement ends up on this machine's roofline.
+# (1.0), measure TTFT and TPOT on this machine, write the pieces of a step — RMSNorm (1.3) and RoPE (1.4), run by
+# the model against transformers' logits — the generation loop (1.5) and its top-k/top-p sampler (1.6), see why
+# generating without a cache costs O(T²), and build the serving metrics: percentiles (1.2), goodput and cost.
+# Every measurement ends up on this machine's roofline.
 # Runs in about two minutes on a 2-core CPU; on a GPU it uses the GPU.
 
 # %%
@@ -192,7 +194,45 @@ plt.tight_layout()
 plt.show()
 
 # %% [markdown]
-# ## 3. Why a cache: the naive loop
+# ## 3. Inside a step, and the loop around it
+#
+# Every decoder layer normalises its input with **RMSNorm** and rotates q and k with **RoPE** before attention;
+# the engine then turns the last position's logits into a token with **top-k / top-p** sampling. You write these
+# three pieces, and the model and the sampler run them: each check swaps your function into minillm's model (or
+# its sampler) and compares against transformers' Llama.
+#
+# ### Exercise 1.3 — RMSNorm
+#
+# `torch_rms_norm(x, weight, eps)` normalises each row of `x [..., K]` by its root mean square:
+# `x / sqrt(mean(x²) + eps) * weight`. The docstring gives the contract transformers' `LlamaRMSNorm` follows
+# (which dtype the statistics use, where `eps` goes, when the weight multiplies); the check holds you to it on
+# fp32, bf16 and fp16 rows, then runs the whole model with your norm in every layer.
+
+# %%
+# exercise 1.3: minillm.kernels.select.torch_rms_norm
+
+# %%
+# NBVAL_CHECK_OUTPUT
+checks.check_rms_norm(torch_rms_norm)
+
+# %% [markdown]
+# ### Exercise 1.4 — rotary position embeddings
+#
+# Attention scores must depend on where tokens are *relative* to each other. RoPE rotates each pair of a head's
+# coordinates by an angle proportional to the token's position, `pos · θ_i` with `θ_i = base^(−2i/D)`: the dot
+# product of a rotated q and a rotated k then depends only on the difference of their positions. The model gives
+# you the angles' `cos` and `sin` (`RotaryEmbedding`, computed once per forward); `apply_rope(x, cos, sin)`
+# rotates `x [B, L, H, D]`. Which coordinates form a pair is a convention: the docstring states Llama's.
+
+# %%
+# exercise 1.4: minillm.layers.rotary.apply_rope
+
+# %%
+# NBVAL_CHECK_OUTPUT
+checks.check_apply_rope(apply_rope)
+
+# %% [markdown]
+# ### Why a cache: the naive loop
 #
 # The simplest generation loop feeds the *whole* sequence back through the model for every new token
 # (`generate(..., cached=False)`). Step t is a prefill of t tokens: O(t) linear FLOPs and O(t²) attention, so
@@ -253,6 +293,36 @@ plt.legend()
 plt.show()
 
 # %% [markdown]
+# ### Exercise 1.6 — top-k and top-p sampling
+#
+# Your loop samples every token with `sample`, which divides the logits by the temperature and then filters
+# them: **top-k** keeps the k most likely tokens, **top-p** (the nucleus) keeps the smallest set of most likely
+# tokens whose probability reaches p, measured on what top-k kept. Everything else gets logit −∞, so the softmax
+# renormalises the kept set by itself. Write `top_k_top_p_mask(logits, k, p)`; the docstring fixes the details a
+# sampler must agree on (ties, the token that crosses p, what turns a filter off). The check compares kept sets
+# exactly, then runs the engine's sampler with your filter and tests a seeded sample of its tokens with a
+# chi-square against the filtered distribution.
+
+# %%
+# exercise 1.6: minillm.sampling.sampler.top_k_top_p_mask
+
+# %%
+# NBVAL_CHECK_OUTPUT
+checks.check_top_k_top_p_mask(top_k_top_p_mask)
+
+# %% [markdown]
+# Your filter on the model's real next-token distribution: how many tokens each setting leaves to sample from.
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+with torch.inference_mode():
+    ids = torch.tensor([random_prompt(12)], device=model.device)
+    last = model(ids, torch.arange(12, device=model.device)[None])[0, -1].float().cpu()
+for k, p in [(0, 1.0), (50, 1.0), (0, 0.9), (50, 0.9), (0, 0.5)]:
+    kept = int(top_k_top_p_mask(last.clone(), k, p).isfinite().sum())
+    print(f"top_k {k:3d}, top_p {p:.1f}: {kept:6d} of {config.vocab_size} tokens can be sampled")
+
+# %% [markdown]
 # ## 4. Serving metrics: percentiles
 #
 # Sixteen requests arrive together and a one-at-a-time server answers them first come, first served. A user's
@@ -307,24 +377,17 @@ for name, values in [("user TTFT", user_ttft), ("TPOT", [r.tpot_s for r in serve
     print(f"{name:9}  " + "  ".join(f"{k} {v * 1e3:7.1f} ms" for k, v in s.items()))
 
 # %% [markdown]
-# ### Exercise 1.3 — goodput under an SLO
+# ### Goodput under an SLO
 #
 # Throughput counts every request; **goodput** counts only those that met the service-level objective on *both*
-# TTFT and TPOT (meeting a limit exactly counts), per second of wall time. Write
-# `goodput(requests, duration_s, ttft_slo_s=0.2, tpot_slo_s=0.1)`; each request has `.ttft_s` and `.tpot_s`.
-
-# %%
-# exercise 1.3: minillm.perf.metrics.goodput
-
-# %%
-# NBVAL_CHECK_OUTPUT
-checks.check_goodput(goodput)
+# TTFT and TPOT (meeting a limit exactly counts), per second of wall time: `metrics.goodput(requests, duration_s,
+# ttft_slo_s=, tpot_slo_s=)`.
 
 # %%
 # NBVAL_IGNORE_OUTPUT
 slos = [0.2, 0.5, 1, 2, 5, 10, 20]
 throughput = len(served) / duration_s
-good = [goodput(served, duration_s, ttft_slo_s=s, tpot_slo_s=0.1) for s in slos]
+good = [metrics.goodput(served, duration_s, ttft_slo_s=s, tpot_slo_s=0.1) for s in slos]
 plt.semilogx(slos, good, "o-", label="goodput (TPOT ≤ 100 ms)")
 plt.axhline(throughput, color="k", linestyle="--", label=f"throughput {throughput:.2f} req/s")
 plt.gca().set(xlabel="TTFT SLO (s)", ylabel="requests / s", title="Goodput of a one-at-a-time server",
@@ -333,18 +396,11 @@ plt.legend()
 plt.show()
 
 # %% [markdown]
-# ### Exercise 1.4 — dollars per million tokens
+# ### Dollars per million tokens
 #
 # A machine rented at `$ per hour` that produces `tokens per second` costs
-# `$/h ÷ (tok/s × 3600) × 10⁶` per million tokens. Write `cost_per_million_tokens(dollars_per_hour, tokens_per_s)`.
-
-# %%
-# exercise 1.4: minillm.perf.metrics.cost_per_million_tokens
-
-# %%
-# NBVAL_CHECK_OUTPUT
-checks.check_cost_per_million_tokens(cost_per_million_tokens)
-print(f"$2/h at 100 tokens/s: ${cost_per_million_tokens(2.0, 100):.2f} per 1M tokens")
+# `$/h ÷ (tok/s × 3600) × 10⁶` per million tokens (`metrics.cost_per_million_tokens`): $2/h at 100 tokens/s is
+# $5.56 per million.
 
 # %% tags=["slide-output"]
 # NBVAL_IGNORE_OUTPUT
@@ -354,7 +410,8 @@ served_tok_s = sum(r.output_tokens for r in served) / duration_s
 for label, tok_s in [("this server, one request at a time", served_tok_s),
                      ("decode alone, measured", measured_tok_s),
                      ("decode at the roofline bound", roofline.decode_tokens_per_s_bound(config, dtype, spec))]:
-    print(f"{label:36} {tok_s:8.1f} tok/s -> ${cost_per_million_tokens(PRICE_PER_HOUR, tok_s):8.2f} per 1M tokens")
+    dollars = metrics.cost_per_million_tokens(PRICE_PER_HOUR, tok_s)
+    print(f"{label:36} {tok_s:8.1f} tok/s -> ${dollars:8.2f} per 1M tokens")
 
 # %% [markdown]
 # ### What one request costs, prefill included

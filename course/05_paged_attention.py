@@ -23,7 +23,8 @@
 # allocator's `free` with reference counts (exercise 5.1), a sequence's growth with copy-on-write (5.2) and the
 # slot mapping that turns a block table into cache addresses (5.3); you predict (5.0) and measure how many
 # sequences fit a GPU's KV budget, draw block tables shared after a fork, run paged attention through your slot
-# mapping, write the engine's paged decode attention (5.4) and let the engine decode through it, and measure what
+# mapping, write the engine's paged decode attention (5.4) and its Triton kernel that reads the cache through the
+# block tables in place (5.5), let the engine decode through both, and measure what
 # prefix hits do to the time to first token on the real engine.
 # Runs in about a minute on a 2-core CPU; on a GPU it uses the GPU.
 
@@ -34,8 +35,12 @@ import os
 import random
 import statistics
 
-import matplotlib.pyplot as plt
 import torch
+
+if not torch.cuda.is_available():  # before minillm's Triton kernels load: run them in Triton's interpreter on CPU
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import matplotlib.pyplot as plt
 from matplotlib.patches import Rectangle
 
 from minillm import LLM, EngineConfig, LLMEngine, SamplingParams, kernels
@@ -57,6 +62,11 @@ from minillm.kv.contiguous import kv_bytes_per_token
 from minillm.perf import roofline
 from minillm.perf.simulate import kv_cache_budget
 from minillm.perf.workloads import corpus_token_ids, lognormal_lengths
+
+if kernels.triton_available():
+    import triton.language as tl  # the names exercise 5.5's Triton program uses
+
+    from minillm.kernels.triton.paged_decode import kept_key_mask
 
 FAST = os.environ.get("MINILLM_COURSE_FAST") == "1"  # set by the course tests: same cells, smaller sizes
 random.seed(0)
@@ -468,6 +478,36 @@ finally:
     model.set_kernels(shipped_kernels)
 assert your_tokens == library_tokens, "the engine produced different tokens through your paged attention"
 print(f"{len(gen_prompts)} prompts through your gather: every greedy token identical to the library's")
+
+# %% [markdown]
+# ### Exercise 5.5 — the same walk as a Triton kernel
+#
+# The gather of 5.4 copies every block a sequence uses before attention reads it again: three passes over K/V
+# where one would do. On a GPU the engine runs a kernel that reads K and V **through the block table, in place**:
+# notebook 04's flash-decoding (exercise 4.3), with one change — key n is no longer at `base + n · stride` but in
+# physical block `table[n // BLOCK_SIZE]`, slot `n % BLOCK_SIZE`. A tile of keys may span several scattered
+# blocks; each key's D-vector is still contiguous, so the loads stay coalesced.
+#
+# Write the program body: one program per (sequence, K/V head group, split), the group's query heads as one tile,
+# the online softmax over the split's keys. The docstring says what is computed before your code and what the
+# stores after it expect. On CPU it runs in Triton's interpreter (set in the first cell): slow, so the check uses
+# small shapes: it compares your kernel with `paged_decode_attention_ref` (the library's 5.4) at several shapes,
+# then lets the engine decode through your kernel (a small random model, greedy tokens equal to the PyTorch path's).
+
+# %%
+# exercise 5.5: minillm.kernels.triton.paged_decode.paged_partial_program
+
+# %% [markdown]
+# <details><summary>Hints (optional)</summary>
+#
+# - Start from exercise 4.3's loop; only the two loads change. `offs_n // BLOCK_SIZE` indexes the table (load it
+#   with `mask=n_mask`: entries past the sequence's last block may be padding), `.to(tl.int64)` the block ids.
+# - The K rows of a tile: `KC + (block * skc0 + slot * skc1 + h_kv * skc2)[:, None] + offs_d[None, :]`.
+# </details>
+
+# %%
+# NBVAL_CHECK_OUTPUT
+checks.check_paged_partial_program(paged_partial_program)
 
 # %% [markdown]
 # ## 6. Prefix caching: what a hit saves

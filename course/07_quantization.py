@@ -21,7 +21,8 @@
 #
 # **In this notebook** you write absmax and zero-point quantization at any granularity (exercise 7.1) and see why
 # per-tensor scales fail on outliers; pack int4 groups into Q4_1 bytes (7.2) and reproduce the GGUF file byte for
-# byte; write the dequantizing GEMV (7.3) and run the real model on it; predict decode tok/s from bytes per token,
+# byte; write the dequantizing GEMV (7.3) and run the real model on it, then the same GEMV as a Triton kernel that
+# never builds the float matrix (7.6); predict decode tok/s from bytes per token,
 # then measure fp32, int8 and int4 with the native kernels; plot perplexity against bits; count KV-cache tokens
 # per byte; and profile where a token's time goes once the weights are small. A few minutes on a 2-core CPU; on a
 # GPU it uses the GPU.
@@ -46,9 +47,13 @@ import os
 import time
 import types
 
+import torch
+
+if not torch.cuda.is_available():  # before minillm's Triton kernels load: run them in Triton's interpreter on CPU
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 import matplotlib.pyplot as plt
 import numpy as np
-import torch
 import torch.nn.functional as F  # noqa: F401  (used by your int4_linear_ref)
 from torch import nn
 
@@ -79,6 +84,11 @@ from minillm.quant.formats import (
 )
 from minillm.quant.gguf import read_gguf_weights
 from minillm.quant.weight import BLOCK, Int4Weight, Int8Weight, check_group_size, check_in_features  # noqa: F401
+
+from minillm import kernels
+
+if kernels.triton_available():
+    import triton.language as tl  # the names exercise 7.6's Triton program uses
 
 FAST = os.environ.get("MINILLM_COURSE_FAST") == "1"  # set by the course tests: same cells, smaller sizes
 torch.manual_seed(0)
@@ -303,6 +313,65 @@ student_tokens = generate(m4_ref, [prompt], greedy)[0].output
 assert student_tokens == library_tokens, f"your GEMV generated {student_tokens}, the library's {library_tokens}"
 print(f"library path: {library_tokens} {llm.tokenizer.decode(library_tokens)!r}")
 print(f"your GEMV:    {student_tokens} — the same tokens")
+
+# %% [markdown]
+# ### Exercise 7.6 — the dequantizing GEMV in Triton, never building the float matrix
+#
+# Your 7.3 writes the whole float weight to memory and reads it back: 32 bits per weight moved twice more, where
+# the packed weight is 5. A real W4A16 kernel unpacks **in registers**: one program owns BLOCK_N output rows, walks
+# K in tiles of BLOCK_K weights, loads the tile's packed bytes and its groups' d and m, unpacks and dequantizes
+# them, multiplies by x and accumulates — the only bytes read are the packed ones. Write that program body (the
+# docstring states the layout and what the store after your code expects). It is checked against
+# `int4_linear_ref` (the library's 7.3) on ragged shapes; on CPU it runs in Triton's interpreter (set in the first
+# cell).
+
+# %%
+# exercise 7.6: minillm.kernels.triton.dequant_gemv.int4_gemv_program
+
+# %% [markdown]
+# <details><summary>Hints (optional)</summary>
+#
+# - `ks = k0 + tl.arange(0, BLOCK_K)` are the tile's weight indices; `byte` and `shift` follow from the docstring's
+#   formula, elementwise on `ks`; load `P + rows64[:, None] * (K // 2) + byte[None, :]` with a [BLOCK_N, BLOCK_K]
+#   mask, then `(packed >> shift) & 0xF`.
+# - The group of weight k is column `k // G` of `S` and `Mn`: the same [BLOCK_N, BLOCK_K] index for both.
+# </details>
+
+# %%
+# NBVAL_CHECK_OUTPUT
+checks.check_int4_gemv_program(int4_gemv_program)
+
+# %% [markdown]
+# How fast is it? Count the bytes one call must read (packed codes, d and m, x and y) and divide by the time. On a
+# GPU that is a real measurement against the roof. On a CPU the kernel runs in Triton's **interpreter**, which
+# executes each program's tile operations one after another in numpy: **the interpreter is not a speed**, so the
+# number below says nothing about the kernel — the roof says what the same bytes would take.
+
+# %% tags=["slide-output"]
+# NBVAL_IGNORE_OUTPUT
+import triton  # noqa: E402  (after TRITON_INTERPRET is set in the first cell)
+
+from minillm.kernels.triton.dequant_gemv import int4_gemv_triton  # noqa: E402
+from minillm.perf.metrics import measure_seconds  # noqa: E402
+from minillm.quant import weight as quant_weight  # noqa: E402  (the library's packing, whatever your 7.2 does)
+
+N_gemv, K_gemv = (256, 512) if FAST or device == "cpu" else (config.intermediate_size, config.hidden_size)
+w_gemv = quant_weight.quantize_int4(torch.randn(N_gemv, K_gemv, device=device))
+x_gemv = torch.randn(1, K_gemv, device=device)
+your_kernel = triton.jit(int4_gemv_program)
+gemv_bytes = w_gemv.nbytes + x_gemv.nbytes + N_gemv * x_gemv.element_size()
+gemv_s = min(measure_seconds(lambda: int4_gemv_triton(x_gemv, w_gemv, program=your_kernel), repeat=3, warmup=1,
+                             device=device))
+roof = roofline.machine_spec(device, quick=FAST)  # this machine's cached roof (measured once)
+h100_roof = roofline.get_spec("H100-SXM")
+print(f"one GEMV [{N_gemv} × {K_gemv}] in Q4_1 reads {gemv_bytes / 1e3:.1f} kB "
+      f"({8 * w_gemv.nbytes / (N_gemv * K_gemv):.2f} bits per weight with d and m)")
+print(f"your kernel: {gemv_s * 1e3:.2f} ms = {gemv_bytes / gemv_s / 1e9:.4f} GB/s"
+      + (" — in the interpreter, which is not a speed" if device == "cpu" else
+         f", {gemv_bytes / gemv_s / roof.memory_bandwidth:.0%} of this GPU's {roof.memory_bandwidth / 1e9:.0f} GB/s"))
+print(f"the roof: {gemv_bytes / roof.memory_bandwidth * 1e6:.2f} µs at this machine's "
+      f"{roof.memory_bandwidth / 1e9:.1f} GB/s, {gemv_bytes / h100_roof.memory_bandwidth * 1e6:.3f} µs at an "
+      f"H100's {h100_roof.memory_bandwidth / 1e12:.2f} TB/s (a kernel launch costs ~5 µs there: fuse or batch)")
 
 # %% [markdown]
 # ## 5. Predict, then measure: decode tok/s from bytes per token

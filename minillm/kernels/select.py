@@ -146,11 +146,16 @@ def _scale(q: Tensor, sm_scale: float | None) -> float:
 
 
 def torch_rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    """x [..., K] / rms(x) * weight [K], statistics in fp32 whatever the storage dtype (as transformers)."""
-    if x.dtype == torch.float32:
-        return F.rms_norm(x, (x.shape[-1],), weight, eps)
-    xf = x.float()  # half precision: fp32 statistics, round, then the weight multiply (as transformers)
+    """RMSNorm of each row: x / sqrt(mean(x²) + eps) * weight.  x [..., K], weight [K] -> [..., K] in x's dtype.
+
+    Contract (as transformers' LlamaRMSNorm): the mean of squares is taken over the last axis in fp32 whatever
+    x's dtype, ``eps`` is added *inside* the square root, the normalised row is rounded back to x's dtype and only
+    then multiplied by ``weight``.  One read of x, one write: memory bound, like every elementwise op at decode.
+    """
+    ### BEGIN SOLUTION
+    xf = x.float()
     return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    ### END SOLUTION
 
 
 def _torch_prefill(q, k, v, *, causal=True, sm_scale=None):

@@ -45,7 +45,15 @@ class RotaryEmbedding(nn.Module):
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotate pairs (x_i, x_{i+D/2}) by angle pos·θ_i.  x [B, L, H, D]; cos/sin [B, L, 1, D]."""
+    """Rotate each head's pairs (x_i, x_{i+D/2}), i < D/2, by the angle pos·θ_i.  x [B, L, H, D]; cos/sin
+    [B, L, 1, D] (``RotaryEmbedding``: the angles of a position, its D/2 values written twice) -> [B, L, H, D].
+
+    Contract (the Hugging Face "rotate half" layout, not interleaved pairs (x_0, x_1)): for i < D/2,
+    out_i = x_i·cos_i − x_{i+D/2}·sin_i and out_{i+D/2} = x_{i+D/2}·cos_i + x_i·sin_i.  Applied to q and k only,
+    so that q·k depends on the positions' difference alone.  Elementwise: one read of x, one write.
+    """
+    ### BEGIN SOLUTION
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin
+    ### END SOLUTION

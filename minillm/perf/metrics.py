@@ -70,10 +70,8 @@ def goodput(requests: Sequence[HasLatencies], duration_s: float, *, ttft_slo_s: 
         raise ValueError(f"duration_s must be > 0, got {duration_s}")
     if ttft_slo_s < 0 or tpot_slo_s < 0:
         raise ValueError(f"SLOs must be >= 0 seconds, got ttft_slo_s={ttft_slo_s}, tpot_slo_s={tpot_slo_s}")
-    ### BEGIN SOLUTION
     good = sum(1 for r in requests if r.ttft_s <= ttft_slo_s and r.tpot_s <= tpot_slo_s)
     return good / duration_s
-    ### END SOLUTION
 
 
 def cost_per_million_tokens(dollars_per_hour: float, tokens_per_s: float) -> float:
@@ -84,10 +82,8 @@ def cost_per_million_tokens(dollars_per_hour: float, tokens_per_s: float) -> flo
     """
     if dollars_per_hour < 0 or not tokens_per_s > 0:
         raise ValueError(f"need dollars_per_hour >= 0 and tokens_per_s > 0, got {dollars_per_hour}, {tokens_per_s}")
-    ### BEGIN SOLUTION
     tokens_per_hour = tokens_per_s * 3600
     return dollars_per_hour / tokens_per_hour * 1_000_000
-    ### END SOLUTION
 
 
 def decode_weight_bytes(config: ModelConfig, dtype: torch.dtype = torch.float16) -> int:

@@ -16,12 +16,38 @@ from minillm.sampling.params import MIN_TEMPERATURE, SamplingParams
 from minillm.sampling.processors import min_p_mask
 
 
+def top_k_top_p_mask(logits: Tensor, k: int, p: float) -> Tensor:
+    """Top-k, then top-p (nucleus) filtering: the kept logits unchanged, every other one -inf.  [..., V] -> [..., V].
+
+    Contract (vLLM's meanings): ``k`` <= 0 or >= V keeps every token; otherwise exactly the k largest logits are
+    kept, ties at the k-th value broken by the lower token index.  Then, over the softmax of what top-k kept
+    (renormalised), a token is kept when the probability mass strictly before it in descending order (ties again
+    by lower index) is < ``p``: the token that crosses p is included, the most likely token always survives, and
+    ``p`` >= 1 keeps every token top-k kept.  Logits already -inf stay -inf.  Sampling from the softmax of the result
+    is sampling from the original distribution restricted to the kept set and renormalised.  One sort per row.
+    """
+    ### BEGIN SOLUTION
+    V = logits.shape[-1]
+    if not 0 < k < V and p >= 1.0:
+        return logits
+    sorted_logits, order = logits.sort(dim=-1, descending=True, stable=True)  # stable: ties by lower index
+    keep_sorted = torch.ones_like(sorted_logits, dtype=torch.bool)
+    if 0 < k < V:
+        keep_sorted[..., k:] = False
+        sorted_logits = sorted_logits.masked_fill(~keep_sorted, float("-inf"))
+    if p < 1.0:
+        probs = sorted_logits.softmax(dim=-1)  # renormalised over what top-k kept
+        mass_before = probs.cumsum(dim=-1) - probs
+        keep_sorted &= mass_before < p
+        keep_sorted[..., 0] = True
+    keep = torch.zeros_like(keep_sorted).scatter_(-1, order, keep_sorted)
+    return logits.masked_fill(~keep, float("-inf"))
+    ### END SOLUTION
+
+
 def top_k_mask(logits: Tensor, k: int) -> Tensor:
     """Keep the k largest logits (exactly k; ties broken by index), set the rest to -inf.  [..., V] -> [..., V]."""
-    if k <= 0 or k >= logits.shape[-1]:
-        return logits
-    keep = torch.zeros_like(logits, dtype=torch.bool).scatter_(-1, logits.topk(k, dim=-1).indices, True)
-    return logits.masked_fill(~keep, float("-inf"))
+    return top_k_top_p_mask(logits, k, 1.0)
 
 
 def top_p_mask(logits: Tensor, p: float) -> Tensor:
@@ -30,15 +56,7 @@ def top_p_mask(logits: Tensor, p: float) -> Tensor:
     A token is kept when the mass strictly before it (in descending order) is < p, so the token that crosses
     p is included and the most likely token always survives.  [..., V] -> [..., V].
     """
-    if p >= 1.0:
-        return logits
-    sorted_logits, order = logits.sort(dim=-1, descending=True)
-    probs = sorted_logits.softmax(dim=-1)
-    mass_before = probs.cumsum(dim=-1) - probs
-    keep_sorted = mass_before < p
-    keep_sorted[..., 0] = True
-    keep = torch.zeros_like(keep_sorted).scatter_(-1, order, keep_sorted)
-    return logits.masked_fill(~keep, float("-inf"))
+    return top_k_top_p_mask(logits, 0, p)
 
 
 def probabilities(logits: Tensor, params: SamplingParams) -> Tensor:
@@ -52,8 +70,7 @@ def probabilities(logits: Tensor, params: SamplingParams) -> Tensor:
     masked = x == float("-inf")  # stays -inf: a huge temperature (inf in fp32) would turn -inf / inf into nan
     x = ((x - x.amax(dim=-1, keepdim=True)) / max(params.temperature, MIN_TEMPERATURE)).masked_fill(masked, -torch.inf)
     x = min_p_mask(x, params.min_p)
-    x = top_k_mask(x, params.top_k)
-    x = top_p_mask(x, params.top_p)
+    x = top_k_top_p_mask(x, params.top_k, params.top_p)
     return x.softmax(dim=-1)
 
 

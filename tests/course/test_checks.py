@@ -84,12 +84,29 @@ def _wrong_percentile(values, q):
     return xs[min(len(xs) - 1, int(q / 100 * len(xs)))]  # nearest rank, no interpolation
 
 
-def _wrong_goodput(requests, duration_s, *, ttft_slo_s=0.2, tpot_slo_s=0.1):
-    return sum(1 for r in requests if r.ttft_s < ttft_slo_s and r.tpot_s < tpot_slo_s) / duration_s  # strict <
+def _wrong_rms_norm(x, weight, eps):
+    xf = x.float()  # eps outside the square root: invisible on unit-scale rows, wrong where mean(x²) ~ eps
+    return weight * (xf / (xf.pow(2).mean(-1, keepdim=True).sqrt() + eps)).to(x.dtype)
 
 
-def _wrong_cost(dollars_per_hour, tokens_per_s):
-    return dollars_per_hour / tokens_per_s * 1_000_000  # forgot seconds → hours
+def _wrong_apply_rope(x, cos, sin):
+    even, odd = x[..., 0::2], x[..., 1::2]  # interleaved pairs (x_0, x_1): the GPT-J layout, not Llama's
+    c, s = cos[..., : x.shape[-1] // 2], sin[..., : x.shape[-1] // 2]
+    return torch.stack((even * c - odd * s, odd * c + even * s), dim=-1).flatten(-2)
+
+
+def _wrong_top_k_top_p_mask(logits, k, p):
+    if 0 < k < logits.shape[-1]:  # top-p over the unfiltered distribution: top-k's mass is not renormalised
+        probs = logits.softmax(-1)
+        logits = logits.masked_fill(logits < logits.topk(k, -1).values[..., -1:], float("-inf"))
+    else:
+        probs = logits.softmax(-1)
+    if p >= 1.0:
+        return logits
+    sp, order = probs.sort(-1, descending=True, stable=True)
+    keep = (sp.cumsum(-1) - sp) < p
+    keep[..., 0] = True
+    return logits.masked_fill(~torch.zeros_like(keep).scatter_(-1, order, keep), float("-inf"))
 
 
 def _wrong_kv_bytes(config, dtype=torch.float16):
@@ -107,7 +124,8 @@ class _WrongKVCache(KVCache):
         return self.k[layer][:, :, : self._used], self.v[layer][:, :, : self._used], self._mask
 
 
-WRONG = {"1.1": _wrong_decode_weight_bytes, "1.2": _wrong_percentile, "1.3": _wrong_goodput, "1.4": _wrong_cost,
+WRONG = {"1.1": _wrong_decode_weight_bytes, "1.2": _wrong_percentile, "1.3": _wrong_rms_norm, "1.4": _wrong_apply_rope,
+         "1.6": _wrong_top_k_top_p_mask,
          "2.1": _wrong_kv_bytes, "2.2": _WrongKVCache}
 WRONG.update({"0.1": _wrong_linear_cost, "0.2": _wrong_attainable_flops, "0.3": _wrong_read_bandwidth,
               "0.4": _wrong_mbu})  # notebook 00
@@ -376,6 +394,27 @@ if importlib.util.find_spec("triton") is not None:  # conftest set TRITON_INTERP
         tl.store(Op + row[:, None] * D + offs_d[None, :], acc, mask=g_mask[:, None] & d_mask[None, :])
 
     WRONG["4.3"] = _wrong_decode_partial_program
+
+    def _wrong_paged_partial_program():
+        """The solution with one table entry per tile (a tile taken for one block): right while a tile stays inside
+        one block, wrong once a tile spans several scattered blocks."""
+        ex = EXERCISES["5.5"]
+        right = "block = tl.load(table + offs_n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)"
+        code = ex.code(student=False)
+        assert right in code, "the 5.5 solution changed: update its wrong answer"
+        return ex._run(code.replace(right, "block = tl.load(table + start_n // BLOCK_SIZE).to(tl.int64)"), "wrong")
+
+    WRONG["5.5"] = _wrong_paged_partial_program()
+
+    def _wrong_int4_gemv_program():
+        """The solution with the nibbles swapped (weight j in the high nibble): the other common packing."""
+        ex = EXERCISES["7.6"]
+        right = "shift = ((ks % 32) // 16) * 4"
+        code = ex.code(student=False)
+        assert right in code, "the 7.6 solution changed: update its wrong answer"
+        return ex._run(code.replace(right, "shift = (1 - (ks % 32) // 16) * 4"), "wrong")
+
+    WRONG["7.6"] = _wrong_int4_gemv_program()
 
 NUMBERS = sorted(EXERCISES)
 

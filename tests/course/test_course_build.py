@@ -279,7 +279,7 @@ def test_grader_classifies_passed_unfinished_and_wrong():
                                                  traceback=[])),
         check_cell("1.3", nbformat.v4.new_output("error", ename="AssertionError", evalue="goodput(...) returned 2",
                                                  traceback=[])),
-        nbformat.v4.new_code_cell("checks.check_cost_per_million_tokens(cost_per_million_tokens)"),  # no metadata
+        nbformat.v4.new_code_cell("checks.check_apply_rope(apply_rope)"),  # no metadata
     ]
     assert grade.judge(nb) == {"1.1": ("passed", ""), "1.2": ("unfinished", ""),
                                "1.3": ("wrong", "AssertionError: goodput(...) returned 2"),

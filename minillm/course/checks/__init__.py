@@ -24,13 +24,14 @@ from minillm.course.checks.batching import (
     check_prefill_chunk_len,
 )
 from minillm.course.checks.generation import (
-    check_cost_per_million_tokens,
+    check_apply_rope,
     check_decode_weight_bytes,
     check_generation_loop,
-    check_goodput,
     check_percentile,
     check_prediction_decode,
+    check_rms_norm,
     check_roofline_prediction,
+    check_top_k_top_p_mask,
 )
 from minillm.course.checks.kv_cache import (
     check_cached_attention,
@@ -44,11 +45,13 @@ from minillm.course.checks.paged import (
     check_append_slots,
     check_block_free,
     check_paged_decode_attention,
+    check_paged_partial_program,
     check_prediction,
     check_prediction_paged,
     check_slot_mapping,
 )
 from minillm.course.checks.quantization import (
+    check_int4_gemv_program,
     check_int4_linear_ref,
     check_prediction_int4,
     check_quantize,
@@ -77,8 +80,8 @@ from minillm.course.checks.speculative import check_ngram_lookup, check_rejectio
 
 __all__ = ["CONFIGS", "EXERCISES", "Exercise", "LLAMA2_7B", "SMOLLM2_135M", "TINY_MQA", "Verdict", "check_admit",
            "check_append_slots", "check_attainable_flops", "check_batch_slots", "check_block_free",
-           "check_cached_logits", "check_cost_per_million_tokens", "check_decode_partial_program",
-           "check_decode_weight_bytes", "check_flash_tile_step", "check_generation_loop", "check_goodput",
+           "check_cached_logits", "check_decode_partial_program",
+           "check_decode_weight_bytes", "check_flash_tile_step", "check_generation_loop",
            "check_grouped_attention", "check_kv_bytes_gqa", "check_kv_bytes_per_token", "check_kv_cache_update",
            "check_linear_cost", "check_mbu", "check_merge_attention_partials", "check_paged_decode_attention",
            "check_percentile", "check_prediction", "check_prediction_attention", "check_prediction_batching",
@@ -92,3 +95,6 @@ __all__ += ["check_ngram_lookup", "check_rejection_sample", "check_truncate"]  #
 __all__ += ["check_arrival_times", "check_parse_stream", "check_prediction_server", "check_sse_stream",
             "check_token_mask"]  # 09
 __all__ += ["check_gpipe_schedule", "check_layer_comm_time", "check_shard_linear"]  # notebook 10
+__all__ += ["check_apply_rope", "check_rms_norm", "check_top_k_top_p_mask"]  # notebook 01
+__all__ += ["check_paged_partial_program"]  # notebook 05, the Triton kernel
+__all__ += ["check_int4_gemv_program"]  # notebook 07, the Triton GEMV

@@ -301,6 +301,121 @@ def check_paged_decode_attention(paged_decode_attention: Callable) -> None:
     _passed("5.4")
 
 
+def _triton_program(number: str, program: Callable):
+    """``triton.jit(program)`` once Triton can run here (CUDA, or the interpreter on CPU): else a RuntimeError
+    that says how to get there."""
+    import importlib.util
+    import os
+
+    if importlib.util.find_spec("triton") is None:
+        raise RuntimeError(f"exercise {number} needs the triton package (pip install triton; on CPU it runs "
+                           "interpreted)")
+    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        raise RuntimeError(f"exercise {number} on CPU needs TRITON_INTERPRET=1 set before triton is imported: "
+                           "restart the kernel and run the notebook's first cells (they set it)")
+    import triton
+
+    return triton.jit(program)
+
+
+def _unwrap_interpreter(e: Exception) -> None:
+    """The interpreter wraps what a program raised: a stub's NotImplementedError goes through unchanged."""
+    if isinstance(e.__cause__, NotImplementedError):
+        raise e.__cause__ from None
+
+
+@exercise("5.5", "minillm.kernels.triton.paged_decode.paged_partial_program",
+          "paged decode attention in Triton: walk the block table",
+          "key n lives in physical block table[n // BLOCK_SIZE] at slot n % BLOCK_SIZE: load the table entries of "
+          "a tile (masked past end), then K and V rows from those blocks; the online softmax of exercise 4.3")
+def check_paged_partial_program(paged_partial_program: Callable) -> None:
+    """Your pass-1 program, compiled with ``triton.jit`` and launched by the library's paged flash-decoding (its
+    merge kernel included), against ``paged_decode_attention_ref`` (the gather, then attention) on fresh random
+    pools: grouped-query, multi-query and multi-head groups, sequences of different lengths with a partial last
+    block, tiles that span several scattered blocks, splits that cut sequences anywhere (and one past a short
+    sequence), a head dim that is not a power of two, tables padded with a block full of NaN (never to be read
+    unmasked).  Then the engine decodes with it: a small random model's greedy tokens through your kernel equal
+    the engine's with the PyTorch reference.  On CPU it runs in Triton's interpreter (TRITON_INTERPRET=1 before
+    the kernels are defined)."""
+    import dataclasses
+
+    from minillm.kernels.reference import paged_decode_attention_ref
+    from minillm.kernels.triton.paged_decode import paged_decode_attention_triton
+
+    kernel = _triton_program("5.5", paged_partial_program)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    cases = [  # name, (H_q, H_kv, D, block_size, num_blocks), seq_lens, split_size, block_n
+        ("grouped-query, 4-token blocks: a 16-key tile spans four scattered blocks, partial last blocks",
+         (6, 2, 16, 4, 20), [5, 23, 16], 64, 16),
+        ("splits cutting the keys anywhere, one past a short sequence (m = -inf, l = 0)", (4, 1, 16, 8, 12),
+         [40, 3], 24, 16),
+        ("multi-head (G = 1), head dim 24, 16-token blocks, a one-token sequence", (3, 3, 24, 16, 8), [33, 1], 32,
+         16),
+    ]
+    for name, (Hq, Hkv, D, bs, nb), lens, split, block in cases:
+        k_cache, v_cache = torch.randn(nb, bs, Hkv, D, generator=gen), torch.randn(nb, bs, Hkv, D, generator=gen)
+        k_cache[-1], v_cache[-1] = float("nan"), float("nan")  # the padding block: masked loads never see it
+        q = torch.randn(len(lens), Hq, D, generator=gen)
+        order = (torch.randperm(nb - 1, generator=gen)).tolist()  # blocks scattered over the pool
+        width = max(-(-n // bs) for n in lens) + 1
+        rows = []
+        for n in lens:
+            used = [order.pop() for _ in range(-(-n // bs))]
+            rows.append(used + [nb - 1] * (width - len(used)))
+        tables, seq_lens = torch.tensor(rows, dtype=torch.int32), torch.tensor(lens, dtype=torch.int32)
+        expected = paged_decode_attention_ref(q, k_cache, v_cache, tables, seq_lens)
+        where = (f"{name}: q {tuple(q.shape)}, caches {tuple(k_cache.shape)} = [num_blocks, block_size, H_kv, D], "
+                 f"block_tables {rows} (block {nb - 1} is NaN padding), seq_lens {lens}, {split} keys per split, "
+                 f"tiles of {block}")
+        try:
+            got = paged_decode_attention_triton(*(t.to(device) for t in (q, k_cache, v_cache, tables, seq_lens)),
+                                                split_size=split, block_n=block, partial_kernel=kernel).cpu()
+        except Exception as e:
+            _unwrap_interpreter(e)
+            raise
+        assert torch.isfinite(got).all(), (
+            f"{where}: the output has inf/NaN at {(~torch.isfinite(got)).nonzero()[:3].tolist()}, expected finite "
+            "values: keys past `end` must be masked in the loads (the NaN padding block) and score -inf, and an "
+            "empty key range must leave m_i = -inf, l_i = 0, acc = 0.")
+        tol = {} if device == "cpu" else {"rtol": 1e-3, "atol": 1e-3}  # GPU: fp32 dots may run in TF32
+        torch.testing.assert_close(got, expected, **tol, msg=lambda m, where=where: (
+            f"{where}: the output differs from paged_decode_attention_ref. Key n of the sequence is in physical "
+            f"block table[n // BLOCK_SIZE], slot n % BLOCK_SIZE; rescale l_i and acc by 2^(m_old − m_new). {m}"))
+
+    # the engine decodes through it: greedy tokens equal the PyTorch reference's
+    from minillm.config import EngineConfig
+    from minillm.course.checks.generation import _tiny_model
+    from minillm.engine.llm_engine import LLMEngine
+    from minillm.sampling.params import SamplingParams
+
+    model = _tiny_model(gen.initial_seed() % 1000).to(device)
+    prompts = [[int(t) for t in torch.randint(1, 64, (n,), generator=gen)] for n in (3, 9, 14)]
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+
+    def tokens() -> list[list[int]]:
+        engine = LLMEngine(model, config=EngineConfig(block_size=4, num_kv_blocks=24, enable_prefix_caching=False))
+        outs = engine.generate(prompts, params)
+        failed = [out.error for out in outs if out.finish_reason == "error"]
+        if failed:
+            raise AssertionError(f"the engine's decode through your kernel raised: {failed[0]}")
+        return [list(out.token_ids) for out in outs]
+
+    expected_tokens = tokens()
+    library_ops = model.kernel_ops()
+
+    def yours(q, k_cache, v_cache, block_tables, seq_lens, *, sm_scale=None):
+        return paged_decode_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, sm_scale=sm_scale,
+                                             block_n=16, partial_kernel=kernel)
+
+    model.kernel_ops = lambda: dataclasses.replace(library_ops, paged_decode_attention=yours)
+    got_tokens = tokens()
+    assert got_tokens == expected_tokens, (
+        f"the engine decoding prompts of {[len(p) for p in prompts]} tokens (4-token blocks) through your kernel "
+        f"produced {got_tokens}, expected the reference's greedy tokens {expected_tokens}.")
+    _passed("5.5")
+
+
 def check_prediction(predicted: float, measured: float, *, what: str, tolerance: float = 0.1) -> None:
     """A "predict, then measure" check: ``measured`` within ``tolerance`` (relative, default 10 %) of ``predicted``."""
     assert predicted > 0, f"the prediction of {what} must be positive, got {predicted}"

@@ -324,6 +324,46 @@ def check_int4_linear_ref(int4_linear: Callable) -> None:
     _passed("7.3")
 
 
+@exercise("7.6", "minillm.kernels.triton.dequant_gemv.int4_gemv_program", "the dequantizing int4 GEMV in Triton",
+          "per BLOCK_K tile: byte (k // 32)·16 + k % 16, shift 4 when k % 32 ≥ 16, & 0xF; d and m of group "
+          "k // G; acc += Σ (q·d + m)·x over the tile, masked at K")
+def check_int4_gemv_program(int4_gemv_program: Callable) -> None:
+    """Your program, compiled with ``triton.jit`` and launched by the library's ``int4_gemv_triton``, against
+    ``int4_linear_ref`` (the unpack-then-``F.linear`` reference of exercise 7.3) on random Q4_1 weights: groups of
+    32, 64 and 128, fp16 and fp32 scales, K not a multiple of the tile (a ragged last tile), N past one program's
+    BLOCK_N rows (a ragged last row block), one and several input rows.  On CPU it runs in Triton's interpreter
+    (TRITON_INTERPRET=1 before the kernels are defined)."""
+    from minillm.course.checks.paged import _triton_program, _unwrap_interpreter
+    from minillm.kernels.triton.dequant_gemv import int4_gemv_triton
+    from minillm.quant.weight import int4_linear_ref
+
+    kernel = _triton_program("7.6", int4_gemv_program)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    g, seed = _fresh_generator()
+    cases = [  # N, K, group size, scale dtype, input rows M
+        (5, 96, 32, torch.float16, 1),
+        (37, 256, 64, torch.float32, 3),
+        (8, 384, 128, torch.float16, 2),
+    ]
+    for N, K, group_size, scale_dtype, M in cases:
+        w4 = _random_int4(g, N, K, group_size, scale_dtype)
+        x = torch.randn(M, K, generator=g)
+        expected = int4_linear_ref(x, w4, None)
+        call = (f"seed {seed}: x [{M}, {K}] fp32, w4 [{N}, {K}] group {group_size} "
+                f"{str(scale_dtype).removeprefix('torch.')} scales (tiles of 128 weights, 32 output rows per program)")
+        on = Int4Weight(w4.packed.to(device), w4.scales.to(device), w4.mins.to(device), group_size)
+        try:
+            got = int4_gemv_triton(x.to(device), on, program=kernel).cpu()
+        except Exception as e:
+            _unwrap_interpreter(e)
+            raise
+        tol = {"rtol": 1e-4, "atol": 1e-4} if device == "cpu" else {"rtol": 1e-3, "atol": 1e-3}
+        torch.testing.assert_close(got, expected, **tol, msg=lambda m, call=call: (
+            f"{call}: the output differs from int4_linear_ref's. Weight k of a row is in byte (k // 32)·16 + k % 16, "
+            f"the low nibble when k % 32 < 16, else the high one; w = d·q + m with the group k // G; mask k ≥ K. {m}"))
+    _passed("7.6")
+
+
 check_prediction_int4 = prediction_checker(
     "7.0", "prediction_int4", "minillm.course.predictions.predict_int4_tok_s",
     "int4 (Q4_1) decode tokens/s at batch 1", "tokens/s")

@@ -24,13 +24,26 @@ BLOCK_N = 32  # output rows per program
 BLOCK_K = 128  # weights along K per step: a multiple of the 32-weight packing block; 4 KB of int4 codes per tile
 
 
-@triton.jit
-def _int4_gemv_kernel(X, P, S, Mn, Y, N, K, G, NG, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def int4_gemv_program(X, P, S, Mn, Y, N, K, G, NG, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One program of the int4 GEMV: output rows ``rows`` (BLOCK_N of them) for input row ``m``; the body of
+    ``_int4_gemv_kernel`` (= ``triton.jit(int4_gemv_program)``; exercise 7.6).
+
+    Inputs: ``X`` [M, K] activations (row m at ``X + m * K``); ``P`` uint8 [N, K/2] the packed Q4_1 codes (row n at
+    ``P + n * (K // 2)``): in each block of 32 weights, byte j (0 ≤ j < 16) holds weight j in its low nibble and
+    weight j + 16 in its high nibble, so weight k is in byte (k // 32) · 16 + k % 16, shifted right by 4 when
+    k % 32 ≥ 16; ``S`` / ``Mn`` [N, NG] the scale d and minimum m of each group of ``G`` weights (NG = K / G),
+    w = d · q + m; K is a multiple of 32 and of G.  Leave ``acc`` [BLOCK_N] fp32 = Σ_k w[row, k] · x[m, k] for the
+    store after the fence (masked to ``rmask``).  Walk K in tiles of BLOCK_K (a multiple of 32; mask k ≥ K):
+    load the tile's codes, unpack and dequantize them in registers, multiply by x and reduce over the tile — the
+    float weight is never written anywhere, so the bytes read are the packed ones (4 bits + the group's d and m
+    per weight).
+    """
     pid_n = tl.program_id(0)
     m = tl.program_id(1).to(tl.int64)
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rmask = rows < N
     rows64 = rows.to(tl.int64)
+    ### BEGIN SOLUTION
     acc = tl.zeros([BLOCK_N], tl.float32)
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
@@ -45,7 +58,11 @@ def _int4_gemv_kernel(X, P, S, Mn, Y, N, K, G, NG, BLOCK_N: tl.constexpr, BLOCK_
         mn = tl.load(Mn + gidx, mask=mask, other=0.0).to(tl.float32)
         x = tl.load(X + m * K + ks, mask=kmask, other=0.0).to(tl.float32)
         acc += tl.sum((q * d + mn) * x[None, :], axis=1)
+    ### END SOLUTION
     tl.store(Y + m * N + rows64, acc.to(Y.dtype.element_ty), mask=rmask)
+
+
+_int4_gemv_kernel = triton.jit(int4_gemv_program)
 
 
 @triton.jit
@@ -80,12 +97,14 @@ def _launch_args(x: Tensor, K: int, N: int, tensors: tuple[Tensor, ...]) -> tupl
     return x2, y, (triton.cdiv(N, BLOCK_N), x2.shape[0])
 
 
-def int4_gemv_triton(x: Tensor, w4: Int4Weight) -> Tensor:
-    """x [..., K] @ dequant(w4).T -> [..., N] in x's dtype (fp32 accumulation); Q4_1-layout ``Int4Weight``."""
+def int4_gemv_triton(x: Tensor, w4: Int4Weight, *, program=None) -> Tensor:
+    """x [..., K] @ dequant(w4).T -> [..., N] in x's dtype (fp32 accumulation); Q4_1-layout ``Int4Weight``.
+    ``program`` replaces the kernel (``triton.jit`` of a function with ``int4_gemv_program``'s signature:
+    notebook 07 runs the student's)."""
     N, K = w4.shape
     x2, y, grid = _launch_args(x, K, N, (w4.packed, w4.scales, w4.mins))
-    _int4_gemv_kernel[grid](x2, w4.packed.contiguous(), w4.scales.contiguous(), w4.mins.contiguous(), y, N, K,
-                            w4.group_size, K // w4.group_size, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K)
+    (program or _int4_gemv_kernel)[grid](x2, w4.packed.contiguous(), w4.scales.contiguous(), w4.mins.contiguous(),
+                                         y, N, K, w4.group_size, K // w4.group_size, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K)
     return y.view(*x.shape[:-1], N)
 
 
