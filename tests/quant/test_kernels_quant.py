@@ -178,3 +178,70 @@ def test_triton_dequant_gemv_matches_the_reference(dtype):
                                    int4_linear_ref(xd.float(), w4).to(dtype), **tol)
         torch.testing.assert_close(triton_gemv.int8_gemv_triton(xd, w8),
                                    int8_linear_ref(xd.float(), w8).to(dtype), **tol)
+
+
+# ---------------------------------------------------------------- W8A8: the native int8 × int8 GEMM (w8a8_gemm)
+def _w8a8_cases():
+    # M over decode rows, a draft chunk's odd count and prefill (512: several 4-row tiles and weight blocks); K a
+    # multiple of 32 (576 and 1536 end in a partial 64-byte chunk) and two that are not; N odd (4-row tile tails)
+    g = torch.Generator().manual_seed(1)
+    for M, N, K in [(1, 37, 64), (3, 17, 96), (17, 101, 576), (64, 33, 1536), (512, 129, 224), (5, 7, 31),
+                    (2, 3, 100)]:
+        x = torch.randn(M, K, generator=g)
+        x[:, 1] *= 30  # an outlier channel: most codes of a row small
+        yield M, N, K, x, torch.randn(N, K, generator=g), torch.randn(N, generator=g)
+
+
+@native
+@pytest.mark.parametrize("target", TARGETS)
+def test_native_w8a8_gives_the_int_mm_bits_and_the_reference_within_rounding(target):
+    """Exact int32 sums and the same epilogue as ``w8a8_linear_int_mm``: the same bits on every code path (VNNI,
+    512-bit without VNNI, AVX2, plain C), dynamic and static scales, fp32 and fp16 weight scales, with a bias."""
+    from minillm.quant.activation import w8a8_linear_int_mm, w8a8_linear_ref
+
+    _target_or_skip(target)
+    for M, N, K, x, w, b in _w8a8_cases():
+        w8 = quantize_int8(w)
+        for wq in (w8, Int8Weight(w8.qweight, w8.scales.half(), K)):
+            for scale in (None, torch.tensor(0.04)):  # static: the outlier channel saturates at ±127
+                got = native_quant.w8a8_linear(x, wq, scale, b, target=target)
+                assert torch.equal(got, w8a8_linear_int_mm(x, wq, scale, b)), (target, M, N, K, scale)
+                torch.testing.assert_close(got, w8a8_linear_ref(x, wq, scale, b), rtol=1e-5, atol=1e-4)
+
+
+@native
+@pytest.mark.parametrize("target", TARGETS)
+def test_native_w8a8_rounds_activations_as_the_reference(target):
+    """Per token: scale max|x| / 127 (a zero row: the tiny clamp, codes 0), codes round(x / scale) half to even —
+    quotients exactly k + 1/2 included, which a reciprocal product instead of the division would round the other way
+    — and the static scale's codes saturating at ±127."""
+    from minillm.quant.activation import quantize_activation_int8
+
+    _target_or_skip(target)
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(6, 160, generator=g)
+    x[0, 0] = 127.0  # row 0: scale exactly 1, then exact ties
+    x[0, 1:9] = torch.tensor([0.5, 1.5, 2.5, -0.5, -2.5, 3.5, 126.5, -126.5])
+    x[1] = 0.0
+    x[2] *= 1e-3
+    for scale in (None, torch.tensor(0.01)):
+        codes, scales = native_quant.w8a8_quantize(x, scale, target=target)
+        want_codes, want_scales = quantize_activation_int8(x, scale)
+        assert torch.equal(codes, want_codes) and torch.equal(scales, want_scales)
+    assert native_quant.w8a8_quantize(x, None, target=target)[0][0, 1:9].tolist() == [0, 2, 2, 0, -2, 4, 126, -126]
+
+
+@native
+def test_native_w8a8_rows_do_not_depend_on_the_rows_beside_them():
+    w8 = quantize_int8(torch.randn(21, 96))
+    x = torch.randn(9, 96)
+    together = native_quant.w8a8_linear(x, w8)
+    assert torch.equal(together, torch.cat([native_quant.w8a8_linear(x[i:i + 1], w8) for i in range(9)]))
+
+
+def test_native_w8a8_refuses_a_grouped_weight_and_bf16_activations():
+    w8 = quantize_int8(torch.randn(8, 64), 32)
+    assert not native_quant.w8a8_supports(torch.randn(2, 64), w8)
+    assert not native_quant.w8a8_supports(torch.randn(2, 64, dtype=torch.bfloat16), quantize_int8(torch.randn(8, 64)))
+    with pytest.raises(ValueError, match="per-channel Int8Weight"):
+        native_quant.w8a8_linear(torch.randn(2, 64), w8)

@@ -68,6 +68,10 @@ def _lib(target: str | None = None) -> ctypes.CDLL | None:
     for name in ("q8_gemm", "q8_gemm_q8"):
         getattr(lib, name).argtypes = [vp, vp, c_int, vp, c_int, vp, i64, i64, i64, i64]
         getattr(lib, name).restype = None
+    lib.w8a8_gemm.argtypes = [vp, vp, c_int, vp, vp, vp, i64, i64, i64]
+    lib.w8a8_gemm.restype = None
+    lib.w8a8_quantize.argtypes = [vp, vp, i64, i64, vp, vp]
+    lib.w8a8_quantize.restype = None
     lib.quant_built_with_openmp.restype = c_int
     lib.quant_simd_level.restype = c_int
     return lib
@@ -143,3 +147,50 @@ def int4_linear(x: Tensor, w4: Int4Weight, exact: bool = False, target: str | No
     fn(p.contiguous().data_ptr(), s.contiguous().data_ptr(), mn.contiguous().data_ptr(), s.dtype == torch.float16,
        x2.data_ptr(), x.dtype == torch.bfloat16, y.data_ptr(), x2.shape[0], N, K, w4.group_size)
     return y.view(*x.shape[:-1], N)
+
+
+# ---------------------------------------------------------------- W8A8 (csrc/quant.c w8a8_gemm)
+def w8a8_supports(x: Tensor, w8: Int8Weight, input_scale: Tensor | None = None) -> bool:
+    """Whether ``w8a8_linear(x, w8, input_scale)`` can run natively: CPU fp32 x (any number of rows), a per-channel
+    ``Int8Weight`` on CPU, an fp32 CPU ``input_scale`` or None, no autograd, library built."""
+    q, s = w8.qweight, w8.scales
+    return (x.device.type == "cpu" and x.dtype == torch.float32 and q.device.type == "cpu"
+            and s.device.type == "cpu" and w8.group_size == q.shape[1] and x.shape[-1] == q.shape[1]
+            and (input_scale is None or (input_scale.device.type == "cpu" and input_scale.dtype == torch.float32))
+            and not (torch.is_grad_enabled() and x.requires_grad) and available())
+
+
+def w8a8_linear(x: Tensor, w8: Int8Weight, input_scale: Tensor | None = None, bias: Tensor | None = None,
+                target: str | None = None) -> Tensor:
+    """x [..., K] fp32 @ w8.T (+ bias) -> [..., N] fp32, W8A8: x rounded to int8 per token (``input_scale`` None)
+    or with the static per-tensor scale, an int8 × int8 -> int32 GEMM (VNNI / AVX2 / plain C, cache-blocked for
+    many rows) and the scales in its epilogue.  The same bits as ``quant.activation.w8a8_linear_int_mm`` (the
+    integer sums are exact, the epilogue is its acc · (sx · sw) then + bias); reference ``w8a8_linear_ref``.
+    Cost: N·K weight bytes read once per call, M·K activation bytes once per block of weight rows."""
+    q, s = w8.qweight, w8.scales
+    N, K = q.shape
+    if not w8a8_supports(x, w8, input_scale) or _lib(target) is None:
+        raise ValueError("the native W8A8 GEMM needs CPU fp32 x [..., K], a per-channel Int8Weight [N, K] on CPU "
+                         "and an fp32 input_scale or None; use quant.activation.w8a8_linear_int_mm instead")
+    x2 = x.reshape(-1, K)
+    if not x2.is_contiguous():
+        x2 = x2.contiguous()
+    y = x2.new_empty((x2.shape[0], N))
+    sc = None if input_scale is None else input_scale.contiguous()
+    _lib(target).w8a8_gemm(q.contiguous().data_ptr(), s.contiguous().data_ptr(), s.dtype == torch.float16,
+                           None if sc is None else sc.data_ptr(), x2.data_ptr(), y.data_ptr(), x2.shape[0], N, K)
+    if bias is not None:
+        y = y + bias.float()
+    return y.view(*x.shape[:-1], N)
+
+
+def w8a8_quantize(x: Tensor, input_scale: Tensor | None = None, target: str | None = None) -> tuple[Tensor, Tensor]:
+    """The native kernel's activation rounding alone: x [M, K] fp32 -> (codes int8 [M, K], scales fp32 [M, 1]),
+    to compare with ``quant.activation.quantize_activation_int8`` (its reference)."""
+    x2 = x.float().contiguous()
+    M, K = x2.shape
+    codes, scales = torch.empty(M, K, dtype=torch.int8), torch.empty(M, 1)
+    sc = None if input_scale is None else input_scale.float().contiguous()
+    _lib(target).w8a8_quantize(x2.data_ptr(), None if sc is None else sc.data_ptr(), M, K, codes.data_ptr(),
+                               scales.data_ptr())
+    return codes, scales

@@ -1032,6 +1032,238 @@ void q8_gemm_q8(const int8_t *restrict W, const void *scales, int scale_f16, con
     if (x.mem != buf) free(x.mem);
 }
 
+/* ---------------------------------------------------------------- W8A8: int8 x int8 -> int32 GEMM, any M */
+
+/* W8A8 (quant/activation.py): int8 weights W [N, K] with one scale per output channel sw [N] (fp32 or fp16), and
+ * int8 activations rounded per token — one scale per row of x, sx = max|x_m| / 127 (clamped to FLT_MIN), "dynamic" —
+ * or with one calibrated per-tensor scale sx = *input_scale ("static", codes clamped to +-127):
+ *     xq[m, k] = clamp(rint(x[m, k] / sx[m]), -127, 127),   y[m, n] = (float)(sum_k xq[m, k] * W[n, k]) * (sx[m] * sw[n])
+ * The integer sum is exact in int32 (|sum| <= 127^2 K), so its order does not matter: every path (VNNI vpdpbusd,
+ * AVX2, plain C), every tile and every row count gives the same integer, and the epilogue is one convert and one
+ * product per element, written as quant.activation.w8a8_linear_int_mm computes it (acc * (sx * sw)) — the same bits
+ * as that torch._int_mm path, not only the same value up to rounding: the rounding divides exactly (a8_row) and
+ * the scale product is pinned (f_pin), so -ffast-math neither reassociates it nor fuses it into the convert.
+ *
+ * Blocking, for M in the hundreds (prefill) as for decode rows: the N weight rows split over the threads; each
+ * thread takes blocks of A8_NB weight rows (sized so a block of A8_L2 bytes stays in L2) and sweeps every
+ * activation row over the block in tiles of 4 activation rows x 4 weight rows: 16 integer accumulators (VNNI: 16
+ * zmm registers), per 64 bytes of K 4 weight and 4 activation loads for 16 vpdpbusd.  A tile's 4 activation rows
+ * (4K bytes) stay in L1 across the block's weight tiles; the block's weights in L2 across all activation rows, so
+ * each weight byte comes from memory once per call and each activation byte once per block.
+ * On VNNI the weights enter vpdpbusd as w + 128 (unsigned, one xor per 64 bytes, amortised over the tile's 4 rows)
+ * and each row's sum is corrected by -128 * sum_k xq[m, k] (a8_t.xs): the same integer.  Cost of the activation
+ * rounding: one read of x, M*K bytes written, before the threads split the rows (rows in parallel past 64K). */
+#define A8_L2 (192 * 1024) /* bytes of a block of weight rows kept in L2 while every activation row passes */
+
+typedef struct {
+    void *mem;
+    int8_t *xq;  /* [M, kp] codes, zero-padded to whole 64-byte chunks */
+    float *sx;   /* [M] */
+    int32_t *xs; /* [M] sum of the row's codes */
+    int64_t kp;
+} a8_t;
+
+INLINE float f_pin(float a) { /* a, opaque to the optimiser (see vf_pin) */
+    __asm__("" : "+m"(a));
+    return a;
+}
+
+/* One row's rounding, compiled without the fast-math licence to approximate a division: under -ffast-math GCC
+ * divides vectors by a reciprocal estimate refined by a Newton step (x86 -mrecip's default) and clang may multiply
+ * by a hoisted 1 / d, either of which rounds a quotient near k + 1/2 to the other side of it from the reference. */
+#if defined(__clang__)
+#pragma float_control(precise, on, push)
+#elif defined(__GNUC__)
+#pragma GCC push_options
+#pragma GCC optimize("no-unsafe-math-optimizations")
+#endif
+static void a8_row(const float *restrict x, const float *input_scale, int64_t K, int8_t *restrict q, float *sx,
+                   int32_t *xs) {
+    float s;
+    if (input_scale) {
+        s = *input_scale;
+    } else {
+        float amax = 0.f;
+        for (int64_t k = 0; k < K; k++) amax = fmaxf(amax, fabsf(x[k]));
+        s = amax / 127.f;
+        if (!(s >= 1.17549435e-38f)) s = 1.17549435e-38f; /* clamp_min(FLT_MIN), as the reference */
+    }
+    const float d = s;
+    int32_t sum = 0;
+    for (int64_t k = 0; k < K; k++) {
+        float v = x[k] / d;
+        v = v > 127.f ? 127.f : v < -127.f ? -127.f : v; /* clamping first rounds the same: the bounds are integers */
+        q[k] = (int8_t)lrintf(v); /* the current mode, half to even, as torch.round (a convert instruction; rintf
+                                   * under -ffast-math may become x + 2^23 - 2^23, which reassociates to x) */
+        sum += q[k];
+    }
+    *sx = s, *xs = sum;
+}
+#if defined(__clang__)
+#pragma float_control(pop)
+#elif defined(__GNUC__)
+#pragma GCC pop_options
+#endif
+
+static a8_t a8_prep(const float *x, const float *input_scale, int64_t M, int64_t K, void *buf, size_t buf_bytes) {
+    a8_t a;
+    a.kp = (K + CHUNK - 1) / CHUNK * CHUNK;
+    const size_t bytes = (size_t)M * (a.kp + 8);
+    a.mem = bytes <= buf_bytes ? memset(buf, 0, bytes) : calloc(1, bytes); /* zeros: the chunks' padding */
+    a.sx = (float *)a.mem, a.xs = (int32_t *)(a.sx + M), a.xq = (int8_t *)(a.xs + M);
+#pragma omp parallel for if (M * K >= (1 << 16))
+    for (int64_t m = 0; m < M; m++) a8_row(x + m * K, input_scale, K, a.xq + m * a.kp, a.sx + m, a.xs + m);
+    return a;
+}
+
+/* the integer accumulator: 16 int32 lanes, + w . x per 4 bytes */
+#if QSIMD == 512
+typedef __m512i a8acc;
+INLINE a8acc a8_zero(void) { return _mm512_setzero_si512(); }
+INLINE int32_t a8_sum(a8acc a) { return _mm512_reduce_add_epi32(a); }
+#ifdef Q8_BIAS
+INLINE a8acc a8_dot(a8acc acc, q8w_t w, const int8_t *x) { return _mm512_dpbusd_epi32(acc, w, vb_load(x)); }
+#else
+INLINE a8acc a8_dot(a8acc acc, q8w_t w, const int8_t *x) { return _mm512_add_epi32(acc, q8_dot(w, x, NULL)); }
+#endif
+#elif QSIMD == 256
+typedef vi a8acc;
+INLINE a8acc a8_zero(void) {
+    a8acc r = {_mm256_setzero_si256(), _mm256_setzero_si256()};
+    return r;
+}
+INLINE int32_t a8_sum(a8acc a) {
+    const __m256i s = _mm256_add_epi32(a.a, a.b);
+    __m128i r = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+    r = _mm_add_epi32(r, _mm_shuffle_epi32(r, 0x4E));
+    r = _mm_add_epi32(r, _mm_shuffle_epi32(r, 0xB1));
+    return _mm_cvtsi128_si32(r);
+}
+#ifdef Q8_BIAS
+INLINE a8acc a8_dot(a8acc acc, q8w_t w, const int8_t *x) {
+    a8acc r = {DPBUSD(acc.a, w.a, _mm256_loadu_si256((const __m256i *)x)),
+               DPBUSD(acc.b, w.b, _mm256_loadu_si256((const __m256i *)x + 1))};
+    return r;
+}
+#else
+INLINE a8acc a8_dot(a8acc acc, q8w_t w, const int8_t *x) {
+    const vi d = q8_dot(w, x, NULL);
+    a8acc r = {_mm256_add_epi32(acc.a, d.a), _mm256_add_epi32(acc.b, d.b)};
+    return r;
+}
+#endif
+#else
+typedef vi a8acc;
+INLINE a8acc a8_zero(void) {
+    a8acc r = {{0}};
+    return r;
+}
+INLINE int32_t a8_sum(a8acc a) {
+    int32_t s = 0;
+    for (int l = 0; l < 16; l++) s += a.v[l];
+    return s;
+}
+INLINE a8acc a8_dot(a8acc acc, q8w_t w, const int8_t *x) {
+    const vi d = q8_dot(w, x, NULL);
+    for (int l = 0; l < 16; l++) acc.v[l] += d.v[l];
+    return acc;
+}
+#endif
+
+/* R activation rows (m0..) x C weight rows (w, rows K bytes apart) -> the exact integer sums out[r][c]. */
+INLINE void a8_tile(const int8_t *restrict w, int64_t K, const a8_t *a, int64_t m0, int32_t out[4][4], const int R,
+                    const int C) {
+    a8acc acc[4][4];
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < C; c++) acc[r][c] = a8_zero();
+    const int64_t nc = K / CHUNK;
+    const int tail = (int)(K % CHUNK);
+    for (int64_t ch = 0; ch <= nc; ch++) {
+        if (ch == nc && !tail) break;
+        q8w_t wp[4];
+        for (int c = 0; c < C; c++) {
+            const int8_t *wc = w + c * K + ch * CHUNK;
+            wp[c] = q8_prep(ch < nc ? vb_load(wc) : vb_load_part(wc, tail)); /* padding: 0 (x is 0 there too) */
+        }
+        for (int r = 0; r < R; r++) {
+            const int8_t *xr = a->xq + (m0 + r) * a->kp + ch * CHUNK;
+            for (int c = 0; c < C; c++) acc[r][c] = a8_dot(acc[r][c], wp[c], xr);
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < C; c++) {
+#ifdef Q8_BIAS
+            out[r][c] = a8_sum(acc[r][c]) - 128 * a->xs[m0 + r]; /* sum (w + 128) x - 128 sum x */
+#else
+            out[r][c] = a8_sum(acc[r][c]);
+#endif
+        }
+}
+
+#define A8_TILE_R(R, C)                                                                                      \
+    switch (R) {                                                                                             \
+    case 1: a8_tile(w, K, a, m0, acc, 1, C); break; case 2: a8_tile(w, K, a, m0, acc, 2, C); break;          \
+    case 3: a8_tile(w, K, a, m0, acc, 3, C); break; default: a8_tile(w, K, a, m0, acc, 4, C); break;         \
+    }
+
+/* Weight rows n0..n1 of y for one thread (no OpenMP inside). */
+static void a8_rows(const int8_t *restrict W, const void *scales, int scale_f16, const a8_t *a, float *restrict y,
+                    int64_t M, int64_t N, int64_t K, int64_t n0, int64_t n1) {
+    int64_t nb = A8_L2 / (K > 0 ? K : 1) / 4 * 4;
+    nb = nb < 4 ? 4 : nb;
+    for (int64_t b0 = n0; b0 < n1; b0 += nb) {
+        const int64_t b1 = b0 + nb < n1 ? b0 + nb : n1;
+        for (int64_t m0 = 0; m0 < M; m0 += 4) {
+            const int64_t mr = M - m0 < 4 ? M - m0 : 4;
+            for (int64_t n = b0; n < b1; n += 4) {
+                const int8_t *w = W + n * K;
+                const int64_t nr = b1 - n < 4 ? b1 - n : 4;
+                int32_t acc[4][4];
+                if (nr == 4) { A8_TILE_R(mr, 4) }
+                else { A8_TILE_R(mr, 1) } /* the last 1..3 rows of the block: one at a time */
+                if (nr != 4)
+                    for (int64_t c = 1; c < nr; c++) {
+                        int32_t one[4][4];
+                        const int8_t *w1 = w + c * K;
+                        switch (mr) {
+                        case 1: a8_tile(w1, K, a, m0, one, 1, 1); break;
+                        case 2: a8_tile(w1, K, a, m0, one, 2, 1); break;
+                        case 3: a8_tile(w1, K, a, m0, one, 3, 1); break;
+                        default: a8_tile(w1, K, a, m0, one, 4, 1); break;
+                        }
+                        for (int64_t r = 0; r < mr; r++) acc[r][c] = one[r][0];
+                    }
+                for (int64_t r = 0; r < mr; r++)
+                    for (int64_t c = 0; c < nr; c++) {
+                        const float s = f_pin(a->sx[m0 + r] * scale_at(scales, scale_f16, n + c));
+                        y[(m0 + r) * N + n + c] = (float)acc[r][c] * s;
+                    }
+            }
+        }
+    }
+}
+#undef A8_TILE_R
+
+/* y [M, N] fp32 = W8A8(x [M, K] fp32, W [N, K] int8, sw [N]); input_scale: one fp32 (static) or NULL (per token). */
+void w8a8_gemm(const int8_t *restrict W, const void *scales, int scale_f16, const float *input_scale,
+               const float *x, float *y, int64_t M, int64_t N, int64_t K) {
+    _Alignas(64) unsigned char buf[XPREP_STACK];
+    const a8_t a = a8_prep(x, input_scale, M, K, buf, sizeof buf);
+    const a8_t *ap = &a;
+#define A8_ROWS(n0, n1) a8_rows(W, scales, scale_f16, ap, y, M, N, K, n0, n1)
+    SPLIT_ROWS(N, M * K, A8_ROWS);
+#undef A8_ROWS
+    if (a.mem != buf) free(a.mem);
+}
+
+/* The activation rounding alone (tests compare it with quant.activation.quantize_activation_int8): codes [M, K],
+ * scales [M]. */
+void w8a8_quantize(const float *x, const float *input_scale, int64_t M, int64_t K, int8_t *codes, float *scales) {
+    const a8_t a = a8_prep(x, input_scale, M, K, NULL, 0);
+    for (int64_t m = 0; m < M; m++) memcpy(codes + m * K, a.xq + m * a.kp, K), scales[m] = a.sx[m];
+    free(a.mem);
+}
+
 /* 1 when compiled with OpenMP (rows split across threads), else 0. */
 int quant_built_with_openmp(void) {
 #ifdef _OPENMP
