@@ -28,7 +28,9 @@ pass pays one dictionary lookup, not a decision per layer.
 
 Quantized linears (``int4_linear``, ``int8_linear``: packed ``Int4Weight``/``Int8Weight``, ``quant/weight.py``):
 the reference dequantizes then ``F.linear``; "native" (and "auto" on CPU) runs ``kernels/cpu/quant.py`` for decode
-rows (``native_quant.supports``: ≤ 8 rows, fp32/bf16) and the reference past that; "triton" (and "auto" on CUDA)
+rows (``native_quant.supports``: ≤ 8 rows, fp32/bf16) and the reference past that — except, when
+``INT8_PREFILL`` is "int8", int8 in GGUF's Q8_0 blocks, whose prefill rows then take the same int8-activation kernel,
+cache-blocked (the rule: ``int8_prefill_through_int8_activations``); "triton" (and "auto" on CUDA)
 the dequant GEMV of ``kernels/triton/dequant_gemv.py`` up to ``TRITON_GEMV_MAX_ROWS`` rows.
 
 Activation-quantized linears (``w8a8_linear``, ``fp8_linear``: ``quant/activation.py``): the reference
@@ -245,9 +247,27 @@ def _native_int4(x, w, bias=None):
     return int4_linear_ref(x, w, bias)
 
 
+# Prefill rows of int8 weight-only linears in GGUF's Q8_0 blocks: "exact" (default) dequantizes and runs a float GEMM,
+# the W8A16 result; "int8" rounds x to int8 blocks and runs the native cache-blocked int8 × int8 kernel — llama.cpp's
+# Q8_0 × Q8_0 scheme, what the decode rows already compute — a different rounding, so not the default until it is
+# measured faster (set MINILLM_INT8_PREFILL=int8 before import, or assign this).
+INT8_PREFILL = os.environ.get("MINILLM_INT8_PREFILL", "exact")
+if INT8_PREFILL not in ("exact", "int8"):
+    raise ValueError(f"MINILLM_INT8_PREFILL must be 'exact' or 'int8', got {INT8_PREFILL!r}")
+
+
+def int8_prefill_through_int8_activations(w) -> bool:
+    """Whether an int8 weight-only linear's rows past decode (prefill) take the int8-activation kernel instead of the
+    exact dequantize + GEMM: with ``INT8_PREFILL == "int8"``, for Q8_0 blocks (groups of 32; per-channel int8 keeps
+    the exact W8A16 prefill).  The one rule."""
+    return INT8_PREFILL == "int8" and w.group_size == 32
+
+
 def _native_int8(x, w, bias=None):
     if native_quant.supports(x, w):
         return _add_bias(native_quant.int8_linear(x, w), bias)
+    if int8_prefill_through_int8_activations(w) and native_quant.supports_prefill(x, w):
+        return _add_bias(native_quant.int8_linear(x, w, rows="any"), bias)
     return int8_linear_ref(x, w, bias)
 
 

@@ -250,3 +250,24 @@ def test_auto_on_cpu_runs_the_native_w8a8_gemm_for_decode_rows_and_int_mm_past_t
     assert torch.equal(op(torch.ones(2, 64, dtype=torch.bfloat16), w8, None, None),
                        w8a8_linear_int_mm(torch.ones(2, 64, dtype=torch.bfloat16), w8))  # bf16: ATen's
     assert len(calls) == 2
+
+
+def test_q8_0_prefill_rows_run_the_int8_activation_kernel_when_asked_and_stay_exact_by_default(monkeypatch):
+    """kernels.select.INT8_PREFILL: "exact" (default) keeps the W8A16 prefill (dequantize + GEMM); "int8" makes GGUF's
+    Q8_0 blocks (groups of 32) prefill as their decode rows compute (x rounded to int8 blocks, llama.cpp's scheme);
+    per-channel int8 stays exact either way."""
+    from minillm.kernels import select
+    from minillm.kernels.cpu import quant as native_quant
+    from minillm.quant.weight import int8_linear_ref
+
+    if not native_quant.available():
+        pytest.skip("no C compiler: the native kernels are not built")
+    op = ops_for("auto", "cpu", torch.float32).int8_linear
+    g = torch.Generator().manual_seed(5)
+    x, w = torch.randn(40, 96, generator=g), torch.randn(11, 96, generator=g)
+    q8_0, per_channel = quantize_int8(w, 32), quantize_int8(w)
+    assert select.INT8_PREFILL == "exact" and torch.equal(op(x, q8_0), int8_linear_ref(x, q8_0))
+    monkeypatch.setattr(select, "INT8_PREFILL", "int8")
+    assert torch.equal(op(x, q8_0), native_quant.int8_linear(x, q8_0, rows="any"))
+    assert not torch.equal(op(x, q8_0), int8_linear_ref(x, q8_0))  # the activations were rounded
+    assert torch.equal(op(x, per_channel), int8_linear_ref(x, per_channel))

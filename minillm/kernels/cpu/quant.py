@@ -107,15 +107,25 @@ def q8_activation_ref(x: Tensor) -> Tensor:
     return (torch.round(xb * inv) * d).view(x.shape)
 
 
+def supports_prefill(x: Tensor, w: Int8Weight) -> bool:
+    """Whether ``int8_linear(x, w, rows="any")`` can run: as ``supports`` at any row count, for int8 weights whose K
+    and group are multiples of 32 (the int8-activation kernel; llama.cpp's Q8_0 × Q8_0 prefill)."""
+    q, s = w.qweight, w.scales
+    return (x.device.type == "cpu" and q.device.type == "cpu" and s.device.type == "cpu" and x.dtype in _DTYPES
+            and q.shape[1] % BLOCK == 0 and w.group_size % BLOCK == 0 and x.shape[-1] == q.shape[1]
+            and not (torch.is_grad_enabled() and x.requires_grad) and available())
+
+
 def _prepare(x: Tensor, N: int, K: int, tensors: tuple[Tensor, ...],
-             target: str | None) -> tuple[ctypes.CDLL, Tensor, Tensor]:
+             target: str | None, max_rows: int | None = MAX_ROWS) -> tuple[ctypes.CDLL, Tensor, Tensor]:
     """(library, x as a contiguous [M, K], y [M, N] for the kernel to fill), or ValueError naming what is missing.
     Plain attribute tests only: at decode a SmolLM2 layer stack makes 120 of these calls per token, and each
     microsecond here is ~5 % of a 2 ms int4 stack (``supports`` is the same test for callers)."""
     if x.shape[-1] != K:
         raise ValueError(f"x has {x.shape[-1]} features but the weight expects K={K}")
     lib = _lib(target)
-    if (lib is None or x.device.type != "cpu" or x.dtype not in _DTYPES or x.numel() > MAX_ROWS * K
+    if (lib is None or x.device.type != "cpu" or x.dtype not in _DTYPES
+            or (max_rows is not None and x.numel() > max_rows * K)
             or (x.requires_grad and torch.is_grad_enabled()) or any(t.device.type != "cpu" for t in tensors)):
         raise ValueError(f"the native quantized GEMV needs CPU fp32/bf16 x with at most {MAX_ROWS} rows and a "
                          "compiled library; use minillm.quant.weight's *_linear_ref instead")
@@ -125,12 +135,21 @@ def _prepare(x: Tensor, N: int, K: int, tensors: tuple[Tensor, ...],
     return lib, x2, x2.new_empty((x2.shape[0], N))
 
 
-def int8_linear(x: Tensor, w8: Int8Weight, exact: bool = False, target: str | None = None) -> Tensor:
+def int8_linear(x: Tensor, w8: Int8Weight, exact: bool = False, target: str | None = None,
+                rows: str = "decode") -> Tensor:
     """x [..., K] (≤ MAX_ROWS rows, fp32/bf16) @ dequant(w8).T -> [..., N] in x's dtype.  ``exact=False`` rounds
-    x to int8 blocks first (see the module doc); weights whose K or group is not a multiple of 32 always run exact."""
+    x to int8 blocks first (see the module doc); weights whose K or group is not a multiple of 32 always run exact.
+    ``rows="any"`` (prefill): any number of rows through the int8-activation kernel (``supports_prefill``), the
+    weight rows in L2-sized blocks with every 8-row tile of x passing over each block; a row's result is the bits
+    it has at decode."""
     q, s, G = w8.qweight, w8.scales, w8.group_size
     N, K = q.shape
-    lib, x2, y = _prepare(x, N, K, (q, s), target)
+    if rows == "any" and (exact or K % BLOCK or G % BLOCK):
+        raise ValueError(f"int8_linear(rows='any') runs the int8-activation kernel: it needs exact=False and K, "
+                         f"group_size multiples of {BLOCK}, got exact={exact}, K={K}, group_size={G}")
+    if rows not in ("decode", "any"):
+        raise ValueError(f"rows must be 'decode' or 'any', got {rows!r}")
+    lib, x2, y = _prepare(x, N, K, (q, s), target, None if rows == "any" else MAX_ROWS)
     fn = lib.q8_gemm if exact or K % BLOCK or G % BLOCK else lib.q8_gemm_q8
     fn(q.contiguous().data_ptr(), s.contiguous().data_ptr(), s.dtype == torch.float16, x2.data_ptr(),
        x.dtype == torch.bfloat16, y.data_ptr(), x2.shape[0], N, K, G)

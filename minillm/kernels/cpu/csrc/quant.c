@@ -48,6 +48,9 @@
 
 #define QTILE 8  /* input rows per register tile; more rows take more tiles over the same (L1-resident) weight row */
 #define QB 32    /* weights per block: Q4_1 / Q8_0 / Q8_1 */
+/* Many input rows (prefill): blocks of weight rows of about this many bytes stay in L2 while every tile of input
+ * rows passes over them, so each weight byte comes from memory once per call (q8_q8_rows, a8_rows). */
+#define L2_BLOCK (192 * 1024)
 /* Batch-1 4-row tiles prefetch the tile PF_TILES ahead (its weights, scales and mins) with locality hint PF_LOC
  * (1: prefetcht2 on x86, a fill of the outer caches rather than L1).  Measured on the SmolLM2 stack streamed from
  * memory (2 cores, AMD EPYC, C harness, 6 interleaved rounds, median ms for int4 / int8): 2 tiles into L1 (t0)
@@ -995,18 +998,26 @@ static void q8_q8_rows(const int8_t *restrict W, const void *scales, int scale_f
             else q8_q8_row4(W + n * K, scales, scale_f16, n, x, out, K, 1);
             for (int r = 0; r < 4; r++) store_y(y, x_bf16, n + r, out[r]);
         }
-    for (; n < n1; n++)
+    /* Past one tile of input rows (prefill): weight rows in blocks of L2_BLOCK bytes, every tile of input rows over
+     * a block before the next (the tile's codes and steps stay in L1 across the block's rows).  Each (weight row,
+     * tile) is the same q8_q8_row call in either order: the same bits as row by row. */
+    const int64_t blk = M <= QTILE ? n1 - n : (L2_BLOCK / K > 1 ? L2_BLOCK / K : 1);
+    for (int64_t b0 = n; b0 < n1; b0 += blk) {
+        const int64_t b1 = b0 + blk < n1 ? b0 + blk : n1;
         for (int64_t m0 = 0; m0 < M; m0 += QTILE) {
-            float out[QTILE];
             const int64_t mr = M - m0 < QTILE ? M - m0 : QTILE;
+            for (int64_t r = b0; r < b1; r++) {
+                float out[QTILE];
 #define Q8_Q8(R)                                                                                               \
-    if (G == K) q8_q8_row(W + n * K, scales, scale_f16, n, x, m0, out, K, G, dwb, R, 0);                       \
-    else if (G == QB) q8_q8_row(W + n * K, scales, scale_f16, n, x, m0, out, K, G, dwb, R, 1);                 \
-    else q8_q8_row(W + n * K, scales, scale_f16, n, x, m0, out, K, G, dwb, R, 2)
-            TILE_Q8(mr, Q8_Q8)
+    if (G == K) q8_q8_row(W + r * K, scales, scale_f16, r, x, m0, out, K, G, dwb, R, 0);                       \
+    else if (G == QB) q8_q8_row(W + r * K, scales, scale_f16, r, x, m0, out, K, G, dwb, R, 1);                 \
+    else q8_q8_row(W + r * K, scales, scale_f16, r, x, m0, out, K, G, dwb, R, 2)
+                TILE_Q8(mr, Q8_Q8)
 #undef Q8_Q8
-            for (int64_t m = 0; m < mr; m++) store_y(y, x_bf16, (m0 + m) * N + n, out[m]);
+                for (int64_t m = 0; m < mr; m++) store_y(y, x_bf16, (m0 + m) * N + r, out[m]);
+            }
         }
+    }
 }
 
 #define XPREP_STACK 32768 /* activations prepared on the stack up to this many bytes (M = 8, K = 1536 takes 22 KB) */
@@ -1045,7 +1056,7 @@ void q8_gemm_q8(const int8_t *restrict W, const void *scales, int scale_f16, con
  * the scale product is pinned (f_pin), so -ffast-math neither reassociates it nor fuses it into the convert.
  *
  * Blocking, for M in the hundreds (prefill) as for decode rows: the N weight rows split over the threads; each
- * thread takes blocks of A8_NB weight rows (sized so a block of A8_L2 bytes stays in L2) and sweeps every
+ * thread takes blocks of A8_NB weight rows (sized so a block of L2_BLOCK bytes stays in L2) and sweeps every
  * activation row over the block in tiles of 4 activation rows x 4 weight rows: 16 integer accumulators (VNNI: 16
  * zmm registers), per 64 bytes of K 4 weight and 4 activation loads for 16 vpdpbusd.  A tile's 4 activation rows
  * (4K bytes) stay in L1 across the block's weight tiles; the block's weights in L2 across all activation rows, so
@@ -1053,7 +1064,6 @@ void q8_gemm_q8(const int8_t *restrict W, const void *scales, int scale_f16, con
  * On VNNI the weights enter vpdpbusd as w + 128 (unsigned, one xor per 64 bytes, amortised over the tile's 4 rows)
  * and each row's sum is corrected by -128 * sum_k xq[m, k] (a8_t.xs): the same integer.  Cost of the activation
  * rounding: one read of x, M*K bytes written, before the threads split the rows (rows in parallel past 64K). */
-#define A8_L2 (192 * 1024) /* bytes of a block of weight rows kept in L2 while every activation row passes */
 
 typedef struct {
     void *mem;
@@ -1121,6 +1131,15 @@ static a8_t a8_prep(const float *x, const float *input_scale, int64_t M, int64_t
 typedef __m512i a8acc;
 INLINE a8acc a8_zero(void) { return _mm512_setzero_si512(); }
 INLINE int32_t a8_sum(a8acc a) { return _mm512_reduce_add_epi32(a); }
+INLINE void a8_sum4(a8acc a, a8acc b, a8acc c, a8acc d, int32_t out[4]) { /* vf_sum4's tree, in integers */
+    const __m512i ab = _mm512_add_epi32(_mm512_shuffle_i32x4(a, b, 0x44), _mm512_shuffle_i32x4(a, b, 0xEE));
+    const __m512i cd = _mm512_add_epi32(_mm512_shuffle_i32x4(c, d, 0x44), _mm512_shuffle_i32x4(c, d, 0xEE));
+    __m512i v = _mm512_add_epi32(_mm512_shuffle_i32x4(ab, cd, 0x88), _mm512_shuffle_i32x4(ab, cd, 0xDD));
+    v = _mm512_add_epi32(v, _mm512_shuffle_epi32(v, (_MM_PERM_ENUM)0x4E));
+    v = _mm512_add_epi32(v, _mm512_shuffle_epi32(v, (_MM_PERM_ENUM)0xB1));
+    _mm_storeu_si128((__m128i *)out, _mm512_castsi512_si128(_mm512_permutexvar_epi32(
+                                         _mm512_setr_epi32(0, 4, 8, 12, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0), v)));
+}
 #ifdef Q8_BIAS
 INLINE a8acc a8_dot(a8acc acc, q8w_t w, const int8_t *x) { return _mm512_dpbusd_epi32(acc, w, vb_load(x)); }
 #else
@@ -1170,6 +1189,12 @@ INLINE a8acc a8_dot(a8acc acc, q8w_t w, const int8_t *x) {
 }
 #endif
 
+#if QSIMD != 512
+INLINE void a8_sum4(a8acc a, a8acc b, a8acc c, a8acc d, int32_t out[4]) {
+    out[0] = a8_sum(a), out[1] = a8_sum(b), out[2] = a8_sum(c), out[3] = a8_sum(d);
+}
+#endif
+
 /* R activation rows (m0..) x C weight rows (w, rows K bytes apart) -> the exact integer sums out[r][c]. */
 INLINE void a8_tile(const int8_t *restrict w, int64_t K, const a8_t *a, int64_t m0, int32_t out[4][4], const int R,
                     const int C) {
@@ -1190,14 +1215,14 @@ INLINE void a8_tile(const int8_t *restrict w, int64_t K, const a8_t *a, int64_t 
             for (int c = 0; c < C; c++) acc[r][c] = a8_dot(acc[r][c], wp[c], xr);
         }
     }
-    for (int r = 0; r < R; r++)
-        for (int c = 0; c < C; c++) {
+    for (int r = 0; r < R; r++) { /* 4 sums in one tree (a quarter of the shuffles): integers, any order is exact */
+        if (C == 4) a8_sum4(acc[r][0], acc[r][1], acc[r][2], acc[r][3], out[r]);
+        else
+            for (int c = 0; c < C; c++) out[r][c] = a8_sum(acc[r][c]);
 #ifdef Q8_BIAS
-            out[r][c] = a8_sum(acc[r][c]) - 128 * a->xs[m0 + r]; /* sum (w + 128) x - 128 sum x */
-#else
-            out[r][c] = a8_sum(acc[r][c]);
+        for (int c = 0; c < C; c++) out[r][c] -= 128 * a->xs[m0 + r]; /* sum (w + 128) x - 128 sum x */
 #endif
-        }
+    }
 }
 
 #define A8_TILE_R(R, C)                                                                                      \
@@ -1209,7 +1234,7 @@ INLINE void a8_tile(const int8_t *restrict w, int64_t K, const a8_t *a, int64_t 
 /* Weight rows n0..n1 of y for one thread (no OpenMP inside). */
 static void a8_rows(const int8_t *restrict W, const void *scales, int scale_f16, const a8_t *a, float *restrict y,
                     int64_t M, int64_t N, int64_t K, int64_t n0, int64_t n1) {
-    int64_t nb = A8_L2 / (K > 0 ? K : 1) / 4 * 4;
+    int64_t nb = L2_BLOCK / (K > 0 ? K : 1) / 4 * 4;
     nb = nb < 4 ? 4 : nb;
     for (int64_t b0 = n0; b0 < n1; b0 += nb) {
         const int64_t b1 = b0 + nb < n1 ? b0 + nb : n1;
