@@ -10,6 +10,10 @@ Two paths per weight format (``csrc/quant.c`` explains both):
   ``q8_activation_ref(x)`` up to fp32 summation order, so it differs from the W4A16/W8A16 result by at most
   ``0.5 * sum_k dx_k * |w_nk|`` (every activation moves by at most half its block's step dx = max|x| / 127).
 
+``int8_linear(..., rows="any")`` runs the int8-activation path at any row count (prefill; cache-blocked).
+``w8a8_linear`` is W8A8's integer GEMM (``quant.activation``: per-channel int8 weights, int8 activations per token
+or with a static scale, exact int32 sums, the scales in the epilogue): the bits of ``w8a8_linear_int_mm``, any rows.
+
 x [..., K] has 1..``MAX_ROWS`` rows in fp32 or bf16 (the output has x's dtype).  The packed weights are read as
 stored — no float copy is made.  The library is cached beside ``native.c``'s (same directory and CPU key).
 ``target`` (None: ``-march=native`` / ``-mcpu=native``) compiles for another ``-march``, e.g. ``"x86-64"`` builds
