@@ -15,7 +15,8 @@ decode or a draft chunk and whose rows fit go through the stack; prefill and mix
 
 What it runs (``unsupported_reason`` says why not, and the engine then keeps the per-layer path): a ``Transformer`` of
 the plain Llama modules on CPU in fp32 whose kernel choice allows native code ("auto"/"native"), no sliding window,
-every linear fp32 (``Linear``) or int8 / Q4_1 int4 (``QuantLinear``), an fp32 ``PagedKVCache`` (not a quantized one),
+every linear fp32 (``Linear``), int8 / Q4_1 int4 (``QuantLinear``) or W8A8 (``W8A8Linear``: int8 × int8 GEMMs,
+dynamic or static activation scales), an fp32 ``PagedKVCache`` (not a quantized one),
 and the native libraries built here. The C table holds raw pointers: if the model's tensors are replaced afterwards
 (``.to()``, ``quantize_model``, a module swap), the next call notices (the ids of every layer's modules and the
 addresses of the outer layers' tensors are compared each call) and rebuilds the table, or raises when the model is no
@@ -38,10 +39,17 @@ NATIVE_CHOICES = ("auto", "native")  # the model kernel choices under which the 
 
 
 def _linear_kind(module) -> str | None:
-    """"fp32" / "int8" / "int4" for a plain ``Linear`` or ``QuantLinear`` on CPU the C table can point at."""
-    from minillm.layers.linear import Linear, QuantLinear
+    """"fp32" / "int8" / "int4" / "w8a8" for a plain ``Linear``, ``QuantLinear`` or ``W8A8Linear`` on CPU the C
+    table can point at."""
+    from minillm.layers.linear import Linear, QuantLinear, W8A8Linear
     from minillm.quant.weight import Int4Weight
 
+    if type(module) is W8A8Linear:
+        pw, b, s = module.packed_weight, module.bias, module.input_scale
+        ok = all(t.device.type == "cpu" and t.is_contiguous() for t in (pw.qweight, pw.scales)) \
+            and (b is None or (b.dtype == torch.float32 and b.device.type == "cpu")) \
+            and (s is None or (s.dtype == torch.float32 and s.device.type == "cpu"))
+        return "w8a8" if ok else None
     if type(module) is Linear:
         w, b = module.weight, module.bias
         ok = w.dtype == torch.float32 and w.device.type == "cpu" and w.is_contiguous()
@@ -91,7 +99,7 @@ def unsupported_reason(model, kv) -> str | None:
                 return f"layer {i}'s norms differ from the final norm's eps or dtype"
         for name, lin in _linears(layer):
             if _linear_kind(lin) is None:
-                return f"layer {i}'s {name} is not an fp32 Linear or an int8/int4 QuantLinear on CPU"
+                return f"layer {i}'s {name} is not an fp32 Linear, an int8/int4 QuantLinear or a W8A8Linear on CPU"
     if not (native.available() and native_quant.available() and decode.available()):
         return "the native libraries did not build here (no C compiler, or MINILLM_DISABLE_NATIVE)"
     return None
@@ -135,6 +143,8 @@ def _first_tensor(module) -> Tensor | None:
 def _linear_struct(lin, keep: list[Tensor]) -> decode.LinearT:
     """The ``linear_t`` of one layer; the tensors it points at are appended to ``keep`` (they must outlive it)."""
     kind = _linear_kind(lin)
+    if kind == "w8a8":
+        return decode.weight_struct(lin.packed_weight, lin.bias, keep, w8a8=True, input_scale=lin.input_scale)
     return decode.weight_struct(lin.weight if kind == "fp32" else lin.packed_weight, lin.bias, keep)
 
 

@@ -28,14 +28,18 @@ pass pays one dictionary lookup, not a decision per layer.
 
 Quantized linears (``int4_linear``, ``int8_linear``: packed ``Int4Weight``/``Int8Weight``, ``quant/weight.py``):
 the reference dequantizes then ``F.linear``; "native" (and "auto" on CPU) runs ``kernels/cpu/quant.py`` for decode
-rows (``native_quant.supports``: ≤ 8 rows, fp32/bf16) and the reference past that; "triton" (and "auto" on CUDA)
+rows (``native_quant.supports``: ≤ 8 rows, fp32/bf16) and the reference past that — except, when
+``INT8_PREFILL`` is "int8", int8 in GGUF's Q8_0 blocks, whose prefill rows then take the same int8-activation kernel,
+cache-blocked (the rule: ``int8_prefill_through_int8_activations``); "triton" (and "auto" on CUDA)
 the dequant GEMV of ``kernels/triton/dequant_gemv.py`` up to ``TRITON_GEMV_MAX_ROWS`` rows.
 
 Activation-quantized linears (``w8a8_linear``, ``fp8_linear``: ``quant/activation.py``): the reference
-dequantizes both operands then ``F.linear``; "native" (and "auto" on CPU and CUDA) is ATen's 8-bit GEMM —
-``torch._int_mm`` (oneDNN's int8 GEMM on CPU, any shape; cuBLASLt on CUDA, M > 16 and K, N multiples of 8: fewer
-rows are padded) with the per-token × per-channel scales applied after it, and ``torch._scaled_mm`` for fp8 (CUDA
-only, compute capability ≥ 8.9).
+dequantizes both operands then ``F.linear``; "native" (and "auto" on CPU and CUDA) is an 8-bit GEMM with the
+per-token × per-channel scales applied after it — on CPU with fp32 activations ``kernels/cpu/quant.py``'s
+``w8a8_linear`` (VNNI / AVX2 / plain C) up to ``W8A8_NATIVE_MAX_ROWS`` rows (``w8a8_prefers_native``, the one rule)
+and ``torch._int_mm`` (oneDNN's int8 GEMM) past it or for bf16, the same bits either way; on CUDA ``torch._int_mm``
+(cuBLASLt, M > 16 and K, N multiples of 8: fewer rows are padded) — and ``torch._scaled_mm`` for fp8 (CUDA only,
+compute capability ≥ 8.9).
 
 Adding a kernel for an op is one row of ``KERNELS``, e.g. ``Kernel("int4_linear", "triton", _triton_int4,
 auto_on=("cuda",))``; a new op is its reference row plus one ``KernelOps`` field, where its signature is documented.
@@ -252,10 +256,46 @@ def _native_int4(x, w, bias=None):
     return int4_linear_ref(x, w, bias)
 
 
+# Prefill rows of int8 weight-only linears in GGUF's Q8_0 blocks: "exact" (default) dequantizes and runs a float GEMM,
+# the W8A16 result; "int8" rounds x to int8 blocks and runs the native cache-blocked int8 × int8 kernel — llama.cpp's
+# Q8_0 × Q8_0 scheme, what the decode rows already compute — a different rounding, so not the default until it is
+# measured faster (set MINILLM_INT8_PREFILL=int8 before import, or assign this).
+INT8_PREFILL = os.environ.get("MINILLM_INT8_PREFILL", "exact")
+if INT8_PREFILL not in ("exact", "int8"):
+    raise ValueError(f"MINILLM_INT8_PREFILL must be 'exact' or 'int8', got {INT8_PREFILL!r}")
+
+
+def int8_prefill_through_int8_activations(w) -> bool:
+    """Whether an int8 weight-only linear's rows past decode (prefill) take the int8-activation kernel instead of the
+    exact dequantize + GEMM: with ``INT8_PREFILL == "int8"``, for Q8_0 blocks (groups of 32; per-channel int8 keeps
+    the exact W8A16 prefill).  The one rule."""
+    return INT8_PREFILL == "int8" and w.group_size == 32
+
+
 def _native_int8(x, w, bias=None):
     if native_quant.supports(x, w):
         return _add_bias(native_quant.int8_linear(x, w), bias)
+    if int8_prefill_through_int8_activations(w) and native_quant.supports_prefill(x, w):
+        return _add_bias(native_quant.int8_linear(x, w, rows="any"), bias)
     return int8_linear_ref(x, w, bias)
+
+
+# W8A8 on CPU: minillm's int8 × int8 GEMM (csrc/quant.c w8a8_gemm: VNNI / AVX2 / plain C, cache-blocked) for up to
+# this many rows, oneDNN's (torch._int_mm) past it.  Both give the same bits (exact int32 sums, the same epilogue),
+# so the rule decides speed only; decode batches must stay on the native kernel, which the fused decode step runs.
+W8A8_NATIVE_MAX_ROWS = 32
+
+
+def w8a8_prefers_native(rows: int, N: int, K: int) -> bool:
+    """Whether the native W8A8 GEMM, not ``torch._int_mm``, runs [rows, K] @ [N, K]ᵀ on CPU: the one rule."""
+    return rows <= W8A8_NATIVE_MAX_ROWS
+
+
+def _native_w8a8(x, w, input_scale=None, bias=None):
+    if x.device.type == "cpu" and native_quant.w8a8_supports(x, w, input_scale) \
+            and w8a8_prefers_native(x.numel() // max(x.shape[-1], 1), *w.shape):
+        return native_quant.w8a8_linear(x, w, input_scale, bias)
+    return w8a8_linear_int_mm(x, w, input_scale, bias)
 
 
 TRITON_GEMV_MAX_ROWS = 16  # the dequant GEMV re-reads each weight tile per row: past decode batches a GEMM wins
@@ -297,11 +337,11 @@ KERNELS: tuple[Kernel, ...] = (
     Kernel("int8_linear", "torch", int8_linear_ref),
     Kernel("int8_linear", "native", _native_int8, **_NATIVE),
     Kernel("int8_linear", "triton", _triton_int8, **_TRITON),
-    # W8A8 / FP8: the reference dequantizes both operands; the fast rows are ATen's 8-bit GEMMs (torch._int_mm:
-    # oneDNN with VNNI/AMX on CPU, cuBLASLt on CUDA; torch._scaled_mm on fp8 GPUs), under the "native" name as the
-    # machine's own integer/fp8 units — minillm's C library has no int8 × int8 GEMM of its own
+    # W8A8 / FP8: the reference dequantizes both operands; the fast rows are integer / fp8 GEMMs: on CPU minillm's
+    # own int8 × int8 GEMM or ATen's (w8a8_prefers_native decides), on CUDA ATen's (torch._int_mm: cuBLASLt;
+    # torch._scaled_mm on fp8 GPUs), under the "native" name as the machine's own integer/fp8 units
     Kernel("w8a8_linear", "torch", w8a8_linear_ref),
-    Kernel("w8a8_linear", "native", w8a8_linear_int_mm, **_NATIVE),
+    Kernel("w8a8_linear", "native", _native_w8a8, **_NATIVE),
     Kernel("w8a8_linear", "native", w8a8_linear_int_mm, devices=("cuda",), auto_on=("cuda",)),
     Kernel("fp8_linear", "torch", fp8_linear_ref),
     Kernel("fp8_linear", "native", fp8_linear_scaled_mm, devices=("cuda",), auto_on=("cuda",)),

@@ -38,6 +38,12 @@ def make_model(name: str, scheme: str = "fp32", seed: int = 0) -> Transformer:
         for n, p in model.named_parameters():  # norms near 1, the rest small: logits of a trained model's size
             p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in n else 0.2 * torch.randn_like(p))
     model.requires_grad_(False)
+    if scheme.startswith("w8a8"):  # int8 × int8 linears; "w8a8-static" with scales calibrated on random tokens
+        from minillm.quant.smooth import activation_absmax, quantize_model_w8a8
+
+        ids = torch.randint(0, 97, (2, 12), generator=torch.Generator().manual_seed(seed))
+        stats = activation_absmax(model, ids) if scheme == "w8a8-static" else None
+        return quantize_model_w8a8(model, scheme, act_absmax=stats)
     return model if scheme == "fp32" else quantize_model(model, scheme)
 
 
@@ -71,7 +77,7 @@ def per_layer_hidden(model: Transformer, kv: PagedKVCache, batch: DecodeBatch) -
         return model.hidden_states(torch.tensor([batch.input_ids]), torch.tensor([batch.positions]), cache)[0]
 
 
-@pytest.mark.parametrize("scheme", ["fp32", "int8", "int4"])
+@pytest.mark.parametrize("scheme", ["fp32", "int8", "int4", "w8a8", "w8a8-static"])
 @pytest.mark.parametrize("name", list(CONFIGS))
 @pytest.mark.parametrize("lens", [[7], [1, 4, 5, 9, 17]], ids=["b1", "b5"])
 def test_one_fused_call_equals_the_per_layer_native_path_bit_for_bit(name, scheme, lens):
@@ -96,7 +102,7 @@ def test_fused_hidden_states_match_the_torch_reference_in_fp32(name):
     torch.testing.assert_close(kv_fused.k, kv_ref.k)
 
 
-@pytest.mark.parametrize("scheme", ["int8", "int4"])
+@pytest.mark.parametrize("scheme", ["int8", "int4", "w8a8"])
 def test_a_quantized_rows_result_does_not_depend_on_the_rows_beside_it(scheme):
     """Quantized linears take the int8-activation kernels at every row count (each row rounded and summed on its
     own), LM head included: 12 rows in one call give each row's logits exactly as 12 one-row calls do — what keeps
@@ -152,7 +158,7 @@ def greedy(model, prompts, max_tokens, **config):
     return [o.token_ids for o in eng.generate(prompts, params)], eng
 
 
-@pytest.mark.parametrize("scheme", ["fp32", "int8", "int4"])
+@pytest.mark.parametrize("scheme", ["fp32", "int8", "int4", "w8a8", "w8a8-static"])
 @pytest.mark.parametrize("name", ["gqa-d64", "mqa-d32-bias"])
 @pytest.mark.parametrize("batch", [1, 5])
 def test_the_engine_decodes_through_the_fused_step_with_the_per_layer_greedy_tokens(name, scheme, batch):

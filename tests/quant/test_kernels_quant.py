@@ -178,3 +178,99 @@ def test_triton_dequant_gemv_matches_the_reference(dtype):
                                    int4_linear_ref(xd.float(), w4).to(dtype), **tol)
         torch.testing.assert_close(triton_gemv.int8_gemv_triton(xd, w8),
                                    int8_linear_ref(xd.float(), w8).to(dtype), **tol)
+
+
+# ---------------------------------------------------------------- W8A8: the native int8 × int8 GEMM (w8a8_gemm)
+def _w8a8_cases():
+    # M over decode rows, a draft chunk's odd count and prefill (512: several 4-row tiles and weight blocks); K a
+    # multiple of 32 (576 and 1536 end in a partial 64-byte chunk) and two that are not; N odd (4-row tile tails)
+    g = torch.Generator().manual_seed(1)
+    for M, N, K in [(1, 37, 64), (3, 17, 96), (17, 101, 576), (64, 33, 1536), (512, 129, 224), (5, 7, 31),
+                    (2, 3, 100)]:
+        x = torch.randn(M, K, generator=g)
+        x[:, 1] *= 30  # an outlier channel: most codes of a row small
+        yield M, N, K, x, torch.randn(N, K, generator=g), torch.randn(N, generator=g)
+
+
+@native
+@pytest.mark.parametrize("target", TARGETS)
+def test_native_w8a8_gives_the_int_mm_bits_and_the_reference_within_rounding(target):
+    """Exact int32 sums and the same epilogue as ``w8a8_linear_int_mm``: the same bits on every code path (VNNI,
+    512-bit without VNNI, AVX2, plain C), dynamic and static scales, fp32 and fp16 weight scales, with a bias."""
+    from minillm.quant.activation import w8a8_linear_int_mm, w8a8_linear_ref
+
+    _target_or_skip(target)
+    for M, N, K, x, w, b in _w8a8_cases():
+        w8 = quantize_int8(w)
+        for wq in (w8, Int8Weight(w8.qweight, w8.scales.half(), K)):
+            for scale in (None, torch.tensor(0.04)):  # static: the outlier channel saturates at ±127
+                got = native_quant.w8a8_linear(x, wq, scale, b, target=target)
+                assert torch.equal(got, w8a8_linear_int_mm(x, wq, scale, b)), (target, M, N, K, scale)
+                torch.testing.assert_close(got, w8a8_linear_ref(x, wq, scale, b), rtol=1e-5, atol=1e-4)
+
+
+@native
+@pytest.mark.parametrize("target", TARGETS)
+def test_native_w8a8_rounds_activations_as_the_reference(target):
+    """Per token: scale max|x| / 127 (a zero row: the tiny clamp, codes 0), codes round(x / scale) half to even —
+    quotients exactly k + 1/2 included, which a reciprocal product instead of the division would round the other way
+    — and the static scale's codes saturating at ±127."""
+    from minillm.quant.activation import quantize_activation_int8
+
+    _target_or_skip(target)
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(6, 160, generator=g)
+    x[0, 0] = 127.0  # row 0: scale exactly 1, then exact ties
+    x[0, 1:9] = torch.tensor([0.5, 1.5, 2.5, -0.5, -2.5, 3.5, 126.5, -126.5])
+    x[1] = 0.0
+    x[2] *= 1e-3
+    for scale in (None, torch.tensor(0.01)):
+        codes, scales = native_quant.w8a8_quantize(x, scale, target=target)
+        want_codes, want_scales = quantize_activation_int8(x, scale)
+        assert torch.equal(codes, want_codes) and torch.equal(scales, want_scales)
+    assert native_quant.w8a8_quantize(x, None, target=target)[0][0, 1:9].tolist() == [0, 2, 2, 0, -2, 4, 126, -126]
+
+
+@native
+def test_native_w8a8_rows_do_not_depend_on_the_rows_beside_them():
+    w8 = quantize_int8(torch.randn(21, 96))
+    x = torch.randn(9, 96)
+    together = native_quant.w8a8_linear(x, w8)
+    assert torch.equal(together, torch.cat([native_quant.w8a8_linear(x[i:i + 1], w8) for i in range(9)]))
+
+
+def test_native_w8a8_refuses_a_grouped_weight_and_bf16_activations():
+    w8 = quantize_int8(torch.randn(8, 64), 32)
+    assert not native_quant.w8a8_supports(torch.randn(2, 64), w8)
+    assert not native_quant.w8a8_supports(torch.randn(2, 64, dtype=torch.bfloat16), quantize_int8(torch.randn(8, 64)))
+    with pytest.raises(ValueError, match="per-channel Int8Weight"):
+        native_quant.w8a8_linear(torch.randn(2, 64), w8)
+
+
+@native
+@pytest.mark.parametrize("target", TARGETS)
+def test_int8_prefill_rows_take_the_int8_activation_kernel_with_each_rows_decode_bits(target):
+    """int8_linear(rows="any"): M in the hundreds through the cache-blocked loop (weight rows in L2-sized blocks,
+    8-row tiles of x over each block): the reference on block-rounded activations up to summation order, and each
+    row exactly the bits it gets alone (as a decode row), Q8_0 groups of 32 and per channel, fp16 scales."""
+    from minillm.kernels.cpu.quant import q8_activation_ref
+
+    _target_or_skip(target)
+    g = torch.Generator().manual_seed(4)
+    for M, N, K, G in [(1, 37, 64, 32), (3, 17, 96, 32), (17, 101, 576, 32), (64, 33, 1536, 32), (512, 9, 224, 32),
+                       (20, 7, 128, 128)]:
+        x, w = torch.randn(M, K, generator=g), torch.randn(N, K, generator=g)
+        w8 = quantize_int8(w, G)
+        w8 = Int8Weight(w8.qweight, w8.scales.half(), G) if M == 17 else w8
+        got = native_quant.int8_linear(x, w8, target=target, rows="any")
+        _assert_sum_close(got, int8_linear_ref(q8_activation_ref(x), w8), x, w)
+        rows = [0, M // 2, M - 1]
+        alone = torch.cat([native_quant.int8_linear(x[i:i + 1], w8, target=target) for i in rows])
+        assert torch.equal(got[rows], alone), (target, M, N, K, G)
+
+
+def test_int8_prefill_rows_refuse_the_exact_path_and_k_off_the_blocks():
+    with pytest.raises(ValueError, match="exact=False"):
+        native_quant.int8_linear(torch.randn(9, 64), quantize_int8(torch.randn(4, 64), 32), exact=True, rows="any")
+    with pytest.raises(ValueError, match="multiples of 32"):
+        native_quant.int8_linear(torch.randn(9, 80), quantize_int8(torch.randn(4, 80)), rows="any")

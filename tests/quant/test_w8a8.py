@@ -78,7 +78,7 @@ def test_select_routes_w8a8_to_the_int8_gemm_on_cpu_and_the_reference_under_torc
     from minillm.kernels.cpu import native
 
     if native.available():
-        assert ops_for("auto", "cpu", torch.float32).w8a8_linear is w8a8_linear_int_mm
+        assert ops_for("auto", "cpu", torch.float16).w8a8_linear is w8a8_linear_ref
         assert resolve("auto", "fp8_linear", "cpu", torch.float32).impl == "torch"  # fp8 GEMMs are GPU-only
     assert resolve("auto", "w8a8_linear", "cpu", torch.float16).impl == "torch"
 
@@ -227,3 +227,47 @@ def test_the_cuda_fp8_gemm_equals_the_reference_where_the_gpu_has_one(rows):
     assert ops_for("auto", "cuda", torch.bfloat16).fp8_linear is fp8_linear_scaled_mm
     got, want = fp8_linear_scaled_mm(x, fw, b), fp8_linear_ref(x, fw, b)
     torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2 * float(want.abs().max()))
+
+
+def test_auto_on_cpu_runs_the_native_w8a8_gemm_for_decode_rows_and_int_mm_past_the_rule(monkeypatch):
+    """Both give the same bits; the rule (kernels.select.w8a8_prefers_native) only picks which runs."""
+    from minillm.kernels import select
+    from minillm.kernels.cpu import quant as native_quant
+
+    if not native_quant.available():
+        pytest.skip("no C compiler: the native kernels are not built")
+    calls = []
+    real = native_quant.w8a8_linear
+    monkeypatch.setattr(native_quant, "w8a8_linear", lambda *a, **k: calls.append(a[0].shape[0]) or real(*a, **k))
+    op = ops_for("auto", "cpu", torch.float32).w8a8_linear
+    g = torch.Generator().manual_seed(3)
+    w8, b = quantize_int8(torch.randn(24, 64, generator=g)), torch.randn(24, generator=g)
+    big = select.W8A8_NATIVE_MAX_ROWS + 1
+    for rows in (1, select.W8A8_NATIVE_MAX_ROWS, big):
+        x = torch.randn(rows, 64, generator=g)
+        assert torch.equal(op(x, w8, None, b), w8a8_linear_int_mm(x, w8, None, b))
+    assert calls == [1, select.W8A8_NATIVE_MAX_ROWS]  # past the rule: torch._int_mm
+    assert torch.equal(op(torch.ones(2, 64, dtype=torch.bfloat16), w8, None, None),
+                       w8a8_linear_int_mm(torch.ones(2, 64, dtype=torch.bfloat16), w8))  # bf16: ATen's
+    assert len(calls) == 2
+
+
+def test_q8_0_prefill_rows_run_the_int8_activation_kernel_when_asked_and_stay_exact_by_default(monkeypatch):
+    """kernels.select.INT8_PREFILL: "exact" (default) keeps the W8A16 prefill (dequantize + GEMM); "int8" makes GGUF's
+    Q8_0 blocks (groups of 32) prefill as their decode rows compute (x rounded to int8 blocks, llama.cpp's scheme);
+    per-channel int8 stays exact either way."""
+    from minillm.kernels import select
+    from minillm.kernels.cpu import quant as native_quant
+    from minillm.quant.weight import int8_linear_ref
+
+    if not native_quant.available():
+        pytest.skip("no C compiler: the native kernels are not built")
+    op = ops_for("auto", "cpu", torch.float32).int8_linear
+    g = torch.Generator().manual_seed(5)
+    x, w = torch.randn(40, 96, generator=g), torch.randn(11, 96, generator=g)
+    q8_0, per_channel = quantize_int8(w, 32), quantize_int8(w)
+    assert select.INT8_PREFILL == "exact" and torch.equal(op(x, q8_0), int8_linear_ref(x, q8_0))
+    monkeypatch.setattr(select, "INT8_PREFILL", "int8")
+    assert torch.equal(op(x, q8_0), native_quant.int8_linear(x, q8_0, rows="any"))
+    assert not torch.equal(op(x, q8_0), int8_linear_ref(x, q8_0))  # the activations were rounded
+    assert torch.equal(op(x, per_channel), int8_linear_ref(x, per_channel))

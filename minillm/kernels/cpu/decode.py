@@ -25,7 +25,7 @@ MAX_ROWS = 32  # rows per call: native.c's GEMV tiles and the engine's decode ba
 _CSRC = Path(__file__).parent / "csrc"
 _SRC = _CSRC / "decode.c"
 _INCLUDED = ("quant.c", "native.c")  # decode.c #includes these: part of the cache key
-_KINDS = {"fp32": 0, "int8": 1, "int4": 2}
+_KINDS = {"fp32": 0, "int8": 1, "int4": 2, "w8a8": 3}
 
 i64, vp = ctypes.c_int64, ctypes.c_void_p
 
@@ -86,11 +86,23 @@ def available() -> bool:
     return library() is not None
 
 
-def weight_struct(w, bias: Tensor | None, keep: list[Tensor]) -> LinearT:
+def weight_struct(w, bias: Tensor | None, keep: list[Tensor], *, w8a8: bool = False,
+                  input_scale: Tensor | None = None) -> LinearT:
     """The ``linear_t`` of a weight: an fp32 [N, K] tensor, an ``Int8Weight`` or an ``Int4Weight`` (contiguous, on
-    CPU), and an optional fp32 bias [N]; the tensors it points at are appended to ``keep``."""
+    CPU), and an optional fp32 bias [N]; the tensors it points at are appended to ``keep``.  ``w8a8``: a per-channel
+    ``Int8Weight`` whose activations are rounded to int8 too (``layers.linear.W8A8Linear``), per token, or with
+    ``input_scale`` (a 0-dim fp32 tensor: the static scale), which the struct carries in its ``mins`` slot."""
     from minillm.quant.weight import Int4Weight, Int8Weight
 
+    if w8a8:
+        if not isinstance(w, Int8Weight) or w.group_size != w.shape[1]:
+            raise ValueError("w8a8=True needs a per-channel Int8Weight (group_size = K)")
+        N, K = w.shape
+        scale = None if input_scale is None else input_scale.detach().float().contiguous()
+        bias = None if bias is None else bias.detach().contiguous()
+        keep += [t for t in (w.qweight, w.scales, scale, bias) if t is not None]
+        ptr = [None if t is None else t.data_ptr() for t in (w.qweight, w.scales, scale, bias)]
+        return LinearT(_KINDS["w8a8"], int(w.scales.dtype == torch.float16), N, K, K, *ptr)
     if isinstance(w, Tensor):
         kind, (N, K) = "fp32", w.shape
         tensors, G, f16 = (w.detach(), None, None), K, 0

@@ -10,6 +10,10 @@ Two paths per weight format (``csrc/quant.c`` explains both):
   ``q8_activation_ref(x)`` up to fp32 summation order, so it differs from the W4A16/W8A16 result by at most
   ``0.5 * sum_k dx_k * |w_nk|`` (every activation moves by at most half its block's step dx = max|x| / 127).
 
+``int8_linear(..., rows="any")`` runs the int8-activation path at any row count (prefill; cache-blocked).
+``w8a8_linear`` is W8A8's integer GEMM (``quant.activation``: per-channel int8 weights, int8 activations per token
+or with a static scale, exact int32 sums, the scales in the epilogue): the bits of ``w8a8_linear_int_mm``, any rows.
+
 x [..., K] has 1..``MAX_ROWS`` rows in fp32 or bf16 (the output has x's dtype).  The packed weights are read as
 stored — no float copy is made.  The library is cached beside ``native.c``'s (same directory and CPU key).
 ``target`` (None: ``-march=native`` / ``-mcpu=native``) compiles for another ``-march``, e.g. ``"x86-64"`` builds
@@ -68,6 +72,10 @@ def _lib(target: str | None = None) -> ctypes.CDLL | None:
     for name in ("q8_gemm", "q8_gemm_q8"):
         getattr(lib, name).argtypes = [vp, vp, c_int, vp, c_int, vp, i64, i64, i64, i64]
         getattr(lib, name).restype = None
+    lib.w8a8_gemm.argtypes = [vp, vp, c_int, vp, vp, vp, i64, i64, i64]
+    lib.w8a8_gemm.restype = None
+    lib.w8a8_quantize.argtypes = [vp, vp, i64, i64, vp, vp]
+    lib.w8a8_quantize.restype = None
     lib.quant_built_with_openmp.restype = c_int
     lib.quant_simd_level.restype = c_int
     return lib
@@ -103,15 +111,25 @@ def q8_activation_ref(x: Tensor) -> Tensor:
     return (torch.round(xb * inv) * d).view(x.shape)
 
 
+def supports_prefill(x: Tensor, w: Int8Weight) -> bool:
+    """Whether ``int8_linear(x, w, rows="any")`` can run: as ``supports`` at any row count, for int8 weights whose K
+    and group are multiples of 32 (the int8-activation kernel; llama.cpp's Q8_0 × Q8_0 prefill)."""
+    q, s = w.qweight, w.scales
+    return (x.device.type == "cpu" and q.device.type == "cpu" and s.device.type == "cpu" and x.dtype in _DTYPES
+            and q.shape[1] % BLOCK == 0 and w.group_size % BLOCK == 0 and x.shape[-1] == q.shape[1]
+            and not (torch.is_grad_enabled() and x.requires_grad) and available())
+
+
 def _prepare(x: Tensor, N: int, K: int, tensors: tuple[Tensor, ...],
-             target: str | None) -> tuple[ctypes.CDLL, Tensor, Tensor]:
+             target: str | None, max_rows: int | None = MAX_ROWS) -> tuple[ctypes.CDLL, Tensor, Tensor]:
     """(library, x as a contiguous [M, K], y [M, N] for the kernel to fill), or ValueError naming what is missing.
     Plain attribute tests only: at decode a SmolLM2 layer stack makes 120 of these calls per token, and each
     microsecond here is ~5 % of a 2 ms int4 stack (``supports`` is the same test for callers)."""
     if x.shape[-1] != K:
         raise ValueError(f"x has {x.shape[-1]} features but the weight expects K={K}")
     lib = _lib(target)
-    if (lib is None or x.device.type != "cpu" or x.dtype not in _DTYPES or x.numel() > MAX_ROWS * K
+    if (lib is None or x.device.type != "cpu" or x.dtype not in _DTYPES
+            or (max_rows is not None and x.numel() > max_rows * K)
             or (x.requires_grad and torch.is_grad_enabled()) or any(t.device.type != "cpu" for t in tensors)):
         raise ValueError(f"the native quantized GEMV needs CPU fp32/bf16 x with at most {MAX_ROWS} rows and a "
                          "compiled library; use minillm.quant.weight's *_linear_ref instead")
@@ -121,12 +139,21 @@ def _prepare(x: Tensor, N: int, K: int, tensors: tuple[Tensor, ...],
     return lib, x2, x2.new_empty((x2.shape[0], N))
 
 
-def int8_linear(x: Tensor, w8: Int8Weight, exact: bool = False, target: str | None = None) -> Tensor:
+def int8_linear(x: Tensor, w8: Int8Weight, exact: bool = False, target: str | None = None,
+                rows: str = "decode") -> Tensor:
     """x [..., K] (≤ MAX_ROWS rows, fp32/bf16) @ dequant(w8).T -> [..., N] in x's dtype.  ``exact=False`` rounds
-    x to int8 blocks first (see the module doc); weights whose K or group is not a multiple of 32 always run exact."""
+    x to int8 blocks first (see the module doc); weights whose K or group is not a multiple of 32 always run exact.
+    ``rows="any"`` (prefill): any number of rows through the int8-activation kernel (``supports_prefill``), the
+    weight rows in L2-sized blocks with every 8-row tile of x passing over each block; a row's result is the bits
+    it has at decode."""
     q, s, G = w8.qweight, w8.scales, w8.group_size
     N, K = q.shape
-    lib, x2, y = _prepare(x, N, K, (q, s), target)
+    if rows == "any" and (exact or K % BLOCK or G % BLOCK):
+        raise ValueError(f"int8_linear(rows='any') runs the int8-activation kernel: it needs exact=False and K, "
+                         f"group_size multiples of {BLOCK}, got exact={exact}, K={K}, group_size={G}")
+    if rows not in ("decode", "any"):
+        raise ValueError(f"rows must be 'decode' or 'any', got {rows!r}")
+    lib, x2, y = _prepare(x, N, K, (q, s), target, None if rows == "any" else MAX_ROWS)
     fn = lib.q8_gemm if exact or K % BLOCK or G % BLOCK else lib.q8_gemm_q8
     fn(q.contiguous().data_ptr(), s.contiguous().data_ptr(), s.dtype == torch.float16, x2.data_ptr(),
        x.dtype == torch.bfloat16, y.data_ptr(), x2.shape[0], N, K, G)
@@ -143,3 +170,50 @@ def int4_linear(x: Tensor, w4: Int4Weight, exact: bool = False, target: str | No
     fn(p.contiguous().data_ptr(), s.contiguous().data_ptr(), mn.contiguous().data_ptr(), s.dtype == torch.float16,
        x2.data_ptr(), x.dtype == torch.bfloat16, y.data_ptr(), x2.shape[0], N, K, w4.group_size)
     return y.view(*x.shape[:-1], N)
+
+
+# ---------------------------------------------------------------- W8A8 (csrc/quant.c w8a8_gemm)
+def w8a8_supports(x: Tensor, w8: Int8Weight, input_scale: Tensor | None = None) -> bool:
+    """Whether ``w8a8_linear(x, w8, input_scale)`` can run natively: CPU fp32 x (any number of rows), a per-channel
+    ``Int8Weight`` on CPU, an fp32 CPU ``input_scale`` or None, no autograd, library built."""
+    q, s = w8.qweight, w8.scales
+    return (x.device.type == "cpu" and x.dtype == torch.float32 and q.device.type == "cpu"
+            and s.device.type == "cpu" and w8.group_size == q.shape[1] and x.shape[-1] == q.shape[1]
+            and (input_scale is None or (input_scale.device.type == "cpu" and input_scale.dtype == torch.float32))
+            and not (torch.is_grad_enabled() and x.requires_grad) and available())
+
+
+def w8a8_linear(x: Tensor, w8: Int8Weight, input_scale: Tensor | None = None, bias: Tensor | None = None,
+                target: str | None = None) -> Tensor:
+    """x [..., K] fp32 @ w8.T (+ bias) -> [..., N] fp32, W8A8: x rounded to int8 per token (``input_scale`` None)
+    or with the static per-tensor scale, an int8 × int8 -> int32 GEMM (VNNI / AVX2 / plain C, cache-blocked for
+    many rows) and the scales in its epilogue.  The same bits as ``quant.activation.w8a8_linear_int_mm`` (the
+    integer sums are exact, the epilogue is its acc · (sx · sw) then + bias); reference ``w8a8_linear_ref``.
+    Cost: N·K weight bytes read once per call, M·K activation bytes once per block of weight rows."""
+    q, s = w8.qweight, w8.scales
+    N, K = q.shape
+    if not w8a8_supports(x, w8, input_scale) or _lib(target) is None:
+        raise ValueError("the native W8A8 GEMM needs CPU fp32 x [..., K], a per-channel Int8Weight [N, K] on CPU "
+                         "and an fp32 input_scale or None; use quant.activation.w8a8_linear_int_mm instead")
+    x2 = x.reshape(-1, K)
+    if not x2.is_contiguous():
+        x2 = x2.contiguous()
+    y = x2.new_empty((x2.shape[0], N))
+    sc = None if input_scale is None else input_scale.contiguous()
+    _lib(target).w8a8_gemm(q.contiguous().data_ptr(), s.contiguous().data_ptr(), s.dtype == torch.float16,
+                           None if sc is None else sc.data_ptr(), x2.data_ptr(), y.data_ptr(), x2.shape[0], N, K)
+    if bias is not None:
+        y = y + bias.float()
+    return y.view(*x.shape[:-1], N)
+
+
+def w8a8_quantize(x: Tensor, input_scale: Tensor | None = None, target: str | None = None) -> tuple[Tensor, Tensor]:
+    """The native kernel's activation rounding alone: x [M, K] fp32 -> (codes int8 [M, K], scales fp32 [M, 1]),
+    to compare with ``quant.activation.quantize_activation_int8`` (its reference)."""
+    x2 = x.float().contiguous()
+    M, K = x2.shape
+    codes, scales = torch.empty(M, K, dtype=torch.int8), torch.empty(M, 1)
+    sc = None if input_scale is None else input_scale.float().contiguous()
+    _lib(target).w8a8_quantize(x2.data_ptr(), None if sc is None else sc.data_ptr(), M, K, codes.data_ptr(),
+                               scales.data_ptr())
+    return codes, scales

@@ -258,6 +258,44 @@ static int check_q8(uint64_t *s, int64_t M, int64_t N, int64_t K, int64_t G, int
     return bad;
 }
 
+/* W8A8 (w8a8_gemm): per-channel int8 weights, activations rounded to int8 per row (dynamic) or with one static
+ * scale (codes clamped to +-127).  Reference: the codes and scales computed here in double (x / s rounded half to
+ * even), their exact integer sums times s_x s_w: the kernel's float epilogue is one product away (rtol 1e-6 of
+ * |value|); and rows alone equal rows together. */
+static int check_w8a8(uint64_t *s, int64_t M, int64_t N, int64_t K, int f16, float static_scale) {
+    double *sw = malloc(sizeof(double) * N);
+    void *sc = scales_rand(s, N, f16, 0, sw);
+    int8_t *W = malloc(N * K);
+    for (int64_t i = 0; i < N * K; i++) W[i] = (int8_t)((int)irand(s, 255) - 127);
+    float *x = frand(s, M * K), *y = malloc(sizeof(float) * M * N), *y1 = malloc(sizeof(float) * M * N);
+    double *want = malloc(sizeof(double) * M * N), *mag = malloc(sizeof(double) * M * N);
+    for (int64_t m = 0; m < M; m++) {
+        double amax = 0.0;
+        for (int64_t k = 0; k < K; k++) amax = fmax(amax, fabs((double)x[m * K + k]));
+        const float sx = static_scale > 0.f ? static_scale : (float)amax / 127.f; /* one fp32 division, as torch */
+        for (int64_t n = 0; n < N; n++) {
+            int64_t acc = 0;
+            for (int64_t k = 0; k < K; k++) {
+                double q = nearbyint((double)x[m * K + k] / sx); /* the fp32 quotient's rounding, near enough */
+                q = q > 127 ? 127 : q < -127 ? -127 : q;
+                acc += (int64_t)q * W[n * K + k];
+            }
+            want[m * N + n] = (double)acc * sx * sw[n], mag[m * N + n] = fabs(want[m * N + n]);
+        }
+    }
+    const float ss = static_scale;
+    char what[96];
+    w8a8_gemm(W, sc, f16, static_scale > 0.f ? &ss : NULL, x, y, M, N, K);
+    snprintf(what, sizeof what, "w8a8_gemm M=%lld N=%lld K=%lld %s %s", (long long)M, (long long)N, (long long)K,
+             f16 ? "fp16" : "fp32", static_scale > 0.f ? "static" : "dynamic");
+    int bad = compare(what, y, want, mag, M * N, 1e-6);
+    for (int64_t m = 0; m < M; m++)
+        w8a8_gemm(W, sc, f16, static_scale > 0.f ? &ss : NULL, x + m * K, y1 + m * N, 1, N, K);
+    bad |= same_bits(what, y, y1, M * N);
+    free(sw), free(sc), free(W), free(x), free(y), free(y1), free(want), free(mag);
+    return bad;
+}
+
 /* ---------------------------------------------------------------- attention, norms, RoPE, SwiGLU (native.c) */
 
 /* Paged decode attention: B sequences of lens[b] positions in blocks of bs scattered over the cache (block tables
@@ -404,6 +442,13 @@ int main(void) {
     bad |= check_q8(&s, 4, 6, 128, 64, 0);
     bad |= check_q8(&s, 9, 3, 64, 32, 0);
     bad |= check_q8(&s, 2, 512, 576, 576, 1);
+    /* W8A8: 4x4 tiles with row and column tails, K with a partial 64-byte chunk (96, 100), K in whole chunks,
+     * M = 70 past the parallel rounding's threshold, 512 x 576 weights split over the threads. */
+    bad |= check_w8a8(&s, 1, 7, 96, 0, 0.f);
+    bad |= check_w8a8(&s, 6, 9, 100, 1, 0.f);
+    bad |= check_w8a8(&s, 5, 13, 128, 0, 0.004f);
+    bad |= check_w8a8(&s, 70, 11, 1024, 1, 0.f);
+    bad |= check_w8a8(&s, 3, 512, 576, 0, 0.f);
     bad |= check_paged_attention(&s, 4, 2, 16);
     bad |= check_paged_attention(&s, 3, 1, 24);
     bad |= check_norms(&s, 3, 100);

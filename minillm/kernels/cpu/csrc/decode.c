@@ -24,10 +24,12 @@
 #include "quant.c"
 #include "native.c"
 
-enum { LIN_F32 = 0, LIN_INT8 = 1, LIN_INT4 = 2 };
+enum { LIN_F32 = 0, LIN_INT8 = 1, LIN_INT4 = 2, LIN_W8A8 = 3 };
 
 /* One linear layer y [M, N] = x [M, K] @ W^T (+ bias): fp32 W [N, K]; int8 codes [N, K] with scales [N, K/G];
- * Q4_1 packed [N, K/2] with scales and mins [N, K/G] (fp16 when scale_f16, else fp32).  bias fp32 [N] or NULL. */
+ * Q4_1 packed [N, K/2] with scales and mins [N, K/G] (fp16 when scale_f16, else fp32); W8A8: int8 codes [N, K]
+ * with per-channel scales [N] (G = K) and, in place of mins, the static input scale (one fp32) or NULL (dynamic,
+ * per token: quant.c w8a8_gemm).  bias fp32 [N] or NULL. */
 typedef struct {
     int64_t kind, scale_f16, N, K, G;
     const void *w, *scales, *mins;
@@ -53,7 +55,9 @@ static void linear_run(const linear_t *l, const float *x, float *y, int64_t M) {
         gemv_f32((const float *)l->w, x, l->bias, y, M, l->N, l->K);
         return;
     }
-    if (l->kind == LIN_INT8) {
+    if (l->kind == LIN_W8A8) {
+        w8a8_gemm((const int8_t *)l->w, l->scales, (int)l->scale_f16, (const float *)l->mins, x, y, M, l->N, l->K);
+    } else if (l->kind == LIN_INT8) {
         if (l->K % QB || l->G % QB)
             q8_gemm((const int8_t *)l->w, l->scales, (int)l->scale_f16, x, 0, y, M, l->N, l->K, l->G);
         else
@@ -118,10 +122,10 @@ void linear_stack(const linear_t *lins, int64_t n, const float *const *xs, float
 #pragma omp barrier
             const int64_t q = (l->N + 3) / 4; /* 4-row tiles */
             const int64_t n0 = q * t / T * 4, n1 = q * (t + 1) / T * 4;
-            if (l->kind != LIN_F32)
+            if (l->kind != LIN_F32 && l->kind != LIN_W8A8)
                 linear_rows(l, &xp, xs[i], ys[i], M, n0 < l->N ? n0 : l->N, n1 < l->N ? n1 : l->N);
-            else if (t == 0) /* no row-range fp32 GEMV here: native.c's opens a region, one thread inside a team */
-                gemv_f32((const float *)l->w, xs[i], l->bias, ys[i], M, l->N, l->K);
+            else if (t == 0) /* no row-range fp32 / W8A8 GEMM here: theirs open a region, one thread inside a team */
+                linear_run(l, xs[i], ys[i], M);
 #pragma omp barrier
         }
     }
@@ -131,7 +135,7 @@ void linear_stack(const linear_t *lins, int64_t n, const float *const *xs, float
 /* Bytes of one stored weight, scales and mins included, read per row: [row bytes of w, of scales, of mins]. */
 static void linear_row_bytes(const linear_t *l, int64_t out[3]) {
     const int64_t ng = l->G ? l->K / l->G : 0, sb = l->scale_f16 ? 2 : 4;
-    out[0] = l->kind == LIN_F32 ? 4 * l->K : l->kind == LIN_INT8 ? l->K : l->K / 2;
+    out[0] = l->kind == LIN_F32 ? 4 * l->K : l->kind == LIN_INT4 ? l->K / 2 : l->K;
     out[1] = l->kind == LIN_F32 ? 0 : ng * sb;
     out[2] = l->kind == LIN_INT4 ? ng * sb : 0;
 }

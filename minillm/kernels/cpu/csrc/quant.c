@@ -27,6 +27,8 @@
  * tile computes it and however many rows share the call (tests/kernels/test_linear_stack.py and test_native_
  * portability.py check it; vf_pin and TILE_Q8 below say why it needs care under -ffast-math).
  * Scales/mins are fp32 or fp16 (scale_f16 = 1); activations fp32 or bf16 (x_bf16 = 1; then y is bf16 too).
+ * Many rows (prefill): q8_q8_rows takes the weight rows in L2-sized blocks, every tile of input rows over a block.
+ * W8A8 (w8a8_gemm, at the end): int8 weights per channel times int8 activations rounded per token, exact int32 sums.
  * Build: cc -O3 -march=native -ffast-math -fopenmp -shared -fPIC on first use, cached.  Without AVX2 (or on ARM)
  * the integer path is plain C loops, correct everywhere and vectorised where the compiler can.
  */
@@ -48,6 +50,9 @@
 
 #define QTILE 8  /* input rows per register tile; more rows take more tiles over the same (L1-resident) weight row */
 #define QB 32    /* weights per block: Q4_1 / Q8_0 / Q8_1 */
+/* Many input rows (prefill): blocks of weight rows of about this many bytes stay in L2 while every tile of input
+ * rows passes over them, so each weight byte comes from memory once per call (q8_q8_rows, a8_rows). */
+#define L2_BLOCK (192 * 1024)
 /* Batch-1 4-row tiles prefetch the tile PF_TILES ahead (its weights, scales and mins) with locality hint PF_LOC
  * (1: prefetcht2 on x86, a fill of the outer caches rather than L1).  Measured on the SmolLM2 stack streamed from
  * memory (2 cores, AMD EPYC, C harness, 6 interleaved rounds, median ms for int4 / int8): 2 tiles into L1 (t0)
@@ -995,18 +1000,26 @@ static void q8_q8_rows(const int8_t *restrict W, const void *scales, int scale_f
             else q8_q8_row4(W + n * K, scales, scale_f16, n, x, out, K, 1);
             for (int r = 0; r < 4; r++) store_y(y, x_bf16, n + r, out[r]);
         }
-    for (; n < n1; n++)
+    /* Past one tile of input rows (prefill): weight rows in blocks of L2_BLOCK bytes, every tile of input rows over
+     * a block before the next (the tile's codes and steps stay in L1 across the block's rows).  Each (weight row,
+     * tile) is the same q8_q8_row call in either order: the same bits as row by row. */
+    const int64_t blk = M <= QTILE ? n1 - n : (L2_BLOCK / K > 1 ? L2_BLOCK / K : 1);
+    for (int64_t b0 = n; b0 < n1; b0 += blk) {
+        const int64_t b1 = b0 + blk < n1 ? b0 + blk : n1;
         for (int64_t m0 = 0; m0 < M; m0 += QTILE) {
-            float out[QTILE];
             const int64_t mr = M - m0 < QTILE ? M - m0 : QTILE;
+            for (int64_t r = b0; r < b1; r++) {
+                float out[QTILE];
 #define Q8_Q8(R)                                                                                               \
-    if (G == K) q8_q8_row(W + n * K, scales, scale_f16, n, x, m0, out, K, G, dwb, R, 0);                       \
-    else if (G == QB) q8_q8_row(W + n * K, scales, scale_f16, n, x, m0, out, K, G, dwb, R, 1);                 \
-    else q8_q8_row(W + n * K, scales, scale_f16, n, x, m0, out, K, G, dwb, R, 2)
-            TILE_Q8(mr, Q8_Q8)
+    if (G == K) q8_q8_row(W + r * K, scales, scale_f16, r, x, m0, out, K, G, dwb, R, 0);                       \
+    else if (G == QB) q8_q8_row(W + r * K, scales, scale_f16, r, x, m0, out, K, G, dwb, R, 1);                 \
+    else q8_q8_row(W + r * K, scales, scale_f16, r, x, m0, out, K, G, dwb, R, 2)
+                TILE_Q8(mr, Q8_Q8)
 #undef Q8_Q8
-            for (int64_t m = 0; m < mr; m++) store_y(y, x_bf16, (m0 + m) * N + n, out[m]);
+                for (int64_t m = 0; m < mr; m++) store_y(y, x_bf16, (m0 + m) * N + r, out[m]);
+            }
         }
+    }
 }
 
 #define XPREP_STACK 32768 /* activations prepared on the stack up to this many bytes (M = 8, K = 1536 takes 22 KB) */
@@ -1030,6 +1043,252 @@ void q8_gemm_q8(const int8_t *restrict W, const void *scales, int scale_f16, con
     SPLIT_ROWS(N, K, Q8_Q8_ROWS);
 #undef Q8_Q8_ROWS
     if (x.mem != buf) free(x.mem);
+}
+
+/* ---------------------------------------------------------------- W8A8: int8 x int8 -> int32 GEMM, any M */
+
+/* W8A8 (quant/activation.py): int8 weights W [N, K] with one scale per output channel sw [N] (fp32 or fp16), and
+ * int8 activations rounded per token — one scale per row of x, sx = max|x_m| / 127 (clamped to FLT_MIN), "dynamic" —
+ * or with one calibrated per-tensor scale sx = *input_scale ("static", codes clamped to +-127):
+ *     xq[m, k] = clamp(rint(x[m, k] / sx[m]), -127, 127),   y[m, n] = (float)(sum_k xq[m, k] * W[n, k]) * (sx[m] * sw[n])
+ * The integer sum is exact in int32 (|sum| <= 127^2 K), so its order does not matter: every path (VNNI vpdpbusd,
+ * AVX2, plain C), every tile and every row count gives the same integer, and the epilogue is one convert and one
+ * product per element, written as quant.activation.w8a8_linear_int_mm computes it (acc * (sx * sw)) — the same bits
+ * as that torch._int_mm path, not only the same value up to rounding: the rounding divides exactly (a8_row) and
+ * the scale product is pinned (f_pin), so -ffast-math neither reassociates it nor fuses it into the convert.
+ *
+ * Blocking, for M in the hundreds (prefill) as for decode rows: the N weight rows split over the threads; each
+ * thread takes blocks of A8_NB weight rows (sized so a block of L2_BLOCK bytes stays in L2) and sweeps every
+ * activation row over the block in tiles of 4 activation rows x 4 weight rows: 16 integer accumulators (VNNI: 16
+ * zmm registers), per 64 bytes of K 4 weight and 4 activation loads for 16 vpdpbusd.  A tile's 4 activation rows
+ * (4K bytes) stay in L1 across the block's weight tiles; the block's weights in L2 across all activation rows, so
+ * each weight byte comes from memory once per call and each activation byte once per block.
+ * On VNNI the weights enter vpdpbusd as w + 128 (unsigned, one xor per 64 bytes, amortised over the tile's 4 rows)
+ * and each row's sum is corrected by -128 * sum_k xq[m, k] (a8_t.xs): the same integer.  Cost of the activation
+ * rounding: one read of x, M*K bytes written, before the threads split the rows (rows in parallel past 64K). */
+
+typedef struct {
+    void *mem;
+    int8_t *xq;  /* [M, kp] codes, zero-padded to whole 64-byte chunks */
+    float *sx;   /* [M] */
+    int32_t *xs; /* [M] sum of the row's codes */
+    int64_t kp;
+} a8_t;
+
+INLINE float f_pin(float a) { /* a, opaque to the optimiser (see vf_pin) */
+    __asm__("" : "+m"(a));
+    return a;
+}
+
+/* One row's rounding, compiled without the fast-math licence to approximate a division: under -ffast-math GCC
+ * divides vectors by a reciprocal estimate refined by a Newton step (x86 -mrecip's default) and clang may multiply
+ * by a hoisted 1 / d, either of which rounds a quotient near k + 1/2 to the other side of it from the reference. */
+#if defined(__clang__)
+#pragma float_control(precise, on, push)
+#elif defined(__GNUC__)
+#pragma GCC push_options
+#pragma GCC optimize("no-unsafe-math-optimizations")
+#endif
+static void a8_row(const float *restrict x, const float *input_scale, int64_t K, int8_t *restrict q, float *sx,
+                   int32_t *xs) {
+    float s;
+    if (input_scale) {
+        s = *input_scale;
+    } else {
+        float amax = 0.f;
+        for (int64_t k = 0; k < K; k++) amax = fmaxf(amax, fabsf(x[k]));
+        s = amax / 127.f;
+        if (!(s >= 1.17549435e-38f)) s = 1.17549435e-38f; /* clamp_min(FLT_MIN), as the reference */
+    }
+    const float d = s;
+    int32_t sum = 0;
+    for (int64_t k = 0; k < K; k++) {
+        float v = x[k] / d;
+        v = v > 127.f ? 127.f : v < -127.f ? -127.f : v; /* clamping first rounds the same: the bounds are integers */
+        q[k] = (int8_t)lrintf(v); /* the current mode, half to even, as torch.round (a convert instruction; rintf
+                                   * under -ffast-math may become x + 2^23 - 2^23, which reassociates to x) */
+        sum += q[k];
+    }
+    *sx = s, *xs = sum;
+}
+#if defined(__clang__)
+#pragma float_control(pop)
+#elif defined(__GNUC__)
+#pragma GCC pop_options
+#endif
+
+static a8_t a8_prep(const float *x, const float *input_scale, int64_t M, int64_t K, void *buf, size_t buf_bytes) {
+    a8_t a;
+    a.kp = (K + CHUNK - 1) / CHUNK * CHUNK;
+    const size_t bytes = (size_t)M * (a.kp + 8);
+    a.mem = bytes <= buf_bytes ? memset(buf, 0, bytes) : calloc(1, bytes); /* zeros: the chunks' padding */
+    a.sx = (float *)a.mem, a.xs = (int32_t *)(a.sx + M), a.xq = (int8_t *)(a.xs + M);
+#pragma omp parallel for if (M * K >= (1 << 16))
+    for (int64_t m = 0; m < M; m++) a8_row(x + m * K, input_scale, K, a.xq + m * a.kp, a.sx + m, a.xs + m);
+    return a;
+}
+
+/* the integer accumulator: 16 int32 lanes, + w . x per 4 bytes */
+#if QSIMD == 512
+typedef __m512i a8acc;
+INLINE a8acc a8_zero(void) { return _mm512_setzero_si512(); }
+INLINE int32_t a8_sum(a8acc a) { return _mm512_reduce_add_epi32(a); }
+INLINE void a8_sum4(a8acc a, a8acc b, a8acc c, a8acc d, int32_t out[4]) { /* vf_sum4's tree, in integers */
+    const __m512i ab = _mm512_add_epi32(_mm512_shuffle_i32x4(a, b, 0x44), _mm512_shuffle_i32x4(a, b, 0xEE));
+    const __m512i cd = _mm512_add_epi32(_mm512_shuffle_i32x4(c, d, 0x44), _mm512_shuffle_i32x4(c, d, 0xEE));
+    __m512i v = _mm512_add_epi32(_mm512_shuffle_i32x4(ab, cd, 0x88), _mm512_shuffle_i32x4(ab, cd, 0xDD));
+    v = _mm512_add_epi32(v, _mm512_shuffle_epi32(v, (_MM_PERM_ENUM)0x4E));
+    v = _mm512_add_epi32(v, _mm512_shuffle_epi32(v, (_MM_PERM_ENUM)0xB1));
+    _mm_storeu_si128((__m128i *)out, _mm512_castsi512_si128(_mm512_permutexvar_epi32(
+                                         _mm512_setr_epi32(0, 4, 8, 12, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0), v)));
+}
+#ifdef Q8_BIAS
+INLINE a8acc a8_dot(a8acc acc, q8w_t w, const int8_t *x) { return _mm512_dpbusd_epi32(acc, w, vb_load(x)); }
+#else
+INLINE a8acc a8_dot(a8acc acc, q8w_t w, const int8_t *x) { return _mm512_add_epi32(acc, q8_dot(w, x, NULL)); }
+#endif
+#elif QSIMD == 256
+typedef vi a8acc;
+INLINE a8acc a8_zero(void) {
+    a8acc r = {_mm256_setzero_si256(), _mm256_setzero_si256()};
+    return r;
+}
+INLINE int32_t a8_sum(a8acc a) {
+    const __m256i s = _mm256_add_epi32(a.a, a.b);
+    __m128i r = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+    r = _mm_add_epi32(r, _mm_shuffle_epi32(r, 0x4E));
+    r = _mm_add_epi32(r, _mm_shuffle_epi32(r, 0xB1));
+    return _mm_cvtsi128_si32(r);
+}
+#ifdef Q8_BIAS
+INLINE a8acc a8_dot(a8acc acc, q8w_t w, const int8_t *x) {
+    a8acc r = {DPBUSD(acc.a, w.a, _mm256_loadu_si256((const __m256i *)x)),
+               DPBUSD(acc.b, w.b, _mm256_loadu_si256((const __m256i *)x + 1))};
+    return r;
+}
+#else
+INLINE a8acc a8_dot(a8acc acc, q8w_t w, const int8_t *x) {
+    const vi d = q8_dot(w, x, NULL);
+    a8acc r = {_mm256_add_epi32(acc.a, d.a), _mm256_add_epi32(acc.b, d.b)};
+    return r;
+}
+#endif
+#else
+typedef vi a8acc;
+INLINE a8acc a8_zero(void) {
+    a8acc r = {{0}};
+    return r;
+}
+INLINE int32_t a8_sum(a8acc a) {
+    int32_t s = 0;
+    for (int l = 0; l < 16; l++) s += a.v[l];
+    return s;
+}
+INLINE a8acc a8_dot(a8acc acc, q8w_t w, const int8_t *x) {
+    const vi d = q8_dot(w, x, NULL);
+    for (int l = 0; l < 16; l++) acc.v[l] += d.v[l];
+    return acc;
+}
+#endif
+
+#if QSIMD != 512
+INLINE void a8_sum4(a8acc a, a8acc b, a8acc c, a8acc d, int32_t out[4]) {
+    out[0] = a8_sum(a), out[1] = a8_sum(b), out[2] = a8_sum(c), out[3] = a8_sum(d);
+}
+#endif
+
+/* R activation rows (m0..) x C weight rows (w, rows K bytes apart) -> the exact integer sums out[r][c]. */
+INLINE void a8_tile(const int8_t *restrict w, int64_t K, const a8_t *a, int64_t m0, int32_t out[4][4], const int R,
+                    const int C) {
+    a8acc acc[4][4];
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < C; c++) acc[r][c] = a8_zero();
+    const int64_t nc = K / CHUNK;
+    const int tail = (int)(K % CHUNK);
+    for (int64_t ch = 0; ch <= nc; ch++) {
+        if (ch == nc && !tail) break;
+        q8w_t wp[4];
+        for (int c = 0; c < C; c++) {
+            const int8_t *wc = w + c * K + ch * CHUNK;
+            wp[c] = q8_prep(ch < nc ? vb_load(wc) : vb_load_part(wc, tail)); /* padding: 0 (x is 0 there too) */
+        }
+        for (int r = 0; r < R; r++) {
+            const int8_t *xr = a->xq + (m0 + r) * a->kp + ch * CHUNK;
+            for (int c = 0; c < C; c++) acc[r][c] = a8_dot(acc[r][c], wp[c], xr);
+        }
+    }
+    for (int r = 0; r < R; r++) { /* 4 sums in one tree (a quarter of the shuffles): integers, any order is exact */
+        if (C == 4) a8_sum4(acc[r][0], acc[r][1], acc[r][2], acc[r][3], out[r]);
+        else
+            for (int c = 0; c < C; c++) out[r][c] = a8_sum(acc[r][c]);
+#ifdef Q8_BIAS
+        for (int c = 0; c < C; c++) out[r][c] -= 128 * a->xs[m0 + r]; /* sum (w + 128) x - 128 sum x */
+#endif
+    }
+}
+
+#define A8_TILE_R(R, C)                                                                                      \
+    switch (R) {                                                                                             \
+    case 1: a8_tile(w, K, a, m0, acc, 1, C); break; case 2: a8_tile(w, K, a, m0, acc, 2, C); break;          \
+    case 3: a8_tile(w, K, a, m0, acc, 3, C); break; default: a8_tile(w, K, a, m0, acc, 4, C); break;         \
+    }
+
+/* Weight rows n0..n1 of y for one thread (no OpenMP inside). */
+static void a8_rows(const int8_t *restrict W, const void *scales, int scale_f16, const a8_t *a, float *restrict y,
+                    int64_t M, int64_t N, int64_t K, int64_t n0, int64_t n1) {
+    int64_t nb = L2_BLOCK / (K > 0 ? K : 1) / 4 * 4;
+    nb = nb < 4 ? 4 : nb;
+    for (int64_t b0 = n0; b0 < n1; b0 += nb) {
+        const int64_t b1 = b0 + nb < n1 ? b0 + nb : n1;
+        for (int64_t m0 = 0; m0 < M; m0 += 4) {
+            const int64_t mr = M - m0 < 4 ? M - m0 : 4;
+            for (int64_t n = b0; n < b1; n += 4) {
+                const int8_t *w = W + n * K;
+                const int64_t nr = b1 - n < 4 ? b1 - n : 4;
+                int32_t acc[4][4];
+                if (nr == 4) { A8_TILE_R(mr, 4) }
+                else { A8_TILE_R(mr, 1) } /* the last 1..3 rows of the block: one at a time */
+                if (nr != 4)
+                    for (int64_t c = 1; c < nr; c++) {
+                        int32_t one[4][4];
+                        const int8_t *w1 = w + c * K;
+                        switch (mr) {
+                        case 1: a8_tile(w1, K, a, m0, one, 1, 1); break;
+                        case 2: a8_tile(w1, K, a, m0, one, 2, 1); break;
+                        case 3: a8_tile(w1, K, a, m0, one, 3, 1); break;
+                        default: a8_tile(w1, K, a, m0, one, 4, 1); break;
+                        }
+                        for (int64_t r = 0; r < mr; r++) acc[r][c] = one[r][0];
+                    }
+                for (int64_t r = 0; r < mr; r++)
+                    for (int64_t c = 0; c < nr; c++) {
+                        const float s = f_pin(a->sx[m0 + r] * scale_at(scales, scale_f16, n + c));
+                        y[(m0 + r) * N + n + c] = (float)acc[r][c] * s;
+                    }
+            }
+        }
+    }
+}
+#undef A8_TILE_R
+
+/* y [M, N] fp32 = W8A8(x [M, K] fp32, W [N, K] int8, sw [N]); input_scale: one fp32 (static) or NULL (per token). */
+void w8a8_gemm(const int8_t *restrict W, const void *scales, int scale_f16, const float *input_scale,
+               const float *x, float *y, int64_t M, int64_t N, int64_t K) {
+    _Alignas(64) unsigned char buf[XPREP_STACK];
+    const a8_t a = a8_prep(x, input_scale, M, K, buf, sizeof buf);
+    const a8_t *ap = &a;
+#define A8_ROWS(n0, n1) a8_rows(W, scales, scale_f16, ap, y, M, N, K, n0, n1)
+    SPLIT_ROWS(N, M * K, A8_ROWS);
+#undef A8_ROWS
+    if (a.mem != buf) free(a.mem);
+}
+
+/* The activation rounding alone (tests compare it with quant.activation.quantize_activation_int8): codes [M, K],
+ * scales [M]. */
+void w8a8_quantize(const float *x, const float *input_scale, int64_t M, int64_t K, int8_t *codes, float *scales) {
+    const a8_t a = a8_prep(x, input_scale, M, K, NULL, 0);
+    for (int64_t m = 0; m < M; m++) memcpy(codes + m * K, a.xq + m * a.kp, K), scales[m] = a.sx[m];
+    free(a.mem);
 }
 
 /* 1 when compiled with OpenMP (rows split across threads), else 0. */
