@@ -139,18 +139,26 @@ def _prompts(vocab: int, batch: int, prompt_len: int) -> list[list[int]]:
 
 
 # ------------------------------------------------------------------------------------------------ minillm
+ENGINE_MODES = ("eager", "graphs", "compiled", "auto")  # how ``time_engine`` runs the engine's decode steps
+
+
 def time_engine(model, prompts: list[list[int]], n_tokens: int, mode: str) -> tuple[float, int | None]:
-    """Greedy decode of ``n_tokens`` for every prompt in one batch on an ``LLMEngine``; ``mode`` "eager" |
-    "graphs" (``enforce_eager=False``) | "compiled" (kernels="compiled").  -> (median seconds per decode step,
-    kernels of one decode step).  The whole batch prefills in the first step, so every later step is a decode."""
+    """Greedy decode of ``n_tokens`` for every prompt in one batch on an ``LLMEngine``; ``mode`` "eager"
+    (``enforce_eager=True``: every layer from Python) | "graphs" (``enforce_eager=False``) | "compiled"
+    (kernels="compiled") | "auto" (``enforce_eager=None``: the engine's own pick, the fused native step on CPU
+    fp32).  -> (median seconds per decode step, kernels of one decode step).  The whole batch prefills in the first
+    step, so every later step is a decode.  ``ValueError`` for another ``mode``."""
     from minillm import EngineConfig, LLMEngine, SamplingParams
 
+    if mode not in ENGINE_MODES:
+        raise ValueError(f"mode must be one of {', '.join(ENGINE_MODES)}, got {mode!r}")
     B, P = len(prompts), len(prompts[0])
     kernels = model.kernels
     if mode == "compiled":
         model.set_kernels("compiled")
     try:
-        cfg = EngineConfig(max_num_seqs=B, max_num_batched_tokens=max(512, B * P), enforce_eager=mode == "eager",
+        eager = {"eager": True, "auto": None}.get(mode, False)
+        cfg = EngineConfig(max_num_seqs=B, max_num_batched_tokens=max(512, B * P), enforce_eager=eager,
                            max_model_len=P + n_tokens + 1, num_kv_blocks=B * (-(-(P + n_tokens + 1) // 16)) + 1)
         eng = LLMEngine(model, config=cfg)
         params = SamplingParams(max_tokens=n_tokens, temperature=0.0, ignore_eos=True)
