@@ -10,10 +10,13 @@ that as a % of the copy bandwidth measured in the same run.  ``--model PATH`` be
 
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
 import json
+import os
 import platform
 import statistics
+import sys
 import time
 from dataclasses import asdict, dataclass
 from functools import partial
@@ -85,13 +88,29 @@ def copy_bandwidth(device: torch.device, nbytes: int | None = None, repeats: int
     return 2 * nbytes / statistics.median(times)
 
 
+@contextlib.contextmanager
+def _quiet_stderr():
+    """File descriptor 2 sent to /dev/null for the block: the profiler's C++ side (Kineto) writes a log line to it
+    when it starts and stops, which a notebook would show above its results.  Python exceptions still propagate."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 2)
+            yield
+    finally:
+        sys.stderr.flush()
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
 def count_kernels(fn, device: torch.device) -> int:
     """Kernels ``fn()`` runs: device kernels (CUDA, graph replays included) or, on CPU, ATen ops (nested ones
     counted, as ``perf.profile``) plus native calls do not show (ctypes): a CPU count is a lower bound."""
     from torch.profiler import ProfilerActivity, profile
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    with profile(activities=acts) as prof:
+    with _quiet_stderr(), profile(activities=acts) as prof:
         fn()
         _sync(device)
     events = prof.events()
