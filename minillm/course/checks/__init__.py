@@ -70,6 +70,7 @@ from minillm.course.checks.serving import (
     check_arrival_times,
     check_parse_stream,
     check_prediction_server,
+    check_serving_knobs,
     check_sse_stream,
 )
 from minillm.course.checks.smoothquant import check_fold_into_norm, check_smoothing_factors
@@ -91,4 +92,5 @@ __all__ += ["check_int4_linear_ref", "check_prediction_int4", "check_quantize", 
 __all__ += ["check_fold_into_norm", "check_smoothing_factors"]  # notebook 07, activation quantization
 __all__ += ["check_ngram_lookup", "check_rejection_sample", "check_truncate"]  # notebook 08
 __all__ += ["check_arrival_times", "check_parse_stream", "check_prediction_server", "check_sse_stream"]  # 09
+__all__ += ["check_serving_knobs"]  # notebook 09, the goodput challenge
 __all__ += ["check_gpipe_schedule", "check_layer_comm_time", "check_shard_linear"]  # notebook 10
