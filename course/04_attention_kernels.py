@@ -16,7 +16,8 @@
 # softmax results (exercise 4.1) and one tile step of FlashAttention (4.2) in PyTorch, plug both into the
 # model's decode, read and run minillm's Triton kernels (on a CPU through Triton's interpreter, at tiny sizes),
 # write flash-decoding's tile loop in Triton (4.3) and decode the model through it, then predict (4.0) and time
-# attention on this device and place it on the roofline.
+# attention on this device and place it on the roofline; last, predict (4.4) and measure what a whole decode step
+# pays beyond its bytes — launch overhead — eager, compiled, with CUDA graphs and as one fused native call.
 # Runs in about two minutes on a 2-core CPU; on a GPU it uses the GPU and times the Triton kernels.
 
 # %%
@@ -39,10 +40,12 @@ from torch import Tensor
 
 from minillm import LLM, SamplingParams, kernels
 from minillm.course import checks
-from minillm.course.predictions import predict_attention_gb_s
+from minillm.course.conclusions import conclude
+from minillm.course.predictions import predict_attention_gb_s, predict_eager_step_ms
 from minillm.engine.simple import generate
 from minillm.kernels.reference import attention_partial, grouped_attention
 from minillm.perf.bench.attention import bench_attention
+from minillm.perf.bench.decode import time_engine
 from minillm.kv.contiguous import KVCache
 from minillm.perf import roofline
 
@@ -458,6 +461,101 @@ roofline.plot_roofline(spec, points, dtype=rows[0]["dtype"])
 plt.show()
 
 # %% [markdown]
+# ## 7. Launch overhead: what a decode step costs beyond its bytes
+#
+# The roofline prices a decode step by its bytes: every weight read once, ÷ the bandwidth. But the engine does not
+# run "a step": it runs a few dozen small ops per layer — views, norms, GEMVs, RoPE, attention, adds — and each is
+# one trip through Python, PyTorch's dispatcher and, on a GPU, one kernel launch (a few µs of CPU time while the GPU
+# may sit idle). At batch 1 of a small model each GEMV moves little, so that fixed cost per op adds up to a large
+# share of the step. Three ways to pay it less often:
+#
+# - **`torch.compile`** traces the step and fuses its elementwise ops into fewer, bigger kernels (inductor: C++
+#   loops on CPU, Triton on CUDA); the engine runs it with `kernels="compiled"`.
+# - **CUDA graphs** record a whole step's kernel launches once and replay them with one launch
+#   (`enforce_eager=False`, the engine's default on CUDA): the ops stay, their launch cost goes.
+# - **A fused native step** (`engine/native_runner.py`, the engine's default on CPU in fp32): every layer in one
+#   call of C code, so Python and the dispatcher are paid once per step instead of once per op.
+#
+# First the floor the bytes set, at batch 1 on this machine's roof:
+
+# %% tags=["slide-output"]
+launch_prompt_len, launch_tokens = 16, (8 if FAST else 32)
+launch_context = launch_prompt_len + launch_tokens // 2  # the average number of cached tokens while decoding
+step_cost = roofline.decode_step_cost(config, 1, launch_context, dtype)
+floor_ms = step_cost.bytes / spec.memory_bandwidth * 1e3
+print(f"one batch-1 decode step of {config.num_layers} layers reads {step_cost.bytes / 1e6:.1f} MB "
+      f"({step_cost.intensity:.2f} FLOP/byte): at {spec.memory_bandwidth / 1e9:.1f} GB/s the floor is "
+      f"{floor_ms:.2f} ms")
+
+# %% [markdown]
+# Your prediction: how long will one eager decode step take (ms), where every op is dispatched from Python? Start
+# from the floor and add what you think each layer's ops cost.
+
+# %%
+# exercise 4.4: minillm.course.predictions.predict_eager_step_ms
+
+# %%
+my_launch_prediction = None  # stays None while the prediction exercise is unwritten
+my_launch_prediction = checks.check_prediction_launch(predict_eager_step_ms, floor_ms, config.num_layers)
+
+# %% [markdown]
+# Now the engine's decode steps at batch 1, one way of running them after another (`time_engine`: a fresh engine per
+# mode, the median step after the prefill), with the ATen ops of one step counted by `torch.profiler` — on a GPU the
+# CUDA kernels instead. Native code called through ctypes does not show in the profiler, so the fused step's count
+# is the few ops left around it.
+
+# %% tags=["slide-output"]
+# NBVAL_IGNORE_OUTPUT
+launch_prompt = [[random.randrange(100, config.vocab_size) for _ in range(launch_prompt_len)]]
+modes = {"eager": "eager (every op from Python)"}
+if device == "cuda":
+    modes |= {"compiled": "torch.compile", "graphs": "CUDA graphs"}
+else:
+    print("torch.compile: skipped on CPU — inductor builds C++ for every batch bucket, minutes on a small CPU, and "
+          "on CPU it only fuses the small elementwise ops around GEMVs the native kernels already stream")
+    print("CUDA graphs: they replay a step's kernel launches on a GPU; run this notebook on CUDA to measure them")
+if device == "cpu" and model.dtype == torch.float32:
+    modes["auto"] = "fused native step"
+else:
+    print("fused native step: minillm's native decode stack runs on CPU in fp32 only")
+launch = {}
+for mode, name in modes.items():
+    seconds, ops = time_engine(model, launch_prompt, launch_tokens, mode)
+    launch[name] = (seconds * 1e3, ops)
+    print(f"{name:30} {seconds * 1e3:8.2f} ms per step, {ops:5d} {'kernels' if device == 'cuda' else 'ATen ops'}, "
+          f"{floor_ms / (seconds * 1e3):6.1%} of the bytes bound")
+
+# %% tags=["slide-output"]
+# NBVAL_IGNORE_OUTPUT
+eager_ms, eager_ops = launch["eager (every op from Python)"]
+launch_verdict = checks.judge_prediction(my_launch_prediction, eager_ms, bound=floor_ms, what="an eager decode step",
+                                         unit="ms", lower_is_faster=True, bound_name="the bytes floor",
+                                         see="the rest is the fixed cost of its ops")
+per_op_us = max(eager_ms - floor_ms, 0.0) / eager_ops * 1e3
+print(f"time beyond the bytes floor per op of the eager step: ({eager_ms:.2f} − {floor_ms:.2f}) ms ÷ {eager_ops} "
+      f"ops = {per_op_us:.1f} µs per op" + (" (the step did not exceed the floor: no overhead to share out)"
+                                            if eager_ms <= floor_ms else ""))
+for name, (ms, ops) in launch.items():
+    if name.startswith("eager"):
+        continue
+    conclude(f"{name} ÷ eager step time", ms / eager_ms, 1.0, expect="<", unit="×",
+             held=f"{name} saves {eager_ms - ms:.2f} ms per step by running {eager_ops - ops} fewer ops from Python "
+                  f"({(eager_ms - ms) / max(eager_ops - ops, 1) * 1e3:.1f} µs per op removed)",
+             missed=f"{name} is no faster than eager here: the ops it removes cost less than the work it adds "
+                    "(or a busy machine hid the gain; rerun)")
+
+# %% [markdown]
+# On the roofline all of them sit at the same intensity — the same bytes and FLOPs per step — so the only thing that
+# moves is the height: how close each way of running the step gets to the bandwidth roof.
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+launch_points = [roofline.RooflinePoint.from_cost(f"decode B=1, {name}", step_cost, ms / 1e3)
+                 for name, (ms, _) in launch.items()]
+roofline.plot_roofline(spec, launch_points, dtype=dtype)
+plt.show()
+
+# %% [markdown]
 # ## Takeaways
 #
 # - Naive attention moves 4·B·H_q·L·S extra elements (scores and probabilities through memory): quadratic in
@@ -472,3 +570,6 @@ plt.show()
 #   SDPA's backends apply the same ideas automatically.
 # - Decode attention stays memory bound whatever the kernel: its ceiling is bandwidth × 2·G ÷ bytes per element
 #   (notebook 03). The next levers are reading fewer bytes: paging without waste (05), quantized KV (07).
+# - At batch 1 a decode step also pays a fixed cost per op (Python, the dispatcher, a kernel launch) on top of its
+#   bytes. Fewer ops (`torch.compile`, a fused native step) or cheaper launches (CUDA graphs) close that gap; the
+#   bytes floor stays — section 7 printed how far each way of running the step got from it here.

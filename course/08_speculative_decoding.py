@@ -169,6 +169,35 @@ plt.tight_layout()
 plt.show()
 
 # %% [markdown]
+# The same forwards on this machine's roofline. A forward of L = γ + 1 rows reads every weight once and does L rows
+# of arithmetic with it, so its intensity grows about L-fold (x, from the cost model), while y is its FLOPs ÷ the
+# time measured above. As long as the points climb along the sloped bandwidth roof, the extra rows ride on the same
+# weight read and verification is nearly free; once they reach the ridge they flatten against the compute roof and
+# every extra guess costs its full arithmetic. **Predict** first: at which γ does this machine's ridge fall?
+
+# %% tags=["slide-output"]
+# NBVAL_IGNORE_OUTPUT
+ridge_here = roofline.ridge_point(machine, dtype)
+shown = {LENGTHS[0], LENGTHS[len(LENGTHS) // 2], LENGTHS[-1]}  # labelled points (the others sit between them)
+verify_points = [roofline.RooflinePoint.from_cost(f"verify γ={L - 1}" if L in shown else "",
+                                                  verify_cost(config, 1, L, dtype), measured_fwd[L], phase="decode")
+                 for L in LENGTHS]
+for L in LENGTHS:
+    cost = verify_cost(config, 1, L, dtype)
+    print(f"γ = {L - 1:2d}: {cost.intensity:6.2f} FLOP/byte, {cost.flops / measured_fwd[L] / 1e9:7.2f} GFLOP/s "
+          f"measured, {cost.flops / measured_fwd[L] / roofline.attainable_flops(machine, cost.intensity, dtype):6.1%}"
+          " of the roofline")
+print(f"this machine's ridge: {ridge_here:.2f} FLOP/byte in {dtype}")
+roofline.plot_roofline(machine, verify_points, dtype=dtype)
+plt.show()
+conclude(f"one forward of L = {LENGTHS[-1]} rows ÷ one decode step", measured_fwd[LENGTHS[-1]] / step_1,
+         float(LENGTHS[-1]), expect="<", unit="×",
+         held=f"checking {LENGTHS[-1]} tokens at once costs less than {LENGTHS[-1]} decode steps here: the rows share "
+              "one weight read",
+         missed=f"checking {LENGTHS[-1]} tokens at once costs as much as {LENGTHS[-1]} decode steps here: the forward "
+                "is compute bound, and verification saves nothing")
+
+# %% [markdown]
 # On an H100 a forward of 16 tokens costs about what a single token does: the step is a weight read either way.
 # That is the room speculative decoding uses. On a CPU the ridge is an order of magnitude or two lower, so the
 # forward turns compute bound after a handful of tokens and every extra guess costs real time: a CPU wants a small

@@ -20,7 +20,8 @@
 # **In this notebook** you predict what throughput the engine can sustain from its batch curve (notebook 06) and
 # the roofline, write the load generator's arrival schedule (exercise 9.1) and its client-side clock (9.2) and the
 # server's side of a stream, its SSE events (9.3), start minillm's OpenAI-compatible server, call it with the official `openai` client, load it at several request rates
-# with the same generator you would point at vLLM or SGLang, read its Prometheus metrics, overload it into
+# with the same generator you would point at vLLM or SGLang, tune the engine's options for goodput under an SLO
+# (9.4), read its Prometheus metrics, overload it into
 # 429s, watch a disconnect free KV blocks, compare with plain transformers `generate` on the same prompts, and
 # end with a map of the production engines. About two minutes on a 2-core CPU; on a GPU it uses the GPU.
 
@@ -56,6 +57,7 @@ from minillm.perf import roofline
 from minillm.perf.bench import serve as loadgen
 from minillm.perf.bench.serve import BenchRequest, RequestResult
 from minillm.perf.bench.serving import hf_padded_generate
+from minillm.perf.simulate import ServingReport, replay
 from minillm.perf.workloads import RequestSpec
 
 FAST = os.environ.get("MINILLM_COURSE_FAST") == "1"  # set by the course tests: same cells, smaller sizes
@@ -479,6 +481,44 @@ ax.set_title(f"Decode steps on this {device}'s roofline ({dtype})")
 plt.show()
 
 # %% [markdown]
+# ### Challenge: goodput under the SLO (exercise 9.4)
+#
+# Throughput is what the machine does; **goodput** is what users get: requests per second that met *both* SLO
+# targets (TTFT and TPOT above). The engine's options decide it: how many sequences share a step
+# (`max_num_seqs`: more raises throughput, and each step's time, so TPOT), how many tokens a step may carry
+# (`max_num_batched_tokens`: a long prefill in one step stalls every running decode), whether a prompt may be
+# split over steps (`chunked_prefill`), the batching `policy`, the prefix cache, the KV budget (`num_kv_blocks`).
+# `minillm.course.challenges.CHALLENGE_KNOBS` lists what you may set.
+#
+# Below, the same seeded trace — Poisson arrivals at about the capacity measured in section 1 — is replayed on the
+# engine in this process (no HTTP, so it measures the engine's choices alone), once with the engine's defaults and
+# once with your options. Return your options from `serving_knobs`; the check fails only an invalid configuration
+# (an unknown option, one `EngineConfig` refuses, or one that cannot serve the trace). How much goodput you gained
+# is the result: read the percentiles to see which target the misses hit, change one option at a time, run again.
+
+# %%
+# exercise 9.4: minillm.course.challenges.serving_knobs
+
+# %% tags=["slide-output"]
+# NBVAL_IGNORE_OUTPUT
+challenge_rate = float(f"{capacity_tok_s / MAX_TOKENS:.2g}")  # requests/s at about the engine's capacity
+challenge_trace = [RequestSpec(t, tuple(ids), MAX_TOKENS) for t, ids in
+                   zip(loadgen.arrival_times(N_REQUESTS, challenge_rate, seed=1), chat_ids[:N_REQUESTS],
+                       strict=True)]
+print(f"the trace: {N_REQUESTS} requests at {challenge_rate:g} req/s (Poisson, seed 1), {MAX_TOKENS} tokens each; "
+      f"SLO: TTFT ≤ {SLO[0] * 1e3:.0f} ms and TPOT ≤ {SLO[1] * 1e3:.0f} ms")
+
+
+def replay_with(options: dict) -> ServingReport:
+    """The challenge trace replayed on a fresh engine with ``options`` (EngineConfig fields; the rest defaults)."""
+    engine = LLMEngine(model, llm.tokenizer, EngineConfig(**options))
+    return replay(engine, challenge_trace, ttft_slo_s=SLO[0], tpot_slo_s=SLO[1], warmup=True,
+                  label=str(options or "defaults"))
+
+
+challenge = checks.check_serving_knobs(serving_knobs, measure=replay_with)
+
+# %% [markdown]
 # ## 5. Operating the server
 #
 # ### Metrics
@@ -701,7 +741,7 @@ for piece in (b"20", b"24", b"-1", b"2-", b"31"):
 print(f"  '2024-13' leads to state {dfa.walk(dfa.start, b'2024-13')} (dead: no month 13)")
 
 # %% [markdown]
-# ### Exercise 9.4 — `token_mask`: which tokens keep the automaton alive
+# ### Exercise 9.5 — `token_mask`: which tokens keep the automaton alive
 #
 # The vocabulary arrives as a table: `token_bytes[t]` holds token t's bytes, zero-padded to the longest token,
 # and `lengths[t]` how many there are (0 for special tokens, which spell nothing). Return the bool mask [V] of the
@@ -711,7 +751,7 @@ print(f"  '2024-13' leads to state {dfa.walk(dfa.start, b'2024-13')} (dead: no m
 # in that column. (The end-of-sequence token is handled by the caller: allowed where the state accepts.)
 
 # %%
-# exercise 9.4: minillm.sampling.regex.token_mask
+# exercise 9.5: minillm.sampling.regex.token_mask
 
 # %%
 # NBVAL_CHECK_OUTPUT

@@ -52,8 +52,9 @@ from minillm.distributed.executor import tp_forward, tp_generate
 from minillm.distributed.pipeline import bubble_fraction, gpipe_bubble, pp_forward, pp_generate
 from minillm.distributed.worker import run_workers
 from minillm.engine.llm_engine import LLMEngine
-from minillm.layers.parallel import valid_tp_sizes
+from minillm.layers.parallel import padded_vocab, rank_config, valid_tp_sizes
 from minillm.models.configs import llama2_70b_config
+from minillm.perf import roofline
 from minillm.perf.bench import disagg as disagg_bench
 from minillm.perf.bench import tp as tp_bench
 from minillm.perf.disagg import KV_LINKS, kv_transfer_bytes, transfer_seconds
@@ -242,6 +243,40 @@ conclude(f"decode tok/s, TP=2 ÷ TP=1 with {CORES} threads", tok_s["TP=2, 1 thre
               "splitting the model (next paragraph)",
          missed="TP=2 does not beat one process with as many threads: the same cores and bandwidth, plus two "
                 "all-reduces per layer")
+
+# %% [markdown]
+# The same runs on this machine's roofline, per rank. Each rank reads 1/tp of every layer's weights and of the
+# vocabulary (its heads, its MLP units, its rows of the embedding): x = that share's intensity from the cost model,
+# y = its FLOPs ÷ the measured time per token. Splitting the weights leaves the intensity where it was (both
+# the bytes and the FLOPs are halved), so TP can only move a rank's point up, toward its own bandwidth roof; the
+# all-reduces are time in which the rank reads nothing, and pull it down.
+
+# %% tags=["slide-output"]
+# NBVAL_IGNORE_OUTPUT
+machine = roofline.machine_spec(device, quick=FAST, verbose=True)  # the cached roof: measured once per machine
+tp_context = len(tp_bench.PROMPT) + n_tokens // 2  # the average number of cached tokens while decoding
+
+
+def rank_step_cost(tp: int) -> roofline.Cost:
+    """One rank's share of a batch-1 decode step: its heads, MLP units and vocabulary rows."""
+    shard = dataclasses.replace(rank_config(config, tp), vocab_size=padded_vocab(config.vocab_size, tp) // tp)
+    return roofline.decode_step_cost(shard, 1, tp_context, "float32")
+
+
+comm_s = config.num_layers * ALLREDUCES_PER_LAYER * times[576]  # a token's all-reduces, from the measurement above
+tp_points = []
+for name, (tp, _) in runs.items():
+    cost, step_s = rank_step_cost(tp), 1 / tok_s[name]
+    tp_points.append(roofline.RooflinePoint.from_cost(f"decode {name}", cost, step_s))
+    print(f"{name:22s}: {cost.bytes / 1e6:6.1f} MB per rank per token, {step_s * 1e3:6.2f} ms per token "
+          f"({cost.bytes / machine.memory_bandwidth / step_s:6.1%} of one rank's bytes bound)"
+          + (f", of which all-reduces {comm_s * 1e3:.2f} ms" if tp > 1 else ""))
+roofline.plot_roofline(machine, tp_points, dtype="float32")
+plt.show()
+conclude("all-reduce time ÷ TP=2 decode time per token", comm_s * tok_s["TP=2, 1 thread each"] * 100, 50.0,
+         expect="<", unit="%",
+         held="most of a TP=2 token is each rank's own compute and weight reads here, not communication",
+         missed="communication takes most of a TP=2 token here: latency-bound all-reduces outweigh the halved reads")
 
 # %% [markdown]
 # Read these numbers with the machine in mind. On two cores, TP=2 can at best use what TP=1 with two threads

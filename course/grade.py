@@ -20,7 +20,11 @@ Output: one line per notebook and exercise, then a table (one row per notebook, 
 ✓ passed, · unfinished, ✗ wrong, ⇢ delegates, ? missing), the totals per student (a student is the first folder
 under a directory given, e.g. ``submissions/alice/…``, or the notebook's name when it lies directly in it) and,
 for every exercise not passed, which one and the checker's message; ``--csv`` also writes
-``student,notebook,exercise,status,detail`` rows.  Exit status: 0 when every exercise of every notebook passed,
+``student,notebook,exercise,status,detail,prediction`` rows.  ``prediction`` is filled for the prediction exercises
+(N.0, and 4.4): what the notebook's ``judge_prediction`` said of the student's number once it was measured —
+"held" (within 15 % of the measurement), "too optimistic ×k" / "too pessimistic ×k", or "impossible: beats the
+bound" (faster than the roofline bound allows, whatever the measurement); empty when no verdict was printed (the
+prediction unwritten, or its measuring cell failed).  Exit status: 0 when every exercise of every notebook passed,
 1 otherwise, 2 when no notebook was found.
 """
 
@@ -28,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import re
 import sys
 from pathlib import Path
 
@@ -39,6 +44,9 @@ import build  # noqa: E402  (course/build.py: execute(), checker_exercises())
 STATUSES = ("passed", "unfinished", "wrong", "delegates-to-library", "missing")
 MARKS = {"passed": "✓", "unfinished": "·", "wrong": "✗", "delegates-to-library": "⇢", "missing": "?"}
 DELEGATION_ERROR = "LibrarySolutionCalled"  # minillm.course.checks.registry.LibrarySolutionCalled
+# What ``minillm.course.checks.judge_prediction`` prints of a prediction (its wording, read back here).
+_OFF_BY = re.compile(r"your prediction was (?P<k>[\d.,]+)× too (?P<way>optimistic|pessimistic)")
+_HELD, _BEYOND = "your prediction held", "your prediction is beyond"
 
 
 def find_notebooks(paths: list[Path]) -> list[Path]:
@@ -84,10 +92,15 @@ def problems(graded: dict[str, dict[str, tuple[str, str]]], students: dict[str, 
     return "\n".join(lines) if lines else "every exercise passed"
 
 
+def run(path: Path, fast: bool = False, timeout: int = 900) -> nbformat.NotebookNode:
+    """One notebook executed afresh in its own folder (errors kept as outputs)."""
+    nb = nbformat.read(path, as_version=4)
+    return build.execute(nb, cwd=path.parent, fast=fast, allow_errors=True, timeout=timeout)
+
+
 def grade(path: Path, fast: bool = False, timeout: int = 900) -> dict[str, tuple[str, str]]:
     """{exercise number: (status, detail)} for one notebook, executed afresh."""
-    nb = nbformat.read(path, as_version=4)
-    return judge(build.execute(nb, cwd=path.parent, fast=fast, allow_errors=True, timeout=timeout))
+    return judge(run(path, fast, timeout))
 
 
 def _status(number: str, text: str, errors: list) -> tuple[str, str]:
@@ -122,6 +135,41 @@ def judge(ran: nbformat.NotebookNode) -> dict[str, tuple[str, str]]:
     return dict(sorted(results.items(), key=lambda kv: tuple(int(x) for x in kv[0].split("."))))
 
 
+def is_prediction(number: str) -> bool:
+    """Whether exercise ``number`` is a prediction (its checker was made by ``prediction_checker``)."""
+    ex = build.EXERCISES.get(number)
+    return ex is not None and hasattr(ex.check, "bound")
+
+
+def prediction_verdict(text: str) -> str:
+    """The verdict ``judge_prediction`` printed in ``text``: "impossible: beats the bound", "held",
+    "too optimistic ×k", "too pessimistic ×k", or "" when it printed none."""
+    if _BEYOND in text:  # a prediction past the bound is impossible, however close the measurement came
+        return "impossible: beats the bound"
+    if _HELD in text:
+        return "held"
+    m = _OFF_BY.search(text)
+    return f"too {m['way']} ×{m['k']}" if m else ""
+
+
+def prediction_verdicts(ran: nbformat.NotebookNode) -> dict[str, str]:
+    """{prediction exercise number: verdict} from an executed notebook: each verdict printed by a cell goes to the
+    latest prediction checked before it (or in it) that has none yet — the notebook's order: record the number,
+    measure, judge."""
+    pending: list[str] = []
+    verdicts: dict[str, str] = {}
+    for cell in ran.cells:
+        if cell.cell_type != "code":
+            continue
+        numbers = cell.metadata.get("minillm", {}).get("checks") or build.checker_exercises(cell.source)
+        pending += [n for n in numbers if is_prediction(n)]
+        text = "".join(o.get("text", "") for o in cell.outputs if o.output_type == "stream")
+        verdict = prediction_verdict(text)
+        if verdict and pending:
+            verdicts[pending.pop()] = verdict
+    return verdicts
+
+
 def table(graded: dict[str, dict[str, tuple[str, str]]]) -> str:
     """One row per notebook, one column per exercise (marks as in the module docstring), then totals."""
     numbers = sorted({n for r in graded.values() for n in r}, key=lambda n: tuple(int(x) for x in n.split(".")))
@@ -139,7 +187,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("paths", nargs="+", type=Path, help="notebooks, or directories of notebooks")
     parser.add_argument("--fast", action="store_true", help="run with MINILLM_COURSE_FAST=1")
-    parser.add_argument("--csv", type=Path, help="also write notebook,exercise,status,detail rows here")
+    parser.add_argument("--csv", type=Path, help="also write student,notebook,exercise,status,detail,prediction "
+                                                 "rows here")
     parser.add_argument("--timeout", type=int, default=900, help="seconds per cell before it is stopped")
     args = parser.parse_args(argv)
     try:
@@ -154,12 +203,15 @@ def main(argv: list[str] | None = None) -> int:
     students = {str(path): student_of(path, args.paths) for path in notebooks}
     rows, all_passed = [], True
     for path in notebooks:
-        results = grade(path, fast=args.fast, timeout=args.timeout)
+        ran = run(path, fast=args.fast, timeout=args.timeout)
+        results, verdicts = judge(ran), prediction_verdicts(ran)
         graded[str(path)] = results
         print(path)
         for number, (status, detail) in results.items():
-            print(f"  {MARKS[status]} Exercise {number}: {status}{'  — ' + detail if detail else ''}")
-            rows.append((students[str(path)], str(path), number, status, detail))
+            verdict = verdicts.get(number, "")
+            print(f"  {MARKS[status]} Exercise {number}: {status}{'  — ' + detail if detail else ''}"
+                  + (f"  (prediction: {verdict})" if verdict else ""))
+            rows.append((students[str(path)], str(path), number, status, detail, verdict))
             all_passed &= status == "passed"
         if not results:
             print("  no exercises found")
@@ -169,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
     print("\nwhat was wrong\n" + problems(graded, students))
     if args.csv:
         with args.csv.open("w", newline="") as f:
-            csv.writer(f).writerows([("student", "notebook", "exercise", "status", "detail"), *rows])
+            csv.writer(f).writerows([("student", "notebook", "exercise", "status", "detail", "prediction"), *rows])
     return 0 if all_passed else 1
 
 

@@ -9,8 +9,8 @@ side by side with ``checks.judge_prediction``: an honest verdict, never a pass o
 from __future__ import annotations
 
 __all__ = ["predict_attention_gb_s", "predict_continuous_speedup", "predict_decode_step_ms", "predict_decode_tok_s",
-           "predict_gemv_gb_s", "predict_int4_tok_s", "predict_mqa_speedup", "predict_paged_sequences",
-           "predict_server_tok_s"]
+           "predict_eager_step_ms", "predict_gemv_gb_s", "predict_int4_tok_s", "predict_mqa_speedup",
+           "predict_paged_sequences", "predict_server_tok_s"]
 
 
 def predict_gemv_gb_s(roof_gb_s: float) -> float:
@@ -49,6 +49,15 @@ def predict_attention_gb_s(roof_gb_s: float) -> float:
     context benchmarked) will read, given this machine's bandwidth roof."""
     ### BEGIN SOLUTION
     return 0.4 * roof_gb_s  # short rows per head: each (sequence, head) streams only S × D elements at a time
+    ### END SOLUTION
+
+
+def predict_eager_step_ms(floor_ms: float, num_layers: int) -> float:
+    """Notebook 04: milliseconds of one batch-1 decode step of the engine run eagerly (every layer's ops launched
+    one by one from Python), given the bytes floor (one step's bytes ÷ this machine's bandwidth, ms) and the
+    model's number of decoder layers."""
+    ### BEGIN SOLUTION
+    return floor_ms + num_layers * 50 * 0.01  # ~50 small ops per layer, ~10 µs of dispatch each on a CPU
     ### END SOLUTION
 
 

@@ -6,7 +6,7 @@ How it works.  ``compile_regex`` parses a small regex subset into a Thompson NFA
 literal becomes its UTF-8 bytes) and turns it into a DFA by subset construction: ``table[s, b]`` is the state after
 byte ``b`` from ``s``; state 0 is dead (absorbing, and also every state from which no accepting state can be
 reached).  A token is its byte string (``vocabulary_bytes``), so a token is allowed in state ``s`` iff feeding its
-bytes one by one never reaches state 0 (``token_mask``, exercise 9.4 of the course: every token walked at once,
+bytes one by one never reaches state 0 (``token_mask``, exercise 9.5 of the course: every token walked at once,
 column by column); an end-of-sequence token is allowed iff ``s`` accepts.  The mask of a state is computed the
 first time a matcher reaches it and cached on the compiled regex, shared by every request with the same regex.
 

@@ -257,7 +257,7 @@ def _wrong_parse_stream(sent_s, lines, end_s):
 
 WRONG.update({"9.1": _wrong_arrival_times, "9.2": _wrong_parse_stream})  # notebook 09
 WRONG.update(__import__("test_checks_serving").WRONG_09)  # 9.3 (tests/course/test_checks_serving.py)
-WRONG.update(__import__("test_checks_constrained").WRONG_09_CD)  # 9.4 (test_checks_constrained.py)
+WRONG.update(__import__("test_checks_constrained").WRONG_09_CD)  # 9.5 (test_checks_constrained.py)
 WRONG.update(__import__("test_checks_scaling").WRONG_10)  # notebook 10 (tests/course/test_checks_scaling.py)
 from test_checks_speculative import WRONG_08  # noqa: E402  (notebook 08's wrong answers live beside its tests)
 
@@ -352,6 +352,7 @@ def _no_prediction(*numbers):
 
 WRONG.update({"1.5": _wrong_stream_naive, "5.4": _wrong_paged_attention, "6.3": _WrongScheduler})
 WRONG.update({n: _no_prediction for n in EXERCISES if n.endswith(".0")})
+WRONG["4.4"] = _no_prediction  # notebook 04's second prediction: the launch overhead
 if importlib.util.find_spec("triton") is not None:  # conftest set TRITON_INTERPRET=1 on machines without CUDA
     import triton.language as tl  # noqa: E402
 

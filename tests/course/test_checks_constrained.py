@@ -1,4 +1,4 @@
-"""Notebook 09's constrained-decoding exercise (9.4, the token mask of a DFA state): the library's solution passes
+"""Notebook 09's constrained-decoding exercise (9.5, the token mask of a DFA state): the library's solution passes
 its checker, the stub fails with its own NotImplementedError, and the mistakes a student plausibly makes fail with a
 message that names them.  ``WRONG_09_CD`` also feeds ``test_checks.WRONG``."""
 
@@ -33,7 +33,7 @@ def _allows_empty_tokens(table, state, token_bytes, lengths):
     return states != DEAD
 
 
-WRONG_09_CD = {"9.4": _first_byte_only}
+WRONG_09_CD = {"9.5": _first_byte_only}
 
 
 @pytest.mark.parametrize("wrong, message", [
@@ -60,9 +60,9 @@ def test_a_correct_answer_written_differently_passes(capsys):
         return out
 
     checks.check_token_mask(per_token)
-    assert "✓ Exercise 9.4 passed" in capsys.readouterr().out
+    assert "✓ Exercise 9.5 passed" in capsys.readouterr().out
 
 
 def test_stub_fails_with_its_exercise_message():
     with pytest.raises(NotImplementedError, match=r"^Exercise 9\.4: the token mask of a DFA state"):
-        checks.check_token_mask(EXERCISES["9.4"].stub())
+        checks.check_token_mask(EXERCISES["9.5"].stub())

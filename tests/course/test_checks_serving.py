@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 
 import pytest
 
@@ -129,7 +130,11 @@ def _sync_generator(updates, meta):
     yield event("[DONE]")
 
 
-WRONG_09 = {"9.3": _cumulative_text}
+def _vllm_flag_name():
+    return {"max_num_seqs": 8, "enable_chunked_prefill": True}  # vLLM's name; minillm's field is chunked_prefill
+
+
+WRONG_09 = {"9.3": _cumulative_text, "9.4": _vllm_flag_name}
 MISTAKES = {
     _no_done: "[DONE]", _cumulative_text: "repeats earlier text", _no_finish_reason: "finish_reason",
     _usage_always: "did not ask", _no_role_chunk: "role chunk", _chunk_per_update: "no text and no finish_reason",
@@ -197,3 +202,52 @@ def test_stream_meta_rejects_no_choices_and_negative_prompt_tokens():
         StreamMeta(id="x", model="m", created=0, chat=True, num_choices=0)
     with pytest.raises(ValueError, match="prompt_tokens"):
         StreamMeta(id="x", model="m", created=0, chat=False, prompt_tokens=-1)
+
+
+# ---------------------------------------------------------------------------------------------- 9.4
+def _report(label: str, ttfts: list[float], tpot: float):
+    from minillm.perf.simulate import RequestRecord, build_report
+
+    records = [RequestRecord(str(i), float(i), 10, 8, 0, 0.0, ttft, tpot, ttft + 7 * tpot, (tpot,) * 7)
+               for i, ttft in enumerate(ttfts)]
+    return build_report(label, records, ttft_slo_s=1.0, tpot_slo_s=0.1)
+
+
+@pytest.mark.parametrize("knobs, says", [
+    ([("max_num_seqs", 8)], "expected a dict"),
+    ({"max_num_seqs": 8, "dtype": "float16"}, "unknown engine option(s) ['dtype']"),
+    ({"max_num_seqs": 0}, "EngineConfig refuses"),
+    ({"policy": "fifo"}, "EngineConfig refuses"),
+])
+def test_serving_knobs_fails_only_an_invalid_configuration(knobs, says):
+    with pytest.raises(AssertionError, match=re.escape(says)):
+        checks.check_serving_knobs(lambda: knobs)
+
+
+def test_serving_knobs_reports_the_goodput_of_both_runs_and_never_fails_a_low_one(capsys):
+    from minillm.course.conclusions import parse_conclusion
+
+    seen = []
+
+    def measure(options):
+        seen.append(options)
+        # the defaults: 3 of 4 requests within the SLO; the student's options: only 1 (a worse choice)
+        return _report("x", [0.5, 0.5, 0.5, 3.0] if not options else [0.5, 3.0, 3.0, 3.0], 0.05)
+
+    result = checks.check_serving_knobs(lambda: {"max_num_seqs": 64}, measure=measure)
+    assert seen == [{}, {"max_num_seqs": 64}]
+    assert result["default"].slo_attainment == 0.75 and result["tuned"].slo_attainment == 0.25
+    out = capsys.readouterr().out
+    line = next(c for c in map(parse_conclusion, out.splitlines()) if c is not None)  # a falsy one: not held
+    assert not line.holds and line.value < line.reference  # stated from the values, not failed
+    assert "✓ Exercise 9.4 passed" in out and "75% of requests within the SLO" in out
+
+
+def test_serving_knobs_fails_options_under_which_the_trace_cannot_be_served():
+    def measure(options):
+        if options:
+            raise ValueError("prompt of 300 tokens exceeds max_num_batched_tokens=64 with chunked_prefill=False")
+        return _report("x", [0.5], 0.05)
+
+    with pytest.raises(AssertionError, match="could not be served"):
+        checks.check_serving_knobs(lambda: {"chunked_prefill": False, "max_num_batched_tokens": 64}, measure=measure)

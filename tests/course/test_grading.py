@@ -409,3 +409,27 @@ def test_totals_count_each_students_exercises_and_problems_say_which_and_why():
                       "bob  02.ipynb  Exercise 2.1: delegates-to-library — Exercise 2.1: your answer calls …",
                       "bob  02.ipynb  Exercise 2.2: unfinished"]
     assert grade.problems({"s/a/02.ipynb": {"2.1": ("passed", "")}}, {"s/a/02.ipynb": "a"}) == "every exercise passed"
+
+
+def test_prediction_verdicts_read_judge_predictions_words_and_go_to_the_prediction_before_them():
+    from minillm.course.checks import judge_prediction
+
+    def judged(mine: float, measured: float, bound: float) -> str:
+        return judge_prediction(mine, measured, bound=bound, what="x", unit="GB/s").text + "\n"
+
+    assert grade.prediction_verdict(judged(10.0, 10.5, 20.0)) == "held"
+    assert grade.prediction_verdict(judged(10.0, 5.0, 20.0)) == "too optimistic ×2.0"
+    assert grade.prediction_verdict(judged(10.0, 20.0, 40.0)) == "too pessimistic ×2.0"
+    assert grade.prediction_verdict(judged(30.0, 29.0, 20.0)) == "impossible: beats the bound"  # held, yet > bound
+    assert grade.prediction_verdict("measured 5 GB/s; you have not written a prediction yet") == ""
+    assert grade.is_prediction("4.0") and grade.is_prediction("4.4") and not grade.is_prediction("4.1")
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [
+        _cell("checks.check_prediction_attention(predict_attention_gb_s, 1.0)", [_stream("✓ Exercise 4.0 passed\n")],
+              checks=["4.0"]),
+        _cell("verdict = checks.judge_prediction(...)", [_stream(judged(10.0, 5.0, 20.0))]),
+        _cell("checks.check_merge_attention_partials(f)", [_stream(judged(1.0, 1.0, 2.0))], checks=["4.1"]),
+        _cell("checks.check_prediction_launch(predict_eager_step_ms, 1.0, 30)", [], checks=["4.4"]),
+        _cell("launch_verdict = checks.judge_prediction(...)", [_stream(judged(30.0, 29.0, 20.0))]),
+    ]
+    assert grade.prediction_verdicts(nb) == {"4.0": "too optimistic ×2.0", "4.4": "impossible: beats the bound"}

@@ -40,3 +40,24 @@ def test_the_benchmark_shapes_are_the_published_configs():
     assert SHAPES["default"]["num_hidden_layers"] == 30 and SHAPES["default"]["hidden_size"] == 576
     assert SHAPES["llama-3.2-1b"]["num_hidden_layers"] == 16 and SHAPES["llama-3.2-1b"]["hidden_size"] == 2048
     assert copy_bandwidth(__import__("torch").device("cpu"), nbytes=1 << 20, repeats=1) > 0
+
+
+def test_time_engine_auto_runs_the_engines_own_pick_with_fewer_python_ops_on_cpu(capfd):
+    """Mode "auto" (enforce_eager=None) is the fused native step on CPU fp32: one native call per step in place of
+    every layer's ATen ops, so the profiler sees fewer ops than in "eager"; no profiler log reaches stderr."""
+    import pytest
+    import torch
+
+    from minillm.kernels.cpu import native
+    from minillm.perf.bench.decode import random_pair, time_engine
+
+    model, _ = random_pair(TINY, torch.float32, torch.device("cpu"), with_hf=False)
+    prompts = [[5, 6, 7, 8]]
+    eager_s, eager_ops = time_engine(model, prompts, 6, "eager")
+    auto_s, auto_ops = time_engine(model, prompts, 6, "auto")
+    assert eager_s > 0 and auto_s > 0 and eager_ops > 0
+    if native.available():
+        assert auto_ops < eager_ops / 2
+    assert "profiler_start" not in capfd.readouterr().err
+    with pytest.raises(ValueError, match="mode must be one of eager, graphs, compiled, auto, got 'fused'"):
+        time_engine(model, prompts, 6, "fused")

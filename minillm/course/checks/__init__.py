@@ -10,6 +10,7 @@ from minillm.course.checks.attention_kernels import (
     check_flash_tile_step,
     check_merge_attention_partials,
     check_prediction_attention,
+    check_prediction_launch,
 )
 from minillm.course.checks.attention_variants import (
     check_grouped_attention,
@@ -72,6 +73,7 @@ from minillm.course.checks.serving import (
     check_arrival_times,
     check_parse_stream,
     check_prediction_server,
+    check_serving_knobs,
     check_sse_stream,
     check_token_mask,
 )
@@ -89,11 +91,13 @@ __all__ = ["CONFIGS", "EXERCISES", "Exercise", "LLAMA2_7B", "SMOLLM2_135M", "TIN
            "check_prediction_paged", "check_prediction_step", "check_prefill_chunk_len",
            "check_roofline_prediction", "check_slot_mapping", "exercise", "judge_prediction"]
 __all__ += ["check_cached_attention", "check_pool_kv_weight", "check_read_bandwidth"]  # 02, 03, 00
+__all__ += ["check_prediction_launch"]  # notebook 04, launch overhead
 __all__ += ["check_int4_linear_ref", "check_prediction_int4", "check_quantize", "check_quantize_int4"]  # notebook 07
 __all__ += ["check_fold_into_norm", "check_smoothing_factors"]  # notebook 07, activation quantization
 __all__ += ["check_ngram_lookup", "check_rejection_sample", "check_truncate"]  # notebook 08
 __all__ += ["check_arrival_times", "check_parse_stream", "check_prediction_server", "check_sse_stream",
             "check_token_mask"]  # 09
+__all__ += ["check_serving_knobs"]  # notebook 09, the goodput challenge
 __all__ += ["check_gpipe_schedule", "check_layer_comm_time", "check_shard_linear"]  # notebook 10
 __all__ += ["check_apply_rope", "check_rms_norm", "check_top_k_top_p_mask"]  # notebook 01
 __all__ += ["check_paged_partial_program"]  # notebook 05, the Triton kernel

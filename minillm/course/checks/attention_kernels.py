@@ -199,3 +199,8 @@ def check_decode_partial_program(decode_partial_program: Callable) -> None:
 check_prediction_attention = prediction_checker(
     "4.0", "prediction_attention", "minillm.course.predictions.predict_attention_gb_s",
     "the GB/s of K/V decode attention reads", "GB/s")
+
+
+check_prediction_launch = prediction_checker(
+    "4.4", "prediction_launch", "minillm.course.predictions.predict_eager_step_ms",
+    "the ms of an eager batch-1 decode step", "ms", example=(30.0, 30), kind="floor")

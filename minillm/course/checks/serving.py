@@ -387,7 +387,59 @@ check_prediction_server = prediction_checker(
 
 
 # ---------------------------------------------------------------------------------------------- 9.4
-@exercise("9.4", "minillm.sampling.regex.token_mask", "the token mask of a DFA state",
+def challenge_config(knobs: dict):
+    """The ``EngineConfig`` of the goodput challenge's ``knobs`` (the engine's defaults for the rest).  Raises
+    ``AssertionError`` naming the problem for anything but a dict of ``CHALLENGE_KNOBS`` that ``EngineConfig``
+    accepts (its own ``ValueError`` message included)."""
+    from minillm.config import EngineConfig
+    from minillm.course.challenges import CHALLENGE_KNOBS
+
+    assert isinstance(knobs, dict), f"serving_knobs() returned {knobs!r}: expected a dict of engine options"
+    unknown = sorted(set(knobs) - set(CHALLENGE_KNOBS))
+    assert not unknown, (f"unknown engine option(s) {unknown}: expected options among {', '.join(CHALLENGE_KNOBS)} "
+                         "(EngineConfig's fields for batching, scheduling, the KV budget and the runner)")
+    try:
+        return EngineConfig(**knobs)
+    except (ValueError, TypeError) as e:
+        raise AssertionError(f"EngineConfig refuses your options {knobs}: {e} (expected values it accepts)") from None
+
+
+@exercise("9.4", "minillm.course.challenges.serving_knobs", "your engine options for goodput under the SLO",
+          "return a dict of EngineConfig fields (see CHALLENGE_KNOBS): max_num_seqs, max_num_batched_tokens, "
+          "chunked_prefill, policy, …; any valid choice passes, the notebook measures its goodput")
+def check_serving_knobs(serving_knobs: Callable, measure: Callable | None = None) -> dict:
+    """Check that ``serving_knobs()`` is a valid engine configuration; with ``measure`` (options dict → the
+    ``ServingReport`` of the notebook's trace replayed under them), replay the trace with the engine's defaults
+    and with the student's options and report the goodput each reached.  A low goodput does not fail (it is a
+    result, stated by a conclusion line); a configuration that ``EngineConfig`` refuses, or under which the
+    trace cannot be served, does.  Returns {"knobs", "default", "tuned"} (the reports None without ``measure``)."""
+    knobs = serving_knobs()
+    challenge_config(knobs)
+    result = {"knobs": dict(knobs), "default": None, "tuned": None}
+    if measure is not None:
+        from minillm.course.conclusions import conclude
+
+        result["default"] = measure({})
+        try:
+            result["tuned"] = tuned = measure(dict(knobs))
+        except (ValueError, RuntimeError) as e:
+            raise AssertionError(f"the trace could not be served with your options {knobs}: {e} (expected options "
+                                 "under which every request of the trace fits)") from None
+        base = result["default"]
+        for name, r in (("engine defaults", base), ("your options", tuned)):
+            print(f"{name:16}: goodput {r.goodput_req_s:5.2f} req/s ({r.slo_attainment:4.0%} of requests within "
+                  f"the SLO), TTFT p99 {r.latency('ttft')['p99'] * 1e3:6.0f} ms, TPOT p99 "
+                  f"{r.latency('tpot')['p99'] * 1e3:5.0f} ms, {r.output_tok_s:6.1f} output tok/s")
+        conclude("goodput, your options vs the engine defaults", tuned.goodput_req_s, base.goodput_req_s,
+                 expect=">", unit="req/s", held="your options serve more requests within the SLO than the defaults",
+                 missed="your options serve no more requests within the SLO than the defaults: read the TTFT and "
+                        "TPOT percentiles above to see which limit the misses hit, and tune again")
+    _passed("9.4")
+    return result
+
+
+# ---------------------------------------------------------------------------------------------- 9.5
+@exercise("9.5", "minillm.sampling.regex.token_mask", "the token mask of a DFA state",
           "walk every token's bytes through table at once, one column at a time, only for the tokens that still "
           "have a byte there (lengths); a token is allowed iff its walk never reaches DEAD and it has bytes")
 def check_token_mask(token_mask: Callable) -> None:
@@ -442,4 +494,4 @@ def check_token_mask(token_mask: Callable) -> None:
                     f"{call}: {where} and never reach DEAD ({DEAD}), yet your mask refuses it (expected: allowed). "
                     f"Walk only the token's own {int(lengths[t])} bytes: the zero padding after them in token_bytes "
                     "is not part of the token.")
-    _passed("9.4")
+    _passed("9.5")

@@ -10,10 +10,13 @@ that as a % of the copy bandwidth measured in the same run.  ``--model PATH`` be
 
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
 import json
+import os
 import platform
 import statistics
+import sys
 import time
 from dataclasses import asdict, dataclass
 from functools import partial
@@ -85,13 +88,29 @@ def copy_bandwidth(device: torch.device, nbytes: int | None = None, repeats: int
     return 2 * nbytes / statistics.median(times)
 
 
+@contextlib.contextmanager
+def _quiet_stderr():
+    """File descriptor 2 sent to /dev/null for the block: the profiler's C++ side (Kineto) writes a log line to it
+    when it starts and stops, which a notebook would show above its results.  Python exceptions still propagate."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 2)
+            yield
+    finally:
+        sys.stderr.flush()
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
 def count_kernels(fn, device: torch.device) -> int:
     """Kernels ``fn()`` runs: device kernels (CUDA, graph replays included) or, on CPU, ATen ops (nested ones
     counted, as ``perf.profile``) plus native calls do not show (ctypes): a CPU count is a lower bound."""
     from torch.profiler import ProfilerActivity, profile
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    with profile(activities=acts) as prof:
+    with _quiet_stderr(), profile(activities=acts) as prof:
         fn()
         _sync(device)
     events = prof.events()
@@ -139,18 +158,26 @@ def _prompts(vocab: int, batch: int, prompt_len: int) -> list[list[int]]:
 
 
 # ------------------------------------------------------------------------------------------------ minillm
+ENGINE_MODES = ("eager", "graphs", "compiled", "auto")  # how ``time_engine`` runs the engine's decode steps
+
+
 def time_engine(model, prompts: list[list[int]], n_tokens: int, mode: str) -> tuple[float, int | None]:
-    """Greedy decode of ``n_tokens`` for every prompt in one batch on an ``LLMEngine``; ``mode`` "eager" |
-    "graphs" (``enforce_eager=False``) | "compiled" (kernels="compiled").  -> (median seconds per decode step,
-    kernels of one decode step).  The whole batch prefills in the first step, so every later step is a decode."""
+    """Greedy decode of ``n_tokens`` for every prompt in one batch on an ``LLMEngine``; ``mode`` "eager"
+    (``enforce_eager=True``: every layer from Python) | "graphs" (``enforce_eager=False``) | "compiled"
+    (kernels="compiled") | "auto" (``enforce_eager=None``: the engine's own pick, the fused native step on CPU
+    fp32).  -> (median seconds per decode step, kernels of one decode step).  The whole batch prefills in the first
+    step, so every later step is a decode.  ``ValueError`` for another ``mode``."""
     from minillm import EngineConfig, LLMEngine, SamplingParams
 
+    if mode not in ENGINE_MODES:
+        raise ValueError(f"mode must be one of {', '.join(ENGINE_MODES)}, got {mode!r}")
     B, P = len(prompts), len(prompts[0])
     kernels = model.kernels
     if mode == "compiled":
         model.set_kernels("compiled")
     try:
-        cfg = EngineConfig(max_num_seqs=B, max_num_batched_tokens=max(512, B * P), enforce_eager=mode == "eager",
+        eager = {"eager": True, "auto": None}.get(mode, False)
+        cfg = EngineConfig(max_num_seqs=B, max_num_batched_tokens=max(512, B * P), enforce_eager=eager,
                            max_model_len=P + n_tokens + 1, num_kv_blocks=B * (-(-(P + n_tokens + 1) // 16)) + 1)
         eng = LLMEngine(model, config=cfg)
         params = SamplingParams(max_tokens=n_tokens, temperature=0.0, ignore_eos=True)
