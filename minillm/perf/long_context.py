@@ -69,10 +69,12 @@ def policy_settings(policy: str, window_tokens: int, sink_tokens: int) -> tuple[
 
 def run_policy(model, token_ids: Tensor, *, window_tokens: int | None, sink_tokens: int = 0, block_size: int = 16,
                chunk_tokens: int | None = None, decode_tokens: int = 16, policy: str | None = None,
-               engine_config: dict | None = None) -> LongContextRow:
+               engine_config: dict | None = None, policy_class: type | None = None) -> LongContextRow:
     """Score ``token_ids`` [T] through a fresh engine on ``model`` with the given window / sinks (``window_tokens``
     None: full cache), prefilling ``chunk_tokens`` per step (default: a quarter of the window, at least the
-    block size), then decode ``decode_tokens`` greedily.  ``engine_config``: more ``EngineConfig`` fields."""
+    block size), then decode ``decode_tokens`` greedily.  ``engine_config``: more ``EngineConfig`` fields;
+    ``policy_class``: a ``KVEvictionPolicy`` subclass whose ``freeable_blocks`` the block manager calls instead of
+    the library's (the course's exercise: the engine runs on the student's rule)."""
     from minillm.config import EngineConfig
     from minillm.engine.llm_engine import LLMEngine
     from minillm.kv.paged_cache import kv_bytes_per_block
@@ -92,6 +94,9 @@ def run_policy(model, token_ids: Tensor, *, window_tokens: int | None, sink_toke
                           max_num_batched_tokens=chunk, enable_prefix_caching=False,
                           max_model_len=T + decode_tokens, **evict, **(engine_config or {}))
     eng = LLMEngine(model, config=config)
+    if policy_class is not None and window is not None:
+        own = eng.block_manager.eviction
+        eng.block_manager.eviction = policy_class(own.window_tokens, own.sink_tokens)
     params = SamplingParams(max_tokens=decode_tokens, temperature=0.0, ignore_eos=True, prompt_logprobs=0)
     eng.add_request(ids, params, "long")
     after_prompt = held = None

@@ -87,3 +87,17 @@ def test_cli_writes_json(tmp_path, model, monkeypatch, capsys):
     rows = json.loads(out.read_text())["rows"]
     assert [r["policy"] for r in rows] == ["full", "window", "sinks"] and rows[0]["num_tokens"] == 120
     assert "policy" in capsys.readouterr().out
+
+
+def test_the_engine_runs_a_given_policy_class(model):
+    from minillm.kv.eviction import KVEvictionPolicy
+
+    class KeepAll(KVEvictionPolicy):  # a rule that never frees: the blocks of the full cache, whatever the window
+        def freeable_blocks(self, num_computed, block_size):
+            return range(0)
+
+    ids = text(120)
+    kept = run_policy(model, ids, window_tokens=W, block_size=BS, chunk_tokens=8, decode_tokens=4, policy_class=KeepAll)
+    evicted = run_policy(model, ids, window_tokens=W, block_size=BS, chunk_tokens=8, decode_tokens=4)
+    assert kept.blocks_held == -(-(120 + 3) // BS) > evicted.blocks_held
+    assert kept.nll == pytest.approx(evicted.nll, rel=1e-5)  # the kernels mask by the window either way

@@ -12,6 +12,7 @@ from minillm.course.checks.attention_kernels import (
     check_prediction_attention,
 )
 from minillm.course.checks.attention_variants import (
+    check_freeable_blocks,
     check_grouped_attention,
     check_kv_bytes_gqa,
     check_pool_kv_weight,
@@ -90,3 +91,4 @@ __all__ += ["check_fold_into_norm", "check_smoothing_factors"]  # notebook 07, a
 __all__ += ["check_ngram_lookup", "check_rejection_sample", "check_truncate"]  # notebook 08
 __all__ += ["check_arrival_times", "check_parse_stream", "check_prediction_server", "check_sse_stream"]  # 09
 __all__ += ["check_gpipe_schedule", "check_layer_comm_time", "check_shard_linear"]  # notebook 10
+__all__ += ["check_freeable_blocks"]  # notebook 03, KV eviction
