@@ -72,7 +72,9 @@ def run_policy(model, token_ids: Tensor, *, window_tokens: int | None, sink_toke
                engine_config: dict | None = None, policy_class: type | None = None) -> LongContextRow:
     """Score ``token_ids`` [T] through a fresh engine on ``model`` with the given window / sinks (``window_tokens``
     None: full cache), prefilling ``chunk_tokens`` per step (default: a quarter of the window, at least the
-    block size), then decode ``decode_tokens`` greedily.  ``engine_config``: more ``EngineConfig`` fields;
+    block size), then decode ``decode_tokens`` greedily, every policy on the eager runner (eviction has no CUDA
+    graphs, so the full cache gets none either: the rates compare the caches, not the runners).
+    ``engine_config``: more ``EngineConfig`` fields (they win over these);
     ``policy_class``: a ``KVEvictionPolicy`` subclass whose ``freeable_blocks`` the block manager calls instead of
     the library's (the course's exercise: the engine runs on the student's rule)."""
     from minillm.config import EngineConfig
@@ -92,7 +94,7 @@ def run_policy(model, token_ids: Tensor, *, window_tokens: int | None, sink_toke
     blocks = -(-(T + decode_tokens) // block_size) + 1  # the prompt is allocated whole at admission
     config = EngineConfig(block_size=block_size, num_kv_blocks=blocks, max_num_seqs=1,
                           max_num_batched_tokens=chunk, enable_prefix_caching=False,
-                          max_model_len=T + decode_tokens, **evict, **(engine_config or {}))
+                          max_model_len=T + decode_tokens, **{"enforce_eager": True, **evict, **(engine_config or {})})
     eng = LLMEngine(model, config=config)
     if policy_class is not None and window is not None:
         own = eng.block_manager.eviction
@@ -108,9 +110,12 @@ def run_policy(model, token_ids: Tensor, *, window_tokens: int | None, sink_toke
             decode_start = time.perf_counter()
         if eng.has_unfinished_requests():
             held = eng.block_manager.device.num_used
-    decode_s = time.perf_counter() - decode_start
+    decode_end = time.perf_counter()
     out = eng.pop_output("long")
     eng.shutdown()
+    if out.finish_reason == "error":  # e.g. a policy class whose rule raised inside the engine's step
+        raise RuntimeError(f"the long-context request failed in the engine: {out.error}")
+    decode_s = decode_end - decode_start
     nll = -sum(entry[ids[i]].logprob for i, entry in enumerate(out.prompt_logprobs) if i) / (T - 1)
     block_bytes = kv_bytes_per_block(model.config, block_size, model.dtype, config.kv_cache_dtype)
     last = T + decode_tokens - 2  # the last decode step's query position (its sampled token is not fed)
@@ -136,12 +141,13 @@ def long_context_eval(model, token_ids: Tensor, *, window_tokens: int, sink_toke
 
 
 def format_table(rows: list[LongContextRow]) -> str:
-    """The rows as a fixed-width text table (KV in KiB)."""
-    head = (f"{'policy':<8}{'window':>8}{'sinks':>7}{'ppl':>10}{'blocks':>8}{'KV held KiB':>13}"
+    """The rows as a fixed-width text table (KV in KiB; blocks held once the prompt is computed / at the end)."""
+    head = (f"{'policy':<8}{'window':>8}{'sinks':>7}{'ppl':>10}{'blocks prompt/end':>19}{'KV held KiB':>13}"
             f"{'KV read/token KiB':>19}{'decode tok/s':>14}")
     lines = [head]
     for r in rows:
-        lines.append(f"{r.policy:<8}{r.window_tokens or '-':>8}{r.sink_tokens:>7}{r.ppl:>10.3f}{r.blocks_held:>8}"
+        blocks = f"{r.blocks_after_prompt}/{r.blocks_held}"
+        lines.append(f"{r.policy:<8}{r.window_tokens or '-':>8}{r.sink_tokens:>7}{r.ppl:>10.3f}{blocks:>19}"
                      f"{r.kv_bytes_held / 1024:>13.1f}{r.kv_bytes_read_per_token / 1024:>19.1f}"
                      f"{r.decode_tokens_per_s:>14.1f}")
     return "\n".join(lines)
