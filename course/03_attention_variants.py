@@ -18,7 +18,9 @@
 # without copying them (3.2), then turn SmolLM2 into an MHA model (H_kv = 9, identical outputs) and, with your own
 # conversion of a checkpoint by mean-pooling K/V heads (3.3), into an MQA model (H_kv = 1), predict (3.0) and
 # measure their cache memory and decode speed, measure what pooling costs in perplexity, size the other variants
-# with calculators, and see on the roofline why batching does not help attention. Runs in about two minutes on a 2-core CPU; on a GPU it uses the GPU.
+# with calculators, see on the roofline why batching does not help attention, and finally bound a long sequence's
+# cache with a sliding window and attention sinks — your eviction rule (3.4) in the engine, measured against
+# perplexity. Runs in about three minutes on a 2-core CPU; on a GPU it uses the GPU.
 
 # %%
 from __future__ import annotations
@@ -44,9 +46,13 @@ from minillm.course.predictions import predict_mqa_speedup
 from minillm.engine.simple import generate
 from minillm.kernels.reference import check_qkv  # grouped_attention's shape check (the exercise's first line)
 from minillm.kv.contiguous import KVCache
+from minillm.kv.eviction import KVEvictionPolicy  # exercise 3.4's base class
 from minillm.models.attention_variants import kv_bytes_cross_layer, kv_bytes_mla, kv_bytes_sequence, pool_kv_heads
 from minillm.perf import metrics, roofline
+from minillm.perf.long_context import format_table as format_long_context
+from minillm.perf.long_context import kept_tokens, long_context_eval
 from minillm.perf.metrics import decode_weight_bytes
+from minillm.perf.perplexity import heldout_token_ids
 
 FAST = os.environ.get("MINILLM_COURSE_FAST") == "1"  # set by the course tests: same cells, smaller sizes
 random.seed(0)
@@ -520,6 +526,120 @@ roofline.plot_roofline(spec, points, dtype=dtype)
 plt.show()
 
 # %% [markdown]
+# ## 8. Long context in bounded memory: sliding windows and attention sinks
+#
+# Every variant above shrinks the bytes per token; the cache still grows with the sequence. A long document or a
+# long chat fills it whatever H_kv is. The other lever is **which tokens to keep**:
+#
+# - A **sliding window** of W tokens (Mistral): the query at position q attends to keys (q − W, q] only, so a
+#   sequence never holds more than W tokens of K/V — the paged engine frees a block as soon as no later query can
+#   read it, and a decode step reads W tokens of K/V at any position.
+# - A model *trained* with full attention does not take a window well. StreamingLLM (Xiao et al., 2023) found why:
+#   softmax must put its attention mass somewhere, and trained models dump it on the **first few tokens**, whatever
+#   they say ("attention sinks"). Evict those and the distribution of every later query shifts; perplexity jumps.
+#   Keeping the first k = 4 tokens beside the window restores most of the full cache's quality at constant memory.
+#
+# minillm's engine runs both: `EngineConfig(kv_eviction="sink", sink_tokens=k, window_tokens=W)`, with k = 0 for
+# the plain window. Keys keep the rotary position they were written at (no re-rotation), so attention with eviction
+# is exactly full attention under a mask; the sequence length stays capped at the model's trained context.
+#
+# ### Exercise 3.4 — the eviction rule
+#
+# After each step writes its K/V, the block manager asks the policy which **logical blocks** of a sequence it may
+# free: `freeable_blocks(num_computed, block_size)` on a `KVEvictionPolicy(window_tokens, sink_tokens)`. Block i
+# holds positions [i·block_size, (i + 1)·block_size). Every later query sits at a position ≥ `num_computed`, so a
+# key at position j is still needed if it is a sink (j < `sink_tokens`) or inside the window of the next query
+# (j > `num_computed` − `window_tokens`). Free exactly the blocks with no such key, as a `range` (blocks holding a
+# sink never go; the run of freeable blocks starts right after them). Mind the off-by-one: freeing one block too
+# many silently removes a key the model should still see.
+
+# %%
+# exercise 3.4: minillm.kv.eviction.KVEvictionPolicy.freeable_blocks
+
+# %%
+# NBVAL_CHECK_OUTPUT
+checks.check_freeable_blocks(MyKVEvictionPolicy)
+
+# %% [markdown]
+# ### Measure: perplexity against KV bytes, per policy
+#
+# The engine now runs on **your** rule: one long prompt of held-out text (the evaluation half of CPython's help
+# texts), prefilled in chunks well below the window so blocks are freed while the text is read, with every prompt
+# token scored from the K/V the engine really holds (`SamplingParams(prompt_logprobs=0)`), then a short decode.
+# Three policies on the same tokens: the full cache, the window alone, and 4 sinks + the window.
+
+# %%
+lc_tokens, lc_window = (8192, 1024) if device == "cuda" else ((768, 128) if FAST else (2048, 256))
+lc_sinks = 4
+lc_rule = None  # the library's rule, only so that the cells below run until you write 3.4
+MyKVEvictionPolicy(lc_window, lc_sinks).freeable_blocks(lc_window, 16)  # your rule (or its stub's error)
+lc_rule = MyKVEvictionPolicy  # the engine's block manager frees blocks with your freeable_blocks
+
+# %% tags=["slide-output"]
+# NBVAL_IGNORE_OUTPUT
+lc_ids = heldout_token_ids(llm.tokenizer, "evaluation", min(lc_tokens, config.max_position_embeddings - 16))
+lc_rows = {r.policy: r for r in long_context_eval(model, lc_ids, window_tokens=lc_window, sink_tokens=lc_sinks,
+                                                   decode_tokens=8, policy_class=lc_rule)}
+print(f"{lc_ids.numel()} held-out tokens, window {lc_window}, {lc_sinks} sinks, block 16, {dtype} on {device}")
+print(format_long_context(list(lc_rows.values())))
+lc_full, lc_window_only, lc_sink = lc_rows["full"], lc_rows["window"], lc_rows["sinks"]
+lc_held = conclude("KV held per sequence, sinks + window ÷ full cache",
+                   lc_sink.kv_bytes_held / lc_full.kv_bytes_held, 1, expect="<", unit="×",
+                   held="eviction bounds the cache: the blocks the window and sinks need, not the text's",
+                   missed="eviction did not shrink the cache: the text is shorter than the window")
+lc_sinks_help = conclude("perplexity, window only ÷ sinks + window", lc_window_only.ppl / lc_sink.ppl, 1,
+                         expect=">", unit="×",
+                         held="dropping the first tokens hurts more than keeping 4 sinks: they are attention "
+                              "sinks, as StreamingLLM found",
+                         missed="the window alone does as well as sinks + window on this text")
+lc_quality = conclude("perplexity, sinks + window ÷ full cache", lc_sink.ppl / lc_full.ppl, 1, expect="≈", unit="×",
+                      held=f"4 sinks and a {lc_window}-token window keep the full cache's quality within 15%",
+                      missed=f"a {lc_window}-token window loses context this text needs, sinks or not")
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+for r in lc_rows.values():
+    per_token = r.kv_bytes_read_per_token / 2**20
+    ax1.scatter(per_token, r.ppl, s=40)
+    ax1.annotate(f"{r.policy}", (per_token, r.ppl), textcoords="offset points", xytext=(6, 4))
+ax1.set(xlabel="MiB of K/V read per decode token (at the text's end)", ylabel="perplexity",
+        title=f"Quality vs cache, {lc_ids.numel()} held-out tokens")
+positions = range(0, lc_ids.numel(), max(1, lc_ids.numel() // 256))
+lc_token_bytes = library_variants.kv_bytes_gqa(config, config.num_kv_heads, elt)  # K/V bytes per token
+for label, window, sinks in (("full cache", None, 0), (f"{lc_sinks} sinks + window {lc_window}", lc_window,
+                                                         lc_sinks)):
+    ax2.plot(positions, [kept_tokens(p, window, sinks) * lc_token_bytes / 2**20 for p in positions], label=label)
+ax2.set(xlabel="decode position", ylabel="MiB of K/V read per decode step",
+        title="Decode reads: growing vs bounded")
+ax2.legend()
+plt.tight_layout()
+plt.show()
+
+# %% [markdown]
+# On the roofline: the two decodes at the text's end, from the rates just measured and the bytes a step reads
+# (weights + the kept K/V), against this machine's roof measured at the top of the notebook. Under eviction the
+# point stays where it is however long the text grows; the full cache's drifts as its K/V grows (a 135M model's
+# weights dominate at these lengths, so the gap is small here — it is the cache of a long chat on a big model).
+
+# %% tags=["slide-output"]
+# NBVAL_IGNORE_OUTPUT
+lc_points = []
+for r in (lc_full, lc_sink):
+    kv_len = kept_tokens(r.num_tokens + r.decode_tokens - 2, r.window_tokens, r.sink_tokens)
+    cost = roofline.decode_step_cost(config, batch=1, kv_len=kv_len, dtype=dtype)
+    lc_points.append(roofline.RooflinePoint.from_cost(f"decode at {r.num_tokens}, {r.policy}", cost,
+                                                      1 / r.decode_tokens_per_s))
+    print(f"{r.policy:>5}: {kv_len} keys read, {cost.bytes / 1e6:6.1f} MB per step, {r.decode_tokens_per_s:6.1f} tok/s")
+roofline.plot_roofline(spec, lc_points, dtype=dtype)
+plt.show()
+lc_faster = conclude("decode tok/s at the text's end, sinks + window ÷ full cache",
+                     lc_sink.decode_tokens_per_s / lc_full.decode_tokens_per_s, 1, expect=">", unit="×",
+                     held="reading fewer K/V bytes per step made decode faster here",
+                     missed="at this length the weights dominate each step's bytes, so the K/V saved is within "
+                            "this machine's noise and the eviction's bookkeeping")
+
+# %% [markdown]
 # ## Takeaways
 #
 # - **KV bytes per token = 2 × layers × H_kv × head_dim × bytes**: H_kv is the lever. GQA with H_q / H_kv = G
@@ -532,3 +652,6 @@ plt.show()
 #   factors of the same product; they need models trained that way.
 # - Decode attention's intensity is ≈ 2·G ÷ bytes per element **whatever the batch**: batching lifts the linear
 #   layers toward the ridge, never attention. Fewer K/V heads (and fewer bytes per element) are what move it.
+# - **Which tokens to keep** bounds the cache whatever the length: a window of W keys frees every older block, and
+#   a few attention **sinks** (the first tokens) beside it keep a full-attention model's perplexity close to the
+#   full cache's, at a constant number of blocks and constant bytes read per decode step.

@@ -301,6 +301,8 @@ def cmd_eval(a) -> int:
 
     if a.what == "outliers":
         return _eval_outliers(a)
+    if a.what == "long-context":
+        return _eval_long_context(a)
     config = None if a.alpha is None else {"alpha": a.alpha}
     model = load_model(a.model, dtype=a.dtype, device=a.device, kernels=a.kernels, quantization=a.quantization,
                        quantization_config=config)
@@ -312,6 +314,32 @@ def cmd_eval(a) -> int:
           f", KV {a.kv_cache_dtype}, {model.dtype}, "
           f"{model.device}, "
           f"window {a.window} stride {a.stride}, {time.perf_counter() - t0:.1f} s")
+    return 0
+
+
+def _eval_long_context(a) -> int:
+    """Perplexity of the first N held-out tokens through the engine per eviction policy (full, window, sinks +
+    window), the KV bytes each holds and reads per decode token, and the decode rate after the long prompt."""
+    import json
+
+    from minillm.models import loader
+    from minillm.perf import perplexity as ppl
+    from minillm.perf.long_context import format_table, long_context_eval
+
+    model = loader.load_model(a.model, dtype=a.dtype, device=a.device, kernels=a.kernels,
+                              quantization=a.quantization)
+    n = min(a.max_tokens or 8192, model.config.max_position_embeddings - a.decode_tokens)
+    ids = ppl.heldout_token_ids(loader.load_tokenizer(a.model), "evaluation", n)
+    rows = long_context_eval(model, ids, window_tokens=a.window_tokens, sink_tokens=a.sink_tokens,
+                             block_size=a.block_size, chunk_tokens=a.chunk_tokens, decode_tokens=a.decode_tokens,
+                             engine_config={"kv_cache_dtype": a.kv_cache_dtype})
+    print(f"long context: {ids.numel()} held-out tokens of pydoc_data.topics through the engine, {model.dtype}, "
+          f"{model.device}, block {a.block_size}, then {a.decode_tokens} decode tokens")
+    print(format_table(rows))
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"model": a.model, "device": str(model.device), "dtype": str(model.dtype),
+                       "rows": [r.as_dict() for r in rows]}, f, indent=2)
     return 0
 
 
@@ -351,13 +379,21 @@ def build_parser() -> argparse.ArgumentParser:
     _bench_parser(sub)
     e = sub.add_parser("eval", help="evaluate a model: perplexity on held-out text (pydoc_data.topics); outliers: "
                                     "activation outlier ratios per linear before/after SmoothQuant")
-    e.add_argument("what", choices=["perplexity", "outliers"])
+    e.add_argument("what", choices=["perplexity", "outliers", "long-context"])
     add_options(e.add_argument_group("model"), model_options())
-    e.add_argument("--max-tokens", type=int, default=None, help="score only the first N held-out tokens")
+    e.add_argument("--max-tokens", type=int, default=None, help="score only the first N held-out tokens "
+                                                               "(long-context: default 8192, capped by the model)")
+    lc = e.add_argument_group("long-context (perplexity through the engine per KV eviction policy)")
+    lc.add_argument("--chunk-tokens", type=int, default=None, help="prefill chunk (default: window / 4, so blocks "
+                                                                   "are evicted while the prompt is read)")
+    lc.add_argument("--decode-tokens", type=int, default=32, help="greedy decode after the text: the tok/s row")
+    lc.add_argument("--json", default=None, metavar="PATH", help="also write the rows as JSON")
     e.add_argument("--window", type=int, default=512)
     e.add_argument("--stride", type=int, default=256)
     e.add_argument("--alpha", type=float, default=None, help="SmoothQuant's migration strength in [0, 1] for "
                                                              "--quantization w8a8-smooth and outliers (default 0.5)")
+    add_options(lc, [o for o in engine_options() if o.dest in ("block_size", "sink_tokens", "window_tokens")],
+                {"block_size": 16, "sink_tokens": 4, "window_tokens": 1024})
     add_options(e, [o for o in engine_options() if o.dest == "kv_cache_dtype"], {"kv_cache_dtype": "auto"})
     e.set_defaults(fn=cmd_eval)
     m = sub.add_parser("make-model", help="write a checkpoint with a published model's shape and seeded random "

@@ -56,10 +56,13 @@ class KVEvictionPolicy:
 
     def freeable_blocks(self, num_computed: int, block_size: int) -> range:
         """Logical block indices no query at a position ≥ ``num_computed`` reads: every slot of them is below
-        ``num_computed - W + 1`` and none is a sink."""
+        ``num_computed - W + 1`` and none is a sink.  Logical block i holds positions [i·block_size,
+        (i + 1)·block_size); the result is one run of indices (possibly empty), as a ``range``."""
+        ### BEGIN SOLUTION
         first = -(-self.sink_tokens // block_size)  # blocks holding a sink stay
         stop = (num_computed - self.window_tokens + 1) // block_size  # blocks ending at or before the window start
         return range(first, max(first, stop))
+        ### END SOLUTION
 
     def max_blocks(self, block_size: int) -> int:
         """Blocks a decoding sequence holds at most: its sink blocks, the window's, and one being filled."""

@@ -181,6 +181,35 @@ def _wrong_flash_tile_step(m, den, acc, q, k_tile, v_tile, scale):
     return m_new, den * torch.exp(m - m_new) + p.sum(-1), acc + p @ v_tile.float()  # acc not rescaled
 
 
+from minillm.kv.eviction import KVEvictionPolicy  # noqa: E402  (notebook 03, KV eviction)
+
+
+class _WrongEvictionPolicy(KVEvictionPolicy):
+    """Off by one at the window's start: frees the block whose last slot the next query still sees."""
+
+    def freeable_blocks(self, num_computed, block_size):
+        first = -(-self.sink_tokens // block_size)
+        return range(first, max(first, (num_computed - self.window_tokens + 2) // block_size))
+
+
+class _SinkBlockEvictionPolicy(KVEvictionPolicy):
+    """Rounds the sinks down to whole blocks: frees the block that holds the last sinks."""
+
+    def freeable_blocks(self, num_computed, block_size):
+        first = self.sink_tokens // block_size
+        return range(first, max(first, (num_computed - self.window_tokens + 1) // block_size))
+
+
+def test_eviction_rule_check_names_the_kept_position(capsys):
+    with pytest.raises(AssertionError, match="still inside the window"):
+        checks.check_freeable_blocks(_WrongEvictionPolicy)
+    with pytest.raises(AssertionError, match="sink position"):
+        checks.check_freeable_blocks(_SinkBlockEvictionPolicy)
+
+
+WRONG["3.4"] = _WrongEvictionPolicy
+
+
 WRONG.update({"3.1": _wrong_kv_bytes_gqa, "3.2": _wrong_grouped_attention, "4.1": _wrong_merge,
               "4.2": _wrong_flash_tile_step})  # notebooks 03 and 04
 

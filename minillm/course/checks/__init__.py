@@ -13,6 +13,7 @@ from minillm.course.checks.attention_kernels import (
     check_prediction_launch,
 )
 from minillm.course.checks.attention_variants import (
+    check_freeable_blocks,
     check_grouped_attention,
     check_kv_bytes_gqa,
     check_pool_kv_weight,
@@ -102,3 +103,4 @@ __all__ += ["check_gpipe_schedule", "check_layer_comm_time", "check_shard_linear
 __all__ += ["check_apply_rope", "check_rms_norm", "check_top_k_top_p_mask"]  # notebook 01
 __all__ += ["check_paged_partial_program"]  # notebook 05, the Triton kernel
 __all__ += ["check_int4_gemv_program"]  # notebook 07, the Triton GEMV
+__all__ += ["check_freeable_blocks"]  # notebook 03, KV eviction

@@ -189,3 +189,38 @@ def check_pool_kv_weight(pool_kv_weight: Callable) -> None:
 check_prediction_mqa = prediction_checker(
     "3.0", "prediction_mqa", "minillm.course.predictions.predict_mqa_speedup",
     "the multi-query over multi-head decode speedup", "×", example=(2.5,), factor=4.0)
+
+
+@exercise("3.4", "minillm.kv.eviction.KVEvictionPolicy.freeable_blocks", "the eviction rule: which blocks to free",
+          "a block can go when every slot in it is below num_computed - window_tokens + 1 and none of its slots "
+          "is a sink (position < sink_tokens); return range(first, stop), empty when nothing can go")
+def check_freeable_blocks(policy_class: type) -> None:
+    """``policy_class(window_tokens, sink_tokens).freeable_blocks(num_computed, block_size)`` on every computed
+    length up to a few windows, for windows and sink counts on and off block boundaries: exactly the blocks whose
+    every slot no future query keeps (query positions ≥ num_computed see keys (q - W, q] and the sinks)."""
+
+    def kept_later(j: int, n: int, window: int, sinks: int) -> bool:  # key j read by some query q >= n
+        return j < sinks or n - j < window
+
+    for window, sinks, bs in [(8, 0, 4), (8, 4, 4), (10, 3, 4), (7, 0, 3), (16, 5, 4), (5, 1, 1), (6, 2, 16)]:
+        policy = policy_class(window, sinks)
+        for n in range(0, 4 * window + 2 * bs):
+            got = policy.freeable_blocks(n, bs)
+            assert got is not None, "freeable_blocks returned None: return the indices (a range)"
+            got = list(got)
+            want = [i for i in range(n // bs) if not any(kept_later(j, n, window, sinks)
+                                                           for j in range(i * bs, (i + 1) * bs))]
+            where = (f"window_tokens={window}, sink_tokens={sinks}, block_size={bs}, num_computed={n}: you free "
+                     f"blocks {got}, expected {want}")
+            for i in got:
+                slots = range(i * bs, (i + 1) * bs)
+                sink = [j for j in slots if j < sinks]
+                assert not sink, (f"{where}; block {i} holds the sink position(s) {sink}: the "
+                                  "first sink_tokens keys are kept for every query")
+                inside = [j for j in slots if kept_later(j, n, window, sinks)]
+                assert not inside, (f"{where}; block {i} holds position(s) {inside}, still inside the "
+                                    f"window of the next query (position {n} sees keys {n - window + 1}..{n}): "
+                                    "an off-by-one at the window's start")
+            assert got == want, (f"{where} — every block all of whose "
+                                 "slots are outside the window and past the sinks goes, in increasing order")
+    _passed("3.4")
