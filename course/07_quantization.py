@@ -331,7 +331,7 @@ print(f"your GEMV:    {student_tokens} — the same tokens")
 # %% [markdown]
 # <details><summary>Hints (optional)</summary>
 #
-# - `ks = k0 + tl.arange(0, BLOCK_K)` are the tile's weight indices; `byte` and `shift` follow from the docstring's
+# - the tile's weight indices are `k0` plus `tl.arange` over `BLOCK_K`; `byte` and `shift` follow from the docstring's
 #   formula, elementwise on `ks`; load `P + rows64[:, None] * (K // 2) + byte[None, :]` with a [BLOCK_N, BLOCK_K]
 #   mask, then `(packed >> shift) & 0xF`.
 # - The group of weight k is column `k // G` of `S` and `Mn`: the same [BLOCK_N, BLOCK_K] index for both.

@@ -64,5 +64,5 @@ def test_a_correct_answer_written_differently_passes(capsys):
 
 
 def test_stub_fails_with_its_exercise_message():
-    with pytest.raises(NotImplementedError, match=r"^Exercise 9\.4: the token mask of a DFA state"):
+    with pytest.raises(NotImplementedError, match=r"^Exercise 9\.5: the token mask of a DFA state"):
         checks.check_token_mask(EXERCISES["9.5"].stub())
