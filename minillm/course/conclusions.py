@@ -42,6 +42,10 @@ class Conclusion:
     def __bool__(self) -> bool:
         return self.holds
 
+    def _ipython_display_(self) -> None:
+        """Show nothing as a cell's value: ``conclude`` printed the line when it made this, and a cell ending in
+        ``conclude(...)`` would otherwise print the whole record under it.  ``print(c.line)`` shows it again."""
+
 
 def _decide(value: float, reference: float, expect: str, tolerance: float) -> bool:
     if expect == ">":

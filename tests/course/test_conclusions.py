@@ -63,3 +63,16 @@ def test_the_notebooks_that_state_measured_relations_generate_them():
     sources = {p.stem: p.read_text() for p in (ROOT / "course").glob("[0-9][0-9]_*.py")}
     for name in ("06_batching", "07_quantization", "08_speculative_decoding", "09_serving", "10_scaling_out"):
         assert "conclude(" in sources[name], f"{name} states measured relations without generating them"
+
+
+def test_a_cell_ending_in_conclude_shows_the_line_once():
+    """IPython shows a cell's last value; a Conclusion must not print its record under the line already printed."""
+    from IPython.core.interactiveshell import InteractiveShell
+    from IPython.utils.capture import capture_output
+
+    shell = InteractiveShell.instance()
+    with capture_output() as out:
+        shell.run_cell("from minillm.course.conclusions import conclude\n"
+                       "conclude('x ÷ y', 2.0, 1, expect='>', held='x wins', missed='y wins')")
+    assert out.stdout.count("x wins") == 1, out.stdout
+    assert "Conclusion(" not in out.stdout and not out.outputs, (out.stdout, out.outputs)
