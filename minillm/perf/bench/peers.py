@@ -72,10 +72,16 @@ def hf_directory(out: Path | None = None) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     for f in src.iterdir():
         if f.name != "config.json" and not (out / f.name).exists():
-            (out / f.name).symlink_to(f.resolve())
+            with contextlib.suppress(FileExistsError):  # a concurrent run linked it first
+                (out / f.name).symlink_to(f.resolve())
     config = json.loads((src / "config.json").read_text())
     config["architectures"] = config.get("architectures") or ["LlamaForCausalLM"]
-    (out / "config.json").write_text(json.dumps(config, indent=2))
+    text = json.dumps(config, indent=2)
+    target = out / "config.json"
+    if not target.exists() or target.read_text() != text:  # written once; a peer reading it never sees half a file
+        tmp = target.with_name(f".config.json.{os.getpid()}")
+        tmp.write_text(text)
+        os.replace(tmp, target)
     return out
 
 
