@@ -187,9 +187,9 @@ def test_llm_cli_schema_returns_json_that_validates(live, tmp_path):
     jsonschema.validate(value, schema)
 
 
-def test_bench_serve_runs_the_same_trace_with_and_without_a_json_schema(live, tmp_path, capsys):
+def test_bench_serve_measures_the_json_schema_as_served_and_on_equal_work(live, tmp_path, capsys):
     from minillm.entrypoints.bench_serve import bench_serve_main
-    from minillm.perf.bench.serve import bench_serve, mean_output_tokens
+    from minillm.perf.bench.serve import bench_serve, equal_work_schema, mean_output_tokens
 
     result = bench_serve(live.url, [float("inf")], 3, seed=1, max_tokens=24, progress=False, save=False,
                          json_schema=PERSON)
@@ -201,10 +201,33 @@ def test_bench_serve_runs_the_same_trace_with_and_without_a_json_schema(live, tm
     for run in (plain, constrained):  # each run's mean answer length is printed beside its throughput
         tokens = [r["output_tokens"] for r in run["requests"]]
         assert mean_output_tokens(run) == sum(tokens) / 3 and f"({sum(tokens) / 3:.1f} tok)" in out
+    # equal work: both runs of the second pair emit max_tokens tokens per request on the same prompts
+    equal = result["runs_equal_work"]
+    assert equal["schema"] == equal_work_schema(PERSON, 24)
+    for run in (equal["unconstrained"][0], equal["json_schema"][0]):
+        assert [r["output_tokens"] for r in run["requests"]] == [24, 24, 24]
+        assert [r["prompt_tokens"] for r in run["requests"]] == [r["prompt_tokens"] for r in plain["requests"]]
+    rows = [line.split() for line in out.splitlines() if line.lstrip().startswith("inf ")]
+    assert [r[1:3] for r in rows] == [["as", "served"], ["equal", "work"]]
+    assert "not equal work" not in out
     bad = tmp_path / "schema.json"
     bad.write_text("[1, 2]")
     assert bench_serve_main(["--base-url", live.url, "--json-schema", str(bad), "--no-save"]) == 2
     assert "a JSON schema is an object" in capsys.readouterr().err
+
+
+def test_equal_work_schema_admits_no_answer_shorter_than_max_tokens_items():
+    from minillm.perf.bench.serve import equal_work_schema
+
+    schema = equal_work_schema(PERSON, 5)
+    item = {"name": "a", "age": 1}
+    jsonschema.validate([item] * 5, schema)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate([item] * 4, schema)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate([item] * 4 + [{"name": 3}], schema)  # the items still follow the given schema
+    with pytest.raises(ValueError, match="max_tokens"):
+        equal_work_schema(PERSON, 0)
 
 
 def test_a_bad_constraint_leaves_a_running_stream_untouched(live):
