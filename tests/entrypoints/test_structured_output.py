@@ -90,6 +90,29 @@ def test_vllm_guided_extras_on_completions_and_chat(live, extra, check):
     assert check(r.choices[0].message.content)
 
 
+def test_guided_decoding_backend_minillm_constrains_with_the_engines_regex_dfa(live):
+    pattern = r"[0-9]{2} degrees"
+    extra = {"guided_regex": pattern, "guided_decoding_backend": "minillm"}
+    r = live.client().completions.create(model=MODEL, prompt="The weather today:", max_tokens=40, temperature=1.0,
+                                         seed=2, extra_body=extra)
+    assert re.fullmatch(pattern, r.choices[0].text) and r.choices[0].finish_reason == "stop"
+    streamed = "".join(c.choices[0].delta.content or "" for c in chat(live, stream=True, extra_body=extra)
+                       if c.choices)
+    assert re.fullmatch(pattern, streamed)
+    # both backends allow exactly the tokens that keep the regex alive: greedy answers are equal
+    mine = chat(live, extra_body=extra).choices[0].message.content
+    assert mine == chat(live, extra_body={**extra, "guided_decoding_backend": "xgrammar"}).choices[0].message.content
+    # the request really goes to the backend it names: \x41 is outside minillm's regex subset, inside xgrammar's
+    assert chat(live, max_tokens=8, extra_body={"guided_regex": r"\x41{3}"}).choices[0].message.content == "AAA"
+    with pytest.raises(openai.BadRequestError) as e:
+        chat(live, extra_body={"guided_regex": r"\x41{3}", "guided_decoding_backend": "minillm"})
+    assert e.value.body["param"] == "guided_regex" and "minillm backend" in e.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as e:
+        chat(live, extra_body={"guided_regex": "a", "guided_decoding_backend": "llguidance"})
+    assert "xgrammar, minillm" in e.value.body["message"] and "'llguidance'" in e.value.body["message"]
+    assert_still_serves(live)
+
+
 def test_streamed_json_schema_joins_to_valid_json(live):
     stream = chat(live, stream=True, response_format={"type": "json_schema",
                                                       "json_schema": {"name": "p", "schema": PERSON}})
@@ -160,6 +183,11 @@ def test_auto_tool_choice_answers_through_the_server(live):
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
     ({"tools": [{"type": "function"}]}, "tools"),
     ({"tool_choice": "required"}, "tool_choice"),
+    ({"extra_body": {"guided_regex": "a", "guided_decoding_backend": "outlines"}}, "guided_decoding_backend"),
+    ({"extra_body": {"guided_decoding_backend": "outlines"}}, "guided_decoding_backend"),
+    ({"response_format": {"type": "json_object"}, "extra_body": {"guided_decoding_backend": "minillm"}},
+     "guided_decoding_backend"),
+    ({"extra_body": {"guided_regex": r"\x41", "guided_decoding_backend": "minillm"}}, "guided_regex"),
 ])
 def test_bad_constraints_are_400s_naming_the_field(live, kw, param):
     with pytest.raises(openai.BadRequestError) as e:

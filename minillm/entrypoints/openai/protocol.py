@@ -9,8 +9,8 @@ honour (``suffix``, the deprecated ``functions``, ...) are declared: their "off"
 accepted, anything else is a 400 naming the field (``unsupported_fields``); so are vLLM's extensions minillm does
 not implement (``use_beam_search``, ``bad_words``, ... in ``VLLM_EXTRA_OFF_VALUES``), which are known, not
 ignored.  ``top_k``, ``ignore_eos``, ``repetition_penalty``, ``min_p``, ``min_tokens``, ``stop_token_ids``,
-``include_stop_str_in_output`` and ``guided_json`` / ``guided_regex`` / ``guided_choice`` / ``guided_grammar`` are
-vLLM's extensions, accepted with vLLM's meanings.
+``include_stop_str_in_output``, ``guided_json`` / ``guided_regex`` / ``guided_choice`` / ``guided_grammar`` and
+``guided_decoding_backend`` are vLLM's extensions, accepted with vLLM's meanings.
 """
 
 from __future__ import annotations
@@ -77,6 +77,9 @@ class _SamplingFields(OpenAIBaseModel):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    # who computes the masks, per request (vLLM's field until it made the backend server-wide): "xgrammar" (the
+    # default) or "minillm" (the engine's own regex DFA, guided_regex only)
+    guided_decoding_backend: str | None = None
 
 
 class CompletionRequest(_SamplingFields):

@@ -7,12 +7,14 @@ request's ``ToolPlan`` -> one ``GuidedDecodingParams`` (at most one of them may 
                                                                   the output always follows it)
     response_format={"type": "text"} / None                       unconstrained
     guided_json / guided_regex / guided_choice / guided_grammar   vLLM's extras (schema, regex, list, EBNF)
+    guided_decoding_backend="xgrammar" | "minillm"                who computes the masks (vLLM's per-request field;
+                                                                  "minillm": the engine's regex DFA, regex only)
 """
 
 from __future__ import annotations
 
 from minillm.entrypoints.openai.tools import ToolPlan
-from minillm.sampling.guided import GuidedDecodingParams
+from minillm.sampling.guided import BACKENDS, GuidedDecodingParams
 
 GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
                  "guided_grammar": "grammar"}
@@ -27,7 +29,13 @@ class FieldError(ValueError):
 
 
 def guided_decoding(body, plan: ToolPlan | None = None) -> tuple[GuidedDecodingParams | None, str | None]:
-    """-> (the request's constraint, the field it came from) or (None, None).  Raises ``FieldError``."""
+    """-> (the request's constraint, the field it came from) or (None, None).  Raises ``FieldError``.
+    ``guided_decoding_backend`` picks the constraint's backend; without a constraint it asks for nothing (vLLM
+    ignores it then) but an unknown name is still refused."""
+    backend = getattr(body, "guided_decoding_backend", None)
+    if backend is not None and backend not in BACKENDS:
+        raise FieldError("guided_decoding_backend", f"guided_decoding_backend must be one of {', '.join(BACKENDS)} "
+                                                    f"(or omitted: xgrammar), got {backend!r}")
     found = []
     rf = _response_format(body.response_format)
     if rf is not None:
@@ -45,8 +53,11 @@ def guided_decoding(body, plan: ToolPlan | None = None) -> tuple[GuidedDecodingP
         raise FieldError(names[1], f"{' and '.join(names)} each constrain the output: send only one of them")
     field, kwargs = found[0]
     try:
-        return GuidedDecodingParams(**kwargs), field
+        return GuidedDecodingParams(**kwargs, backend=backend), field
     except ValueError as e:
+        if "guided_decoding.backend" in str(e):  # a backend that cannot take this kind of constraint
+            raise FieldError("guided_decoding_backend", f"guided_decoding_backend {backend!r} constrains "
+                                                        f"guided_regex only, got {field}; omit it (xgrammar)") from e
         raise FieldError(field, f"{field}: {e}") from e
 
 
