@@ -81,6 +81,10 @@ def test_sdk_parse_with_a_pydantic_model(live):
     ({"guided_regex": r"[0-9]{2} degrees"}, lambda t: re.fullmatch(r"[0-9]{2} degrees", t)),
     ({"guided_json": PERSON}, lambda t: jsonschema.validate(json.loads(t), PERSON) is None),
     ({"guided_grammar": 'root ::= "yes" | "no"'}, lambda t: t in ("yes", "no")),
+    # vLLM's current form of the same extras
+    ({"structured_outputs": {"choice": ["sunny", "rainy"]}}, lambda t: t in ("sunny", "rainy")),
+    ({"structured_outputs": {"json": PERSON, "disable_any_whitespace": True}},
+     lambda t: jsonschema.validate(json.loads(t), PERSON) is None),
 ])
 def test_vllm_guided_extras_on_completions_and_chat(live, extra, check):
     r = live.client().completions.create(model=MODEL, prompt="The weather today:", max_tokens=40, temperature=1.0,
@@ -188,6 +192,12 @@ def test_auto_tool_choice_answers_through_the_server(live):
     ({"response_format": {"type": "json_object"}, "extra_body": {"guided_decoding_backend": "minillm"}},
      "guided_decoding_backend"),
     ({"extra_body": {"guided_regex": r"\x41", "guided_decoding_backend": "minillm"}}, "guided_regex"),
+    ({"extra_body": {"structured_outputs": {"regex": "a("}}}, "structured_outputs"),
+    ({"extra_body": {"structured_outputs": {}}}, "structured_outputs"),
+    ({"extra_body": {"structured_outputs": {"regex": "a", "whitespace_pattern": " "}}}, "structured_outputs"),
+    ({"extra_body": {"structured_outputs": {"structural_tag": "{}"}}}, "structured_outputs"),
+    ({"extra_body": {"structured_outputs": ["a"]}}, "structured_outputs"),
+    ({"extra_body": {"guided_regex": "a", "structured_outputs": {"regex": "b"}}}, "structured_outputs"),
 ])
 def test_bad_constraints_are_400s_naming_the_field(live, kw, param):
     with pytest.raises(openai.BadRequestError) as e:
