@@ -266,6 +266,13 @@ def test_equal_work_schema_admits_no_answer_shorter_than_max_tokens_items():
         jsonschema.validate([item] * 4 + [{"name": 3}], schema)  # the items still follow the given schema
     with pytest.raises(ValueError, match="max_tokens"):
         equal_work_schema(PERSON, 0)
+    # a schema with references (pydantic writes them so) keeps them resolvable from the new root
+    referring = {"type": "object", "properties": {"who": {"$ref": "#/$defs/P"}}, "required": ["who"],
+                 "$defs": {"P": PERSON}}
+    wrapped = equal_work_schema(referring, 2)
+    jsonschema.validate([{"who": item}] * 2, wrapped)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate([{"who": {"name": 3}}] * 2, wrapped)
 
 
 def test_a_bad_constraint_leaves_a_running_stream_untouched(live):

@@ -411,10 +411,13 @@ def equal_work_schema(schema: dict, max_tokens: int) -> dict:
     ``max_tokens`` items of ``schema``.  Each item takes at least one token of its own (its text and the ", "
     separator), so the grammar cannot allow the closing ``]`` (nor EOS) before the length limit: a constrained
     answer then costs exactly the ``max_tokens`` decode steps an unconstrained ``ignore_eos`` answer does, under
-    a grammar of the same shape as ``schema``'s (its masks, repeated)."""
+    a grammar of the same shape as ``schema``'s (its masks, repeated).  The schema's ``$defs`` / ``definitions``
+    move to the new root, so its ``#/$defs/...`` references still resolve (a ``#`` self-reference would not)."""
     if not isinstance(max_tokens, int) or max_tokens < 1:
         raise ValueError(f"max_tokens must be an int >= 1, got {max_tokens!r}")
-    return {"type": "array", "items": schema, "minItems": max_tokens}
+    defs = ("$defs", "definitions")
+    return {"type": "array", "items": {k: v for k, v in schema.items() if k not in defs}, "minItems": max_tokens,
+            **{k: schema[k] for k in defs if k in schema}}
 
 
 def _ratio(a: float, b: float) -> float:
