@@ -16,7 +16,7 @@ request's ``ToolPlan`` -> one ``GuidedDecodingParams`` (at most one of them may 
 from __future__ import annotations
 
 from minillm.entrypoints.openai.tools import ToolPlan
-from minillm.sampling.guided import BACKENDS, GuidedDecodingParams
+from minillm.sampling.guided import BACKENDS, KINDS, GuidedDecodingParams
 
 GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
                  "guided_grammar": "grammar"}
@@ -80,15 +80,14 @@ def _structured_outputs(so) -> dict | None:
     if not isinstance(so, dict):
         raise FieldError("structured_outputs", "structured_outputs must be an object such as {'regex': '...'} or "
                                                f"{{'json': {{schema}}}}, got {so!r}")
-    kinds = ("json", "regex", "choice", "grammar", "json_object")
     for name, value in so.items():
         allowed = STRUCTURED_OUTPUTS_OPTIONS.get(name)
-        if name in kinds or value is None or (allowed is not None and value in allowed):
+        if name in KINDS or value is None or (allowed is not None and value in allowed):
             continue
         what = (f"{name}={value!r} is not supported by minillm (accepted: {list(allowed) or 'null'})"
-                if allowed is not None else f"unknown key {name!r} (constraints: {', '.join(kinds)})")
+                if allowed is not None else f"unknown key {name!r} (constraints: {', '.join(KINDS)})")
         raise FieldError("structured_outputs", f"structured_outputs: {what}")
-    return {k: so[k] for k in kinds if so.get(k) is not None}
+    return {k: so[k] for k in KINDS if so.get(k) is not None}
 
 
 def _response_format(rf) -> dict | None:
