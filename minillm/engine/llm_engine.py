@@ -182,11 +182,24 @@ class LLMEngine:
                                                   list(self.eos_token_ids))
         return self._regexes
 
-    def _matchers(self, guided: GuidedDecodingParams, n: int) -> list:
-        """One matcher per sample, from the backend the constraint names (xgrammar unless "minillm")."""
+    def _backend(self, guided: GuidedDecodingParams) -> tuple[GrammarCompiler | RegexCompiler, object]:
+        """The compiler of the backend the constraint names (xgrammar unless "minillm") and the spec it takes: the
+        one place a constraint's backend is picked."""
         if guided.backend == "minillm":
-            return self.regex_compiler.matchers(guided.regex, n)
-        return self.grammar_compiler.matchers(guided, n)
+            return self.regex_compiler, guided.regex
+        return self.grammar_compiler, guided
+
+    def compile_guided(self, guided: GuidedDecodingParams) -> None:
+        """Compile a constraint into its backend's cache (xgrammar's grammar or minillm's regex DFA), from any
+        thread: a server compiles a request's constraint before queueing it, so one that cannot be compiled is
+        refused up front.  Raises ``ValueError`` naming what cannot be compiled."""
+        compiler, spec = self._backend(guided)
+        compiler.compile(spec)
+
+    def _matchers(self, guided: GuidedDecodingParams, n: int) -> list:
+        """One matcher per sample, from the backend the constraint names."""
+        compiler, spec = self._backend(guided)
+        return compiler.matchers(spec, n)
 
     @property
     def num_live_requests(self) -> int:

@@ -61,7 +61,9 @@ def bench_serve_parser() -> argparse.ArgumentParser:
                                                  "own; vLLM float32 on CPU, where it would run fp32 weights in bf16)")
     p.add_argument("--json-schema", default=None, metavar="FILE",
                    help="also run the same trace with every answer constrained to this JSON schema "
-                        "(response_format json_schema) and report output tok/s both ways")
+                        "(response_format json_schema) and report the cost two ways: as served (natural answer "
+                        "lengths) and on equal work (ignore_eos, and an array of >= max-tokens items of the "
+                        "schema: every answer max-tokens long)")
     return p
 
 

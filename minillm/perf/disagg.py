@@ -201,7 +201,7 @@ def _decode_instance(requests: Sequence[Request], model: ModelConfig, config: En
     num_blocks = config.resolve_num_blocks(block_bytes, max_model_len)
     sched = KVReceivingScheduler(config, num_blocks, max_model_len,
                                  num_host_blocks=config.resolve_host_blocks(num_blocks))
-    steps = run_clock(sched, requests, config, step_time, block_bytes, swap_bandwidth)
+    steps = len(run_clock(sched, requests, config, step_time, block_bytes, swap_bandwidth))
     return steps, sched.stats.preemptions
 
 

@@ -36,7 +36,8 @@ from minillm.perf.roofline import Cost, attention_cost, linear_cost
 from minillm.perf.workloads import RequestSpec
 from minillm.sampling.params import SamplingParams
 
-__all__ = ["RequestRecord", "RooflineStepTime", "ServingReport", "StepChunk", "StepTimeModel", "build_report",
+__all__ = ["RequestRecord", "RooflineStepTime", "ServingReport", "StepChunk", "StepRecord", "StepTimeModel",
+           "build_report",
            "format_reports", "kv_cache_budget", "llama2_7b_config", "record_from_metrics", "replay", "simulate",
            "step_cost"]
 
@@ -86,6 +87,7 @@ class ServingReport:
     preemptions: int = 0
     cpu_s: float | None = None  # process CPU seconds spent (wall-clock replays): steadier than wall time when
     #                             other processes share the cores, since time spent descheduled is not counted
+    step_log: tuple[StepRecord, ...] = ()  # what the scheduler ran each step (``simulate``; empty otherwise)
 
     @property
     def duration_s(self) -> float:
@@ -224,6 +226,21 @@ def _params(max_tokens: int) -> SamplingParams:
 
 # ---------------------------------------------------------------------------------------------- cost of a step
 @dataclass(frozen=True)
+class StepRecord:
+    """What one simulated step ran: it started at ``start_s`` on the virtual clock and took ``duration_s``;
+    ``prefill_tokens`` prompt (or re-prefill) tokens in ``prefill_chunks`` chunks beside ``decode_rows`` decodes;
+    ``waiting`` sequences were still queued after it was scheduled, ``running`` held seats."""
+
+    start_s: float
+    duration_s: float
+    prefill_tokens: int
+    prefill_chunks: int
+    decode_rows: int
+    waiting: int
+    running: int
+
+
+@dataclass(frozen=True)
 class StepChunk:
     """``num_new`` tokens of one sequence fed on top of ``num_past`` cached ones; ``samples`` if its last row goes
     through the LM head (a decode, or a prompt's last chunk)."""
@@ -340,21 +357,21 @@ def simulate(trace: Sequence[RequestSpec], model: ModelConfig, config: EngineCon
     sched = Scheduler(config, num_blocks, max_model_len, num_host_blocks=config.resolve_host_blocks(num_blocks))
     requests = [Request(str(k), list(spec.prompt_token_ids), _params(spec.max_tokens), spec.arrival_s, [None])
                 for k, spec in enumerate(trace)]
-    steps = run_clock(sched, requests, config, step_time, block_bytes, swap_bandwidth)
+    log = run_clock(sched, requests, config, step_time, block_bytes, swap_bandwidth)
     records = [record_from_metrics(r.request_id, r.seqs[0].metrics, 0.0) for r in requests]
     records.sort(key=lambda r: int(r.request_id))
     return build_report(label or config.policy, records, ttft_slo_s=ttft_slo_s, tpot_slo_s=tpot_slo_s,
-                        steps=steps, preemptions=sched.stats.preemptions)
+                        steps=len(log), preemptions=sched.stats.preemptions, step_log=tuple(log))
 
 
 def run_clock(sched: Scheduler, requests: Sequence[Request], config: EngineConfig, step_time: StepTimeModel,
-              block_bytes: int, swap_bandwidth: float) -> int:
+              block_bytes: int, swap_bandwidth: float) -> list[StepRecord]:
     """Drive ``sched`` on a virtual clock from 0: each request is added at its ``arrival_time`` (``sched.add``
     raises ValueError for one that could never fit, as the engine does), every non-empty step advances the clock by
     ``step_time`` plus its swap copies, an idle scheduler jumps to its next wake-up.  Fills the requests' metrics;
-    returns the number of steps.  ``simulate`` and ``disagg``'s decode instances share it."""
+    returns what each step ran (``StepRecord``).  ``simulate`` and ``disagg``'s decode instances share it."""
     pending = sorted(requests, key=lambda r: r.arrival_time)
-    now, i, steps = 0.0, 0, 0
+    now, i, log = 0.0, 0, []
     while i < len(pending) or sched.has_unfinished():
         while i < len(pending) and pending[i].arrival_time <= now:
             sched.add(pending[i])
@@ -369,10 +386,13 @@ def run_clock(sched: Scheduler, requests: Sequence[Request], config: EngineConfi
             continue
         chunks = [StepChunk(s.num_tokens, s.start, s.samples) for s in out.scheduled]
         chunks += [StepChunk(1, 0, True)] * out.num_padding  # a fixed-shape batch's finished rows: one token each
-        now += step_time(chunks) + copy_s
-        steps += 1
+        prefills = [s.num_tokens for s in out.scheduled if s.start < s.seq.num_prompt_tokens or s.num_tokens > 1]
+        duration = step_time(chunks) + copy_s
+        log.append(StepRecord(now, duration, sum(prefills), len(prefills), len(out.scheduled) - len(prefills),
+                              len(sched.waiting), len(sched.running)))
+        now += duration
         sched.postprocess(out, [[DUMMY_TOKEN] * s.num_samples for s in out.scheduled if s.samples], now)
-    return steps
+    return log
 
 
 def _swap_seconds(out: SchedulerOutput, block_bytes: int, bandwidth: float) -> float:

@@ -93,6 +93,32 @@ def test_decodes_go_first_then_prefill_chunks_fill_the_budget():
     assert [(s.seq.request.request_id, s.num_tokens) for s in out.scheduled] == [("a", 1), ("b", 15)]
 
 
+def test_a_newcomer_prefills_in_every_step_beside_a_full_decode_batch_until_its_first_token():
+    # decode-first, then admission with what the budget leaves: a request arriving under a decode-heavy batch
+    # starts in the very next step and gets budget - decodes tokens a step, so its first token comes after
+    # ceil(prompt / (budget - decodes)) steps, never behind the decodes' whole lifetimes
+    sched, rng = make_scheduler(num_blocks=256, max_model_len=256, max_num_seqs=8, max_num_batched_tokens=16), \
+        random.Random(0)
+    for i in range(7):
+        add(sched, f"d{i}", range(1, 4), max_tokens=100)
+    for _ in range(3):  # 7 × 3 prompt tokens: prefilled within two steps; then every one of them decodes
+        out = sched.schedule(0.0)
+        sched.postprocess(out, fake_tokens(out, rng), 0.0)
+    add(sched, "new", range(1, 30), max_tokens=5)
+    steps = 0
+    while True:
+        out = sched.schedule(0.0)
+        steps += 1
+        chunks = [(s.seq.request.request_id, s.num_tokens) for s in out.scheduled]
+        assert chunks[:7] == [(f"d{i}", 1) for i in range(7)] and chunks[7][0] == "new"
+        assert chunks[7][1] == min(16 - 7, 29 - 9 * (steps - 1))
+        sampled = out.scheduled[7].samples
+        sched.postprocess(out, fake_tokens(out, rng), 0.0)
+        if sampled:
+            break
+    assert steps == 4  # ceil(29 / 9)
+
+
 def test_newest_running_sequence_is_preempted_and_requeued_first_with_its_tokens():
     sched = make_scheduler(num_blocks=4, max_num_batched_tokens=16)  # 16 slots in all
     add(sched, "old", range(1, 8), max_tokens=8)  # 7 + 8 tokens: 4 blocks at the end

@@ -81,6 +81,10 @@ def test_sdk_parse_with_a_pydantic_model(live):
     ({"guided_regex": r"[0-9]{2} degrees"}, lambda t: re.fullmatch(r"[0-9]{2} degrees", t)),
     ({"guided_json": PERSON}, lambda t: jsonschema.validate(json.loads(t), PERSON) is None),
     ({"guided_grammar": 'root ::= "yes" | "no"'}, lambda t: t in ("yes", "no")),
+    # vLLM's current form of the same extras
+    ({"structured_outputs": {"choice": ["sunny", "rainy"]}}, lambda t: t in ("sunny", "rainy")),
+    ({"structured_outputs": {"json": PERSON, "disable_any_whitespace": True}},
+     lambda t: jsonschema.validate(json.loads(t), PERSON) is None),
 ])
 def test_vllm_guided_extras_on_completions_and_chat(live, extra, check):
     r = live.client().completions.create(model=MODEL, prompt="The weather today:", max_tokens=40, temperature=1.0,
@@ -88,6 +92,29 @@ def test_vllm_guided_extras_on_completions_and_chat(live, extra, check):
     assert check(r.choices[0].text) and r.choices[0].finish_reason == "stop"
     r = chat(live, extra_body=extra)
     assert check(r.choices[0].message.content)
+
+
+def test_guided_decoding_backend_minillm_constrains_with_the_engines_regex_dfa(live):
+    pattern = r"[0-9]{2} degrees"
+    extra = {"guided_regex": pattern, "guided_decoding_backend": "minillm"}
+    r = live.client().completions.create(model=MODEL, prompt="The weather today:", max_tokens=40, temperature=1.0,
+                                         seed=2, extra_body=extra)
+    assert re.fullmatch(pattern, r.choices[0].text) and r.choices[0].finish_reason == "stop"
+    streamed = "".join(c.choices[0].delta.content or "" for c in chat(live, stream=True, extra_body=extra)
+                       if c.choices)
+    assert re.fullmatch(pattern, streamed)
+    # both backends allow exactly the tokens that keep the regex alive: greedy answers are equal
+    mine = chat(live, extra_body=extra).choices[0].message.content
+    assert mine == chat(live, extra_body={**extra, "guided_decoding_backend": "xgrammar"}).choices[0].message.content
+    # the request really goes to the backend it names: \x41 is outside minillm's regex subset, inside xgrammar's
+    assert chat(live, max_tokens=8, extra_body={"guided_regex": r"\x41{3}"}).choices[0].message.content == "AAA"
+    with pytest.raises(openai.BadRequestError) as e:
+        chat(live, extra_body={"guided_regex": r"\x41{3}", "guided_decoding_backend": "minillm"})
+    assert e.value.body["param"] == "guided_regex" and "minillm backend" in e.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as e:
+        chat(live, extra_body={"guided_regex": "a", "guided_decoding_backend": "llguidance"})
+    assert "xgrammar, minillm" in e.value.body["message"] and "'llguidance'" in e.value.body["message"]
+    assert_still_serves(live)
 
 
 def test_streamed_json_schema_joins_to_valid_json(live):
@@ -160,6 +187,17 @@ def test_auto_tool_choice_answers_through_the_server(live):
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
     ({"tools": [{"type": "function"}]}, "tools"),
     ({"tool_choice": "required"}, "tool_choice"),
+    ({"extra_body": {"guided_regex": "a", "guided_decoding_backend": "outlines"}}, "guided_decoding_backend"),
+    ({"extra_body": {"guided_decoding_backend": "outlines"}}, "guided_decoding_backend"),
+    ({"response_format": {"type": "json_object"}, "extra_body": {"guided_decoding_backend": "minillm"}},
+     "guided_decoding_backend"),
+    ({"extra_body": {"guided_regex": r"\x41", "guided_decoding_backend": "minillm"}}, "guided_regex"),
+    ({"extra_body": {"structured_outputs": {"regex": "a("}}}, "structured_outputs"),
+    ({"extra_body": {"structured_outputs": {}}}, "structured_outputs"),
+    ({"extra_body": {"structured_outputs": {"regex": "a", "whitespace_pattern": " "}}}, "structured_outputs"),
+    ({"extra_body": {"structured_outputs": {"structural_tag": "{}"}}}, "structured_outputs"),
+    ({"extra_body": {"structured_outputs": ["a"]}}, "structured_outputs"),
+    ({"extra_body": {"guided_regex": "a", "structured_outputs": {"regex": "b"}}}, "structured_outputs"),
 ])
 def test_bad_constraints_are_400s_naming_the_field(live, kw, param):
     with pytest.raises(openai.BadRequestError) as e:
@@ -187,9 +225,9 @@ def test_llm_cli_schema_returns_json_that_validates(live, tmp_path):
     jsonschema.validate(value, schema)
 
 
-def test_bench_serve_runs_the_same_trace_with_and_without_a_json_schema(live, tmp_path, capsys):
+def test_bench_serve_measures_the_json_schema_as_served_and_on_equal_work(live, tmp_path, capsys):
     from minillm.entrypoints.bench_serve import bench_serve_main
-    from minillm.perf.bench.serve import bench_serve, mean_output_tokens
+    from minillm.perf.bench.serve import bench_serve, equal_work_schema, mean_output_tokens
 
     result = bench_serve(live.url, [float("inf")], 3, seed=1, max_tokens=24, progress=False, save=False,
                          json_schema=PERSON)
@@ -201,10 +239,40 @@ def test_bench_serve_runs_the_same_trace_with_and_without_a_json_schema(live, tm
     for run in (plain, constrained):  # each run's mean answer length is printed beside its throughput
         tokens = [r["output_tokens"] for r in run["requests"]]
         assert mean_output_tokens(run) == sum(tokens) / 3 and f"({sum(tokens) / 3:.1f} tok)" in out
+    # equal work: both runs of the second pair emit max_tokens tokens per request on the same prompts
+    equal = result["runs_equal_work"]
+    assert equal["schema"] == equal_work_schema(PERSON, 24)
+    for run in (equal["unconstrained"][0], equal["json_schema"][0]):
+        assert [r["output_tokens"] for r in run["requests"]] == [24, 24, 24]
+        assert [r["prompt_tokens"] for r in run["requests"]] == [r["prompt_tokens"] for r in plain["requests"]]
+    rows = [line.split() for line in out.splitlines() if line.lstrip().startswith("inf ")]
+    assert [r[1:3] for r in rows] == [["as", "served"], ["equal", "work"]]
+    assert "not equal work" not in out
     bad = tmp_path / "schema.json"
     bad.write_text("[1, 2]")
     assert bench_serve_main(["--base-url", live.url, "--json-schema", str(bad), "--no-save"]) == 2
     assert "a JSON schema is an object" in capsys.readouterr().err
+
+
+def test_equal_work_schema_admits_no_answer_shorter_than_max_tokens_items():
+    from minillm.perf.bench.serve import equal_work_schema
+
+    schema = equal_work_schema(PERSON, 5)
+    item = {"name": "a", "age": 1}
+    jsonschema.validate([item] * 5, schema)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate([item] * 4, schema)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate([item] * 4 + [{"name": 3}], schema)  # the items still follow the given schema
+    with pytest.raises(ValueError, match="max_tokens"):
+        equal_work_schema(PERSON, 0)
+    # a schema with references (pydantic writes them so) keeps them resolvable from the new root
+    referring = {"type": "object", "properties": {"who": {"$ref": "#/$defs/P"}}, "required": ["who"],
+                 "$defs": {"P": PERSON}}
+    wrapped = equal_work_schema(referring, 2)
+    jsonschema.validate([{"who": item}] * 2, wrapped)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate([{"who": {"name": 3}}] * 2, wrapped)
 
 
 def test_a_bad_constraint_leaves_a_running_stream_untouched(live):

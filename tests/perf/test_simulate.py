@@ -88,6 +88,23 @@ def test_virtual_clock_advances_by_exactly_the_modelled_step_times():
     assert report.steps == 4 and report.output_tokens == 4
 
 
+def test_step_log_records_what_each_step_ran_on_the_virtual_clock():
+    st = RooflineStepTime(LLAMA, H100, "bfloat16", overhead_s=0.001)
+    trace = [RequestSpec(0.0, tuple(range(100)), 3), RequestSpec(0.0, tuple(range(500, 540)), 2)]
+    report = simulate(trace, LLAMA, EngineConfig(max_num_batched_tokens=64, num_kv_blocks=64), st)
+    log = report.step_log
+    assert len(log) == report.steps
+    # 140 prompt tokens in chunks of the 64-token budget, then the decodes (each answer's first token comes from
+    # its prefill): budget 64 = 64 | 36 + 28 | 1 decode + 12 | 2 decodes (both answers end)
+    assert [(s.prefill_tokens, s.prefill_chunks, s.decode_rows) for s in log] == [
+        (64, 1, 0), (64, 2, 0), (12, 1, 1), (0, 0, 2)]
+    assert [s.waiting for s in log] == [1, 0, 0, 0] and log[0].running == 1 and log[1].running == 2
+    assert log[0].start_s == 0.0 and all(a.start_s + a.duration_s == pytest.approx(b.start_s)
+                                         for a, b in zip(log, log[1:], strict=False))
+    assert sum(s.prefill_tokens for s in log) == report.prefill_tokens
+    assert sum(s.decode_rows for s in log) == report.output_tokens - len(trace)
+
+
 def test_continuous_beats_static_batching_on_a_skewed_trace():
     st = RooflineStepTime(LLAMA, H100, "bfloat16", overhead_s=0.002)
     trace = skewed_trace(200, random_corpus(32000, n=4096), prompt_len=(32, 256), short=(16, 64), long=(256, 512),

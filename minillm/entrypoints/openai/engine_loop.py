@@ -219,10 +219,11 @@ class EngineLoop:
         self._thread.start()
 
     def compile_grammar(self, guided) -> None:
-        """Compile a request's structured-output grammar (``GuidedDecodingParams``) into the engine's cache, from
-        any thread: the one engine part a handler may touch (its grammar compiler is thread-safe).  Raises
-        ``ValueError`` naming what cannot be compiled."""
-        self.engine.grammar_compiler.compile(guided)
+        """Compile a request's structured-output constraint (``GuidedDecodingParams``) into the engine's cache of
+        its backend, from any thread: the one engine part a handler may touch (xgrammar's compiler is thread-safe;
+        minillm's regex cache at worst computes a state's mask twice).  Raises ``ValueError`` naming what cannot be
+        compiled."""
+        self.engine.compile_guided(guided)
 
     def stop(self, drain_s: float = 0.0, join_s: float = 30.0) -> None:
         """Refuse new requests, let running ones finish for up to ``drain_s`` seconds, abort the rest, and join."""

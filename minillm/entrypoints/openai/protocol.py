@@ -9,8 +9,8 @@ honour (``suffix``, the deprecated ``functions``, ...) are declared: their "off"
 accepted, anything else is a 400 naming the field (``unsupported_fields``); so are vLLM's extensions minillm does
 not implement (``use_beam_search``, ``bad_words``, ... in ``VLLM_EXTRA_OFF_VALUES``), which are known, not
 ignored.  ``top_k``, ``ignore_eos``, ``repetition_penalty``, ``min_p``, ``min_tokens``, ``stop_token_ids``,
-``include_stop_str_in_output`` and ``guided_json`` / ``guided_regex`` / ``guided_choice`` / ``guided_grammar`` are
-vLLM's extensions, accepted with vLLM's meanings.
+``include_stop_str_in_output``, ``guided_json`` / ``guided_regex`` / ``guided_choice`` / ``guided_grammar``,
+``guided_decoding_backend`` and ``structured_outputs`` are vLLM's extensions, accepted with vLLM's meanings.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ OFF_VALUES: dict[str, tuple] = {"suffix": (None,), "functions": (None, []), "fun
 # off too).  Known, so a value that asks for them is a 400 naming the field rather than silently ignored like an
 # unknown field; a field that the request models declare is never looked up here.
 VLLM_EXTRA_OFF_VALUES: dict[str, tuple] = {
-    "prompt_logprobs": (), "structured_outputs": (), "use_beam_search": (False,), "length_penalty": (1.0, 1),
+    "prompt_logprobs": (), "use_beam_search": (False,), "length_penalty": (1.0, 1),
     "bad_words": ([],), "allowed_token_ids": (), "truncate_prompt_tokens": (),
 }
 
@@ -77,6 +77,11 @@ class _SamplingFields(OpenAIBaseModel):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    # who computes the masks, per request (vLLM's field until it made the backend server-wide): "xgrammar" (the
+    # default) or "minillm" (the engine's own regex DFA, guided_regex only)
+    guided_decoding_backend: str | None = None
+    # vLLM's current form of the same: {"json" | "regex" | "choice" | "grammar" | "json_object": ..., options}
+    structured_outputs: Any = None
 
 
 class CompletionRequest(_SamplingFields):

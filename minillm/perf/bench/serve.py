@@ -20,12 +20,20 @@ every request completed and p99 TTFT met the SLO — then send ``2 ×`` that rat
 (``minillm serve --ttft-slo-ms``) should then lose nothing and keep its admitted requests within the SLO,
 refusing the excess with 429; one that queues without bound keeps every request and misses the SLO on most.
 
-Structured output (``json_schema``): the same trace runs again with ``response_format`` json_schema on every
-request, and the run reports both output throughputs, their ratio and the mean answer length of each — the cost
-of the grammar masks, and of the shorter, JSON-shaped answers (a grammar ends its answer at the closing brace,
-also under ``ignore_eos``), which leave a larger share of the run to prefill.  The second run of a trace finds its
-prompts in a server's prefix cache: compare against a server started with prefix caching off (minillm and vLLM:
-``--no-enable-prefix-caching``), or the constrained run looks cheaper than it is.
+Structured output (``json_schema``): the same trace runs with ``response_format`` json_schema on every request, in
+two pairs of runs, both printed and saved:
+
+- **as served** (``runs`` / ``runs_json_schema``): unconstrained, then the schema as given.  A grammar ends its
+  answer at the closing brace, also under ``ignore_eos``, so the constrained answers are shorter and the same
+  prefills are spread over fewer output tokens: output tok/s then compares different amounts of work.
+- **equal work** (``runs_equal_work``): unconstrained with ``ignore_eos``, then ``equal_work_schema``: an array of
+  at least ``max_tokens`` items of the schema, which no answer can close within ``max_tokens``.  Both runs emit
+  exactly ``max_tokens`` tokens per request on the same prefills, so their output tok/s ratio is the cost of
+  decoding under the grammar (masks, matcher updates) — the row a structured-output cost target is about.
+
+The equal-work pair runs after the as-served pair: with a server's prefix cache on, both of its runs find the
+trace's prompts cached (a fair pair), while the as-served constrained run is flattered by the cache its
+unconstrained run filled (compare against ``--no-enable-prefix-caching``, minillm's and vLLM's flag).
 
 Output tokens come from the server's usage chunk (``stream_options.include_usage``), else
 one per text chunk.  Prompts are real English cut from CPython's ``pydoc_data.topics`` (always installed, no
@@ -307,8 +315,11 @@ def bench_serve(base_url: str = "http://127.0.0.1:8000", request_rates: Sequence
     the highest swept rate that completed everything within the TTFT SLO) and report it as
     ``payload["overload"]``; skipped, with a message, if no swept rate qualifies.
 
-    ``json_schema`` (a JSON schema): each rate runs the trace twice, unconstrained then with every answer
-    constrained to the schema (``payload["runs_json_schema"]``), and prints both output throughputs."""
+    ``json_schema`` (a JSON schema): each rate runs the trace four more ways and prints the structured-output
+    cost (``print_structured_cost``): as served, unconstrained then constrained to the schema
+    (``payload["runs_json_schema"]`` beside ``payload["runs"]``); and on equal work, unconstrained with
+    ``ignore_eos`` then constrained to ``equal_work_schema(json_schema, max_tokens)``
+    (``payload["runs_equal_work"]``: ``{"unconstrained": [...], "json_schema": [...], "schema": ...}``)."""
     from minillm.perf.bench.decode import save_results
 
     if endpoint not in ("chat", "completions"):
@@ -321,10 +332,10 @@ def bench_serve(base_url: str = "http://127.0.0.1:8000", request_rates: Sequence
         raise ValueError(f"json_schema must be a JSON schema object, got {json_schema!r}")
     model = model or discover_model(base_url, api_key)
 
-    def measure(rate: float, schema: dict | None = None) -> dict:
+    def measure(rate: float, schema: dict | None = None, fixed_lengths: bool = ignore_eos) -> dict:
         trace = make_trace(num_prompts, rate, max_tokens, seed, burstiness)
         results, duration = asyncio.run(run_trace(base_url, trace, model=model, endpoint=endpoint, api_key=api_key,
-                                                  ignore_eos=ignore_eos, max_concurrency=max_concurrency,
+                                                  ignore_eos=fixed_lengths, max_concurrency=max_concurrency,
                                                   progress=progress, json_schema=schema))
         summary = summarize_run(results, duration, ttft_slo_s=ttft_slo_s, tpot_slo_s=tpot_slo_s)
         run = {"request_rate": rate, "num_prompts": num_prompts, **summary,
@@ -336,10 +347,17 @@ def bench_serve(base_url: str = "http://127.0.0.1:8000", request_rates: Sequence
     payload = {"benchmark": "serve", "base_url": base_url, "model": model, "endpoint": endpoint, "seed": seed,
                "max_tokens": max_tokens, "burstiness": burstiness, "ignore_eos": ignore_eos, "runs": runs}
     if json_schema is not None:
-        print("\nthe same trace, every answer constrained to the JSON schema:")
+        print("\nas served: the same trace, every answer constrained to the JSON schema:")
         payload["json_schema"] = json_schema
         payload["runs_json_schema"] = [measure(rate, json_schema) for rate in request_rates]
-        print_structured_cost(runs, payload["runs_json_schema"])
+        long_schema = equal_work_schema(json_schema, max_tokens)
+        print(f"\nequal work: the same trace with ignore_eos, unconstrained then constrained to an array of "
+              f">= {max_tokens} items of the schema (every answer runs to max_tokens):")
+        payload["runs_equal_work"] = {
+            "schema": long_schema,
+            "unconstrained": [measure(rate, None, fixed_lengths=True) for rate in request_rates],
+            "json_schema": [measure(rate, long_schema, fixed_lengths=True) for rate in request_rates]}
+        print_structured_cost(runs, payload["runs_json_schema"], payload["runs_equal_work"])
     if overload is not None:
         capacity = capacity_rate(runs)
         if capacity is None or math.isinf(capacity):
@@ -388,15 +406,47 @@ def mean_output_tokens(run: dict) -> float:
     return sum(done) / len(done) if done else float("nan")
 
 
-def print_structured_cost(plain: Sequence[dict], constrained: Sequence[dict]) -> None:
-    """Per rate: output tok/s unconstrained and with the JSON schema, their ratio, and each run's mean answer
-    length (constrained answers end at the closing brace: shorter answers, more of the run in prefill)."""
-    print("\nstructured output: output tok/s per rate (same trace; mean output tokens per answer)")
-    for a, b in zip(plain, constrained, strict=True):
-        ratio = b["output_throughput"] / a["output_throughput"] if a["output_throughput"] else float("nan")
-        print(f"  rate {a['request_rate']:g}: unconstrained {a['output_throughput']:.1f} "
-              f"({mean_output_tokens(a):.1f} tok), json_schema {b['output_throughput']:.1f} "
-              f"({mean_output_tokens(b):.1f} tok) ({ratio:.2f}x)")
+def equal_work_schema(schema: dict, max_tokens: int) -> dict:
+    """A JSON schema whose every valid answer is longer than ``max_tokens`` tokens: an array of at least
+    ``max_tokens`` items of ``schema``.  Each item takes at least one token of its own (its text and the ", "
+    separator), so the grammar cannot allow the closing ``]`` (nor EOS) before the length limit: a constrained
+    answer then costs exactly the ``max_tokens`` decode steps an unconstrained ``ignore_eos`` answer does, under
+    a grammar of the same shape as ``schema``'s (its masks, repeated).  The schema's ``$defs`` / ``definitions``
+    move to the new root, so its ``#/$defs/...`` references still resolve (a ``#`` self-reference would not)."""
+    if not isinstance(max_tokens, int) or max_tokens < 1:
+        raise ValueError(f"max_tokens must be an int >= 1, got {max_tokens!r}")
+    defs = ("$defs", "definitions")
+    return {"type": "array", "items": {k: v for k, v in schema.items() if k not in defs}, "minItems": max_tokens,
+            **{k: schema[k] for k in defs if k in schema}}
+
+
+def _ratio(a: float, b: float) -> float:
+    return b / a if a else float("nan")
+
+
+def print_structured_cost(plain: Sequence[dict], constrained: Sequence[dict], equal: dict | None = None) -> None:
+    """Per rate, one row per pair of runs on the same trace: output tok/s and mean answer length (output tokens)
+    unconstrained and with the JSON schema, and the constrained / unconstrained ratios of output tok/s, req/s and
+    TPOT p50.  "as served": the schema as given (constrained answers end at the closing brace: shorter answers,
+    more of the run in prefill, output tok/s compares different work); "equal work" (``equal``, the
+    ``runs_equal_work`` of ``bench_serve``): every answer of both runs is ``max_tokens`` long, so the tok/s
+    ratio is the grammar's decode cost.  A row whose mean lengths differ is marked: not equal work."""
+    pairs = [("as served", plain, constrained)]
+    if equal is not None:
+        pairs.append(("equal work", equal["unconstrained"], equal["json_schema"]))
+    print("\nstructured output on the same trace: output tok/s (mean output tokens per answer); json_schema / "
+          "unconstrained ratios")
+    print(f"  {'rate':>5}  {'row':10}  {'unconstrained':>20}  {'json_schema':>20}  {'out tok/s':>9}  {'req/s':>6}  "
+          f"{'TPOT p50':>8}")
+    for name, a_runs, b_runs in pairs:
+        for a, b in zip(a_runs, b_runs, strict=True):
+            la, lb = mean_output_tokens(a), mean_output_tokens(b)
+            tpot = _ratio(a["tpot_ms"]["p50"], b["tpot_ms"]["p50"]) if a["tpot_ms"] and b["tpot_ms"] else float("nan")
+            note = "" if name == "as served" or abs(la - lb) < 0.5 else "  (lengths differ: not equal work)"
+            cells = [f"{r['output_throughput']:.1f} ({n:.1f} tok)" for r, n in ((a, la), (b, lb))]
+            print(f"  {a['request_rate']:>5g}  {name:10}  {cells[0]:>20}  {cells[1]:>20}  "
+                  f"{_ratio(a['output_throughput'], b['output_throughput']):8.2f}x  "
+                  f"{_ratio(a['request_throughput'], b['request_throughput']):5.2f}x  {tpot:7.2f}x{note}")
 
 
 def print_overload(run: dict) -> None:
