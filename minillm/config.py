@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from minillm.kv.eviction import KV_EVICTIONS, KVEvictionPolicy
+from minillm.kv.eviction import KV_EVICTIONS, H2OPolicy, KVEvictionPolicy
 
 # model_type -> what differs from plain Llama. Everything else (RMSNorm, RoPE, SwiGLU, GQA) is shared.
 SUPPORTED_ARCHITECTURES = {
@@ -237,12 +237,17 @@ class EngineConfig:
     kv_eviction: str | None = None
     """Free the KV blocks no later query reads, so a sequence holds constant KV memory however long it runs:
     "sink" keeps the first ``sink_tokens`` tokens (StreamingLLM's attention sinks) and the last ``window_tokens``
-    (``kv/eviction.py``; keys keep their original positions).  None keeps every token (a sliding-window model still
-    frees what falls out of its window)."""
+    (``kv/eviction.py``; keys keep their original positions); "h2o" keeps those and ``heavy_tokens`` more, the
+    blocks with the most accumulated attention mass (H2O's heavy hitters; scored on the reference attention, and
+    prefix caching is off).  None keeps every token (a sliding-window model still frees what falls out of its
+    window)."""
     sink_tokens: int = 4
-    """(kv_eviction="sink") leading tokens every query keeps seeing; fewer than ``window_tokens``."""
+    """(kv_eviction="sink"/"h2o") leading tokens every query keeps seeing; fewer than ``window_tokens``."""
     window_tokens: int | None = None
-    """(kv_eviction="sink", required) recent tokens each query sees, itself included."""
+    """(kv_eviction="sink"/"h2o", required) recent tokens each query sees, itself included."""
+    heavy_tokens: int | None = None
+    """(kv_eviction="h2o", required) heavy-hitter tokens kept beside the sinks and the window, in whole blocks
+    (rounded up): the ones earlier queries attended to most."""
     speculative_config: SpeculativeConfig | dict | None = None
     """Speculative decoding: a ``SpeculativeConfig``, or a dict of its fields (vLLM's shape, e.g.
     ``{"method": "ngram", "num_speculative_tokens": 4}``) that becomes one; None: off."""
@@ -298,6 +303,9 @@ class EngineConfig:
         self._check_eviction()
 
     def _check_eviction(self) -> None:
+        if self.kv_eviction != "h2o" and self.heavy_tokens is not None:
+            raise ValueError(f"EngineConfig.heavy_tokens={self.heavy_tokens} is H2O's budget: pass "
+                             'kv_eviction="h2o" with it, or drop heavy_tokens')
         if self.kv_eviction is None:
             return
         if self.kv_eviction not in KV_EVICTIONS:
@@ -306,7 +314,13 @@ class EngineConfig:
         if self.window_tokens is None:
             raise ValueError(f'EngineConfig(kv_eviction="{self.kv_eviction}") needs window_tokens, the recent '
                              "tokens kept (e.g. window_tokens=1024)")
-        KVEvictionPolicy(self.window_tokens, self.sink_tokens)  # ValueError naming the fix for a bad pair
+        if self.kv_eviction == "h2o" and self.heavy_tokens is None:
+            raise ValueError('EngineConfig(kv_eviction="h2o") needs heavy_tokens, the heavy-hitter tokens kept '
+                             "beside the window and sinks (e.g. heavy_tokens=window_tokens)")
+        if self.kv_eviction == "h2o":  # ValueError naming the fix for bad budgets
+            H2OPolicy(self.window_tokens, self.sink_tokens, self.heavy_tokens)
+        else:
+            KVEvictionPolicy(self.window_tokens, self.sink_tokens)
         if self.enforce_eager is False:
             raise ValueError("enforce_eager=False (static decode buffers / CUDA graphs) cannot run kv_eviction: "
                              "its buffers hold whole block tables without the window; pass enforce_eager=None")

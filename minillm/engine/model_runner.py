@@ -145,10 +145,14 @@ def sampling_chunks(out: SchedulerOutput) -> list[tuple[ScheduledSeq, int]]:
     return chunks
 
 
-def eviction_window(block_manager: BlockManager) -> dict[str, int]:
-    """``AttentionMetadata``'s window and sinks from the block manager's eviction policy ({} without one)."""
+def eviction_window(block_manager: BlockManager) -> dict[str, int | bool]:
+    """``AttentionMetadata``'s window, sinks and mass tracking from the block manager's eviction policy ({} without
+    one: the default path's metadata)."""
     policy = block_manager.eviction
-    return {} if policy is None else {"window": policy.window_tokens, "sinks": policy.sink_tokens}
+    if policy is None:
+        return {}
+    window, sinks = policy.attention_window()
+    return {"window": window, "sinks": sinks, "track_mass": policy.needs_mass}
 
 
 def logit_rows(out: SchedulerOutput) -> list[int]:

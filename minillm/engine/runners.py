@@ -101,9 +101,13 @@ def make_runner(model: Transformer, config: EngineConfig, block_manager: BlockMa
     static = config.kv_cache_dtype == "auto" and not evicting and use_static_decode(
         config.enforce_eager, model.device, compiles(model.kernels), distributed)
     num_blocks, host = block_manager.device.num_blocks, block_manager.host
+    track_mass = evicting and block_manager.eviction.needs_mass  # H2O scores keys by their attention mass
     kv_args = {"num_blocks": num_blocks + static, "block_size": config.block_size, "dtype": model.dtype,
-               "num_host_blocks": host.num_blocks if host else 0, "kv_cache_dtype": config.kv_cache_dtype}
+               "num_host_blocks": host.num_blocks if host else 0, "kv_cache_dtype": config.kv_cache_dtype,
+               "track_mass": track_mass}
     kv = make_paged_kv_cache(model.config, device=model.device, **kv_args)
+    if track_mass:
+        block_manager.attach_mass(kv.block_mass)
     if executor is not None:
         executor.attach_kv(kv, kv_args)  # every rank's cache holds the same blocks (of its own heads or layers)
         return ModelRunner(model, kv, block_manager, executor)
