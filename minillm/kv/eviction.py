@@ -16,9 +16,11 @@ holding only such keys are freed.  A sequence's blocks then stay at most ``max_b
 
 Block tables keep a placeholder (``EVICTED``) where a freed block was, rather than an offset: position p still
 lives in ``block_ids[p // block_size]``, so slot mapping, prefix hashing and the kernels index tables exactly as
-without eviction; the tables handed to attention carry ``EVICTED`` there too, and every attention path
-(reference, native, Triton, the prefill chunks) skips a block whose entry is negative — for the window that block
-holds no kept key anyway, for H2O it is the only sign of the eviction.  The price is one table entry (4 bytes) per
+without eviction; the tables handed to attention carry ``EVICTED`` there too.  The reference, the native paged
+decode and the prefill chunks skip a block whose entry is negative — for the window that block holds no kept key
+anyway, for H2O it is the only sign of the eviction; the Triton paged decode masks by position only (it never
+loads a key outside the window, so never such an entry), and H2O attends on the reference, which also returns the
+attention mass it scores by.  The price is one table entry (4 bytes) per
 evicted block: the K/V is bounded, the table grows with the length.
 
 Positions: keys keep the rotary position they were written at (no re-rotation).  That makes attention with
