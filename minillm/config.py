@@ -61,6 +61,10 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     qkv_bias: bool = False  # Qwen2
     sliding_window: int | None = None  # each token attends to itself and the W - 1 before it (Mistral)
+    # which layers use ``sliding_window`` (local) and which attend to everything (global), as Qwen2's
+    # ``layer_types``; None: every layer (Mistral).  With a global layer no block is ever freed (its queries read
+    # every key): each layer masks by its own window, for correctness only.
+    sliding_layers: tuple[bool, ...] | None = None
     model_type: str = "llama"
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
@@ -82,6 +86,22 @@ class ModelConfig:
             raise ValueError(_unsupported(self.model_type))
         if self.sliding_window is not None and (not isinstance(self.sliding_window, int) or self.sliding_window < 1):
             raise ValueError(f"sliding_window must be None or a positive int, got {self.sliding_window!r}")
+        if self.sliding_layers is not None and (self.sliding_window is None
+                                                or len(self.sliding_layers) != self.num_layers):
+            raise ValueError(f"sliding_layers must be None or one bool per layer ({self.num_layers}) with a "
+                             f"sliding_window, got {self.sliding_layers!r} with sliding_window={self.sliding_window}")
+
+    def layer_window(self, layer: int) -> int | None:
+        """The sliding window layer ``layer`` masks by, None for a layer that attends to every earlier key."""
+        if self.sliding_layers is not None and not self.sliding_layers[layer]:
+            return None
+        return self.sliding_window
+
+    @property
+    def evicts_by_window(self) -> bool:
+        """Every layer is windowed: blocks wholly outside the window can be freed (a global layer still reads
+        them otherwise)."""
+        return self.sliding_window is not None and self.sliding_layers is None
 
     @property
     def group_size(self) -> int:
@@ -115,8 +135,6 @@ class ModelConfig:
         model_type = d.get("model_type")
         if model_type not in SUPPORTED_ARCHITECTURES:
             raise ValueError(_unsupported(model_type))
-        if model_type == "qwen2" and d.get("use_sliding_window"):
-            raise ValueError("Qwen2 with use_sliding_window=True is not supported yet; only full attention is")
         n_heads = d["num_attention_heads"]
         theta, scaling = _rope_settings(d)
         eos = d.get("eos_token_id")
@@ -138,8 +156,24 @@ class ModelConfig:
             model_type=model_type,
             bos_token_id=d.get("bos_token_id"),
             eos_token_ids=eos_ids,
-            sliding_window=d.get("sliding_window") if model_type == "mistral" else None,
+            **_sliding_settings(model_type, d, d["num_hidden_layers"]),
         )
+
+
+def _sliding_settings(model_type: str, d: dict, num_layers: int) -> dict:
+    """``sliding_window`` and ``sliding_layers`` from a config dict: Mistral's window covers every layer; Qwen2's
+    (``use_sliding_window``) covers the layers its ``layer_types`` name "sliding_attention" (transformers fills
+    them from ``max_window_layers``: the layers from that index on), the others attend globally."""
+    if model_type == "mistral":
+        return {"sliding_window": d.get("sliding_window")}
+    if model_type != "qwen2" or not d.get("use_sliding_window") or d.get("sliding_window") is None:
+        return {}
+    types = d.get("layer_types") or ["sliding_attention" if i >= d.get("max_window_layers", 0) else "full_attention"
+                                     for i in range(num_layers)]
+    local = tuple(t == "sliding_attention" for t in types)
+    if not any(local):
+        return {}
+    return {"sliding_window": d["sliding_window"], "sliding_layers": None if all(local) else local}
 
 
 def _unsupported(model_type) -> str:

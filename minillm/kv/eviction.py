@@ -170,11 +170,20 @@ EvictionPolicy = KVEvictionPolicy | H2OPolicy  # what the block manager calls
 
 
 def make_eviction_policy(sliding_window: int | None, kv_eviction: str | None, window_tokens: int | None,
-                         sink_tokens: int, heavy_tokens: int | None = None) -> EvictionPolicy | None:
+                         sink_tokens: int, heavy_tokens: int | None = None, *,
+                         global_layers: bool = False) -> EvictionPolicy | None:
     """The engine's policy from the model's ``sliding_window`` and ``EngineConfig``'s eviction fields (which its
     constructor checked), or None (full attention, nothing evicted).  With both a model window and
     ``kv_eviction="sink"``, the window is the smaller one and the sinks are kept too.  "h2o" needs exact
-    attention over everything it keeps, which a windowed model's layers do not give: ValueError."""
+    attention over everything it keeps, which a windowed model's layers do not give: ValueError.
+    ``global_layers``: some of the model's layers attend to every key (local:global): nothing is freed (each layer
+    masks by its own window), and ``kv_eviction`` is refused (it would need a rule per kind of layer)."""
+    if global_layers:
+        if kv_eviction is not None:
+            raise ValueError(f"kv_eviction={kv_eviction!r} with a model whose layers alternate sliding-window and "
+                             "full attention is not supported: drop kv_eviction (its windowed layers mask by "
+                             "their window; no block is freed while a full-attention layer reads it)")
+        return None
     if kv_eviction is None:
         return None if sliding_window is None else KVEvictionPolicy(sliding_window)
     if kv_eviction == "h2o":

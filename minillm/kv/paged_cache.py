@@ -254,6 +254,11 @@ class AttentionMetadata:
     window: int = 0  # > 0: each query sees only its last ``window`` keys and the first ``sinks`` (kv.eviction)
     sinks: int = 0
     track_mass: bool = False  # accumulate each key's attention mass into the cache (H2O; window > 0 with it)
+    layer_windows: tuple[int, ...] = ()  # local:global models: each layer's window (0: global), over ``window``
+
+    def layer_window(self, layer: int) -> tuple[int, int]:
+        """(window, sinks) layer ``layer`` masks by: its own window in a local:global model, else the step's."""
+        return (self.layer_windows[layer], 0) if self.layer_windows else (self.window, self.sinks)
 
 
 class PagedAttention:
@@ -285,11 +290,12 @@ class PagedAttention:
         real = T - m.num_padding
         # real rows (T - pads, H_kv, D) to their slots
         self.kv.write(layer, k[0, :, :real].transpose(0, 1), v[0, :, :real].transpose(0, 1), m.slot_mapping, self.ops)
-        if m.decode_rows.numel():
-            kc, vc, tables = self.kv.decode_kv(layer, self.decode_plan)  # (blocks, block_size, H_kv, D)
-        window = {"window": m.window, "sinks": m.sinks} if m.window else {}  # no new kwargs on the default path
         if m.track_mass:
             return self._attention_with_mass(layer, q, k, v, scale)
+        if m.decode_rows.numel():
+            kc, vc, tables = self.kv.decode_kv(layer, self.decode_plan)  # (blocks, block_size, H_kv, D)
+        w, sinks = m.layer_window(layer)
+        window = {"window": w, "sinks": sinks} if w else {}  # no new kwargs on the default path
         if m.decode_only:  # a pure decode step (steady state): no scatter of rows, no prefill loop
             out = self.ops.paged_decode_attention(q[0].transpose(0, 1), kc, vc, tables, m.seq_lens,
                                                   sm_scale=scale, **window)  # (T, H_q, D)
@@ -303,19 +309,20 @@ class PagedAttention:
         for p in m.prefills:
             kk, vv = self.kv.context_kv(layer, p, k[:, :, p.start : p.end], v[:, :, p.start : p.end])
             qc = q[:, :, p.start : p.end]
-            if m.window:  # SDPA under the eviction mask (evicted blocks gathered as some block: masked, never used)
-                o = sdpa_attention(qc, kk, vv, self._chunk_mask(p, kk.shape[2], qc.shape[2])[None, None], scale=scale)
+            if w:  # SDPA under the eviction mask (evicted blocks gathered as some block: masked, never used)
+                mask = self._chunk_mask(p, kk.shape[2], qc.shape[2], w, sinks)
+                o = sdpa_attention(qc, kk, vv, mask[None, None], scale=scale)
             else:  # causal with the L queries at the last L of the S keys (Triton on CUDA, SDPA elsewhere)
                 o = self.ops.prefill_attention(qc, kk, vv, causal=True, sm_scale=scale)
             out[p.start : p.end] = o[0].transpose(0, 1)
         return out.transpose(0, 1)[None]  # (1, H_q, T, D)
 
-    def _chunk_mask(self, p: PrefillChunk, S: int, L: int) -> Tensor:
+    def _chunk_mask(self, p: PrefillChunk, S: int, L: int, window: int, sinks: int) -> Tensor:
         """Which of a prefill chunk's S keys each of its L queries (the last L positions) attends to: [L, S] bool,
-        ``kept_keys`` under the metadata's window and never a key of an evicted block."""
+        ``kept_keys`` under ``window`` and ``sinks`` and never a key of an evicted block."""
         positions = torch.arange(S, device=p.block_ids.device)
         held = (p.block_ids >= 0).repeat_interleave(self.kv.block_size)[:S]  # (S,)
-        return kept_keys(positions[S - L :, None], positions, self.meta.window, self.meta.sinks) & held
+        return kept_keys(positions[S - L :, None], positions, window, sinks) & held
 
     def _attention_with_mass(self, layer: int, q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
         """``attention`` (K/V already written) by the reference, adding each key's mass to ``kv.mass``."""
@@ -334,7 +341,8 @@ class PagedAttention:
             kk, vv = self.kv.context_kv(layer, p, k[:, :, p.start : p.end], v[:, :, p.start : p.end])
             qc = q[:, :, p.start : p.end]
             S = kk.shape[2]
-            o, mass = attention_with_mass(qc, kk, vv, self._chunk_mask(p, S, qc.shape[2])[None, None], scale=scale)
+            mask = self._chunk_mask(p, S, qc.shape[2], m.window, m.sinks)
+            o, mass = attention_with_mass(qc, kk, vv, mask[None, None], scale=scale)
             out[p.start : p.end] = o[0].transpose(0, 1)
             padded = mass.new_zeros(1, p.block_ids.numel() * bs)
             padded[:, :S] = mass
