@@ -318,8 +318,12 @@ class BlockManager:
     # ---- what attention and the scheduler read -----------------------------------------------------------------
     def block_table(self, seq_id: Hashable) -> list[int]:
         """Physical block of each logical block (a row of attention's ``block_tables``); an evicted block reads as
-        ``EVICTED`` (-1), which every attention path skips."""
-        return list(self._table(seq_id).block_ids)
+        the policy's ``attention_placeholder``: block 0 under the window (never read: masked by position),
+        ``EVICTED`` (-1) under H2O (attention skips it by the entry)."""
+        table = self._table(seq_id)
+        if self.eviction is None or self.eviction.attention_placeholder == EVICTED:
+            return list(table.block_ids)
+        return [self.eviction.attention_placeholder if b == EVICTED else b for b in table.block_ids]
 
     def slot_mapping(self, seq_id: Hashable, start: int = 0, end: int | None = None) -> list[int]:
         """Flat cache slot (block_id * block_size + offset) of each token position in [start, end)."""

@@ -16,12 +16,12 @@ holding only such keys are freed.  A sequence's blocks then stay at most ``max_b
 
 Block tables keep a placeholder (``EVICTED``) where a freed block was, rather than an offset: position p still
 lives in ``block_ids[p // block_size]``, so slot mapping, prefix hashing and the kernels index tables exactly as
-without eviction; the tables handed to attention carry ``EVICTED`` there too.  The reference, the native paged
-decode and the prefill chunks skip a block whose entry is negative — for the window that block holds no kept key
-anyway, for H2O it is the only sign of the eviction; the Triton paged decode masks by position only (it never
-loads a key outside the window, so never such an entry), and H2O attends on the reference, which also returns the
-attention mass it scores by.  The price is one table entry (4 bytes) per
-evicted block: the K/V is bounded, the table grows with the length.
+without eviction.  What the tables handed to attention carry there is the policy's ``attention_placeholder``: under
+the window, block 0 (a valid id, never read: its keys are masked by position, so every kernel — the Triton one
+included, whose input checks refuse negative ids — runs exactly as without the placeholder); under H2O,
+``EVICTED`` itself, the only sign of the eviction, which the reference, the native paged decode and the prefill
+chunks skip (H2O attends on the reference, which also returns the attention mass it scores by).  The price is
+one table entry (4 bytes) per evicted block: the K/V is bounded, the table grows with the length.
 
 Positions: keys keep the rotary position they were written at (no re-rotation).  That makes attention with
 eviction exactly the full-cache attention under a mask (what the tests compare against), keeps a block's K/V a
@@ -31,8 +31,8 @@ the cache size — which matters past the model's trained context; here the leng
 ``max_position_embeddings`` (the memory is constant, the position range is not extended).
 
 ``H2OPolicy`` (``EngineConfig(kv_eviction="h2o")``) is the second policy behind the same interface
-(``blocks_to_evict``, ``max_blocks``, ``attention_window``): H2O's heavy hitters, whose evicted set is not a
-positional rule, so attention skips evicted blocks by their table entry (``EVICTED``) instead.
+(``blocks_to_evict``, ``max_blocks``, ``attention_window``, ``attention_placeholder``): H2O's heavy hitters,
+whose evicted set is not a positional rule, so attention skips evicted blocks by their table entry (``EVICTED``).
 """
 
 from __future__ import annotations
@@ -58,6 +58,7 @@ class KVEvictionPolicy:
     sink_tokens: int = 0
     needs_mass: ClassVar[bool] = False  # attention need not report per-key probabilities
     prefix_cacheable: ClassVar[bool] = True  # what it evicts is a function of the prefix: hashes stay valid
+    attention_placeholder: ClassVar[int] = 0  # an evicted entry in attention's tables: masked by position anyway
 
     def __post_init__(self):
         if isinstance(self.window_tokens, bool) or not isinstance(self.window_tokens, int) or self.window_tokens < 1:
@@ -131,6 +132,7 @@ class H2OPolicy:
     heavy_tokens: int
     needs_mass: ClassVar[bool] = True
     prefix_cacheable: ClassVar[bool] = False
+    attention_placeholder: ClassVar[int] = EVICTED  # attention skips the block by its entry
 
     def __post_init__(self):
         KVEvictionPolicy(self.window_tokens, self.sink_tokens)  # the same checks of the window and sinks

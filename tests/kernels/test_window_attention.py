@@ -149,7 +149,8 @@ def test_native_skips_evicted_table_entries(dtype):
 
 @pytest.mark.parametrize("window,sinks", CASES)
 def test_window_results_do_not_depend_on_what_evicted_entries_hold(window, sinks):
-    """The engine now leaves -1 where a window-evicted block was: bit-for-bit what block 0 there gave."""
+    """A -1 entry (H2O's placeholder) where a window-evicted block was gives bit-for-bit what block 0 there gives
+    (the engine's placeholder under the window: the Triton kernel's input checks refuse negative ids)."""
     q, kc, vc, tables, lens = paged_case(window, sinks, seed=6)
     minus = tables.clone()
     for b, n in enumerate(LENS):
