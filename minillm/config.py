@@ -363,6 +363,10 @@ class EngineConfig:
             raise ValueError(f"kv_eviction works with speculative_config method 'ngram' only, got {spec.method!r}: "
                              "the other proposers run a model over their own KV cache that keeps every token, so "
                              "memory would not stay bounded; use method='ngram' or drop one of them")
+        if spec is not None and self.kv_eviction == "h2o":
+            raise ValueError('kv_eviction="h2o" cannot run with a speculative_config: the queries of rejected draft '
+                             "tokens would add to the attention mass H2O evicts by; drop speculative_config or use "
+                             'kv_eviction="sink"')
 
     def resolve_num_blocks(self, bytes_per_block: int, max_model_len: int) -> int:
         """Device KV blocks: ``num_kv_blocks``, or the byte budget divided by ``bytes_per_block`` (K and V, all

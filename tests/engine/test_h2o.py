@@ -123,6 +123,8 @@ def test_h2o_with_an_int8_kv_cache_runs_bounded(llama):
     (dict(window_tokens=8, heavy_tokens=True), "heavy_tokens must be a positive int"),
     (dict(window_tokens=8, sink_tokens=8, heavy_tokens=4), "sink_tokens=8 must be smaller than window_tokens=8"),
     (dict(heavy_tokens=4), "needs window_tokens"),
+    (dict(window_tokens=8, heavy_tokens=4, speculative_config={"method": "ngram"}), "rejected draft tokens"),
+    (dict(window_tokens=8, heavy_tokens=4, enforce_eager=False), "enforce_eager=None"),
 ])
 def test_bad_h2o_config_names_the_fix(kw, match):
     with pytest.raises(ValueError, match=match):
