@@ -75,7 +75,8 @@ def history_mask(history, n):
 
 @pytest.mark.parametrize("batched_tokens", [8, 64])  # the prompt in chunks (evicting in between) / in one chunk
 def test_h2o_equals_the_full_forward_under_the_evicted_blocks_mask_and_scores_its_mass(llama, batched_tokens):
-    eng = LLMEngine(llama, config=EngineConfig(block_size=BS, num_kv_blocks=64, max_num_seqs=2, return_logits=True,
+    # a pool of 10 blocks: freed blocks are reused, so a slot's mass must restart with its new token
+    eng = LLMEngine(llama, config=EngineConfig(block_size=BS, num_kv_blocks=10, max_num_seqs=2, return_logits=True,
                                                max_num_batched_tokens=batched_tokens, **H2O))
     prompt = torch.randint(0, 320, (20,), generator=torch.Generator().manual_seed(4)).tolist()
     total = 10 * (SINKS + WINDOW + HEAVY)  # 10 × the budget
