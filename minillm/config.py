@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from minillm.kv.eviction import KV_EVICTIONS, KVEvictionPolicy
+from minillm.kv.eviction import KV_EVICTIONS, H2OPolicy, KVEvictionPolicy
 
 # model_type -> what differs from plain Llama. Everything else (RMSNorm, RoPE, SwiGLU, GQA) is shared.
 SUPPORTED_ARCHITECTURES = {
@@ -61,6 +61,10 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     qkv_bias: bool = False  # Qwen2
     sliding_window: int | None = None  # each token attends to itself and the W - 1 before it (Mistral)
+    # which layers use ``sliding_window`` (local) and which attend to everything (global), as Qwen2's
+    # ``layer_types``; None: every layer (Mistral).  With a global layer no block is ever freed (its queries read
+    # every key): each layer masks by its own window, for correctness only.
+    sliding_layers: tuple[bool, ...] | None = None
     model_type: str = "llama"
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
@@ -82,6 +86,22 @@ class ModelConfig:
             raise ValueError(_unsupported(self.model_type))
         if self.sliding_window is not None and (not isinstance(self.sliding_window, int) or self.sliding_window < 1):
             raise ValueError(f"sliding_window must be None or a positive int, got {self.sliding_window!r}")
+        if self.sliding_layers is not None and (self.sliding_window is None
+                                                or len(self.sliding_layers) != self.num_layers):
+            raise ValueError(f"sliding_layers must be None or one bool per layer ({self.num_layers}) with a "
+                             f"sliding_window, got {self.sliding_layers!r} with sliding_window={self.sliding_window}")
+
+    def layer_window(self, layer: int) -> int | None:
+        """The sliding window layer ``layer`` masks by, None for a layer that attends to every earlier key."""
+        if self.sliding_layers is not None and not self.sliding_layers[layer]:
+            return None
+        return self.sliding_window
+
+    @property
+    def evicts_by_window(self) -> bool:
+        """Every layer is windowed: blocks wholly outside the window can be freed (a global layer still reads
+        them otherwise)."""
+        return self.sliding_window is not None and self.sliding_layers is None
 
     @property
     def group_size(self) -> int:
@@ -115,8 +135,6 @@ class ModelConfig:
         model_type = d.get("model_type")
         if model_type not in SUPPORTED_ARCHITECTURES:
             raise ValueError(_unsupported(model_type))
-        if model_type == "qwen2" and d.get("use_sliding_window"):
-            raise ValueError("Qwen2 with use_sliding_window=True is not supported yet; only full attention is")
         n_heads = d["num_attention_heads"]
         theta, scaling = _rope_settings(d)
         eos = d.get("eos_token_id")
@@ -138,8 +156,24 @@ class ModelConfig:
             model_type=model_type,
             bos_token_id=d.get("bos_token_id"),
             eos_token_ids=eos_ids,
-            sliding_window=d.get("sliding_window") if model_type == "mistral" else None,
+            **_sliding_settings(model_type, d, d["num_hidden_layers"]),
         )
+
+
+def _sliding_settings(model_type: str, d: dict, num_layers: int) -> dict:
+    """``sliding_window`` and ``sliding_layers`` from a config dict: Mistral's window covers every layer; Qwen2's
+    (``use_sliding_window``) covers the layers its ``layer_types`` name "sliding_attention" (transformers fills
+    them from ``max_window_layers``: the layers from that index on), the others attend globally."""
+    if model_type == "mistral":
+        return {"sliding_window": d.get("sliding_window")}
+    if model_type != "qwen2" or not d.get("use_sliding_window") or d.get("sliding_window") is None:
+        return {}
+    types = d.get("layer_types") or ["sliding_attention" if i >= d.get("max_window_layers", 0) else "full_attention"
+                                     for i in range(num_layers)]
+    local = tuple(t == "sliding_attention" for t in types)
+    if not any(local):
+        return {}
+    return {"sliding_window": d["sliding_window"], "sliding_layers": None if all(local) else local}
 
 
 def _unsupported(model_type) -> str:
@@ -237,12 +271,17 @@ class EngineConfig:
     kv_eviction: str | None = None
     """Free the KV blocks no later query reads, so a sequence holds constant KV memory however long it runs:
     "sink" keeps the first ``sink_tokens`` tokens (StreamingLLM's attention sinks) and the last ``window_tokens``
-    (``kv/eviction.py``; keys keep their original positions).  None keeps every token (a sliding-window model still
-    frees what falls out of its window)."""
+    (``kv/eviction.py``; keys keep their original positions); "h2o" keeps those and ``heavy_tokens`` more, the
+    blocks with the most accumulated attention mass (H2O's heavy hitters; scored on the reference attention, and
+    prefix caching is off).  None keeps every token (a sliding-window model still frees what falls out of its
+    window)."""
     sink_tokens: int = 4
-    """(kv_eviction="sink") leading tokens every query keeps seeing; fewer than ``window_tokens``."""
+    """(kv_eviction="sink"/"h2o") leading tokens every query keeps seeing; fewer than ``window_tokens``."""
     window_tokens: int | None = None
-    """(kv_eviction="sink", required) recent tokens each query sees, itself included."""
+    """(kv_eviction="sink"/"h2o", required) recent tokens each query sees, itself included."""
+    heavy_tokens: int | None = None
+    """(kv_eviction="h2o", required) heavy-hitter tokens kept beside the sinks and the window, in whole blocks
+    (rounded up): the ones earlier queries attended to most."""
     speculative_config: SpeculativeConfig | dict | None = None
     """Speculative decoding: a ``SpeculativeConfig``, or a dict of its fields (vLLM's shape, e.g.
     ``{"method": "ngram", "num_speculative_tokens": 4}``) that becomes one; None: off."""
@@ -298,6 +337,9 @@ class EngineConfig:
         self._check_eviction()
 
     def _check_eviction(self) -> None:
+        if self.kv_eviction != "h2o" and self.heavy_tokens is not None:
+            raise ValueError(f"EngineConfig.heavy_tokens={self.heavy_tokens} is H2O's budget: pass "
+                             'kv_eviction="h2o" with it, or drop heavy_tokens')
         if self.kv_eviction is None:
             return
         if self.kv_eviction not in KV_EVICTIONS:
@@ -306,7 +348,13 @@ class EngineConfig:
         if self.window_tokens is None:
             raise ValueError(f'EngineConfig(kv_eviction="{self.kv_eviction}") needs window_tokens, the recent '
                              "tokens kept (e.g. window_tokens=1024)")
-        KVEvictionPolicy(self.window_tokens, self.sink_tokens)  # ValueError naming the fix for a bad pair
+        if self.kv_eviction == "h2o" and self.heavy_tokens is None:
+            raise ValueError('EngineConfig(kv_eviction="h2o") needs heavy_tokens, the heavy-hitter tokens kept '
+                             "beside the window and sinks (e.g. heavy_tokens=window_tokens)")
+        if self.kv_eviction == "h2o":  # ValueError naming the fix for bad budgets
+            H2OPolicy(self.window_tokens, self.sink_tokens, self.heavy_tokens)
+        else:
+            KVEvictionPolicy(self.window_tokens, self.sink_tokens)
         if self.enforce_eager is False:
             raise ValueError("enforce_eager=False (static decode buffers / CUDA graphs) cannot run kv_eviction: "
                              "its buffers hold whole block tables without the window; pass enforce_eager=None")
@@ -315,6 +363,10 @@ class EngineConfig:
             raise ValueError(f"kv_eviction works with speculative_config method 'ngram' only, got {spec.method!r}: "
                              "the other proposers run a model over their own KV cache that keeps every token, so "
                              "memory would not stay bounded; use method='ngram' or drop one of them")
+        if spec is not None and self.kv_eviction == "h2o":
+            raise ValueError('kv_eviction="h2o" cannot run with a speculative_config: the queries of rejected draft '
+                             "tokens would add to the attention mass H2O evicts by; drop speculative_config or use "
+                             'kv_eviction="sink"')
 
     def resolve_num_blocks(self, bytes_per_block: int, max_model_len: int) -> int:
         """Device KV blocks: ``num_kv_blocks``, or the byte budget divided by ``bytes_per_block`` (K and V, all

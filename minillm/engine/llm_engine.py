@@ -82,8 +82,10 @@ class LLMEngine:
         self.model, self.tokenizer = (model if executor is None else executor.model), tokenizer
         mc = self.model.config
         self.max_model_len = min(mc.max_position_embeddings, config.max_model_len or mc.max_position_embeddings)
+        # windowed models and kv_eviction free old blocks
         eviction = make_eviction_policy(mc.sliding_window, config.kv_eviction, config.window_tokens,
-                                        config.sink_tokens)  # windowed models and kv_eviction free old blocks
+                                        config.sink_tokens, config.heavy_tokens,
+                                        global_layers=mc.sliding_layers is not None)
         self.eos_token_ids = (merge_eos_token_ids(mc.eos_token_ids, tokenizer) if eos_token_ids is None
                               else tuple(eos_token_ids))
         block_bytes = kv_bytes_per_block(mc, config.block_size, self.model.dtype, config.kv_cache_dtype)

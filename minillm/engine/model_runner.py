@@ -39,6 +39,7 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
+from minillm.config import ModelConfig
 from minillm.engine.logprobs import StepLogprobs, step_logprobs
 from minillm.engine.scheduler import ScheduledSeq, SchedulerOutput
 from minillm.kv.block_allocator import BlockCopy
@@ -145,10 +146,16 @@ def sampling_chunks(out: SchedulerOutput) -> list[tuple[ScheduledSeq, int]]:
     return chunks
 
 
-def eviction_window(block_manager: BlockManager) -> dict[str, int]:
-    """``AttentionMetadata``'s window and sinks from the block manager's eviction policy ({} without one)."""
+def eviction_window(block_manager: BlockManager, model: ModelConfig) -> dict[str, int | bool | tuple[int, ...]]:
+    """``AttentionMetadata``'s window, sinks and mass tracking from the block manager's eviction policy, or a
+    local:global model's per-layer windows ({} for neither: the default path's metadata)."""
     policy = block_manager.eviction
-    return {} if policy is None else {"window": policy.window_tokens, "sinks": policy.sink_tokens}
+    if model.sliding_layers is not None:
+        return {"layer_windows": tuple(model.layer_window(i) or 0 for i in range(model.num_layers))}
+    if policy is None:
+        return {}
+    window, sinks = policy.attention_window()
+    return {"window": window, "sinks": sinks, "track_mass": policy.needs_mass}
 
 
 def logit_rows(out: SchedulerOutput) -> list[int]:
@@ -279,7 +286,7 @@ class ModelRunner:
         meta = AttentionMetadata(tensor(slots), tensor(decode_rows),
                                  tensor(padded, torch.int32).view(len(tables), width), tensor(lens, torch.int32),
                                  prefills, out.num_padding, decode_only=len(decode_rows) == len(ids) > 0
-                                 and out.num_padding == 0, **eviction_window(bm))
+                                 and out.num_padding == 0, **eviction_window(bm, self.model.config))
         # pad rows: token 0 at position 0, after the real rows; they go through the LM head too (sampled from: no)
         sample_rows += range(len(ids), len(ids) + out.num_padding)
         ids += [0] * out.num_padding

@@ -93,7 +93,7 @@ def make_runner(model: Transformer, config: EngineConfig, block_manager: BlockMa
     if config.enforce_eager is False and executor is not None:
         raise ValueError("enforce_eager=False is not supported over several processes (tensor / pipeline "
                          "parallel): their steps run eagerly (pass enforce_eager=None or True)")
-    evicting = block_manager.eviction is not None
+    evicting = block_manager.eviction is not None or model.config.sliding_window is not None  # windows: eager
     if evicting and config.enforce_eager is False:
         raise ValueError("enforce_eager=False (static decode buffers / CUDA graphs) cannot run KV eviction (a "
                          "sliding-window model or kv_eviction): its buffers hold whole block tables without the "
@@ -101,9 +101,13 @@ def make_runner(model: Transformer, config: EngineConfig, block_manager: BlockMa
     static = config.kv_cache_dtype == "auto" and not evicting and use_static_decode(
         config.enforce_eager, model.device, compiles(model.kernels), distributed)
     num_blocks, host = block_manager.device.num_blocks, block_manager.host
+    track_mass = block_manager.eviction is not None and block_manager.eviction.needs_mass  # H2O: attention mass
     kv_args = {"num_blocks": num_blocks + static, "block_size": config.block_size, "dtype": model.dtype,
-               "num_host_blocks": host.num_blocks if host else 0, "kv_cache_dtype": config.kv_cache_dtype}
+               "num_host_blocks": host.num_blocks if host else 0, "kv_cache_dtype": config.kv_cache_dtype,
+               "track_mass": track_mass}
     kv = make_paged_kv_cache(model.config, device=model.device, **kv_args)
+    if track_mass:
+        block_manager.attach_mass(kv.block_mass)
     if executor is not None:
         executor.attach_kv(kv, kv_args)  # every rank's cache holds the same blocks (of its own heads or layers)
         return ModelRunner(model, kv, block_manager, executor)

@@ -27,7 +27,7 @@ from minillm.engine.logprobs import prompt_logit_rows, wants_prompt_rows
 from minillm.engine.sequence import Request, Sequence, SequenceStatus
 from minillm.kv.block_allocator import BlockCopy
 from minillm.kv.block_manager import BlockManager, OutOfBlocks
-from minillm.kv.eviction import KVEvictionPolicy
+from minillm.kv.eviction import EvictionPolicy
 from minillm.outputs import RequestMetrics
 from minillm.sampling.params import SamplingParams, finish_reason
 
@@ -140,11 +140,11 @@ class Scheduler:
 
     ``num_blocks`` device KV blocks (``num_host_blocks`` for swapping); ``max_model_len`` caps prompt + output;
     ``eos_token_ids`` end a sequence unless its params say ``ignore_eos``; ``eviction``: the block manager's
-    ``KVEvictionPolicy`` (sliding window, sinks), None to keep every block.
+    ``kv.eviction`` policy (sliding window, sinks, H2O), None to keep every block.
     """
 
     def __init__(self, config: EngineConfig, num_blocks: int, max_model_len: int, *, num_host_blocks: int = 0,
-                 eos_token_ids: tuple[int, ...] = (), eviction: KVEvictionPolicy | None = None):
+                 eos_token_ids: tuple[int, ...] = (), eviction: EvictionPolicy | None = None):
         self.config = config
         self.policy = Policy(config.policy)
         self.max_model_len = max_model_len

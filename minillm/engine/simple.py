@@ -120,6 +120,10 @@ def stream_cached(model: Transformer, prompts: Sequence[Sequence[int]],
     eos, max_len = frozenset(eos_ids), model.config.max_position_embeddings
     cache_len = min(max_len, max(len(s.prompt) + s.params.max_tokens for s in seqs))
     window = model.config.sliding_window
+    if window is not None and window < cache_len and model.config.sliding_layers is not None:
+        raise ValueError(f"the cached loop keeps one cache for every layer; this model's layers alternate a "
+                         f"{window}-token window and full attention, which it cannot mask past the window "
+                         f"({cache_len} slots): run it with the engine (LLM / LLMEngine)")
     if window is not None and window < cache_len:  # keep only the window: memory W, not the whole sequence
         cache = SlidingWindowKVCache(model.config, len(seqs), window, dtype=model.dtype, device=model.device,
                                      kernels=model.kernels)

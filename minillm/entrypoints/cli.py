@@ -319,18 +319,19 @@ def cmd_eval(a) -> int:
 
 def _eval_long_context(a) -> int:
     """Perplexity of the first N held-out tokens through the engine per eviction policy (full, window, sinks +
-    window), the KV bytes each holds and reads per decode token, and the decode rate after the long prompt."""
+    window, H2O), the KV bytes each holds and reads per decode token, and the decode rate after the long prompt."""
     import json
 
     from minillm.models import loader
     from minillm.perf import perplexity as ppl
-    from minillm.perf.long_context import format_table, long_context_eval
+    from minillm.perf.long_context import POLICIES, format_table, long_context_eval
 
     model = loader.load_model(a.model, dtype=a.dtype, device=a.device, kernels=a.kernels,
                               quantization=a.quantization)
     n = min(a.max_tokens or 8192, model.config.max_position_embeddings - a.decode_tokens)
     ids = ppl.heldout_token_ids(loader.load_tokenizer(a.model), "evaluation", n)
     rows = long_context_eval(model, ids, window_tokens=a.window_tokens, sink_tokens=a.sink_tokens,
+                             heavy_tokens=a.heavy_tokens, policies=POLICIES,
                              block_size=a.block_size, chunk_tokens=a.chunk_tokens, decode_tokens=a.decode_tokens,
                              engine_config={"kv_cache_dtype": a.kv_cache_dtype})
     print(f"long context: {ids.numel()} held-out tokens of pydoc_data.topics through the engine, {model.dtype}, "
@@ -392,8 +393,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--stride", type=int, default=256)
     e.add_argument("--alpha", type=float, default=None, help="SmoothQuant's migration strength in [0, 1] for "
                                                              "--quantization w8a8-smooth and outliers (default 0.5)")
-    add_options(lc, [o for o in engine_options() if o.dest in ("block_size", "sink_tokens", "window_tokens")],
-                {"block_size": 16, "sink_tokens": 4, "window_tokens": 1024})
+    add_options(lc, [o for o in engine_options()
+                     if o.dest in ("block_size", "sink_tokens", "window_tokens", "heavy_tokens")],
+                {"block_size": 16, "sink_tokens": 4, "window_tokens": 1024, "heavy_tokens": 1024})
     add_options(e, [o for o in engine_options() if o.dest == "kv_cache_dtype"], {"kv_cache_dtype": "auto"})
     e.set_defaults(fn=cmd_eval)
     m = sub.add_parser("make-model", help="write a checkpoint with a published model's shape and seeded random "

@@ -107,21 +107,61 @@ def kept_keys(query_pos: Tensor, key_pos: Tensor, window: int = 0, sinks: int = 
     return kept
 
 
-def paged_window_attention_ref(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor,
-                               seq_lens: Tensor, scale: float | None = None, window: int = 0,
-                               sinks: int = 0) -> Tensor:
-    """``paged_decode_attention_ref`` where the query at position seq_lens[b] - 1 sees only the keys ``kept_keys``
-    keeps (a sliding window of ``window`` keys plus ``sinks`` first keys; window 0: all of them).  Table entries
-    of blocks holding no kept key may be any valid id (evicted blocks).  Shapes as there; the same gather cost."""
+def paged_kept_kv(k_cache: Tensor, v_cache: Tensor, block_tables: Tensor, seq_lens: Tensor, window: int = 0,
+                  sinks: int = 0) -> tuple[Tensor, Tensor, Tensor]:
+    """Each decode query's keys and values gathered from a paged cache, and which of them it attends to:
+    (k, v [B, H_kv, S_max, D], kept [B, S_max] bool).  Kept: ``kept_keys`` for the query at position
+    seq_lens[b] - 1 (window 0: every earlier key), and never a key of a block whose table entry is negative
+    (``kv.eviction.EVICTED``: freed).  Table entries of blocks holding no kept key may be anything (padding,
+    evicted blocks); they are gathered as some valid block and masked.  Cost: the gather copies
+    B·max_blocks·block_size·H_kv·D elements per tensor."""
     B, max_blocks = block_tables.shape
     block_size = k_cache.shape[1]
     lens = seq_lens.to(k_cache.device).long()
+    tables = block_tables.long().to(k_cache.device)
     key_pos = torch.arange(max_blocks * block_size, device=k_cache.device)
-    mask = kept_keys(lens[:, None] - 1, key_pos, window, sinks)  # (B, S_max)
-    ids = block_tables.long().to(k_cache.device).clamp(0, k_cache.shape[0] - 1)  # padding: any id
+    held = (tables >= 0).repeat_interleave(block_size, 1)  # (B, S_max): False for an evicted block's keys
+    kept = kept_keys(lens[:, None] - 1, key_pos, window, sinks) & held  # (B, S_max)
+    ids = tables.clamp(0, k_cache.shape[0] - 1)  # padding and evicted entries: any valid id (masked)
     k = k_cache[ids].flatten(1, 2).transpose(1, 2)  # (B, H_kv, S_max, D)
     v = v_cache[ids].flatten(1, 2).transpose(1, 2)
-    return grouped_attention(q[:, :, None], k, v, mask[:, None, None], scale=scale)[:, :, 0]
+    return k, v, kept
+
+
+def paged_window_attention_ref(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor,
+                               seq_lens: Tensor, scale: float | None = None, window: int = 0,
+                               sinks: int = 0) -> Tensor:
+    """``paged_decode_attention_ref`` where the query at position seq_lens[b] - 1 sees only the keys
+    ``paged_kept_kv`` keeps (a sliding window of ``window`` keys plus ``sinks`` first keys, window 0: all of them;
+    never a block whose table entry is negative).  Shapes as there; the same gather cost."""
+    k, v, kept = paged_kept_kv(k_cache, v_cache, block_tables, seq_lens, window, sinks)
+    return grouped_attention(q[:, :, None], k, v, kept[:, None, None], scale=scale)[:, :, 0]
+
+
+def attention_with_mass(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, *, scale: float | None = None
+                        ) -> tuple[Tensor, Tensor]:
+    """``grouped_attention`` under a bool ``mask`` [B, 1, L, S] that also returns each key's attention mass:
+    (out [B, H_q, L, D], mass [B, S] fp32 = the softmax probabilities summed over query heads and queries — H2O's
+    score of one layer).  Cost: grouped_attention's (the [L, S] probabilities are materialised anyway) plus one
+    B·H_q·L·S reduction; only a mass-scored eviction policy pays it."""
+    B, Hq, Hkv, L, S, D = check_qkv(q, k, v)
+    scale = D**-0.5 if scale is None else scale
+    G = Hq // Hkv
+    scores = (q.reshape(B, Hkv, G * L, D) @ k.transpose(-1, -2)).float().view(B, Hkv, G, L, S) * scale
+    probs = scores.masked_fill(~mask[:, :, None], float("-inf")).softmax(dim=-1)  # (B, H_kv, G, L, S)
+    out = (probs.to(v.dtype).view(B, Hkv, G * L, S) @ v).view(B, Hq, L, D)
+    return out, probs.sum((1, 2, 3))
+
+
+def paged_attention_with_mass(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor,
+                              seq_lens: Tensor, scale: float | None = None, window: int = 0,
+                              sinks: int = 0) -> tuple[Tensor, Tensor]:
+    """``paged_window_attention_ref`` that also returns each key's mass: (out [B, H_q, D], mass [B, S_max] fp32,
+    key s of row b at logical position s, 0 for keys not attended to).  The gather + softmax cost of the
+    reference: the path a mass-scored eviction policy (H2O) runs instead of the paged kernels."""
+    k, v, kept = paged_kept_kv(k_cache, v_cache, block_tables, seq_lens, window, sinks)
+    out, mass = attention_with_mass(q[:, :, None], k, v, kept[:, None, None], scale=scale)
+    return out[:, :, 0], mass
 
 
 def attention_partial(q: Tensor, k: Tensor, v: Tensor, *, scale: float | None = None) -> tuple[Tensor, Tensor, Tensor]:

@@ -1,7 +1,7 @@
 """The block manager: per-sequence block tables over a ``paged.BlockAllocator``, with prefix caching,
 copy-on-write for shared blocks, forks (parallel sampling), truncation (speculative rollback), swap to host and
-KV eviction (a ``kv.eviction.KVEvictionPolicy``: sliding window, attention sinks) that frees the blocks no future
-query reads, leaving ``EVICTED`` in their table entries.
+KV eviction (a ``kv.eviction`` policy: sliding window, attention sinks, H2O's heavy hitters) that frees the blocks
+its rule drops, leaving ``EVICTED`` in their table entries.
 
 It works on sequence ids and token lists and returns the ``BlockCopy`` operations the engine must run; see
 ``minillm.kv.block_allocator`` for the allocator, the data types and the slot arithmetic.
@@ -24,7 +24,7 @@ from minillm.kv.block_allocator import (
     hash_block_tokens,
     slot_mapping,
 )
-from minillm.kv.eviction import EVICTED, KVEvictionPolicy
+from minillm.kv.eviction import EVICTED, BlockMass, EvictionPolicy
 
 
 class BlockManager:
@@ -35,24 +35,33 @@ class BlockManager:
     ``slot_mapping``/``block_table`` to attention, then ``mark_computed`` so finished full blocks become cacheable.
     Preemption by recompute is ``free``; by swap, ``swap_out``/``swap_in`` (needs ``num_host_blocks``).
     ``allocator`` is the ``BlockAllocator`` class of both pools (the course passes its own subclass here).
-    ``eviction``: a ``KVEvictionPolicy`` consulted by ``mark_computed``; the blocks it names are freed and their
-    table entries become ``EVICTED`` (None: every block stays until the sequence is freed or truncated).  With
-    eviction, ``truncate`` may drop only uncomputed (speculative) tokens, as the engine's rollback does: computed
-    tokens rolled back would need keys that are already freed.
+    ``eviction``: a ``kv.eviction`` policy (``KVEvictionPolicy``, ``H2OPolicy``) consulted by ``mark_computed``;
+    the blocks it names are freed and their table entries become ``EVICTED`` (None: every block stays until the
+    sequence is freed or truncated).  With eviction, ``truncate`` may drop only uncomputed (speculative) tokens,
+    as the engine's rollback does: computed tokens rolled back would need keys that are already freed.  A policy
+    that is not ``prefix_cacheable`` (H2O) turns prefix caching off; one that ``needs_mass`` reads the attention
+    mass of blocks through ``attach_mass``.
     """
 
     def __init__(self, num_blocks: int, block_size: int = 16, *, enable_prefix_caching: bool = True,
                  num_host_blocks: int = 0, hash_fn: HashFn = hash_block_tokens,
-                 allocator: type[BlockAllocator] = BlockAllocator, eviction: KVEvictionPolicy | None = None):
+                 allocator: type[BlockAllocator] = BlockAllocator, eviction: EvictionPolicy | None = None):
         if not isinstance(num_host_blocks, int) or num_host_blocks < 0:
             raise ValueError(f"num_host_blocks must be an int >= 0 (0 disables swapping), got {num_host_blocks!r}")
+        enable_prefix_caching = enable_prefix_caching and (eviction is None or eviction.prefix_cacheable)
         self.device = allocator(num_blocks, block_size, enable_prefix_caching)
         self.host = allocator(num_host_blocks, block_size, False) if num_host_blocks else None
         self.block_size = block_size
         self.prefix_stats = PrefixHitStats()
         self.eviction = eviction
+        self._block_mass: BlockMass | None = None
         self._hash = hash_fn
         self._seqs: dict[Hashable, BlockTable] = {}
+
+    def attach_mass(self, block_mass: BlockMass) -> None:
+        """Where a mass-scored policy (H2O) reads the attention mass of physical blocks: the K/V cache's
+        ``PagedKVCache.block_mass``, which exists only after the cache is built from this manager's pool size."""
+        self._block_mass = block_mass
 
     def __contains__(self, seq_id: Hashable) -> bool:
         """Whether ``seq_id`` holds blocks (on device or host)."""
@@ -209,14 +218,12 @@ class BlockManager:
         self._evict(table)
 
     def _evict(self, table: BlockTable) -> None:
-        """Free the blocks the eviction policy says no later query reads (tail first, as ``free``); their entries
-        become ``EVICTED`` so positions keep their logical block.  Evicted blocks form a run from the policy's first
-        freeable index, so the walk stops at the first one already evicted: O(blocks freed) per call."""
+        """Free the blocks the eviction policy names (tail first, as ``free``); their entries become ``EVICTED`` so
+        positions keep their logical block."""
         if self.eviction is None:
             return
-        for i in reversed(self.eviction.freeable_blocks(table.num_computed, self.block_size)):
-            if table.block_ids[i] == EVICTED:
-                break
+        for i in self.eviction.blocks_to_evict(table.block_ids, table.num_computed, self.block_size,
+                                               self._block_mass):
             self.device.free(table.block_ids[i])
             table.block_ids[i] = EVICTED
 
@@ -311,8 +318,12 @@ class BlockManager:
     # ---- what attention and the scheduler read -----------------------------------------------------------------
     def block_table(self, seq_id: Hashable) -> list[int]:
         """Physical block of each logical block (a row of attention's ``block_tables``); an evicted block reads as
-        block 0, a valid id that attention never reads for this sequence (its keys are masked out)."""
-        return [0 if block_id == EVICTED else block_id for block_id in self._table(seq_id).block_ids]
+        the policy's ``attention_placeholder``: block 0 under the window (never read: masked by position),
+        ``EVICTED`` (-1) under H2O (attention skips it by the entry)."""
+        table = self._table(seq_id)
+        if self.eviction is None or self.eviction.attention_placeholder == EVICTED:
+            return list(table.block_ids)
+        return [self.eviction.attention_placeholder if b == EVICTED else b for b in table.block_ids]
 
     def slot_mapping(self, seq_id: Hashable, start: int = 0, end: int | None = None) -> list[int]:
         """Flat cache slot (block_id * block_size + offset) of each token position in [start, end)."""

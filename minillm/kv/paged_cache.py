@@ -13,7 +13,7 @@ from torch import Tensor
 
 from minillm.config import ModelConfig
 from minillm.dtypes import DType
-from minillm.kernels.reference import kept_keys, sdpa_attention
+from minillm.kernels.reference import attention_with_mass, kept_keys, paged_attention_with_mass, sdpa_attention
 from minillm.kernels.select import KernelOps
 from minillm.kv.block_allocator import BlockCopy, CopyKind
 from minillm.kv.quant import KVQuantizer, kv_bytes_per_token, kv_quantizer
@@ -37,10 +37,14 @@ class PagedKVCache:
     ``PagedAttention`` reaches the storage through three methods — ``write`` (new rows to their slots),
     ``decode_kv`` (the pools and block tables the paged decode kernel reads) and ``context_kv`` (one prefill chunk's
     keys and values) — so ``QuantizedPagedKVCache`` swaps the storage without touching attention or the model.
+
+    ``track_mass``: also keep ``mass`` [1, num_blocks, block_size] fp32, each cached token's attention mass (H2O's
+    score, ``kv.eviction.H2OPolicy``): ``PagedAttention`` zeroes a slot when its token is written and adds what
+    every layer's queries put on it; block copies (copy-on-write, swap) move it with the K/V.  4 bytes per slot.
     """
 
     def __init__(self, config: ModelConfig, num_blocks: int, block_size: int, *, dtype: torch.dtype,
-                 device: torch.device | str, num_host_blocks: int = 0):
+                 device: torch.device | str, num_host_blocks: int = 0, track_mass: bool = False):
         shape = (config.num_layers, num_blocks, block_size, config.num_kv_heads, config.head_dim)
         self.dtype, self.block_size = dtype, block_size
         self.k, self.v = self._zeros(shape, device), self._zeros(shape, device)
@@ -51,18 +55,37 @@ class PagedKVCache:
             host_shape = (config.num_layers, num_host_blocks, *shape[2:])
             pin = torch.device(device).type == "cuda"  # page-locked: device<->host copies run at full PCIe speed
             self.host_k, self.host_v = self._zeros(host_shape, "cpu", pin), self._zeros(host_shape, "cpu", pin)
+        self.mass = self.host_mass = None
+        if track_mass:  # [1, blocks, block_size]: a leading dim so block copies index it like K/V
+            self.mass = torch.zeros(1, num_blocks, block_size, device=device)
+            self.host_mass = torch.zeros(1, num_host_blocks, block_size) if num_host_blocks else None
 
     def _zeros(self, shape: tuple[int, ...], device: torch.device | str, pin: bool = False) -> Tensor:
         return torch.zeros(shape, dtype=self.dtype, device=device, pin_memory=pin)
 
     def _stores(self) -> list[tuple[Tensor, Tensor | None]]:
         """Every (device tensor, host tensor or None) pair indexed [layers, block, ...]: what a block copy moves."""
-        return [(self.k, self.host_k), (self.v, self.host_v)]
+        mass = [] if self.mass is None else [(self.mass, self.host_mass)]
+        return [(self.k, self.host_k), (self.v, self.host_v), *mass]
 
     @property
     def nbytes(self) -> int:
         """Device bytes of K and V (with their scales, when quantized)."""
         return sum(t.nbytes for t, _ in self._stores())
+
+    def block_mass(self, block_ids: list[int]) -> list[float]:
+        """The attention mass each physical block's tokens hold (``track_mass``), summed over its slots: one
+        device read (H2O's eviction reads it only when a sequence is over its budget)."""
+        return self.mass[0, block_ids].sum(1).tolist()
+
+    def add_mass(self, block_tables: Tensor, mass: Tensor) -> None:
+        """Add mass [B, max_blocks · block_size] (logical key positions of each row) to the slots the tables
+        [B, max_blocks] map them to; negative (evicted) entries are skipped."""
+        bs = self.block_size
+        tables = block_tables.long()
+        slots = (tables[:, :, None] * bs + torch.arange(bs, device=tables.device)).flatten(1)  # (B, S_max)
+        held = (tables >= 0).repeat_interleave(bs, 1)
+        self.mass.view(-1).index_add_(0, slots[held], mass[held])
 
     # ---- what PagedAttention calls ---------------------------------------------------------------------------
     def write(self, layer: int, k: Tensor, v: Tensor, slot_mapping: Tensor, ops: KernelOps) -> None:
@@ -135,9 +158,11 @@ class QuantizedPagedKVCache(PagedKVCache):
     """
 
     def __init__(self, config: ModelConfig, num_blocks: int, block_size: int, *, dtype: torch.dtype,
-                 device: torch.device | str, num_host_blocks: int = 0, quantizer: KVQuantizer):
+                 device: torch.device | str, num_host_blocks: int = 0, quantizer: KVQuantizer,
+                 track_mass: bool = False):
         self.quantizer = quantizer
-        super().__init__(config, num_blocks, block_size, dtype=dtype, device=device, num_host_blocks=num_host_blocks)
+        super().__init__(config, num_blocks, block_size, dtype=dtype, device=device, num_host_blocks=num_host_blocks,
+                         track_mass=track_mass)
         scale_shape = (*self.k.shape[:-1], 1)
         self.k_scale = torch.zeros(scale_shape, device=device)  # [layers, num_blocks, block_size, H_kv, 1] fp32
         self.v_scale = torch.zeros(scale_shape, device=device)
@@ -169,7 +194,7 @@ class QuantizedPagedKVCache(PagedKVCache):
         """(the distinct blocks the tables reference [U] long, the tables renumbered into 0..U-1 [B_d, max_blocks]
         int32): computed once per step, used by every layer."""
         blocks, inverse = torch.unique(block_tables.long(), return_inverse=True)
-        return blocks, inverse.to(torch.int32)
+        return blocks, torch.where(block_tables < 0, -1, inverse).to(torch.int32)  # evicted entries stay negative
 
     def decode_kv(self, layer: int, plan: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor, Tensor]:
         """The referenced blocks dequantized: (k, v [U, block_size, H_kv, D] in the activation dtype, tables)."""
@@ -189,11 +214,12 @@ class QuantizedPagedKVCache(PagedKVCache):
 
 def make_paged_kv_cache(config: ModelConfig, num_blocks: int, block_size: int, *, dtype: torch.dtype,
                         device: torch.device | str, num_host_blocks: int = 0,
-                        kv_cache_dtype: str = "auto") -> PagedKVCache:
+                        kv_cache_dtype: str = "auto", track_mass: bool = False) -> PagedKVCache:
     """The paged cache for ``kv_cache_dtype``: "auto" stores K/V in ``dtype``, "int8"/"fp8" a
-    ``QuantizedPagedKVCache``.  ValueError for an unknown name or fp8 where torch cannot run it."""
+    ``QuantizedPagedKVCache``; ``track_mass`` for a mass-scored eviction policy (H2O).  ValueError for an unknown
+    name or fp8 where torch cannot run it."""
     quantizer = kv_quantizer(kv_cache_dtype, device)
-    kw = {"dtype": dtype, "device": device, "num_host_blocks": num_host_blocks}
+    kw = {"dtype": dtype, "device": device, "num_host_blocks": num_host_blocks, "track_mass": track_mass}
     if quantizer is None:
         return PagedKVCache(config, num_blocks, block_size, **kw)
     return QuantizedPagedKVCache(config, num_blocks, block_size, **kw, quantizer=quantizer)
@@ -206,7 +232,7 @@ class PrefillChunk:
     start: int
     end: int
     context_len: int
-    block_ids: Tensor  # [ceil(context_len / block_size)] long: the blocks holding those positions
+    block_ids: Tensor  # [ceil(context_len / block_size)] long: the blocks holding those positions (-1: evicted)
 
     @property
     def fresh(self) -> bool:
@@ -220,13 +246,19 @@ class AttentionMetadata:
 
     slot_mapping: Tensor  # [T] long: cache slot of each token
     decode_rows: Tensor  # [B_d] long: packed rows that are single-token decodes
-    block_tables: Tensor  # [B_d, max_blocks] int32, padded with 0
+    block_tables: Tensor  # [B_d, max_blocks] int32, padded with 0; -1 (kv.eviction.EVICTED): a freed block
     seq_lens: Tensor  # [B_d] int32: keys each decode query sees (itself included)
     prefills: list[PrefillChunk]
     num_padding: int = 0  # pad rows at the end of the T packed rows: no KV slot, no attention (output 0)
     decode_only: bool = False  # every packed row is a decode, in order (decode_rows = 0..T-1): the fast path
     window: int = 0  # > 0: each query sees only its last ``window`` keys and the first ``sinks`` (kv.eviction)
     sinks: int = 0
+    track_mass: bool = False  # accumulate each key's attention mass into the cache (H2O; window > 0 with it)
+    layer_windows: tuple[int, ...] = ()  # local:global models: each layer's window (0: global), over ``window``
+
+    def layer_window(self, layer: int) -> tuple[int, int]:
+        """(window, sinks) layer ``layer`` masks by: its own window in a local:global model, else the step's."""
+        return (self.layer_windows[layer], 0) if self.layer_windows else (self.window, self.sinks)
 
 
 class PagedAttention:
@@ -237,12 +269,19 @@ class PagedAttention:
     With ``meta.window`` (a ``kv.eviction.KVEvictionPolicy``'s window and sinks) every query sees only the keys
     ``kernels.reference.kept_keys`` keeps: the decode kernel gets them as arguments, each prefill chunk runs SDPA
     under that mask over its gathered blocks (whole tables, evicted entries included as block 0: O(context) gather
-    per chunk, O(kept keys) attention weights that are not zero).
+    per chunk, O(kept keys) attention weights that are not zero).  A block whose table entry is negative (evicted)
+    is never attended to, whatever the window says.
+    With ``meta.track_mass`` (H2O) every query runs the gather + softmax reference, which also returns the
+    probabilities it put on each key; their sum over heads and queries is added to ``kv.mass`` for every layer
+    (the new tokens' slots are zeroed once, when the step starts).  That costs the reference's gather per decode
+    row and the [H_q, L, S] probabilities per prefill chunk instead of the kernels: the price of H2O's score.
     """
 
     def __init__(self, kv: PagedKVCache, meta: AttentionMetadata, ops: KernelOps):
         self.kv, self.meta, self.ops = kv, meta, ops
         self.decode_plan = kv.decode_plan(meta.block_tables)  # once per step, read by every layer
+        if meta.track_mass:  # a slot's mass restarts with the token written there (before any layer adds to it)
+            kv.mass.view(-1)[meta.slot_mapping] = 0
 
     def attention(self, layer: int, q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
         """Write k, v [1, H_kv, T, D] into their slots, then attend q [1, H_q, T, D] per sequence -> [1, H_q, T, D]."""
@@ -251,9 +290,12 @@ class PagedAttention:
         real = T - m.num_padding
         # real rows (T - pads, H_kv, D) to their slots
         self.kv.write(layer, k[0, :, :real].transpose(0, 1), v[0, :, :real].transpose(0, 1), m.slot_mapping, self.ops)
+        if m.track_mass:
+            return self._attention_with_mass(layer, q, k, v, scale)
         if m.decode_rows.numel():
             kc, vc, tables = self.kv.decode_kv(layer, self.decode_plan)  # (blocks, block_size, H_kv, D)
-        window = {"window": m.window, "sinks": m.sinks} if m.window else {}  # no new kwargs on the default path
+        w, sinks = m.layer_window(layer)
+        window = {"window": w, "sinks": sinks} if w else {}  # no new kwargs on the default path
         if m.decode_only:  # a pure decode step (steady state): no scatter of rows, no prefill loop
             out = self.ops.paged_decode_attention(q[0].transpose(0, 1), kc, vc, tables, m.seq_lens,
                                                   sm_scale=scale, **window)  # (T, H_q, D)
@@ -267,12 +309,42 @@ class PagedAttention:
         for p in m.prefills:
             kk, vv = self.kv.context_kv(layer, p, k[:, :, p.start : p.end], v[:, :, p.start : p.end])
             qc = q[:, :, p.start : p.end]
-            if m.window:  # SDPA under the eviction mask (evicted blocks gathered as block 0: masked, never used)
-                S = kk.shape[2]
-                positions = torch.arange(S, device=q.device)
-                mask = kept_keys(positions[S - qc.shape[2] :, None], positions, m.window, m.sinks)  # (L, S)
+            if w:  # SDPA under the eviction mask (evicted blocks gathered as some block: masked, never used)
+                mask = self._chunk_mask(p, kk.shape[2], qc.shape[2], w, sinks)
                 o = sdpa_attention(qc, kk, vv, mask[None, None], scale=scale)
             else:  # causal with the L queries at the last L of the S keys (Triton on CUDA, SDPA elsewhere)
                 o = self.ops.prefill_attention(qc, kk, vv, causal=True, sm_scale=scale)
             out[p.start : p.end] = o[0].transpose(0, 1)
+        return out.transpose(0, 1)[None]  # (1, H_q, T, D)
+
+    def _chunk_mask(self, p: PrefillChunk, S: int, L: int, window: int, sinks: int) -> Tensor:
+        """Which of a prefill chunk's S keys each of its L queries (the last L positions) attends to: [L, S] bool,
+        ``kept_keys`` under ``window`` and ``sinks`` and never a key of an evicted block."""
+        positions = torch.arange(S, device=p.block_ids.device)
+        held = (p.block_ids >= 0).repeat_interleave(self.kv.block_size)[:S]  # (S,)
+        return kept_keys(positions[S - L :, None], positions, window, sinks) & held
+
+    def _attention_with_mass(self, layer: int, q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
+        """``attention`` (K/V already written) by the reference, adding each key's mass to ``kv.mass``."""
+        _, Hq, T, D = q.shape
+        m = self.meta
+        out = q.new_zeros(T, Hq, D)  # pad rows stay 0
+        qt = q[0].transpose(0, 1)  # (T, H_q, D)
+        if m.decode_rows.numel():
+            kc, vc, tables = self.kv.decode_kv(layer, self.decode_plan)
+            o, mass = paged_attention_with_mass(qt[m.decode_rows], kc, vc, tables, m.seq_lens, scale, m.window,
+                                                m.sinks)  # (B_d, H_q, D), (B_d, S_max)
+            out[m.decode_rows] = o
+            self.kv.add_mass(m.block_tables, mass)  # the physical tables (a quantized cache renumbers its own)
+        bs = self.kv.block_size
+        for p in m.prefills:
+            kk, vv = self.kv.context_kv(layer, p, k[:, :, p.start : p.end], v[:, :, p.start : p.end])
+            qc = q[:, :, p.start : p.end]
+            S = kk.shape[2]
+            mask = self._chunk_mask(p, S, qc.shape[2], m.window, m.sinks)
+            o, mass = attention_with_mass(qc, kk, vv, mask[None, None], scale=scale)
+            out[p.start : p.end] = o[0].transpose(0, 1)
+            padded = mass.new_zeros(1, p.block_ids.numel() * bs)
+            padded[:, :S] = mass
+            self.kv.add_mass(p.block_ids[None], padded)  # (1, blocks · block_size)
         return out.transpose(0, 1)[None]  # (1, H_q, T, D)

@@ -44,8 +44,9 @@ class Attention(nn.Module):
         q = qk[:, :, : c.num_heads].transpose(1, 2)  # (B, H_q, L, D)
         k = qk[:, :, c.num_heads :].transpose(1, 2)  # (B, H_kv, L, D)
         v = qkv[..., c.q_size + c.kv_size :].view(B, L, c.num_kv_heads, c.head_dim).transpose(1, 2)
-        if cache is None and c.sliding_window is not None and L > c.sliding_window:
-            out = sdpa_attention(q, k, v, window_mask(L, c.sliding_window, x.device)[None, None], scale=self.scale)
+        window = c.layer_window(layer)  # None for a global layer of a local:global model
+        if cache is None and window is not None and L > window:
+            out = sdpa_attention(q, k, v, window_mask(L, window, x.device)[None, None], scale=self.scale)
         elif cache is None:  # Triton FlashAttention on CUDA ("auto"), SDPA elsewhere
             out = ops.prefill_attention(q, k, v, causal=True, sm_scale=self.scale)
         else:  # the cache stores the new K/V and attends over everything it holds for these sequences

@@ -139,7 +139,7 @@ def test_bad_eviction_config_names_the_fix(kw, match):
     with pytest.raises(ValueError, match=match):
         EngineConfig(kv_eviction="sink", **kw)
     with pytest.raises(ValueError, match="kv_eviction must be None or one of"):
-        EngineConfig(kv_eviction="h2o", window_tokens=8)
+        EngineConfig(kv_eviction="lru", window_tokens=8)
 
 
 def test_ngram_speculation_under_sinks_gives_the_same_greedy_tokens(llama):

@@ -81,7 +81,7 @@ def test_every_engine_and_parallel_field_has_a_serve_flag(capsys):
 
 
 def test_serve_flags_parse_to_the_engine_config_built_directly():
-    eviction = {"kv_eviction", "sink_tokens", "window_tokens"}  # not with speculative_config: checked below
+    eviction = {"kv_eviction", "sink_tokens", "window_tokens", "heavy_tokens"}  # not with speculative_config: below
     assert set(ENGINE_ARGV) | {"kv_cache_bytes"} | eviction == {f.name for f in dataclasses.fields(EngineConfig)}
     a = parse("serve", *(arg for args in ENGINE_ARGV.values() for arg in args))
     assert EngineConfig(**engine_kwargs(a)) == ENGINE_EXPECTED
@@ -90,6 +90,8 @@ def test_serve_flags_parse_to_the_engine_config_built_directly():
                                                            parallel_config={"pipeline_parallel_size": 3})
     a = parse("serve", "--kv-eviction", "sink", "--sink-tokens", "2", "--window-tokens", "64")
     assert EngineConfig(**engine_kwargs(a)) == EngineConfig(kv_eviction="sink", sink_tokens=2, window_tokens=64)
+    a = parse("serve", "--kv-eviction", "h2o", "--window-tokens", "64", "--heavy-tokens", "32")
+    assert EngineConfig(**engine_kwargs(a)) == EngineConfig(kv_eviction="h2o", window_tokens=64, heavy_tokens=32)
 
 
 def test_flags_left_out_leave_the_configs_defaults():

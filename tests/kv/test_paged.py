@@ -23,7 +23,7 @@ from minillm.kv.block_allocator import (
     paged_waste,
 )
 from minillm.kv.block_manager import BlockManager
-from minillm.kv.eviction import EVICTED, KVEvictionPolicy
+from minillm.kv.eviction import EVICTED, H2OPolicy, KVEvictionPolicy
 
 
 def observable_state(mgr: BlockManager, seq_ids) -> tuple:
@@ -332,7 +332,7 @@ class PagedMachine(RuleBasedStateMachine):
     BS, NUM_BLOCKS, HOST_BLOCKS = 4, 12, 8
     CACHING = True
     HASH = staticmethod(hash_block_tokens)
-    EVICTION: KVEvictionPolicy | None = None
+    EVICTION: KVEvictionPolicy | H2OPolicy | None = None
 
     def __init__(self):
         super().__init__()
@@ -509,9 +509,8 @@ class PagedMachine(RuleBasedStateMachine):
             assert table.token_ids == tokens and len(table.block_ids) == -(-len(tokens) // self.BS)
             shadow = self.slots[table.residence]
             for p in range(self.computed[sid]):
-                if table.block_ids[p // self.BS] == EVICTED:  # only blocks no later query reads are freed
-                    ev = self.EVICTION
-                    assert ev is not None and ev.sink_tokens <= p < self.computed[sid] - ev.window_tokens + 1
+                if table.block_ids[p // self.BS] == EVICTED:  # only blocks the policy may drop are freed
+                    assert self._may_evict(sid, p)
                     continue
                 assert shadow.get(table.block_ids[p // self.BS] * self.BS + p % self.BS) == tuple(tokens[: p + 1])
 
@@ -533,6 +532,11 @@ class PagedMachine(RuleBasedStateMachine):
         for block, cached in self.mgr.device.cached_blocks().items():
             kv = [self.slots[Residence.DEVICE].get(block * self.BS + o) for o in range(self.BS)]
             assert all(v is not None for v in kv) and tuple(v[-1] for v in kv) == cached
+
+    def _may_evict(self, sid, p) -> bool:
+        """Whether the policy may have freed position p of ``sid``: no later query reads it (window, sinks)."""
+        ev = self.EVICTION
+        return ev is not None and ev.sink_tokens <= p < self.computed[sid] - ev.window_tokens + 1
 
     def teardown(self):
         for sid in list(self.tokens):
@@ -574,6 +578,33 @@ class WindowMachine(PagedMachine):
             assert evicted <= set(self.EVICTION.freeable_blocks(self.computed[sid], self.BS))
 
 
+class H2OMachine(WindowMachine):
+    """H2O: blocks are freed by their attention mass (a fixed pseudo-random mass per physical block here), so the
+    evicted set has holes; no prefix caching under it."""
+
+    EVICTION = H2OPolicy(window_tokens=5, sink_tokens=2, heavy_tokens=4)
+
+    def __init__(self):
+        super().__init__()
+        self.mgr.attach_mass(lambda ids: [(b * 7919) % 13 for b in ids])
+        assert not self.mgr.device.enable_prefix_caching
+
+    def _may_evict(self, sid, p) -> bool:
+        ev, bs = self.EVICTION, self.BS
+        return -(-ev.sink_tokens // bs) <= p // bs < max(0, self.computed[sid] - ev.window_tokens) // bs
+
+    @invariant()
+    def evicted_blocks_are_the_policys_and_the_rest_are_held(self):
+        ev, bs = self.EVICTION, self.BS
+        for sid in self.tokens:
+            table = self.mgr.sequence(sid)
+            if table.residence is not Residence.DEVICE:
+                continue
+            recent = max(0, self.computed[sid] - ev.window_tokens) // bs
+            heavy = [i for i in range(-(-ev.sink_tokens // bs), recent) if table.block_ids[i] != EVICTED]
+            assert len(heavy) <= -(-ev.heavy_tokens // bs)  # over the budget: the lightest went
+
+
 _settings = settings(max_examples=60, stateful_step_count=50, deadline=None,
                      suppress_health_check=[HealthCheck.too_slow])
 TestPagedInvariants = PagedMachine.TestCase
@@ -584,6 +615,8 @@ TestPagedInvariantsWithoutPrefixCaching = NoCachingMachine.TestCase
 TestPagedInvariantsWithoutPrefixCaching.settings = _settings
 TestPagedInvariantsWithEviction = WindowMachine.TestCase
 TestPagedInvariantsWithEviction.settings = _settings
+TestPagedInvariantsWithH2O = H2OMachine.TestCase
+TestPagedInvariantsWithH2O.settings = _settings
 
 
 def test_eviction_frees_exactly_the_blocks_outside_window_and_sinks():
@@ -599,6 +632,20 @@ def test_eviction_frees_exactly_the_blocks_outside_window_and_sinks():
         kept_blocks = {p // 4 for p in range(n) if p < 3 or p >= n - 6 + 1}
         assert {i for i, b in enumerate(table.block_ids) if b != EVICTED} == kept_blocks
         assert mgr.device.num_used == len(kept_blocks) <= KVEvictionPolicy(6, 3).max_blocks(4)
-    assert mgr.block_table("a")[1] == 0  # attention sees a valid id where a block was freed
+    assert mgr.block_table("a")[1] == 0  # attention sees a valid id where a block was freed (masked by position)
+    mgr.free("a")
+    assert mgr.device.num_free == 16
+
+
+def test_h2o_frees_the_lightest_blocks_outside_sinks_and_window():
+    mass = {}
+    mgr = BlockManager(16, 4, eviction=H2OPolicy(window_tokens=4, sink_tokens=2, heavy_tokens=8))
+    mgr.attach_mass(lambda ids: [mass[b] for b in ids])
+    mgr.allocate("a", list(range(24)))  # 6 blocks: sink block 0, candidates 1..4 (block 5 holds the window)
+    table = mgr.sequence("a").block_ids
+    mass.update({b: m for b, m in zip(table, [0, 5.0, 1.0, 9.0, 2.0, 0.0], strict=True)})
+    mgr.mark_computed("a", 24)  # 4 candidates, 2 heavy blocks allowed: the two lightest (2 and 4) go
+    assert [i for i, b in enumerate(mgr.sequence("a").block_ids) if b == EVICTED] == [2, 4]
+    assert mgr.device.num_used == 4 and mgr.block_table("a")[2] == EVICTED
     mgr.free("a")
     assert mgr.device.num_free == 16

@@ -3,6 +3,7 @@ perf.perplexity's, eviction happens during the chunked prompt and bounds the blo
 asserted)."""
 
 import json
+import math
 
 import pytest
 import torch
@@ -72,7 +73,9 @@ def test_bad_settings_raise(model):
     with pytest.raises(ValueError, match="sink_tokens"):
         long_context_eval(model, text(20), window_tokens=4, sink_tokens=4)
     with pytest.raises(ValueError, match="policy"):
-        long_context_eval(model, text(20), window_tokens=8, policies=("h2o",))
+        long_context_eval(model, text(20), window_tokens=8, policies=("lru",))
+    with pytest.raises(ValueError, match="heavy_tokens"):
+        long_context_eval(model, text(20), window_tokens=8, heavy_tokens=0, policies=("h2o",))
 
 
 def test_cli_writes_json(tmp_path, model, monkeypatch, capsys):
@@ -85,7 +88,8 @@ def test_cli_writes_json(tmp_path, model, monkeypatch, capsys):
     assert main(["eval", "long-context", "--max-tokens", "120", "--window-tokens", "32", "--sink-tokens", "4",
                  "--block-size", "4", "--decode-tokens", "4", "--json", str(out)]) == 0
     rows = json.loads(out.read_text())["rows"]
-    assert [r["policy"] for r in rows] == ["full", "window", "sinks"] and rows[0]["num_tokens"] == 120
+    assert [r["policy"] for r in rows] == ["full", "window", "sinks", "h2o"] and rows[0]["num_tokens"] == 120
+    assert rows[3]["heavy_tokens"] == 1024  # the CLI's default budget
     assert "policy" in capsys.readouterr().out
 
 
@@ -101,3 +105,15 @@ def test_the_engine_runs_a_given_policy_class(model):
     evicted = run_policy(model, ids, window_tokens=W, block_size=BS, chunk_tokens=8, decode_tokens=4)
     assert kept.blocks_held == -(-(120 + 3) // BS) > evicted.blocks_held
     assert kept.nll == pytest.approx(evicted.nll, rel=1e-5)  # the kernels mask by the window either way
+
+
+def test_h2o_row_holds_sinks_window_and_heavy_blocks_and_reads_only_those(model):
+    ids = text(200)
+    full, h2o = long_context_eval(model, ids, window_tokens=W, sink_tokens=K, heavy_tokens=16, block_size=BS,
+                                  chunk_tokens=8, decode_tokens=4, policies=("full", "h2o"))
+    bound = 1 + 16 // BS + W // BS + 2  # sink block, heavy blocks, the window's span and one being filled
+    assert h2o.policy == "h2o" and h2o.heavy_tokens == 16
+    assert h2o.blocks_held <= bound < full.blocks_held and h2o.blocks_after_prompt <= bound
+    assert h2o.nll != pytest.approx(full.nll, rel=1e-4) and math.isfinite(h2o.nll)
+    per_token = full.kv_bytes_read_per_token / (200 + 3)
+    assert h2o.kv_bytes_read_per_token <= bound * BS * per_token < full.kv_bytes_read_per_token

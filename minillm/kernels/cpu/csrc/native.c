@@ -414,7 +414,8 @@ void rms_norm_bf16(const uint16_t *restrict x, const uint16_t *restrict w, uint1
  * tables[b, s / bs] at offset s % bs.  k/v [num_blocks, bs, H_kv, D] contiguous; q/out [B, H_q, D];
  * tables [B, W] int32; lens [B] int32; q row b, head h at q + b * sqb + h * sqh (a view into the packed qkv
  * projection needs no copy).  Reference: minillm.kernels.reference.paged_decode_attention_ref.  The _window
- * variant keeps only the last `window` keys and the first `sinks` (window 0: all; reference.paged_window_attention_ref).
+ * variant keeps only the last `window` keys and the first `sinks` (window 0: all; reference.paged_window_attention_ref)
+ * and skips every block whose table entry is negative (kv.eviction.EVICTED: freed, e.g. by H2O).
  *
  * Cost per (b, h): S dots and S axpys of D elements plus S exps.  Work is split by (row b, query head h) and each
  * output is computed whole by one thread in a fixed order, so a row's result depends neither on the other rows of
@@ -429,11 +430,13 @@ void rms_norm_bf16(const uint16_t *restrict x, const uint16_t *restrict w, uint1
 /* The kept keys of a query at position S - 1 are two position ranges: the sinks [0, a) and the window [lo, S)
  * (window 0, or S <= window: the second is [0, S) and the first empty).  PAGED_RANGES walks both, block by block
  * in table order, running BODY with kb/vb (the block's K or V head row 0), j (its offset) and c (the compact index
- * of the key among the kept ones); blocks holding no kept key are never read. */
+ * of the key among the kept ones); blocks holding no kept key, and blocks whose entry is negative (evicted), are
+ * never read and take no index c (so the keys actually read are c's final count, at most n_kept). */
 #define PAGED_RANGES(T, BASE, BODY)                                                                             \
     for (int64_t r = 0, c = 0; r < 2; r++) {                                                                  \
         int64_t s0 = r ? lo : 0, s1 = r ? S : a;                                                               \
         for (int64_t i = s0 / bs; i * bs < s1; i++) {                                                          \
+            if (tb[i] < 0) continue;                                                                           \
             const T *kb = BASE + (int64_t)tb[i] * bs * rs;                                                     \
             int64_t j0 = s0 > i * bs ? s0 - i * bs : 0, j1 = s1 - i * bs < bs ? s1 - i * bs : bs;              \
             for (int64_t j = j0; j < j1; j++, c++) BODY                                                       \
@@ -458,16 +461,18 @@ void rms_norm_bf16(const uint16_t *restrict x, const uint16_t *restrict w, uint1
                 float *p = n_kept <= PAGED_STACK ? stack : (float *)malloc(sizeof(float) * n_kept);           \
                 for (int64_t d = 0; d < D; d++) { qf[d] = LOAD(qh[d]) * scale; acc[d] = 0.f; }                 \
                 float m = -FLT_MAX;                                                                            \
+                int64_t n_read = 0; /* n_kept less the keys of evicted blocks */                               \
                 PAGED_RANGES(T, kh, {                                                                          \
                     const T *ks = kb + j * rs;                                                                 \
                     float dot = 0.f;                                                                           \
                     _Pragma("omp simd reduction(+ : dot)")                                                     \
                     for (int64_t d = 0; d < D; d++) dot += qf[d] * LOAD(ks[d]);                                \
                     p[c] = dot;                                                                                \
+                    n_read = c + 1;                                                                            \
                     m = dot > m ? dot : m;                                                                     \
                 })                                                                                             \
                 float l = 0.f;                                                                                 \
-                for (int64_t s = 0; s < n_kept; s++) { p[s] = expf(p[s] - m); l += p[s]; }                     \
+                for (int64_t s = 0; s < n_read; s++) { p[s] = expf(p[s] - m); l += p[s]; }                     \
                 PAGED_RANGES(T, vh, {                                                                          \
                     const T *vs = kb + j * rs;                                                                 \
                     float w = p[c];                                                                            \
