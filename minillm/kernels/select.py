@@ -15,8 +15,9 @@ caches and the public ``minillm.kernels.*_attention(impl=...)`` functions:
   "Static decode buckets and a compiled step on CPU"), so "auto" never picks it: the native GEMVs already stream
   the weights once, and inductor fuses only the small elementwise ops.
 - ``"auto"`` (default): per op, the first kernel of the table that is "auto" on this device and can run here —
-  CPU, fp32/bf16, native library built: the native kernels (each still falls back to the reference past the row
-  limits of ``native.prefers_native`` / ``native.supports``: bf16 GEMV up to 4 rows, fp32 up to 32);
+  CPU, fp32/bf16, native library built: the native kernels (the linear falls back to torch's GEMM past the row
+  limits of ``native.prefers_native``: bf16 GEMV up to 4 rows, fp32 up to 32; the elementwise fusions —
+  rms_norm, add_rms_norm, rope, silu_and_mul — run natively at any row count, ``native.elementwise_supports``);
   CUDA with triton installed: the Triton attention kernels (linear and rms_norm stay on torch);
   anything else (fp16 on CPU, CUDA without triton, CPU without a compiler): the references.
 
@@ -184,8 +185,8 @@ def _native_linear(x, weight, bias=None):
 
 
 def _native_rms_norm(x, weight, eps):
-    if native.supports(x, weight):
-        return native.rms_norm(x, weight, eps)  # decode rows: the reference's fixed per-call cost dominates there
+    if native.elementwise_supports(x, weight):  # one pass instead of the reference's five ATen ops, at any rows
+        return native.rms_norm(x, weight, eps)
     return torch_rms_norm(x, weight, eps)
 
 
@@ -225,7 +226,7 @@ def torch_write_kv(k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tensor, slot_
 
 
 def _native_add_rms_norm(x, residual, weight, eps):
-    if native.supports(x, weight) and residual.shape == x.shape and residual.dtype == x.dtype:
+    if native.elementwise_supports(x, weight) and residual.shape == x.shape and residual.dtype == x.dtype:
         return native.add_rms_norm(x, residual, weight, eps)
     return torch_add_rms_norm(x, residual, weight, eps)
 
@@ -235,7 +236,7 @@ def _native_rope(x, cos, sin):
 
 
 def _native_silu_and_mul(x):
-    return native.silu_and_mul(x) if native.supports(x, x) else torch_silu_and_mul(x)
+    return native.silu_and_mul(x) if native.elementwise_supports(x, x) else torch_silu_and_mul(x)
 
 
 def _native_write_kv(k_cache, v_cache, k, v, slot_mapping):
