@@ -95,8 +95,9 @@ class KernelOps:
       -> [..., N]``: x rounded to int8 too (per token, or with the static ``input_scale``), an int8 × int8 -> int32
       GEMM and the scales after it (``quant.activation``); ``fp8_linear(x, w: Fp8Weight, bias) -> [..., N]`` the
       same in e4m3 with per-token scales.
-    Decode-step fusions (one native call where the reference runs several ATen ops; at batch 1 each op's fixed
-    cost is what a decode token pays beside its GEMVs):
+    Fusions (one native call where the reference runs several ATen ops: at batch 1 each op's fixed cost is what a
+    decode token pays beside its GEMVs; at prefill rows each op is a pass over the activations, one instead of
+    several):
     - ``add_rms_norm(x [..., K], residual [..., K], weight [K], eps) -> (rms_norm(x + residual), x + residual)``
     - ``rope(x [B, L, H, D], cos [B, L, 1, D], sin [B, L, 1, D]) -> [B, L, H, D]`` (``layers.rotary.apply_rope``)
     - ``silu_and_mul(x [..., 2F]) -> [..., F]``: silu(gate) * up for x = [gate | up]
