@@ -15,8 +15,9 @@ caches and the public ``minillm.kernels.*_attention(impl=...)`` functions:
   "Static decode buckets and a compiled step on CPU"), so "auto" never picks it: the native GEMVs already stream
   the weights once, and inductor fuses only the small elementwise ops.
 - ``"auto"`` (default): per op, the first kernel of the table that is "auto" on this device and can run here —
-  CPU, fp32/bf16, native library built: the native kernels (each still falls back to the reference past the row
-  limits of ``native.prefers_native`` / ``native.supports``: bf16 GEMV up to 4 rows, fp32 up to 32);
+  CPU, fp32/bf16, native library built: the native kernels (the linear falls back to torch's GEMM past the row
+  limits of ``native.prefers_native``: bf16 GEMV up to 4 rows, fp32 up to 32; the elementwise fusions —
+  rms_norm, add_rms_norm, rope, silu_and_mul — run natively at any row count, ``native.elementwise_supports``);
   CUDA with triton installed: the Triton attention kernels (linear and rms_norm stay on torch);
   anything else (fp16 on CPU, CUDA without triton, CPU without a compiler): the references.
 
@@ -94,8 +95,9 @@ class KernelOps:
       -> [..., N]``: x rounded to int8 too (per token, or with the static ``input_scale``), an int8 × int8 -> int32
       GEMM and the scales after it (``quant.activation``); ``fp8_linear(x, w: Fp8Weight, bias) -> [..., N]`` the
       same in e4m3 with per-token scales.
-    Decode-step fusions (one native call where the reference runs several ATen ops; at batch 1 each op's fixed
-    cost is what a decode token pays beside its GEMVs):
+    Fusions (one native call where the reference runs several ATen ops: at batch 1 each op's fixed cost is what a
+    decode token pays beside its GEMVs; at prefill rows each op is a pass over the activations, one instead of
+    several):
     - ``add_rms_norm(x [..., K], residual [..., K], weight [K], eps) -> (rms_norm(x + residual), x + residual)``
     - ``rope(x [B, L, H, D], cos [B, L, 1, D], sin [B, L, 1, D]) -> [B, L, H, D]`` (``layers.rotary.apply_rope``)
     - ``silu_and_mul(x [..., 2F]) -> [..., F]``: silu(gate) * up for x = [gate | up]
@@ -184,8 +186,8 @@ def _native_linear(x, weight, bias=None):
 
 
 def _native_rms_norm(x, weight, eps):
-    if native.supports(x, weight):
-        return native.rms_norm(x, weight, eps)  # decode rows: the reference's fixed per-call cost dominates there
+    if native.elementwise_supports(x, weight):  # one pass instead of the reference's five ATen ops, at any rows
+        return native.rms_norm(x, weight, eps)
     return torch_rms_norm(x, weight, eps)
 
 
@@ -225,7 +227,7 @@ def torch_write_kv(k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tensor, slot_
 
 
 def _native_add_rms_norm(x, residual, weight, eps):
-    if native.supports(x, weight) and residual.shape == x.shape and residual.dtype == x.dtype:
+    if native.elementwise_supports(x, weight) and residual.shape == x.shape and residual.dtype == x.dtype:
         return native.add_rms_norm(x, residual, weight, eps)
     return torch_add_rms_norm(x, residual, weight, eps)
 
@@ -235,7 +237,7 @@ def _native_rope(x, cos, sin):
 
 
 def _native_silu_and_mul(x):
-    return native.silu_and_mul(x) if native.supports(x, x) else torch_silu_and_mul(x)
+    return native.silu_and_mul(x) if native.elementwise_supports(x, x) else torch_silu_and_mul(x)
 
 
 def _native_write_kv(k_cache, v_cache, k, v, slot_mapping):

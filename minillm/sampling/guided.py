@@ -21,6 +21,8 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
+from minillm.sampling.regex import USE_XGRAMMAR
+
 KINDS = ("json", "regex", "choice", "grammar", "json_object")
 BACKENDS = ("xgrammar", "minillm")  # minillm: the engine's own byte-level regex DFA (``sampling.regex``), regex only
 
@@ -76,8 +78,8 @@ class GuidedDecodingParams:
         if not isinstance(self.json_object, bool):
             raise ValueError(f"guided_decoding.json_object must be True or False, got {self.json_object!r}")
         if self.backend == "minillm" and self.kind != "regex":
-            raise ValueError(f"guided_decoding.backend 'minillm' constrains regex only, got {self.kind}; use "
-                             "backend='xgrammar' (the default)")
+            raise ValueError(f"guided_decoding.backend 'minillm' constrains regex only, got {self.kind}; "
+                             f"{USE_XGRAMMAR}, the default")
 
     @property
     def kind(self) -> str:

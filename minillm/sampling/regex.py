@@ -27,6 +27,11 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+# The fix named by every "the minillm backend cannot take this" error, for both callers: the Python API's field
+# and the server's per-request field.
+USE_XGRAMMAR = ("use the xgrammar backend (GuidedDecodingParams(backend='xgrammar'), or the request field "
+                "guided_decoding_backend='xgrammar')")
+
 DEAD = 0  # the DFA's dead state: every transition from it returns to it
 MAX_DFA_STATES = 4096
 MAX_REPEAT = 256  # the largest m or n of {m,n}
@@ -52,8 +57,8 @@ class _Parser:
 
     def error(self, what: str) -> ValueError:
         return ValueError(f"guided_decoding.regex {self.p!r} at position {self.i}: {what} (the minillm backend "
-                          "reads literals, ., [...], \\d \\w \\s, ( ), |, ?, *, +, {m,n}; use backend='xgrammar' "
-                          "for more)")
+                          "reads literals, ., [...], \\d \\w \\s, ( ), |, ?, *, +, {m,n}; "
+                          f"{USE_XGRAMMAR} for more)")
 
     def peek(self) -> str | None:
         return self.p[self.i] if self.i < len(self.p) else None
@@ -284,7 +289,7 @@ def compile_regex(pattern: str) -> ByteDFA:
             if nxt not in ids:
                 if len(order) >= MAX_DFA_STATES:
                     raise ValueError(f"guided_decoding.regex {pattern!r} needs more than {MAX_DFA_STATES} DFA "
-                                     "states; simplify it or use backend='xgrammar'")
+                                     f"states; simplify it or {USE_XGRAMMAR}")
                 ids[nxt] = len(order) + 1
                 order.append(nxt)
             row[b] = ids[nxt]

@@ -187,14 +187,16 @@ def test_gemv_keeps_leading_dims_and_rejects_too_many_rows():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_rms_norm_matches_reference(dtype):
+@pytest.mark.parametrize("rows", [3, 512])  # decode rows and a prefill chunk's (split over threads)
+def test_rms_norm_matches_reference(dtype, rows):
     from minillm.layers.norm import RMSNorm
 
     norm = RMSNorm(576, 1e-5).requires_grad_(False)
     norm.weight.copy_(torch.randn(576))
     norm = norm.to(dtype)
-    x = torch.randn(3, 1, 576).to(dtype)
+    x = torch.randn(rows, 1, 576).to(dtype)
     fast = norm(x, ops_for("auto", "cpu", dtype))
+    assert torch.equal(fast, native.rms_norm(x, norm.weight, 1e-5))  # "auto" took the native kernel
     torch.testing.assert_close(fast, norm(x, ops_for("torch", "cpu", dtype)))
 
 
@@ -306,7 +308,7 @@ DTYPES = [torch.float32, torch.bfloat16]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("B, L", [(1, 1), (1, 5), (3, 1), (2, 4)])
+@pytest.mark.parametrize("B, L", [(1, 1), (1, 5), (3, 1), (2, 4), (1, 300)])
 def test_native_rope_on_a_view_of_the_qkv_projection_matches_apply_rope(dtype, B, L):
     from minillm.config import ModelConfig
     from minillm.layers.rotary import RotaryEmbedding, apply_rope
@@ -331,7 +333,7 @@ def test_native_rope_refuses_what_it_cannot_read():
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("rows", [1, 3])
+@pytest.mark.parametrize("rows", [1, 3, 300])
 def test_native_add_rms_norm_matches_the_add_then_the_norm(dtype, rows):
     from minillm.kernels.select import torch_add_rms_norm
 
@@ -345,12 +347,43 @@ def test_native_add_rms_norm_matches_the_add_then_the_norm(dtype, rows):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("rows", [1, 4])
+@pytest.mark.parametrize("rows", [1, 4, 200])
 def test_native_silu_and_mul_matches_silu_of_gate_times_up(dtype, rows):
     from minillm.kernels.select import torch_silu_and_mul
 
     x = (3 * torch.randn(rows, 1, 2 * 1536, generator=torch.Generator().manual_seed(rows))).to(dtype)
     torch.testing.assert_close(native.silu_and_mul(x), torch_silu_and_mul(x))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_elementwise_rows_are_bit_identical_alone_in_a_prefill_chunk_and_on_any_thread_count(dtype):
+    # a prefill chunk's rows are split over threads, a decode row runs alone in the caller's thread: a token's
+    # norm, rope and activation must not depend on which (greedy output through chunked prefill relies on it)
+    g = torch.Generator().manual_seed(9)
+    M, K, F, H, D = 400, 576, 1536, 12, 64
+    x, res = (torch.randn(M, K, generator=g).to(dtype) for _ in range(2))
+    w = torch.randn(K, generator=g).to(dtype)
+    gu = (3 * torch.randn(M, 2 * F, generator=g)).to(dtype)
+    qk = torch.randn(1, M, H + 3, D, generator=g).to(dtype)[:, :, :H]  # a view: rows (H + 3) D apart
+    cos, sin = (torch.randn(1, M, 1, D, generator=g).to(dtype) for _ in range(2))
+
+    def run(rows: slice):
+        return (native.rms_norm(x[rows], w, 1e-5), *native.add_rms_norm(x[rows], res[rows], w, 1e-5),
+                native.silu_and_mul(gu[rows]), native.rope(qk[:, rows], cos[:, rows], sin[:, rows])[0])
+
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one_thread = run(slice(None))
+        torch.set_num_threads(3)
+        split = run(slice(None))
+    finally:
+        torch.set_num_threads(threads)
+    for whole, alone_thread in zip(split, one_thread, strict=True):
+        assert torch.equal(whole, alone_thread)
+    for m in (0, 137, M - 1):
+        for whole, alone in zip(split, run(slice(m, m + 1)), strict=True):
+            assert torch.equal(whole[m : m + 1], alone), f"row {m} differs from its 1-row call"
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -55,6 +55,14 @@ def test_patterns_outside_the_subset_are_value_errors_naming_the_regex(pattern, 
         compile_regex(pattern)
 
 
+@pytest.mark.parametrize("make", [lambda: compile_regex(r"\p"), lambda: compile_regex("[ab]*a[ab]{12}"),
+                                  lambda: GuidedDecodingParams(json={"type": "object"}, backend="minillm")])
+def test_minillm_backend_refusals_name_the_xgrammar_fix_for_python_and_server_callers(make):
+    with pytest.raises(ValueError) as err:
+        make()
+    assert "backend='xgrammar'" in str(err.value) and "guided_decoding_backend='xgrammar'" in str(err.value)
+
+
 def test_states_that_cannot_accept_are_dead():
     dfa = compile_regex("ab|ac")
     assert dfa.walk(dfa.start, b"a") != DEAD and dfa.walk(dfa.start, b"ad") == DEAD

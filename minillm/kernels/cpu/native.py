@@ -193,10 +193,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x [..., K] (≤ MAX_ROWS rows) -> x / rms(x) * weight, fp32 statistics; reference ``F.rms_norm``."""
+    """x [..., K] (any rows: split over threads past a few decode rows) -> x / rms(x) * weight, fp32 statistics;
+    reference ``kernels.select.torch_rms_norm``."""
     K = x.shape[-1]
-    if not supports(x, weight) or weight.shape != (K,):
-        raise ValueError("native.rms_norm needs CPU fp32/bf16 tensors of one dtype, ≤ MAX_ROWS rows, weight [K]")
+    if not elementwise_supports(x, weight) or weight.shape != (K,):
+        raise ValueError("native.rms_norm needs CPU fp32/bf16 tensors of one dtype and weight [K]")
     x = x.contiguous()
     y = torch.empty_like(x)
     fn = _lib().rms_norm_f32 if x.dtype == torch.float32 else _lib().rms_norm_bf16
@@ -275,17 +276,20 @@ def read_sum(a: torch.Tensor) -> float:
 
 
 # ---------------------------------------------------------------- decode-step fusions (csrc/native.c, second half)
-def _rows_ok(x: torch.Tensor, rows: int) -> bool:
-    """CPU fp32/bf16, at most MAX_ROWS rows, no autograd, library built: where the fused decode kernels apply."""
-    return (x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16) and rows <= MAX_ROWS
-            and not (torch.is_grad_enabled() and x.requires_grad) and available())
+def elementwise_supports(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether the elementwise kernels (rms_norm, add_rms_norm, rope, silu_and_mul) can take x (and its weight, of
+    x's dtype): CPU fp32/bf16, no autograd, library built.  Any row count: unlike a GEMV, which only beats torch's
+    GEMM for decode rows, one fused pass beats the reference's several ATen passes at prefill rows too (the C
+    splits rows over threads past decode sizes)."""
+    return (x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16) and weight.dtype == x.dtype
+            and weight.device.type == "cpu" and not (torch.is_grad_enabled() and x.requires_grad) and available())
 
 
 def rope_supports(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
-    """Whether ``rope(x, cos, sin)`` can run natively: B·L <= MAX_ROWS, x [B, L, H, D] with heads of D contiguous
+    """Whether ``rope(x, cos, sin)`` can run natively: x [B, L, H, D] with heads of D contiguous
     elements and its B·L rows at one stride (a head-split view of a projection is), cos/sin [B, L, 1, D]
     contiguous, one dtype."""
-    if x.dim() != 4 or not _rows_ok(x, x.shape[0] * x.shape[1]) or cos.dtype != x.dtype or sin.dtype != x.dtype:
+    if x.dim() != 4 or not elementwise_supports(x, cos) or sin.dtype != x.dtype:
         return False
     B, L, H, D = x.shape
     return (x.stride(3) == 1 and x.stride(2) == D and _row_stride(x) is not None
@@ -304,7 +308,7 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """RoPE in one pass: x [B, L, H, D] (see ``rope_supports``), cos/sin [B, L, 1, D] -> [B, L, H, D] contiguous.
     Reference: ``layers.rotary.apply_rope`` (x * cos + rotate_half(x) * sin, the same roundings)."""
     if not rope_supports(x, cos, sin):
-        raise ValueError("native.rope needs x [B, L, H, D] (heads contiguous, rows at one stride, <= MAX_ROWS rows) "
+        raise ValueError("native.rope needs x [B, L, H, D] (heads contiguous, rows at one stride) "
                          "and contiguous cos/sin [B, L, 1, D] of its dtype on CPU")
     B, L, H, D = x.shape
     y = torch.empty(B, L, H, D, dtype=x.dtype)
@@ -315,13 +319,13 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """r = x + residual; -> (rms_norm(r) * weight, r), x and residual [..., K] (<= MAX_ROWS rows).  One call for a
+    """r = x + residual; -> (rms_norm(r) * weight, r), x and residual [..., K] (any rows).  One call for a
     residual add and the norm after it.  Reference: ``kernels.select.torch_add_rms_norm``."""
     K = x.shape[-1]
-    if not (_rows_ok(x, x.numel() // K) and x.shape == residual.shape and weight.shape == (K,)
+    if not (elementwise_supports(x, weight) and x.shape == residual.shape and weight.shape == (K,)
             and x.dtype == residual.dtype == weight.dtype):
         raise ValueError("native.add_rms_norm needs CPU fp32/bf16 x and residual [..., K] of one shape and dtype "
-                         "(<= MAX_ROWS rows) and weight [K]")
+                         "and weight [K]")
     x, residual = x.contiguous(), residual.contiguous()
     y, r = torch.empty_like(x), torch.empty_like(x)
     fn = _lib().add_rms_norm_f32 if x.dtype == torch.float32 else _lib().add_rms_norm_bf16
@@ -331,10 +335,10 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """SwiGLU's activation: x [..., 2F] = [gate | up] (<= MAX_ROWS rows) -> silu(gate) * up [..., F].
+    """SwiGLU's activation: x [..., 2F] = [gate | up] (any rows) -> silu(gate) * up [..., F].
     Reference: ``kernels.select.torch_silu_and_mul``."""
-    if not _rows_ok(x, x.numel() // x.shape[-1]) or x.shape[-1] % 2:
-        raise ValueError("native.silu_and_mul needs a CPU fp32/bf16 x [..., 2F] of at most MAX_ROWS rows")
+    if not elementwise_supports(x, x) or x.shape[-1] % 2:
+        raise ValueError("native.silu_and_mul needs a CPU fp32/bf16 x [..., 2F]")
     F2 = x.shape[-1]
     x = x.contiguous()
     y = torch.empty(*x.shape[:-1], F2 // 2, dtype=x.dtype)

@@ -379,35 +379,47 @@ int built_with_openmp(void) {
 DECODE_ATTENTION(decode_attention_f32, float, load_f32, store_f32)
 DECODE_ATTENTION(decode_attention_bf16, uint16_t, bf16_to_f32, f32_to_bf16)
 
+/* Rows of the elementwise kernels (RMSNorm, RoPE, SiLU·mul) are split over OpenMP threads from this many elements
+ * (rows × K) up: prefill chunks (hundreds of rows × 576) are split, decode steps (≤ 32 rows, a few thousand
+ * elements: below the cost of waking an OpenMP team) stay in the calling thread.  Each row is computed whole by one
+ * thread in one order, so a row's result does not depend on the split. */
+#define ELT_SPLIT (1 << 16)
+
 /* RMSNorm of M rows of K: y = x / sqrt(mean(x²) + eps) * w, statistics in fp32.  In bf16 the normalised value
  * is rounded to bf16 before the weight multiply, exactly as transformers' LlamaRMSNorm does.
  * Reference: torch.nn.functional.rms_norm / model.RMSNorm.  One pass to sum squares, one to scale. */
+static inline void rms_norm_row_f32(const float *restrict xm, const float *restrict w, float *restrict ym, int64_t K,
+                                    float eps) {
+    float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+    for (int64_t k = 0; k < K; k++) ss += xm[k] * xm[k];
+    float r = 1.f / sqrtf(ss / (float)K + eps);
+#pragma omp simd
+    for (int64_t k = 0; k < K; k++) ym[k] = xm[k] * r * w[k];
+}
+
+static inline void rms_norm_row_bf16(const uint16_t *restrict xm, const uint16_t *restrict w, uint16_t *restrict ym,
+                                     int64_t K, float eps) {
+    float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+    for (int64_t k = 0; k < K; k++) { float f = bf16_to_f32(xm[k]); ss += f * f; }
+    float r = 1.f / sqrtf(ss / (float)K + eps);
+    for (int64_t k = 0; k < K; k++) {
+        float normed = bf16_to_f32(f32_to_bf16(bf16_to_f32(xm[k]) * r));
+        ym[k] = f32_to_bf16(normed * bf16_to_f32(w[k]));
+    }
+}
+
 void rms_norm_f32(const float *restrict x, const float *restrict w, float *restrict y, int64_t M, int64_t K,
                   float eps) {
-    for (int64_t m = 0; m < M; m++) {
-        const float *xm = x + m * K;
-        float ss = 0.f;
-#pragma omp simd reduction(+ : ss)
-        for (int64_t k = 0; k < K; k++) ss += xm[k] * xm[k];
-        float r = 1.f / sqrtf(ss / (float)K + eps);
-#pragma omp simd
-        for (int64_t k = 0; k < K; k++) y[m * K + k] = xm[k] * r * w[k];
-    }
+#pragma omp parallel for schedule(static) if (M * K >= ELT_SPLIT)
+    for (int64_t m = 0; m < M; m++) rms_norm_row_f32(x + m * K, w, y + m * K, K, eps);
 }
 
 void rms_norm_bf16(const uint16_t *restrict x, const uint16_t *restrict w, uint16_t *restrict y, int64_t M,
                    int64_t K, float eps) {
-    for (int64_t m = 0; m < M; m++) {
-        const uint16_t *xm = x + m * K;
-        float ss = 0.f;
-#pragma omp simd reduction(+ : ss)
-        for (int64_t k = 0; k < K; k++) { float f = bf16_to_f32(xm[k]); ss += f * f; }
-        float r = 1.f / sqrtf(ss / (float)K + eps);
-        for (int64_t k = 0; k < K; k++) {
-            float normed = bf16_to_f32(f32_to_bf16(bf16_to_f32(xm[k]) * r));
-            y[m * K + k] = f32_to_bf16(normed * bf16_to_f32(w[k]));
-        }
-    }
+#pragma omp parallel for schedule(static) if (M * K >= ELT_SPLIT)
+    for (int64_t m = 0; m < M; m++) rms_norm_row_bf16(x + m * K, w, y + m * K, K, eps);
 }
 
 /* Decode attention over a paged KV cache: key/value position s of sequence b lives in physical block
@@ -496,8 +508,7 @@ PAGED_DECODE_ATTENTION(paged_decode_attention_bf16, uint16_t, bf16_to_f32, f32_t
 /* ---- decode-step fusions: one call instead of a handful of ATen ops each (a decode layer is ~130 ops at a few
  * µs of dispatch apiece, which at batch 1 costs as much as reading the weights of a 135M model).  ROUND rounds an
  * intermediate to the storage type (bf16) where the PyTorch reference rounds it, so the two agree bit for bit up
- * to the order of fp32 operations.  All loops are single-threaded: rows × K elements of a decode step are a few
- * thousand, far below the cost of waking an OpenMP team. */
+ * to the order of fp32 operations.  Rows are split over threads past ELT_SPLIT elements only (prefill chunks). */
 static inline float round_f32(float x) { return x; }
 static inline float round_bf16(float x) { return bf16_to_f32(f32_to_bf16(x)); }
 
@@ -508,6 +519,7 @@ static inline float round_bf16(float x) { return bf16_to_f32(f32_to_bf16(x)); }
     void NAME(const T *restrict x, const T *restrict cs, const T *restrict sn, T *restrict y, int64_t R,   \
               int64_t H, int64_t D, int64_t sx) {                                                          \
         int64_t half = D / 2;                                                                              \
+        _Pragma("omp parallel for schedule(static) if (R * H * D >= ELT_SPLIT)")                           \
         for (int64_t r = 0; r < R; r++)                                                                    \
             for (int64_t h = 0; h < H; h++) {                                                              \
                 const T *xi = x + r * sx + h * D, *c = cs + r * D, *s = sn + r * D;                        \
@@ -527,20 +539,27 @@ ROPE(rope_bf16, uint16_t, bf16_to_f32, f32_to_bf16, round_bf16)
  * x, res, r, y [M, K] contiguous. */
 void add_rms_norm_f32(const float *restrict x, const float *restrict res, const float *restrict w, float *restrict y,
                       float *restrict r, int64_t M, int64_t K, float eps) {
-    for (int64_t i = 0; i < M * K; i++) r[i] = x[i] + res[i];
-    rms_norm_f32(r, w, y, M, K, eps);
+#pragma omp parallel for schedule(static) if (M * K >= ELT_SPLIT)
+    for (int64_t m = 0; m < M; m++) {
+        for (int64_t k = m * K; k < (m + 1) * K; k++) r[k] = x[k] + res[k];
+        rms_norm_row_f32(r + m * K, w, y + m * K, K, eps);
+    }
 }
 
 void add_rms_norm_bf16(const uint16_t *restrict x, const uint16_t *restrict res, const uint16_t *restrict w,
                        uint16_t *restrict y, uint16_t *restrict r, int64_t M, int64_t K, float eps) {
-    for (int64_t i = 0; i < M * K; i++) r[i] = f32_to_bf16(bf16_to_f32(x[i]) + bf16_to_f32(res[i]));
-    rms_norm_bf16(r, w, y, M, K, eps);
+#pragma omp parallel for schedule(static) if (M * K >= ELT_SPLIT)
+    for (int64_t m = 0; m < M; m++) {
+        for (int64_t k = m * K; k < (m + 1) * K; k++) r[k] = f32_to_bf16(bf16_to_f32(x[k]) + bf16_to_f32(res[k]));
+        rms_norm_row_bf16(r + m * K, w, y + m * K, K, eps);
+    }
 }
 
 /* SwiGLU's activation: y = silu(gate) * up for x = [gate | up] rows of 2F, y [R, F] (silu rounded to T first,
  * as F.silu(gate) * up). */
 #define SILU_MUL(NAME, T, LOAD, STORE, ROUND)                                                              \
     void NAME(const T *restrict x, T *restrict y, int64_t R, int64_t F) {                                  \
+        _Pragma("omp parallel for schedule(static) if (R * F >= ELT_SPLIT)")                               \
         for (int64_t r = 0; r < R; r++) {                                                                  \
             const T *g = x + r * 2 * F, *u = g + F;                                                        \
             for (int64_t f = 0; f < F; f++) {                                                              \
