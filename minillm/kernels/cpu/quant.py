@@ -10,7 +10,9 @@ Two paths per weight format (``csrc/quant.c`` explains both):
   ``q8_activation_ref(x)`` up to fp32 summation order, so it differs from the W4A16/W8A16 result by at most
   ``0.5 * sum_k dx_k * |w_nk|`` (every activation moves by at most half its block's step dx = max|x| / 127).
 
-``int8_linear(..., rows="any")`` runs the int8-activation path at any row count (prefill; cache-blocked).
+``int8_linear(..., rows="any")`` runs the int8-activation path at any row count (cache-blocked; each row the bits it
+has at decode).  ``block_prefill_linear`` is the prefill GEMM for Q8_0 / Q4_0 / Q4_1 weights: the same activation
+rounding, register-tiled over 32-column panels of the weights (AVX-512 VNNI; a plain C twin elsewhere).
 ``w8a8_linear`` is W8A8's integer GEMM (``quant.activation``: per-channel int8 weights, int8 activations per token
 or with a static scale, exact int32 sums, the scales in the epilogue): the bits of ``w8a8_linear_int_mm``, any rows.
 

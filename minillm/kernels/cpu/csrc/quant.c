@@ -27,7 +27,9 @@
  * tile computes it and however many rows share the call (tests/kernels/test_linear_stack.py and test_native_
  * portability.py check it; vf_pin and TILE_Q8 below say why it needs care under -ffast-math).
  * Scales/mins are fp32 or fp16 (scale_f16 = 1); activations fp32 or bf16 (x_bf16 = 1; then y is bf16 too).
- * Many rows (prefill): q8_q8_rows takes the weight rows in L2-sized blocks, every tile of input rows over a block.
+ * Many rows: q8_q8_rows takes the weight rows in L2-sized blocks, every tile of input rows over a block (a row's
+ * decode bits); the prefill GEMM for Q8_0 / Q4_x blocks (q8_gemm_prefill, q4_gemm_prefill, at the end) tiles the
+ * same arithmetic over 32-column weight panels, 4 x 32 outputs in registers.
  * W8A8 (w8a8_gemm, at the end): int8 weights per channel times int8 activations rounded per token, exact int32 sums.
  * Build: cc -O3 -march=native -ffast-math -fopenmp -shared -fPIC on first use, cached.  Without AVX2 (or on ARM)
  * the integer path is plain C loops, correct everywhere and vectorised where the compiler can.
@@ -1339,7 +1341,9 @@ int quant_simd_level(void) {
  * Without AVX-512 VNNI the same arithmetic in plain C (correct everywhere, slow: quant.py routes prefill here only
  * when quant_prefill_tiled() says the tiles are compiled). */
 #define PF_NR 32 /* weight columns per panel: 2 zmm of 16 lanes */
-#define PF_MR 4  /* activation rows per register tile: 16 accumulators + 2 weights + 2 scales of 32 zmm */
+#ifndef PF_MR
+#define PF_MR 4 /* activation rows per register tile: 16 accumulators + 2 weights + 2 scales of 32 zmm */
+#endif
 #if QSIMD == 512 && defined(__AVX512VNNI__)
 #define PF_TILED 1
 #else
@@ -1512,7 +1516,11 @@ static void pf_panels(const void *W, const void *scales, const void *mins, int f
             const int64_t mr = M - m0 < PF_MR ? M - m0 : PF_MR;
 #if PF_TILED
             switch (mr) {
-            case 1: PF_TILE(1); break; case 2: PF_TILE(2); break; case 3: PF_TILE(3); break; default: PF_TILE(4);
+            case 1: PF_TILE(1); break; case 2: PF_TILE(2); break; case 3: PF_TILE(3); break;
+#if PF_MR > 4
+            case 4: PF_TILE(4); break; case 5: PF_TILE(5); break;
+#endif
+            default: PF_TILE(PF_MR);
             }
 #else
             PF_TILE((int)mr);
