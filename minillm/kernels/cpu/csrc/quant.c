@@ -1398,21 +1398,25 @@ static void pf_pack(const void *W, const void *scales, const void *mins, int f16
                     int64_t K, int64_t G, uint8_t *restrict wp, float *restrict sp, float *restrict mp) {
     const int64_t nb = K / QB, ng = K / G, bpg = G / QB, rowb = q4 ? K / 2 : K, steps = q4 ? 4 : 8;
     for (int c = 0; c < PF_NR; c++) {
-        const int64_t n = n0 + c;
-        const uint8_t *row = (const uint8_t *)W + n * rowb;
+        const uint8_t *row = (const uint8_t *)W + (n0 + c) * rowb;
         const int v = c / 16, l = c % 16;
-        for (int64_t b = 0; b < nb; b++) {
-            uint8_t *dst = wp + b * steps * 128 + v * 64 + 4 * l;
+        for (int64_t b = 0; b < nb; b++)
             for (int64_t i = 0; i < steps; i++) {
                 uint32_t word = 0; /* a padding column: code 0 (biased: 128) */
                 if (c < nv) memcpy(&word, row + b * (q4 ? 16 : 32) + 4 * i, 4);
                 if (!q4) word ^= 0x80808080u;
-                memcpy(dst + i * 128, &word, 4);
+                memcpy(wp + b * steps * 128 + i * 128 + v * 64 + 4 * l, &word, 4);
             }
-            sp[b * PF_NR + c] = c < nv ? scale_at(scales, f16, n * ng + b / bpg) : 0.f;
-            if (q4) mp[b * PF_NR + c] = c < nv ? scale_at(mins, f16, n * ng + b / bpg) : 0.f;
-        }
     }
+    for (int c = 0; c < PF_NR; c++) /* by groups: no integer division per block */
+        for (int64_t g = 0; g < ng; g++) {
+            const float d = c < nv ? scale_at(scales, f16, (n0 + c) * ng + g) : 0.f;
+            const float m = c < nv && q4 ? scale_at(mins, f16, (n0 + c) * ng + g) : 0.f;
+            for (int64_t b = g * bpg; b < (g + 1) * bpg; b++) {
+                sp[b * PF_NR + c] = d;
+                if (q4) mp[b * PF_NR + c] = m;
+            }
+        }
 }
 
 #if PF_TILED
