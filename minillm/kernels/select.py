@@ -253,8 +253,9 @@ def _add_bias(y: Tensor, bias: Tensor | None) -> Tensor:
 # (native_quant.block_prefill_linear: llama.cpp's Q8_0 x Q8_0 scheme, the rounding the decode rows already apply), so
 # prefill outputs differ from the exact path by that rounding (≤ 0.5 · Σ_k dx_k · |w_nk| per output); "exact":
 # dequantize + float GEMM, the W8A16 / W4A16 result; "auto" (default): "int8" where that GEMM runs on its AVX-512
-# VNNI tiles (faster than the exact path, BENCHMARKS.md), "exact" elsewhere (its plain C twin is slower than a float
-# GEMM).  Per-channel int8 keeps the exact prefill.  Set MINILLM_INT8_PREFILL before import, or assign this.
+# VNNI tiles (measured several times faster than the exact path at prefill sizes), "exact" elsewhere (its plain C
+# twin is slower than a float GEMM).  Per-channel int8 keeps the exact prefill.  Set MINILLM_INT8_PREFILL before
+# import, or assign this.
 INT8_PREFILL = os.environ.get("MINILLM_INT8_PREFILL", "auto")
 if INT8_PREFILL not in ("auto", "exact", "int8"):
     raise ValueError(f"MINILLM_INT8_PREFILL must be 'auto', 'exact' or 'int8', got {INT8_PREFILL!r}")

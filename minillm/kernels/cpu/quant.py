@@ -68,17 +68,14 @@ def _lib(target: str | None = None) -> ctypes.CDLL | None:
                       stacklevel=2)
         return None
     i64, vp, c_int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
-    for name in ("q4_gemm", "q4_gemm_q8"):
+    for name in ("q4_gemm", "q4_gemm_q8", "q4_gemm_prefill"):
         getattr(lib, name).argtypes = [vp, vp, vp, c_int, vp, c_int, vp, i64, i64, i64, i64]
         getattr(lib, name).restype = None
-    for name in ("q8_gemm", "q8_gemm_q8"):
+    for name in ("q8_gemm", "q8_gemm_q8", "q8_gemm_prefill"):
         getattr(lib, name).argtypes = [vp, vp, c_int, vp, c_int, vp, i64, i64, i64, i64]
         getattr(lib, name).restype = None
-    lib.q4_gemm_prefill.argtypes = [vp, vp, vp, c_int, vp, c_int, vp, i64, i64, i64, i64]
-    lib.q8_gemm_prefill.argtypes = [vp, vp, c_int, vp, c_int, vp, i64, i64, i64, i64]
     lib.q8_prefill_round.argtypes = [vp, c_int, i64, i64, vp, vp]
-    for name in ("q4_gemm_prefill", "q8_gemm_prefill", "q8_prefill_round"):
-        getattr(lib, name).restype = None
+    lib.q8_prefill_round.restype = None
     lib.quant_prefill_tiled.restype = c_int
     lib.w8a8_gemm.argtypes = [vp, vp, c_int, vp, vp, vp, i64, i64, i64]
     lib.w8a8_gemm.restype = None
