@@ -29,9 +29,9 @@ pass pays one dictionary lookup, not a decision per layer.
 
 Quantized linears (``int4_linear``, ``int8_linear``: packed ``Int4Weight``/``Int8Weight``, ``quant/weight.py``):
 the reference dequantizes then ``F.linear``; "native" (and "auto" on CPU) runs ``kernels/cpu/quant.py`` for decode
-rows (``native_quant.supports``: ≤ 8 rows, fp32/bf16) and the reference past that — except, when
-``INT8_PREFILL`` is "int8", int8 in GGUF's Q8_0 blocks, whose prefill rows then take the same int8-activation kernel,
-cache-blocked (the rule: ``int8_prefill_through_int8_activations``); "triton" (and "auto" on CUDA)
+rows (``native_quant.supports``: ≤ 8 rows, fp32/bf16) and, past that, for block-quantized weights (GGUF's Q8_0,
+Q4_0, Q4_1) the prefill GEMM on int8 blocks of x (``block_prefill_linear``) where ``INT8_PREFILL`` allows it,
+else the reference (the rule: ``int8_prefill_through_int8_activations``); "triton" (and "auto" on CUDA)
 the dequant GEMV of ``kernels/triton/dequant_gemv.py`` up to ``TRITON_GEMV_MAX_ROWS`` rows.
 
 Activation-quantized linears (``w8a8_linear``, ``fp8_linear``: ``quant/activation.py``): the reference
@@ -67,7 +67,7 @@ from minillm.kernels.cpu import native
 from minillm.kernels.cpu import quant as native_quant
 from minillm.layers.rotary import apply_rope  # imports only the config: no cycle
 from minillm.quant.activation import fp8_linear_ref, fp8_linear_scaled_mm, w8a8_linear_int_mm, w8a8_linear_ref
-from minillm.quant.weight import int4_linear_ref, int8_linear_ref
+from minillm.quant.weight import Int4Weight, int4_linear_ref, int8_linear_ref
 
 CHOICES = ("auto", "torch", "native", "triton", "compiled")
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -250,35 +250,43 @@ def _add_bias(y: Tensor, bias: Tensor | None) -> Tensor:
     return y if bias is None else y + bias
 
 
-def _native_int4(x, w, bias=None):
-    # decode rows (≤ native_quant.MAX_ROWS): dequantize in registers; prefill: the reference's dequantize + GEMM
-    # (a transient float weight per call, amortised over the rows, as the compute-bound GEMM is torch's anyway)
-    if native_quant.supports(x, w):
-        return _add_bias(native_quant.int4_linear(x, w), bias)
-    return int4_linear_ref(x, w, bias)
-
-
-# Prefill rows of int8 weight-only linears in GGUF's Q8_0 blocks: "exact" (default) dequantizes and runs a float GEMM,
-# the W8A16 result; "int8" rounds x to int8 blocks and runs the native cache-blocked int8 × int8 kernel — llama.cpp's
-# Q8_0 × Q8_0 scheme, what the decode rows already compute — a different rounding, so not the default until it is
-# measured faster (set MINILLM_INT8_PREFILL=int8 before import, or assign this).
-INT8_PREFILL = os.environ.get("MINILLM_INT8_PREFILL", "exact")
-if INT8_PREFILL not in ("exact", "int8"):
-    raise ValueError(f"MINILLM_INT8_PREFILL must be 'exact' or 'int8', got {INT8_PREFILL!r}")
+# Prefill rows (past decode) of block-quantized weight-only linears — GGUF's Q8_0 (int8 in groups of 32), Q4_0 and
+# Q4_1 (Int4Weight) — "int8": x rounded to int8 blocks of 32 and the register-tiled int8 GEMM
+# (native_quant.block_prefill_linear: llama.cpp's Q8_0 x Q8_0 scheme, the rounding the decode rows already apply), so
+# prefill outputs differ from the exact path by that rounding (≤ 0.5 · Σ_k dx_k · |w_nk| per output); "exact":
+# dequantize + float GEMM, the W8A16 / W4A16 result; "auto" (default): "int8" where that GEMM runs on its AVX-512
+# VNNI tiles (measured several times faster than the exact path at prefill sizes), "exact" elsewhere (its plain C
+# twin is slower than a float GEMM).  Per-channel int8 keeps the exact prefill.  Set MINILLM_INT8_PREFILL before
+# import, or assign this.
+INT8_PREFILL = os.environ.get("MINILLM_INT8_PREFILL", "auto")
+if INT8_PREFILL not in ("auto", "exact", "int8"):
+    raise ValueError(f"MINILLM_INT8_PREFILL must be 'auto', 'exact' or 'int8', got {INT8_PREFILL!r}")
 
 
 def int8_prefill_through_int8_activations(w) -> bool:
-    """Whether an int8 weight-only linear's rows past decode (prefill) take the int8-activation kernel instead of the
-    exact dequantize + GEMM: with ``INT8_PREFILL == "int8"``, for Q8_0 blocks (groups of 32; per-channel int8 keeps
-    the exact W8A16 prefill).  The one rule."""
-    return INT8_PREFILL == "int8" and w.group_size == 32
+    """Whether a weight-only linear's rows past decode (prefill) take ``native_quant.block_prefill_linear`` instead
+    of the exact dequantize + GEMM: Q4_x ``Int4Weight`` and Q8_0 ``Int8Weight`` (groups of 32) under
+    ``INT8_PREFILL`` (see there).  The one rule."""
+    if INT8_PREFILL == "exact" or not (isinstance(w, Int4Weight) or w.group_size == 32):
+        return False
+    return INT8_PREFILL == "int8" or native_quant.prefill_tiled()
+
+
+def _native_int4(x, w, bias=None):
+    # decode rows (≤ native_quant.MAX_ROWS): dequantize in registers; prefill: the int8 block GEMM where the rule
+    # takes it, else the reference's dequantize + GEMM (a transient float weight per call)
+    if native_quant.supports(x, w):
+        return _add_bias(native_quant.int4_linear(x, w), bias)
+    if int8_prefill_through_int8_activations(w) and native_quant.block_prefill_supports(x, w):
+        return _add_bias(native_quant.block_prefill_linear(x, w), bias)
+    return int4_linear_ref(x, w, bias)
 
 
 def _native_int8(x, w, bias=None):
     if native_quant.supports(x, w):
         return _add_bias(native_quant.int8_linear(x, w), bias)
-    if int8_prefill_through_int8_activations(w) and native_quant.supports_prefill(x, w):
-        return _add_bias(native_quant.int8_linear(x, w, rows="any"), bias)
+    if int8_prefill_through_int8_activations(w) and native_quant.block_prefill_supports(x, w):
+        return _add_bias(native_quant.block_prefill_linear(x, w), bias)
     return int8_linear_ref(x, w, bias)
 
 

@@ -7,6 +7,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from minillm import ModelConfig
+from minillm.kernels import select
 from minillm.kernels.cpu import quant as native_quant
 from minillm.kernels.select import ops_for
 from minillm.layers.linear import Linear, QuantEmbedding, QuantLinear
@@ -39,11 +40,13 @@ def test_quant_linear_computes_the_reference_w4a16_w8a16_product_with_bias(schem
     layer = QuantLinear(packed, b)
     ref = int4_linear_ref if scheme == "int4" else int8_linear_ref
     ops = ops_for(kernels, "cpu", torch.float32)
-    for rows in (1, 3, 20):  # decode rows (native GEMV) and prefill rows (the reference's GEMM)
+    for rows in (1, 3, 20):  # decode rows (native GEMV) and prefill rows (the int8 block GEMM or the reference's)
         x = torch.randn(rows, 96)
-        if kernels == "auto" and native_quant.available() and native_quant.supports(x, packed):
-            # the native decode kernels round x to int8 blocks first (llama.cpp's scheme): the reference on the
-            # rounded activations, up to fp32 summation order over K = 96 (tests/quant/test_kernels_quant.py)
+        prefill_int8 = select.int8_prefill_through_int8_activations(packed) and native_quant.block_prefill_supports(
+            x, packed)
+        if kernels == "auto" and native_quant.available() and (native_quant.supports(x, packed) or prefill_int8):
+            # the native kernels round x to int8 blocks first (llama.cpp's scheme): the reference on the rounded
+            # activations, up to fp32 rounding over K = 96 (tests/quant/test_kernels_quant.py, test_block_prefill.py)
             torch.testing.assert_close(layer(x, ops), ref(native_quant.q8_activation_ref(x), packed, b),
                                        atol=1e-4, rtol=1e-4)
         else:
@@ -115,7 +118,10 @@ def float_twin(model):
 
 @pytest.mark.parametrize("scheme,group", [("int4", None), ("int4", 64), ("int8", None), ("int8", 32)])
 @pytest.mark.parametrize("tied", [True, False])
-def test_quantize_model_swaps_every_linear_and_computes_the_dequantized_models_logits(scheme, group, tied):
+def test_quantize_model_swaps_every_linear_and_computes_the_dequantized_models_logits(scheme, group, tied,
+                                                                                      monkeypatch):
+    # prefill rows on the exact path: the int8 block GEMM rounds the activations (tests/quant/test_block_prefill.py)
+    monkeypatch.setattr(select, "INT8_PREFILL", "exact")
     model = tiny_model(tied)
     original = {n: m.weight.clone() for n, m in model.named_modules() if isinstance(m, Linear)}
     quantize_model(model, scheme, group)

@@ -252,22 +252,28 @@ def test_auto_on_cpu_runs_the_native_w8a8_gemm_for_decode_rows_and_int_mm_past_t
     assert len(calls) == 2
 
 
-def test_q8_0_prefill_rows_run_the_int8_activation_kernel_when_asked_and_stay_exact_by_default(monkeypatch):
-    """kernels.select.INT8_PREFILL: "exact" (default) keeps the W8A16 prefill (dequantize + GEMM); "int8" makes GGUF's
-    Q8_0 blocks (groups of 32) prefill as their decode rows compute (x rounded to int8 blocks, llama.cpp's scheme);
-    per-channel int8 stays exact either way."""
+def test_block_quantized_prefill_rows_take_the_int8_block_gemm_by_the_one_rule(monkeypatch):
+    """kernels.select.INT8_PREFILL: "exact" keeps the W8A16/W4A16 prefill (dequantize + GEMM); "int8" makes GGUF's
+    Q8_0 (groups of 32) and Q4_x blocks prefill through block_prefill_linear (x rounded to int8 blocks, llama.cpp's
+    scheme); "auto" (default) is "int8" where that GEMM has its VNNI tiles; per-channel int8 stays exact always."""
     from minillm.kernels import select
     from minillm.kernels.cpu import quant as native_quant
-    from minillm.quant.weight import int8_linear_ref
+    from minillm.quant.weight import int4_linear_ref, int8_linear_ref, quantize_int4
 
     if not native_quant.available():
         pytest.skip("no C compiler: the native kernels are not built")
-    op = ops_for("auto", "cpu", torch.float32).int8_linear
+    ops = ops_for("auto", "cpu", torch.float32)
     g = torch.Generator().manual_seed(5)
     x, w = torch.randn(40, 96, generator=g), torch.randn(11, 96, generator=g)
-    q8_0, per_channel = quantize_int8(w, 32), quantize_int8(w)
-    assert select.INT8_PREFILL == "exact" and torch.equal(op(x, q8_0), int8_linear_ref(x, q8_0))
+    q8_0, per_channel, q4 = quantize_int8(w, 32), quantize_int8(w), quantize_int4(w, 32)
+    assert select.INT8_PREFILL == "auto"
+    assert select.int8_prefill_through_int8_activations(q4) == native_quant.prefill_tiled()
+    monkeypatch.setattr(select, "INT8_PREFILL", "exact")
+    assert torch.equal(ops.int8_linear(x, q8_0), int8_linear_ref(x, q8_0))
+    assert torch.equal(ops.int4_linear(x, q4), int4_linear_ref(x, q4))
     monkeypatch.setattr(select, "INT8_PREFILL", "int8")
-    assert torch.equal(op(x, q8_0), native_quant.int8_linear(x, q8_0, rows="any"))
-    assert not torch.equal(op(x, q8_0), int8_linear_ref(x, q8_0))  # the activations were rounded
-    assert torch.equal(op(x, per_channel), int8_linear_ref(x, per_channel))
+    for op, wq, ref in ((ops.int8_linear, q8_0, int8_linear_ref), (ops.int4_linear, q4, int4_linear_ref)):
+        assert torch.equal(op(x, wq), native_quant.block_prefill_linear(x, wq))
+        assert not torch.equal(op(x, wq), ref(x, wq))  # the activations were rounded
+    assert torch.equal(ops.int8_linear(x, per_channel), int8_linear_ref(x, per_channel))
+    assert torch.equal(ops.int8_linear(x[:2], q8_0), native_quant.int8_linear(x[:2], q8_0))  # decode rows: the GEMV

@@ -10,7 +10,9 @@ Two paths per weight format (``csrc/quant.c`` explains both):
   ``q8_activation_ref(x)`` up to fp32 summation order, so it differs from the W4A16/W8A16 result by at most
   ``0.5 * sum_k dx_k * |w_nk|`` (every activation moves by at most half its block's step dx = max|x| / 127).
 
-``int8_linear(..., rows="any")`` runs the int8-activation path at any row count (prefill; cache-blocked).
+``int8_linear(..., rows="any")`` runs the int8-activation path at any row count (cache-blocked; each row the bits it
+has at decode).  ``block_prefill_linear`` is the prefill GEMM for Q8_0 / Q4_0 / Q4_1 weights: the same activation
+rounding, register-tiled over 32-column panels of the weights (AVX-512 VNNI; a plain C twin elsewhere).
 ``w8a8_linear`` is W8A8's integer GEMM (``quant.activation``: per-channel int8 weights, int8 activations per token
 or with a static scale, exact int32 sums, the scales in the epilogue): the bits of ``w8a8_linear_int_mm``, any rows.
 
@@ -66,12 +68,15 @@ def _lib(target: str | None = None) -> ctypes.CDLL | None:
                       stacklevel=2)
         return None
     i64, vp, c_int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
-    for name in ("q4_gemm", "q4_gemm_q8"):
+    for name in ("q4_gemm", "q4_gemm_q8", "q4_gemm_prefill"):
         getattr(lib, name).argtypes = [vp, vp, vp, c_int, vp, c_int, vp, i64, i64, i64, i64]
         getattr(lib, name).restype = None
-    for name in ("q8_gemm", "q8_gemm_q8"):
+    for name in ("q8_gemm", "q8_gemm_q8", "q8_gemm_prefill"):
         getattr(lib, name).argtypes = [vp, vp, c_int, vp, c_int, vp, i64, i64, i64, i64]
         getattr(lib, name).restype = None
+    lib.q8_prefill_round.argtypes = [vp, c_int, i64, i64, vp, vp]
+    lib.q8_prefill_round.restype = None
+    lib.quant_prefill_tiled.restype = c_int
     lib.w8a8_gemm.argtypes = [vp, vp, c_int, vp, vp, vp, i64, i64, i64]
     lib.w8a8_gemm.restype = None
     lib.w8a8_quantize.argtypes = [vp, vp, i64, i64, vp, vp]
@@ -170,6 +175,68 @@ def int4_linear(x: Tensor, w4: Int4Weight, exact: bool = False, target: str | No
     fn(p.contiguous().data_ptr(), s.contiguous().data_ptr(), mn.contiguous().data_ptr(), s.dtype == torch.float16,
        x2.data_ptr(), x.dtype == torch.bfloat16, y.data_ptr(), x2.shape[0], N, K, w4.group_size)
     return y.view(*x.shape[:-1], N)
+
+
+# ------------------------------------------------------- prefill (csrc/quant.c q8_gemm_prefill, q4_gemm_prefill)
+def prefill_tiled(target: str | None = None) -> bool:
+    """Whether ``block_prefill_linear`` runs on its AVX-512 VNNI register tiles in this build (else its plain C twin,
+    correct but slower than the dequantize + GEMM reference: callers pick it only where this is True)."""
+    return available(target) and bool(_lib(target).quant_prefill_tiled())
+
+
+def block_prefill_supports(x: Tensor, w: Int8Weight | Int4Weight) -> bool:
+    """Whether ``block_prefill_linear(x, w)`` can run: CPU fp32/bf16 x, any number of rows, a Q4_x ``Int4Weight`` or
+    an ``Int8Weight`` whose K and group are multiples of 32 (GGUF's Q8_0: 32), on CPU, no autograd, library built."""
+    if isinstance(w, Int8Weight):
+        tensors, G = (w.qweight, w.scales), w.group_size
+    else:
+        tensors, G = (w.packed, w.scales, w.mins), w.group_size
+    K = w.shape[1]
+    return (x.device.type == "cpu" and all(t.device.type == "cpu" for t in tensors) and x.dtype in _DTYPES
+            and K % BLOCK == 0 and G % BLOCK == 0 and x.shape[-1] == K
+            and not (torch.is_grad_enabled() and x.requires_grad) and available())
+
+
+def block_prefill_linear(x: Tensor, w: Int8Weight | Int4Weight, target: str | None = None) -> Tensor:
+    """x [..., K] (any rows, fp32/bf16) @ dequant(w).T -> [..., N] in x's dtype, for prefill: llama.cpp's Q8_0 × Q8_0
+    (Q4_x × Q8_0) scheme as a register-tiled GEMM.  x is rounded per row and block of 32 exactly as
+    ``q8_activation_ref`` rounds it (``block_prefill_round`` returns the codes), each block's 32 products summed in
+    int32 (exact), scaled by the weight's and the activation's block scales and accumulated in fp32 — so the result
+    is ``*_linear_ref(q8_activation_ref(x), w)`` up to one fp32 rounding per block term, and differs from the exact
+    W8A16/W4A16 result by the activation rounding (≤ 0.5 · Σ_k dx_k · |w_nk|).  Not the decode kernels' bits: those
+    sum the blocks in another order.  Cost: N·K weight bytes read and copied once per call into 32-column panels,
+    2·M·N·K integer multiply-adds (``csrc/quant.c`` says how they are tiled)."""
+    if not block_prefill_supports(x, w) or _lib(target) is None:
+        raise ValueError(f"block_prefill_linear needs CPU fp32/bf16 x [..., K] and an Int4Weight or an Int8Weight "
+                         f"with K and group_size multiples of {BLOCK}, got x {x.dtype} {tuple(x.shape)} on "
+                         f"{x.device.type}, {type(w).__name__} {tuple(w.shape)} group_size={w.group_size}; "
+                         "use minillm.quant.weight's *_linear_ref instead")
+    N, K = w.shape
+    x2 = x.reshape(-1, K)
+    if not x2.is_contiguous():
+        x2 = x2.contiguous()
+    y = x2.new_empty((x2.shape[0], N))
+    lib, bf16, s = _lib(target), x.dtype == torch.bfloat16, w.scales.contiguous()
+    if isinstance(w, Int8Weight):
+        lib.q8_gemm_prefill(w.qweight.contiguous().data_ptr(), s.data_ptr(), s.dtype == torch.float16, x2.data_ptr(),
+                            bf16, y.data_ptr(), x2.shape[0], N, K, w.group_size)
+    else:
+        lib.q4_gemm_prefill(w.packed.contiguous().data_ptr(), s.data_ptr(), w.mins.contiguous().data_ptr(),
+                            s.dtype == torch.float16, x2.data_ptr(), bf16, y.data_ptr(), x2.shape[0], N, K,
+                            w.group_size)
+    return y.view(*x.shape[:-1], N)
+
+
+def block_prefill_round(x: Tensor, target: str | None = None) -> tuple[Tensor, Tensor]:
+    """``block_prefill_linear``'s rounding of x alone: x [M, K] fp32/bf16 (K a multiple of 32) -> (codes int8 [M, K],
+    steps dx fp32 [M, K / 32]), to compare with ``q8_activation_ref`` (xhat = codes · dx, bit for bit)."""
+    M, K = x.shape
+    if K % BLOCK or x.dtype not in _DTYPES:
+        raise ValueError(f"x must be fp32/bf16 [M, K] with K a multiple of {BLOCK}, got {x.dtype} {tuple(x.shape)}")
+    x2 = x.contiguous()
+    codes, dx = torch.empty(M, K, dtype=torch.int8), torch.empty(M, K // BLOCK)
+    _lib(target).q8_prefill_round(x2.data_ptr(), x.dtype == torch.bfloat16, M, K, codes.data_ptr(), dx.data_ptr())
+    return codes, dx
 
 
 # ---------------------------------------------------------------- W8A8 (csrc/quant.c w8a8_gemm)

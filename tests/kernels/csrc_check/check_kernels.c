@@ -412,6 +412,49 @@ static int check_silu_mul(uint64_t *s, int64_t R, int64_t F) {
     return bad;
 }
 
+/* The prefill GEMM (q4_gemm_prefill / q8_gemm_prefill): x rounded to int8 blocks as q8_activation_ref rounds it,
+ * Q4_1 (q4 = 1: codes 0..15, d and m per group) or int8 (q4 = 0: codes -127..127, s per group) weights; M across
+ * the 4-row register tiles' tails, N across the 32-column panels'; each row alone the bits it has among the others. */
+static int check_prefill(uint64_t *s, int64_t M, int64_t N, int64_t K, int64_t G, int f16, int q4) {
+    const int64_t ng = K / G;
+    double *d = malloc(sizeof(double) * N * ng), *mn = malloc(sizeof(double) * N * ng);
+    void *sc = scales_rand(s, N * ng, f16, 0, d), *mi = scales_rand(s, N * ng, f16, 1, mn);
+    uint8_t *W = calloc(N * K, 1);
+    double *w = malloc(sizeof(double) * N * K);
+    for (int64_t n = 0; n < N; n++)
+        for (int64_t k = 0; k < K; k++) {
+            const int64_t i = n * ng + k / G, j = k % QB;
+            if (q4) {
+                const uint8_t q = (uint8_t)irand(s, 16);
+                W[n * K / 2 + k / QB * 16 + j % 16] |= j < 16 ? q : (uint8_t)(q << 4);
+                w[n * K + k] = d[i] * q + mn[i];
+            } else {
+                const int q = (int)irand(s, 255) - 127;
+                W[n * K + k] = (uint8_t)(int8_t)q;
+                w[n * K + k] = d[i] * q;
+            }
+        }
+    float *x = frand(s, M * K), *y = malloc(sizeof(float) * M * N), *y1 = malloc(sizeof(float) * M * N);
+    double *xs = malloc(sizeof(double) * M * K), *want = malloc(sizeof(double) * M * N),
+           *mag = malloc(sizeof(double) * M * N);
+    char what[96];
+    if (q4) q4_gemm_prefill(W, sc, mi, f16, x, 0, y, M, N, K, G);
+    else q8_gemm_prefill((const int8_t *)W, sc, f16, x, 0, y, M, N, K, G);
+    q8_activation_ref(x, M, K, xs);
+    dot_ref(w, xs, M, N, K, want, mag);
+    snprintf(what, sizeof what, "%s M=%lld N=%lld K=%lld G=%lld %s", q4 ? "q4_gemm_prefill" : "q8_gemm_prefill",
+             (long long)M, (long long)N, (long long)K, (long long)G, f16 ? "fp16" : "fp32");
+    int bad = compare(what, y, want, mag, M * N, SUM_RTOL);
+    for (int64_t m = 0; m < M; m++) {
+        if (q4) q4_gemm_prefill(W, sc, mi, f16, x + m * K, 0, y1 + m * N, 1, N, K, G);
+        else q8_gemm_prefill((const int8_t *)W, sc, f16, x + m * K, 0, y1 + m * N, 1, N, K, G);
+    }
+    bad |= same_bits(what, y, y1, M * N);
+    free(d), free(mn), free(sc), free(mi), free(W), free(w), free(x), free(y), free(y1), free(xs), free(want),
+        free(mag);
+    return bad;
+}
+
 int main(void) {
     uint64_t s = 0x9e3779b97f4a7c15ull;
     int bad = 0;
@@ -454,6 +497,14 @@ int main(void) {
     bad |= check_norms(&s, 3, 100);
     bad |= check_rope(&s, 3, 2, 16);
     bad |= check_silu_mul(&s, 2, 50);
+    /* The prefill GEMM: one row, 4-row tiles with tails (7, 130), panels with tails (N = 33, 70), groups of 64,
+     * 130 x 70 x 576 split over the threads. */
+    bad |= check_prefill(&s, 1, 33, 96, 32, 1, 1);
+    bad |= check_prefill(&s, 7, 70, 256, 64, 0, 1);
+    bad |= check_prefill(&s, 130, 70, 576, 32, 1, 1);
+    bad |= check_prefill(&s, 1, 33, 96, 32, 1, 0);
+    bad |= check_prefill(&s, 7, 70, 256, 64, 0, 0);
+    bad |= check_prefill(&s, 130, 70, 576, 32, 1, 0);
     printf(bad ? "FAILED: a kernel differs from its reference (lines marked FAIL)\n" : "all kernels agree\n");
     return bad;
 }

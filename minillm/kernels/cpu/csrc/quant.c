@@ -27,7 +27,9 @@
  * tile computes it and however many rows share the call (tests/kernels/test_linear_stack.py and test_native_
  * portability.py check it; vf_pin and TILE_Q8 below say why it needs care under -ffast-math).
  * Scales/mins are fp32 or fp16 (scale_f16 = 1); activations fp32 or bf16 (x_bf16 = 1; then y is bf16 too).
- * Many rows (prefill): q8_q8_rows takes the weight rows in L2-sized blocks, every tile of input rows over a block.
+ * Many rows: q8_q8_rows takes the weight rows in L2-sized blocks, every tile of input rows over a block (a row's
+ * decode bits); the prefill GEMM for Q8_0 / Q4_x blocks (q8_gemm_prefill, q4_gemm_prefill, at the end) tiles the
+ * same arithmetic over 32-column weight panels, 4 x 32 outputs in registers.
  * W8A8 (w8a8_gemm, at the end): int8 weights per channel times int8 activations rounded per token, exact int32 sums.
  * Build: cc -O3 -march=native -ffast-math -fopenmp -shared -fPIC on first use, cached.  Without AVX2 (or on ARM)
  * the integer path is plain C loops, correct everywhere and vectorised where the compiler can.
@@ -1313,3 +1315,265 @@ int quant_simd_level(void) {
     return 0;
 #endif
 }
+
+/* ---------------------------------------------------------------- prefill: x in Q8 blocks x Q8_0 / Q4_x, tiled */
+
+/* Many rows (prefill, M in the hundreds) of block-quantized weights: llama.cpp's Q8_0 x Q8_0 / Q4_x x Q8_0 scheme as
+ * a register-tiled GEMM.  x is rounded per row and block of 32 (pf_round_row: dx = max|x| / 127, xq = rint(x / dx)
+ * computed as x * (1 / dx), quant.q8_activation_ref's rounding bit for bit) and per block b, row m, column n
+ *     Q8_0:  y[m, n] += (float)(sum_j q[n, 32b + j] xq[m, 32b + j]) * (d[n, b] * dx[m, b])
+ *     Q4_x:  y[m, n] += (float)(sum_j q[n, 32b + j] xq[m, 32b + j]) * (d[n, b] * dx[m, b]) + mn[n, b] * xs[m, b]
+ * with xs[m, b] = dx[m, b] * sum_j xq[m, 32b + j] (the min's term, once per activation block): the reference applied
+ * to xhat = dx * xq, the integer block sums exact, one fp32 rounding per product and per accumulation.
+ *
+ * The layout is what makes it fast.  Threads take panels of PF_NR = 32 weight columns; each panel is copied once
+ * per call into a thread-local buffer (Q8_0: 32 K bytes, Q4: 16 K bytes, + 128 / 256 bytes of fp32 scales and mins
+ * per block: K = 8192 is 288 KB, an L2's worth) in which one 64-byte load holds 4 consecutive k of 16 columns, the
+ * operand order of vpdpbusd: lane c sums 4 products for column c.  A tile of PF_MR activation rows x 32 columns
+ * keeps 2 PF_MR int32 accumulators (the block's sums) and 2 PF_MR fp32 ones in zmm registers; each activation
+ * 4-byte group is broadcast from memory into the instruction, each weight load serves PF_MR rows, and a block's
+ * epilogue (convert, scale product, FMA: 3 instructions per 8 vpdpbusd) runs in the lanes of its columns with no
+ * horizontal sums.  Q8_0 weights enter vpdpbusd's unsigned operand as q + 128 (xor'ed at the copy) and each
+ * block's sum starts at -128 * sum_j xq (xc); Q4 nibbles are unsigned as they are: a 64-byte load of the copy gives
+ * k 4i..4i+3 in its low nibbles and k 16+4i.. in its high ones, as the Q4_1 packing stores a block.
+ * The copy costs one read of the weights per call (the GEMM reads each weight byte M / PF_MR times from L2), no
+ * memory at rest.  Rounding x: one read of x, M * K bytes written, rows split over the threads.
+ * Without AVX-512 VNNI the same arithmetic in plain C (correct everywhere, slow: quant.py routes prefill here only
+ * when quant_prefill_tiled() says the tiles are compiled). */
+#define PF_NR 32 /* weight columns per panel: 2 zmm of 16 lanes */
+#ifndef PF_MR
+#define PF_MR 4 /* activation rows per register tile: 16 accumulators + 2 weights + 2 scales of 32 zmm */
+#endif
+#if QSIMD == 512 && defined(__AVX512VNNI__)
+#define PF_TILED 1
+#else
+#define PF_TILED 0
+#endif
+
+typedef struct {
+    int8_t *xq;  /* [M, K] codes */
+    float *dx;   /* [M, nb] block steps */
+    float *xs;   /* [M, nb] dx * sum of the block's codes (the term a Q4 min multiplies) */
+    int32_t *xc; /* [M, nb] -128 * sum of the block's codes (Q8_0: the bias of the weights' unsigned operand) */
+} pfx_t;
+
+/* One row's blocks rounded, without the fast-math licence (as a8_row: a reciprocal estimate or a hoisted division
+ * would round a quotient near k + 1/2 differently from the reference). */
+#if defined(__clang__)
+#pragma float_control(precise, on, push)
+#elif defined(__GNUC__)
+#pragma GCC push_options
+#pragma GCC optimize("no-unsafe-math-optimizations")
+#endif
+static void pf_round_row(const void *xin, int x_bf16, int64_t m, int64_t K, const pfx_t *p) {
+    const int64_t nb = K / QB;
+    for (int64_t b = 0; b < nb; b++) {
+        float xb[QB], amax = 0.f;
+        for (int j = 0; j < QB; j++) {
+            const int64_t i = m * K + b * QB + j;
+            xb[j] = x_bf16 ? bf2f(((const uint16_t *)xin)[i]) : ((const float *)xin)[i];
+            const float a = fabsf(xb[j]);
+            amax = a > amax ? a : amax;
+        }
+        const float d = amax / 127.f, id = d > 0.f ? 1.f / d : 0.f;
+        int32_t s = 0;
+        for (int j = 0; j < QB; j++) {
+            const int8_t q = (int8_t)rintf(xb[j] * id);
+            p->xq[m * K + b * QB + j] = q;
+            s += q;
+        }
+        p->dx[m * nb + b] = d, p->xs[m * nb + b] = d * (float)s, p->xc[m * nb + b] = -128 * s;
+    }
+}
+#if defined(__clang__)
+#pragma float_control(pop)
+#elif defined(__GNUC__)
+#pragma GCC pop_options
+#endif
+
+/* Panel n0 .. n0 + 32 (nv real columns, the rest zero weights and scales) into the tiled copy.  Q8_0 (q4 = 0):
+ * wp[b][i][v] = 64 bytes, byte 4c + t = q[n0 + 16v + c, 32b + 4i + t] + 128 (i < 8).  Q4 (q4 = 1): wp[b][i][v] = 64
+ * bytes, byte 4c + t = packed byte 16b + 4i + t of row n0 + 16v + c (i < 4).  sp / mp [nb][32]: d and m per block. */
+static void pf_pack(const void *W, const void *scales, const void *mins, int f16, int q4, int64_t n0, int nv,
+                    int64_t K, int64_t G, uint8_t *restrict wp, float *restrict sp, float *restrict mp) {
+    const int64_t nb = K / QB, ng = K / G, bpg = G / QB, rowb = q4 ? K / 2 : K, steps = q4 ? 4 : 8;
+    for (int c = 0; c < PF_NR; c++) {
+        const uint8_t *row = (const uint8_t *)W + (n0 + c) * rowb;
+        const int v = c / 16, l = c % 16;
+        for (int64_t b = 0; b < nb; b++)
+            for (int64_t i = 0; i < steps; i++) {
+                uint32_t word = 0; /* a padding column: code 0 (biased: 128) */
+                if (c < nv) memcpy(&word, row + b * (q4 ? 16 : 32) + 4 * i, 4);
+                if (!q4) word ^= 0x80808080u;
+                memcpy(wp + b * steps * 128 + i * 128 + v * 64 + 4 * l, &word, 4);
+            }
+    }
+    for (int c = 0; c < PF_NR; c++) /* by groups: no integer division per block */
+        for (int64_t g = 0; g < ng; g++) {
+            const float d = c < nv ? scale_at(scales, f16, (n0 + c) * ng + g) : 0.f;
+            const float m = c < nv && q4 ? scale_at(mins, f16, (n0 + c) * ng + g) : 0.f;
+            for (int64_t b = g * bpg; b < (g + 1) * bpg; b++) {
+                sp[b * PF_NR + c] = d;
+                if (q4) mp[b * PF_NR + c] = m;
+            }
+        }
+}
+
+#if PF_TILED
+INLINE __m512i pf_bcast(const int8_t *p) { /* 4 codes into every lane (folds into vpdpbusd's {1to16} operand) */
+    int32_t v;
+    memcpy(&v, p, 4);
+    return _mm512_set1_epi32(v);
+}
+
+/* R (1..PF_MR, a constant) activation rows from m0 over one panel: out[r][32]. */
+INLINE void pf_tile(const uint8_t *restrict wp, const float *restrict sp, const float *restrict mp, const pfx_t *x,
+                    int64_t m0, int64_t K, float out[PF_MR][PF_NR], const int R, const int Q4) {
+    const int64_t nb = K / QB;
+    __m512 f0[PF_MR], f1[PF_MR];
+    for (int r = 0; r < R; r++) f0[r] = _mm512_setzero_ps(), f1[r] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        __m512i a0[PF_MR], a1[PF_MR];
+        const int8_t *xb = x->xq + m0 * K + b * QB;
+        for (int r = 0; r < R; r++)
+            a0[r] = a1[r] = Q4 ? _mm512_setzero_si512() : _mm512_set1_epi32(x->xc[(m0 + r) * nb + b]);
+        if (Q4) {
+            const uint8_t *wb = wp + b * 512;
+            for (int i = 0; i < 4; i++) {
+                const __m512i w0 = _mm512_loadu_si512(wb + i * 128), w1 = _mm512_loadu_si512(wb + i * 128 + 64);
+                const __m512i l0 = vb_nib_lo(w0), l1 = vb_nib_lo(w1), h0 = vb_nib_hi(w0), h1 = vb_nib_hi(w1);
+                for (int r = 0; r < R; r++) {
+                    const __m512i xl = pf_bcast(xb + r * K + 4 * i), xh = pf_bcast(xb + r * K + 16 + 4 * i);
+                    a0[r] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(a0[r], l0, xl), h0, xh);
+                    a1[r] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(a1[r], l1, xl), h1, xh);
+                }
+            }
+        } else {
+            const uint8_t *wb = wp + b * 1024;
+            for (int i = 0; i < 8; i++) {
+                const __m512i w0 = _mm512_loadu_si512(wb + i * 128), w1 = _mm512_loadu_si512(wb + i * 128 + 64);
+                for (int r = 0; r < R; r++) {
+                    const __m512i xv = pf_bcast(xb + r * K + 4 * i);
+                    a0[r] = _mm512_dpbusd_epi32(a0[r], w0, xv);
+                    a1[r] = _mm512_dpbusd_epi32(a1[r], w1, xv);
+                }
+            }
+        }
+        const __m512 s0 = _mm512_loadu_ps(sp + b * PF_NR), s1 = _mm512_loadu_ps(sp + b * PF_NR + 16);
+        for (int r = 0; r < R; r++) {
+            const __m512 dx = _mm512_set1_ps(x->dx[(m0 + r) * nb + b]);
+            f0[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a0[r]), _mm512_mul_ps(s0, dx), f0[r]);
+            f1[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a1[r]), _mm512_mul_ps(s1, dx), f1[r]);
+        }
+        if (Q4) {
+            const __m512 n0 = _mm512_loadu_ps(mp + b * PF_NR), n1 = _mm512_loadu_ps(mp + b * PF_NR + 16);
+            for (int r = 0; r < R; r++) {
+                const __m512 xs = _mm512_set1_ps(x->xs[(m0 + r) * nb + b]);
+                f0[r] = _mm512_fmadd_ps(n0, xs, f0[r]);
+                f1[r] = _mm512_fmadd_ps(n1, xs, f1[r]);
+            }
+        }
+    }
+    for (int r = 0; r < R; r++) _mm512_storeu_ps(out[r], f0[r]), _mm512_storeu_ps(out[r] + 16, f1[r]);
+}
+#define PF_TILE(R) pf_tile(wp, sp, mp, x, m0, K, out, R, Q4)
+#else
+/* The portable twin: the same products, block sums and per-block scaling, one column at a time. */
+static void pf_tile_c(const uint8_t *restrict wp, const float *restrict sp, const float *restrict mp, const pfx_t *x,
+                      int64_t m0, int64_t K, float out[PF_MR][PF_NR], int R, int Q4) {
+    const int64_t nb = K / QB;
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < PF_NR; c++) {
+            const int v = c / 16, l = c % 16;
+            float f = 0.f;
+            for (int64_t b = 0; b < nb; b++) {
+                const int8_t *xb = x->xq + (m0 + r) * K + b * QB;
+                int32_t s = Q4 ? 0 : x->xc[(m0 + r) * nb + b];
+                for (int i = 0; i < (Q4 ? 4 : 8); i++)
+                    for (int t = 0; t < 4; t++) {
+                        const uint8_t u = wp[b * (Q4 ? 512 : 1024) + i * 128 + v * 64 + 4 * l + t];
+                        if (Q4) s += (u & 0x0F) * xb[4 * i + t] + (u >> 4) * xb[16 + 4 * i + t];
+                        else s += u * xb[4 * i + t];
+                    }
+                const float dx = x->dx[(m0 + r) * nb + b];
+                f += (float)s * (sp[b * PF_NR + c] * dx);
+                if (Q4) f += mp[b * PF_NR + c] * x->xs[(m0 + r) * nb + b];
+            }
+            out[r][c] = f;
+        }
+}
+#define PF_TILE(R) pf_tile_c(wp, sp, mp, x, m0, K, out, R, Q4)
+#endif
+
+/* Panels p0 .. p1 of one thread: copy, then every tile of activation rows over it. */
+static void pf_panels(const void *W, const void *scales, const void *mins, int f16, const pfx_t *x, int x_bf16,
+                      void *y, int64_t M, int64_t N, int64_t K, int64_t G, int64_t p0, int64_t p1, const int Q4) {
+    const int64_t nb = K / QB;
+    uint8_t *wp = aligned_alloc(64, (size_t)(nb * (Q4 ? 512 : 1024) + 2 * nb * PF_NR * sizeof(float)));
+    float *sp = (float *)(wp + nb * (Q4 ? 512 : 1024)), *mp = sp + nb * PF_NR;
+    for (int64_t p = p0; p < p1; p++) {
+        const int64_t n0 = p * PF_NR;
+        const int nv = N - n0 < PF_NR ? (int)(N - n0) : PF_NR;
+        pf_pack(W, scales, mins, f16, Q4, n0, nv, K, G, wp, sp, mp);
+        for (int64_t m0 = 0; m0 < M; m0 += PF_MR) {
+            _Alignas(64) float out[PF_MR][PF_NR];
+            const int64_t mr = M - m0 < PF_MR ? M - m0 : PF_MR;
+#if PF_TILED
+            switch (mr) {
+            case 1: PF_TILE(1); break; case 2: PF_TILE(2); break; case 3: PF_TILE(3); break;
+#if PF_MR > 4
+            case 4: PF_TILE(4); break; case 5: PF_TILE(5); break;
+#endif
+            default: PF_TILE(PF_MR);
+            }
+#else
+            PF_TILE((int)mr);
+#endif
+            for (int64_t r = 0; r < mr; r++)
+                for (int c = 0; c < nv; c++) store_y(y, x_bf16, (m0 + r) * N + n0 + c, out[r][c]);
+        }
+    }
+    free(wp);
+}
+
+/* y [M, N] = xhat [M, K] @ dequant(W)^T for Q8_0 (q4 = 0: W int8 [N, K], scales [N, K / G]) or Q4_x (q4 = 1: W the
+ * Q4_1 packing [N, K / 2], scales and mins [N, K / G]); K and G multiples of 32.  Rounding x, then the panels, in
+ * one parallel region (a barrier between). */
+static void pf_gemm(const void *W, const void *scales, const void *mins, int f16, const void *xin, int x_bf16,
+                    void *y, int64_t M, int64_t N, int64_t K, int64_t G, int q4) {
+    const int64_t nb = K / QB, np = (N + PF_NR - 1) / PF_NR;
+    void *mem = malloc((size_t)(M * K + M * nb * 12));
+    const pfx_t x = {(int8_t *)mem + M * nb * 12, (float *)mem, (float *)mem + M * nb, (int32_t *)mem + 2 * M * nb};
+#pragma omp parallel if (M * N * K >= (1 << 22))
+    {
+        const int64_t t = omp_get_thread_num(), T = omp_get_num_threads();
+        for (int64_t m = M * t / T; m < M * (t + 1) / T; m++) pf_round_row(xin, x_bf16, m, K, &x);
+#pragma omp barrier
+        if (q4) pf_panels(W, scales, mins, f16, &x, x_bf16, y, M, N, K, G, np * t / T, np * (t + 1) / T, 1);
+        else pf_panels(W, scales, mins, f16, &x, x_bf16, y, M, N, K, G, np * t / T, np * (t + 1) / T, 0);
+    }
+    free(mem);
+}
+
+void q8_gemm_prefill(const int8_t *W, const void *scales, int scale_f16, const void *xin, int x_bf16, void *y,
+                     int64_t M, int64_t N, int64_t K, int64_t G) {
+    pf_gemm(W, scales, NULL, scale_f16, xin, x_bf16, y, M, N, K, G, 0);
+}
+
+void q4_gemm_prefill(const uint8_t *P, const void *scales, const void *mins, int scale_f16, const void *xin,
+                     int x_bf16, void *y, int64_t M, int64_t N, int64_t K, int64_t G) {
+    pf_gemm(P, scales, mins, scale_f16, xin, x_bf16, y, M, N, K, G, 1);
+}
+
+/* The prefill GEMM's rounding of x alone: codes [M, K] int8, dx [M, K / 32] (to test against the reference). */
+void q8_prefill_round(const void *xin, int x_bf16, int64_t M, int64_t K, int8_t *codes, float *dx) {
+    const int64_t nb = K / QB;
+    float *xs = malloc(sizeof(float) * M * nb);
+    int32_t *xc = malloc(sizeof(int32_t) * M * nb);
+    const pfx_t x = {codes, dx, xs, xc};
+    for (int64_t m = 0; m < M; m++) pf_round_row(xin, x_bf16, m, K, &x);
+    free(xs), free(xc);
+}
+
+/* 1 when the prefill GEMM runs on its AVX-512 VNNI register tiles, 0 when on the portable C twin. */
+int quant_prefill_tiled(void) { return PF_TILED; }
