@@ -1199,7 +1199,7 @@ INLINE void a8_sum4(a8acc a, a8acc b, a8acc c, a8acc d, int32_t out[4]) {
 
 /* R activation rows (m0..) x C weight rows (w, rows K bytes apart) -> the exact integer sums out[r][c]. */
 INLINE void a8_tile(const int8_t *restrict w, int64_t K, const a8_t *a, int64_t m0, int32_t out[4][4], const int R,
-                    const int C) {
+                    const int C, const int PF) {
     a8acc acc[4][4];
     for (int r = 0; r < R; r++)
         for (int c = 0; c < C; c++) acc[r][c] = a8_zero();
@@ -1210,6 +1210,7 @@ INLINE void a8_tile(const int8_t *restrict w, int64_t K, const a8_t *a, int64_t 
         q8w_t wp[4];
         for (int c = 0; c < C; c++) {
             const int8_t *wc = w + c * K + ch * CHUNK;
+            if (PF) __builtin_prefetch(w + 4 * PF_TILES * K + (ch * 4 + c) * CHUNK, 0, PF_LOC); /* address order */
             wp[c] = q8_prep(ch < nc ? vb_load(wc) : vb_load_part(wc, tail)); /* padding: 0 (x is 0 there too) */
         }
         for (int r = 0; r < R; r++) {
@@ -1227,16 +1228,20 @@ INLINE void a8_tile(const int8_t *restrict w, int64_t K, const a8_t *a, int64_t 
     }
 }
 
-#define A8_TILE_R(R, C)                                                                                      \
+#define A8_TILE_R(R, C, PF)                                                                                  \
     switch (R) {                                                                                             \
-    case 1: a8_tile(w, K, a, m0, acc, 1, C); break; case 2: a8_tile(w, K, a, m0, acc, 2, C); break;          \
-    case 3: a8_tile(w, K, a, m0, acc, 3, C); break; default: a8_tile(w, K, a, m0, acc, 4, C); break;         \
+    case 1: a8_tile(w, K, a, m0, acc, 1, C, PF); break; case 2: a8_tile(w, K, a, m0, acc, 2, C, PF); break;  \
+    case 3: a8_tile(w, K, a, m0, acc, 3, C, PF); break; default: a8_tile(w, K, a, m0, acc, 4, C, PF); break; \
     }
 
 /* Weight rows n0..n1 of y for one thread (no OpenMP inside). */
 static void a8_rows(const int8_t *restrict W, const void *scales, int scale_f16, const a8_t *a, float *restrict y,
                     int64_t M, int64_t N, int64_t K, int64_t n0, int64_t n1) {
-    int64_t nb = L2_BLOCK / (K > 0 ? K : 1) / 4 * 4;
+    /* Few rows (decode, M <= 4: one tile of activation rows): each weight byte is used by one tile only, so no L2
+     * blocking; the weights stream once, 4 interleaved rows at a time, which the hardware prefetchers do not follow:
+     * as in q8_q8_row4, each chunk step prefetches 4 lines of the 4-row tile PF_TILES ahead in address order. */
+    const int few = M <= 4;
+    int64_t nb = few ? n1 - n0 : L2_BLOCK / (K > 0 ? K : 1) / 4 * 4;
     nb = nb < 4 ? 4 : nb;
     for (int64_t b0 = n0; b0 < n1; b0 += nb) {
         const int64_t b1 = b0 + nb < n1 ? b0 + nb : n1;
@@ -1246,17 +1251,18 @@ static void a8_rows(const int8_t *restrict W, const void *scales, int scale_f16,
                 const int8_t *w = W + n * K;
                 const int64_t nr = b1 - n < 4 ? b1 - n : 4;
                 int32_t acc[4][4];
-                if (nr == 4) { A8_TILE_R(mr, 4) }
-                else { A8_TILE_R(mr, 1) } /* the last 1..3 rows of the block: one at a time */
+                if (nr == 4 && few) { A8_TILE_R(mr, 4, 1) }
+                else if (nr == 4) { A8_TILE_R(mr, 4, 0) }
+                else { A8_TILE_R(mr, 1, 0) } /* the last 1..3 rows of the block: one at a time */
                 if (nr != 4)
                     for (int64_t c = 1; c < nr; c++) {
                         int32_t one[4][4];
                         const int8_t *w1 = w + c * K;
                         switch (mr) {
-                        case 1: a8_tile(w1, K, a, m0, one, 1, 1); break;
-                        case 2: a8_tile(w1, K, a, m0, one, 2, 1); break;
-                        case 3: a8_tile(w1, K, a, m0, one, 3, 1); break;
-                        default: a8_tile(w1, K, a, m0, one, 4, 1); break;
+                        case 1: a8_tile(w1, K, a, m0, one, 1, 1, 0); break;
+                        case 2: a8_tile(w1, K, a, m0, one, 2, 1, 0); break;
+                        case 3: a8_tile(w1, K, a, m0, one, 3, 1, 0); break;
+                        default: a8_tile(w1, K, a, m0, one, 4, 1, 0); break;
                         }
                         for (int64_t r = 0; r < mr; r++) acc[r][c] = one[r][0];
                     }
