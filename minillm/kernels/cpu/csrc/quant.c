@@ -1057,6 +1057,8 @@ void q8_gemm_q8(const int8_t *restrict W, const void *scales, int scale_f16, con
  * as that torch._int_mm path, not only the same value up to rounding: the rounding divides exactly (a8_row) and
  * the scale product is pinned (f_pin), so -ffast-math neither reassociates it nor fuses it into the convert.
  *
+ * Three paths, one integer result: up to A8_FEW_ROWS rows (decode) the row tiles below, the weights streamed with
+ * software prefetch; past it on AVX-512 VNNI the 16-row weight panels (a8_rows_panel, after a8_rows); elsewhere:
  * Blocking, for M in the hundreds (prefill) as for decode rows: the N weight rows split over the threads; each
  * thread takes blocks of A8_NB weight rows (sized so a block of L2_BLOCK bytes stays in L2) and sweeps every
  * activation row over the block in tiles of 4 activation rows x 4 weight rows: 16 integer accumulators (VNNI: 16
@@ -1234,13 +1236,16 @@ INLINE void a8_tile(const int8_t *restrict w, int64_t K, const a8_t *a, int64_t 
     case 3: a8_tile(w, K, a, m0, acc, 3, C, PF); break; default: a8_tile(w, K, a, m0, acc, 4, C, PF); break; \
     }
 
+#define A8_FEW_ROWS 4 /* up to this many rows (one tile of activation rows): the streaming few-row path */
+
 /* Weight rows n0..n1 of y for one thread (no OpenMP inside). */
 static void a8_rows(const int8_t *restrict W, const void *scales, int scale_f16, const a8_t *a, float *restrict y,
                     int64_t M, int64_t N, int64_t K, int64_t n0, int64_t n1) {
-    /* Few rows (decode, M <= 4: one tile of activation rows): each weight byte is used by one tile only, so no L2
-     * blocking; the weights stream once, 4 interleaved rows at a time, which the hardware prefetchers do not follow:
-     * as in q8_q8_row4, each chunk step prefetches 4 lines of the 4-row tile PF_TILES ahead in address order. */
-    const int few = M <= 4;
+    /* Few rows (decode, M <= A8_FEW_ROWS: one tile of activation rows): each weight byte is used by one tile only,
+     * so no L2 blocking; the weights stream once, 4 interleaved rows at a time, which the hardware prefetchers do
+     * not follow: as in q8_q8_row4, each chunk step prefetches 4 lines of the 4-row tile PF_TILES ahead in address
+     * order (batch 1, SmolLM2's linears streamed, 1 thread, interleaved: ~2x faster than without). */
+    const int few = M <= A8_FEW_ROWS;
     int64_t nb = few ? n1 - n0 : L2_BLOCK / (K > 0 ? K : 1) / 4 * 4;
     nb = nb < 4 ? 4 : nb;
     for (int64_t b0 = n0; b0 < n1; b0 += nb) {
@@ -1278,7 +1283,7 @@ static void a8_rows(const int8_t *restrict W, const void *scales, int scale_f16,
 #undef A8_TILE_R
 
 #if QSIMD == 512 && defined(Q8_BIAS)
-/* Batches (M >= A8_PANEL_MIN_ROWS) on AVX-512 VNNI: the weights repacked per L2 block into 16-row panels in
+/* Batches (M > A8_FEW_ROWS) on AVX-512 VNNI: the weights repacked per L2 block into 16-row panels in
  * vpdpbusd's own layout, so no sum ever crosses lanes.  A panel holds, per 4 bytes of K (k4), the 16 rows' 4 weight
  * bytes (+ 128, unsigned) in one 64-byte vector; an activation row's 4 codes at k4 are one broadcast int32, and
  *     acc[m][lane] += sum_j (w[n0 + lane][4 k4 + j] + 128) * xq[m][4 k4 + j]
@@ -1288,10 +1293,15 @@ static void a8_rows(const int8_t *restrict W, const void *scales, int scale_f16,
  * panels (8 x 2: 16 accumulators, 2 weight loads and 8 broadcasts per 16 vpdpbusd), the block's panels (in L2)
  * swept once per tile of activation rows (in L1).  The repack — 16 rows x 64 bytes loaded, + 128, a 16 x 16 int32
  * transpose (64 shuffles), 16 stores — costs about what one 8-row tile's products over the same bytes cost, hence
- * the row threshold; it reads each weight byte once per call, as the row-tile path does. */
-#define A8_PANEL_MIN_ROWS 8
+ * the row threshold (more than A8_FEW_ROWS; an interleaved sweep, 1 thread, SmolLM2's linears: panels 0.6x the
+ * few-row path at 2 rows, 0.9x at 4, 1.7x at 5 and 8); it reads each weight byte once per call, as the row-tile
+ * path does. */
+#ifndef A8P_MR
 #define A8P_MR 8
+#endif
+#ifndef A8P_NP
 #define A8P_NP 2
+#endif
 
 static __thread int8_t *a8_pbuf; /* per thread, grown to the largest block seen (a block is ~L2_BLOCK bytes) */
 static __thread size_t a8_pcap;
@@ -1331,7 +1341,8 @@ static void a8_pack_panel(const int8_t *restrict W, int64_t K, int64_t kp, int64
         }
         int8_t *d = dst + kc * 16;
         for (int c = 0; c < 4; c++) { /* column 4L + c: lane L of u[c], u[4 + c], u[8 + c], u[12 + c] */
-            const __m512i v0 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0x44), v1 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0xEE);
+            const __m512i v0 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0x44);
+            const __m512i v1 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0xEE);
             const __m512i w0 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0x44);
             const __m512i w1 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0xEE);
             _mm512_store_si512((__m512i *)(d + (0 + c) * 64), _mm512_shuffle_i32x4(v0, w0, 0x88));
@@ -1395,19 +1406,22 @@ static int a8_rows_panel(const int8_t *restrict W, const void *scales, int scale
     if (!buf) return 0;
     for (int64_t b0 = n0; b0 < n1; b0 += nb) {
         const int64_t b1 = b0 + nb < n1 ? b0 + nb : n1;
-        for (int64_t r = b0; r < b1; r += 16) a8_pack_panel(W, K, kp, r, r + 16 < b1 ? r + 16 : b1, buf + (r - b0) * kp);
+        for (int64_t r = b0; r < b1; r += 16)
+            a8_pack_panel(W, K, kp, r, r + 16 < b1 ? r + 16 : b1, buf + (r - b0) * kp);
         for (int64_t m0 = 0; m0 < M; m0 += A8P_MR) {
             const int64_t mr = M - m0 < A8P_MR ? M - m0 : A8P_MR;
             for (int64_t n = b0; n < b1; n += 16 * A8P_NP) {
                 const int8_t *pan = buf + (n - b0) * kp;
                 const int64_t left = b1 - n;
-                if (left >= 16 * A8P_NP) {
-                    const int nv = 16;
-                    A8P_R(mr, A8P_NP)
-                } else {
-                    const int nv = (int)(left > 16 ? left - 16 : left);
-                    if (left > 16) { A8P_R(mr, 2) }
-                    else { A8P_R(mr, 1) }
+                const int np = left >= 16 * A8P_NP ? A8P_NP : (int)((left + 15) / 16);
+                const int nv = (int)(left - 16 * (np - 1) < 16 ? left - 16 * (np - 1) : 16);
+                switch (np) { /* the block's last tile: fewer panels, the last one ragged */
+                case 1: A8P_R(mr, 1) break;
+#if A8P_NP > 2
+                case 2: A8P_R(mr, 2) break;
+                case 3: A8P_R(mr, A8P_NP > 3 ? 3 : A8P_NP) break;
+#endif
+                default: A8P_R(mr, A8P_NP) break;
                 }
             }
         }
@@ -1425,7 +1439,7 @@ void w8a8_gemm(const int8_t *restrict W, const void *scales, int scale_f16, cons
     const a8_t *ap = &a;
 #if QSIMD == 512 && defined(Q8_BIAS)
 #define A8_ROWS(n0, n1)                                                                                      \
-    if (M < A8_PANEL_MIN_ROWS || !a8_rows_panel(W, scales, scale_f16, ap, y, M, N, K, n0, n1))               \
+    if (M <= A8_FEW_ROWS || !a8_rows_panel(W, scales, scale_f16, ap, y, M, N, K, n0, n1))               \
     a8_rows(W, scales, scale_f16, ap, y, M, N, K, n0, n1)
 #else
 #define A8_ROWS(n0, n1) a8_rows(W, scales, scale_f16, ap, y, M, N, K, n0, n1)
