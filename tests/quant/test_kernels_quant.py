@@ -183,10 +183,13 @@ def test_triton_dequant_gemv_matches_the_reference(dtype):
 # ---------------------------------------------------------------- W8A8: the native int8 × int8 GEMM (w8a8_gemm)
 def _w8a8_cases():
     # M over decode rows, a draft chunk's odd count and prefill (512: several 4-row tiles and weight blocks); K a
-    # multiple of 32 (576 and 1536 end in a partial 64-byte chunk) and two that are not; N odd (4-row tile tails)
+    # multiple of 32 (576 and 1536 end in a partial 64-byte chunk) and two that are not; N odd (4-row tile tails).
+    # From 5 rows on VNNI the 16-row panels: a batch of 32 with N = 50 (a 2-panel tile, then a ragged one), 8 rows
+    # with K = 31 (not whole 4-byte groups) and N < 16, 9 rows (a 1-row tile after an 8-row one); 4 rows: the last
+    # few-row case.
     g = torch.Generator().manual_seed(1)
     for M, N, K in [(1, 37, 64), (3, 17, 96), (17, 101, 576), (64, 33, 1536), (512, 129, 224), (5, 7, 31),
-                    (2, 3, 100)]:
+                    (2, 3, 100), (32, 50, 100), (8, 7, 31), (9, 16, 1536), (4, 21, 96)]:
         x = torch.randn(M, K, generator=g)
         x[:, 1] *= 30  # an outlier channel: most codes of a row small
         yield M, N, K, x, torch.randn(N, K, generator=g), torch.randn(N, generator=g)

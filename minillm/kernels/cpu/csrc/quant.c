@@ -1059,6 +1059,8 @@ void q8_gemm_q8(const int8_t *restrict W, const void *scales, int scale_f16, con
  * as that torch._int_mm path, not only the same value up to rounding: the rounding divides exactly (a8_row) and
  * the scale product is pinned (f_pin), so -ffast-math neither reassociates it nor fuses it into the convert.
  *
+ * Three paths, one integer result: up to A8_FEW_ROWS rows (decode) the row tiles below, the weights streamed with
+ * software prefetch; past it on AVX-512 VNNI the 16-row weight panels (a8_rows_panel, after a8_rows); elsewhere:
  * Blocking, for M in the hundreds (prefill) as for decode rows: the N weight rows split over the threads; each
  * thread takes blocks of A8_NB weight rows (sized so a block of L2_BLOCK bytes stays in L2) and sweeps every
  * activation row over the block in tiles of 4 activation rows x 4 weight rows: 16 integer accumulators (VNNI: 16
@@ -1201,7 +1203,7 @@ INLINE void a8_sum4(a8acc a, a8acc b, a8acc c, a8acc d, int32_t out[4]) {
 
 /* R activation rows (m0..) x C weight rows (w, rows K bytes apart) -> the exact integer sums out[r][c]. */
 INLINE void a8_tile(const int8_t *restrict w, int64_t K, const a8_t *a, int64_t m0, int32_t out[4][4], const int R,
-                    const int C) {
+                    const int C, const int PF) {
     a8acc acc[4][4];
     for (int r = 0; r < R; r++)
         for (int c = 0; c < C; c++) acc[r][c] = a8_zero();
@@ -1212,6 +1214,7 @@ INLINE void a8_tile(const int8_t *restrict w, int64_t K, const a8_t *a, int64_t 
         q8w_t wp[4];
         for (int c = 0; c < C; c++) {
             const int8_t *wc = w + c * K + ch * CHUNK;
+            if (PF) __builtin_prefetch(w + 4 * PF_TILES * K + (ch * 4 + c) * CHUNK, 0, PF_LOC); /* address order */
             wp[c] = q8_prep(ch < nc ? vb_load(wc) : vb_load_part(wc, tail)); /* padding: 0 (x is 0 there too) */
         }
         for (int r = 0; r < R; r++) {
@@ -1229,16 +1232,23 @@ INLINE void a8_tile(const int8_t *restrict w, int64_t K, const a8_t *a, int64_t 
     }
 }
 
-#define A8_TILE_R(R, C)                                                                                      \
+#define A8_TILE_R(R, C, PF)                                                                                  \
     switch (R) {                                                                                             \
-    case 1: a8_tile(w, K, a, m0, acc, 1, C); break; case 2: a8_tile(w, K, a, m0, acc, 2, C); break;          \
-    case 3: a8_tile(w, K, a, m0, acc, 3, C); break; default: a8_tile(w, K, a, m0, acc, 4, C); break;         \
+    case 1: a8_tile(w, K, a, m0, acc, 1, C, PF); break; case 2: a8_tile(w, K, a, m0, acc, 2, C, PF); break;  \
+    case 3: a8_tile(w, K, a, m0, acc, 3, C, PF); break; default: a8_tile(w, K, a, m0, acc, 4, C, PF); break; \
     }
+
+#define A8_FEW_ROWS 4 /* up to this many rows (one tile of activation rows): the streaming few-row path */
 
 /* Weight rows n0..n1 of y for one thread (no OpenMP inside). */
 static void a8_rows(const int8_t *restrict W, const void *scales, int scale_f16, const a8_t *a, float *restrict y,
                     int64_t M, int64_t N, int64_t K, int64_t n0, int64_t n1) {
-    int64_t nb = L2_BLOCK / (K > 0 ? K : 1) / 4 * 4;
+    /* Few rows (decode, M <= A8_FEW_ROWS: one tile of activation rows): each weight byte is used by one tile only,
+     * so no L2 blocking; the weights stream once, 4 interleaved rows at a time, which the hardware prefetchers do
+     * not follow: as in q8_q8_row4, each chunk step prefetches 4 lines of the 4-row tile PF_TILES ahead in address
+     * order (batch 1, SmolLM2's linears streamed, 1 thread, interleaved: ~2x faster than without). */
+    const int few = M <= A8_FEW_ROWS;
+    int64_t nb = few ? n1 - n0 : L2_BLOCK / (K > 0 ? K : 1) / 4 * 4;
     nb = nb < 4 ? 4 : nb;
     for (int64_t b0 = n0; b0 < n1; b0 += nb) {
         const int64_t b1 = b0 + nb < n1 ? b0 + nb : n1;
@@ -1248,17 +1258,18 @@ static void a8_rows(const int8_t *restrict W, const void *scales, int scale_f16,
                 const int8_t *w = W + n * K;
                 const int64_t nr = b1 - n < 4 ? b1 - n : 4;
                 int32_t acc[4][4];
-                if (nr == 4) { A8_TILE_R(mr, 4) }
-                else { A8_TILE_R(mr, 1) } /* the last 1..3 rows of the block: one at a time */
+                if (nr == 4 && few) { A8_TILE_R(mr, 4, 1) }
+                else if (nr == 4) { A8_TILE_R(mr, 4, 0) }
+                else { A8_TILE_R(mr, 1, 0) } /* the last 1..3 rows of the block: one at a time */
                 if (nr != 4)
                     for (int64_t c = 1; c < nr; c++) {
                         int32_t one[4][4];
                         const int8_t *w1 = w + c * K;
                         switch (mr) {
-                        case 1: a8_tile(w1, K, a, m0, one, 1, 1); break;
-                        case 2: a8_tile(w1, K, a, m0, one, 2, 1); break;
-                        case 3: a8_tile(w1, K, a, m0, one, 3, 1); break;
-                        default: a8_tile(w1, K, a, m0, one, 4, 1); break;
+                        case 1: a8_tile(w1, K, a, m0, one, 1, 1, 0); break;
+                        case 2: a8_tile(w1, K, a, m0, one, 2, 1, 0); break;
+                        case 3: a8_tile(w1, K, a, m0, one, 3, 1, 0); break;
+                        default: a8_tile(w1, K, a, m0, one, 4, 1, 0); break;
                         }
                         for (int64_t r = 0; r < mr; r++) acc[r][c] = one[r][0];
                     }
@@ -1273,13 +1284,168 @@ static void a8_rows(const int8_t *restrict W, const void *scales, int scale_f16,
 }
 #undef A8_TILE_R
 
+#if QSIMD == 512 && defined(Q8_BIAS)
+/* Batches (M > A8_FEW_ROWS) on AVX-512 VNNI: the weights repacked per L2 block into 16-row panels in
+ * vpdpbusd's own layout, so no sum ever crosses lanes.  A panel holds, per 4 bytes of K (k4), the 16 rows' 4 weight
+ * bytes (+ 128, unsigned) in one 64-byte vector; an activation row's 4 codes at k4 are one broadcast int32, and
+ *     acc[m][lane] += sum_j (w[n0 + lane][4 k4 + j] + 128) * xq[m][4 k4 + j]
+ * accumulates 16 output channels of row m in the lanes of one register, started at -128 * sum_k xq[m, k] (a8_t.xs):
+ * the same exact integers as a8_tile, with no horizontal sum and a vector epilogue (16 outputs: one convert, the
+ * pinned scale product sx[m] * sw[n], one multiply, one store).  Register tile: A8P_MR activation rows x A8P_NP
+ * panels (8 x 2: 16 accumulators, 2 weight loads and 8 broadcasts per 16 vpdpbusd), the block's panels (in L2)
+ * swept once per tile of activation rows (in L1).  The repack — 16 rows x 64 bytes loaded, + 128, a 16 x 16 int32
+ * transpose (64 shuffles), 16 stores — costs about what one 8-row tile's products over the same bytes cost, hence
+ * the row threshold (more than A8_FEW_ROWS; an interleaved sweep, 1 thread, SmolLM2's linears: panels 0.6x the
+ * few-row path at 2 rows, 0.9x at 4, 1.7x at 5 and 8); it reads each weight byte once per call, as the row-tile
+ * path does. */
+#ifndef A8P_MR
+#define A8P_MR 8
+#endif
+#ifndef A8P_NP
+#define A8P_NP 2
+#endif
+
+static __thread int8_t *a8_pbuf; /* per thread, grown to the largest block seen (a block is ~L2_BLOCK bytes) */
+static __thread size_t a8_pcap;
+
+static int8_t *a8_panel_buf(size_t bytes) {
+    if (bytes > a8_pcap) {
+        free(a8_pbuf);
+        a8_pbuf = (int8_t *)aligned_alloc(64, (bytes + 63) / 64 * 64);
+        a8_pcap = a8_pbuf ? bytes : 0;
+    }
+    return a8_pbuf;
+}
+
+/* Rows r0..r1 (r1 - r0 <= 16; missing rows are zeros) of W [., K] -> one panel: kp / 4 vectors of 16 lanes x 4 bytes,
+ * each byte + 128.  K's tail past the last whole 64 bytes is read masked (padding: 128, met by zero activations). */
+static void a8_pack_panel(const int8_t *restrict W, int64_t K, int64_t kp, int64_t r0, int64_t r1,
+                          int8_t *restrict dst) {
+    const __m512i bias = _mm512_set1_epi8((char)0x80);
+    for (int64_t kc = 0; kc < kp; kc += 64) {
+        const int64_t left = K - kc;
+        const __mmask64 km = left >= 64 ? ~0ULL : left <= 0 ? 0ULL : (1ULL << left) - 1;
+        __m512i r[16], t[16], u[16];
+        for (int i = 0; i < 16; i++) {
+            const int8_t *src = W + (r0 + i) * K + kc;
+            __builtin_prefetch(W + (r0 + 16) * K + (kc / 64 * 16 + i) * 64, 0, PF_LOC); /* the next panel's lines */
+            r[i] = _mm512_xor_si512(r0 + i < r1 ? _mm512_maskz_loadu_epi8(km, src) : _mm512_setzero_si512(), bias);
+        }
+        for (int i = 0; i < 8; i++) { /* lane L of t[2i], t[2i+1]: rows 2i, 2i+1 interleaved, columns 4L..4L+3 */
+            t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+            t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+        }
+        for (int i = 0; i < 4; i++) { /* lane L of u[4i + c]: rows 4i..4i+3 at column 4L + c */
+            u[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+            u[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+            u[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+            u[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+        }
+        int8_t *d = dst + kc * 16;
+        for (int c = 0; c < 4; c++) { /* column 4L + c: lane L of u[c], u[4 + c], u[8 + c], u[12 + c] */
+            const __m512i v0 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0x44);
+            const __m512i v1 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0xEE);
+            const __m512i w0 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0x44);
+            const __m512i w1 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0xEE);
+            _mm512_store_si512((__m512i *)(d + (0 + c) * 64), _mm512_shuffle_i32x4(v0, w0, 0x88));
+            _mm512_store_si512((__m512i *)(d + (4 + c) * 64), _mm512_shuffle_i32x4(v0, w0, 0xDD));
+            _mm512_store_si512((__m512i *)(d + (8 + c) * 64), _mm512_shuffle_i32x4(v1, w1, 0x88));
+            _mm512_store_si512((__m512i *)(d + (12 + c) * 64), _mm512_shuffle_i32x4(v1, w1, 0xDD));
+        }
+    }
+}
+
+/* R activation rows (m0..) x P panels (pan, kp * 16 bytes apart, output channels n..; nv valid in the last) -> y. */
+INLINE void a8_panel_tile(const int8_t *restrict pan, int64_t kp, int64_t K, const a8_t *a, int64_t m0,
+                          const void *scales, int scale_f16, float *restrict y, int64_t N, int64_t n, int nv,
+                          const int R, const int P) {
+    __m512i acc[A8P_MR][A8P_NP];
+    for (int r = 0; r < R; r++)
+        for (int q = 0; q < P; q++) acc[r][q] = _mm512_set1_epi32(-128 * a->xs[m0 + r]);
+    const int64_t nk4 = (K + 3) / 4;
+    const int8_t *xr = a->xq + m0 * a->kp;
+    for (int64_t k4 = 0; k4 < nk4; k4++) {
+        __m512i w[A8P_NP];
+        for (int q = 0; q < P; q++) w[q] = _mm512_load_si512((const __m512i *)(pan + q * kp * 16 + k4 * 64));
+        for (int r = 0; r < R; r++) {
+            int32_t xv;
+            memcpy(&xv, xr + r * a->kp + 4 * k4, 4);
+            const __m512i xb = _mm512_set1_epi32(xv);
+            for (int q = 0; q < P; q++) acc[r][q] = _mm512_dpbusd_epi32(acc[r][q], w[q], xb);
+        }
+    }
+    for (int q = 0; q < P; q++) {
+        const int cnt = q == P - 1 ? nv : 16;
+        const __mmask16 km = (__mmask16)(cnt >= 16 ? 0xFFFFu : (1u << cnt) - 1);
+        const __m512 sw = vf_load_h(scales, scale_f16, n + 16 * q, cnt);
+        for (int r = 0; r < R; r++) {
+            __m512 s = _mm512_mul_ps(_mm512_set1_ps(a->sx[m0 + r]), sw);
+            __asm__("" : "+v"(s)); /* sx * sw rounded first, as the reference (see f_pin) */
+            _mm512_mask_storeu_ps(y + (m0 + r) * N + n + 16 * q, km, _mm512_mul_ps(_mm512_cvtepi32_ps(acc[r][q]), s));
+        }
+    }
+}
+
+#define A8P_R(R, P)                                                                                         \
+    switch (R) {                                                                                             \
+    case 1: a8_panel_tile(pan, kp, K, a, m0, scales, scale_f16, y, N, n, nv, 1, P); break;                   \
+    case 2: a8_panel_tile(pan, kp, K, a, m0, scales, scale_f16, y, N, n, nv, 2, P); break;                   \
+    case 3: a8_panel_tile(pan, kp, K, a, m0, scales, scale_f16, y, N, n, nv, 3, P); break;                   \
+    case 4: a8_panel_tile(pan, kp, K, a, m0, scales, scale_f16, y, N, n, nv, 4, P); break;                   \
+    case 5: a8_panel_tile(pan, kp, K, a, m0, scales, scale_f16, y, N, n, nv, 5, P); break;                   \
+    case 6: a8_panel_tile(pan, kp, K, a, m0, scales, scale_f16, y, N, n, nv, 6, P); break;                   \
+    case 7: a8_panel_tile(pan, kp, K, a, m0, scales, scale_f16, y, N, n, nv, 7, P); break;                   \
+    default: a8_panel_tile(pan, kp, K, a, m0, scales, scale_f16, y, N, n, nv, 8, P); break;                  \
+    }
+
+/* Weight rows n0..n1 of y for one thread (no OpenMP inside), through panels; 0 when the buffer cannot be had. */
+static int a8_rows_panel(const int8_t *restrict W, const void *scales, int scale_f16, const a8_t *a,
+                         float *restrict y, int64_t M, int64_t N, int64_t K, int64_t n0, int64_t n1) {
+    const int64_t kp = a->kp;
+    int64_t nb = L2_BLOCK / kp / 16 * 16;
+    nb = nb < 16 ? 16 : nb;
+    int8_t *buf = a8_panel_buf((size_t)nb * kp);
+    if (!buf) return 0;
+    for (int64_t b0 = n0; b0 < n1; b0 += nb) {
+        const int64_t b1 = b0 + nb < n1 ? b0 + nb : n1;
+        for (int64_t r = b0; r < b1; r += 16)
+            a8_pack_panel(W, K, kp, r, r + 16 < b1 ? r + 16 : b1, buf + (r - b0) * kp);
+        for (int64_t m0 = 0; m0 < M; m0 += A8P_MR) {
+            const int64_t mr = M - m0 < A8P_MR ? M - m0 : A8P_MR;
+            for (int64_t n = b0; n < b1; n += 16 * A8P_NP) {
+                const int8_t *pan = buf + (n - b0) * kp;
+                const int64_t left = b1 - n;
+                const int np = left >= 16 * A8P_NP ? A8P_NP : (int)((left + 15) / 16);
+                const int nv = (int)(left - 16 * (np - 1) < 16 ? left - 16 * (np - 1) : 16);
+                switch (np) { /* the block's last tile: fewer panels, the last one ragged */
+                case 1: A8P_R(mr, 1) break;
+#if A8P_NP > 2
+                case 2: A8P_R(mr, 2) break;
+                case 3: A8P_R(mr, A8P_NP > 3 ? 3 : A8P_NP) break;
+#endif
+                default: A8P_R(mr, A8P_NP) break;
+                }
+            }
+        }
+    }
+    return 1;
+}
+#undef A8P_R
+#endif
+
 /* y [M, N] fp32 = W8A8(x [M, K] fp32, W [N, K] int8, sw [N]); input_scale: one fp32 (static) or NULL (per token). */
 void w8a8_gemm(const int8_t *restrict W, const void *scales, int scale_f16, const float *input_scale,
                const float *x, float *y, int64_t M, int64_t N, int64_t K) {
     _Alignas(64) unsigned char buf[XPREP_STACK];
     const a8_t a = a8_prep(x, input_scale, M, K, buf, sizeof buf);
     const a8_t *ap = &a;
+#if QSIMD == 512 && defined(Q8_BIAS)
+#define A8_ROWS(n0, n1)                                                                                      \
+    if (M <= A8_FEW_ROWS || !a8_rows_panel(W, scales, scale_f16, ap, y, M, N, K, n0, n1))               \
+    a8_rows(W, scales, scale_f16, ap, y, M, N, K, n0, n1)
+#else
 #define A8_ROWS(n0, n1) a8_rows(W, scales, scale_f16, ap, y, M, N, K, n0, n1)
+#endif
     SPLIT_ROWS(N, M * K, A8_ROWS);
 #undef A8_ROWS
     if (a.mem != buf) free(a.mem);
