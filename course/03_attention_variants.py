@@ -50,6 +50,7 @@ from minillm.kv.eviction import KVEvictionPolicy  # exercise 3.4's base class
 from minillm.models.attention_variants import kv_bytes_cross_layer, kv_bytes_mla, kv_bytes_sequence, pool_kv_heads
 from minillm.perf import metrics, roofline
 from minillm.perf.long_context import format_table as format_long_context
+from minillm.perf.long_context import POLICIES as LC_POLICIES
 from minillm.perf.long_context import kept_tokens, long_context_eval
 from minillm.perf.metrics import decode_weight_bytes
 from minillm.perf.perplexity import heldout_token_ids
@@ -526,7 +527,7 @@ roofline.plot_roofline(spec, points, dtype=dtype)
 plt.show()
 
 # %% [markdown]
-# ## 8. Long context in bounded memory: sliding windows and attention sinks
+# ## 8. Long context in bounded memory: sliding windows, attention sinks and heavy hitters
 #
 # Every variant above shrinks the bytes per token; the cache still grows with the sequence. A long document or a
 # long chat fills it whatever H_kv is. The other lever is **which tokens to keep**:
@@ -538,6 +539,10 @@ plt.show()
 #   softmax must put its attention mass somewhere, and trained models dump it on the **first few tokens**, whatever
 #   they say ("attention sinks"). Evict those and the distribution of every later query shifts; perplexity jumps.
 #   Keeping the first k = 4 tokens beside the window restores most of the full cache's quality at constant memory.
+# - **H2O** (Zhang et al., 2023, "Heavy-Hitter Oracle") keeps, beside the sinks and the window, a budget of
+#   `heavy_tokens` more: the cached tokens that have received the most attention mass so far (summed over layers,
+#   heads and every query that read them), since a few tokens take most of the attention all along. minillm decides
+#   per block, for all layers at once (the paged cache frees whole blocks), and ranks blocks by their summed mass.
 #
 # minillm's engine runs both: `EngineConfig(kv_eviction="sink", sink_tokens=k, window_tokens=W)`, with k = 0 for
 # the plain window. Keys keep the rotary position they were written at (no re-rotation), so attention with eviction
@@ -566,11 +571,15 @@ checks.check_freeable_blocks(MyKVEvictionPolicy)
 # The engine now runs on **your** rule: one long prompt of held-out text (the evaluation half of CPython's help
 # texts), prefilled in chunks well below the window so blocks are freed while the text is read, with every prompt
 # token scored from the K/V the engine really holds (`SamplingParams(prompt_logprobs=0)`), then a short decode.
-# Three policies on the same tokens: the full cache, the window alone, and 4 sinks + the window.
+# Four policies on the same tokens: the full cache, the window alone, 4 sinks + the window, and H2O (sinks + window
+# + as many heavy-hitter tokens as the window). H2O's score needs the softmax weights every layer computes, which
+# the fused decode kernels do not return, so its steps run the reference attention: its decode rate below prices
+# that path, not the policy's bookkeeping.
 
 # %%
 lc_tokens, lc_window = (8192, 1024) if device == "cuda" else ((768, 128) if FAST else (2048, 256))
 lc_sinks = 4
+lc_heavy = lc_window  # H2O's heavy-hitter budget, in tokens
 lc_rule = None  # the library's rule, only so that the cells below run until you write 3.4
 MyKVEvictionPolicy(lc_window, lc_sinks).freeable_blocks(lc_window, 16)  # your rule (or its stub's error)
 lc_rule = MyKVEvictionPolicy  # the engine's block manager frees blocks with your freeable_blocks
@@ -579,10 +588,12 @@ lc_rule = MyKVEvictionPolicy  # the engine's block manager frees blocks with you
 # NBVAL_IGNORE_OUTPUT
 lc_ids = heldout_token_ids(llm.tokenizer, "evaluation", min(lc_tokens, config.max_position_embeddings - 16))
 lc_rows = {r.policy: r for r in long_context_eval(model, lc_ids, window_tokens=lc_window, sink_tokens=lc_sinks,
-                                                   decode_tokens=8, policy_class=lc_rule)}
-print(f"{lc_ids.numel()} held-out tokens, window {lc_window}, {lc_sinks} sinks, block 16, {dtype} on {device}")
+                                                   policies=LC_POLICIES, heavy_tokens=lc_heavy, decode_tokens=8,
+                                                   policy_class=lc_rule)}
+print(f"{lc_ids.numel()} held-out tokens, window {lc_window}, {lc_sinks} sinks, {lc_heavy} heavy, block 16, "
+      f"{dtype} on {device}")
 print(format_long_context(list(lc_rows.values())))
-lc_full, lc_window_only, lc_sink = lc_rows["full"], lc_rows["window"], lc_rows["sinks"]
+lc_full, lc_window_only, lc_sink, lc_h2o = lc_rows["full"], lc_rows["window"], lc_rows["sinks"], lc_rows["h2o"]
 lc_held = conclude("KV held per sequence, sinks + window ÷ full cache",
                    lc_sink.kv_bytes_held / lc_full.kv_bytes_held, 1, expect="<", unit="×",
                    held="eviction bounds the cache: the blocks the window and sinks need, not the text's",
@@ -595,6 +606,14 @@ lc_sinks_help = conclude("perplexity, window only ÷ sinks + window", lc_window_
 lc_quality = conclude("perplexity, sinks + window ÷ full cache", lc_sink.ppl / lc_full.ppl, 1, expect="≈", unit="×",
                       held=f"4 sinks and a {lc_window}-token window keep the full cache's quality within 15%",
                       missed=f"a {lc_window}-token window loses context this text needs, sinks or not")
+lc_h2o_bytes = conclude("KV held per sequence, H2O ÷ sinks + window", lc_h2o.kv_bytes_held / lc_sink.kv_bytes_held,
+                        1, expect=">", unit="×",
+                        held="the heavy hitters cost blocks beyond the sinks and the window",
+                        missed="H2O held no more than sinks + window: the text is too short to fill its budget")
+lc_h2o_ppl = conclude("perplexity, sinks + window ÷ H2O", lc_sink.ppl / lc_h2o.ppl, 1, expect=">", unit="×",
+                      held="the blocks that drew the most attention are worth keeping: those extra bytes buy "
+                           "perplexity",
+                      missed="the heavy hitters' extra blocks bought no perplexity on this text")
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -607,9 +626,11 @@ ax1.set(xlabel="MiB of K/V read per decode token (at the text's end)", ylabel="p
         title=f"Quality vs cache, {lc_ids.numel()} held-out tokens")
 positions = range(0, lc_ids.numel(), max(1, lc_ids.numel() // 256))
 lc_token_bytes = library_variants.kv_bytes_gqa(config, config.num_kv_heads, elt)  # K/V bytes per token
-for label, window, sinks in (("full cache", None, 0), (f"{lc_sinks} sinks + window {lc_window}", lc_window,
-                                                         lc_sinks)):
-    ax2.plot(positions, [kept_tokens(p, window, sinks) * lc_token_bytes / 2**20 for p in positions], label=label)
+for label, window, sinks, heavy in (("full cache", None, 0, 0),
+                                    (f"{lc_sinks} sinks + window {lc_window}", lc_window, lc_sinks, 0),
+                                    (f"H2O: those + {lc_heavy} heavy", lc_window, lc_sinks, lc_heavy)):
+    ax2.plot(positions, [min(p + 1, kept_tokens(p, window, sinks) + heavy) * lc_token_bytes / 2**20
+                         for p in positions], label=label)
 ax2.set(xlabel="decode position", ylabel="MiB of K/V read per decode step",
         title="Decode reads: growing vs bounded")
 ax2.legend()
@@ -638,6 +659,13 @@ lc_faster = conclude("decode tok/s at the text's end, sinks + window ÷ full cac
                      held="reading fewer K/V bytes per step made decode faster here",
                      missed="at this length the weights dominate each step's bytes, so the K/V saved is within "
                             "this machine's noise and the eviction's bookkeeping")
+print(f"H2O: {lc_h2o.kv_bytes_read_per_token / 2**20:.2f} MiB of K/V read per step, "
+      f"{lc_h2o.decode_tokens_per_s:.1f} tok/s (reference attention)")
+lc_h2o_rate = conclude("decode tok/s at the text's end, H2O ÷ sinks + window",
+                       lc_h2o.decode_tokens_per_s / lc_sink.decode_tokens_per_s, 1, expect="<", unit="×",
+                       held="H2O's steps run the reference attention (it must see the softmax weights to score "
+                            "tokens), slower than the fused kernel the positional policies decode with",
+                       missed="the reference attention H2O decodes with kept up with the fused kernel here")
 
 # %% [markdown]
 # ## Takeaways
@@ -655,3 +683,6 @@ lc_faster = conclude("decode tok/s at the text's end, sinks + window ÷ full cac
 # - **Which tokens to keep** bounds the cache whatever the length: a window of W keys frees every older block, and
 #   a few attention **sinks** (the first tokens) beside it keep a full-attention model's perplexity close to the
 #   full cache's, at a constant number of blocks and constant bytes read per decode step.
+# - **H2O** spends a further budget on the tokens attention has used most: whether those bytes buy perplexity is
+#   the measured comparison above; scoring needs the attention weights, which is why its decode runs the
+#   reference attention here.

@@ -264,7 +264,7 @@ def _paged_case(seed: int, lens: list[int], Hq: int, Hkv: int, D: int, bs: int, 
 
 
 # (lens, Hq, Hkv, D, block size): lengths off a block boundary, S = 1, G = 1 and G = 3 (SmolLM2's 9 / 3 heads),
-# a length on a boundary, and one past the kernel's 4096-score stack buffer (its heap path)
+# a length on a boundary, and a long one (hundreds of blocks: the online softmax rescales many times)
 _PAGED_SHAPES = [([1], 9, 3, 64, 16), ([17, 1, 32, 5], 9, 3, 64, 16), ([33, 7], 4, 4, 32, 16),
                  ([20, 3, 48], 6, 2, 16, 5), ([4100, 9], 2, 1, 8, 16)]
 
@@ -300,6 +300,30 @@ def test_paged_decode_attention_row_is_bit_identical_alone_in_a_batch_and_on_any
         torch.set_num_threads(threads)
     assert torch.equal(batch_one, batch_two), "result depends on the thread count"
     for b in range(len(lens)):
+        assert torch.equal(alone[b][0], batch_two[b]), f"row {b} differs alone and in the batch"
+
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dense_decode_attention_row_is_bit_identical_alone_in_a_batch_and_on_any_thread_count(dtype):
+    # batch 1 on 2 threads splits a GQA group's heads over work items, a batch of 5 gives each item the whole
+    # group: a head's result must not depend on which
+    g = torch.Generator().manual_seed(5)
+    k, v = (torch.randn(5, 3, 300, 64, generator=g).to(dtype) for _ in range(2))
+    q = torch.randn(5, 9, 64, generator=g).to(dtype)
+    lens = torch.tensor([37, 300, 1, 64, 129])
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        batch_one = native.decode_attention(q, k, v, lens, 0.125)
+        torch.set_num_threads(2)
+        batch_two = native.decode_attention(q, k, v, lens, 0.125)
+        alone = [native.decode_attention(q[b:b + 1], k[b:b + 1], v[b:b + 1], lens[b:b + 1], 0.125)
+                 for b in range(5)]
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(batch_one, batch_two), "result depends on the thread count"
+    for b in range(5):
         assert torch.equal(alone[b][0], batch_two[b]), f"row {b} differs alone and in the batch"
 
 

@@ -332,48 +332,95 @@ int built_with_openmp(void) {
 #endif
 }
 
-/* Decode attention over a contiguous KV cache: one new query per sequence.
- * q [B, H_q, D] (contiguous), k/v [B, H_kv, S_max, D] with strides (sb, sh, D, 1), lens [B] (int64),
- * out [B, H_q, D].  Query head h reads K/V head h / G.  Reads each cached K and V row once per query
- * head (the G heads of a group hit L1/L2 for the second and later reads); the cost is the KV bytes.
- * Reference: minillm.attention.decode_attention.  T is float or uint16_t (bf16).
+/* ---- decode attention (one new query per sequence), shared by the dense and the paged cache.
+ *
+ * A GQA group's G = H_q / H_kv query heads read the same K/V head, so the work item is (row b, K/V head g) and one
+ * pass over the keys serves the G heads: chunk by chunk (16 keys, or one paged block), the chunk's G x 16 scores are
+ * computed head by head while its K rows sit in L1, then its V rows are added to the G accumulators; each K/V byte is
+ * read from memory once per step, not once per query head.  The softmax is flash-decoding's online one: each head
+ * keeps a running max and sum, rescaled when a chunk raises the max, so no buffer grows with the sequence; the sums
+ * differ from the references' (exact max first, then one sum) by fp32 rounding only.
+ *
+ * Determinism: each output (b, h) is computed whole by one thread, in key order, by the same per-head operations
+ * whatever the batch, the other heads of its item or the thread count, so a row's result does not depend on the
+ * batch (speculative verification relies on it).  When the (b, g) items are too few to keep every thread busy
+ * (B * H_kv < 2 * threads: batch 1), each item takes part of the group's heads instead (down to one: the K/V rows
+ * are then read once per head, from cache after the first); a head's result is the same either way.
  * The running max starts at -FLT_MAX, not -INFINITY: the build's -ffast-math promises the compiler no infinities
  * (clang 18+ warns -Wnan-infinity-disabled), and every finite score exceeds -FLT_MAX or equals it. */
-#define DECODE_ATTENTION(NAME, T, LOAD, STORE)                                                           \
-    void NAME(const T *restrict q, const T *restrict k, const T *restrict v, const int64_t *restrict lens, \
-              T *restrict out, int64_t B, int64_t Hq, int64_t Hkv, int64_t D, int64_t sb, int64_t sh,      \
-              float scale) {                                                                               \
-        int64_t G = Hq / Hkv;                                                                              \
-        _Pragma("omp parallel for collapse(2) schedule(static)")                                          \
-        for (int64_t b = 0; b < B; b++)                                                                    \
-            for (int64_t h = 0; h < Hq; h++) {                                                             \
-                int64_t S = lens[b];                                                                       \
-                const T *qh = q + (b * Hq + h) * D;                                                        \
-                const T *kh = k + b * sb + (h / G) * sh;                                                   \
-                const T *vh = v + b * sb + (h / G) * sh;                                                   \
-                float qf[D], acc[D], *p = (float *)malloc(sizeof(float) * (S > 0 ? S : 1));               \
-                for (int64_t d = 0; d < D; d++) { qf[d] = LOAD(qh[d]) * scale; acc[d] = 0.f; }            \
-                float m = -FLT_MAX;                                                                        \
-                for (int64_t s = 0; s < S; s++) {                                                          \
-                    const T *ks = kh + s * D;                                                              \
-                    float dot = 0.f;                                                                       \
-                    _Pragma("omp simd reduction(+ : dot)")                                                \
-                    for (int64_t d = 0; d < D; d++) dot += qf[d] * LOAD(ks[d]);                            \
-                    p[s] = dot;                                                                            \
-                    if (dot > m) m = dot;                                                                  \
-                }                                                                                          \
-                float l = 0.f;                                                                             \
-                for (int64_t s = 0; s < S; s++) { p[s] = expf(p[s] - m); l += p[s]; }                      \
-                for (int64_t s = 0; s < S; s++) {                                                          \
-                    const T *vs = vh + s * D;                                                              \
-                    float w = p[s];                                                                        \
-                    _Pragma("omp simd")                                                                    \
-                    for (int64_t d = 0; d < D; d++) acc[d] += w * LOAD(vs[d]);                             \
-                }                                                                                          \
-                T *o = out + (b * Hq + h) * D;                                                             \
-                for (int64_t d = 0; d < D; d++) o[d] = STORE(acc[d] / l);                                  \
-                free(p);                                                                                   \
-            }                                                                                              \
+#define ATT_CHUNK 16 /* keys per chunk of the dense cache (the paged one goes by blocks) */
+/* Heads per work item: G, or fewer when the (b, g) items cannot keep the threads busy; sets P (parts per group). */
+#define ATT_PARTS(B, Hkv, G) ((B) * (Hkv) >= 2 * (int64_t)omp_get_max_threads() ? 1 : (G))
+/* Start item it's heads [x0, x1) of group g, row b: q row b head h at q + b * SQB + h * SQH, scaled. */
+#define ATT_BEGIN(T, LOAD, SQB, SQH)                                                                           \
+    int64_t b = it / (Hkv * P), g = it / P % Hkv, x0 = it % P * G / P, x1 = (it % P + 1) * G / P;            \
+    float qf[G * D], acc[G * D], m[G], l[G], p[G * CH]; /* p: one chunk's scores, head-major */                \
+    for (int64_t x = x0; x < x1; x++) {                                                                        \
+        const T *qh = q + b * (SQB) + (g * G + x) * (SQH);                                                     \
+        for (int64_t d = 0; d < D; d++) { qf[x * D + d] = LOAD(qh[d]) * scale; acc[x * D + d] = 0.f; }         \
+        m[x] = -FLT_MAX;                                                                                       \
+        l[x] = 0.f;                                                                                            \
+    }
+/* One chunk: keys j in [J0, J1) at rows KB + j * RS (K) and VB + j * RS (V), J1 - J0 <= CH. */
+#define ATT_CHUNK_STEP(T, LOAD, KB, VB, RS, J0, J1)                                                            \
+    for (int64_t x = x0; x < x1; x++) { /* the chunk's K rows stay in L1 for the heads */                      \
+        const float *qx = qf + x * D;                                                                          \
+        for (int64_t j = J0; j < J1; j++) {                                                                    \
+            const T *ks = (KB) + j * (RS);                                                                     \
+            float dot = 0.f;                                                                                   \
+            _Pragma("omp simd reduction(+ : dot)")                                                             \
+            for (int64_t d = 0; d < D; d++) dot += qx[d] * LOAD(ks[d]);                                        \
+            p[x * CH + j] = dot;                                                                               \
+        }                                                                                                      \
+    }                                                                                                          \
+    for (int64_t x = x0; x < x1; x++) {                                                                        \
+        float *px = p + x * CH, bm = m[x];                                                                     \
+        for (int64_t j = J0; j < J1; j++) bm = px[j] > bm ? px[j] : bm;                                        \
+        if (bm > m[x]) { /* rescale what was summed under the old max (nothing at first) */                    \
+            float corr = m[x] == -FLT_MAX ? 0.f : expf(m[x] - bm);                                             \
+            l[x] *= corr;                                                                                      \
+            for (int64_t d = 0; d < D; d++) acc[x * D + d] *= corr;                                            \
+            m[x] = bm;                                                                                         \
+        }                                                                                                      \
+        float lx = 0.f;                                                                                        \
+        for (int64_t j = J0; j < J1; j++) { px[j] = expf(px[j] - bm); lx += px[j]; }                           \
+        l[x] += lx;                                                                                            \
+    }                                                                                                          \
+    for (int64_t x = x0; x < x1; x++) {                                                                        \
+        float *ax = acc + x * D;                                                                               \
+        for (int64_t j = J0; j < J1; j++) {                                                                    \
+            const T *vs = (VB) + j * (RS);                                                                     \
+            float w = p[x * CH + j];                                                                           \
+            _Pragma("omp simd")                                                                                \
+            for (int64_t d = 0; d < D; d++) ax[d] += w * LOAD(vs[d]);                                          \
+        }                                                                                                      \
+    }
+/* Write the item's outputs, out [B, H_q, D]. */
+#define ATT_END(T, STORE)                                                                                      \
+    for (int64_t x = x0; x < x1; x++) {                                                                        \
+        T *o = out + (b * Hq + g * G + x) * D;                                                                 \
+        for (int64_t d = 0; d < D; d++) o[d] = STORE(acc[x * D + d] / l[x]);                                   \
+    }
+
+/* Decode attention over a contiguous KV cache: q [B, H_q, D] (contiguous), k/v [B, H_kv, S_max, D] with strides
+ * (sb, sh, D, 1), lens [B] (int64), out [B, H_q, D].  Query head h reads K/V head h / G.  Cost: the KV bytes (read
+ * once per step), S * G dots, exps and axpys of D per (b, g).  Reference: minillm.attention.decode_attention.
+ * T is float or uint16_t (bf16). */
+#define DECODE_ATTENTION(NAME, T, LOAD, STORE)                                                                 \
+    void NAME(const T *restrict q, const T *restrict k, const T *restrict v, const int64_t *restrict lens,     \
+              T *restrict out, int64_t B, int64_t Hq, int64_t Hkv, int64_t D, int64_t sb, int64_t sh,          \
+              float scale) {                                                                                   \
+        int64_t G = Hq / Hkv, P = ATT_PARTS(B, Hkv, G), CH = ATT_CHUNK;                                        \
+        _Pragma("omp parallel for schedule(static)")                                                           \
+        for (int64_t it = 0; it < B * Hkv * P; it++) {                                                         \
+            ATT_BEGIN(T, LOAD, Hq * D, D)                                                                      \
+            const T *kh = k + b * sb + g * sh, *vh = v + b * sb + g * sh;                                      \
+            for (int64_t s0 = 0; s0 < lens[b]; s0 += CH) {                                                     \
+                int64_t n = lens[b] - s0 < CH ? lens[b] - s0 : CH;                                             \
+                ATT_CHUNK_STEP(T, LOAD, kh + s0 * D, vh + s0 * D, D, 0, n)                                     \
+            }                                                                                                  \
+            ATT_END(T, STORE)                                                                                  \
+        }                                                                                                      \
     }
 
 DECODE_ATTENTION(decode_attention_f32, float, load_f32, store_f32)
@@ -429,29 +476,21 @@ void rms_norm_bf16(const uint16_t *restrict x, const uint16_t *restrict w, uint1
  * variant keeps only the last `window` keys and the first `sinks` (window 0: all; reference.paged_window_attention_ref)
  * and skips every block whose table entry is negative (kv.eviction.EVICTED: freed, e.g. by H2O).
  *
- * Cost per (b, h): S dots and S axpys of D elements plus S exps.  Work is split by (row b, query head h) and each
- * output is computed whole by one thread in a fixed order, so a row's result depends neither on the other rows of
- * the batch nor on the thread count (speculative verification relies on it).  The loops walk the block table
- * (outer: table entries, inner: a block's offsets) instead of a 64-bit s / bs and s % bs per position; scores live
- * on the stack up to PAGED_STACK positions (a malloc per (b, h) otherwise).  The exp loop is left to the auto-
- * vectoriser (-ffast-math vectorises it): an omp simd reduction there was no faster and changed the sum's order, so
- * results would drift by an ulp.  Measured (SmolLM2-135M heads, Hq 9, Hkv 3, D 64, block 16, one thread, B = 1,
- * best of 7): 15.6 -> 6.1 µs at S = 64, 61.5 -> 24.5 µs at S = 256, 300 -> 111 µs at S = 1024 (~2.5x; same at B = 4
- * and on 2 threads). */
-#define PAGED_STACK 4096 /* 16 KiB of fp32 scores: beyond it, a heap buffer */
+ * Cost per (b, K/V head g): the kept keys' K/V bytes, read once per step (the block is the chunk of the shared
+ * decode-attention loop above: its K rows, then its V rows), and per kept key G dots, exps and axpys of D. */
 /* The kept keys of a query at position S - 1 are two position ranges: the sinks [0, a) and the window [lo, S)
- * (window 0, or S <= window: the second is [0, S) and the first empty).  PAGED_RANGES walks both, block by block
- * in table order, running BODY with kb/vb (the block's K or V head row 0), j (its offset) and c (the compact index
- * of the key among the kept ones); blocks holding no kept key, and blocks whose entry is negative (evicted), are
- * never read and take no index c (so the keys actually read are c's final count, at most n_kept). */
-#define PAGED_RANGES(T, BASE, BODY)                                                                             \
-    for (int64_t r = 0, c = 0; r < 2; r++) {                                                                  \
+ * (window 0, or S <= window: the second is [0, S) and the first empty).  PAGED_BLOCKS walks both, block by block
+ * in table order, running its body with ko (the block's offset in the cache, in elements) and its kept offsets
+ * [j0, j1); blocks holding no kept key, and blocks whose entry is negative (kv.eviction.EVICTED), are never read.
+ * Walking the table avoids a 64-bit s / bs and s % bs per position. */
+#define PAGED_BLOCKS(...) /* the body: variadic, so that its commas do not split it */                          \
+    for (int64_t r = 0; r < 2; r++) {                                                                          \
         int64_t s0 = r ? lo : 0, s1 = r ? S : a;                                                               \
         for (int64_t i = s0 / bs; i * bs < s1; i++) {                                                          \
             if (tb[i] < 0) continue;                                                                           \
-            const T *kb = BASE + (int64_t)tb[i] * bs * rs;                                                     \
+            int64_t ko = (int64_t)tb[i] * bs * rs;                                                             \
             int64_t j0 = s0 > i * bs ? s0 - i * bs : 0, j1 = s1 - i * bs < bs ? s1 - i * bs : bs;              \
-            for (int64_t j = j0; j < j1; j++, c++) BODY                                                       \
+            __VA_ARGS__                                                                                        \
         }                                                                                                      \
     }
 #define PAGED_DECODE_ATTENTION(NAME, T, LOAD, STORE)                                                           \
@@ -459,42 +498,17 @@ void rms_norm_bf16(const uint16_t *restrict x, const uint16_t *restrict w, uint1
                        const int32_t *restrict tables, const int32_t *restrict lens, T *restrict out, int64_t B, \
                        int64_t Hq, int64_t Hkv, int64_t D, int64_t bs, int64_t W, float scale, int64_t sqb,    \
                        int64_t sqh, int64_t window, int64_t sinks) {                                           \
-        int64_t G = Hq / Hkv, rs = Hkv * D;                                                                    \
-        _Pragma("omp parallel for collapse(2) schedule(static)")                                               \
-        for (int64_t b = 0; b < B; b++)                                                                        \
-            for (int64_t h = 0; h < Hq; h++) {                                                                 \
-                int64_t S = lens[b];                                                                           \
-                int64_t lo = window > 0 && S > window ? S - window : 0, a = sinks < lo ? sinks : lo;           \
-                int64_t n_kept = a + S - lo;                                                                   \
-                const T *qh = q + b * sqb + h * sqh;                                                           \
-                const int32_t *tb = tables + b * W;                                                            \
-                const T *kh = k + (h / G) * D, *vh = v + (h / G) * D;                                          \
-                float qf[D], acc[D], stack[PAGED_STACK];                                                       \
-                float *p = n_kept <= PAGED_STACK ? stack : (float *)malloc(sizeof(float) * n_kept);           \
-                for (int64_t d = 0; d < D; d++) { qf[d] = LOAD(qh[d]) * scale; acc[d] = 0.f; }                 \
-                float m = -FLT_MAX;                                                                            \
-                int64_t n_read = 0; /* n_kept less the keys of evicted blocks */                               \
-                PAGED_RANGES(T, kh, {                                                                          \
-                    const T *ks = kb + j * rs;                                                                 \
-                    float dot = 0.f;                                                                           \
-                    _Pragma("omp simd reduction(+ : dot)")                                                     \
-                    for (int64_t d = 0; d < D; d++) dot += qf[d] * LOAD(ks[d]);                                \
-                    p[c] = dot;                                                                                \
-                    n_read = c + 1;                                                                            \
-                    m = dot > m ? dot : m;                                                                     \
-                })                                                                                             \
-                float l = 0.f;                                                                                 \
-                for (int64_t s = 0; s < n_read; s++) { p[s] = expf(p[s] - m); l += p[s]; }                     \
-                PAGED_RANGES(T, vh, {                                                                          \
-                    const T *vs = kb + j * rs;                                                                 \
-                    float w = p[c];                                                                            \
-                    _Pragma("omp simd")                                                                        \
-                    for (int64_t d = 0; d < D; d++) acc[d] += w * LOAD(vs[d]);                                 \
-                })                                                                                             \
-                T *o = out + (b * Hq + h) * D;                                                                 \
-                for (int64_t d = 0; d < D; d++) o[d] = STORE(acc[d] / l);                                      \
-                if (p != stack) free(p);                                                                       \
-            }                                                                                                  \
+        int64_t G = Hq / Hkv, P = ATT_PARTS(B, Hkv, G), CH = bs, rs = Hkv * D;                                 \
+        _Pragma("omp parallel for schedule(static)")                                                           \
+        for (int64_t it = 0; it < B * Hkv * P; it++) {                                                         \
+            ATT_BEGIN(T, LOAD, sqb, sqh)                                                                       \
+            int64_t S = lens[b];                                                                               \
+            int64_t lo = window > 0 && S > window ? S - window : 0, a = sinks < lo ? sinks : lo;               \
+            const int32_t *tb = tables + b * W;                                                                \
+            const T *kh = k + g * D, *vh = v + g * D;                                                          \
+            PAGED_BLOCKS(ATT_CHUNK_STEP(T, LOAD, kh + ko, vh + ko, rs, j0, j1))                                \
+            ATT_END(T, STORE)                                                                                  \
+        }                                                                                                      \
     }                                                                                                          \
     void NAME(const T *restrict q, const T *restrict k, const T *restrict v, const int32_t *restrict tables,   \
               const int32_t *restrict lens, T *restrict out, int64_t B, int64_t Hq, int64_t Hkv, int64_t D,    \
