@@ -521,7 +521,9 @@ plt.show()
 
 # %% [markdown]
 # int8 per channel costs under a percent (the published result for LLM.int8() and W8A16 alike). Re-quantizing to
-# Q4_1 g32 costs nothing here, because these weights already sit on that grid (the file's); groups of 64 do not
+# Q4_1 g32 moves no weight here, because these weights already sit on that grid (the file's): whatever that row
+# costs is the kernels', which on a CPU with int8 dot products round each prompt row's activations to int8 blocks
+# of 32 (one scale each) before the integer dot products, as llama.cpp does. Groups of 64 do not
 # contain that grid and lose visibly, and one symmetric scale per row loses far more — the outlier lesson of
 # section 2 at the scale of a whole model. On an original float checkpoint g64–g128 cost a few percent (AWQ's
 # Llama-2-7B g128: 5.47 → 5.60 with its calibrated scales); AWQ and GPTQ earn that by choosing scales and codes
