@@ -454,9 +454,12 @@ def test_importing_minillm_and_its_cli_does_not_import_the_server_stack():
 def test_load_generator_measures_a_live_server_and_saves_json(live, tmp_path):
     from minillm.perf.bench.serve import bench_serve
 
-    result = bench_serve(live.url, [20.0], 6, seed=1, max_tokens=4, ignore_eos=True, progress=False,
+    result = bench_serve(live.url, [20.0, 30.0], 6, seed=1, max_tokens=4, ignore_eos=True, progress=False,
                          out_dir=tmp_path)
-    run = result["runs"][0]
+    run, second = result["runs"]
+    # each swept rate draws its own prompts: a prefix cache must not answer the second rate from the first's blocks
+    assert (run["seed"], second["seed"]) == (1, 1 + 1009)
+    assert [r["prompt_tokens"] for r in run["requests"]] != [r["prompt_tokens"] for r in second["requests"]]
     assert result["model"] == MODEL  # discovered from /v1/models
     assert run["completed"] == 6 and run["rejected"] == 0 and run["failed"] == 0
     assert all(r["output_tokens"] == 4 for r in run["requests"])

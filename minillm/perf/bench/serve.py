@@ -301,6 +301,11 @@ def discover_model(base_url: str, api_key: str | None = None) -> str:
     return r.json()["data"][0]["id"]
 
 
+def sweep_seed(seed: int, index: int) -> int:
+    """The trace seed of the ``index``-th rate of a sweep (0: ``seed`` itself): distinct prompts per rate."""
+    return seed + 1009 * index
+
+
 def bench_serve(base_url: str = "http://127.0.0.1:8000", request_rates: Sequence[float] = (4.0,),
                 num_prompts: int = 200, *, model: str | None = None, seed: int = 0, max_tokens: int = 64,
                 endpoint: str = "chat", burstiness: float = 1.0, ignore_eos: bool = False,
@@ -309,14 +314,18 @@ def bench_serve(base_url: str = "http://127.0.0.1:8000", request_rates: Sequence
                 save: bool = True, out_dir: Path | None = None, json_schema: dict | None = None) -> dict:
     """Run the trace once per rate against ``base_url``; print a table, save JSON (with the machine) and return
     ``{"runs": [summary per rate], ...}``.  The trace (prompts, lengths, arrival pattern) depends only on
-    ``seed``, ``num_prompts`` and the rate, so two servers are measured on the same requests.
+    ``seed``, ``num_prompts``, the rate and its place in the sweep, so two servers are measured on the same
+    requests.  Each swept rate draws its own prompts (``sweep_seed``): a server that caches prefixes would
+    otherwise answer the second rate's prompts from the first rate's KV blocks, and a sweep would measure its
+    cache, not its rate.
 
     ``overload`` (e.g. 2.0): after the sweep, run once more at ``overload ×`` the capacity (``capacity_rate``:
     the highest swept rate that completed everything within the TTFT SLO) and report it as
     ``payload["overload"]``; skipped, with a message, if no swept rate qualifies.
 
-    ``json_schema`` (a JSON schema): each rate runs the trace four more ways and prints the structured-output
-    cost (``print_structured_cost``): as served, unconstrained then constrained to the schema
+    ``json_schema`` (a JSON schema): each rate runs its trace four more ways, on the same prompts (compare them
+    on a server without prefix caching, or the later runs read the earlier runs' KV blocks), and prints the
+    structured-output cost (``print_structured_cost``): as served, unconstrained then constrained to the schema
     (``payload["runs_json_schema"]`` beside ``payload["runs"]``); and on equal work, unconstrained with
     ``ignore_eos`` then constrained to ``equal_work_schema(json_schema, max_tokens)``
     (``payload["runs_equal_work"]``: ``{"unconstrained": [...], "json_schema": [...], "schema": ...}``)."""
@@ -332,31 +341,32 @@ def bench_serve(base_url: str = "http://127.0.0.1:8000", request_rates: Sequence
         raise ValueError(f"json_schema must be a JSON schema object, got {json_schema!r}")
     model = model or discover_model(base_url, api_key)
 
-    def measure(rate: float, schema: dict | None = None, fixed_lengths: bool = ignore_eos) -> dict:
-        trace = make_trace(num_prompts, rate, max_tokens, seed, burstiness)
+    def measure(rate: float, index: int, schema: dict | None = None, fixed_lengths: bool = ignore_eos) -> dict:
+        trace_seed = sweep_seed(seed, index)
+        trace = make_trace(num_prompts, rate, max_tokens, trace_seed, burstiness)
         results, duration = asyncio.run(run_trace(base_url, trace, model=model, endpoint=endpoint, api_key=api_key,
                                                   ignore_eos=fixed_lengths, max_concurrency=max_concurrency,
                                                   progress=progress, json_schema=schema))
         summary = summarize_run(results, duration, ttft_slo_s=ttft_slo_s, tpot_slo_s=tpot_slo_s)
-        run = {"request_rate": rate, "num_prompts": num_prompts, **summary,
+        run = {"request_rate": rate, "num_prompts": num_prompts, "seed": trace_seed, **summary,
                "requests": [{k: v for k, v in asdict(r).items() if k != "itl_s"} for r in results]}
         print_summary(run)
         return run
 
-    runs = [measure(rate) for rate in request_rates]
+    runs = [measure(rate, i) for i, rate in enumerate(request_rates)]
     payload = {"benchmark": "serve", "base_url": base_url, "model": model, "endpoint": endpoint, "seed": seed,
                "max_tokens": max_tokens, "burstiness": burstiness, "ignore_eos": ignore_eos, "runs": runs}
     if json_schema is not None:
         print("\nas served: the same trace, every answer constrained to the JSON schema:")
         payload["json_schema"] = json_schema
-        payload["runs_json_schema"] = [measure(rate, json_schema) for rate in request_rates]
+        payload["runs_json_schema"] = [measure(rate, i, json_schema) for i, rate in enumerate(request_rates)]
         long_schema = equal_work_schema(json_schema, max_tokens)
         print(f"\nequal work: the same trace with ignore_eos, unconstrained then constrained to an array of "
               f">= {max_tokens} items of the schema (every answer runs to max_tokens):")
         payload["runs_equal_work"] = {
             "schema": long_schema,
-            "unconstrained": [measure(rate, None, fixed_lengths=True) for rate in request_rates],
-            "json_schema": [measure(rate, long_schema, fixed_lengths=True) for rate in request_rates]}
+            "unconstrained": [measure(rate, i, None, fixed_lengths=True) for i, rate in enumerate(request_rates)],
+            "json_schema": [measure(rate, i, long_schema, fixed_lengths=True) for i, rate in enumerate(request_rates)]}
         print_structured_cost(runs, payload["runs_json_schema"], payload["runs_equal_work"])
     if overload is not None:
         capacity = capacity_rate(runs)
@@ -366,7 +376,8 @@ def bench_serve(base_url: str = "http://127.0.0.1:8000", request_rates: Sequence
         else:
             print(f"\noverload: capacity {capacity:g} req/s (the highest rate that met the SLO); now {overload:g}x "
                   f"= {capacity * overload:g} req/s")
-            payload["overload"] = {"factor": overload, "capacity_rate": capacity, **measure(capacity * overload)}
+            payload["overload"] = {"factor": overload, "capacity_rate": capacity,
+                                   **measure(capacity * overload, len(request_rates))}
             print_overload(payload["overload"])
     if save:
         rates = "-".join(f"{r:g}" for r in request_rates) + (f"-overload{overload:g}" if overload else "")
