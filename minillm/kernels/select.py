@@ -16,7 +16,8 @@ caches and the public ``minillm.kernels.*_attention(impl=...)`` functions:
   the weights once, and inductor fuses only the small elementwise ops.
 - ``"auto"`` (default): per op, the first kernel of the table that is "auto" on this device and can run here —
   CPU, fp32/bf16, native library built: the native kernels (the linear falls back to torch's GEMM past the row
-  limits of ``native.prefers_native``: bf16 GEMV up to 4 rows, fp32 up to 32; the elementwise fusions —
+  limits of ``native.prefers_native``: fp32 and, on AVX512-BF16 CPUs, bf16 GEMVs at every decode batch, bf16 elsewhere
+  at the smallest (``native.native_rows``); the elementwise fusions —
   rms_norm, add_rms_norm, rope, silu_and_mul — run natively at any row count, ``native.elementwise_supports``);
   CUDA with triton installed: the Triton attention kernels (linear and rms_norm stay on torch);
   anything else (fp16 on CPU, CUDA without triton, CPU without a compiler): the references.

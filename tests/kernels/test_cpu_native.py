@@ -61,6 +61,58 @@ def test_gemv_row_results_do_not_depend_on_how_many_rows_share_the_call(dtype, s
         torch.testing.assert_close(got, want, atol=atol, rtol=1.6e-2 if dtype == torch.bfloat16 else 1e-5)
 
 
+def _check_bf16_within_rounding_of_the_fp32_product(gemv, rows, shape, bias, seed):
+    """gemv(x, w, b) on bf16 x [rows, K], w [N, K], b [N] against F.linear in fp32 on the same bf16 values (the
+    products are then exact): a correct kernel differs by its output's one rounding to bf16 (half a bf16 ulp of the
+    value) plus fp32 summation error, at most K·eps32 of the terms' magnitude for each of the two sums (and the
+    rounding of that).  A dropped term (a lost K tail, a skipped pair) costs a whole |x·w|, far beyond it."""
+    g = torch.Generator().manual_seed(seed)
+    N, K = shape
+    w, x = torch.randn(N, K, generator=g).bfloat16(), torch.randn(rows, K, generator=g).bfloat16()
+    b = torch.randn(N, generator=g).bfloat16() if bias else None
+    fb = None if b is None else b.float()
+    want = F.linear(x.float(), w.float(), fb)
+    terms = F.linear(x.float().abs(), w.float().abs(), None if fb is None else fb.abs())
+    eps16, eps32 = torch.finfo(torch.bfloat16).eps, torch.finfo(torch.float32).eps
+    bound = eps16 / 2 * want.abs() + 3 * (K + 1) * eps32 * terms
+    got = gemv(x, w, b)
+    assert got.dtype == torch.bfloat16 and got.shape == want.shape
+    err = (got.float() - want).abs()
+    worst = int((err - bound).argmax())
+    assert bool((err <= bound).all()), (f"rows={rows} {shape}: |got - fp32 product| {err.flatten()[worst]:.4g} > "
+                                        f"bound {bound.flatten()[worst]:.4g} at flat index {worst}")
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5, 8, 9, 17, 32])
+@pytest.mark.parametrize("shape", [*_ODD_SHAPES, (960, 576)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_bf16_gemv_is_within_bf16_rounding_of_the_fp32_product(rows, shape, bias):
+    # the kernel this CPU runs: bf16 pairs (vdpbf16ps) on AVX512-BF16 CPUs, weights widened to fp32 elsewhere;
+    # K = 33, 100, 577 leave tails shorter than one vector of either
+    _check_bf16_within_rounding_of_the_fp32_product(native.linear, rows, shape, bias, seed=rows * 131 + shape[1])
+
+
+def _native_target_defines(*macros: str) -> bool:
+    """Whether the compiler the build uses defines all ``macros`` for this CPU (-march=native)."""
+    r = subprocess.run([native.compiler(), "-march=native", "-dM", "-E", "-"], input="", capture_output=True,
+                       text=True)
+    return r.returncode == 0 and all(f"#define {m} " in r.stdout for m in macros)
+
+
+def test_bf16_gemv_multiplies_pairs_exactly_where_the_build_targets_avx512_bf16():
+    # the bf16 pairs kernel is what lets bf16 decode batches stay native (prefers_native); a build that silently
+    # lost it (a renamed macro, a missing header) would hand them back to torch's GEMM
+    import platform
+
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        pytest.skip("AVX512-BF16 is x86")
+    want = _native_target_defines("__AVX512F__", "__AVX512BW__", "__AVX512VL__", "__FMA__", "__AVX512BF16__")
+    assert native.bf16_pairs() == want
+    rows = native.MAX_ROWS if want else 5
+    x, w = torch.randn(rows, 64).bfloat16(), torch.randn(8, 64).bfloat16()
+    assert native.prefers_native(x, w) == want  # every decode batch only with the pairs kernel
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_gemv_result_does_not_depend_on_the_thread_count(dtype):
     # rows are split across threads by weight row n, each (n, m) pair summed whole in one thread
@@ -77,12 +129,12 @@ def test_gemv_result_does_not_depend_on_the_thread_count(dtype):
 
 
 def _gemv_built_for(march: str | None, tmp_path):
-    """csrc/native.c built with ``-march=march`` (None: the compiler's default target), its SIMD level, and a
-    ``linear(x, w, b)`` over its gemv_f32 / gemv_bf16."""
+    """csrc/native.c built with ``-march=march`` (None: the compiler's default target), its SIMD level (a bf16
+    pairs build adds 1: 513), and a ``linear(x, w, b)`` over its gemv_f32 / gemv_bf16."""
     import ctypes
 
-    out = tmp_path / f"native-{march}.so"
-    native._compile(out, flags=[([f"-march={march}"] if march else []) + omp for omp in (["-fopenmp"], [])])
+    out = tmp_path / f"native-{march}.so".replace(" ", "")
+    native._compile(out, flags=[(f"-march={march}".split() if march else []) + omp for omp in (["-fopenmp"], [])])
     lib = ctypes.CDLL(str(out))
     for name in ("gemv_f32", "gemv_bf16"):
         getattr(lib, name).argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3
@@ -94,7 +146,7 @@ def _gemv_built_for(march: str | None, tmp_path):
            *w.shape)
         return y
 
-    return lib.gemv_simd_level(), linear
+    return lib.gemv_simd_level() + lib.gemv_bf16_pairs(), linear
 
 
 def _cpu_flags() -> set[str]:
@@ -106,16 +158,23 @@ def _cpu_flags() -> set[str]:
         return set()
 
 
-@pytest.mark.parametrize("march, level", [("x86-64-v3", 256), ("x86-64", 0)])
-def test_gemv_rows_are_independent_of_the_row_count_in_the_avx2_and_portable_builds_too(march, level, tmp_path):
-    # the library is built with -march=native; these are the code paths of other machines (AVX2 only; ARM and
-    # older x86 take the portable one), built here on purpose
+# the library is built with -march=native; these are the code paths of other machines, built here on purpose:
+# AVX-512 with bf16 pairs (Zen 4, Xeons from Cooper Lake), AVX-512 widening bf16 (Skylake-X to Ice Lake), AVX2 only,
+# and the portable one (ARM, older x86).  Level: the SIMD width, + 1 for the bf16 pairs kernel.
+_X86_BUILDS = {"x86-64-v4 -mavx512bf16": (513, {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"}),
+               "x86-64-v4": (512, {"avx512f", "avx512bw", "avx512vl"}), "x86-64-v3": (256, {"avx2", "fma"}),
+               "x86-64": (0, set())}
+
+
+@pytest.mark.parametrize("march", list(_X86_BUILDS))
+def test_gemv_rows_are_independent_of_the_row_count_in_every_x86_build(march, tmp_path):
     import platform
 
     if platform.machine().lower() not in ("x86_64", "amd64"):
         pytest.skip("the x86 targets build only on x86")
-    if march == "x86-64-v3" and not {"avx2", "fma"} <= _cpu_flags():
-        pytest.skip("this CPU cannot run an AVX2 build (an older x86): only the portable build runs here")
+    level, needs = _X86_BUILDS[march]
+    if not needs <= _cpu_flags():
+        pytest.skip(f"this CPU cannot run a {march} build (it lacks {sorted(needs - _cpu_flags())})")
     built_level, linear = _gemv_built_for(march, tmp_path)
     assert built_level == level  # the build took the path this test is about
     for dtype in (torch.float32, torch.bfloat16):
@@ -124,6 +183,8 @@ def test_gemv_rows_are_independent_of_the_row_count_in_the_avx2_and_portable_bui
             assert torch.equal(got, alone[:M]), f"{march} {dtype} M={M}"
             torch.testing.assert_close(got, want, atol=4e-5 if dtype == torch.float32 else 1e-2,
                                        rtol=1.6e-2 if dtype == torch.bfloat16 else 1e-5)
+    for rows, shape in ((1, (7, 33)), (9, (13, 100)), (32, (64, 577))):
+        _check_bf16_within_rounding_of_the_fp32_product(linear, rows, shape, True, seed=rows)
 
 
 def _compiler_has_openmp(tmp_path) -> bool:

@@ -18,16 +18,19 @@ import shutil
 import subprocess
 import tempfile
 import warnings
-from functools import lru_cache
+from functools import cache, lru_cache
 from pathlib import Path
 
 import torch
 
 MAX_ROWS = 32  # decode batches up to this may use the native kernel (register tiles of up to 8 rows, in blocks)
-# Rows up to which the native kernel beats torch over SmolLM2's layer stack + LM head (weights streamed from
-# memory), measured on a 2-core EPYC (Zen 4): fp32 all 32 (3.3x at 2 rows, 1.3x at 16, 1.14x at 32); bf16 4
-# (3.0x at 1 row, 1.2x at 2-4; oneDNN's AVX512-BF16 GEMM wins from 8 rows).
-_ROWS_BY_DTYPE = {torch.float32: 32, torch.bfloat16: 4}
+# Rows up to which the native kernel beats torch's GEMM over a model's layer stack + LM head (weights streamed from
+# memory).  fp32: every decode batch.  bf16 where the kernel multiplies bf16 pairs (AVX512-BF16, ``bf16_pairs()``):
+# every decode batch too, reading half fp32's bytes with half its arithmetic.  bf16 elsewhere widens each weight
+# to fp32 once per 8-row block and then does fp32's FMAs: only the smallest batches, where the bytes decide, beat
+# oneDNN's bf16 GEMM.
+_ROWS_BY_DTYPE = {torch.float32: MAX_ROWS, torch.bfloat16: 4}
+_ROWS_BF16_PAIRS = MAX_ROWS
 _SRC = Path(__file__).parent / "csrc" / "native.c"
 
 
@@ -141,6 +144,8 @@ def _lib() -> ctypes.CDLL | None:
     lib.read_sum_f32.argtypes = [vp, i64]
     lib.read_sum_f32.restype = ctypes.c_double
     lib.built_with_openmp.argtypes = []
+    lib.gemv_bf16_pairs.argtypes = []
+    lib.gemv_bf16_pairs.restype = ctypes.c_int
     lib.built_with_openmp.restype = ctypes.c_int
     return lib
 
@@ -153,6 +158,18 @@ def available() -> bool:
 def openmp() -> bool:
     """True when the native library was compiled with OpenMP, so its loops use torch's threads (else one)."""
     return available() and bool(_lib().built_with_openmp())
+
+
+def bf16_pairs() -> bool:
+    """True when the bf16 GEMV multiplies bf16 weight and input pairs into fp32 sums (AVX512-BF16's vdpbf16ps:
+    the build's CPU has it), False when it widens the weights to fp32 (every other CPU, or no library)."""
+    return available() and bool(_lib().gemv_bf16_pairs())
+
+
+@cache
+def native_rows(dtype: torch.dtype) -> int:
+    """Decode rows up to which ``prefers_native`` takes the native GEMV for ``dtype`` (rule: ``_ROWS_BY_DTYPE``)."""
+    return _ROWS_BF16_PAIRS if dtype == torch.bfloat16 and bf16_pairs() else _ROWS_BY_DTYPE[dtype]
 
 
 def supports(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -170,7 +187,7 @@ def supports(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 def prefers_native(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether the native GEMV is the faster choice for ``x @ weight.T`` here (the model's dispatch rule)."""
-    return supports(x, weight) and x.numel() // x.shape[-1] <= _ROWS_BY_DTYPE[x.dtype]
+    return supports(x, weight) and x.numel() // x.shape[-1] <= native_rows(x.dtype)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -469,6 +469,7 @@ int main(void) {
     bad |= check_gemv_f32(&s, 2, 640, 512, 1);
     bad |= check_gemv_bf16(&s, 1, 37, 100);
     bad |= check_gemv_bf16(&s, 5, 19, 72);
+    bad |= check_gemv_bf16(&s, 11, 9, 577); /* two row blocks; a K tail of 1 past 32-wide bf16 pairs */
     /* Q4_1: batch 1 with groups of 32 takes 4 weight rows at a time (N = 6: a remainder); K = 224 and 576 end in a
      * partial 4-block chunk; 9 rows span two 8-row tiles; 512 x 576 weights are split over the threads. */
     bad |= check_q4(&s, 1, 6, 576, 32, 0);

@@ -209,7 +209,56 @@ GV_INLINE float gv_sum(gv_t a) {
             GV_UNROLL for (int i = 0; i < NT; i++) out[r * NT + i] = gv_sum(acc[i][r]);                               \
     }
 GV_TILE_FN(f32, float)
+#if GV_SIMD == 512 && defined(__AVX512BF16__)
+/* bf16 x bf16 pairs (AVX512-BF16's vdpbf16ps): with x kept in bf16, a weight is used as loaded, no widening, and
+ * one instruction takes 32 weights (both halves of each pair multiplied exactly, added in fp32, denormals flushed)
+ * where the widening path spends a widening and two FMAs: per weight, half the arithmetic of fp32 and half its
+ * bytes.  Same tile, prefetch and exactness rules as gv_tile above, with vectors of 32 bf16 along K; the tail's
+ * pairs are zero-padded.  Only this path is compiled where the CPU has the instruction, so a build's rows never
+ * mix the two summation orders. */
+#define GV_BF16_PAIRS 1
+#define GV_BF16_LANES 32
+GV_INLINE __m512i gv_bf16_pairs_part(const uint16_t *p, int n) { /* n < 32 bf16, zeros after; no read past them */
+    return _mm512_maskz_loadu_epi16((__mmask32)((1u << n) - 1), p);
+}
+GV_INLINE gv_t gv_dot_pairs(__m512i w, __m512i x, gv_t acc) { return _mm512_dpbf16_ps(acc, (__m512bh)w, (__m512bh)x); }
+GV_INLINE void gv_tile_bf16(const uint16_t *restrict w, const uint16_t *restrict x, float *restrict out, int64_t K,
+                            const int NT, const int R) {
+    gv_t acc[GV_TILE][GV_ROWS];
+    GV_UNROLL for (int i = 0; i < NT; i++)
+        GV_UNROLL for (int r = 0; r < R; r++) acc[i][r] = gv_zero();
+    const int64_t Kv = K - K % GV_BF16_LANES;
+    for (int64_t k = 0; k < Kv; k += GV_BF16_LANES) {
+        __m512i wv[GV_TILE];
+        GV_UNROLL for (int i = 0; i < NT; i++) {
+            wv[i] = _mm512_loadu_si512(w + i * K + k);
+            GV_PIN(wv[i]);
+            if (NT > 1) __builtin_prefetch(w + (NT + i) * K + k, 0, 1);
+        }
+        GV_UNROLL for (int r = 0; r < R; r++) {
+            __m512i xv = _mm512_loadu_si512(x + r * K + k);
+            GV_PIN(xv);
+            GV_UNROLL for (int i = 0; i < NT; i++) acc[i][r] = gv_dot_pairs(wv[i], xv, acc[i][r]);
+        }
+    }
+    if (Kv < K) {
+        const int n_ = (int)(K - Kv);
+        __m512i wv[GV_TILE];
+        GV_UNROLL for (int i = 0; i < NT; i++) wv[i] = gv_bf16_pairs_part(w + i * K + Kv, n_);
+        GV_UNROLL for (int r = 0; r < R; r++) {
+            const __m512i xv = gv_bf16_pairs_part(x + r * K + Kv, n_);
+            GV_UNROLL for (int i = 0; i < NT; i++) acc[i][r] = gv_dot_pairs(wv[i], xv, acc[i][r]);
+        }
+    }
+    GV_UNROLL for (int r = 0; r < R; r++)
+        GV_UNROLL for (int i = 0; i < NT; i++) out[r * NT + i] = gv_sum(acc[i][r]);
+}
+typedef uint16_t gv_bf16_x_t; /* the bf16 kernel's inputs: bf16 as given */
+#else
+#define GV_BF16_PAIRS 0
 GV_TILE_FN(bf16, uint16_t)
+typedef float gv_bf16_x_t; /* the bf16 kernel's inputs: widened to fp32 once per call */
+#endif
 
 /* CALL(R) with r as the compile-time constant R (1..GV_ROWS): the kernel's accumulators then become registers
  * (runtime counts would keep them in memory).  Each R is one tile shape, GV_NT(R) x R, and its 1 x R remainder. */
@@ -230,8 +279,8 @@ GV_INLINE void gv_store_bf16(uint16_t *y, const uint16_t *bias, int64_t i, int64
  * m0.  gemv_T_range: columns n0..n1 of y [M, N] for all M rows, no OpenMP inside (a caller's parallel region may
  * hand each thread a range).  Up to GV_ROWS rows the tile shape is picked once per call, outside the loop over the
  * weights; more rows loop over row blocks inside each weight tile, so the tile is streamed from memory once. */
-#define GV_RANGE_FN(T, WT, YT)                                                                                        \
-    GV_INLINE void gv_block_##T(const WT *restrict W, const float *restrict x, const YT *restrict bias,               \
+#define GV_RANGE_FN(T, WT, XT, YT)                                                                                    \
+    GV_INLINE void gv_block_##T(const WT *restrict W, const XT *restrict x, const YT *restrict bias,                  \
                                 YT *restrict y, int64_t N, int64_t K, int64_t n0, int64_t n1, int64_t m0,             \
                                 const int NT, const int R) {                                                          \
         float out[GV_TILE * GV_ROWS];                                                                                 \
@@ -247,7 +296,7 @@ GV_INLINE void gv_store_bf16(uint16_t *y, const uint16_t *bias, int64_t i, int64
             GV_UNROLL for (int r = 0; r < R; r++) gv_store_##T(y, bias, (m0 + r) * N + n, n, out[r]);                 \
         }                                                                                                             \
     }                                                                                                                 \
-    void gemv_##T##_range(const WT *restrict W, const float *restrict x, const YT *restrict bias,                     \
+    void gemv_##T##_range(const WT *restrict W, const XT *restrict x, const YT *restrict bias,                        \
                           YT *restrict y, int64_t M, int64_t N, int64_t K, int64_t n0, int64_t n1) {                  \
         if (M <= 0) return;                                                                                           \
         if (M <= GV_ROWS) {                                                                                           \
@@ -264,10 +313,11 @@ GV_INLINE void gv_store_bf16(uint16_t *y, const uint16_t *bias, int64_t i, int64
 #define GV_ONE_TILE_f32(R) gv_block_f32(W, x, bias, y, N, K, n, e, m0, GV_NT(GV_ROWS), R)
 #define GV_ONE_TILE_bf16(R) gv_block_bf16(W, x, bias, y, N, K, n, e, m0, GV_NT(GV_ROWS), R)
 /* fp32 weights and activations: y[m, n] for n in [n0, n1), every m < M.  W [N, K], x [M, K], bias [N] or NULL. */
-GV_RANGE_FN(f32, float, float)
-/* bf16 weights, bias and output; x already fp32 [M, K] (converted once by the caller, exactly: bf16 -> fp32 is a
- * shift); fp32 accumulation, one rounding to bf16 at the store (as torch's CPU bf16 matmul). */
-GV_RANGE_FN(bf16, uint16_t, uint16_t)
+GV_RANGE_FN(f32, float, float, float)
+/* bf16 weights, bias and output; x [M, K] in bf16 for the pairs kernel, else already fp32 (converted once by the
+ * caller, exactly: bf16 -> fp32 is a shift); fp32 accumulation, one rounding to bf16 at the store (as torch's CPU
+ * bf16 matmul). */
+GV_RANGE_FN(bf16, uint16_t, gv_bf16_x_t, uint16_t)
 
 /* Run CALL(n0, n1) over [0, N): in this thread below GV_SPLIT weights, else one contiguous range per OpenMP thread,
  * cut at multiples of GV_TILE so that (at most row counts) no thread gets a ragged tile mid-matrix. */
@@ -296,16 +346,25 @@ void gemv_f32(const float *restrict W, const float *restrict x, const float *res
 /* bf16 weights and activations, fp32 accumulation (as torch's CPU bf16 matmul). */
 void gemv_bf16(const uint16_t *restrict W, const uint16_t *restrict xb, const uint16_t *restrict bias,
                uint16_t *restrict y, int64_t M, int64_t N, int64_t K) {
+#if GV_BF16_PAIRS
+    const uint16_t *x = xb;
+#else
     float *x = (float *)malloc(sizeof(float) * M * K); /* M*K floats: tiny next to W */
     for (int64_t i = 0; i < M * K; i++) x[i] = bf16_to_f32(xb[i]);
+#endif
 #define GV_BF16(a, b) gemv_bf16_range(W, x, bias, y, M, N, K, a, b)
     GV_SPLIT_ROWS(N, K, GV_BF16);
 #undef GV_BF16
+#if !GV_BF16_PAIRS
     free(x);
+#endif
 }
 
 /* Which vector width the GEMV compiled to: 512 (AVX-512), 256 (AVX2), 0 (portable vector extensions). */
 int gemv_simd_level(void) { return GV_SIMD; }
+
+/* 1 when the bf16 GEMV multiplies bf16 pairs (AVX512-BF16's vdpbf16ps), 0 when it widens the weights to fp32. */
+int gemv_bf16_pairs(void) { return GV_BF16_PAIRS; }
 
 /* Streaming read of n floats (a bandwidth probe for the roofline): returns their sum.  Chunks of 4096 floats are
  * summed in fp32 (vectorised) and the chunk sums in fp64, the chunks split across the threads. */
