@@ -56,7 +56,9 @@ static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, as torch
  * build the results do not depend on M.
  *
  * SIMD levels (as quant.c's QSIMD): AVX-512 F/BW/VL + FMA (16 lanes, masked tail loads), AVX2 + FMA (8 lanes), else
- * GCC/clang vector extensions (8 lanes) that the compiler maps to SSE, NEON, ... — correct everywhere. */
+ * GCC/clang vector extensions (8 lanes) that the compiler maps to SSE, NEON, ... — correct everywhere.  bf16 weights
+ * are widened to fp32 and meet fp32 inputs, except on AVX512-BF16 builds, which multiply bf16 pairs (gv_tile_bf16,
+ * after gv_tile). */
 #ifdef _OPENMP
 #include <omp.h>
 #elif !defined(omp_get_max_threads) /* decode.c includes quant.c first, which defines the same fallbacks */
