@@ -25,8 +25,8 @@ import torch
 
 MAX_ROWS = 32  # decode batches up to this may use the native kernel (register tiles of up to 8 rows, in blocks)
 # Rows up to which the native kernel beats torch over SmolLM2's layer stack + LM head (weights streamed from
-# memory), measured on a 2-core EPYC (Zen 4): fp32 all 32 (3.3x at 2 rows, 1.3x at 16, 1.14x at 32); bf16 4
-# (3.0x at 1 row, 1.2x at 2-4; oneDNN's AVX512-BF16 GEMM wins from 8 rows).
+# memory), on the 2-core Zen 4 host this was tuned on: fp32 at every row count up to MAX_ROWS (its lead narrows as
+# rows grow but never turns); bf16 up to 4 rows (from 8 rows oneDNN's AVX512-BF16 GEMM wins).
 _ROWS_BY_DTYPE = {torch.float32: 32, torch.bfloat16: 4}
 _SRC = Path(__file__).parent / "csrc" / "native.c"
 

@@ -56,9 +56,9 @@
  * rows passes over them, so each weight byte comes from memory once per call (q8_q8_rows, a8_rows). */
 #define L2_BLOCK (192 * 1024)
 /* Batch-1 4-row tiles prefetch the tile PF_TILES ahead (its weights, scales and mins) with locality hint PF_LOC
- * (1: prefetcht2 on x86, a fill of the outer caches rather than L1).  Measured on the SmolLM2 stack streamed from
- * memory (2 cores, AMD EPYC, C harness, 6 interleaved rounds, median ms for int4 / int8): 2 tiles into L1 (t0)
- * 2.64 / 6.62 (the first version of this tiling), 4 into L2 2.00 / 3.64; 3, 6 and 8 tiles in between. */
+ * (1: prefetcht2 on x86, a fill of the outer caches rather than L1).  Chosen on the SmolLM2 stack streamed from
+ * memory (2-core AMD EPYC, C harness, interleaved rounds): 4 tiles into L2 beat the first version of this tiling
+ * (2 tiles into L1) clearly for int4 and int8 alike; 3, 6 and 8 tiles fell in between. */
 #ifndef PF_TILES
 #define PF_TILES 4
 #endif
@@ -131,12 +131,13 @@ static inline void store_y(void *y, int x_bf16, int64_t i, float v) {
 
 /* Run CALL(n0, n1) over the N weight rows: in this thread below 2^18 weights, where a parallel region's start and
  * join cost as much as the GEMV itself; else as contiguous equal ranges, one per OpenMP thread (as schedule(static)
- * would).  Measured on 2 cores (AMD EPYC, libgomp): an empty region costs ~0.3 us at 1 thread and ~0.5-1 us at 2
- * while the idle thread spins (libgomp's default between regions), a barrier inside one region ~0.25-0.5 us; with
- * OMP_WAIT_POLICY=passive (the idle thread sleeps) ~8 us and ~3.4 us.  So the ~121 regions of a SmolLM2 decode
- * step cost ~0.1 ms of a ~3 ms int4 stack at 2 threads — not what keeps it from the read bandwidth.  What does, on
- * a loaded machine: a spinning thread whose partner shares its core (other processes hold the other one) burns the
- * time slice the partner needs; a whole stack then runs 3-4x slower (bimodal from run to run, one region or many). */
+ * would).  On the 2-core AMD EPYC this was tuned on (libgomp), an empty region or a barrier is cheap next to a GEMV
+ * while the idle thread spins (libgomp's default between regions), several times more with
+ * OMP_WAIT_POLICY=passive (the idle thread sleeps).  So the ~121 regions of a SmolLM2 decode step are a small
+ * fraction of an int4 stack at 2 threads — not what keeps it from the read bandwidth.  What does, on a loaded
+ * machine: a spinning thread whose partner shares its core (other processes hold the other one) burns the time
+ * slice the partner needs; a whole stack then runs several times slower (bimodal from run to run, one region or
+ * many). */
 #define SPLIT_ROWS(N, K, CALL)                                                                               \
     do {                                                                                                     \
         if ((N) * (K) < (1 << 18) || omp_get_max_threads() == 1) {                                           \
@@ -156,7 +157,7 @@ INLINE void q4_exact_row(const uint8_t *restrict p, const void *sc, const void *
                          const float *restrict x, float *restrict out, int64_t K, int64_t G, const int R) {
     float acc[QTILE][QB] = {{0.f}};
     const int64_t ng = K / G;
-    for (int64_t g = 0; g < ng; g++) { /* no integer division in the loop: ~40 cycles each, per block */
+    for (int64_t g = 0; g < ng; g++) { /* no integer division in the loop: tens of cycles each, per block */
         const float d = scale_at(sc, f16, row * ng + g), mn = scale_at(mi, f16, row * ng + g);
         for (int64_t b = g * (G / QB); b < (g + 1) * (G / QB); b++) {
             const uint8_t *restrict pb = p + b * (QB / 2);
@@ -286,7 +287,7 @@ void q8_gemm(const int8_t *restrict W, const void *scales, int scale_f16, const 
 #endif
 /* The int8-activation row kernels take their tile's row count R as a compile-time constant (FOR_TILE) where SIMD
  * registers hold the accumulators.  The portable C keeps them in memory at any R, so there one copy with a runtime R:
- * 8x less code (quant.c at -O3 compiled in ~55 s, now ~6 s, gcc 12 on x86-64 and aarch64), and every row summed by
+ * 8x less code (and a compile of quant.c at -O3 several times shorter), and every row summed by
  * the same instructions — separately optimised copies reassociated the lane sums differently under -ffast-math, so
  * a row's result depended on how many rows shared the call. */
 #if QSIMD
@@ -1246,7 +1247,7 @@ static void a8_rows(const int8_t *restrict W, const void *scales, int scale_f16,
     /* Few rows (decode, M <= A8_FEW_ROWS: one tile of activation rows): each weight byte is used by one tile only,
      * so no L2 blocking; the weights stream once, 4 interleaved rows at a time, which the hardware prefetchers do
      * not follow: as in q8_q8_row4, each chunk step prefetches 4 lines of the 4-row tile PF_TILES ahead in address
-     * order (batch 1, SmolLM2's linears streamed, 1 thread, interleaved: ~2x faster than without). */
+     * order (batch 1, SmolLM2's linears streamed, 1 thread: clearly faster than without). */
     const int few = M <= A8_FEW_ROWS;
     int64_t nb = few ? n1 - n0 : L2_BLOCK / (K > 0 ? K : 1) / 4 * 4;
     nb = nb < 4 ? 4 : nb;
@@ -1295,9 +1296,8 @@ static void a8_rows(const int8_t *restrict W, const void *scales, int scale_f16,
  * panels (8 x 2: 16 accumulators, 2 weight loads and 8 broadcasts per 16 vpdpbusd), the block's panels (in L2)
  * swept once per tile of activation rows (in L1).  The repack — 16 rows x 64 bytes loaded, + 128, a 16 x 16 int32
  * transpose (64 shuffles), 16 stores — costs about what one 8-row tile's products over the same bytes cost, hence
- * the row threshold (more than A8_FEW_ROWS; an interleaved sweep, 1 thread, SmolLM2's linears: panels 0.6x the
- * few-row path at 2 rows, 0.9x at 4, 1.7x at 5 and 8); it reads each weight byte once per call, as the row-tile
- * path does. */
+ * the row threshold (more than A8_FEW_ROWS: on SmolLM2's linears, 1 thread, panels lose to the few-row path up to 4
+ * rows and win clearly from 5); it reads each weight byte once per call, as the row-tile path does. */
 #ifndef A8P_MR
 #define A8P_MR 8
 #endif
