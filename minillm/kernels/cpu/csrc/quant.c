@@ -1305,7 +1305,13 @@ static void a8_rows(const int8_t *restrict W, const void *scales, int scale_f16,
 #define A8P_NP 2
 #endif
 
-static __thread int8_t *a8_pbuf; /* per thread, grown to the largest block seen (a block is ~L2_BLOCK bytes) */
+/* The panel buffer: one per thread that has run the panel path, reused by its later calls and never freed.  It is
+ * bounded: it only grows to the largest block asked for, and a block is nb * kp bytes with nb = max(16, L2_BLOCK /
+ * kp rounded down to 16 rows), so at most max(L2_BLOCK, 16 * kp) bytes (192 KiB, or 16 rows of the widest K seen);
+ * the threads that hold one are the OpenMP team and the callers, which normally live as long as the process (a
+ * thread that ends leaves its one buffer behind).  Kept rather than allocated per call: a buffer this size comes
+ * from mmap, and an mmap, its page faults and a munmap on every GEMM would be pure overhead. */
+static __thread int8_t *a8_pbuf;
 static __thread size_t a8_pcap;
 
 static int8_t *a8_panel_buf(size_t bytes) {
