@@ -66,6 +66,18 @@
 #define PF_LOC 1
 #endif
 #define INLINE static inline __attribute__((always_inline))
+/* The functions between PRECISE_MATH_BEGIN and PRECISE_MATH_END are compiled without -ffast-math's licence to
+ * approximate or reassociate (the activation rounding, whose quotients near k + 1/2 must round as the reference). */
+#if defined(__clang__)
+#define PRECISE_MATH_BEGIN _Pragma("float_control(precise, on, push)")
+#define PRECISE_MATH_END _Pragma("float_control(pop)")
+#elif defined(__GNUC__)
+#define PRECISE_MATH_BEGIN _Pragma("GCC push_options") _Pragma("GCC optimize(\"no-unsafe-math-optimizations\")")
+#define PRECISE_MATH_END _Pragma("GCC pop_options")
+#else
+#define PRECISE_MATH_BEGIN
+#define PRECISE_MATH_END
+#endif
 
 static inline float h2f(uint16_t h) {
 #if defined(__F16C__)
@@ -1088,12 +1100,7 @@ INLINE float f_pin(float a) { /* a, opaque to the optimiser (see vf_pin) */
 /* One row's rounding, compiled without the fast-math licence to approximate a division: under -ffast-math GCC
  * divides vectors by a reciprocal estimate refined by a Newton step (x86 -mrecip's default) and clang may multiply
  * by a hoisted 1 / d, either of which rounds a quotient near k + 1/2 to the other side of it from the reference. */
-#if defined(__clang__)
-#pragma float_control(precise, on, push)
-#elif defined(__GNUC__)
-#pragma GCC push_options
-#pragma GCC optimize("no-unsafe-math-optimizations")
-#endif
+PRECISE_MATH_BEGIN
 static void a8_row(const float *restrict x, const float *input_scale, int64_t K, int8_t *restrict q, float *sx,
                    int32_t *xs) {
     float s;
@@ -1116,11 +1123,7 @@ static void a8_row(const float *restrict x, const float *input_scale, int64_t K,
     }
     *sx = s, *xs = sum;
 }
-#if defined(__clang__)
-#pragma float_control(pop)
-#elif defined(__GNUC__)
-#pragma GCC pop_options
-#endif
+PRECISE_MATH_END
 
 static a8_t a8_prep(const float *x, const float *input_scale, int64_t M, int64_t K, void *buf, size_t buf_bytes) {
     a8_t a;
@@ -1531,12 +1534,7 @@ typedef struct {
 
 /* One row's blocks rounded, without the fast-math licence (as a8_row: a reciprocal estimate or a hoisted division
  * would round a quotient near k + 1/2 differently from the reference). */
-#if defined(__clang__)
-#pragma float_control(precise, on, push)
-#elif defined(__GNUC__)
-#pragma GCC push_options
-#pragma GCC optimize("no-unsafe-math-optimizations")
-#endif
+PRECISE_MATH_BEGIN
 static void pf_round_row(const void *xin, int x_bf16, int64_t m, int64_t K, const pfx_t *p) {
     const int64_t nb = K / QB;
     for (int64_t b = 0; b < nb; b++) {
@@ -1557,11 +1555,7 @@ static void pf_round_row(const void *xin, int x_bf16, int64_t m, int64_t K, cons
         p->dx[m * nb + b] = d, p->xs[m * nb + b] = d * (float)s, p->xc[m * nb + b] = -128 * s;
     }
 }
-#if defined(__clang__)
-#pragma float_control(pop)
-#elif defined(__GNUC__)
-#pragma GCC pop_options
-#endif
+PRECISE_MATH_END
 
 /* Panel n0 .. n0 + 32 (nv real columns, the rest zero weights and scales) into the tiled copy.  Q8_0 (q4 = 0):
  * wp[b][i][v] = 64 bytes, byte 4c + t = q[n0 + 16v + c, 32b + 4i + t] + 128 (i < 8).  Q4 (q4 = 1): wp[b][i][v] = 64
