@@ -27,9 +27,9 @@
  * tile computes it and however many rows share the call (tests/kernels/test_linear_stack.py and test_native_
  * portability.py check it; vf_pin and TILE_Q8 below say why it needs care under -ffast-math).
  * Scales/mins are fp32 or fp16 (scale_f16 = 1); activations fp32 or bf16 (x_bf16 = 1; then y is bf16 too).
- * Many rows: q8_q8_rows takes the weight rows in L2-sized blocks, every tile of input rows over a block (a row's
- * decode bits); the prefill GEMM for Q8_0 / Q4_x blocks (q8_gemm_prefill, q4_gemm_prefill, at the end) tiles the
- * same arithmetic over 32-column weight panels, 4 x 32 outputs in registers.
+ * Past one tile of rows: q8_q8_rows takes the weight rows in L2-sized blocks, every tile of input rows over a block
+ * (a row's 1-row bits); the prefill GEMM for Q8_0 / Q4_x blocks (q8_gemm_prefill, q4_gemm_prefill, at the end)
+ * tiles the same arithmetic over 32-column weight panels, 4 x 32 outputs in registers.
  * W8A8 (w8a8_gemm, at the end): int8 weights per channel times int8 activations rounded per token, exact int32 sums.
  * Build: cc -O3 -march=native -ffast-math -fopenmp -shared -fPIC on first use, cached.  Without AVX2 (or on ARM)
  * the integer path is plain C loops, correct everywhere and vectorised where the compiler can.
@@ -1015,9 +1015,10 @@ static void q8_q8_rows(const int8_t *restrict W, const void *scales, int scale_f
             else q8_q8_row4(W + n * K, scales, scale_f16, n, x, out, K, 1);
             for (int r = 0; r < 4; r++) store_y(y, x_bf16, n + r, out[r]);
         }
-    /* Past one tile of input rows (prefill): weight rows in blocks of L2_BLOCK bytes, every tile of input rows over
-     * a block before the next (the tile's codes and steps stay in L1 across the block's rows).  Each (weight row,
-     * tile) is the same q8_q8_row call in either order: the same bits as row by row. */
+    /* Past one tile of input rows (decode.c's stacks take up to 32 rows): weight rows in blocks of L2_BLOCK bytes,
+     * every tile of input rows over a block before the next (the tile's codes and steps stay in L1 across the
+     * block's rows).  Each (weight row, tile) is the same q8_q8_row call in either order: the same bits as row by
+     * row. */
     const int64_t blk = M <= QTILE ? n1 - n : (L2_BLOCK / K > 1 ? L2_BLOCK / K : 1);
     for (int64_t b0 = n; b0 < n1; b0 += blk) {
         const int64_t b1 = b0 + blk < n1 ? b0 + blk : n1;
