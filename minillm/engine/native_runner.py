@@ -180,7 +180,7 @@ class NativeDecodeStack:
     def _probe(self) -> tuple[int, ...]:
         """Ids and addresses that change when the model's modules are swapped or its tensors moved (``_watched``),
         the layer count, the KV cache: checked every call, a few C-level loops (3 dicts per layer)."""
-        ids = [tuple(map(id, d.values())) for d in self._watched_dicts]  # C loops: ~0.2 µs a dict
+        ids = [tuple(map(id, d.values())) for d in self._watched_dicts]  # C loops over the dicts, no Python per entry
         ptrs = [t.data_ptr() for t in self._watched_tensors]
         return (len(self.model.model.layers), self.kv.k.data_ptr(), self.kv.v.data_ptr(), *ids, *ptrs)
 

@@ -2,8 +2,8 @@
 
 Reading checkpoints is left to the well-kept libraries (safetensors; transformers + gguf for GGUF, which also
 undoes llama.cpp's Q/K row permutation and dequantizes).  Conversion to minillm's layout is one renaming step
-(``stack_hf_weights``).  GGUF conversion takes ~15 s, so its result (config, fp32 safetensors, tokenizer) is
-cached under ``~/.cache/minillm/models`` and later loads read that in about a second.
+(``stack_hf_weights``).  GGUF conversion (a dequantizing pass over every tensor) is slow, so its result (config,
+fp32 safetensors, tokenizer) is cached under ``~/.cache/minillm/models`` and later loads only read that.
 """
 
 from __future__ import annotations
@@ -232,7 +232,7 @@ def choose_dtype(device: str | torch.device | None = None, checkpoint_dtype: str
     return DtypeChoice(torch.float32, f"the CPU default; this CPU {native}")
 
 
-@cache  # warn once per process: the measurement costs ~0.1 s where bf16 is emulated
+@cache  # warn once per process: the measurement is slow where bf16 is emulated
 def _warn_emulated_bf16() -> None:
     from minillm.kernels.probe import matmul_flops
 

@@ -4,25 +4,14 @@ sum of the softmax probabilities; blocks stay bounded; bad configs name the fix.
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig
+from transformers import MistralConfig
 
 from minillm import EngineConfig, ModelConfig, SamplingParams
 from minillm.engine.llm_engine import LLMEngine
 from minillm.kv.eviction import EVICTED, H2OPolicy, make_eviction_policy
-from minillm.models.loader import build_model
 
 BS, SINKS, WINDOW, HEAVY = 4, 2, 8, 8
-TINY = dict(vocab_size=320, hidden_size=96, intermediate_size=160, num_hidden_layers=3, num_attention_heads=6,
-            num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-5)
 H2O = dict(kv_eviction="h2o", sink_tokens=SINKS, window_tokens=WINDOW, heavy_tokens=HEAVY)
-
-
-@pytest.fixture(scope="module")
-def llama():
-    cfg = LlamaConfig(**TINY)
-    torch.manual_seed(0)
-    return build_model(ModelConfig.from_hf(cfg), LlamaForCausalLM(cfg).eval().state_dict(), dtype=torch.float32,
-                       device="cpu", kernels="native")
 
 
 class ProbedAttention:
@@ -74,10 +63,10 @@ def history_mask(history, n):
 
 
 @pytest.mark.parametrize("batched_tokens", [8, 64])  # the prompt in chunks (evicting in between) / in one chunk
-def test_h2o_equals_the_full_forward_under_the_evicted_blocks_mask_and_scores_its_mass(llama, batched_tokens):
+def test_h2o_equals_the_full_forward_under_the_evicted_blocks_mask_and_scores_its_mass(tiny_llama, batched_tokens):
     # a pool of 10 blocks: freed blocks are reused, so a slot's mass must restart with its new token
-    eng = LLMEngine(llama, config=EngineConfig(block_size=BS, num_kv_blocks=10, max_num_seqs=2, return_logits=True,
-                                               max_num_batched_tokens=batched_tokens, **H2O))
+    eng = LLMEngine(tiny_llama, config=EngineConfig(block_size=BS, num_kv_blocks=10, max_num_seqs=2, return_logits=True,
+                                                    max_num_batched_tokens=batched_tokens, **H2O))
     prompt = torch.randint(0, 320, (20,), generator=torch.Generator().manual_seed(4)).tolist()
     total = 10 * (SINKS + WINDOW + HEAVY)  # 10 × the budget
     tokens, logits, history, used, probe = run_recording(eng, prompt, total - len(prompt), probe_at=60)
@@ -85,9 +74,9 @@ def test_h2o_equals_the_full_forward_under_the_evicted_blocks_mask_and_scores_it
     n = len(seq)
     pos = torch.arange(n)
     with torch.no_grad():
-        want = llama.compute_logits(llama.hidden_states(torch.tensor([seq]), pos[None],
-                                                        ProbedAttention(history_mask(history, n))))[0]
-        plain = llama(torch.tensor([seq]), pos[None])[0]
+        want = tiny_llama.compute_logits(tiny_llama.hidden_states(torch.tensor([seq]), pos[None],
+                                                                  ProbedAttention(history_mask(history, n))))[0]
+        plain = tiny_llama(torch.tensor([seq]), pos[None])[0]
     torch.testing.assert_close(logits, want[len(prompt) - 1 :])
     assert tokens == want[len(prompt) - 1 :].argmax(-1).tolist()
     assert not torch.allclose(want, plain, atol=1e-3)  # blocks were evicted and it mattered
@@ -105,15 +94,15 @@ def test_h2o_equals_the_full_forward_under_the_evicted_blocks_mask_and_scores_it
     block_ids, computed, mass = probe
     probe_attention = ProbedAttention(history_mask(history[:60], computed))
     with torch.no_grad():
-        llama.hidden_states(torch.tensor([seq[:computed]]), torch.arange(computed)[None], probe_attention)
+        tiny_llama.hidden_states(torch.tensor([seq[:computed]]), torch.arange(computed)[None], probe_attention)
     held = [p for p in range(computed) if block_ids[p // BS] != EVICTED]
     got = torch.stack([mass[block_ids[p // BS], p % BS] for p in held])
     torch.testing.assert_close(got, probe_attention.mass[held])
 
 
-def test_h2o_with_an_int8_kv_cache_runs_bounded(llama):
-    eng = LLMEngine(llama, config=EngineConfig(block_size=BS, num_kv_blocks=64, max_num_seqs=2,
-                                               kv_cache_dtype="int8", **H2O))
+def test_h2o_with_an_int8_kv_cache_runs_bounded(tiny_llama):
+    eng = LLMEngine(tiny_llama, config=EngineConfig(block_size=BS, num_kv_blocks=64, max_num_seqs=2,
+                                                    kv_cache_dtype="int8", **H2O))
     out = eng.generate([list(range(1, 30))], SamplingParams(max_tokens=80, temperature=0, ignore_eos=True))
     assert len(out[0].outputs[0].token_ids) == 80 and eng.stats.peak_used_blocks <= 8  # the 29-token prompt's
 
@@ -132,11 +121,11 @@ def test_bad_h2o_config_names_the_fix(kw, match):
         EngineConfig(kv_eviction="h2o", **kw)
 
 
-def test_heavy_tokens_without_h2o_and_h2o_on_a_windowed_model_are_refused():
+def test_heavy_tokens_without_h2o_and_h2o_on_a_windowed_model_are_refused(tiny_shape):
     with pytest.raises(ValueError, match='pass kv_eviction="h2o" with it'):
         EngineConfig(kv_eviction="sink", window_tokens=8, heavy_tokens=4)
     with pytest.raises(ValueError, match='pass kv_eviction="h2o" with it'):
         EngineConfig(heavy_tokens=4)
-    assert ModelConfig.from_hf(MistralConfig(**TINY, sliding_window=16)).sliding_window == 16
+    assert ModelConfig.from_hf(MistralConfig(**tiny_shape, sliding_window=16)).sliding_window == 16
     with pytest.raises(ValueError, match="sliding-window model"):
         make_eviction_policy(16, "h2o", 8, 2, 8)

@@ -4,7 +4,7 @@ same mask; bad eviction configs."""
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
+from transformers import MistralConfig, MistralForCausalLM
 
 from minillm import EngineConfig, ModelConfig, SamplingParams
 from minillm.engine.llm_engine import LLMEngine
@@ -12,14 +12,12 @@ from minillm.kernels.reference import kept_keys, sdpa_attention
 from minillm.models.loader import build_model
 
 WINDOW, BS = 12, 4
-TINY = dict(vocab_size=320, hidden_size=96, intermediate_size=160, num_hidden_layers=3, num_attention_heads=6,
-            num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-5)
 
 
 @pytest.fixture(scope="module")
-def mistral():
+def mistral(tiny_shape):
     """A random tiny Mistral with a 12-token window (eager attention: transformers applies the window mask)."""
-    cfg = MistralConfig(**TINY, sliding_window=WINDOW)
+    cfg = MistralConfig(**tiny_shape, sliding_window=WINDOW)
     cfg._attn_implementation = "eager"
     torch.manual_seed(0)
     return MistralForCausalLM(cfg).eval()
@@ -78,9 +76,9 @@ def test_prefix_cache_hits_past_evicted_blocks_give_the_same_tokens(mistral):
     assert run(cold, prompt, 20)[0] == first
 
 
-def test_windowed_model_is_no_longer_capped_at_its_window(mistral):
+def test_windowed_model_is_no_longer_capped_at_its_window(mistral, tiny_shape):
     eng = LLMEngine(ours(mistral, "torch"), config=EngineConfig(block_size=BS, num_kv_blocks=64, max_num_seqs=2))
-    assert eng.max_model_len == TINY["max_position_embeddings"]
+    assert eng.max_model_len == tiny_shape["max_position_embeddings"]
 
 
 # ---- attention sinks (StreamingLLM) on a full-attention model -------------------------------------------------------
@@ -98,19 +96,11 @@ class MaskedFullAttention:
         return sdpa_attention(q, k, v, self.mask[None, None], scale=scale)
 
 
-@pytest.fixture(scope="module")
-def llama():
-    cfg = LlamaConfig(**TINY)
-    torch.manual_seed(0)
-    return build_model(ModelConfig.from_hf(cfg), LlamaForCausalLM(cfg).eval().state_dict(), dtype=torch.float32,
-                       device="cpu", kernels="native")
-
-
 @pytest.mark.parametrize("batched_tokens", [8, 64])
-def test_sinks_and_window_equal_the_full_forward_under_the_same_mask_with_constant_blocks(llama, batched_tokens):
-    eng = LLMEngine(llama, config=EngineConfig(block_size=BS, num_kv_blocks=64, max_num_seqs=2, return_logits=True,
-                                               max_num_batched_tokens=batched_tokens, kv_eviction="sink",
-                                               sink_tokens=SINKS, window_tokens=SINK_WINDOW))
+def test_sinks_and_window_equal_the_full_forward_under_the_same_mask_with_constant_blocks(tiny_llama, batched_tokens):
+    eng = LLMEngine(tiny_llama, config=EngineConfig(block_size=BS, num_kv_blocks=64, max_num_seqs=2, return_logits=True,
+                                                    max_num_batched_tokens=batched_tokens, kv_eviction="sink",
+                                                    sink_tokens=SINKS, window_tokens=SINK_WINDOW))
     prompt = prompt_of(20, seed=4)
     total = 10 * (SINKS + SINK_WINDOW)
     tokens, logits, used = run(eng, prompt, total - len(prompt))
@@ -118,8 +108,8 @@ def test_sinks_and_window_equal_the_full_forward_under_the_same_mask_with_consta
     pos = torch.arange(seq.shape[1])
     mask = kept_keys(pos[:, None], pos, SINK_WINDOW, SINKS)
     with torch.no_grad():
-        want = llama.compute_logits(llama.hidden_states(seq, pos[None], MaskedFullAttention(mask)))[0]
-        plain = llama(seq, pos[None])[0]
+        want = tiny_llama.compute_logits(tiny_llama.hidden_states(seq, pos[None], MaskedFullAttention(mask)))[0]
+        plain = tiny_llama(seq, pos[None])[0]
     torch.testing.assert_close(logits, want[len(prompt) - 1 :])
     assert tokens == want[len(prompt) - 1 :].argmax(-1).tolist()
     assert not torch.allclose(want, plain, atol=1e-3)  # the mask matters: eviction is not full attention here
@@ -142,25 +132,25 @@ def test_bad_eviction_config_names_the_fix(kw, match):
         EngineConfig(kv_eviction="lru", window_tokens=8)
 
 
-def test_ngram_speculation_under_sinks_gives_the_same_greedy_tokens(llama):
+def test_ngram_speculation_under_sinks_gives_the_same_greedy_tokens(tiny_llama):
     """Drafts are verified through the eviction mask and rolled back only where uncomputed (``truncate``)."""
     config = dict(block_size=BS, num_kv_blocks=64, max_num_seqs=2, max_num_batched_tokens=16, kv_eviction="sink",
                   sink_tokens=SINKS, window_tokens=SINK_WINDOW)
     prompt = [5, 6, 7, 8, 9] * 6  # repeats: the n-gram proposer drafts, and some drafts are rejected
     params = SamplingParams(max_tokens=60, temperature=0, ignore_eos=True)
-    plain = LLMEngine(llama, config=EngineConfig(**config)).generate([prompt], params)[0].outputs[0].token_ids
-    eng = LLMEngine(llama, config=EngineConfig(**config, speculative_config={"method": "ngram",
-                                                                             "num_speculative_tokens": 3}))
+    plain = LLMEngine(tiny_llama, config=EngineConfig(**config)).generate([prompt], params)[0].outputs[0].token_ids
+    eng = LLMEngine(tiny_llama, config=EngineConfig(**config, speculative_config={"method": "ngram",
+                                                                                  "num_speculative_tokens": 3}))
     assert eng.generate([prompt], params)[0].outputs[0].token_ids == plain
     assert eng.spec_stats.draft_tokens > eng.spec_stats.accepted_tokens > 0  # drafts ran, some were rolled back
 
 
-def test_a_pool_smaller_than_the_sequence_admits_and_finishes_it_under_eviction(llama):
+def test_a_pool_smaller_than_the_sequence_admits_and_finishes_it_under_eviction(tiny_llama):
     tiny_pool = dict(block_size=BS, num_kv_blocks=8, max_num_seqs=2, max_num_batched_tokens=16)
     params = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)  # 220 tokens = 55 blocks without eviction
     with pytest.raises(ValueError, match="needs up to 55 KV blocks"):
-        LLMEngine(llama, config=EngineConfig(**tiny_pool)).add_request(prompt_of(20), params)
-    eng = LLMEngine(llama, config=EngineConfig(**tiny_pool, kv_eviction="sink", sink_tokens=SINKS,
-                                               window_tokens=SINK_WINDOW))
+        LLMEngine(tiny_llama, config=EngineConfig(**tiny_pool)).add_request(prompt_of(20), params)
+    eng = LLMEngine(tiny_llama, config=EngineConfig(**tiny_pool, kv_eviction="sink", sink_tokens=SINKS,
+                                                    window_tokens=SINK_WINDOW))
     out = eng.generate([prompt_of(20)], params)[0].outputs[0]
     assert len(out.token_ids) == 200 and eng.stats.preemptions == 0

@@ -12,14 +12,12 @@ from minillm.engine.simple import generate
 from minillm.models.loader import build_model
 
 WINDOW, BS = 8, 4
-TINY = dict(vocab_size=320, hidden_size=96, intermediate_size=160, num_hidden_layers=3, num_attention_heads=6,
-            num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-5)
 
 
 @pytest.fixture(scope="module")
-def qwen2():
+def qwen2(tiny_shape):
     """Layer 0 global, layers 1-2 with an 8-token window (eager attention: transformers applies the masks)."""
-    cfg = Qwen2Config(**TINY, use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1)
+    cfg = Qwen2Config(**tiny_shape, use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1)
     cfg._attn_implementation = "eager"
     assert cfg.layer_types == ["full_attention", "sliding_attention", "sliding_attention"]
     torch.manual_seed(0)
@@ -31,22 +29,22 @@ def ours(hf, kernels):
                        kernels=kernels)
 
 
-def test_config_reads_the_per_layer_pattern(qwen2):
+def test_config_reads_the_per_layer_pattern(qwen2, tiny_shape):
     mc = ModelConfig.from_hf(qwen2.config)
     assert mc.sliding_window == WINDOW and mc.sliding_layers == (False, True, True)
     assert [mc.layer_window(i) for i in range(3)] == [None, WINDOW, WINDOW] and not mc.evicts_by_window
-    every = Qwen2Config(**TINY, use_sliding_window=True, sliding_window=WINDOW, max_window_layers=0)
+    every = Qwen2Config(**tiny_shape, use_sliding_window=True, sliding_window=WINDOW, max_window_layers=0)
     assert ModelConfig.from_hf(every).sliding_layers is None and ModelConfig.from_hf(every).evicts_by_window
-    assert ModelConfig.from_hf(Qwen2Config(**TINY)).sliding_window is None  # use_sliding_window off: all global
+    assert ModelConfig.from_hf(Qwen2Config(**tiny_shape)).sliding_window is None  # use_sliding_window off: all global
 
 
-def test_plain_forward_matches_transformers_past_the_window(qwen2):
+def test_plain_forward_matches_transformers_past_the_window(qwen2, tiny_shape):
     ids = torch.randint(0, 320, (1, 40), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         want = qwen2(ids).logits
         got = ours(qwen2, "torch")(ids, torch.arange(40)[None])
     torch.testing.assert_close(got, want)
-    plain = Qwen2ForCausalLM(Qwen2Config(**TINY)).eval()
+    plain = Qwen2ForCausalLM(Qwen2Config(**tiny_shape)).eval()
     plain.load_state_dict(qwen2.state_dict())
     with torch.no_grad():
         assert not torch.allclose(plain(ids).logits, want, atol=1e-3)  # the windows matter at 40 tokens

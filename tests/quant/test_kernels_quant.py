@@ -248,32 +248,3 @@ def test_native_w8a8_refuses_a_grouped_weight_and_bf16_activations():
     assert not native_quant.w8a8_supports(torch.randn(2, 64, dtype=torch.bfloat16), quantize_int8(torch.randn(8, 64)))
     with pytest.raises(ValueError, match="per-channel Int8Weight"):
         native_quant.w8a8_linear(torch.randn(2, 64), w8)
-
-
-@native
-@pytest.mark.parametrize("target", TARGETS)
-def test_int8_prefill_rows_take_the_int8_activation_kernel_with_each_rows_decode_bits(target):
-    """int8_linear(rows="any"): M in the hundreds through the cache-blocked loop (weight rows in L2-sized blocks,
-    8-row tiles of x over each block): the reference on block-rounded activations up to summation order, and each
-    row exactly the bits it gets alone (as a decode row), Q8_0 groups of 32 and per channel, fp16 scales."""
-    from minillm.kernels.cpu.quant import q8_activation_ref
-
-    _target_or_skip(target)
-    g = torch.Generator().manual_seed(4)
-    for M, N, K, G in [(1, 37, 64, 32), (3, 17, 96, 32), (17, 101, 576, 32), (64, 33, 1536, 32), (512, 9, 224, 32),
-                       (20, 7, 128, 128)]:
-        x, w = torch.randn(M, K, generator=g), torch.randn(N, K, generator=g)
-        w8 = quantize_int8(w, G)
-        w8 = Int8Weight(w8.qweight, w8.scales.half(), G) if M == 17 else w8
-        got = native_quant.int8_linear(x, w8, target=target, rows="any")
-        _assert_sum_close(got, int8_linear_ref(q8_activation_ref(x), w8), x, w)
-        rows = [0, M // 2, M - 1]
-        alone = torch.cat([native_quant.int8_linear(x[i:i + 1], w8, target=target) for i in rows])
-        assert torch.equal(got[rows], alone), (target, M, N, K, G)
-
-
-def test_int8_prefill_rows_refuse_the_exact_path_and_k_off_the_blocks():
-    with pytest.raises(ValueError, match="exact=False"):
-        native_quant.int8_linear(torch.randn(9, 64), quantize_int8(torch.randn(4, 64), 32), exact=True, rows="any")
-    with pytest.raises(ValueError, match="multiples of 32"):
-        native_quant.int8_linear(torch.randn(9, 80), quantize_int8(torch.randn(4, 80)), rows="any")

@@ -2,8 +2,8 @@
 
 ``cpu_has_native_bf16()`` decides whether bf16 is a sensible CPU dtype: with AVX512-BF16 / AMX-BF16 (x86: Zen 4,
 Sapphire Rapids) or the Armv8.6 BF16 extension (Graviton 3, Apple M2+) PyTorch's bf16 matmul runs at fp32's rate
-or better; without them (AVX2-only hosts such as Zen 3, most laptops) it is emulated element by element, ~100×
-slower than fp32 (0.9 GFLOP/s measured on a 2-core Zen 3).
+or better; without them (AVX2-only hosts such as Zen 3, most laptops) it is emulated element by element, orders
+of magnitude slower than fp32.
 """
 
 from __future__ import annotations

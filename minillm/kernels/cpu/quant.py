@@ -10,8 +10,7 @@ Two paths per weight format (``csrc/quant.c`` explains both):
   ``q8_activation_ref(x)`` up to fp32 summation order, so it differs from the W4A16/W8A16 result by at most
   ``0.5 * sum_k dx_k * |w_nk|`` (every activation moves by at most half its block's step dx = max|x| / 127).
 
-``int8_linear(..., rows="any")`` runs the int8-activation path at any row count (cache-blocked; each row the bits it
-has at decode).  ``block_prefill_linear`` is the prefill GEMM for Q8_0 / Q4_0 / Q4_1 weights: the same activation
+``block_prefill_linear`` is the prefill GEMM for Q8_0 / Q4_0 / Q4_1 weights: the same activation
 rounding, register-tiled over 32-column panels of the weights (AVX-512 VNNI; a plain C twin elsewhere).
 ``w8a8_linear`` is W8A8's integer GEMM (``quant.activation``: per-channel int8 weights, int8 activations per token
 or with a static scale, exact int32 sums, the scales in the epilogue): the bits of ``w8a8_linear_int_mm``, any rows.
@@ -116,25 +115,16 @@ def q8_activation_ref(x: Tensor) -> Tensor:
     return (torch.round(xb * inv) * d).view(x.shape)
 
 
-def supports_prefill(x: Tensor, w: Int8Weight) -> bool:
-    """Whether ``int8_linear(x, w, rows="any")`` can run: as ``supports`` at any row count, for int8 weights whose K
-    and group are multiples of 32 (the int8-activation kernel; llama.cpp's Q8_0 × Q8_0 prefill)."""
-    q, s = w.qweight, w.scales
-    return (x.device.type == "cpu" and q.device.type == "cpu" and s.device.type == "cpu" and x.dtype in _DTYPES
-            and q.shape[1] % BLOCK == 0 and w.group_size % BLOCK == 0 and x.shape[-1] == q.shape[1]
-            and not (torch.is_grad_enabled() and x.requires_grad) and available())
-
-
 def _prepare(x: Tensor, N: int, K: int, tensors: tuple[Tensor, ...],
-             target: str | None, max_rows: int | None = MAX_ROWS) -> tuple[ctypes.CDLL, Tensor, Tensor]:
+             target: str | None) -> tuple[ctypes.CDLL, Tensor, Tensor]:
     """(library, x as a contiguous [M, K], y [M, N] for the kernel to fill), or ValueError naming what is missing.
     Plain attribute tests only: at decode a SmolLM2 layer stack makes 120 of these calls per token, and each
-    microsecond here is ~5 % of a 2 ms int4 stack (``supports`` is the same test for callers)."""
+    microsecond here is a visible share of an int4 decode stack (``supports`` is the same test for callers)."""
     if x.shape[-1] != K:
         raise ValueError(f"x has {x.shape[-1]} features but the weight expects K={K}")
     lib = _lib(target)
     if (lib is None or x.device.type != "cpu" or x.dtype not in _DTYPES
-            or (max_rows is not None and x.numel() > max_rows * K)
+            or x.numel() > MAX_ROWS * K
             or (x.requires_grad and torch.is_grad_enabled()) or any(t.device.type != "cpu" for t in tensors)):
         raise ValueError(f"the native quantized GEMV needs CPU fp32/bf16 x with at most {MAX_ROWS} rows and a "
                          "compiled library; use minillm.quant.weight's *_linear_ref instead")
@@ -144,21 +134,12 @@ def _prepare(x: Tensor, N: int, K: int, tensors: tuple[Tensor, ...],
     return lib, x2, x2.new_empty((x2.shape[0], N))
 
 
-def int8_linear(x: Tensor, w8: Int8Weight, exact: bool = False, target: str | None = None,
-                rows: str = "decode") -> Tensor:
+def int8_linear(x: Tensor, w8: Int8Weight, exact: bool = False, target: str | None = None) -> Tensor:
     """x [..., K] (≤ MAX_ROWS rows, fp32/bf16) @ dequant(w8).T -> [..., N] in x's dtype.  ``exact=False`` rounds
-    x to int8 blocks first (see the module doc); weights whose K or group is not a multiple of 32 always run exact.
-    ``rows="any"`` (prefill): any number of rows through the int8-activation kernel (``supports_prefill``), the
-    weight rows in L2-sized blocks with every 8-row tile of x passing over each block; a row's result is the bits
-    it has at decode."""
+    x to int8 blocks first (see the module doc); weights whose K or group is not a multiple of 32 always run exact."""
     q, s, G = w8.qweight, w8.scales, w8.group_size
     N, K = q.shape
-    if rows == "any" and (exact or K % BLOCK or G % BLOCK):
-        raise ValueError(f"int8_linear(rows='any') runs the int8-activation kernel: it needs exact=False and K, "
-                         f"group_size multiples of {BLOCK}, got exact={exact}, K={K}, group_size={G}")
-    if rows not in ("decode", "any"):
-        raise ValueError(f"rows must be 'decode' or 'any', got {rows!r}")
-    lib, x2, y = _prepare(x, N, K, (q, s), target, None if rows == "any" else MAX_ROWS)
+    lib, x2, y = _prepare(x, N, K, (q, s), target)
     fn = lib.q8_gemm if exact or K % BLOCK or G % BLOCK else lib.q8_gemm_q8
     fn(q.contiguous().data_ptr(), s.contiguous().data_ptr(), s.dtype == torch.float16, x2.data_ptr(),
        x.dtype == torch.bfloat16, y.data_ptr(), x2.shape[0], N, K, G)

@@ -1,8 +1,8 @@
 /* One native call per decode step for the whole decoder stack (all layers), on CPU, fp32 activations.
  *
- * Why: once the weights are int4, a decode token of a 135M model reads ~80 MB and the GEMVs take ~9 ms, but the
- * layer-by-layer Python path around them costs as much again: per layer ~120 ATen ops (views, transposes,
- * empty), ctypes wrappers and their checks, module calls — ~9 ms per token over 30 layers.  This file runs the same
+ * Why: once the weights are int4, a decode token of a 135M model reads ~80 MB in its GEMVs, but the
+ * layer-by-layer Python path around them costs about as much time again: per layer ~120 ATen ops (views,
+ * transposes, empty), ctypes wrappers and their checks, module calls, over 30 layers.  This file runs the same
  * kernels (quant.c's GEMVs, native.c's norm / RoPE / KV write / paged attention) in the same order on the same
  * inputs from one C loop, so the result equals the per-layer native path up to nothing (the same functions in the
  * same order: bit for bit) and Python pays one ctypes call per step instead of ~3600 ops.
@@ -13,9 +13,9 @@
  * Threads: each GEMV splits its weight rows over the OpenMP team in its own parallel region (quant.c SPLIT_ROWS),
  * ~121 regions a step; native.c's attention splits its heads in another.  linear_stack below runs the same GEMVs in
  * one region with barriers instead, to measure the difference (perf/bench/quant.py: within noise of the per-GEMV
- * regions on 2 cores, ~0.5 us a region).  A step in one region would also need the attention split by head inside
- * it (native.c's function takes all heads: one thread spends 10.7 us a SmolLM2 layer at 48 positions where two take
- * 7.7, 58 where two take 33 at 256) — the next step, with a head-range attention and an fp32 row-range GEMV.
+ * regions on 2 cores, where a region's start and join are cheap next to a GEMV).  A step in one region would also
+ * need the attention split by head inside it (native.c's function takes all heads, and two threads beat one on a
+ * SmolLM2 layer's attention) — the next step, with a head-range attention and an fp32 row-range GEMV.
  *
  * Rows: M ≤ 32 (token, position, KV slot, block table, context length) tuples.  Row r attends to the first lens[r]
  * positions of its sequence (its own included), read through its block table; all rows' K/V are written before
@@ -92,7 +92,7 @@ static int linear_uses_xprep(const linear_t *l) {
 
 /* Benchmark entry (perf/bench/quant.py's native stack rows): the linears lins[0..n) in order, y_i [M, N_i] =
  * x_i [M, K_i] @ W_i^T (+ bias), with no Python between them, so a stack's time is its kernels' alone (Python
- * dispatch costs ~10 µs a call, ~1.5 ms over SmolLM2's 120 linears).  one_region = 0: each through linear_run, as
+ * dispatch costs microseconds a call, 120 times over SmolLM2's linears).  one_region = 0: each through linear_run, as
  * decode_stack runs them (an OpenMP region per GEMV: quant.c's SPLIT_ROWS).  one_region = 1: one region for the
  * whole stack, thread 0 preparing each GEMV's activations, the rows split in contiguous equal ranges (multiples of
  * 4: q4_q8_rows' tile), a barrier before and after each GEMV — the layout a fused step inside one region would have,

@@ -2,9 +2,9 @@
  *
  * Why this exists: at decode, a linear layer reads every weight once and does 2 FLOPs per weight and input row
  * (intensity ~ M/2 FLOP/byte in fp32), so its speed is the memory bandwidth it reaches. PyTorch's CPU GEMV
- * reaches ~35-45 % of read bandwidth at the small shapes of a 135M model; a row-parallel loop of vector FMAs
- * reaches ~85-95 %. Each weight row (K elements) is read once and stays in L1 while it is dotted with the M
- * input rows, so 2..8 rows (speculative verification's γ + 1) cost little more than one; and a row's result does
+ * reaches well under half of the read bandwidth at the small shapes of a 135M model; a row-parallel loop of vector
+ * FMAs comes close to all of it. Each weight row (K elements) is read once and stays in L1 while it is dotted with
+ * the M input rows, so 2..8 rows (speculative verification's γ + 1) cost little more than one; and a row's result does
  * not depend on M (see the GEMV section), so speculation's greedy output equals plain decode's.
  *
  * Reference: torch.nn.functional.linear (see minillm/kernels/cpu/native.py and tests/kernels/test_cpu_native.py).
@@ -42,10 +42,11 @@ static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, as torch
  * weight loads and R activation loads feed NT * R FMAs.  R = 1 takes one weight row at a time: one sequential
  * stream, which the hardware prefetcher follows best unaided (one FMA chain per row still outruns memory).  From
  * R = 2, tiles of up to 4 weight rows share each activation load; their 4 interleaved row streams defeat the hardware
- * prefetcher (~1.5x slower from memory), so the next tile is prefetched into L2 by hand.  More than GV_ROWS rows
- * take several row blocks over the same weight tile (NT * K * 4 bytes, in L1).  Measured (SmolLM2-135M's 30 fp32
- * layers, 2 threads, 2-core Zen 4, AVX-512): 2..8 rows cost 1.05-1.2x one row (the old 4x4-tile kernel: 1.5-1.9x);
- * at 8 rows the FMAs (~1 vector FMA a cycle a core) begin to take as long as the memory stream.
+ * prefetcher (markedly slower from memory), so the next tile is prefetched into L2 by hand.  More than GV_ROWS
+ * rows take several row blocks over the same weight tile (NT * K * 4 bytes, in L1).  On the host this was tuned on
+ * (SmolLM2-135M's fp32 layers, 2-core Zen 4, AVX-512), 2..8 rows cost little more than one row (clearly less than
+ * the old 4x4-tile kernel); at 8 rows the FMAs (about one vector FMA a cycle a core) begin to take as long as the
+ * memory stream.
  *
  * Exactness: every (weight row, input row) pair is summed the same way whatever tile, row block, M or thread it lands
  * in: one vector accumulator of GV_LANES lanes, fed the K / GV_LANES full vectors in order by FMAs, then the
@@ -84,7 +85,7 @@ static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, as torch
 #define GV_ROWS 8   /* input rows per block; more rows take more blocks over the same (L1-resident) weight tile */
 #define GV_TILE 4   /* most weight rows per tile (NT); thread ranges start at multiples of it */
 #define GV_SPLIT (1 << 18) /* weights below which one thread runs the GEMV: a parallel region's start and join
-                            * (~2-3 us with futex calls, even for one thread) cost as much as the GEMV itself */
+                            * (futex calls, even for one thread) cost as much as the GEMV itself */
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__FMA__)
 #define GV_SIMD 512

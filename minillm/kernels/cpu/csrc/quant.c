@@ -27,9 +27,9 @@
  * tile computes it and however many rows share the call (tests/kernels/test_linear_stack.py and test_native_
  * portability.py check it; vf_pin and TILE_Q8 below say why it needs care under -ffast-math).
  * Scales/mins are fp32 or fp16 (scale_f16 = 1); activations fp32 or bf16 (x_bf16 = 1; then y is bf16 too).
- * Many rows: q8_q8_rows takes the weight rows in L2-sized blocks, every tile of input rows over a block (a row's
- * decode bits); the prefill GEMM for Q8_0 / Q4_x blocks (q8_gemm_prefill, q4_gemm_prefill, at the end) tiles the
- * same arithmetic over 32-column weight panels, 4 x 32 outputs in registers.
+ * Past one tile of rows: q8_q8_rows takes the weight rows in L2-sized blocks, every tile of input rows over a block
+ * (a row's 1-row bits); the prefill GEMM for Q8_0 / Q4_x blocks (q8_gemm_prefill, q4_gemm_prefill, at the end)
+ * tiles the same arithmetic over 32-column weight panels, 4 x 32 outputs in registers.
  * W8A8 (w8a8_gemm, at the end): int8 weights per channel times int8 activations rounded per token, exact int32 sums.
  * Build: cc -O3 -march=native -ffast-math -fopenmp -shared -fPIC on first use, cached.  Without AVX2 (or on ARM)
  * the integer path is plain C loops, correct everywhere and vectorised where the compiler can.
@@ -56,9 +56,9 @@
  * rows passes over them, so each weight byte comes from memory once per call (q8_q8_rows, a8_rows). */
 #define L2_BLOCK (192 * 1024)
 /* Batch-1 4-row tiles prefetch the tile PF_TILES ahead (its weights, scales and mins) with locality hint PF_LOC
- * (1: prefetcht2 on x86, a fill of the outer caches rather than L1).  Measured on the SmolLM2 stack streamed from
- * memory (2 cores, AMD EPYC, C harness, 6 interleaved rounds, median ms for int4 / int8): 2 tiles into L1 (t0)
- * 2.64 / 6.62 (the first version of this tiling), 4 into L2 2.00 / 3.64; 3, 6 and 8 tiles in between. */
+ * (1: prefetcht2 on x86, a fill of the outer caches rather than L1).  Chosen on the SmolLM2 stack streamed from
+ * memory (2-core AMD EPYC, C harness, interleaved rounds): 4 tiles into L2 beat the first version of this tiling
+ * (2 tiles into L1) clearly for int4 and int8 alike; 3, 6 and 8 tiles fell in between. */
 #ifndef PF_TILES
 #define PF_TILES 4
 #endif
@@ -66,6 +66,18 @@
 #define PF_LOC 1
 #endif
 #define INLINE static inline __attribute__((always_inline))
+/* The functions between PRECISE_MATH_BEGIN and PRECISE_MATH_END are compiled without -ffast-math's licence to
+ * approximate or reassociate (the activation rounding, whose quotients near k + 1/2 must round as the reference). */
+#if defined(__clang__)
+#define PRECISE_MATH_BEGIN _Pragma("float_control(precise, on, push)")
+#define PRECISE_MATH_END _Pragma("float_control(pop)")
+#elif defined(__GNUC__)
+#define PRECISE_MATH_BEGIN _Pragma("GCC push_options") _Pragma("GCC optimize(\"no-unsafe-math-optimizations\")")
+#define PRECISE_MATH_END _Pragma("GCC pop_options")
+#else
+#define PRECISE_MATH_BEGIN
+#define PRECISE_MATH_END
+#endif
 
 static inline float h2f(uint16_t h) {
 #if defined(__F16C__)
@@ -131,12 +143,13 @@ static inline void store_y(void *y, int x_bf16, int64_t i, float v) {
 
 /* Run CALL(n0, n1) over the N weight rows: in this thread below 2^18 weights, where a parallel region's start and
  * join cost as much as the GEMV itself; else as contiguous equal ranges, one per OpenMP thread (as schedule(static)
- * would).  Measured on 2 cores (AMD EPYC, libgomp): an empty region costs ~0.3 us at 1 thread and ~0.5-1 us at 2
- * while the idle thread spins (libgomp's default between regions), a barrier inside one region ~0.25-0.5 us; with
- * OMP_WAIT_POLICY=passive (the idle thread sleeps) ~8 us and ~3.4 us.  So the ~121 regions of a SmolLM2 decode
- * step cost ~0.1 ms of a ~3 ms int4 stack at 2 threads — not what keeps it from the read bandwidth.  What does, on
- * a loaded machine: a spinning thread whose partner shares its core (other processes hold the other one) burns the
- * time slice the partner needs; a whole stack then runs 3-4x slower (bimodal from run to run, one region or many). */
+ * would).  On the 2-core AMD EPYC this was tuned on (libgomp), an empty region or a barrier is cheap next to a GEMV
+ * while the idle thread spins (libgomp's default between regions), several times more with
+ * OMP_WAIT_POLICY=passive (the idle thread sleeps).  So the ~121 regions of a SmolLM2 decode step are a small
+ * fraction of an int4 stack at 2 threads — not what keeps it from the read bandwidth.  What does, on a loaded
+ * machine: a spinning thread whose partner shares its core (other processes hold the other one) burns the time
+ * slice the partner needs; a whole stack then runs several times slower (bimodal from run to run, one region or
+ * many). */
 #define SPLIT_ROWS(N, K, CALL)                                                                               \
     do {                                                                                                     \
         if ((N) * (K) < (1 << 18) || omp_get_max_threads() == 1) {                                           \
@@ -156,7 +169,7 @@ INLINE void q4_exact_row(const uint8_t *restrict p, const void *sc, const void *
                          const float *restrict x, float *restrict out, int64_t K, int64_t G, const int R) {
     float acc[QTILE][QB] = {{0.f}};
     const int64_t ng = K / G;
-    for (int64_t g = 0; g < ng; g++) { /* no integer division in the loop: ~40 cycles each, per block */
+    for (int64_t g = 0; g < ng; g++) { /* no integer division in the loop: tens of cycles each, per block */
         const float d = scale_at(sc, f16, row * ng + g), mn = scale_at(mi, f16, row * ng + g);
         for (int64_t b = g * (G / QB); b < (g + 1) * (G / QB); b++) {
             const uint8_t *restrict pb = p + b * (QB / 2);
@@ -286,7 +299,7 @@ void q8_gemm(const int8_t *restrict W, const void *scales, int scale_f16, const 
 #endif
 /* The int8-activation row kernels take their tile's row count R as a compile-time constant (FOR_TILE) where SIMD
  * registers hold the accumulators.  The portable C keeps them in memory at any R, so there one copy with a runtime R:
- * 8x less code (quant.c at -O3 compiled in ~55 s, now ~6 s, gcc 12 on x86-64 and aarch64), and every row summed by
+ * 8x less code (and a compile of quant.c at -O3 several times shorter), and every row summed by
  * the same instructions — separately optimised copies reassociated the lane sums differently under -ffast-math, so
  * a row's result depended on how many rows shared the call. */
 #if QSIMD
@@ -1002,9 +1015,10 @@ static void q8_q8_rows(const int8_t *restrict W, const void *scales, int scale_f
             else q8_q8_row4(W + n * K, scales, scale_f16, n, x, out, K, 1);
             for (int r = 0; r < 4; r++) store_y(y, x_bf16, n + r, out[r]);
         }
-    /* Past one tile of input rows (prefill): weight rows in blocks of L2_BLOCK bytes, every tile of input rows over
-     * a block before the next (the tile's codes and steps stay in L1 across the block's rows).  Each (weight row,
-     * tile) is the same q8_q8_row call in either order: the same bits as row by row. */
+    /* Past one tile of input rows (decode.c's stacks take up to 32 rows): weight rows in blocks of L2_BLOCK bytes,
+     * every tile of input rows over a block before the next (the tile's codes and steps stay in L1 across the
+     * block's rows).  Each (weight row, tile) is the same q8_q8_row call in either order: the same bits as row by
+     * row. */
     const int64_t blk = M <= QTILE ? n1 - n : (L2_BLOCK / K > 1 ? L2_BLOCK / K : 1);
     for (int64_t b0 = n; b0 < n1; b0 += blk) {
         const int64_t b1 = b0 + blk < n1 ? b0 + blk : n1;
@@ -1087,12 +1101,7 @@ INLINE float f_pin(float a) { /* a, opaque to the optimiser (see vf_pin) */
 /* One row's rounding, compiled without the fast-math licence to approximate a division: under -ffast-math GCC
  * divides vectors by a reciprocal estimate refined by a Newton step (x86 -mrecip's default) and clang may multiply
  * by a hoisted 1 / d, either of which rounds a quotient near k + 1/2 to the other side of it from the reference. */
-#if defined(__clang__)
-#pragma float_control(precise, on, push)
-#elif defined(__GNUC__)
-#pragma GCC push_options
-#pragma GCC optimize("no-unsafe-math-optimizations")
-#endif
+PRECISE_MATH_BEGIN
 static void a8_row(const float *restrict x, const float *input_scale, int64_t K, int8_t *restrict q, float *sx,
                    int32_t *xs) {
     float s;
@@ -1115,11 +1124,7 @@ static void a8_row(const float *restrict x, const float *input_scale, int64_t K,
     }
     *sx = s, *xs = sum;
 }
-#if defined(__clang__)
-#pragma float_control(pop)
-#elif defined(__GNUC__)
-#pragma GCC pop_options
-#endif
+PRECISE_MATH_END
 
 static a8_t a8_prep(const float *x, const float *input_scale, int64_t M, int64_t K, void *buf, size_t buf_bytes) {
     a8_t a;
@@ -1246,7 +1251,7 @@ static void a8_rows(const int8_t *restrict W, const void *scales, int scale_f16,
     /* Few rows (decode, M <= A8_FEW_ROWS: one tile of activation rows): each weight byte is used by one tile only,
      * so no L2 blocking; the weights stream once, 4 interleaved rows at a time, which the hardware prefetchers do
      * not follow: as in q8_q8_row4, each chunk step prefetches 4 lines of the 4-row tile PF_TILES ahead in address
-     * order (batch 1, SmolLM2's linears streamed, 1 thread, interleaved: ~2x faster than without). */
+     * order (batch 1, SmolLM2's linears streamed, 1 thread: clearly faster than without). */
     const int few = M <= A8_FEW_ROWS;
     int64_t nb = few ? n1 - n0 : L2_BLOCK / (K > 0 ? K : 1) / 4 * 4;
     nb = nb < 4 ? 4 : nb;
@@ -1295,9 +1300,8 @@ static void a8_rows(const int8_t *restrict W, const void *scales, int scale_f16,
  * panels (8 x 2: 16 accumulators, 2 weight loads and 8 broadcasts per 16 vpdpbusd), the block's panels (in L2)
  * swept once per tile of activation rows (in L1).  The repack — 16 rows x 64 bytes loaded, + 128, a 16 x 16 int32
  * transpose (64 shuffles), 16 stores — costs about what one 8-row tile's products over the same bytes cost, hence
- * the row threshold (more than A8_FEW_ROWS; an interleaved sweep, 1 thread, SmolLM2's linears: panels 0.6x the
- * few-row path at 2 rows, 0.9x at 4, 1.7x at 5 and 8); it reads each weight byte once per call, as the row-tile
- * path does. */
+ * the row threshold (more than A8_FEW_ROWS: on SmolLM2's linears, 1 thread, panels lose to the few-row path up to 4
+ * rows and win clearly from 5); it reads each weight byte once per call, as the row-tile path does. */
 #ifndef A8P_MR
 #define A8P_MR 8
 #endif
@@ -1305,7 +1309,13 @@ static void a8_rows(const int8_t *restrict W, const void *scales, int scale_f16,
 #define A8P_NP 2
 #endif
 
-static __thread int8_t *a8_pbuf; /* per thread, grown to the largest block seen (a block is ~L2_BLOCK bytes) */
+/* The panel buffer: one per thread that has run the panel path, reused by its later calls and never freed.  It is
+ * bounded: it only grows to the largest block asked for, and a block is nb * kp bytes with nb = max(16, L2_BLOCK /
+ * kp rounded down to 16 rows), so at most max(L2_BLOCK, 16 * kp) bytes (192 KiB, or 16 rows of the widest K seen);
+ * the threads that hold one are the OpenMP team and the callers, which normally live as long as the process (a
+ * thread that ends leaves its one buffer behind).  Kept rather than allocated per call: a buffer this size comes
+ * from mmap, and an mmap, its page faults and a munmap on every GEMM would be pure overhead. */
+static __thread int8_t *a8_pbuf;
 static __thread size_t a8_pcap;
 
 static int8_t *a8_panel_buf(size_t bytes) {
@@ -1525,12 +1535,7 @@ typedef struct {
 
 /* One row's blocks rounded, without the fast-math licence (as a8_row: a reciprocal estimate or a hoisted division
  * would round a quotient near k + 1/2 differently from the reference). */
-#if defined(__clang__)
-#pragma float_control(precise, on, push)
-#elif defined(__GNUC__)
-#pragma GCC push_options
-#pragma GCC optimize("no-unsafe-math-optimizations")
-#endif
+PRECISE_MATH_BEGIN
 static void pf_round_row(const void *xin, int x_bf16, int64_t m, int64_t K, const pfx_t *p) {
     const int64_t nb = K / QB;
     for (int64_t b = 0; b < nb; b++) {
@@ -1551,11 +1556,7 @@ static void pf_round_row(const void *xin, int x_bf16, int64_t m, int64_t K, cons
         p->dx[m * nb + b] = d, p->xs[m * nb + b] = d * (float)s, p->xc[m * nb + b] = -128 * s;
     }
 }
-#if defined(__clang__)
-#pragma float_control(pop)
-#elif defined(__GNUC__)
-#pragma GCC pop_options
-#endif
+PRECISE_MATH_END
 
 /* Panel n0 .. n0 + 32 (nv real columns, the rest zero weights and scales) into the tiled copy.  Q8_0 (q4 = 0):
  * wp[b][i][v] = 64 bytes, byte 4c + t = q[n0 + 16v + c, 32b + 4i + t] + 128 (i < 8).  Q4 (q4 = 1): wp[b][i][v] = 64
