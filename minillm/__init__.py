@@ -5,6 +5,7 @@
     out = llm.generate("Hello", SamplingParams(max_tokens=32, temperature=0))[0]
 """
 
+from minillm import openmp  # noqa: F401  first: libgomp reads its spin setting once, when torch loads
 from minillm.config import EngineConfig, ModelConfig
 from minillm.engine.llm_engine import LLMEngine
 from minillm.llm import LLM
