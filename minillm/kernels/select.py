@@ -5,7 +5,8 @@ caches and the public ``minillm.kernels.*_attention(impl=...)`` functions:
 
 - ``"torch"``: the PyTorch references only (``F.linear``, fp32-statistics RMSNorm, SDPA / ``kernels.reference``).
 - ``"native"``: the native CPU kernels (``kernels/cpu/native.py``, plain C compiled on first use) wherever one
-  exists for the (op, device, dtype) — CPU fp32/bf16 linear, rms_norm, decode and paged decode attention — and the
+  exists for the (op, device, dtype) — CPU fp32/bf16 linear, rms_norm, decode and paged decode attention, and
+  causal prefill attention as ATen's flash kernel over query tiles (``kernels/cpu/prefill.py``) — and the
   references elsewhere.  RuntimeError if the C library did not build (no compiler, or ``MINILLM_DISABLE_NATIVE``).
 - ``"triton"``: the Triton attention kernels (prefill, decode, paged decode; ``kernels/triton/``) and the references
   for the rest.  RuntimeError without the triton package, or on CPU tensors without ``TRITON_INTERPRET=1``.
@@ -65,6 +66,7 @@ from torch import Tensor
 from minillm.kernels import reference as ref
 from minillm.kernels.cpu import native
 from minillm.kernels.cpu import quant as native_quant
+from minillm.kernels.cpu.prefill import tiled_prefill_attention
 from minillm.layers.rotary import apply_rope  # imports only the config: no cycle
 from minillm.quant.activation import fp8_linear_ref, fp8_linear_scaled_mm, w8a8_linear_int_mm, w8a8_linear_ref
 from minillm.quant.weight import Int4Weight, int4_linear_ref, int8_linear_ref
@@ -335,6 +337,7 @@ KERNELS: tuple[Kernel, ...] = (
     Kernel("rms_norm", "torch", torch_rms_norm),
     Kernel("rms_norm", "native", _native_rms_norm, **_NATIVE),
     Kernel("prefill_attention", "torch", _torch_prefill),
+    Kernel("prefill_attention", "native", tiled_prefill_attention, **_NATIVE),
     Kernel("prefill_attention", "triton", "minillm.kernels.triton.flash:flash_attention_triton", **_TRITON),
     Kernel("decode_attention", "torch", _torch_decode),
     Kernel("decode_attention", "native", _native_decode, **_NATIVE),
