@@ -16,8 +16,9 @@ caches and the public ``minillm.kernels.*_attention(impl=...)`` functions:
   "Static decode buckets and a compiled step on CPU"), so "auto" never picks it: the native GEMVs already stream
   the weights once, and inductor fuses only the small elementwise ops.
 - ``"auto"`` (default): per op, the first kernel of the table that is "auto" on this device and can run here —
-  CPU, fp32/bf16, native library built: the native kernels (the linear falls back to torch's GEMM past the row
-  limits of ``native.prefers_native``: bf16 GEMV up to 4 rows, fp32 up to 32; the elementwise fusions —
+  CPU, fp32/bf16, native library built: the native kernels (the linear falls back to a GEMM past the row
+  limits of ``native.prefers_native``: bf16 GEMV up to 4 rows, fp32 up to 32; the GEMM runs on a oneDNN-packed
+  copy of an fp32 weight where ``cpu/onednn.py``'s memory rule allows, else torch's; the elementwise fusions —
   rms_norm, add_rms_norm, rope, silu_and_mul — run natively at any row count, ``native.elementwise_supports``);
   CUDA with triton installed: the Triton attention kernels (linear and rms_norm stay on torch);
   anything else (fp16 on CPU, CUDA without triton, CPU without a compiler): the references.
@@ -64,7 +65,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from minillm.kernels import reference as ref
-from minillm.kernels.cpu import native
+from minillm.kernels.cpu import native, onednn
 from minillm.kernels.cpu import quant as native_quant
 from minillm.kernels.cpu.prefill import tiled_prefill_attention
 from minillm.layers.rotary import apply_rope  # imports only the config: no cycle
@@ -181,10 +182,11 @@ def _torch_paged(q, k_cache, v_cache, block_tables, seq_lens, *, sm_scale=None, 
 
 
 def _native_linear(x, weight, bias=None):
-    # per call, not per resolution: the row count decides (a decode GEMV wins, a prefill GEMM is torch's)
+    # per call, not per resolution: the row count decides (a decode GEMV wins, a prefill GEMM is oneDNN's on a
+    # weight packed once where onednn.packs allows, else torch's)
     if native.prefers_native(x, weight):
         return native.linear(x, weight, bias)
-    return F.linear(x, weight, bias)
+    return onednn.linear(x, weight, bias)
 
 
 def _native_rms_norm(x, weight, eps):
