@@ -26,6 +26,16 @@ def test_tiles_give_causal_attention_with_the_queries_at_the_end_of_the_keys(L, 
     torch.testing.assert_close(got, grouped_attention(q, k, v, causal=True, scale=0.3), atol=2e-6, rtol=1e-5)
 
 
+def test_bf16_tiles_equal_one_sdpa_call_within_bf16_rounding():
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(1, 9, 150, 64, generator=g).bfloat16()
+    k, v = (torch.randn(1, 3, 182, 64, generator=g).bfloat16() for _ in range(2))
+    want = grouped_attention(q.float(), k.float(), v.float(), causal=True)
+    got = tiled_prefill_attention(q, k, v, causal=True)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)
+
+
 def test_non_causal_attention_sees_every_key():
     g = torch.Generator().manual_seed(3)
     q, k, v = torch.randn(1, 6, 20, 8, generator=g), *(torch.randn(1, 2, 30, 8, generator=g) for _ in range(2))
