@@ -13,7 +13,8 @@ The three attention functions below validate their inputs (same checks whichever
 ``select.resolve`` picks for ``impl`` (the vocabulary of ``select.CHOICES``): ``"auto"`` runs Triton on CUDA, the
 native kernel on CPU (fp32/bf16 decode, when the C library built) and the PyTorch reference elsewhere;
 ``"triton"`` forces the kernel (on CPU it needs ``TRITON_INTERPRET=1`` set before the kernel modules are imported);
-``"native"`` the native CPU kernel where one exists (prefill has none: the reference); ``"torch"`` the reference.
+``"native"`` the native CPU kernel where one exists (prefill: SDPA over query tiles, ``cpu/prefill.py``);
+``"torch"`` the reference.
 Importing ``minillm`` or this package never imports triton: the kernel modules load on first use.
 
 Why the kernel files are ``triton/flash.py`` and not ``flash_attention.py``: importing a submodule binds it as an

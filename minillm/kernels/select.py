@@ -5,7 +5,8 @@ caches and the public ``minillm.kernels.*_attention(impl=...)`` functions:
 
 - ``"torch"``: the PyTorch references only (``F.linear``, fp32-statistics RMSNorm, SDPA / ``kernels.reference``).
 - ``"native"``: the native CPU kernels (``kernels/cpu/native.py``, plain C compiled on first use) wherever one
-  exists for the (op, device, dtype) — CPU fp32/bf16 linear, rms_norm, decode and paged decode attention — and the
+  exists for the (op, device, dtype) — CPU fp32/bf16 linear, rms_norm, decode and paged decode attention, and
+  causal prefill attention as ATen's flash kernel over query tiles (``kernels/cpu/prefill.py``) — and the
   references elsewhere.  RuntimeError if the C library did not build (no compiler, or ``MINILLM_DISABLE_NATIVE``).
 - ``"triton"``: the Triton attention kernels (prefill, decode, paged decode; ``kernels/triton/``) and the references
   for the rest.  RuntimeError without the triton package, or on CPU tensors without ``TRITON_INTERPRET=1``.
@@ -15,9 +16,10 @@ caches and the public ``minillm.kernels.*_attention(impl=...)`` functions:
   "Static decode buckets and a compiled step on CPU"), so "auto" never picks it: the native GEMVs already stream
   the weights once, and inductor fuses only the small elementwise ops.
 - ``"auto"`` (default): per op, the first kernel of the table that is "auto" on this device and can run here —
-  CPU, fp32/bf16, native library built: the native kernels (the linear falls back to torch's GEMM past the row
-  limits of ``native.prefers_native``: fp32 and, on AVX512-BF16 CPUs, bf16 GEMVs at every decode batch, bf16 elsewhere
-  at the smallest (``native.native_rows``); the elementwise fusions —
+  CPU, fp32/bf16, native library built: the native kernels (the linear falls back to a GEMM past the row
+  limits of ``native.prefers_native``: fp32 and, on AVX512-BF16 CPUs, bf16 GEMVs at every decode batch, bf16
+  elsewhere at the smallest (``native.native_rows``); the GEMM runs on a oneDNN-packed copy of an fp32 weight where
+  ``cpu/onednn.py``'s memory rule allows, else torch's; the elementwise fusions —
   rms_norm, add_rms_norm, rope, silu_and_mul — run natively at any row count, ``native.elementwise_supports``);
   CUDA with triton installed: the Triton attention kernels (linear and rms_norm stay on torch);
   anything else (fp16 on CPU, CUDA without triton, CPU without a compiler): the references.
@@ -64,8 +66,9 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from minillm.kernels import reference as ref
-from minillm.kernels.cpu import native
+from minillm.kernels.cpu import native, onednn
 from minillm.kernels.cpu import quant as native_quant
+from minillm.kernels.cpu.prefill import tiled_prefill_attention
 from minillm.layers.rotary import apply_rope  # imports only the config: no cycle
 from minillm.quant.activation import fp8_linear_ref, fp8_linear_scaled_mm, w8a8_linear_int_mm, w8a8_linear_ref
 from minillm.quant.weight import Int4Weight, int4_linear_ref, int8_linear_ref
@@ -180,10 +183,11 @@ def _torch_paged(q, k_cache, v_cache, block_tables, seq_lens, *, sm_scale=None, 
 
 
 def _native_linear(x, weight, bias=None):
-    # per call, not per resolution: the row count decides (a decode GEMV wins, a prefill GEMM is torch's)
+    # per call, not per resolution: the row count decides (a decode GEMV wins, a prefill GEMM is oneDNN's on a
+    # weight packed once where onednn.packs allows, else torch's)
     if native.prefers_native(x, weight):
         return native.linear(x, weight, bias)
-    return F.linear(x, weight, bias)
+    return onednn.linear(x, weight, bias)
 
 
 def _native_rms_norm(x, weight, eps):
@@ -336,6 +340,7 @@ KERNELS: tuple[Kernel, ...] = (
     Kernel("rms_norm", "torch", torch_rms_norm),
     Kernel("rms_norm", "native", _native_rms_norm, **_NATIVE),
     Kernel("prefill_attention", "torch", _torch_prefill),
+    Kernel("prefill_attention", "native", tiled_prefill_attention, **_NATIVE),
     Kernel("prefill_attention", "triton", "minillm.kernels.triton.flash:flash_attention_triton", **_TRITON),
     Kernel("decode_attention", "torch", _torch_decode),
     Kernel("decode_attention", "native", _native_decode, **_NATIVE),

@@ -15,10 +15,10 @@ from minillm.models.loader import build_model
 
 ATTENTION = ("prefill_attention", "decode_attention", "paged_decode_attention")
 ALL_TORCH = dict.fromkeys(OPS, "torch")
-NATIVE_CPU = {"linear": "native", "rms_norm": "native", "prefill_attention": "torch", "decode_attention": "native",
+NATIVE_CPU = {"linear": "native", "rms_norm": "native", "prefill_attention": "native", "decode_attention": "native",
               "paged_decode_attention": "native", "add_rms_norm": "native", "rope": "native", "silu_and_mul": "native",
               "write_kv": "native", "int4_linear": "native", "int8_linear": "native",
-              "w8a8_linear": "native", "fp8_linear": "torch"}  # no native prefill kernel: SDPA; fp8 is GPU-only
+              "w8a8_linear": "native", "fp8_linear": "torch"}  # prefill: SDPA over query tiles; fp8 is GPU-only
 QUANT = ("int4_linear", "int8_linear")  # the dequant GEMVs
 TRITON = {op: "triton" if op in ATTENTION + QUANT else "torch" for op in OPS}  # no Triton linear / rms_norm yet
 EIGHT_BIT_GEMMS = {"w8a8_linear": "native", "fp8_linear": "native"}  # ATen's int8 / fp8 GEMMs, on CUDA too
