@@ -255,7 +255,8 @@ def compare_servers(peers: Sequence[str] = ("minillm", "transformers", "llamacpp
     print_comparison(payload)
     if save:
         rates = "-".join(f"{r:g}" for r in request_rates)
-        payload["path"] = str(save_results(f"serve-peers-{device}-rate{rates}", payload, out_dir))
+        dtype_tag = f"-{dtype}" if dtype else ""  # an fp32 and a bf16 sweep of one device keep separate files
+        payload["path"] = str(save_results(f"serve-peers-{device}{dtype_tag}-rate{rates}", payload, out_dir))
         print(f"saved {payload['path']}")
     return payload
 
