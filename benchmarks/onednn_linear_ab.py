@@ -6,12 +6,11 @@
 Prints each shape's medians and the ratio (F.linear / packed: > 1 means packing is faster) and the ratio of the
 summed medians; ratios only, and only within one run.
 """
-import statistics
 import sys
-import time
 
 import torch
 import torch.nn.functional as F
+from ab_timing import alternate  # benchmarks/ab_timing.py: the script's folder is on sys.path
 
 from minillm.kernels.cpu import onednn
 
@@ -25,14 +24,8 @@ for name, (N, K) in SHAPES.items():
         x = torch.randn(1, M, K)
         fns = {"F.linear": lambda x=x, w=w: F.linear(x, w), "packed": lambda x=x, w=w: onednn.linear(x, w)}
         fns["packed"]()  # pack once, outside the timing
-        times = {n: [] for n in fns}
         with torch.inference_mode():
-            for _ in range(ROUNDS):
-                for n, f in fns.items():
-                    t = time.perf_counter()
-                    f()
-                    times[n].append(time.perf_counter() - t)
-        a, b = (statistics.median(times[n]) for n in fns)
+            a, b = alternate(fns, ROUNDS).values()
         totals["F.linear"] += a
         totals["packed"] += b
         print(f"{name} [{N}x{K}] M={M}: F.linear {a * 1e3:.3f} ms, packed {b * 1e3:.3f} ms, ratio {a / b:.2f}",

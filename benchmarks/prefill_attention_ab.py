@@ -7,11 +7,10 @@ calls it (one call, an explicit [L, S] mask when P > 0) against ``kernels/cpu/pr
 Prints each shape's median times and the ratio (SDPA / tiles: > 1 means the tiles are faster); ratios only, and
 only within one run.
 """
-import statistics
 import sys
-import time
 
 import torch
+from ab_timing import alternate  # benchmarks/ab_timing.py: the script's folder is on sys.path
 
 from minillm.kernels.cpu.prefill import tiled_prefill_attention
 from minillm.kernels.reference import sdpa_attention
@@ -25,11 +24,5 @@ for L, P in SHAPES:
     k, v = (torch.randn(1, 3, P + L, 64, generator=g) for _ in range(2))
     fns = {"sdpa": lambda q=q, k=k, v=v: sdpa_attention(q, k, v, causal=True),
            "tiles": lambda q=q, k=k, v=v: tiled_prefill_attention(q, k, v, causal=True)}
-    times = {n: [] for n in fns}
-    for _ in range(ROUNDS):
-        for n, f in fns.items():
-            t = time.perf_counter()
-            f()
-            times[n].append(time.perf_counter() - t)
-    a, b = (statistics.median(times[n]) for n in fns)
+    a, b = alternate(fns, ROUNDS).values()
     print(f"L={L} P={P}: sdpa {a * 1e3:.2f} ms, tiles {b * 1e3:.2f} ms, ratio {a / b:.2f}", flush=True)
