@@ -40,14 +40,21 @@ class Front:
             [sys.executable, "-m", "minillm", "serve", self.model, "--replicas", "2", "--port", "0", "--dtype",
              "float32", "--device", "cpu", "--shutdown-timeout", "0.5", "--max-num-seqs", "8"],
             stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "2"})
-        deadline = time.monotonic() + 240
+        try:
+            self.url = self._wait_for_listen(time.monotonic() + 240)
+        except BaseException:  # the fixture's teardown never runs for a front that failed here: end it (its
+            self.proc.kill()   # replicas die with their parent), so a failed start leaves no servers behind
+            self.proc.wait(30)
+            self.log.close()
+            raise
+
+    def _wait_for_listen(self, deadline: float) -> str:
         while True:
-            m = re.search(r"Uvicorn running on (http://127\.0\.0\.1:\d+)", log_path.read_text())
+            m = re.search(r"Uvicorn running on (http://127\.0\.0\.1:\d+)", self.log_path.read_text())
             if m:
-                self.url = m.group(1)
-                break
-            assert self.proc.poll() is None, f"the front exited:\n{log_path.read_text()[-3000:]}"
-            assert time.monotonic() < deadline, f"the front never listened:\n{log_path.read_text()[-3000:]}"
+                return m.group(1)
+            assert self.proc.poll() is None, f"the front exited:\n{self.log_path.read_text()[-3000:]}"
+            assert time.monotonic() < deadline, f"the front never listened:\n{self.log_path.read_text()[-3000:]}"
             time.sleep(0.1)
 
     def client(self) -> "openai.OpenAI":
