@@ -469,6 +469,15 @@ def test_load_generator_measures_a_live_server_and_saves_json(live, tmp_path):
     assert "machine" in saved and saved["runs"][0]["completed"] == 6
 
 
+def test_each_swept_rate_has_its_own_trace_seed_and_a_bad_index_is_refused():
+    from minillm.perf.bench.serve import sweep_seed
+
+    assert [sweep_seed(3, i) for i in range(3)] == [3, 3 + 1009, 3 + 2018]
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError, match="place in the sweep"):
+            sweep_seed(0, bad)
+
+
 def test_load_generator_counts_refusals_as_rejected_not_failed(strict, tmp_path):
     from minillm.perf.bench.serve import bench_serve
 

@@ -90,3 +90,16 @@ def test_a_packed_step_with_several_chunks_equals_the_reference(monkeypatch):
         want = grouped_attention(q[:, :, start:end], kk, vv, causal=True, scale=0.25)
         for out in outs:
             torch.testing.assert_close(out[:, :, start:end], want, atol=2e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("tile", [0, -3, 2.5, True])
+def test_a_tile_that_is_not_a_positive_int_is_refused(tile):
+    q, k = torch.randn(1, 9, 100, 64), torch.randn(1, 3, 120, 64)
+    with pytest.raises(ValueError, match="tile must be an int >= 1"):
+        tiled_prefill_attention(q, k, k, tile=tile)
+
+
+def test_causal_tiles_refuse_more_queries_than_keys():
+    q, k = torch.randn(1, 9, 130, 64), torch.randn(1, 3, 120, 64)
+    with pytest.raises(ValueError, match="at least as many keys as queries"):
+        tiled_prefill_attention(q, k, k)

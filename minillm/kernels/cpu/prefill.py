@@ -24,7 +24,13 @@ def tiled_prefill_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = T
     -> [B, H_q, L, D], as ``sdpa_attention``; causal chunks longer than ``tile`` run one SDPA call per ``tile``
     queries over the first S - L + (tile end) keys; ``tile`` defaults to ``PREFILL_TILE``."""
     tile = PREFILL_TILE if tile is None else tile
+    if not isinstance(tile, int) or isinstance(tile, bool) or tile < 1:
+        raise ValueError(f"tile must be an int >= 1 (query rows per SDPA call), got {tile!r}; omit it for "
+                         f"PREFILL_TILE = {PREFILL_TILE}")
     L, S = q.shape[2], k.shape[2]
+    if causal and L > S:
+        raise ValueError(f"causal attention needs at least as many keys as queries (the queries are the last L "
+                         f"positions), got L={L} queries and S={S} keys; pass the whole context's K/V")
     if not causal or L <= tile:
         return sdpa_attention(q, k, v, causal=causal, scale=sm_scale)
     out = q.new_empty(q.shape)

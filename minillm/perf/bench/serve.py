@@ -303,6 +303,8 @@ def discover_model(base_url: str, api_key: str | None = None) -> str:
 
 def sweep_seed(seed: int, index: int) -> int:
     """The trace seed of the ``index``-th rate of a sweep (0: ``seed`` itself): distinct prompts per rate."""
+    if not isinstance(index, int) or isinstance(index, bool) or index < 0:
+        raise ValueError(f"index is a rate's place in the sweep, an int >= 0; got {index!r}")
     return seed + 1009 * index
 
 
