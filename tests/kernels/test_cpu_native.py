@@ -325,9 +325,10 @@ def _paged_case(seed: int, lens: list[int], Hq: int, Hkv: int, D: int, bs: int, 
 
 
 # (lens, Hq, Hkv, D, block size): lengths off a block boundary, S = 1, G = 1 and G = 3 (SmolLM2's 9 / 3 heads),
-# a length on a boundary, and a long one (hundreds of blocks: the online softmax rescales many times)
+# a length on a boundary, a long one (hundreds of blocks: the online softmax rescales many times), and Llama-3's
+# 32 / 8 heads of 128 (eight groups of four)
 _PAGED_SHAPES = [([1], 9, 3, 64, 16), ([17, 1, 32, 5], 9, 3, 64, 16), ([33, 7], 4, 4, 32, 16),
-                 ([20, 3, 48], 6, 2, 16, 5), ([4100, 9], 2, 1, 8, 16)]
+                 ([20, 3, 48], 6, 2, 16, 5), ([4100, 9], 2, 1, 8, 16), ([40, 3, 17], 32, 8, 128, 16)]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -344,11 +345,13 @@ def test_paged_decode_attention_matches_reference_on_odd_lengths_and_head_groups
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_paged_decode_attention_row_is_bit_identical_alone_in_a_batch_and_on_any_thread_count(dtype):
+@pytest.mark.parametrize("heads", [(9, 3, 64), (32, 8, 128)])
+def test_paged_decode_attention_row_is_bit_identical_alone_in_a_batch_and_on_any_thread_count(dtype, heads):
     # speculative verification compares a row computed among other rows with the same row computed alone: each
-    # (row, head) must be summed in an order fixed by that row's own inputs
+    # (row, head) must be summed in an order fixed by that row's own inputs.  A row of 9 / 3 heads alone on 2
+    # threads is split into 4 head ranges that cut GQA groups; in the batch (or on 1 thread) a range is a group
     lens = [37, 200, 1, 64, 129]
-    q, kc, vc, tables, lens_t = _paged_case(3, lens, 9, 3, 64, 16, dtype)
+    q, kc, vc, tables, lens_t = _paged_case(3, lens, *heads, 16, dtype)
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)

@@ -396,46 +396,58 @@ int built_with_openmp(void) {
 
 /* ---- decode attention (one new query per sequence), shared by the dense and the paged cache.
  *
- * A GQA group's G = H_q / H_kv query heads read the same K/V head, so the work item is (row b, K/V head g) and one
- * pass over the keys serves the G heads: chunk by chunk (16 keys, or one paged block), the chunk's G x 16 scores are
- * computed head by head while its K rows sit in L1, then its V rows are added to the G accumulators; each K/V byte is
- * read from memory once per step, not once per query head.  The softmax is flash-decoding's online one: each head
- * keeps a running max and sum, rescaled when a chunk raises the max, so no buffer grows with the sequence; the sums
- * differ from the references' (exact max first, then one sum) by fp32 rounding only.
+ * A GQA group's G = H_q / H_kv query heads read the same K/V head, so the work item is (row b, a range [h0, h1) of
+ * its query heads), normally one whole group, and one pass over the keys serves the range's heads: chunk by chunk
+ * (16 keys, or one paged block), the chunk's scores are computed head by head while its K rows sit in L1, then its V
+ * rows are added to the range's accumulators; each K/V byte is read from memory once per step, not once per query
+ * head.  The softmax is flash-decoding's online one: each head keeps a running max and sum, rescaled when a chunk
+ * raises the max, so no buffer grows with the sequence; the sums differ from the references' (exact max first, then
+ * one sum) by fp32 rounding only.
+ *
+ * Ranges per row (att_ranges): H_kv, one group each, unless the items would leave a thread idle (B · H_kv <
+ * 2 · threads: batch 1 of a model with few K/V heads); then the row's heads split evenly over ceil(2 · threads / B)
+ * ranges, and a range that starts or ends inside a group reads that group's K/V rows again (from cache when the
+ * same thread had them).
  *
  * Determinism: each output (b, h) is computed whole by one thread, in key order, by the same per-head operations
- * whatever the batch, the other heads of its item or the thread count, so a row's result does not depend on the
- * batch (speculative verification relies on it).  When the (b, g) items are too few to keep every thread busy
- * (B * H_kv < 2 * threads: batch 1), each item takes part of the group's heads instead (down to one: the K/V rows
- * are then read once per head, from cache after the first); a head's result is the same either way.
+ * whatever the batch, the range it falls in or the thread count, so a row's result does not depend on the batch
+ * (speculative verification relies on it), and items may be scheduled dynamically (rows of unequal lengths).
  * The running max starts at -FLT_MAX, not -INFINITY: the build's -ffast-math promises the compiler no infinities
  * (clang 18+ warns -Wnan-infinity-disabled), and every finite score exceeds -FLT_MAX or equals it. */
 #define ATT_CHUNK 16 /* keys per chunk of the dense cache (the paged one goes by blocks) */
-/* Heads per work item: G, or fewer when the (b, g) items cannot keep the threads busy; sets P (parts per group). */
-#define ATT_PARTS(B, Hkv, G) ((B) * (Hkv) >= 2 * (int64_t)omp_get_max_threads() ? 1 : (G))
-/* Start item it's heads [x0, x1) of group g, row b: q row b head h at q + b * SQB + h * SQH, scaled. */
-#define ATT_BEGIN(T, LOAD, SQB, SQH)                                                                           \
-    int64_t b = it / (Hkv * P), g = it / P % Hkv, x0 = it % P * G / P, x1 = (it % P + 1) * G / P;            \
-    float qf[G * D], acc[G * D], m[G], l[G], p[G * CH]; /* p: one chunk's scores, head-major */                \
-    for (int64_t x = x0; x < x1; x++) {                                                                        \
-        const T *qh = q + b * (SQB) + (g * G + x) * (SQH);                                                     \
+static inline int64_t att_ranges(int64_t B, int64_t Hq, int64_t Hkv) {
+    int64_t threads = omp_get_max_threads(), P = Hkv;
+    if (threads > 1 && B * P < 2 * threads) P = (2 * threads + B - 1) / B;
+    return P < Hq ? P : Hq;
+}
+/* Start item it: row b, heads [h0, h1) (range it % P of P); q row b head h at q + b * SQB + h * SQH, scaled;
+ * ho[x]: the offset of head h0 + x's K/V head, HO elements per K/V head. */
+#define ATT_BEGIN(T, LOAD, SQB, SQH, HO)                                                                       \
+    int64_t b = it / P, h0 = it % P * Hq / P, h1 = (it % P + 1) * Hq / P, n_h = h1 - h0;                       \
+    float qf[n_h * D], acc[n_h * D], m[n_h], l[n_h], p[n_h * CH]; /* p: one chunk's scores, head-major */      \
+    int64_t ho[n_h];                                                                                           \
+    for (int64_t x = 0; x < n_h; x++) {                                                                        \
+        const T *qh = q + b * (SQB) + (h0 + x) * (SQH);                                                        \
         for (int64_t d = 0; d < D; d++) { qf[x * D + d] = LOAD(qh[d]) * scale; acc[x * D + d] = 0.f; }         \
         m[x] = -FLT_MAX;                                                                                       \
         l[x] = 0.f;                                                                                            \
+        ho[x] = (h0 + x) / G * (HO);                                                                           \
     }
-/* One chunk: keys j in [J0, J1) at rows KB + j * RS (K) and VB + j * RS (V), J1 - J0 <= CH. */
-#define ATT_CHUNK_STEP(T, LOAD, KB, VB, RS, J0, J1)                                                            \
-    for (int64_t x = x0; x < x1; x++) { /* the chunk's K rows stay in L1 for the heads */                      \
+/* One chunk: keys j in [J0, J1) at rows KB + j * RS (K) and VB + j * RS (V), J1 - J0 <= CH; head x's K/V head at
+ * ho[x] within a row.  PF(j) runs once per key, in the first head's pass (the paged kernel prefetches there). */
+#define ATT_CHUNK_STEP(T, LOAD, KB, VB, RS, J0, J1, PF)                                                        \
+    for (int64_t x = 0; x < n_h; x++) { /* the chunk's K rows stay in L1 for the range's heads */             \
         const float *qx = qf + x * D;                                                                          \
         for (int64_t j = J0; j < J1; j++) {                                                                    \
-            const T *ks = (KB) + j * (RS);                                                                     \
+            if (x == 0) { PF(j) }                                                                              \
+            const T *ks = (KB) + j * (RS) + ho[x];                                                             \
             float dot = 0.f;                                                                                   \
             _Pragma("omp simd reduction(+ : dot)")                                                             \
             for (int64_t d = 0; d < D; d++) dot += qx[d] * LOAD(ks[d]);                                        \
             p[x * CH + j] = dot;                                                                               \
         }                                                                                                      \
     }                                                                                                          \
-    for (int64_t x = x0; x < x1; x++) {                                                                        \
+    for (int64_t x = 0; x < n_h; x++) {                                                                        \
         float *px = p + x * CH, bm = m[x];                                                                     \
         for (int64_t j = J0; j < J1; j++) bm = px[j] > bm ? px[j] : bm;                                        \
         if (bm > m[x]) { /* rescale what was summed under the old max (nothing at first) */                    \
@@ -448,10 +460,10 @@ int built_with_openmp(void) {
         for (int64_t j = J0; j < J1; j++) { px[j] = expf(px[j] - bm); lx += px[j]; }                           \
         l[x] += lx;                                                                                            \
     }                                                                                                          \
-    for (int64_t x = x0; x < x1; x++) {                                                                        \
+    for (int64_t x = 0; x < n_h; x++) {                                                                        \
         float *ax = acc + x * D;                                                                               \
         for (int64_t j = J0; j < J1; j++) {                                                                    \
-            const T *vs = (VB) + j * (RS);                                                                     \
+            const T *vs = (VB) + j * (RS) + ho[x];                                                             \
             float w = p[x * CH + j];                                                                           \
             _Pragma("omp simd")                                                                                \
             for (int64_t d = 0; d < D; d++) ax[d] += w * LOAD(vs[d]);                                          \
@@ -459,8 +471,8 @@ int built_with_openmp(void) {
     }
 /* Write the item's outputs, out [B, H_q, D]. */
 #define ATT_END(T, STORE)                                                                                      \
-    for (int64_t x = x0; x < x1; x++) {                                                                        \
-        T *o = out + (b * Hq + g * G + x) * D;                                                                 \
+    for (int64_t x = 0; x < n_h; x++) {                                                                        \
+        T *o = out + (b * Hq + h0 + x) * D;                                                                    \
         for (int64_t d = 0; d < D; d++) o[d] = STORE(acc[x * D + d] / l[x]);                                   \
     }
 
@@ -468,18 +480,19 @@ int built_with_openmp(void) {
  * (sb, sh, D, 1), lens [B] (int64), out [B, H_q, D].  Query head h reads K/V head h / G.  Cost: the KV bytes (read
  * once per step), S * G dots, exps and axpys of D per (b, g).  Reference: minillm.attention.decode_attention.
  * T is float or uint16_t (bf16). */
+#define ATT_NO_PREFETCH(j)
 #define DECODE_ATTENTION(NAME, T, LOAD, STORE)                                                                 \
     void NAME(const T *restrict q, const T *restrict k, const T *restrict v, const int64_t *restrict lens,     \
               T *restrict out, int64_t B, int64_t Hq, int64_t Hkv, int64_t D, int64_t sb, int64_t sh,          \
               float scale) {                                                                                   \
-        int64_t G = Hq / Hkv, P = ATT_PARTS(B, Hkv, G), CH = ATT_CHUNK;                                        \
-        _Pragma("omp parallel for schedule(static)")                                                           \
-        for (int64_t it = 0; it < B * Hkv * P; it++) {                                                         \
-            ATT_BEGIN(T, LOAD, Hq * D, D)                                                                      \
-            const T *kh = k + b * sb + g * sh, *vh = v + b * sb + g * sh;                                      \
+        int64_t G = Hq / Hkv, P = att_ranges(B, Hq, Hkv), CH = ATT_CHUNK;                                      \
+        _Pragma("omp parallel for schedule(dynamic, 1)")                                                       \
+        for (int64_t it = 0; it < B * P; it++) {                                                               \
+            ATT_BEGIN(T, LOAD, Hq * D, D, sh)                                                                  \
+            const T *kb = k + b * sb, *vb = v + b * sb;                                                        \
             for (int64_t s0 = 0; s0 < lens[b]; s0 += CH) {                                                     \
                 int64_t n = lens[b] - s0 < CH ? lens[b] - s0 : CH;                                             \
-                ATT_CHUNK_STEP(T, LOAD, kh + s0 * D, vh + s0 * D, D, 0, n)                                     \
+                ATT_CHUNK_STEP(T, LOAD, kb + s0 * D, vb + s0 * D, D, 0, n, ATT_NO_PREFETCH)                    \
             }                                                                                                  \
             ATT_END(T, STORE)                                                                                  \
         }                                                                                                      \
@@ -542,8 +555,8 @@ void rms_norm_bf16(const uint16_t *restrict x, const uint16_t *restrict w, uint1
  * decode-attention loop above: its K rows, then its V rows), and per kept key G dots, exps and axpys of D. */
 /* The kept keys of a query at position S - 1 are two position ranges: the sinks [0, a) and the window [lo, S)
  * (window 0, or S <= window: the second is [0, S) and the first empty).  PAGED_BLOCKS walks both, block by block
- * in table order, running its body with ko (the block's offset in the cache, in elements) and its kept offsets
- * [j0, j1); blocks holding no kept key, and blocks whose entry is negative (kv.eviction.EVICTED), are never read.
+ * in table order, running its body with ko (the block's offset in the cache, in elements), its kept offsets
+ * [j0, j1) and nko (the next block's offset in the same range, -1 when there is none to read); blocks holding no kept key, and blocks whose entry is negative (kv.eviction.EVICTED), are never read.
  * Walking the table avoids a 64-bit s / bs and s % bs per position. */
 #define PAGED_BLOCKS(...) /* the body: variadic, so that its commas do not split it */                          \
     for (int64_t r = 0; r < 2; r++) {                                                                          \
@@ -551,24 +564,35 @@ void rms_norm_bf16(const uint16_t *restrict x, const uint16_t *restrict w, uint1
         for (int64_t i = s0 / bs; i * bs < s1; i++) {                                                          \
             if (tb[i] < 0) continue;                                                                           \
             int64_t ko = (int64_t)tb[i] * bs * rs;                                                             \
+            int64_t nko = (i + 1) * bs < s1 && tb[i + 1] >= 0 ? (int64_t)tb[i + 1] * bs * rs : -1;             \
             int64_t j0 = s0 > i * bs ? s0 - i * bs : 0, j1 = s1 - i * bs < bs ? s1 - i * bs : bs;              \
             __VA_ARGS__                                                                                        \
         }                                                                                                      \
     }
+/* Key j of a block: prefetch row j of the next block in the table (when it is kept: nko >= 0) into L2, K and V,
+ * the range's columns.  Blocks lie anywhere in the pool, so the hardware prefetchers, which follow a run of
+ * addresses, only find a block's lines after its first misses: fetched a block ahead, the lines wait in L2. */
+#define PAGED_PREFETCH(j)                                                                                      \
+    if (nko >= 0)                                                                                              \
+        for (int64_t c = c0; c < c1; c += line) {                                                              \
+            __builtin_prefetch(k + nko + (j) * rs + c, 0, 2);                                                  \
+            __builtin_prefetch(v + nko + (j) * rs + c, 0, 2);                                                  \
+        }
 #define PAGED_DECODE_ATTENTION(NAME, T, LOAD, STORE)                                                           \
     void NAME##_window(const T *restrict q, const T *restrict k, const T *restrict v,                          \
                        const int32_t *restrict tables, const int32_t *restrict lens, T *restrict out, int64_t B, \
                        int64_t Hq, int64_t Hkv, int64_t D, int64_t bs, int64_t W, float scale, int64_t sqb,    \
                        int64_t sqh, int64_t window, int64_t sinks) {                                           \
-        int64_t G = Hq / Hkv, P = ATT_PARTS(B, Hkv, G), CH = bs, rs = Hkv * D;                                 \
-        _Pragma("omp parallel for schedule(static)")                                                           \
-        for (int64_t it = 0; it < B * Hkv * P; it++) {                                                         \
-            ATT_BEGIN(T, LOAD, sqb, sqh)                                                                       \
+        int64_t G = Hq / Hkv, P = att_ranges(B, Hq, Hkv), CH = bs, rs = Hkv * D;                              \
+        _Pragma("omp parallel for schedule(dynamic, 1)")                                                       \
+        for (int64_t it = 0; it < B * P; it++) {                                                               \
+            ATT_BEGIN(T, LOAD, sqb, sqh, D)                                                                    \
             int64_t S = lens[b];                                                                               \
             int64_t lo = window > 0 && S > window ? S - window : 0, a = sinks < lo ? sinks : lo;               \
             const int32_t *tb = tables + b * W;                                                                \
-            const T *kh = k + g * D, *vh = v + g * D;                                                          \
-            PAGED_BLOCKS(ATT_CHUNK_STEP(T, LOAD, kh + ko, vh + ko, rs, j0, j1))                                \
+            /* the columns a row of the range reads: [c0, c1) of each token's H_kv * D */                     \
+            int64_t c0 = ho[0], c1 = ho[n_h - 1] + D, line = 64 / (int64_t)sizeof(T);                          \
+            PAGED_BLOCKS(ATT_CHUNK_STEP(T, LOAD, k + ko, v + ko, rs, j0, j1, PAGED_PREFETCH))                  \
             ATT_END(T, STORE)                                                                                  \
         }                                                                                                      \
     }                                                                                                          \
