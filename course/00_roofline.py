@@ -371,7 +371,8 @@ for B in batches:
 # Your number, the measurement and the roof, on the decode case (batch 1) with plain PyTorch, which runs
 # everywhere: a roofline time is a **lower bound**, so the measurement may not beat it (by more than 25 %, for
 # noise: the roofs were measured at another moment, on a machine that may be shared — rerun the two cells above
-# if a busy neighbour tripped it); below it, the verdict says what the fraction reached means. The native kernel, where there is one, comes closer to the
+# if a busy neighbour tripped it); below it, the verdict says what the fraction reached means. The native kernel,
+# where there is one, comes closer to the
 # roof: same bytes, better code. On a GPU, a pass of 120 small kernels launched one by one from Python pays ~5 µs of
 # launch overhead each, more than the reads themselves take at batch 1: the measurement lands well under the roof
 # (`measure_device` captures its GEMV stack in a CUDA graph to remove that overhead; serving engines do the same).
@@ -558,7 +559,7 @@ def roofline_explorer(batch: int = 1, dtype: str = "bfloat16", hardware: str = "
           f"{'' if fits else ' -> does NOT fit'}")
     ax = roofline.plot_roofline(s, [roofline.RooflinePoint("", p.intensity, p.flops_per_s) for p in points],
                                 dtype=peak_dtype)
-    for p, marker in zip(points, "oDvs"):
+    for p, marker in zip(points, "oDvs", strict=True):
         ax.plot(p.intensity, p.flops_per_s, marker, markersize=9, alpha=0.8, zorder=4, label=p.label)
     ax.legend(loc="lower right", fontsize="small")
     ax.set_title(f"{model}, batch {batch}, context {context}, {dtype} on {s.name}")

@@ -38,8 +38,8 @@ from minillm.course import checks
 from minillm.course.conclusions import conclude
 from minillm.course.predictions import predict_decode_tok_s
 from minillm.engine.simple import _append, _right_pad, _start, generate
-from minillm.sampling.sampler import sample
 from minillm.perf import metrics, roofline
+from minillm.sampling.sampler import sample
 
 FAST = os.environ.get("MINILLM_COURSE_FAST") == "1"  # set by the course tests: same cells, smaller sizes
 random.seed(0)
@@ -155,7 +155,7 @@ for n in prompt_lengths:
 n_out = 24 if FAST else 128
 out = llm.generate([random_prompt(16)], SamplingParams(max_tokens=n_out, temperature=0, ignore_eos=True))[0]
 m = out.metrics
-gaps = [b - a for a, b in zip(m.token_times_s, m.token_times_s[1:])]  # inter-token latencies, seconds
+gaps = [b - a for a, b in zip(m.token_times_s, m.token_times_s[1:], strict=False)]  # inter-token latencies, seconds
 measured_tok_s = 1 / statistics.median(gaps)
 print(f"TTFT {m.ttft_s * 1e3:.1f} ms, TPOT {m.tpot_s * 1e3:.1f} ms (median gap {statistics.median(gaps) * 1e3:.1f} ms)"
       f" -> {measured_tok_s:.1f} tokens/s; of the {m.latency_s:.2f} s latency, decode took "
@@ -285,7 +285,8 @@ runs = {"naive": run_loop(stream_naive, [prompt], params)[0], "cached": generate
 assert runs["naive"].output == runs["cached"].output, "your loop and the cached loop must produce the same tokens"
 for kind, seq in runs.items():
     t = seq.metrics.token_times_s
-    plt.plot(range(len(prompt) + 2, len(prompt) + len(t) + 1), [(b - a) * 1e3 for a, b in zip(t, t[1:])], ".-",
+    plt.plot(range(len(prompt) + 2, len(prompt) + len(t) + 1),
+             [(b - a) * 1e3 for a, b in zip(t, t[1:], strict=False)], ".-",
              label=f"{kind}{' (yours)' if kind == 'naive' else ''}: {seq.metrics.latency_s:.2f} s in total")
 plt.gca().set(xlabel="sequence length when the token is produced", ylabel="ms per token",
               title="Naive recompute vs cached decoding", ylim=(0, None))

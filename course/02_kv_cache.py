@@ -341,7 +341,8 @@ plt.show()
 #
 # Cached decode steps stay far left of the ridge whatever S: the weights give 2 FLOPs per weight read, and attention
 # reads each cached K/V element once for 2 × H_q/H_kv FLOPs — intensity 2·H_q/H_kv ÷ bytes per element (GQA's
-# sharing is the lever there; batching does not help attention). The naive loop's steps are prefills whose intensity grows with
+# sharing is the lever there; batching does not help attention). The naive loop's steps are prefills whose intensity
+# grows with
 # the sequence — it looks "efficient" on the roofline by redoing work that was already done.
 
 # %%

@@ -49,8 +49,8 @@ from minillm.kv.contiguous import KVCache
 from minillm.kv.eviction import KVEvictionPolicy  # exercise 3.4's base class
 from minillm.models.attention_variants import kv_bytes_cross_layer, kv_bytes_mla, kv_bytes_sequence, pool_kv_heads
 from minillm.perf import metrics, roofline
-from minillm.perf.long_context import format_table as format_long_context
 from minillm.perf.long_context import POLICIES as LC_POLICIES
+from minillm.perf.long_context import format_table as format_long_context
 from minillm.perf.long_context import kept_tokens, long_context_eval
 from minillm.perf.metrics import decode_weight_bytes
 from minillm.perf.perplexity import heldout_token_ids
@@ -216,7 +216,8 @@ checks.check_pool_kv_weight(pool_kv_weight)
 # Now three models from one checkpoint. **MHA** (H_kv = 9): copy each of SmolLM2's 3 K/V heads to the 3 query
 # heads of its group — the same function, so the same logits, with a 3× larger cache. Pooling that MHA model back
 # to 3 heads with your function must give the checkpoint's weights again (to the last bit's rounding): the mean of
-# three copies of a head is that head. **MQA** (H_kv = 1): your function averages the 3 K/V heads into one — the starting point of the
+# three copies of a head is that head. **MQA** (H_kv = 1): your function averages the 3 K/V heads into one — the
+# starting point of the
 # conversion (the paper then uptrains; we do not, and section 5 measures what that costs).
 
 # %%
@@ -377,7 +378,8 @@ plt.show()
 
 # %% [markdown]
 # Fewer K/V heads: a smaller cache, exactly as predicted; the ▸ lines above say how decode speed followed here.
-# The measured speedup falls short of the bounds' ratio wherever a step is not purely bandwidth bound: the weights' GEMVs have fixed costs, and on a
+# The measured speedup falls short of the bounds' ratio wherever a step is not purely bandwidth bound: the weights'
+# GEMVs have fixed costs, and on a
 # CPU — whose ridge is a few FLOP/byte — attention with G = 9 query heads per K/V head does 2·9 FLOPs per K/V
 # element, 4.5 FLOP/byte in fp32: MQA's attention becomes compute bound there (section 7 shows it). On a GPU,
 # with its ridge near 300 FLOP/byte, every variant stays bandwidth bound.
@@ -577,7 +579,8 @@ checks.check_freeable_blocks(MyKVEvictionPolicy)
 # that path, not the policy's bookkeeping.
 
 # %%
-lc_tokens, lc_window = (768, 128) if FAST else (8192, 1024)  # ~8k tokens: the full cache's reads then rival the weights'
+# ~8k tokens: the full cache's reads then rival the weights'
+lc_tokens, lc_window = (768, 128) if FAST else (8192, 1024)
 lc_sinks = 4
 lc_heavy = lc_window  # H2O's heavy-hitter budget, in tokens
 lc_rule = None  # the library's rule, only so that the cells below run until you write 3.4

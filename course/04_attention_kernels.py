@@ -43,11 +43,11 @@ from minillm.course import checks
 from minillm.course.conclusions import conclude
 from minillm.course.predictions import predict_attention_gb_s, predict_eager_step_ms
 from minillm.engine.simple import generate
-from minillm.kernels.reference import attention_partial, grouped_attention
-from minillm.perf.bench.attention import bench_attention
-from minillm.perf.bench.decode import time_engine
+from minillm.kernels.reference import attention_partial
 from minillm.kv.contiguous import KVCache
 from minillm.perf import roofline
+from minillm.perf.bench.attention import bench_attention
+from minillm.perf.bench.decode import time_engine
 
 FAST = os.environ.get("MINILLM_COURSE_FAST") == "1"  # set by the course tests: same cells, smaller sizes
 random.seed(0)
@@ -399,8 +399,8 @@ if triton_ok:
 # %% [markdown]
 # ## 6. Measure: attention on this device, on the roofline
 #
-# `minillm.perf.bench.attention.bench_attention` times decode (contiguous and paged) and causal prefill attention next to
-# PyTorch's fused `scaled_dot_product_attention` (SDPA), in GB/s of K/V read (decode) and TFLOP/s (prefill).
+# `minillm.perf.bench.attention.bench_attention` times decode (contiguous and paged) and causal prefill attention next
+# to PyTorch's fused `scaled_dot_product_attention` (SDPA), in GB/s of K/V read (decode) and TFLOP/s (prefill).
 # On a GPU it times the Triton kernels; on a CPU it times the PyTorch paths only (the interpreter's timings mean
 # nothing), including the naive `grouped_attention` prefill that materialises the scores.
 

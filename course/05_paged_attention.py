@@ -34,6 +34,7 @@ from __future__ import annotations
 import os
 import random
 import statistics
+from functools import partial
 
 import torch
 
@@ -134,7 +135,8 @@ plt.show()
 # %% [markdown]
 # ## 2. Build: a block allocator with reference counts
 #
-# `minillm.kv.block_allocator.BlockAllocator` owns the pool's bookkeeping (the K/V tensors live in the engine). Each block is
+# `minillm.kv.block_allocator.BlockAllocator` owns the pool's bookkeeping (the K/V tensors live in the engine). Each
+# block is
 # in exactly one state:
 #
 # - **referenced**: `ref_count > 0`, it appears in that many block tables;
@@ -641,8 +643,8 @@ for S in att_lens:
     torch.testing.assert_close(kernels.paged_decode_attention(qa, *pools, att_tables, la),
                                kernels.decode_attention(qa, ka, va, la), **att_tolerance)
     cost = roofline.attention_cost(att_batch, 1, S, H_q, H_kv, D, model.dtype)
-    for name, fn in (("dense", lambda: kernels.decode_attention(qa, ka, va, la)),
-                     ("paged", lambda: kernels.paged_decode_attention(qa, *pools, att_tables, la))):
+    for name, fn in (("dense", partial(kernels.decode_attention, qa, ka, va, la)),
+                     ("paged", partial(kernels.paged_decode_attention, qa, *pools, att_tables, la))):
         s = statistics.median(measure_seconds(fn, repeat=5 if FAST else 20, device=device))
         att_rows.append({"kernel": name, "S": S, "s": s, "cost": cost})
         print(f"{name:5} B={att_batch} S={S:5d}: {s * 1e6:8.1f} µs, {cost.bytes / s / 1e9:6.2f} GB/s of K/V, "

@@ -41,8 +41,8 @@ import torch
 from minillm import LLM, EngineConfig, LLMEngine, SamplingParams
 from minillm.course import checks
 from minillm.course.conclusions import conclude
-from minillm.course.slot_model import slot_timeline
 from minillm.course.predictions import predict_continuous_speedup
+from minillm.course.slot_model import slot_timeline
 from minillm.engine.scheduler import Policy, Scheduler
 from minillm.engine.sequence import Request
 from minillm.perf import roofline
@@ -243,7 +243,8 @@ conclude("continuous ÷ static throughput", ratio, 1, expect=">", unit="×",
          held="continuous batching is faster than static on this trace, as its fewer steps predict",
          missed="continuous batching is slower than static here: its fuller steps cost more than the steps it "
                 "saves on this machine, which turns compute bound at a few sequences (section 6)")
-conclude("static with finished rows dropped ÷ padded static", dropped[0].output_tok_s / measured["static"][0].output_tok_s,
+conclude("static with finished rows dropped ÷ padded static",
+         dropped[0].output_tok_s / measured["static"][0].output_tok_s,
          1, expect=">", unit="×",
          held="dropping finished rows recovers part of the gap: a step's cost grows with its rows on this machine",
          missed="dropping finished rows gains nothing measurable here: a step costs about the same whatever its "

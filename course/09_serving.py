@@ -19,7 +19,8 @@
 #
 # **In this notebook** you predict what throughput the engine can sustain from its batch curve (notebook 06) and
 # the roofline, write the load generator's arrival schedule (exercise 9.1) and its client-side clock (9.2) and the
-# server's side of a stream, its SSE events (9.3), start minillm's OpenAI-compatible server, call it with the official `openai` client, load it at several request rates
+# server's side of a stream, its SSE events (9.3), start minillm's OpenAI-compatible server, call it with the official
+# `openai` client, load it at several request rates
 # with the same generator you would point at vLLM or SGLang, tune the engine's options for goodput under an SLO
 # (9.4), read its Prometheus metrics, overload it into
 # 429s, watch a disconnect free KV blocks, compare with plain transformers `generate` on the same prompts, and
@@ -28,7 +29,6 @@
 # %%
 from __future__ import annotations
 
-import asyncio
 import json
 import math
 import os
@@ -333,13 +333,13 @@ t0, arrivals = time.perf_counter(), []
 stream = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=question, max_tokens=40,
                                         temperature=0, stream=True)
 pieces = []
-for chunk in stream:
-    if chunk.choices and chunk.choices[0].delta.content:
+for update in stream:  # not `chunk`: that name is the SSE writer your sse_stream (9.3) calls
+    if update.choices and update.choices[0].delta.content:
         arrivals.append(time.perf_counter() - t0)
-        pieces.append(chunk.choices[0].delta.content)
+        pieces.append(update.choices[0].delta.content)
 print(f"streamed: {''.join(pieces)!r}")
 print(f"  {len(arrivals)} text chunks; first after {arrivals[0] * 1e3:.0f} ms (TTFT), then every "
-      f"{statistics.median(b - a for a, b in zip(arrivals, arrivals[1:])) * 1e3:.0f} ms (median ITL)")
+      f"{statistics.median(b - a for a, b in zip(arrivals, arrivals[1:], strict=False)) * 1e3:.0f} ms (median ITL)")
 
 # %% [markdown]
 # The streamed text is the same as the blocking one (greedy decoding), but the first words arrived after one
@@ -457,7 +457,8 @@ plt.show()
 #   shows how much). That is how the measurement can beat the prediction.
 #
 # Past capacity, requests wait in the queue, so TTFT is what should grow, while TPOT barely moves — the batch is
-# full either way (the ▸ lines say what this run measured). That is why an operator watches the queue and TTFT p99, not only throughput.
+# full either way (the ▸ lines say what this run measured). That is why an operator watches the queue and TTFT p99,
+# not only throughput.
 #
 # ### Place it on the roofline
 #

@@ -1,6 +1,6 @@
 """Build the course notebooks from their sources.
 
-    python course/build.py [--check] [--execute] [NAMES...]
+    python course/build.py [--check] [--execute | --keep-outputs] [NAMES...]
 
 Sources are ``course/NN_name.py`` (jupytext py:percent).  Each becomes
 - ``notebooks/NN_name.ipynb``: the student version — exercise stubs, no outputs;
@@ -24,9 +24,12 @@ builder reads ``slide``, ``slide-output`` and ``slide-skip``); ``# NBVAL_CHECK_O
 solutions (nbval compares those outputs there) and removed from student notebooks (whose outputs are empty).
 
 Solutions are executed when ``--execute`` is given or when their cell sources changed (a change confined to the
-Colab badge and install cells, which do nothing elsewhere, keeps the stored outputs); otherwise the stored
-outputs are kept.  ``--check`` writes nothing and exits 1 naming every stale file: a student notebook must be
-byte-identical to a fresh render, a solution must have the same cell sources.
+Colab badge and install cells, which do nothing elsewhere, and to markdown cells, which run nothing, keeps the
+stored outputs); otherwise the stored outputs are kept.  ``--keep-outputs`` keeps them through code-cell edits too,
+cell by cell: the instructor's word that an edit changes no output (a lint fix, a comment, an import), for when
+re-executing every solution is not worth its time; cells added, removed or retyped still need an execution.
+``--check`` writes nothing and exits 1 naming every stale file: a student notebook must be byte-identical to a fresh
+render, a solution must have the same cell sources.
 """
 
 from __future__ import annotations
@@ -285,12 +288,18 @@ def _runs_outside_colab(cell) -> bool:
     return not is_colab_install_cell(cell.source)
 
 
-def with_stored_outputs(new: nbformat.NotebookNode, old: nbformat.NotebookNode) -> nbformat.NotebookNode | None:
-    """``new`` carrying ``old``'s outputs when the two differ only in their Colab cells (badge, install source):
-    no re-execution is needed then.  None when any other cell differs."""
+def with_stored_outputs(new: nbformat.NotebookNode, old: nbformat.NotebookNode,
+                        keep_code: bool = False) -> nbformat.NotebookNode | None:
+    """``new`` carrying ``old``'s outputs, cell by cell, when no difference between them can change an output: they
+    differ only in their Colab cells (badge, install source) and in markdown cells (which run nothing), or, with
+    ``keep_code`` (``--keep-outputs``: the instructor's word that the edit changes no output), in code cells too.
+    No re-execution is needed then.  None when a code cell differs without ``keep_code``, or when the cells other
+    than the Colab ones are not the same kinds in the same order (cells added, removed or retyped)."""
     kept = [c for c in new.cells if _runs_outside_colab(c)]
     stored = [c for c in old.cells if _runs_outside_colab(c)]
-    if [(c.cell_type, c.source) for c in kept] != [(c.cell_type, c.source) for c in stored]:
+    if [c.cell_type for c in kept] != [c.cell_type for c in stored]:
+        return None
+    if not keep_code and any(a.cell_type == "code" and a.source != b.source for a, b in zip(kept, stored, strict=True)):
         return None
     out = copy.deepcopy(new)
     cells = iter(stored)
@@ -328,7 +337,7 @@ def execute(nb: nbformat.NotebookNode, *, cwd: Path = SOLUTIONS, fast: bool = Fa
     return nb
 
 
-def build(paths: list[Path], *, check: bool, force_execute: bool) -> int:
+def build(paths: list[Path], *, check: bool, force_execute: bool, keep_outputs: bool = False) -> int:
     stale: list[str] = []
     for path in paths:
         r = render(path)
@@ -344,10 +353,14 @@ def build(paths: list[Path], *, check: bool, force_execute: bool) -> int:
         sol_stale = old is None or cell_sources(old) != cell_sources(r.solution) or old.metadata != r.solution.metadata
         if sol_stale:
             stale.append(str(sol_file.relative_to(ROOT)))
-        refreshed = None if old is None or force_execute or not sol_stale else with_stored_outputs(r.solution, old)
-        if not check and refreshed is not None:  # only the Colab cells changed: keep the executed outputs
+        refreshed = (None if old is None or force_execute or not sol_stale
+                     else with_stored_outputs(r.solution, old, keep_code=keep_outputs))
+        if not check and keep_outputs and sol_stale and refreshed is None:
+            raise BuildError(f"--keep-outputs: {sol_file.relative_to(ROOT)} gained, lost or retyped cells, so its "
+                             "stored outputs no longer match cell by cell; build it without --keep-outputs")
+        if not check and refreshed is not None:  # no changed cell can change an output: keep the executed outputs
             sol_file.write_text(dumps(refreshed))
-            print(f"wrote {sol_file.relative_to(ROOT)} (Colab cells only; outputs kept)")
+            print(f"wrote {sol_file.relative_to(ROOT)} (outputs kept)")
         elif not check and (sol_stale or force_execute):
             t0 = time.perf_counter()
             print(f"executing {sol_file.relative_to(ROOT)} ...", flush=True)
@@ -369,10 +382,15 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("names", nargs="*", help="sources to build (e.g. 01 or 02_kv_cache); default: all")
     parser.add_argument("--check", action="store_true", help="write nothing; exit 1 if any generated file is stale")
-    parser.add_argument("--execute", action="store_true", help="re-execute the solutions even if unchanged")
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--execute", action="store_true", help="re-execute the solutions even if unchanged")
+    mode.add_argument("--keep-outputs", action="store_true",
+                      help="keep the solutions' stored outputs through code-cell edits that change no output "
+                           "(lint fixes, comments, imports) instead of re-executing them")
     args = parser.parse_args(argv)
     try:
-        return build(sources(args.names), check=args.check, force_execute=args.execute)
+        return build(sources(args.names), check=args.check, force_execute=args.execute,
+                     keep_outputs=args.keep_outputs)
     except BuildError as e:
         print(f"build error: {e}", file=sys.stderr)
         return 2

@@ -375,9 +375,15 @@ KERNELS: tuple[Kernel, ...] = (
 
 
 # ---------------------------------------------------------------------------------------------------- resolution
-@lru_cache(maxsize=1)
 def triton_available() -> bool:
-    """Whether the ``triton`` package is installed (it is only in the ``gpu``/``dev`` extras)."""
+    """Whether the ``triton`` package is installed (it is only in the ``gpu``/``dev`` extras).  Its answer is part
+    of every resolution's cache key, so a test may replace this function: no decision made under the stand-in is
+    reused once the real answer differs, and ``clear_cache`` still works meanwhile (``_triton_found`` caches)."""
+    return _triton_found()
+
+
+@lru_cache(maxsize=1)
+def _triton_found() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
@@ -438,12 +444,10 @@ def describe(choice: str, device: torch.device | str, dtype: torch.dtype) -> dic
 
 
 def clear_cache() -> None:
-    """Forget cached resolutions (tests that change what is available use it; the environment is in the key)."""
-    _resolve.cache_clear()
-    _ops.cache_clear()
-    triton_available.cache_clear()
-    triton_unsupported_reason.cache_clear()
-    _warn_triton_fallback.cache_clear()
+    """Forget cached resolutions and probes: for tests that change what the key does not hold (the CUDA device's
+    generation), or that install or remove triton.  Works while ``triton_available`` is replaced by a stand-in."""
+    for cached in (_resolve, _ops, _triton_found, triton_unsupported_reason, _warn_triton_fallback):
+        cached.cache_clear()
 
 
 def compiles(choice: str) -> bool:

@@ -118,7 +118,7 @@ class KVCache:
         """Store k, v [B, H_kv, L, D] at the current positions, then attend q [B, H_q, L, D] -> [B, H_q, L, D]."""
         k_all, v_all, _ = self.update(layer, k, v)  # the mask is cached_attention's positions rule
         if q.shape[2] == 1:  # decode: one query per sequence over its first position + 1 slots
-            # native on CPU (SDPA's fixed ~50 µs is several times the work here), flash-decoding on CUDA
+            # native on CPU (SDPA's fixed cost per call is several times the work here), flash-decoding on CUDA
             return self.ops.decode_attention(q[:, :, 0], k_all, v_all, self._seq_lens, sm_scale=scale)[:, :, None]
         if self._causal:  # Triton FlashAttention on CUDA, SDPA elsewhere
             return self.ops.prefill_attention(q, k_all, v_all, causal=True, sm_scale=scale)

@@ -6,6 +6,7 @@ one packed engine step.  ``QuantizedPagedKVCache`` stores int8/fp8 codes + per-(
 from __future__ import annotations
 
 import itertools
+import math
 from dataclasses import dataclass
 
 import torch
@@ -20,12 +21,16 @@ from minillm.kv.quant import KVQuantizer, kv_bytes_per_token, kv_quantizer
 
 
 def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: DType, kv_cache_dtype: str = "auto") -> int:
-    """K and V of every layer for one block: 2 × layers × block_size × H_kv × D × bytes/elem, or with a quantized
-    ``kv_cache_dtype`` ("int8"/"fp8") 2 × layers × block_size × H_kv × (D + 4): 1-byte codes + an fp32 scale per
-    (token, head).  The engine divides its byte budget by this, so a quantized cache gets more blocks.  ``dtype``: a
-    torch dtype, or a name or byte width (``minillm.dtypes``) when a cost model prices a cache it never allocates."""
-    return block_size * kv_bytes_per_token(config.num_layers, config.num_kv_heads, config.head_dim, kv_cache_dtype,
-                                           dtype)
+    """K and V of every layer for one block, in whole bytes: 2 × layers × block_size × H_kv × D × bytes/elem, or
+    with a quantized ``kv_cache_dtype`` ("int8"/"fp8") 2 × layers × block_size × H_kv × (D + 4): 1-byte codes + an
+    fp32 scale per (token, head).  The engine divides its byte budget by this, so a quantized cache gets more
+    blocks.  ``dtype``: a torch dtype, or a name or byte width (``minillm.dtypes``) when a cost model prices a cache
+    it never allocates; a sub-byte or scaled width ("int4": 0.5, or 0.5625 for int4 + scales) whose block comes to
+    a fraction of a byte rounds up — a block is stored in whole bytes, and rounding up never lets a budget hold more
+    blocks than fit.  Always an int; exact for every named width (each is a binary fraction, so the float product
+    carries no rounding error)."""
+    per_token = kv_bytes_per_token(config.num_layers, config.num_kv_heads, config.head_dim, kv_cache_dtype, dtype)
+    return math.ceil(block_size * per_token)
 
 
 class PagedKVCache:

@@ -210,8 +210,8 @@ def choose_dtype(device: str | torch.device | None = None, checkpoint_dtype: str
     """The dtype ``load_model``/``LLM`` use on ``device`` (None: CUDA when present) when given ``dtype=None``.
 
     CPU: fp32, or bf16 for a bf16 checkpoint on a CPU that computes bf16 natively (AVX512-BF16, AMX, Arm BF16);
-    emulated bf16 runs ~100× slower than fp32.  CUDA: a fp16 checkpoint stays fp16; otherwise bf16 where the GPU
-    has it, else fp16 (Colab's T4).  ``checkpoint_dtype`` is config.json's ``torch_dtype`` (None: fp32).
+    emulated bf16 runs orders of magnitude slower than fp32.  CUDA: a fp16 checkpoint stays fp16; otherwise bf16
+    where the GPU has it, else fp16 (Colab's T4).  ``checkpoint_dtype`` is config.json's ``torch_dtype`` (None: fp32).
     """
     from minillm.kernels.cpu.features import cpu_has_native_bf16
 
@@ -302,7 +302,7 @@ def load_model(model: str | os.PathLike | None = None, *, dtype: str | torch.dty
     (the default model included) uses the file's own Q4_1 blocks and Q8_0 head as they are; other checkpoints are
     quantized on load.  "awq" / "gptq" quantize the float weights on load to int4 groups of 128 (64 where 128 does
     not divide K), calibrated layer by layer on the calibration half of ``pydoc_data.topics`` with the model's
-    tokenizer (SmolLM2-135M on a shared 2-core CPU: AWQ ~3.5 min, GPTQ ~6.5 min); a GGUF (the default model's Q4_1
+    tokenizer (minutes on a CPU even for SmolLM2-135M, GPTQ longer than AWQ); a GGUF (the default model's Q4_1
     included) is first dequantized to fp32, so they re-quantize already 4-bit weights.
     "w8a8" | "w8a8-static" | "w8a8-smooth" | "fp8" quantize the activations too (``quant.smooth``): int8 weights
     per channel and int8 activations (per token, or static per tensor), integer GEMMs; "w8a8-smooth" folds

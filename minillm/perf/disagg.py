@@ -197,7 +197,7 @@ def _decode_instance(requests: Sequence[Request], model: ModelConfig, config: En
     """``simulate``'s clock (``run_clock``) with a ``KVReceivingScheduler``: each request joins at its
     ``arrival_time`` (its K/V has arrived).  Fills the requests' metrics; returns (steps, preemptions)."""
     max_model_len = min(model.max_position_embeddings, config.max_model_len or model.max_position_embeddings)
-    block_bytes = int(kv_bytes_per_block(model, config.block_size, dtype))
+    block_bytes = kv_bytes_per_block(model, config.block_size, dtype)
     num_blocks = config.resolve_num_blocks(block_bytes, max_model_len)
     sched = KVReceivingScheduler(config, num_blocks, max_model_len,
                                  num_host_blocks=config.resolve_host_blocks(num_blocks))

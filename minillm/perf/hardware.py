@@ -301,9 +301,9 @@ def _probe_gemv(device: str, plan: dict) -> tuple[dict[str, dict[str, float]], d
 
 def _probe_matmul(device: str, plan: dict) -> tuple[dict[str, float], dict[str, int]]:
     """Matmul FLOP/s per dtype, and the n each was timed at.  A dtype so slow at n=256 that one call of the
-    planned n would outlast the whole time budget is emulated, not compute bound (bf16 on an AVX2 CPU:
-    ~1 GFLOP/s, so n=2048 would take ~17 s per call): an n that fits a third of the budget (≥ 256) measures the
-    same rate.  (n=256 underrates fast paths, which is why only a call past the whole budget shrinks.)"""
+    planned n would outlast the whole time budget is emulated, not compute bound (bf16 on an AVX2 CPU: orders
+    of magnitude below fp32, so one n=2048 call takes seconds): an n that fits a third of the budget (≥ 256)
+    measures the same rate.  (n=256 underrates fast paths, which is why only a call past the whole budget shrinks.)"""
     result: dict[str, float] = {}
     sizes: dict[str, int] = {}
     for name in plan["matmul_dtypes"]:

@@ -1,7 +1,8 @@
 """One roofline per machine: measured once (best of several runs), cached on disk, reused everywhere.
 
 A measurement wobbles from run to run on a shared machine (another job, a cold cache, turbo states): measured per
-notebook, the same decode once read 28 GB/s and 49 GB/s in the next, so its MBU halved between two notebooks.
+notebook, the roof one decode is priced against can move a long way between two notebooks, and its MBU moves
+with it though the decode did not change.
 ``machine_spec(device)`` measures ``runs`` times with ``measure_device`` and keeps each probe's best (the most a
 machine did is what it can do; interference only slows it), stores the result under the cache directory, and
 returns it from there on every later call, in every process: every notebook and benchmark prices its points

@@ -352,7 +352,7 @@ def simulate(trace: Sequence[RequestSpec], model: ModelConfig, config: EngineCon
     clock jumps to the next arrival or to the end of the dynamic-batching window.
     """
     max_model_len = min(model.max_position_embeddings, config.max_model_len or model.max_position_embeddings)
-    block_bytes = int(kv_bytes_per_block(model, config.block_size, dtype))
+    block_bytes = kv_bytes_per_block(model, config.block_size, dtype)
     num_blocks = config.resolve_num_blocks(block_bytes, max_model_len)
     sched = Scheduler(config, num_blocks, max_model_len, num_host_blocks=config.resolve_host_blocks(num_blocks))
     requests = [Request(str(k), list(spec.prompt_token_ids), _params(spec.max_tokens), spec.arrival_s, [None])

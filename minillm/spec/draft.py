@@ -8,7 +8,7 @@ catch-up, usually 1–2 tokens: the last accepted draft and the target's correct
   drafter, most draft models): a paged K/V pool of its own (``PagedKVCache`` + a ``BlockManager`` without prefix
   caching, one block table per sequence, grown when it fills) and ``engine.native_runner.NativeDecodeStack``: every
   sequence of the step drafts together, one native call per draft position for the whole batch.  Why: at batch 1
-  the per-layer Python around an int4 drafter's GEMVs cost as much as 5–8 fp32 target decode steps per draft, which
+  the per-layer Python around an int4 drafter's GEMVs cost as much as several fp32 target decode steps per draft, which
   made quantized-self drafting slower than plain decode.  A long catch-up (a new sequence's prompt) runs as one
   prefill chunk through the model's own forward over the same pool (GEMMs instead of 32-row GEMV calls).
   Early exit runs there too, as a ``Transformer`` over the target's first layers (``EarlyExitModel.as_transformer``).
@@ -34,8 +34,8 @@ from minillm.sampling.sampler import probabilities
 from minillm.spec.proposer import Proposal, Proposer, TargetKV
 
 # catch-up rows above which a sequence prefills through the model's forward rather than as fused rows: a fused row
-# costs about a decode step, while a prefill's cost per row falls as it grows (GEMMs); the crossover, measured in
-# BENCHMARKS.md ("Figures moved out of the code"), lies between 40 and 100 rows
+# costs about a decode step, while a prefill's cost per row falls as it grows (GEMMs); 64 lies inside the crossover
+# BENCHMARKS.md measures ("Figures moved out of the code")
 LONG_FEED = 64
 
 

@@ -76,6 +76,47 @@ def test_a_change_to_the_colab_cells_alone_keeps_the_stored_outputs():
     assert build.with_stored_outputs(new, old) is None
 
 
+def _with_outputs(nb: nbformat.NotebookNode) -> nbformat.NotebookNode:
+    """A copy of ``nb`` whose code cells each hold one output naming their index."""
+    nb = copy.deepcopy(nb)
+    for i, cell in enumerate(nb.cells):
+        if cell.cell_type == "code":
+            cell.outputs = [nbformat.v4.new_output("stream", name="stdout", text=f"cell {i}\n")]
+    return nb
+
+
+def test_a_markdown_edit_keeps_the_stored_outputs_and_a_code_edit_needs_keep_code():
+    """A markdown cell runs nothing, so rewording one never needs a re-execution; a code cell's edit does, unless the
+    instructor says it changes no output (``--keep-outputs``): then each stored output stays with its cell."""
+    new = build.render(SOURCES[0]).solution
+    old = _with_outputs(new)
+    markdown = next(i for i, c in enumerate(old.cells) if c.cell_type == "markdown")
+    code = next(i for i, c in enumerate(old.cells) if c.cell_type == "code" and build._runs_outside_colab(c))
+    old.cells[markdown].source = "an older wording\n" + old.cells[markdown].source
+    kept = build.with_stored_outputs(new, old)
+    assert kept is not None and build.cell_sources(kept) == build.cell_sources(new)
+    assert kept.cells[code].outputs[0].text == f"cell {code}\n"
+    old.cells[code].source = "import os  # an import the lint fix removed\n" + old.cells[code].source
+    assert build.with_stored_outputs(new, old) is None
+    kept = build.with_stored_outputs(new, old, keep_code=True)
+    assert kept is not None and build.cell_sources(kept) == build.cell_sources(new)
+    ran = [i for i, c in enumerate(old.cells) if c.cell_type == "code" and build._runs_outside_colab(c)]
+    assert [kept.cells[i].outputs for i in ran] == [old.cells[i].outputs for i in ran]
+
+
+def test_keep_outputs_refuses_cells_added_removed_or_retyped():
+    """Outputs are kept cell by cell, so only the same kinds of cells in the same order can carry them over."""
+    new = build.render(SOURCES[0]).solution
+    old = _with_outputs(new)
+    assert build.with_stored_outputs(new, old, keep_code=True) is not None
+    old.cells.append(nbformat.v4.new_code_cell("print('a cell the source no longer has')"))
+    assert build.with_stored_outputs(new, old, keep_code=True) is None
+    old.cells.pop()
+    code = next(i for i, c in enumerate(old.cells) if c.cell_type == "code" and build._runs_outside_colab(c))
+    old.cells[code] = nbformat.v4.new_markdown_cell(old.cells[code].source)
+    assert build.with_stored_outputs(new, old, keep_code=True) is None
+
+
 def test_check_mode_names_a_stale_file(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(build, "ROOT", tmp_path)  # an empty checkout: every generated file is missing
     monkeypatch.setattr(build, "NOTEBOOKS", tmp_path / "notebooks")

@@ -120,9 +120,7 @@ def test_triton_runs_on_cuda_only_from_compute_capability_8_and_says_why_not(mac
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: capability)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=None: name)
-    forget = (select._resolve, select._ops, select.triton_unsupported_reason, select._warn_triton_fallback)
-    for cached in forget:  # (clear_cache would also clear triton_available, which the fixture replaced)
-        cached.cache_clear()
+    select.clear_cache()  # the device's generation is not in the cache key
     try:
         if runs_triton:
             assert describe("auto", "cuda", torch.float16) == TRITON | EIGHT_BIT_GEMMS  # (ATen's, not Triton's)
@@ -133,8 +131,28 @@ def test_triton_runs_on_cuda_only_from_compute_capability_8_and_says_why_not(mac
         with pytest.raises(RuntimeError, match=r"kernels='triton': Tesla T4 is sm_75"):
             describe("triton", "cuda", torch.float16)
     finally:
-        for cached in forget:
-            cached.cache_clear()
+        select.clear_cache()
+
+
+def test_clear_cache_works_while_triton_available_is_a_stand_in(machine):
+    machine(native_built=True, triton=True)
+    assert describe("triton", "cpu", torch.float32) == TRITON
+    select.clear_cache()  # the stand-in has no cache_clear of its own
+    assert select._resolve.cache_info().currsize == 0 and select._ops.cache_info().currsize == 0
+
+
+def test_no_decision_made_under_a_stand_in_probe_outlives_it(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # no device generation to rule triton out
+    select.clear_cache()
+    try:
+        real = describe("auto", "cuda", torch.bfloat16)
+        installed = select.triton_available()
+        with monkeypatch.context() as m:
+            m.setattr(select, "triton_available", lambda: not installed)
+            assert describe("auto", "cuda", torch.bfloat16) != real  # the attention ops follow the probe
+        assert describe("auto", "cuda", torch.bfloat16) == real
+    finally:
+        select.clear_cache()
 
 
 def test_resolution_is_cached_per_choice_device_and_dtype():

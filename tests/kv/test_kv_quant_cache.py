@@ -117,6 +117,32 @@ def test_a_quantized_block_budget_holds_about_twice_the_tokens_of_bf16_and_four_
     assert eng.kv_cache.nbytes <= budget, "the codes and their scales fit the byte budget"
 
 
+KV_SHAPE = ModelConfig(vocab_size=10, hidden_size=96, intermediate_size=8, num_layers=3, num_heads=6,
+                       num_kv_heads=2, head_dim=16)  # 2 · layers · H_kv = 12 rows of D per token
+
+
+@pytest.mark.parametrize("dtype, kv_cache_dtype, row_bytes", [
+    (torch.float32, "auto", 16 * 4), (torch.bfloat16, "auto", 16 * 2),
+    (torch.float32, "int8", 16 + 4), (torch.bfloat16, "int8", 16 + 4), (torch.float32, "fp8", 16 + 4)])
+def test_block_bytes_are_an_exact_int_equal_to_what_the_paged_cache_allocates(dtype, kv_cache_dtype, row_bytes):
+    if kv_cache_dtype == "fp8" and not hasattr(torch, "float8_e4m3fn"):
+        pytest.skip("this torch has no float8_e4m3fn")
+    got = kv_bytes_per_block(KV_SHAPE, 16, dtype, kv_cache_dtype)
+    assert type(got) is int and got == 16 * 12 * row_bytes
+    cache = make_paged_kv_cache(KV_SHAPE, 4, 16, dtype=dtype, device="cpu", kv_cache_dtype=kv_cache_dtype)
+    assert cache.nbytes == 4 * got
+
+
+def test_a_sub_byte_width_gives_whole_bytes_rounding_a_fractional_block_up():
+    assert kv_bytes_per_block(KV_SHAPE, 16, "int4") == 16 * 12 * 16 // 2  # 0.5 bytes a value: whole already
+    one_row = ModelConfig(vocab_size=10, hidden_size=8, intermediate_size=8, num_layers=1, num_heads=1,
+                          num_kv_heads=1, head_dim=2)  # K and V: 4 values per token
+    per_token = 4 * 0.5625  # int4 + scales: 2.25 bytes a token
+    got = [kv_bytes_per_block(one_row, n, 0.5625) for n in (1, 2, 4)]
+    assert got == [3, 5, 9] and all(type(b) is int for b in got)
+    assert all(b >= n * per_token for b, n in zip(got, (1, 2, 4), strict=True))
+
+
 # ---- the engine ----------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8"])
 def test_greedy_tokens_with_quantized_kv_equal_fp32_kv_until_a_near_tie(model, prompts, kv_cache_dtype):

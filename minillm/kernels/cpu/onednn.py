@@ -10,7 +10,8 @@ read it).  So this path packs only when all of the following hold, decided in ``
 - fp32 x and weight on CPU ("auto"; "on" adds bf16), no autograd through the weight, a weight made outside
   ``torch.inference_mode`` (it keeps the version counter the repacking reads), oneDNN built into torch;
 - the packed copies made so far plus this one stay within ``PACK_MEMORY_FRACTION`` of the memory that was
-  available when the first weight was packed (``available_memory``), so a model that barely fits never doubles.
+  available when the first weight was packed (``kernels.probe.available_memory``), so a model that barely fits
+  never doubles.
 
 Packed copies live as long as their weight (a weak-keyed cache) and are redone when the weight changes in place
 (its version counter).  Reference: ``F.linear`` (equal within fp32 rounding: the same products, another order).
@@ -25,6 +26,8 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.utils.weak import WeakIdKeyDictionary
 
+from minillm.kernels.probe import available_memory
+
 ONEDNN_PACK = os.environ.get("MINILLM_ONEDNN_PACK", "auto")
 if ONEDNN_PACK not in ("auto", "on", "off"):
     raise ValueError(f"MINILLM_ONEDNN_PACK must be 'auto', 'on' or 'off', got {ONEDNN_PACK!r}")
@@ -32,18 +35,6 @@ PACK_MEMORY_FRACTION = 0.25  # at most this share of the memory available at the
 
 _packed: WeakIdKeyDictionary = WeakIdKeyDictionary()  # weight -> (its version when packed, packed copy)
 _budget: list[int] = []  # bytes the packed copies may take (set at the first pack)
-
-
-def available_memory() -> int:
-    """Bytes of memory available now (Linux ``MemAvailable``; elsewhere the free physical pages)."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 def supported() -> bool:

@@ -38,6 +38,7 @@ from pathlib import Path
 
 import torch
 
+from minillm.kernels.probe import available_memory
 from minillm.perf.bench.llamacpp import LlamaCppPeer
 from minillm.perf.bench.neighbour import COPY_BYTES, Neighbour, check_neighbour, describe_neighbour
 
@@ -216,17 +217,6 @@ def cpu_info() -> dict:
 
 
 # ------------------------------------------------------------------------------------------------ the benchmark
-def _available_memory() -> float:
-    """MemAvailable from /proc/meminfo in bytes (inf where it cannot be read: assume the peers fit)."""
-    try:
-        for line in open("/proc/meminfo"):
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return float("inf")
-
-
 def _peers(directory: Path, shape: str, fmt: str, threads: int, n_ctx: int) -> tuple[list, dict[str, str]]:
     """The peers that run ``fmt`` here, and {name: reason} for those skipped."""
     peers: list = [MinillmPeer(directory, shape, fmt)]
@@ -335,7 +325,7 @@ def _measure_shape(shape: str, directory: Path, formats, prompt_lens, threads: i
     for fmt in formats:
         peers, skipped = _peers(directory, shape, fmt, threads, n_ctx)
         # a peer holds its weights plus, while loading a float format, the bf16 file's tensors (~1.5x)
-        need, free = 1.5 * weight_bytes(config, fmt), _available_memory()
+        need, free = 1.5 * weight_bytes(config, fmt), available_memory()
         for p in [p for p in peers if need > 0.9 * free]:
             peers.remove(p)
             skipped[p.name] = f"needs ~{need / 1e9:.1f} GB of memory, {free / 1e9:.1f} GB available"

@@ -58,7 +58,7 @@ def check_neighbour(kind: str) -> None:
 
 
 def describe_neighbour(record: dict) -> str:
-    """``Neighbour.record`` in words for a table's heading: "none", "copy (2 × 256 MB, 9.1 GB/s)", "compute"."""
+    """``Neighbour.record`` in words for a table's heading: "none", "copy (2 × 256 MB, <its rate> GB/s)", "compute"."""
     if record["kind"] == "copy":
         moved = f", {record['gb_s']:.1f} GB/s" if "gb_s" in record else ""
         return f"copy (2 × {record['bytes'] // 2 >> 20} MB{moved})"

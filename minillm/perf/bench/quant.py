@@ -162,7 +162,7 @@ def bf16_is_native(device: torch.device) -> bool:
     try:
         flags = open("/proc/cpuinfo").read()
     except OSError:
-        return False  # not Linux: unknown, so skipped (bf16 emulated on AVX2 is ~100x slower than fp32)
+        return False  # not Linux: unknown, so skipped (bf16 emulated on AVX2 is orders of magnitude slower than fp32)
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
