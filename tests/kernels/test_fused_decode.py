@@ -258,13 +258,15 @@ def test_set_kernels_torch_after_the_engine_is_built_turns_the_fused_step_off():
 
 
 def test_the_library_is_rebuilt_when_an_included_source_changes(tmp_path, monkeypatch):
-    for name in ("decode.c", *decode._INCLUDED):
+    for name in ("decode.c", "split.h", *decode._INCLUDED):
         (tmp_path / name).write_text((decode._CSRC / name).read_text())
     monkeypatch.setattr(decode, "_CSRC", tmp_path)
     monkeypatch.setattr(decode, "_SRC", tmp_path / "decode.c")
     before = decode._source_digest()
     (tmp_path / "quant.c").write_text((tmp_path / "quant.c").read_text() + "\n/* a faster GEMV */\n")
-    assert decode._source_digest() != before
+    after_c = decode._source_digest()
+    (tmp_path / "split.h").write_text((tmp_path / "split.h").read_text() + "\n/* another split */\n")
+    assert len({before, after_c, decode._source_digest()}) == 3
 
 
 # ------------------------------------------------------------------------------------------ speculative verification

@@ -91,7 +91,7 @@ TOOLCHAINS = [
 def _build(tc: Toolchain, cache: Path) -> tuple[Path, list[str]]:
     """check_kernels.c built with the first of ``tc.flag_sets()`` that compiles (cached) -> (program, its flags)."""
     version = subprocess.run([*tc.cc, "--version"], capture_output=True, text=True).stdout
-    sources = b"".join(p.read_bytes() for p in [CHECK, *sorted(CSRC.glob("*.c"))])
+    sources = b"".join(p.read_bytes() for p in [CHECK, *sorted(CSRC.glob("*.c")), *sorted(CSRC.glob("*.h"))])
     errors = []
     for flags in tc.flag_sets():
         cmd = [*tc.cc, "-O3", "-ffast-math", *flags, "-I", str(CSRC), str(CHECK), "-lm"]

@@ -10,7 +10,6 @@ their bytes, for benchmarks.  The engine's runner that drives ``decode_stack`` i
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import os
 from functools import lru_cache
 from pathlib import Path
@@ -44,12 +43,11 @@ class LayerT(ctypes.Structure):
                 ("down", LinearT), ("k_cache", vp), ("v_cache", vp)]
 
 
+
+
 def _source_digest() -> str:
     """decode.c and the files it includes: a change to any of them is a new library."""
-    h = hashlib.sha256(_SRC.read_bytes())
-    for name in _INCLUDED:
-        h.update((_CSRC / name).read_bytes())
-    return h.hexdigest()[:12]
+    return native.source_digest(_SRC, *(_CSRC / name for name in _INCLUDED))
 
 
 @lru_cache(maxsize=1)

@@ -44,6 +44,15 @@ def compiler() -> str | None:
     return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
 
 
+def source_digest(*sources: Path) -> str:
+    """A build's cache key part for its C sources: ``sources`` and every header beside the first (``csrc/split.h``),
+    which they include: a change to any of them is a new library."""
+    h = hashlib.sha256()
+    for path in [*sources, *sorted(sources[0].parent.glob("*.h"))]:
+        h.update(path.read_bytes())
+    return h.hexdigest()[:12]
+
+
 def _cpu_key() -> str:
     """Keys a build to this CPU (``-march=native`` code may not run on another) and compiler."""
     from minillm.kernels.cpu.features import cpu_flags
@@ -104,8 +113,7 @@ def _compile(out: Path, src: Path = _SRC, flags: list[list[str]] | None = None) 
 def _lib() -> ctypes.CDLL | None:
     if os.environ.get("MINILLM_DISABLE_NATIVE"):
         return None
-    digest = hashlib.sha256(_SRC.read_bytes()).hexdigest()[:12]
-    path = cache_dir() / f"native-{digest}-{_cpu_key()}.so"
+    path = cache_dir() / f"native-{source_digest(_SRC)}-{_cpu_key()}.so"
     try:
         if not path.exists():
             _compile(path)

@@ -24,7 +24,6 @@ the portable C path (no AVX2): how the tests check the code an AVX2-only or ARM 
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import os
 from functools import lru_cache
 from pathlib import Path
@@ -33,7 +32,7 @@ import torch
 from torch import Tensor
 
 from minillm.kernels.cpu import native
-from minillm.kernels.cpu.native import _cpu_key, cache_dir
+from minillm.kernels.cpu.native import _cpu_key, cache_dir, source_digest
 from minillm.quant.weight import BLOCK, Int4Weight, Int8Weight
 
 MAX_ROWS = 8  # decode batches; csrc/quant.c tiles any M in 8s, the weight row staying in L1 between tiles
@@ -54,8 +53,7 @@ def _compile(src: Path, out: Path, target: str | None) -> None:
 def _lib(target: str | None = None) -> ctypes.CDLL | None:
     if os.environ.get("MINILLM_DISABLE_NATIVE"):
         return None
-    digest = hashlib.sha256(_SRC.read_bytes()).hexdigest()[:12]
-    path = cache_dir() / f"quant-{digest}-{_cpu_key()}{'' if target is None else '-' + target}.so"
+    path = cache_dir() / f"quant-{source_digest(_SRC)}-{_cpu_key()}{'' if target is None else '-' + target}.so"
     try:
         if not path.exists():
             _compile(_SRC, path, target)

@@ -455,6 +455,43 @@ static int check_prefill(uint64_t *s, int64_t M, int64_t N, int64_t K, int64_t G
     return bad;
 }
 
+/* ---------------------------------------------------------------- split.h: GEMV rows over the team */
+
+/* SPLIT_UNITS / SPLIT_TAKE hand every row out exactly once, in units (no range but the last ends mid-unit), and a
+ * thread that arrives late finds its range taken: here every thread but 0 waits until thread 0 has claimed
+ * everything, so thread 0 must have taken the others' whole ranges (with one thread, it owns them anyway). */
+#define SPLIT_ROWS_N 1003
+static int split_seen[SPLIT_ROWS_N], split_owner[SPLIT_ROWS_N], split_ragged;
+#define SPLIT_MARK(n0, n1)                                                                                   \
+    do {                                                                                                     \
+        if ((n0) % 4 || ((n1) % 4 && (n1) != SPLIT_ROWS_N)) __atomic_store_n(&split_ragged, 1, __ATOMIC_RELAXED); \
+        for (int64_t i = (n0); i < (n1); i++) {                                                              \
+            __atomic_fetch_add(&split_seen[i], 1, __ATOMIC_RELAXED);                                         \
+            split_owner[i] = omp_get_thread_num();                                                           \
+        }                                                                                                    \
+    } while (0)
+static int check_split(void) {
+    int bad = 0, late_done = 0;
+    SPLIT_UNITS(SPLIT_ROWS_N, 4, SPLIT_MARK);
+    for (int i = 0; i < SPLIT_ROWS_N; i++) bad |= split_seen[i] != 1;
+    memset(split_seen, 0, sizeof split_seen);
+    {
+        SPLIT_DECLARE(SPLIT_ROWS_N, 4)
+#pragma omp parallel num_threads(T_)
+        {
+            if (omp_get_thread_num() != 0)
+                while (!__atomic_load_n(&late_done, __ATOMIC_ACQUIRE)) {}
+            SPLIT_TAKE(SPLIT_MARK)
+            if (omp_get_thread_num() == 0) __atomic_store_n(&late_done, 1, __ATOMIC_RELEASE);
+        }
+    }
+    for (int i = 0; i < SPLIT_ROWS_N; i++) bad |= split_seen[i] != 1 || split_owner[i] != 0;
+    bad |= split_ragged;
+    printf("%s split: %d rows in units of 4 over %d threads, each once; a late thread's ranges taken over\n",
+           bad ? "FAIL" : "ok  ", SPLIT_ROWS_N, omp_get_max_threads());
+    return bad;
+}
+
 int main(void) {
     uint64_t s = 0x9e3779b97f4a7c15ull;
     int bad = 0;
@@ -498,6 +535,7 @@ int main(void) {
     bad |= check_norms(&s, 3, 100);
     bad |= check_rope(&s, 3, 2, 16);
     bad |= check_silu_mul(&s, 2, 50);
+    bad |= check_split();
     /* The prefill GEMM: one row, 4-row tiles with tails (7, 130), panels with tails (N = 33, 70), groups of 64,
      * 130 x 70 x 576 split over the threads. */
     bad |= check_prefill(&s, 1, 33, 96, 32, 1, 1);

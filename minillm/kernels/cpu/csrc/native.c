@@ -60,13 +60,7 @@ static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, as torch
  * GCC/clang vector extensions (8 lanes) that the compiler maps to SSE, NEON, ... — correct everywhere.  bf16 weights
  * are widened to fp32 and meet fp32 inputs, except on AVX512-BF16 builds, which multiply bf16 pairs (gv_tile_bf16,
  * after gv_tile). */
-#ifdef _OPENMP
-#include <omp.h>
-#elif !defined(omp_get_max_threads) /* decode.c includes quant.c first, which defines the same fallbacks */
-#define omp_get_max_threads() 1
-#define omp_get_thread_num() 0
-#define omp_get_num_threads() 1
-#endif
+#include "split.h" /* the OpenMP functions (or one-thread stand-ins) and SPLIT_UNITS */
 #if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
@@ -322,19 +316,15 @@ GV_RANGE_FN(f32, float, float, float)
  * bf16 matmul). */
 GV_RANGE_FN(bf16, uint16_t, gv_bf16_x_t, uint16_t)
 
-/* Run CALL(n0, n1) over [0, N): in this thread below GV_SPLIT weights, else one contiguous range per OpenMP thread,
- * cut at multiples of GV_TILE so that (at most row counts) no thread gets a ragged tile mid-matrix. */
+/* Run CALL(n0, n1) over [0, N): in this thread below GV_SPLIT weights, else over the OpenMP team in units of
+ * GV_TILE rows (split.h SPLIT_UNITS: each thread its own contiguous range first, a late thread's leftovers taken
+ * over), so that (at most row counts) no thread gets a ragged tile mid-matrix. */
 #define GV_SPLIT_ROWS(N, K, CALL)                                                                                     \
     do {                                                                                                              \
         if ((N) * (K) < GV_SPLIT || omp_get_max_threads() == 1) {                                                     \
             CALL(0, (N));                                                                                             \
         } else {                                                                                                      \
-            _Pragma("omp parallel") {                                                                                 \
-                const int64_t t_ = omp_get_thread_num(), T_ = omp_get_num_threads();                                  \
-                const int64_t u_ = ((N) + GV_TILE - 1) / GV_TILE, a_ = u_ * t_ / T_ * GV_TILE;                        \
-                const int64_t b_ = u_ * (t_ + 1) / T_ * GV_TILE;                                                      \
-                CALL(a_ < (N) ? a_ : (N), b_ < (N) ? b_ : (N));                                                       \
-            }                                                                                                         \
+            SPLIT_UNITS((N), GV_TILE, CALL);                                                                          \
         }                                                                                                             \
     } while (0)
 

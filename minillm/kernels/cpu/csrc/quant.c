@@ -42,13 +42,7 @@
 #include <immintrin.h>
 #endif
 
-#ifdef _OPENMP
-#include <omp.h>
-#else
-#define omp_get_max_threads() 1
-#define omp_get_thread_num() 0
-#define omp_get_num_threads() 1
-#endif
+#include "split.h" /* the OpenMP functions (or one-thread stand-ins) and SPLIT_UNITS */
 
 #define QTILE 8  /* input rows per register tile; more rows take more tiles over the same (L1-resident) weight row */
 #define QB 32    /* weights per block: Q4_1 / Q8_0 / Q8_1 */
@@ -142,23 +136,18 @@ static inline void store_y(void *y, int x_bf16, int64_t i, float v) {
     }
 
 /* Run CALL(n0, n1) over the N weight rows: in this thread below 2^18 weights, where a parallel region's start and
- * join cost as much as the GEMV itself; else as contiguous equal ranges, one per OpenMP thread (as schedule(static)
- * would).  On the 2-core AMD EPYC this was tuned on (libgomp), an empty region or a barrier is cheap next to a GEMV
- * while the idle thread spins (libgomp's default between regions), several times more with
- * OMP_WAIT_POLICY=passive (the idle thread sleeps).  So the ~121 regions of a SmolLM2 decode step are a small
- * fraction of an int4 stack at 2 threads — not what keeps it from the read bandwidth.  What does, on a loaded
- * machine: a spinning thread whose partner shares its core (other processes hold the other one) burns the time
- * slice the partner needs; a whole stack then runs several times slower (bimodal from run to run, one region or
- * many). */
+ * join cost as much as the GEMV itself; else over the OpenMP team in units of 4 rows (the batch-1 tile), each thread
+ * its own contiguous range first (split.h SPLIT_UNITS: a thread descheduled by another process has its leftover rows
+ * taken by its partner instead of keeping it waiting).  On the 2-core AMD EPYC this was tuned on (libgomp), an empty
+ * region or a barrier is cheap next to a GEMV while the idle thread spins (libgomp's default between regions),
+ * several times more with OMP_WAIT_POLICY=passive (the idle thread sleeps).  So the ~121 regions of a SmolLM2 decode
+ * step are a small fraction of an int4 stack at 2 threads — not what keeps it from the read bandwidth. */
 #define SPLIT_ROWS(N, K, CALL)                                                                               \
     do {                                                                                                     \
         if ((N) * (K) < (1 << 18) || omp_get_max_threads() == 1) {                                           \
             CALL(0, (N));                                                                                    \
         } else {                                                                                             \
-            _Pragma("omp parallel") {                                                                        \
-                const int64_t t_ = omp_get_thread_num(), T_ = omp_get_num_threads();                         \
-                CALL((N) * t_ / T_, (N) * (t_ + 1) / T_);                                                    \
-            }                                                                                                \
+            SPLIT_UNITS((N), 4, CALL);                                                                       \
         }                                                                                                    \
     } while (0)
 
@@ -1705,20 +1694,27 @@ static void pf_panels(const void *W, const void *scales, const void *mins, int f
 
 /* y [M, N] = xhat [M, K] @ dequant(W)^T for Q8_0 (q4 = 0: W int8 [N, K], scales [N, K / G]) or Q4_x (q4 = 1: W the
  * Q4_1 packing [N, K / 2], scales and mins [N, K / G]); K and G multiples of 32.  Rounding x, then the panels, in
- * one parallel region (a barrier between). */
+ * one parallel region (a barrier between); the panels are split as split.h splits GEMV rows (a late thread's taken
+ * over). */
 static void pf_gemm(const void *W, const void *scales, const void *mins, int f16, const void *xin, int x_bf16,
                     void *y, int64_t M, int64_t N, int64_t K, int64_t G, int q4) {
     const int64_t nb = K / QB, np = (N + PF_NR - 1) / PF_NR;
     void *mem = malloc((size_t)(M * K + M * nb * 12));
     const pfx_t x = {(int8_t *)mem + M * nb * 12, (float *)mem, (float *)mem + M * nb, (int32_t *)mem + 2 * M * nb};
-#pragma omp parallel if (M * N * K >= (1 << 22))
+    SPLIT_DECLARE(np, 1)
+#define PF_PANELS(p0, p1)                                                                                      \
+    do {                                                                                                       \
+        if (q4) pf_panels(W, scales, mins, f16, &x, x_bf16, y, M, N, K, G, p0, p1, 1);                        \
+        else pf_panels(W, scales, mins, f16, &x, x_bf16, y, M, N, K, G, p0, p1, 0);                           \
+    } while (0)
+#pragma omp parallel num_threads(T_) if (M * N * K >= (1 << 22))
     {
         const int64_t t = omp_get_thread_num(), T = omp_get_num_threads();
         for (int64_t m = M * t / T; m < M * (t + 1) / T; m++) pf_round_row(xin, x_bf16, m, K, &x);
 #pragma omp barrier
-        if (q4) pf_panels(W, scales, mins, f16, &x, x_bf16, y, M, N, K, G, np * t / T, np * (t + 1) / T, 1);
-        else pf_panels(W, scales, mins, f16, &x, x_bf16, y, M, N, K, G, np * t / T, np * (t + 1) / T, 0);
+        SPLIT_TAKE(PF_PANELS)
     }
+#undef PF_PANELS
     free(mem);
 }
 
