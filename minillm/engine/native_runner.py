@@ -112,7 +112,7 @@ def unsupported_reason(model, kv) -> str | None:
                 return (f"layer {i}'s {name} is not an fp32/bf16 Linear, an int8/int4 QuantLinear or a W8A8Linear "
                         "on CPU")
             if kind not in TABLE_KINDS[model.dtype]:
-                return (f"layer {i}'s {name} is a {kind} linear under {model.dtype} activations: the fused step runs "
+                return (f"layer {i}'s {name} has {kind} weights under {model.dtype} activations: the fused step runs "
                         + ("only bf16 Linears with bf16 activations (quantized weights keep the per-layer path)"
                            if model.dtype == torch.bfloat16 else "fp32, int8, int4 and W8A8 linears with fp32 ones"))
     if not (native.available() and native_quant.available() and decode.available()):
