@@ -264,6 +264,16 @@ def test_the_engine_decodes_bf16_through_the_fused_step_with_the_per_layer_greed
     assert got == want
 
 
+def test_the_default_model_in_bf16_gives_the_same_greedy_text_fused_and_per_layer():
+    from minillm.models.loader import load_model
+
+    model = load_model(None, dtype="bfloat16")
+    prompt = [[1, 504, 3458, 282, 4649, 314]]
+    want, _ = greedy(model, prompt, [24], enforce_eager=True, block_size=16)
+    got, eng = greedy(model, prompt, [24], block_size=16)
+    assert got == want and eng.runner.stack.calls == 23
+
+
 def test_a_bf16_model_with_a_quantized_linear_keeps_the_per_layer_path():
     model = make_model("gqa-d64", "bf16")
     kv = PagedKVCache(model.config, 8, BLOCK, dtype=torch.bfloat16, device="cpu")
