@@ -101,11 +101,11 @@ static int linear_uses_xprep(const linear_t *l) {
 
 /* Benchmark entry (perf/bench/quant.py's native stack rows): the linears lins[0..n) in order, y_i [M, N_i] =
  * x_i [M, K_i] @ W_i^T (+ bias), with no Python between them, so a stack's time is its kernels' alone (Python
- * dispatch costs microseconds a call, 120 times over SmolLM2's linears).  one_region = 0: each through linear_run_f32, as
- * decode_stack runs them (an OpenMP region per GEMV: quant.c's SPLIT_ROWS).  one_region = 1: one region for the
- * whole stack, thread 0 preparing each GEMV's activations, the rows split in contiguous equal ranges (multiples of
- * 4: q4_q8_rows' tile), a barrier before and after each GEMV — the layout a fused step inside one region would have,
- * to measure what the per-GEMV regions cost next to it.  The outputs are the same either way (a row's result does
+ * dispatch costs microseconds a call, 120 times over SmolLM2's linears); fp32 activations (every kind but LIN_BF16).
+ * one_region = 0: each through linear_run_f32, as decode_stack runs them (an OpenMP region per GEMV: quant.c's
+ * SPLIT_ROWS).  one_region = 1: one region for the whole stack, thread 0 preparing each GEMV's activations, the rows
+ * split in contiguous equal ranges (multiples of 4: q4_q8_rows' tile), a barrier before and after each GEMV — the
+ * layout a fused step inside one region would have, to measure what the per-GEMV regions cost next to it.  The outputs are the same either way (a row's result does
  * not depend on which thread computes it). */
 void linear_stack(const linear_t *lins, int64_t n, const float *const *xs, float *const *ys, int64_t M,
                   int64_t one_region) {
