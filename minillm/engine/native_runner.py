@@ -14,10 +14,14 @@ speculative draft chunk [last, x_1..x_k] runs as k + 1 rows for about the cost o
 decode or a draft chunk and whose rows fit go through the stack; prefill and mixed steps through the eager forward.
 
 What it runs (``unsupported_reason`` says why not, and the engine then keeps the per-layer path): a ``Transformer`` of
-the plain Llama modules on CPU in fp32 whose kernel choice allows native code ("auto"/"native"), no sliding window,
-every linear fp32 (``Linear``), int8 / Q4_1 int4 (``QuantLinear``) or W8A8 (``W8A8Linear``: int8 × int8 GEMMs,
-dynamic or static activation scales), an fp32 ``PagedKVCache`` (not a quantized one),
-and the native libraries built here. The C table holds raw pointers: if the model's tensors are replaced afterwards
+the plain Llama modules on CPU whose kernel choice allows native code ("auto"/"native"), no sliding window, a
+``PagedKVCache`` of the model's dtype (not a quantized one), the native libraries built here, and either
+fp32 activations with every linear fp32 (``Linear``), int8 / Q4_1 int4 (``QuantLinear``) or W8A8 (``W8A8Linear``:
+int8 × int8 GEMMs, dynamic or static activation scales), or bf16 activations with every linear a bf16 ``Linear``
+(quantized linears under bf16 activations keep the per-layer path).  A bf16 step takes at most
+``native.native_rows(bfloat16)`` rows (all decode batches where the CPU multiplies bf16 pairs, the smallest
+elsewhere): past it the per-layer path's linears are a GEMM the fused step does not run, so larger steps take that
+path. The C table holds raw pointers: if the model's tensors are replaced afterwards
 (``.to()``, ``quantize_model``, a module swap), the next call notices (the ids of every layer's modules and the
 addresses of the outer layers' tensors are compared each call) and rebuilds the table, or raises when the model is no
 longer one it can run.
@@ -36,11 +40,14 @@ from minillm.kernels.cpu import decode, native
 from minillm.kernels.cpu import quant as native_quant
 
 NATIVE_CHOICES = ("auto", "native")  # the model kernel choices under which the fused step may run
+# The linear kinds (``_linear_kind``) the C table runs for each activation dtype, and its entry point for that dtype.
+TABLE_KINDS = {torch.float32: ("fp32", "int8", "int4", "w8a8"), torch.bfloat16: ("bf16",)}
+_STEP = {torch.float32: "decode_stack", torch.bfloat16: "decode_stack_bf16"}
 
 
 def _linear_kind(module) -> str | None:
-    """"fp32" / "int8" / "int4" / "w8a8" for a plain ``Linear``, ``QuantLinear`` or ``W8A8Linear`` on CPU the C
-    table can point at."""
+    """"fp32" / "bf16" / "int8" / "int4" / "w8a8" for a plain ``Linear`` (fp32 or bf16, its bias of its dtype),
+    ``QuantLinear`` or ``W8A8Linear`` on CPU the C table can point at (which activations run it: ``TABLE_KINDS``)."""
     from minillm.layers.linear import Linear, QuantLinear, W8A8Linear
     from minillm.quant.weight import Int4Weight
 
@@ -52,8 +59,9 @@ def _linear_kind(module) -> str | None:
         return "w8a8" if ok else None
     if type(module) is Linear:
         w, b = module.weight, module.bias
-        ok = w.dtype == torch.float32 and w.device.type == "cpu" and w.is_contiguous()
-        return "fp32" if ok and (b is None or b.dtype == torch.float32) else None
+        ok = w.dtype in TABLE_KINDS and w.device.type == "cpu" and w.is_contiguous() \
+            and (b is None or b.dtype == w.dtype)
+        return ("fp32" if w.dtype == torch.float32 else "bf16") if ok else None
     if type(module) is QuantLinear:
         pw = module.packed_weight
         tensors = [getattr(pw, f) for f in ("packed", "scales", "mins", "qweight") if hasattr(pw, f)]
@@ -76,10 +84,11 @@ def unsupported_reason(model, kv) -> str | None:
         return f"not a minillm Transformer ({type(model).__name__})"
     if model.kernels not in NATIVE_CHOICES:
         return f"the model's kernels are {model.kernels!r} (the fused step is native code: 'auto' or 'native')"
-    if model.device.type != "cpu" or model.dtype != torch.float32:
-        return f"needs fp32 activations on CPU, the model is {model.dtype} on {model.device}"
-    if type(kv) is not PagedKVCache or kv.dtype != torch.float32 or kv.k.device.type != "cpu":
-        return "needs an fp32 PagedKVCache on CPU (kv_cache_dtype='auto'; not a quantized cache)"
+    if model.device.type != "cpu" or model.dtype not in TABLE_KINDS:
+        return f"needs fp32 or bf16 activations on CPU, the model is {model.dtype} on {model.device}"
+    if type(kv) is not PagedKVCache or kv.dtype != model.dtype or kv.k.device.type != "cpu":
+        return (f"needs a PagedKVCache of the model's dtype ({model.dtype}) on CPU (kv_cache_dtype='auto'; not a "
+                "quantized cache)")
     c = model.config
     if c.sliding_window is not None:
         return "sliding-window attention is not fused"
@@ -95,11 +104,17 @@ def unsupported_reason(model, kv) -> str | None:
         if layer.self_attn.scale != c.head_dim**-0.5:
             return f"layer {i}'s attention scale is not head_dim**-0.5"
         for norm in (layer.input_layernorm, layer.post_attention_layernorm):
-            if norm.eps != body.norm.eps or norm.weight.dtype != torch.float32:
+            if norm.eps != body.norm.eps or norm.weight.dtype != model.dtype:
                 return f"layer {i}'s norms differ from the final norm's eps or dtype"
         for name, lin in _linears(layer):
-            if _linear_kind(lin) is None:
-                return f"layer {i}'s {name} is not an fp32 Linear, an int8/int4 QuantLinear or a W8A8Linear on CPU"
+            kind = _linear_kind(lin)
+            if kind is None:
+                return (f"layer {i}'s {name} is not an fp32/bf16 Linear, an int8/int4 QuantLinear or a W8A8Linear "
+                        "on CPU")
+            if kind not in TABLE_KINDS[model.dtype]:
+                return (f"layer {i}'s {name} has {kind} weights under {model.dtype} activations: the fused step runs "
+                        + ("only bf16 Linears with bf16 activations (quantized weights keep the per-layer path)"
+                           if model.dtype == torch.bfloat16 else "fp32, int8, int4 and W8A8 linears with fp32 ones"))
     if not (native.available() and native_quant.available() and decode.available()):
         return "the native libraries did not build here (no C compiler, or MINILLM_DISABLE_NATIVE)"
     return None
@@ -145,14 +160,16 @@ def _linear_struct(lin, keep: list[Tensor]) -> decode.LinearT:
     kind = _linear_kind(lin)
     if kind == "w8a8":
         return decode.weight_struct(lin.packed_weight, lin.bias, keep, w8a8=True, input_scale=lin.input_scale)
-    return decode.weight_struct(lin.weight if kind == "fp32" else lin.packed_weight, lin.bias, keep)
+    return decode.weight_struct(lin.weight if kind in ("fp32", "bf16") else lin.packed_weight, lin.bias, keep)
 
 
 class NativeDecodeStack:
     """The whole decoder stack of ``model`` as one native call per step over the paged cache ``kv``.
 
-    ``max_rows`` (≤ ``decode.MAX_ROWS``): the most rows one call takes (the engine's runner passes its rows per step);
-    ``max_positions``: the RoPE table's length (grown when a later position needs more).  Scratch (~100 KB for
+    ``max_rows`` (≤ ``decode.MAX_ROWS``): the most rows one call takes (the engine's runner passes its rows per step),
+    lowered to ``native.native_rows(model.dtype)``, where the per-layer path's dense linears leave the native GEMV
+    (bf16 without AVX512-BF16: a few rows); ``max_positions``: the RoPE table's length (grown when a later position
+    needs more).  Scratch (~100 KB for
     SmolLM2 at 32 rows) and the RoPE tables are allocated here, once.  Raises ``ValueError`` naming the reason when
     ``unsupported_reason(model, kv)`` is not None.
     """
@@ -163,7 +180,7 @@ class NativeDecodeStack:
             raise ValueError(f"the fused native decode step cannot run this model: {reason}")
         if not 1 <= max_rows <= decode.MAX_ROWS:
             raise ValueError(f"max_rows must be in [1, {decode.MAX_ROWS}], got {max_rows}")
-        self.model, self.kv, self.max_rows = model, kv, max_rows
+        self.model, self.kv, self.max_rows = model, kv, min(max_rows, native.native_rows(model.dtype))
         c = model.config
         self._dims = (c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size)
         self._scratch = torch.empty(decode.library().decode_scratch_floats(max_rows, *self._dims), dtype=torch.float32)
@@ -172,9 +189,10 @@ class NativeDecodeStack:
         self.calls = 0  # steps run (tests and benchmarks read it)
 
     def _tables(self, n: int) -> None:
-        """RoPE's cos/sin for positions 0..n-1, [n, D] each: the model's own rotary module on every position at
-        once gives the rows its per-step call gives (the same fp32 products and cos/sin)."""
-        cos, sin = self.model.model.rotary_emb(torch.arange(n)[None], torch.float32)  # (1, n, 1, D)
+        """RoPE's cos/sin for positions 0..n-1, [n, D] each, in the model's dtype: the model's own rotary module on
+        every position at once gives the rows its per-step call gives (the same fp32 products and cos/sin, the same
+        rounding to the dtype)."""
+        cos, sin = self.model.model.rotary_emb(torch.arange(n)[None], self.model.dtype)  # (1, n, 1, D)
         self._cos, self._sin = cos[0, :, 0].contiguous(), sin[0, :, 0].contiguous()
 
     def _probe(self) -> tuple[int, ...]:
@@ -187,6 +205,8 @@ class NativeDecodeStack:
     def _build(self) -> None:
         """The C layer table, pointing at the model's tensors as they are now (kept alive in ``_keep``)."""
         body, keep = self.model.model, []
+        if self._cos.dtype != self.model.dtype:  # the model changed dtype (with a new cache of it)
+            self._tables(self._cos.shape[0])
         layers = (decode.LayerT * max(len(body.layers), 1))()
         for i, layer in enumerate(body.layers):
             norms = (layer.input_layernorm.weight.detach().contiguous(),
@@ -198,7 +218,8 @@ class NativeDecodeStack:
         final = body.norm.weight.detach().contiguous()
         # the LM head too when it is a linear the table can hold (else decode() runs the model's module)
         head = self.model.lm_head
-        self._head = ctypes.pointer(_linear_struct(head, keep)) if _linear_kind(head) is not None else None
+        self._head = ctypes.pointer(_linear_struct(head, keep)) \
+            if _linear_kind(head) in TABLE_KINDS[self.model.dtype] else None
         self._vocab = self._head.contents.N if self._head is not None else 0
         self._layers, self._keep, self._final = layers, keep + [self.kv.k, self.kv.v], final
         self._eps, self._scale = float(body.norm.eps), self.model.config.head_dim**-0.5
@@ -224,7 +245,7 @@ class NativeDecodeStack:
     @torch.inference_mode()
     def logits(self, batch) -> Tensor:
         """``hidden``'s rows through the LM head as well -> logits [B, V] (fresh), in the same call when the head is
-        an fp32 or int8/int4 linear (the usual case), else by the model's own module."""
+        a linear the table runs (the usual case), else by the model's own module."""
         hidden, logits = self.run_rows(batch, with_head=self._head is not None)
         return logits if logits is not None else self.model.compute_logits(hidden)
 
@@ -247,14 +268,15 @@ class NativeDecodeStack:
         flat = [b for t in batch.block_tables for b in (*t, *[0] * (W - len(t)))]  # (B, W), padded with block 0
         x = self.model.model.embed_tokens(torch.tensor(batch.input_ids)).contiguous()  # (B, hidden)
         H, Hq, Hkv, D, F = self._dims
-        out = torch.empty(B, H)
-        lg = torch.empty(B, self._vocab) if with_head else None
-        decode.library().decode_stack(self._layers, len(self.model.model.layers), x.data_ptr(), self._final.data_ptr(),
-                            self._cos.data_ptr(), self._sin.data_ptr(), (ctypes.c_int64 * B)(*batch.positions),
-                            (ctypes.c_int64 * B)(*batch.slot_mapping), (ctypes.c_int32 * (B * W))(*flat),
-                            (ctypes.c_int32 * B)(*batch.seq_lens), B, W, H, Hq, Hkv, D, F, self.kv.block_size,
-                            self._eps, self._scale, self._head if with_head else None, self._scratch.data_ptr(),
-                            out.data_ptr(), None if lg is None else lg.data_ptr())
+        dtype = self.model.dtype
+        out = torch.empty(B, H, dtype=dtype)
+        lg = torch.empty(B, self._vocab, dtype=dtype) if with_head else None
+        step = getattr(decode.library(), _STEP[dtype])  # decode_stack (fp32) or decode_stack_bf16: one C body
+        step(self._layers, len(self.model.model.layers), x.data_ptr(), self._final.data_ptr(), self._cos.data_ptr(),
+             self._sin.data_ptr(), (ctypes.c_int64 * B)(*batch.positions), (ctypes.c_int64 * B)(*batch.slot_mapping),
+             (ctypes.c_int32 * (B * W))(*flat), (ctypes.c_int32 * B)(*batch.seq_lens), B, W, H, Hq, Hkv, D, F,
+             self.kv.block_size, self._eps, self._scale, self._head if with_head else None, self._scratch.data_ptr(),
+             out.data_ptr(), None if lg is None else lg.data_ptr())
         self.calls += 1
         return out, lg
 

@@ -9,7 +9,7 @@
     static decode (``use_static_decode``)                  -> CudaGraphRunner: decode steps replay CUDA graphs
                                                               (compiled, or the padded path uncaptured, on CPU)
     KV eviction (sliding window, attention sinks)          -> ModelRunner: the per-layer kernels take the window
-    CPU, fp32, plain Llama modules, native kernels built   -> NativeRunner: decode and draft steps in one native call
+    CPU, fp32/bf16, plain Llama modules, native kernels    -> NativeRunner: decode and draft steps in one native call
     anything else                                          -> ModelRunner
 
 The runner owns the paged K/V cache, so it is allocated here too: the static decode path needs one scratch block

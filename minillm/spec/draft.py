@@ -4,15 +4,16 @@ Two ways to run the drafter, one rollback rule.  Before proposing, the drafter k
 the tokens it holds K/V for and the sequence's committed tokens (rejected drafts fall off) and feeds the rest — the
 catch-up, usually 1–2 tokens: the last accepted draft and the target's correction/bonus — then γ − 1 single drafts.
 
-- ``FusedDrafter`` (CPU, fp32 activations, a plain ``Transformer`` with fp32/int8/int4 linears: the quantized-self
-  drafter, most draft models): a paged K/V pool of its own (``PagedKVCache`` + a ``BlockManager`` without prefix
-  caching, one block table per sequence, grown when it fills) and ``engine.native_runner.NativeDecodeStack``: every
-  sequence of the step drafts together, one native call per draft position for the whole batch.  Why: at batch 1
-  the per-layer Python around an int4 drafter's GEMVs cost as much as several fp32 target decode steps per draft, which
-  made quantized-self drafting slower than plain decode.  A long catch-up (a new sequence's prompt) runs as one
-  prefill chunk through the model's own forward over the same pool (GEMMs instead of 32-row GEMV calls).
-  Early exit runs there too, as a ``Transformer`` over the target's first layers (``EarlyExitModel.as_transformer``).
-- the per-sequence path (anything the fused step cannot run: CUDA, bf16, a swapped or parallel module): a
+- ``FusedDrafter`` (CPU, a plain ``Transformer`` with fp32/int8/int4 linears under fp32 activations or bf16 ones
+  under bf16: the quantized-self drafter, most draft models): a paged K/V pool of its own (``PagedKVCache`` + a
+  ``BlockManager`` without prefix caching, one block table per sequence, grown when it fills) and
+  ``engine.native_runner.NativeDecodeStack``: every sequence of the step drafts together, one native call per draft
+  position for the whole batch.  Why: at batch 1 the per-layer Python around an int4 drafter's GEMVs cost as much as
+  several fp32 target decode steps per draft, which made quantized-self drafting slower than plain decode.  A long
+  catch-up (a new sequence's prompt) runs as one prefill chunk through the model's own forward over the same pool
+  (GEMMs instead of 32-row GEMV calls).  Early exit runs there too, as a ``Transformer`` over the target's first
+  layers (``EarlyExitModel.as_transformer``).
+- the per-sequence path (anything the fused step cannot run: CUDA, quantized bf16, a swapped or parallel module): a
   contiguous ``KVCache`` per sequence, sized for its prompt + max_tokens + γ, and the model's own forward, one
   sequence at a time.
 """

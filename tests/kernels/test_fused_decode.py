@@ -10,7 +10,7 @@ from minillm import EngineConfig, LLMEngine, ModelConfig, SamplingParams
 from minillm.engine import native_runner as fused
 from minillm.engine.model_runner import DecodeBatch, ModelRunner
 from minillm.engine.native_runner import NativeRunner
-from minillm.kernels.cpu import decode
+from minillm.kernels.cpu import decode, native
 from minillm.kv.paged_cache import AttentionMetadata, PagedAttention, PagedKVCache, make_paged_kv_cache
 from minillm.models.llama import Transformer
 from minillm.quant.apply import quantize_model
@@ -38,6 +38,8 @@ def make_model(name: str, scheme: str = "fp32", seed: int = 0) -> Transformer:
         for n, p in model.named_parameters():  # norms near 1, the rest small: logits of a trained model's size
             p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in n else 0.2 * torch.randn_like(p))
     model.requires_grad_(False)
+    if scheme == "bf16":  # bf16 weights, activations and (filled_caches) K/V
+        return model.to(torch.bfloat16)
     if scheme.startswith("w8a8"):  # int8 × int8 linears; "w8a8-static" with scales calibrated on random tokens
         from minillm.quant.smooth import activation_absmax, quantize_model_w8a8
 
@@ -56,8 +58,8 @@ def random_rows(lens: list[int], seed: int, vocab: int = 97) -> DecodeBatch:
 
 
 def filled_caches(model: Transformer, seed: int) -> tuple[PagedKVCache, PagedKVCache]:
-    """Two equal paged caches holding random K/V (the earlier context every row attends to)."""
-    a, b = (PagedKVCache(model.config, 8 * 32, BLOCK, dtype=torch.float32, device="cpu") for _ in range(2))
+    """Two equal paged caches of the model's dtype holding random K/V (the earlier context every row attends to)."""
+    a, b = (PagedKVCache(model.config, 8 * 32, BLOCK, dtype=model.dtype, device="cpu") for _ in range(2))
     g = torch.Generator().manual_seed(seed)
     a.k.copy_(torch.randn(a.k.shape, generator=g))
     a.v.copy_(torch.randn(a.v.shape, generator=g))
@@ -191,6 +193,97 @@ def test_the_default_int4_model_gives_the_same_greedy_text_fused_and_per_layer()
     assert got == want and eng.runner.stack.calls == 23
 
 
+# ------------------------------------------------------------------------------------------------ bf16 activations
+@pytest.fixture
+def native_bf16_rows(monkeypatch):
+    """The per-layer path's bf16 linears take the native GEMV up to ``native.native_rows(bfloat16)`` rows (every
+    decode batch where the CPU multiplies bf16 pairs, 4 rows elsewhere, then oneDNN's GEMM) and the fused step runs
+    only as many.  Pinned to ``MAX_ROWS``, as on AVX512-BF16 CPUs, so 8-row steps compare the same native kernels
+    on every CPU (the bf16 kernels' two builds round differently, but each path calls the same one)."""
+    monkeypatch.setattr(native, "native_rows", lambda dtype: native.MAX_ROWS)
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.parametrize("lens", [[7], [3, 9, 5], [1, 4, 5, 9, 17, 2, 8, 12]], ids=["b1", "b3", "b8"])
+def test_the_bf16_step_equals_the_per_layer_native_bf16_path_bit_for_bit(name, lens, native_bf16_rows):
+    """bf16 weights, activations and cache: every intermediate rounded to bf16 where the per-layer kernels round it,
+    so hidden states, K/V written and the LM head's logits are identical (qkv bias included: mqa-d32-bias)."""
+    model = make_model(name, "bf16")
+    kv_ref, kv_fused = filled_caches(model, 1)
+    batch = random_rows(lens, 2)
+    want = per_layer_hidden(model, kv_ref, batch)
+    with torch.inference_mode():
+        want_logits = model.compute_logits(want)
+    hidden, logits = fused.NativeDecodeStack(model, kv_fused).run_rows(batch, with_head=True)
+    assert hidden.dtype == logits.dtype == torch.bfloat16
+    assert torch.equal(hidden, want) and torch.equal(logits, want_logits)
+    assert torch.equal(kv_fused.k, kv_ref.k) and torch.equal(kv_fused.v, kv_ref.v)
+    assert not torch.equal(kv_fused.k, filled_caches(model, 1)[0].k)  # the step did write its rows
+
+
+def test_bf16_rows_of_one_sequence_equal_the_per_layer_path_bit_for_bit(native_bf16_rows):
+    """A speculative chunk (4 consecutive positions of one sequence) as rows of one bf16 call: each row attends up to
+    its own position, as the per-layer path's decode rows do after the same K/V writes."""
+    model = make_model("gqa-d64", "bf16")
+    kv_ref, kv_fused = filled_caches(model, 7)
+    table, pos = list(range(8)), [9, 10, 11, 12]
+    batch = DecodeBatch([5, 17, 33, 2], pos, [table[p // BLOCK] * BLOCK + p % BLOCK for p in pos], [table] * 4,
+                        [p + 1 for p in pos])
+    assert torch.equal(fused.NativeDecodeStack(model, kv_fused).hidden(batch), per_layer_hidden(model, kv_ref, batch))
+    assert torch.equal(kv_fused.k, kv_ref.k)
+
+
+def test_bf16_steps_stay_within_the_native_bf16_rows(monkeypatch):
+    """Past ``native.native_rows(bfloat16)`` the per-layer path's linears are a GEMM the fused step does not run:
+    the stack takes no more rows, and the engine runs larger steps per layer, with the same greedy tokens."""
+    monkeypatch.setattr(native, "native_rows", lambda dtype: 2 if dtype == torch.bfloat16 else native.MAX_ROWS)
+    model = make_model("gqa-d64", "bf16")
+    assert fused.NativeDecodeStack(model, filled_caches(model, 1)[0]).max_rows == 2
+    assert fused.NativeDecodeStack(make_model("gqa-d64"), filled_caches(make_model("gqa-d64"), 1)[0]).max_rows \
+        == decode.MAX_ROWS
+    prompts = [[1, 2, 3], [4, 5, 6, 7, 8], [9, 10]]
+    want, _ = greedy(model, prompts, [20, 4, 9], enforce_eager=True)
+    got, eng = greedy(model, prompts, [20, 4, 9])
+    assert got == want and isinstance(eng.runner, NativeRunner)
+    # after the prefill's first tokens: 3 steps of 3 rows (tokens 2-4) per layer, then 5 of 2 rows and 11 of 1 fused
+    assert eng.runner.stack.calls == 5 + 11
+
+
+@pytest.mark.parametrize("name", ["gqa-d64", "mqa-d32-bias"])
+@pytest.mark.parametrize("batch", [1, 3])
+def test_the_engine_decodes_bf16_through_the_fused_step_with_the_per_layer_greedy_tokens(name, batch,
+                                                                                       native_bf16_rows):
+    model = make_model(name, "bf16")
+    rng = random.Random(batch)
+    prompts = [[rng.randrange(97) for _ in range(rng.randint(2, 11))] for _ in range(batch)]
+    lengths = [24 - 3 * i for i in range(batch)]
+    want, eager = greedy(model, prompts, lengths, enforce_eager=True)
+    got, eng = greedy(model, prompts, lengths)
+    assert type(eager.runner) is ModelRunner and isinstance(eng.runner, NativeRunner)
+    assert eng.runner.stack.calls >= 20
+    assert got == want
+
+
+def test_the_default_model_in_bf16_gives_the_same_greedy_text_fused_and_per_layer():
+    from minillm.models.loader import load_model
+
+    model = load_model(None, dtype="bfloat16")
+    prompt = [[1, 504, 3458, 282, 4649, 314]]
+    want, _ = greedy(model, prompt, [24], enforce_eager=True, block_size=16)
+    got, eng = greedy(model, prompt, [24], block_size=16)
+    assert got == want and eng.runner.stack.calls == 23
+
+
+def test_a_bf16_model_with_a_quantized_linear_keeps_the_per_layer_path():
+    model = make_model("gqa-d64", "bf16")
+    kv = PagedKVCache(model.config, 8, BLOCK, dtype=torch.bfloat16, device="cpu")
+    assert fused.supports(model, kv)
+    quantize_model(model, "int8")
+    reason = fused.unsupported_reason(model, kv)
+    assert "layer 0's qkv_proj has int8 weights" in reason and "per-layer path" in reason
+    assert type(LLMEngine(model, config=EngineConfig(block_size=BLOCK)).runner) is ModelRunner
+
+
 # ------------------------------------------------------------------------------------------------ what it refuses
 def test_it_refuses_what_it_cannot_run_and_the_engine_keeps_the_per_layer_path():
     model = make_model("gqa-d64")
@@ -199,7 +292,8 @@ def test_it_refuses_what_it_cannot_run_and_the_engine_keeps_the_per_layer_path()
     q8kv = make_paged_kv_cache(model.config, 8, BLOCK, dtype=torch.float32, device="cpu", kv_cache_dtype="int8")
     assert "PagedKVCache" in fused.unsupported_reason(model, q8kv)
     assert "torch" in fused.unsupported_reason(make_model("gqa-d64").set_kernels("torch"), kv)
-    assert "fp32" in fused.unsupported_reason(make_model("gqa-d64").to(torch.bfloat16), kv)
+    assert "fp32 or bf16" in fused.unsupported_reason(make_model("gqa-d64").to(torch.float16), kv)
+    assert "model's dtype" in fused.unsupported_reason(make_model("gqa-d64", "bf16"), kv)  # an fp32 cache
     assert "CPU" in fused.unsupported_reason(make_model("gqa-d64").to("meta"), kv)  # CUDA, or any other device
     with pytest.raises(ValueError, match="cannot run"):
         fused.NativeDecodeStack(model, q8kv)
@@ -270,8 +364,8 @@ def test_the_library_is_rebuilt_when_an_included_source_changes(tmp_path, monkey
 
 
 # ------------------------------------------------------------------------------------------ speculative verification
-@pytest.mark.parametrize("scheme", ["fp32", "int4"])
-def test_speculative_verification_runs_fused_and_keeps_the_greedy_tokens(scheme, monkeypatch):
+@pytest.mark.parametrize("scheme", ["fp32", "int4", "bf16"])
+def test_speculative_verification_runs_fused_and_keeps_the_greedy_tokens(scheme, monkeypatch, native_bf16_rows):
     """ngram drafts verified as γ + 1 rows of one sequence in one fused call: output equal to plain decoding."""
     model = make_model("gqa-d64", scheme)
     rng = random.Random(3)

@@ -81,6 +81,8 @@ def test_it_refuses_other_weights_and_row_counts():
         LinearStack([object()], 1)
     with pytest.raises(ValueError, match="contiguous"):
         LinearStack([torch.randn(64, 32).T], 1)
+    with pytest.raises(ValueError, match="fp32"):  # bf16 weights run only in the bf16 decode step
+        LinearStack([torch.randn(64, 32, dtype=torch.bfloat16)], 1)
 
 
 @pytest.mark.parametrize("threads", [1, 2])

@@ -1,10 +1,11 @@
 """The fused native decode library (``csrc/decode.c``): its build, its loader and the C structs it reads.
 
-``decode_stack`` runs a whole decoder stack for a batch of rows in one call — (add +) RMSNorm, qkv, RoPE, K/V to
-their paged slots, paged attention, o_proj, add + RMSNorm, gate_up, SiLU·mul, down, the final norm, optionally the
-LM head — with the per-layer native kernels of ``native.c`` and ``quant.c`` (``#include``d, so the library is
-rebuilt when any of the three changes).  ``linear_stack`` and ``stack_read`` run a list of GEMVs, or only read
-their bytes, for benchmarks.  The engine's runner that drives ``decode_stack`` is ``engine/native_runner.py``.
+``decode_stack`` (fp32 activations) and ``decode_stack_bf16`` (bf16 activations, bf16 weights) run a whole decoder
+stack for a batch of rows in one call — (add +) RMSNorm, qkv, RoPE, K/V to their paged slots, paged attention,
+o_proj, add + RMSNorm, gate_up, SiLU·mul, down, the final norm, optionally the LM head — with the per-layer native
+kernels of ``native.c`` and ``quant.c`` (``#include``d, so the library is rebuilt when any of the three changes).
+``linear_stack`` and ``stack_read`` run a list of GEMVs, or only read their bytes, for benchmarks.  The engine's
+runner that drives the steps is ``engine/native_runner.py``.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ MAX_ROWS = 32  # rows per call: native.c's GEMV tiles and the engine's decode ba
 _CSRC = Path(__file__).parent / "csrc"
 _SRC = _CSRC / "decode.c"
 _INCLUDED = ("quant.c", "native.c")  # decode.c #includes these: part of the cache key
-_KINDS = {"fp32": 0, "int8": 1, "int4": 2, "w8a8": 3}
+_KINDS = {"fp32": 0, "int8": 1, "int4": 2, "w8a8": 3, "bf16": 4}
 
 i64, vp = ctypes.c_int64, ctypes.c_void_p
 
@@ -37,7 +38,8 @@ class LinearT(ctypes.Structure):
 
 
 class LayerT(ctypes.Structure):
-    """csrc/decode.c ``layer_t``: two norm weights, four linears, the layer's K and V caches."""
+    """csrc/decode.c ``layer_t``: two norm weights, four linears, the layer's K and V caches (the activation
+    dtype's)."""
 
     _fields_ = [("input_norm", vp), ("post_norm", vp), ("qkv", LinearT), ("o", LinearT), ("gate_up", LinearT),
                 ("down", LinearT), ("k_cache", vp), ("v_cache", vp)]
@@ -69,9 +71,10 @@ def library() -> ctypes.CDLL | None:
     p64, p32 = ctypes.POINTER(ctypes.c_int64), ctypes.POINTER(ctypes.c_int32)
     lib.decode_scratch_floats.argtypes = [i64] * 6
     lib.decode_scratch_floats.restype = i64
-    lib.decode_stack.argtypes = [ctypes.POINTER(LayerT), i64, vp, vp, vp, vp, p64, p64, p32, p32] + [i64] * 8 \
-        + [ctypes.c_float, ctypes.c_float, ctypes.POINTER(LinearT), vp, vp, vp]
-    lib.decode_stack.restype = None
+    for name in ("decode_stack", "decode_stack_bf16"):
+        getattr(lib, name).argtypes = [ctypes.POINTER(LayerT), i64, vp, vp, vp, vp, p64, p64, p32, p32] + [i64] * 8 \
+            + [ctypes.c_float, ctypes.c_float, ctypes.POINTER(LinearT), vp, vp, vp]
+        getattr(lib, name).restype = None
     lib.linear_stack.argtypes = [ctypes.POINTER(LinearT), i64, ctypes.POINTER(vp), ctypes.POINTER(vp), i64, i64]
     lib.linear_stack.restype = None
     lib.stack_read.argtypes = [ctypes.POINTER(LinearT), i64]
@@ -86,8 +89,10 @@ def available() -> bool:
 
 def weight_struct(w, bias: Tensor | None, keep: list[Tensor], *, w8a8: bool = False,
                   input_scale: Tensor | None = None) -> LinearT:
-    """The ``linear_t`` of a weight: an fp32 [N, K] tensor, an ``Int8Weight`` or an ``Int4Weight`` (contiguous, on
-    CPU), and an optional fp32 bias [N]; the tensors it points at are appended to ``keep``.  ``w8a8``: a per-channel
+    """The ``linear_t`` of a weight: an fp32 or bf16 [N, K] tensor, an ``Int8Weight`` or an ``Int4Weight``
+    (contiguous, on CPU), and an optional bias [N] (bf16 with a bf16 weight, else fp32); the tensors it points at are
+    appended to ``keep``.  A bf16 weight is for ``decode_stack_bf16`` only (bf16 activations), every other kind for
+    ``decode_stack`` and ``linear_stack`` (fp32 activations).  ``w8a8``: a per-channel
     ``Int8Weight`` whose activations are rounded to int8 too (``layers.linear.W8A8Linear``), per token, or with
     ``input_scale`` (a 0-dim fp32 tensor: the static scale), which the struct carries in its ``mins`` slot."""
     from minillm.quant.weight import Int4Weight, Int8Weight
@@ -102,12 +107,14 @@ def weight_struct(w, bias: Tensor | None, keep: list[Tensor], *, w8a8: bool = Fa
         ptr = [None if t is None else t.data_ptr() for t in (w.qweight, w.scales, scale, bias)]
         return LinearT(_KINDS["w8a8"], int(w.scales.dtype == torch.float16), N, K, K, *ptr)
     if isinstance(w, Tensor):
-        kind, (N, K) = "fp32", w.shape
+        if w.dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"a dense weight must be fp32 or bf16, got {w.dtype}")
+        kind, (N, K) = "fp32" if w.dtype == torch.float32 else "bf16", w.shape
         tensors, G, f16 = (w.detach(), None, None), K, 0
     else:
         kind = "int4" if isinstance(w, Int4Weight) else "int8" if isinstance(w, Int8Weight) else None
         if kind is None:
-            raise ValueError(f"not an fp32 tensor, Int8Weight or Int4Weight: {type(w).__name__}")
+            raise ValueError(f"not an fp32/bf16 tensor, Int8Weight or Int4Weight: {type(w).__name__}")
         N, K = w.shape
         tensors = (w.packed, w.scales, w.mins) if kind == "int4" else (w.qweight, w.scales, None)
         G, f16 = w.group_size, int(w.scales.dtype == torch.float16)

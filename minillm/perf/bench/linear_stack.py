@@ -33,6 +33,9 @@ class LinearStack:
             raise ValueError("the fused native decode library did not build here")
         if not 1 <= rows <= decode.MAX_ROWS:
             raise ValueError(f"rows must be in [1, {decode.MAX_ROWS}], got {rows}")
+        if any(isinstance(w, Tensor) and w.dtype != torch.float32 for w in weights):
+            raise ValueError("LinearStack runs fp32 activations: dense weights must be fp32 (bf16 ones run only in "
+                             "the bf16 decode step)")
         keep: list[Tensor] = []
         self._table = (decode.LinearT * max(len(weights), 1))(*[decode.weight_struct(w, None, keep) for w in weights])
         for t in keep:

@@ -1,4 +1,4 @@
-/* One native call per decode step for the whole decoder stack (all layers), on CPU, fp32 activations.
+/* One native call per decode step for the whole decoder stack (all layers), on CPU, fp32 or bf16 activations.
  *
  * Why: once the weights are int4, a decode token of a 135M model reads ~80 MB in its GEMVs, but the
  * layer-by-layer Python path around them costs about as much time again: per layer ~120 ATen ops (views,
@@ -24,24 +24,25 @@
 #include "quant.c"
 #include "native.c"
 
-enum { LIN_F32 = 0, LIN_INT8 = 1, LIN_INT4 = 2, LIN_W8A8 = 3 };
+enum { LIN_F32 = 0, LIN_INT8 = 1, LIN_INT4 = 2, LIN_W8A8 = 3, LIN_BF16 = 4 };
 
 /* One linear layer y [M, N] = x [M, K] @ W^T (+ bias): fp32 W [N, K]; int8 codes [N, K] with scales [N, K/G];
  * Q4_1 packed [N, K/2] with scales and mins [N, K/G] (fp16 when scale_f16, else fp32); W8A8: int8 codes [N, K]
  * with per-channel scales [N] (G = K) and, in place of mins, the static input scale (one fp32) or NULL (dynamic,
- * per token: quant.c w8a8_gemm).  bias fp32 [N] or NULL. */
+ * per token: quant.c w8a8_gemm); bf16 W [N, K].  bias [N] in the activation dtype (fp32, or bf16 with a bf16 W)
+ * or NULL.  fp32 activations take every kind but LIN_BF16; bf16 activations LIN_BF16 only (the caller checks). */
 typedef struct {
     int64_t kind, scale_f16, N, K, G;
     const void *w, *scales, *mins;
-    const float *bias;
+    const void *bias;
 } linear_t;
 
 /* One decoder layer: its two RMSNorm weights [hidden], four linears and its K/V caches
- * [num_blocks, block_size, H_kv, D] fp32. */
+ * [num_blocks, block_size, H_kv, D], all in the activation dtype (fp32 or bf16: the step's). */
 typedef struct {
-    const float *input_norm, *post_norm;
+    const void *input_norm, *post_norm;
     linear_t qkv, o, gate_up, down;
-    float *k_cache, *v_cache;
+    void *k_cache, *v_cache;
 } layer_t;
 
 /* Quantized weights always take the int8-activation kernels (kernels/select.py's choice for decode rows), for any
@@ -50,9 +51,10 @@ typedef struct {
  * logits plain one-row decode steps give, and greedy output is the same with and without speculation.  (The
  * per-layer path switches to the dequantizing reference past quant.py's MAX_ROWS = 8 rows, a different rounding.)
  * int8 shapes not in blocks of 32 run exact, as there. */
-static void linear_run(const linear_t *l, const float *x, float *y, int64_t M) {
+static void linear_run_f32(const linear_t *l, const float *x, float *y, int64_t M) {
+    const float *bias = (const float *)l->bias;
     if (l->kind == LIN_F32) {
-        gemv_f32((const float *)l->w, x, l->bias, y, M, l->N, l->K);
+        gemv_f32((const float *)l->w, x, bias, y, M, l->N, l->K);
         return;
     }
     if (l->kind == LIN_W8A8) {
@@ -65,9 +67,15 @@ static void linear_run(const linear_t *l, const float *x, float *y, int64_t M) {
     } else {
         q4_gemm_q8((const uint8_t *)l->w, l->scales, l->mins, (int)l->scale_f16, x, 0, y, M, l->N, l->K, l->G);
     }
-    if (l->bias) /* the per-layer path adds the bias after the quantized GEMV: y + bias */
+    if (bias) /* the per-layer path adds the bias after the quantized GEMV: y + bias */
         for (int64_t m = 0; m < M; m++)
-            for (int64_t n = 0; n < l->N; n++) y[m * l->N + n] += l->bias[n];
+            for (int64_t n = 0; n < l->N; n++) y[m * l->N + n] += bias[n];
+}
+
+/* bf16 activations: bf16 weights only, native.c's bf16 GEMV (the per-layer path's ``native.linear`` for bf16 decode
+ * rows; the bias added in fp32 before the one rounding to bf16). */
+static void linear_run_bf16(const linear_t *l, const uint16_t *x, uint16_t *y, int64_t M) {
+    gemv_bf16((const uint16_t *)l->w, x, (const uint16_t *)l->bias, y, M, l->N, l->K);
 }
 
 /* Rows n0..n1 of one quantized linear for one thread of an enclosing team, no OpenMP inside; xp: the activations
@@ -81,9 +89,10 @@ static void linear_rows(const linear_t *l, const xprep_t *xp, const float *x, fl
     else
         q4_q8_rows((const uint8_t *)l->w, l->scales, l->mins, (int)l->scale_f16, xp, 0, y, M, l->N, l->K, l->G, n0,
                    n1);
-    if (l->bias)
+    const float *bias = (const float *)l->bias;
+    if (bias)
         for (int64_t m = 0; m < M; m++)
-            for (int64_t n = n0; n < n1; n++) y[m * l->N + n] += l->bias[n];
+            for (int64_t n = n0; n < n1; n++) y[m * l->N + n] += bias[n];
 }
 
 static int linear_uses_xprep(const linear_t *l) {
@@ -92,16 +101,16 @@ static int linear_uses_xprep(const linear_t *l) {
 
 /* Benchmark entry (perf/bench/quant.py's native stack rows): the linears lins[0..n) in order, y_i [M, N_i] =
  * x_i [M, K_i] @ W_i^T (+ bias), with no Python between them, so a stack's time is its kernels' alone (Python
- * dispatch costs microseconds a call, 120 times over SmolLM2's linears).  one_region = 0: each through linear_run, as
- * decode_stack runs them (an OpenMP region per GEMV: quant.c's SPLIT_ROWS).  one_region = 1: one region for the
- * whole stack, thread 0 preparing each GEMV's activations, the rows split in contiguous equal ranges (multiples of
- * 4: q4_q8_rows' tile), a barrier before and after each GEMV — the layout a fused step inside one region would have,
- * to measure what the per-GEMV regions cost next to it.  The outputs are the same either way (a row's result does
+ * dispatch costs microseconds a call, 120 times over SmolLM2's linears); fp32 activations (every kind but LIN_BF16).
+ * one_region = 0: each through linear_run_f32, as decode_stack runs them (an OpenMP region per GEMV: quant.c's
+ * SPLIT_ROWS).  one_region = 1: one region for the whole stack, thread 0 preparing each GEMV's activations, the rows
+ * split in contiguous equal ranges (multiples of 4: q4_q8_rows' tile), a barrier before and after each GEMV — the
+ * layout a fused step inside one region would have, to measure what the per-GEMV regions cost next to it.  The outputs are the same either way (a row's result does
  * not depend on which thread computes it). */
 void linear_stack(const linear_t *lins, int64_t n, const float *const *xs, float *const *ys, int64_t M,
                   int64_t one_region) {
     if (!one_region) {
-        for (int64_t i = 0; i < n; i++) linear_run(lins + i, xs[i], ys[i], M);
+        for (int64_t i = 0; i < n; i++) linear_run_f32(lins + i, xs[i], ys[i], M);
         return;
     }
     size_t bytes = 0;
@@ -125,7 +134,7 @@ void linear_stack(const linear_t *lins, int64_t n, const float *const *xs, float
             if (l->kind != LIN_F32 && l->kind != LIN_W8A8)
                 linear_rows(l, &xp, xs[i], ys[i], M, n0 < l->N ? n0 : l->N, n1 < l->N ? n1 : l->N);
             else if (t == 0) /* no row-range fp32 / W8A8 GEMM here: theirs open a region, one thread inside a team */
-                linear_run(l, xs[i], ys[i], M);
+                linear_run_f32(l, xs[i], ys[i], M);
 #pragma omp barrier
         }
     }
@@ -135,8 +144,9 @@ void linear_stack(const linear_t *lins, int64_t n, const float *const *xs, float
 /* Bytes of one stored weight, scales and mins included, read per row: [row bytes of w, of scales, of mins]. */
 static void linear_row_bytes(const linear_t *l, int64_t out[3]) {
     const int64_t ng = l->G ? l->K / l->G : 0, sb = l->scale_f16 ? 2 : 4;
-    out[0] = l->kind == LIN_F32 ? 4 * l->K : l->kind == LIN_INT4 ? l->K / 2 : l->K;
-    out[1] = l->kind == LIN_F32 ? 0 : ng * sb;
+    const int dense = l->kind == LIN_F32 || l->kind == LIN_BF16;
+    out[0] = l->kind == LIN_F32 ? 4 * l->K : l->kind == LIN_BF16 ? 2 * l->K : l->kind == LIN_INT4 ? l->K / 2 : l->K;
+    out[1] = dense ? 0 : ng * sb;
     out[2] = l->kind == LIN_INT4 ? ng * sb : 0;
 }
 
@@ -185,55 +195,66 @@ int64_t decode_scratch_floats(int64_t M, int64_t hidden, int64_t Hq, int64_t Hkv
 
 /* The decoder stack for M rows: x [M, hidden] (the token embeddings) -> out [M, hidden], the final-normed hidden
  * states, and when head is not NULL the LM head's logits [M, V] = out @ head^T (the head stays with the rest: a
- * Python call would pick another kernel past 8 rows and cost its own dispatch).  cos_tab / sin_tab [P, D]: RoPE's tables for positions 0..P-1 (rows picked by positions [M]); slots [M]
- * int64 flat KV slots; tables [M, W] int32 block tables; lens [M] int32 context lengths.  eps: every RMSNorm's;
- * scale: attention's softmax scale.  scratch: decode_scratch_floats(M, ...) floats.  Per layer, as
- * models/llama.py DecoderLayer: (add +) RMSNorm, qkv, RoPE on q and k, K/V to their slots, paged attention,
- * o_proj, add + RMSNorm, gate_up, SiLU·mul, down; then the final add + norm. */
-void decode_stack(const layer_t *layers, int64_t n_layers, const float *x, const float *final_norm,
-                  const float *cos_tab, const float *sin_tab, const int64_t *positions, const int64_t *slots,
-                  const int32_t *tables, const int32_t *lens, int64_t M, int64_t W, int64_t hidden, int64_t Hq,
-                  int64_t Hkv, int64_t D, int64_t F, int64_t block_size, float eps, float scale,
-                  const linear_t *head, float *scratch, float *out, float *logits) {
-    const int64_t nqk = (Hq + Hkv) * D, nqkv = (Hq + 2 * Hkv) * D;
-    float *res_a = scratch, *res_b = res_a + M * hidden, *h = res_b + M * hidden, *mo = h + M * hidden;
-    float *qkv = mo + M * hidden, *qk = qkv + M * nqkv, *att = qk + M * nqk, *gu = att + M * Hq * D;
-    float *act = gu + 2 * M * F, *cs = act + M * F, *sn = cs + M * D;
-    for (int64_t m = 0; m < M; m++) { /* this step's RoPE rows, [M, D] each */
-        memcpy(cs + m * D, cos_tab + positions[m] * D, sizeof(float) * D);
-        memcpy(sn + m * D, sin_tab + positions[m] * D, sizeof(float) * D);
+ * Python call would pick another kernel past 8 rows and cost its own dispatch).  cos_tab / sin_tab [P, D]: RoPE's
+ * tables for positions 0..P-1 (rows picked by positions [M]); slots [M] int64 flat KV slots; tables [M, W] int32
+ * block tables; lens [M] int32 context lengths.  eps: every RMSNorm's; scale: attention's softmax scale.  scratch:
+ * decode_scratch_floats(M, ...) floats.  Per layer, as models/llama.py DecoderLayer: (add +) RMSNorm, qkv, RoPE on q
+ * and k, K/V to their slots, paged attention, o_proj, add + RMSNorm, gate_up, SiLU·mul, down; then the final
+ * add + norm.
+ *
+ * One body for both activation dtypes (T float: decode_stack; T bf16 bits: decode_stack_bf16): x, out, logits, the
+ * tables, the norms, the caches and every intermediate are T, and each step is native.c's T kernel — the ones the
+ * per-layer path calls for T — so every intermediate is rounded to T where that path rounds it (each kernel's
+ * output is a T tensor there too).  The bf16 step's linears are bf16 weights (linear_run_bf16). */
+#define DECODE_STACK(NAME, T, SFX)                                                                                  \
+    void NAME(const layer_t *layers, int64_t n_layers, const T *x, const T *final_norm, const T *cos_tab,           \
+              const T *sin_tab, const int64_t *positions, const int64_t *slots, const int32_t *tables,              \
+              const int32_t *lens, int64_t M, int64_t W, int64_t hidden, int64_t Hq, int64_t Hkv, int64_t D,        \
+              int64_t F, int64_t block_size, float eps, float scale, const linear_t *head, float *scratch, T *out,   \
+              T *logits) {                                                                                          \
+        const int64_t nqk = (Hq + Hkv) * D, nqkv = (Hq + 2 * Hkv) * D;                                              \
+        T *res_a = (T *)scratch, *res_b = res_a + M * hidden, *h = res_b + M * hidden, *mo = h + M * hidden;        \
+        T *qkv = mo + M * hidden, *qk = qkv + M * nqkv, *att = qk + M * nqk, *gu = att + M * Hq * D;                \
+        T *act = gu + 2 * M * F, *cs = act + M * F, *sn = cs + M * D;                                               \
+        for (int64_t m = 0; m < M; m++) { /* this step's RoPE rows, [M, D] each */                                  \
+            memcpy(cs + m * D, cos_tab + positions[m] * D, sizeof(T) * D);                                          \
+            memcpy(sn + m * D, sin_tab + positions[m] * D, sizeof(T) * D);                                          \
+        }                                                                                                           \
+        if (n_layers == 0) {                                                                                        \
+            rms_norm_##SFX(x, final_norm, out, M, hidden, eps);                                                     \
+            if (head) linear_run_##SFX(head, out, logits, M);                                                       \
+            return;                                                                                                 \
+        }                                                                                                           \
+        /* the residual stream ping-pongs between two buffers: add_rms_norm's output may not alias its inputs */    \
+        const T *res = x;                                                                                           \
+        T *spare = res_a;                                                                                           \
+        for (int64_t l = 0; l < n_layers; l++) {                                                                    \
+            const layer_t *L = layers + l;                                                                          \
+            T *kc = (T *)L->k_cache, *vc = (T *)L->v_cache;                                                         \
+            if (l == 0) {                                                                                           \
+                rms_norm_##SFX(x, (const T *)L->input_norm, h, M, hidden, eps);                                     \
+            } else {                                                                                                \
+                add_rms_norm_##SFX(mo, res, (const T *)L->input_norm, h, spare, M, hidden, eps);                    \
+                res = spare;                                                                                        \
+                spare = spare == res_a ? res_b : res_a;                                                             \
+            }                                                                                                       \
+            linear_run_##SFX(&L->qkv, h, qkv, M); /* (M, (H_q + 2 H_kv) D) */                                       \
+            rope_##SFX(qkv, cs, sn, qk, M, Hq + Hkv, D, nqkv); /* q and k rotated: (M, H_q + H_kv, D) */            \
+            write_kv((const char *)(qk + Hq * D), (const char *)(qkv + nqk), (char *)kc, (char *)vc, slots, M,      \
+                     Hkv * D, nqk, nqkv, sizeof(T));                                                                \
+            paged_decode_attention_##SFX(qk, kc, vc, tables, lens, att, M, Hq, Hkv, D, block_size, W, scale, nqk,   \
+                                         D); /* (M, H_q, D) */                                                      \
+            linear_run_##SFX(&L->o, att, mo, M);                                                                    \
+            add_rms_norm_##SFX(mo, res, (const T *)L->post_norm, h, spare, M, hidden, eps);                         \
+            res = spare;                                                                                            \
+            spare = spare == res_a ? res_b : res_a;                                                                 \
+            linear_run_##SFX(&L->gate_up, h, gu, M); /* (M, 2F) */                                                  \
+            silu_mul_##SFX(gu, act, M, F);                                                                          \
+            linear_run_##SFX(&L->down, act, mo, M);                                                                 \
+        }                                                                                                           \
+        add_rms_norm_##SFX(mo, res, final_norm, out, spare, M, hidden, eps);                                        \
+        if (head) linear_run_##SFX(head, out, logits, M); /* (M, V) */                                              \
     }
-    if (n_layers == 0) {
-        rms_norm_f32(x, final_norm, out, M, hidden, eps);
-        if (head) linear_run(head, out, logits, M);
-        return;
-    }
-    /* the residual stream ping-pongs between two buffers: add_rms_norm's output may not alias its inputs */
-    const float *res = x;
-    float *spare = res_a;
-    for (int64_t l = 0; l < n_layers; l++) {
-        const layer_t *L = layers + l;
-        if (l == 0) {
-            rms_norm_f32(x, L->input_norm, h, M, hidden, eps);
-        } else {
-            add_rms_norm_f32(mo, res, L->input_norm, h, spare, M, hidden, eps);
-            res = spare;
-            spare = spare == res_a ? res_b : res_a;
-        }
-        linear_run(&L->qkv, h, qkv, M); /* (M, (H_q + 2 H_kv) D) */
-        rope_f32(qkv, cs, sn, qk, M, Hq + Hkv, D, nqkv); /* q and k rotated: (M, H_q + H_kv, D) */
-        write_kv((const char *)(qk + Hq * D), (const char *)(qkv + nqk), (char *)L->k_cache, (char *)L->v_cache,
-                 slots, M, Hkv * D, nqk, nqkv, sizeof(float));
-        paged_decode_attention_f32(qk, L->k_cache, L->v_cache, tables, lens, att, M, Hq, Hkv, D, block_size, W,
-                                   scale, nqk, D); /* (M, H_q, D) */
-        linear_run(&L->o, att, mo, M);
-        add_rms_norm_f32(mo, res, L->post_norm, h, spare, M, hidden, eps);
-        res = spare;
-        spare = spare == res_a ? res_b : res_a;
-        linear_run(&L->gate_up, h, gu, M); /* (M, 2F) */
-        silu_mul_f32(gu, act, M, F);
-        linear_run(&L->down, act, mo, M);
-    }
-    add_rms_norm_f32(mo, res, final_norm, out, spare, M, hidden, eps);
-    if (head) linear_run(head, out, logits, M); /* (M, V) */
-}
+
+DECODE_STACK(decode_stack, float, f32)
+DECODE_STACK(decode_stack_bf16, uint16_t, bf16)
