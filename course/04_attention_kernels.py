@@ -473,8 +473,8 @@ plt.show()
 #   loops on CPU, Triton on CUDA); the engine runs it with `kernels="compiled"`.
 # - **CUDA graphs** record a whole step's kernel launches once and replay them with one launch
 #   (`enforce_eager=False`, the engine's default on CUDA): the ops stay, their launch cost goes.
-# - **A fused native step** (`engine/native_runner.py`, the engine's default on CPU in fp32): every layer in one
-#   call of C code, so Python and the dispatcher are paid once per step instead of once per op.
+# - **A fused native step** (`engine/native_runner.py`, the engine's default on CPU in fp32 and bf16): every layer in
+#   one call of C code, so Python and the dispatcher are paid once per step instead of once per op.
 #
 # First the floor the bytes set, at batch 1 on this machine's roof:
 
@@ -514,10 +514,10 @@ else:
     print("torch.compile: skipped on CPU — inductor builds C++ for every batch bucket, minutes on a small CPU, and "
           "on CPU it only fuses the small elementwise ops around GEMVs the native kernels already stream")
     print("CUDA graphs: they replay a step's kernel launches on a GPU; run this notebook on CUDA to measure them")
-if device == "cpu" and model.dtype == torch.float32:
+if device == "cpu" and model.dtype in (torch.float32, torch.bfloat16):
     modes["auto"] = "fused native step"
 else:
-    print("fused native step: minillm's native decode stack runs on CPU in fp32 only")
+    print("fused native step: minillm's native decode stack runs on CPU in fp32 and bf16 only")
 launch = {}
 for mode, name in modes.items():
     seconds, ops = time_engine(model, launch_prompt, launch_tokens, mode)
