@@ -46,3 +46,35 @@ def _apply() -> dict[str, str] | None:
 
 applied: dict[str, str] | None = _apply()
 """What was set in the environment while torch loaded (None: nothing — the user's choice, or too late)."""
+
+
+def release_thread_pool() -> bool:
+    """Free the calling thread's OpenMP worker pool: ``omp_pause_resource_all(omp_pause_soft)`` on the runtime torch
+    loaded (its workers exit; a later parallel region in this thread starts a new pool).  Returns whether a runtime
+    did so (False: none found that has the call, e.g. without /proc, or called inside a parallel region).
+
+    Why: libgomp keeps a pool of workers for each thread that has run a parallel region, and once its threads
+    outnumber the CPUs it cuts every idle worker's spin to 100 polls (its "throttled" spin) whatever
+    ``GOMP_SPINCOUNT`` says.  A server builds its model in one thread (loading runs parallel regions) and steps it
+    in another, its engine loop: on a 2-core host those are two pools, three workers, and every parallel region of
+    every step then wakes its worker from a futex instead of finding it spinning.  The thread that built the engine
+    calls this when it hands the engine over (``EngineLoop.start``), leaving the loop thread's pool alone."""
+    import ctypes
+
+    try:
+        maps = open("/proc/self/maps").read()
+    except OSError:
+        return False
+    names = ("libgomp", "libiomp5", "libomp")
+    paths = {line.split()[-1] for line in maps.splitlines()
+             if any(os.path.basename(line.split()[-1]).startswith(n) for n in names)}
+    for path in sorted(paths):
+        try:
+            runtime = ctypes.CDLL(path, mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
+            pause = runtime.omp_pause_resource_all
+        except (OSError, AttributeError):
+            continue
+        pause.argtypes, pause.restype = [ctypes.c_int], ctypes.c_int
+        if pause(1) == 0:  # omp_pause_soft
+            return True
+    return False

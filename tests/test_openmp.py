@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 
 import pytest
 
@@ -45,3 +46,54 @@ def test_a_users_choice_is_left_alone(env):
 def test_too_late_once_torch_is_imported():
     (applied, _), stderr = _run(first="torch, minillm")
     assert applied is None and _runtime_spin(stderr) != str(openmp.SPIN_COUNT)
+
+
+POOL_PROBE = """
+import json, os, threading, time, torch, minillm
+from minillm.openmp import release_thread_pool
+
+def threads():
+    return len(os.listdir("/proc/self/task"))
+
+def work():  # parallel regions: the calling thread's pool (OMP_NUM_THREADS=2: one worker)
+    for _ in range(20):
+        torch.ones(1 << 22).add_(1).sum()
+
+before = threads()
+work()
+built = threads()
+released = release_thread_pool()
+deadline = time.time() + 10
+while threads() >= built and time.time() < deadline:
+    time.sleep(0.05)
+after = threads()
+t = threading.Thread(target=lambda: (work(), time.sleep(0.5)))
+t.start(); time.sleep(0.3)
+print(json.dumps([before, built, released, after, threads()]))
+t.join()
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the pool is found through /proc/self/maps")
+def test_release_thread_pool_frees_the_builders_workers_and_another_thread_gets_its_own():
+    base = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    r = subprocess.run([sys.executable, "-c", POOL_PROBE], capture_output=True, text=True, timeout=120,
+                       env={**base, "OMP_NUM_THREADS": "2"})
+    assert r.returncode == 0, r.stderr
+    before, built, released, after, in_thread = json.loads(r.stdout.strip().splitlines()[-1])
+    assert built == before + 1  # the main thread's pool: one worker
+    assert released and after == before  # gone: the worker exited
+    assert in_thread == before + 2  # the new thread and its own pool's worker
+
+
+def test_the_server_frees_the_building_threads_pool_when_its_engine_loop_starts(monkeypatch):
+    from minillm.entrypoints.openai import engine_loop
+
+    calls = []
+    monkeypatch.setattr(engine_loop, "release_thread_pool", lambda: calls.append(threading.current_thread()))
+    started = []
+    loop = engine_loop.EngineLoop.__new__(engine_loop.EngineLoop)
+    loop._thread = threading.Thread(target=lambda: started.append(calls[:]))
+    loop.start()
+    loop._thread.join()
+    assert calls == [threading.current_thread()] and started == [calls]  # freed here, before the loop ran

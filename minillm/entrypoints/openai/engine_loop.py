@@ -31,6 +31,7 @@ from minillm.engine.inputs import chat_prompt_ids, max_token_bytes, prompt_text_
 from minillm.entrypoints.openai.admission import AdmissionState, TTFTEstimator, queued_prefill_tokens, steps_to_seat
 from minillm.entrypoints.openai.compat import context_error
 from minillm.entrypoints.openai.limits import DEFAULT_STALL_TIMEOUT_S
+from minillm.openmp import release_thread_pool
 from minillm.outputs import EngineState, RequestOutput, StepOutput
 from minillm.sampling.params import SamplingParams
 
@@ -216,6 +217,10 @@ class EngineLoop:
         return None
 
     def start(self) -> None:
+        """Start the loop thread, which runs every engine step from now on.  The calling thread, which built the
+        engine, frees its OpenMP worker pool (``minillm.openmp.release_thread_pool``: two pools on a small host
+        throttle every worker's spin)."""
+        release_thread_pool()
         self._thread.start()
 
     def compile_grammar(self, guided) -> None:
