@@ -183,10 +183,11 @@ def test_static_batches_skip_their_padding_rows_and_keep_the_tokens():
     assert got == want and eng.runner.stack.calls >= 19
 
 
-def test_the_default_int4_model_gives_the_same_greedy_text_fused_and_per_layer():
+@pytest.mark.parametrize("load", [{"quantization": "int4"}, {"dtype": "bfloat16"}], ids=["int4", "bf16"])
+def test_the_default_model_gives_the_same_greedy_text_fused_and_per_layer(load):
     from minillm.models.loader import load_model
 
-    model = load_model(None, quantization="int4")
+    model = load_model(None, **load)
     prompt = [[1, 504, 3458, 282, 4649, 314]]
     want, _ = greedy(model, prompt, [24], enforce_eager=True, block_size=16)
     got, eng = greedy(model, prompt, [24], block_size=16)
@@ -262,16 +263,6 @@ def test_the_engine_decodes_bf16_through_the_fused_step_with_the_per_layer_greed
     assert type(eager.runner) is ModelRunner and isinstance(eng.runner, NativeRunner)
     assert eng.runner.stack.calls >= 20
     assert got == want
-
-
-def test_the_default_model_in_bf16_gives_the_same_greedy_text_fused_and_per_layer():
-    from minillm.models.loader import load_model
-
-    model = load_model(None, dtype="bfloat16")
-    prompt = [[1, 504, 3458, 282, 4649, 314]]
-    want, _ = greedy(model, prompt, [24], enforce_eager=True, block_size=16)
-    got, eng = greedy(model, prompt, [24], block_size=16)
-    assert got == want and eng.runner.stack.calls == 23
 
 
 def test_a_bf16_model_with_a_quantized_linear_keeps_the_per_layer_path():
