@@ -62,7 +62,8 @@ def release_thread_pool() -> bool:
     import ctypes
 
     try:
-        maps = open("/proc/self/maps").read()
+        with open("/proc/self/maps") as f:
+            maps = f.read()
     except OSError:
         return False
     names = ("libgomp", "libiomp5", "libomp")

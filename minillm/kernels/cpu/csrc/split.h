@@ -7,9 +7,10 @@
  * claimed with one atomic add each; a thread that finishes its range goes on to claim the chunks left in the
  * others'.  On a busy machine a thread descheduled mid-GEMV (another process, the server's HTTP thread or its
  * client holds its core) would otherwise keep its partner waiting at the region's end for its whole range; here the
- * partner takes the rest.  Which thread computes a row never changes its result (every row kernel computes a row
- * whole, in an order fixed by the row), so a stolen chunk gives the same bits.  Cost: one atomic add per chunk, on a
- * cache line of the range's own. */
+ * partner takes the rest.  (The region's end still waits for every thread to arrive: a thread descheduled before
+ * the region starts holds it all the same.)  Which thread computes a row never changes its result (every row kernel
+ * computes a row whole, in an order fixed by the row), so a stolen chunk gives the same bits.  Cost: one atomic add
+ * per chunk, on a cache line of the range's own. */
 #ifndef MINILLM_SPLIT_H
 #define MINILLM_SPLIT_H
 
