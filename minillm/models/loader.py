@@ -3,7 +3,8 @@
 Reading checkpoints is left to the well-kept libraries (safetensors; transformers + gguf for GGUF, which also
 undoes llama.cpp's Q/K row permutation and dequantizes).  Conversion to minillm's layout is one renaming step
 (``stack_hf_weights``).  GGUF conversion (a dequantizing pass over every tensor) is slow, so its result (config,
-fp32 safetensors, tokenizer) is cached under ``~/.cache/minillm/models`` and later loads only read that.
+fp32 safetensors, tokenizer) is cached under ``~/.cache/minillm/models``, keyed by the file's content, and later
+loads only read that; conversions unused for ``CACHE_UNUSED_DAYS`` are removed when a new one is written.
 """
 
 from __future__ import annotations
@@ -97,11 +98,65 @@ def _from_hub(repo_id: str) -> Checkpoint:
     return Checkpoint(Path(path), repo_id)
 
 
-def _from_gguf(path: Path) -> Checkpoint:
+CACHE_UNUSED_DAYS = 30  # a conversion nobody has resolved for this long is removed when another is written
+
+
+def _content_key(path: Path, models: Path) -> str:
+    """A digest of the GGUF's bytes (16 hex digits), remembered per (path, size, mtime) in ``models/by-path`` so a
+    file is hashed once, not on every load.  The conversion is keyed by content, never by path: every clone, venv or
+    copy of the same file shares one conversion (a path key made a new fp32 copy per checkout and never removed the
+    old ones).  Cost: one read of the file the first time a path is seen."""
     st = path.stat()
-    key = hashlib.sha256(f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
-    out = cache_root() / "models" / f"{path.stem}-{key}"
+    where = f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}"
+    seen = models / "by-path" / hashlib.sha256(where.encode()).hexdigest()[:16]
+    try:
+        key = seen.read_text().strip()
+        if len(key) == 16:
+            os.utime(seen)
+            return key
+    except OSError:
+        pass
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(1 << 24):
+            h.update(chunk)
+    key = h.hexdigest()[:16]
+    seen.parent.mkdir(parents=True, exist_ok=True)
+    tmp = seen.with_name(f"{seen.name}.tmp-{os.getpid()}")
+    tmp.write_text(key + "\n")
+    os.replace(tmp, seen)
+    return key
+
+
+def _prune(models: Path, keep: Path, days: float = CACHE_UNUSED_DAYS) -> None:
+    """Remove conversions (and path records) not used for ``days``, and half-written ``*.tmp-PID`` directories of
+    processes that no longer run.  ``keep`` (the one just resolved) is never touched."""
+    import time
+
+    cutoff = time.time() - days * 86400
+    for entry in list(models.glob("*")) + list(models.glob("by-path/*")):
+        if entry == keep or entry.name == "by-path":
+            continue
+        name, _, pid = entry.name.rpartition(".tmp-")
+        try:
+            if name and pid.isdigit():
+                try:
+                    os.kill(int(pid), 0)
+                    continue  # its writer is still converting
+                except ProcessLookupError:
+                    pass
+            elif entry.stat().st_mtime >= cutoff:
+                continue
+            shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
+        except OSError:  # another process removed or is using it: leave it
+            continue
+
+
+def _from_gguf(path: Path) -> Checkpoint:
+    models = cache_root() / "models"
+    out = models / f"{path.stem}-{_content_key(path, models)}"
     if (out / "complete").exists():
+        os.utime(out)  # used now: pruning goes by the directory's mtime
         return Checkpoint(out, str(path))
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -129,6 +184,7 @@ def _from_gguf(path: Path) -> Checkpoint:
         shutil.rmtree(work, ignore_errors=True)
         if not (out / "complete").exists():
             raise
+    _prune(models, keep=out)
     return Checkpoint(out, str(path))
 
 
