@@ -326,12 +326,17 @@ def _eval_long_context(a) -> int:
     from minillm.perf import perplexity as ppl
     from minillm.perf.long_context import POLICIES, format_table, long_context_eval
 
+    policies = POLICIES if a.policies is None else tuple(dict.fromkeys(x.strip() for x in a.policies.split(",")
+                                                                        if x.strip()))
+    if not policies or any(x not in POLICIES for x in policies):
+        raise ValueError(f"--policies {a.policies!r}: each must be one of {', '.join(POLICIES)} "
+                         f"(comma-separated, e.g. --policies full,sinks)")
     model = loader.load_model(a.model, dtype=a.dtype, device=a.device, kernels=a.kernels,
                               quantization=a.quantization)
     n = min(a.max_tokens or 8192, model.config.max_position_embeddings - a.decode_tokens)
     ids = ppl.heldout_token_ids(loader.load_tokenizer(a.model), "evaluation", n)
     rows = long_context_eval(model, ids, window_tokens=a.window_tokens, sink_tokens=a.sink_tokens,
-                             heavy_tokens=a.heavy_tokens, policies=POLICIES,
+                             heavy_tokens=a.heavy_tokens, policies=policies,
                              block_size=a.block_size, chunk_tokens=a.chunk_tokens, decode_tokens=a.decode_tokens,
                              engine_config={"kv_cache_dtype": a.kv_cache_dtype})
     print(f"long context: {ids.numel()} held-out tokens of pydoc_data.topics through the engine, {model.dtype}, "
@@ -389,6 +394,8 @@ def build_parser() -> argparse.ArgumentParser:
                                                                    "are evicted while the prompt is read)")
     lc.add_argument("--decode-tokens", type=int, default=32, help="greedy decode after the text: the tok/s row")
     lc.add_argument("--json", default=None, metavar="PATH", help="also write the rows as JSON")
+    lc.add_argument("--policies", default=None, help="comma-separated eviction policies to run, of full, window, "
+                                                      "sinks, h2o (default: all four)")
     e.add_argument("--window", type=int, default=512)
     e.add_argument("--stride", type=int, default=256)
     e.add_argument("--alpha", type=float, default=None, help="SmoothQuant's migration strength in [0, 1] for "

@@ -93,6 +93,23 @@ def test_cli_writes_json(tmp_path, model, monkeypatch, capsys):
     assert "policy" in capsys.readouterr().out
 
 
+def test_cli_runs_only_the_policies_asked_for(tmp_path, model, monkeypatch, capsys):
+    import minillm.models.loader as loader
+
+    monkeypatch.setattr(loader, "load_model", lambda *a, **k: model)
+    monkeypatch.setattr(loader, "load_tokenizer", lambda *a, **k: None)
+    monkeypatch.setattr("minillm.perf.perplexity.heldout_token_ids", lambda tok, split, n: text(n))
+    out = tmp_path / "lc.json"
+    base = ["eval", "long-context", "--max-tokens", "60", "--window-tokens", "16", "--block-size", "4",
+            "--decode-tokens", "2", "--json", str(out)]
+    assert main(base + ["--policies", "sinks, full"]) == 0
+    assert [r["policy"] for r in json.loads(out.read_text())["rows"]] == ["sinks", "full"]
+    capsys.readouterr()
+    assert main(base + ["--policies", "full,lru"]) == 2
+    err = capsys.readouterr().err
+    assert "--policies 'full,lru'" in err and "full, window, sinks, h2o" in err
+
+
 def test_the_engine_runs_a_given_policy_class(model):
     from minillm.kv.eviction import KVEvictionPolicy
 
