@@ -98,7 +98,8 @@ def _permute_rows(w: Tensor | Int4Weight | Int8Weight, index: Tensor):
 
 def read_gguf_weights(path: str | os.PathLike, unpermute: bool = True) -> dict[str, Tensor | Int4Weight | Int8Weight]:
     """Every tensor of a Llama-family GGUF under its Hugging Face name: Q4_1 and Q4_0 (symmetric, no mins) as
-    ``Int4Weight``, Q8_0 as ``Int8Weight``, F32/F16/BF16 as tensors.  With ``unpermute`` q_proj/k_proj rows are in Hugging Face order."""
+    ``Int4Weight``, Q8_0 as ``Int8Weight``, F32/F16/BF16 as tensors.  With ``unpermute`` q_proj/k_proj rows are in
+    Hugging Face order."""
     from gguf import GGMLQuantizationType as T
     from gguf import GGUFReader
 
