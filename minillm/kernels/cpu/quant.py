@@ -1,4 +1,5 @@
-"""Native int8 / int4 (Q4_1 layout) GEMV and small-batch GEMM on CPU, compiled on first use, called by ctypes.
+"""Native int8 / int4 (Q4_1 layout; Q4_0 without mins) GEMV and small-batch GEMM on CPU, compiled on first use,
+called by ctypes.
 
 Two paths per weight format (``csrc/quant.c`` explains both):
 

@@ -27,11 +27,11 @@
 enum { LIN_F32 = 0, LIN_INT8 = 1, LIN_INT4 = 2, LIN_W8A8 = 3, LIN_BF16 = 4 };
 
 /* One linear layer y [M, N] = x [M, K] @ W^T (+ bias): fp32 W [N, K]; int8 codes [N, K] with scales [N, K/G];
- * Q4_1 packed [N, K/2] with scales and mins [N, K/G] (fp16 when scale_f16, else fp32; mins NULL: Q4_0, quant.c
- * q4_min); W8A8: int8 codes [N, K]
- * with per-channel scales [N] (G = K) and, in place of mins, the static input scale (one fp32) or NULL (dynamic,
- * per token: quant.c w8a8_gemm); bf16 W [N, K].  bias [N] in the activation dtype (fp32, or bf16 with a bf16 W)
- * or NULL.  fp32 activations take every kind but LIN_BF16; bf16 activations LIN_BF16 only (the caller checks). */
+ * Q4_1 packed [N, K/2] with scales and mins [N, K/G] (fp16 when scale_f16, else fp32), or Q4_0 with mins NULL
+ * (quant.c q4_min); W8A8: int8 codes [N, K] with per-channel scales [N] (G = K) and, in place of mins, the static
+ * input scale (one fp32) or NULL (dynamic, per token: quant.c w8a8_gemm); bf16 W [N, K].  bias [N] in the
+ * activation dtype (fp32, or bf16 with a bf16 W) or NULL.  fp32 activations take every kind but LIN_BF16; bf16
+ * activations LIN_BF16 only (the caller checks). */
 typedef struct {
     int64_t kind, scale_f16, N, K, G;
     const void *w, *scales, *mins;
