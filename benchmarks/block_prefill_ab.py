@@ -18,18 +18,19 @@ import time
 import torch
 
 from minillm.kernels.cpu import quant as native_quant
-from minillm.quant.weight import Int4Weight, int4_linear_ref, int8_linear_ref, quantize_int4, quantize_int8
+from minillm.kernels.select import int4_ref
+from minillm.quant.weight import Int4Weight, int8_linear_ref, quantize_int4, quantize_int8
 
 SHAPES = [(2048, 2048), (8192, 2048), (2048, 8192)]  # [N, K] of Llama-3.2-1B's linears
 
 
 def weight(fmt: str, w: torch.Tensor):
-    """Q8_0 (int8, groups of 32, fp16 scales), Q4_1 (fp16 d and m) or Q4_0 (Q4_1 codes with m = -8 d)."""
+    """Q8_0 (int8, groups of 32, fp16 scales), Q4_1 (fp16 d and m) or Q4_0 (symmetric: Q4_1's codes and d, no m)."""
     if fmt == "q8_0":
         w8 = quantize_int8(w, 32)
         return type(w8)(w8.qweight, w8.scales.half(), 32)
     w4 = quantize_int4(w, 32)
-    return w4 if fmt == "q4_1" else Int4Weight(w4.packed, w4.scales, -8 * w4.scales, 32)
+    return w4 if fmt == "q4_1" else Int4Weight(w4.packed, w4.scales, None, 32)
 
 
 def medians(ref, x: torch.Tensor, wq, rounds: int) -> tuple[float, float]:
@@ -58,7 +59,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     g = torch.Generator().manual_seed(0)
     for fmt in args.formats.split(","):
-        ref = int8_linear_ref if fmt == "q8_0" else int4_linear_ref
+        ref = int8_linear_ref if fmt == "q8_0" else int4_ref
         for N, K in SHAPES:
             wq = weight(fmt, torch.randn(N, K, generator=g) * 0.02)
             for M in (int(m) for m in args.rows.split(",")):

@@ -64,7 +64,7 @@ def _linear_kind(module) -> str | None:
         return ("fp32" if w.dtype == torch.float32 else "bf16") if ok else None
     if type(module) is QuantLinear:
         pw = module.packed_weight
-        tensors = [getattr(pw, f) for f in ("packed", "scales", "mins", "qweight") if hasattr(pw, f)]
+        tensors = [getattr(pw, f) for f in ("packed", "scales", "mins", "qweight") if getattr(pw, f, None) is not None]
         b = module.bias
         ok = all(t.device.type == "cpu" and t.is_contiguous() for t in tensors) \
             and (b is None or (b.dtype == torch.float32 and b.device.type == "cpu"))

@@ -277,6 +277,13 @@ def int8_prefill_through_int8_activations(w) -> bool:
     return INT8_PREFILL == "int8" or native_quant.prefill_tiled()
 
 
+def int4_ref(x, w, bias=None):
+    """The int4_linear reference for any ``Int4Weight``: ``int4_linear_ref`` (which reads stored mins) on the
+    weight with its mins stored — a symmetric (Q4_0) weight's m = −8·d materialised for the call (the same values,
+    so the same result; the reference writes a float [N, K] weight per call anyway)."""
+    return int4_linear_ref(x, w.with_mins(), bias)
+
+
 def _native_int4(x, w, bias=None):
     # decode rows (≤ native_quant.MAX_ROWS): dequantize in registers; prefill: the int8 block GEMM where the rule
     # takes it, else the reference's dequantize + GEMM (a transient float weight per call)
@@ -284,7 +291,7 @@ def _native_int4(x, w, bias=None):
         return _add_bias(native_quant.int4_linear(x, w), bias)
     if int8_prefill_through_int8_activations(w) and native_quant.block_prefill_supports(x, w):
         return _add_bias(native_quant.block_prefill_linear(x, w), bias)
-    return int4_linear_ref(x, w, bias)
+    return int4_ref(x, w, bias)
 
 
 def _native_int8(x, w, bias=None):
@@ -320,7 +327,7 @@ TRITON_GEMV_MAX_ROWS = 16  # the dequant GEMV re-reads each weight tile per row:
 
 def _triton_int4(x, w, bias=None):
     if x.numel() // max(x.shape[-1], 1) > TRITON_GEMV_MAX_ROWS:
-        return int4_linear_ref(x, w, bias)
+        return int4_ref(x, w, bias)
     return _add_bias(_import("minillm.kernels.triton.dequant_gemv:int4_gemv_triton")(x, w), bias)
 
 
@@ -349,7 +356,7 @@ KERNELS: tuple[Kernel, ...] = (
     Kernel("paged_decode_attention", "native", _native_paged, **_NATIVE),
     Kernel("paged_decode_attention", "triton",
            "minillm.kernels.triton.paged_decode:paged_decode_attention_triton", **_TRITON),
-    Kernel("int4_linear", "torch", int4_linear_ref),
+    Kernel("int4_linear", "torch", int4_ref),
     Kernel("int4_linear", "native", _native_int4, **_NATIVE),
     Kernel("int4_linear", "triton", _triton_int4, **_TRITON),
     Kernel("int8_linear", "torch", int8_linear_ref),

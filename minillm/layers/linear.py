@@ -165,7 +165,8 @@ class QuantEmbedding(_PackedModule):
     def forward(self, input_ids: Tensor) -> Tensor:
         """input_ids [...] int -> [..., hidden] in ``self.dtype``."""
         flat = input_ids.reshape(-1)
-        rows = self._kind(**{n: getattr(self, n)[flat] for n in self._names}, group_size=self.group_size)
+        rows = self._kind(**{n: None if (t := getattr(self, n)) is None else t[flat] for n in self._names},
+                          group_size=self.group_size)  # a symmetric Int4Weight has no mins
         return rows.dequantize(self.dtype).view(*input_ids.shape, self.embedding_dim)
 
     def extra_repr(self) -> str:

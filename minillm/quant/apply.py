@@ -50,13 +50,19 @@ def quantize_weight(w: Tensor, scheme: str, group_size: int | None = None) -> Pa
 
 def cat_rows(weights: list[PackedWeight]) -> PackedWeight:
     """Stack packed weights along N (q;k;v -> qkv_proj, gate;up -> gate_up_proj) by concatenating codes, scales
-    and mins row-wise: exact, since every per-row quantity moves with its row.  Same type, K and group size."""
+    and mins row-wise: exact, since every per-row quantity moves with its row.  Same type, K and group size.
+    Symmetric (Q4_0) ``Int4Weight``s stack without mins; beside ones with mins they are stored with m = −8·d
+    (``Int4Weight.with_mins``: the same values)."""
+    if any(isinstance(w, Int4Weight) and w.mins is None for w in weights) \
+            and not all(isinstance(w, Int4Weight) and w.mins is None for w in weights):
+        weights = [w.with_mins() if isinstance(w, Int4Weight) else w for w in weights]
     kinds = {(type(w), w.shape[1], w.group_size, w.scales.dtype) for w in weights}
     if len(kinds) != 1:
         raise ValueError(f"can only stack packed weights of one type, K, group size and scale dtype; got {kinds}")
     if isinstance(weights[0], Int4Weight):
-        return Int4Weight(torch.cat([w.packed for w in weights]), torch.cat([w.scales for w in weights]),
-                          torch.cat([w.mins for w in weights]), weights[0].group_size)
+        mins = None if weights[0].mins is None else torch.cat([w.mins for w in weights])
+        return Int4Weight(torch.cat([w.packed for w in weights]), torch.cat([w.scales for w in weights]), mins,
+                          weights[0].group_size)
     return Int8Weight(torch.cat([w.qweight for w in weights]), torch.cat([w.scales for w in weights]),
                       weights[0].group_size)
 

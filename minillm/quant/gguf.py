@@ -2,15 +2,15 @@
 (group 32), F32/F16 -> plain tensors — no float round trip, so the model runs exactly the weights llama.cpp runs.
 
 A Q4_1 row of K weights is K/32 blocks of 20 bytes: fp16 d, fp16 m, 16 bytes of nibbles (the ``Int4Weight``
-packing).  A Q4_0 row is K/32 blocks of 18 bytes: fp16 d, the same 16 bytes of nibbles, w = d · (q − 8) — a Q4_1
-block with m = −8·d, which is exact in fp16 (a power-of-two multiple; fp32 scales for the rare block whose −8·d
-would overflow fp16), so Q4_0 runs on the int4 kernels as it is, dequantizing bit for bit as gguf does.  A Q8_0
+packing).  A Q4_0 row is K/32 blocks of 18 bytes: fp16 d, the same 16 bytes of nibbles, w = d · (q − 8) — a
+symmetric ``Int4Weight`` (no mins: every kernel takes m = −8·d in fp32, exact), so Q4_0 runs on the int4 kernels
+from its own 18 bytes per block, dequantizing bit for bit as gguf does.  A Q8_0
 row is K/32 blocks of 34 bytes: fp16 d, 32 int8 codes.  Tensor names are mapped to Hugging
 Face's (``blk.3.attn_q.weight`` -> ``model.layers.3.self_attn.q_proj.weight``).
 
 llama.cpp's converter permutes the rows of q_proj and k_proj (per head, it interleaves the two rotary halves:
 ``w.reshape(H, 2, D/2, K).swapaxes(1, 2)``) for its RoPE kernel.  transformers undoes that when it loads a GGUF;
-``_unpermute_rows`` applies the same inverse to whole packed rows (codes, scales and mins move together, as a row
+``_unpermute_rows`` applies the same inverse to whole packed rows (codes, scales and any mins move together, as a row
 permutation of W is a row permutation of every per-row quantity).
 """
 
@@ -70,16 +70,12 @@ def q4_1_to_int4(raw: np.ndarray, N: int, K: int) -> Int4Weight:
 
 
 def q4_0_to_int4(raw: np.ndarray, N: int, K: int) -> Int4Weight:
-    """Q4_0 bytes (writable, C-contiguous) [N, K/32 · 18] -> ``Int4Weight`` (group 32) with m = −8·d: the codes
-    and d as they are, m exact (d · q + m = d · (q − 8) in fp32 for every code).  Scales stay fp16 unless some
-    −8·d overflows fp16 (|d| > 8188), then d and m are fp32 for the whole weight.  Cost: one pass over the bytes."""
+    """Q4_0 bytes (writable, C-contiguous) [N, K/32 · 18] -> symmetric ``Int4Weight`` (fp16 d, no mins, group 32):
+    the codes and d as they are, m = −8·d taken in fp32 by whatever reads the weight (d · q + m = d · (q − 8)
+    exactly, for every code and every finite fp16 d).  Cost: one copy of the bytes, no arithmetic."""
     b = torch.from_numpy(raw).view(N, K // GGUF_BLOCK, 18)
     d = b[..., 0:2].contiguous().view(torch.float16).view(N, K // GGUF_BLOCK)
-    m = d * -8  # exact: a power-of-two scaling, unless it overflows
-    if not torch.isfinite(m[torch.isfinite(d)]).all():
-        d = d.float()
-        m = d * -8
-    return Int4Weight(b[..., 2:].reshape(N, K // 2).contiguous(), d, m, GGUF_BLOCK)
+    return Int4Weight(b[..., 2:].reshape(N, K // 2).contiguous(), d, None, GGUF_BLOCK)
 
 
 def q8_0_to_int8(raw: np.ndarray, N: int, K: int) -> Int8Weight:
@@ -93,16 +89,17 @@ def q8_0_to_int8(raw: np.ndarray, N: int, K: int) -> Int8Weight:
 
 def _permute_rows(w: Tensor | Int4Weight | Int8Weight, index: Tensor):
     if isinstance(w, Int4Weight):
-        return Int4Weight(w.packed[index].contiguous(), w.scales[index].contiguous(), w.mins[index].contiguous(),
-                          w.group_size)
+        mins = None if w.mins is None else w.mins[index].contiguous()
+        return Int4Weight(w.packed[index].contiguous(), w.scales[index].contiguous(), mins, w.group_size)
     if isinstance(w, Int8Weight):
         return Int8Weight(w.qweight[index].contiguous(), w.scales[index].contiguous(), w.group_size)
     return w[index].contiguous()
 
 
 def read_gguf_weights(path: str | os.PathLike, unpermute: bool = True) -> dict[str, Tensor | Int4Weight | Int8Weight]:
-    """Every tensor of a Llama-family GGUF under its Hugging Face name: Q4_1 and Q4_0 as ``Int4Weight``, Q8_0 as
-    ``Int8Weight``, F32/F16/BF16 as tensors.  With ``unpermute`` q_proj/k_proj rows are in Hugging Face order."""
+    """Every tensor of a Llama-family GGUF under its Hugging Face name: Q4_1 and Q4_0 (symmetric, no mins) as
+    ``Int4Weight``, Q8_0 as ``Int8Weight``, F32/F16/BF16 as tensors.  With ``unpermute`` q_proj/k_proj rows are in
+    Hugging Face order."""
     from gguf import GGMLQuantizationType as T
     from gguf import GGUFReader
 

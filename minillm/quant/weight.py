@@ -9,6 +9,9 @@ w = d · q + m — exactly llama.cpp's Q4_1 block (per 32 weights: fp16 d, fp16 
 32-weight block: byte j (0..15) holds weight j in its low nibble and weight j + 16 in its high nibble, so
 ``packed`` [N, K / 2] uint8 is byte for byte the ``qs`` of the GGUF blocks.  Groups of 64/128 share one (d, m)
 over two/four such blocks.  Bytes (fp16 d, m, group 32): N·K/2 + 4·N·K/32 = 5 bits per weight (~6.4× < fp32).
+``mins=None`` is the symmetric form, llama.cpp's Q4_0 block (fp16 d, 16 bytes of codes, w = d · (q − 8)): no m is
+stored and every reader takes m = −8·d in fp32 (``symmetric_mins``), exact for any fp16/fp32 d, so it computes the
+bits the same weight with m = −8·d stored gives.  Bytes (fp16 d, group 32): N·K/2 + 2·N·K/32 = 4.5 bits a weight.
 
 The reference matmuls (``int8_linear_ref``, ``int4_linear_ref``) dequantize then call ``F.linear``: the exact
 W8A16/W4A16 result every kernel is tested against.
@@ -87,14 +90,24 @@ class Int8Weight(CodesAndScales):
         return Int8Weight(self.qweight.to(device), self.scales.to(device), self.group_size)
 
 
+SYMMETRIC_ZERO = 8  # the zero code of a symmetric (Q4_0) Int4Weight: m = −8·d (in C: quant.c's Q4_0_MIN)
+
+
+def symmetric_mins(scales: Tensor) -> Tensor:
+    """m = −8·d in fp32, the shape of ``scales`` [N, K // g]: a symmetric (Q4_0) ``Int4Weight``'s minima.  Exact: a
+    power-of-two multiple of an fp16 or fp32 d, finite for every finite fp16 d."""
+    return scales.float() * -SYMMETRIC_ZERO
+
+
 @dataclass(frozen=True)
 class Int4Weight:
     """W4A16 weight in Q4_1 layout: ``packed`` uint8 [N, K/2], ``scales`` d and ``mins`` m [N, K // group_size]
-    (fp16 or fp32, same dtype), w = d · q + m with q ∈ 0..15 (see the module docstring for the nibble order)."""
+    (fp16 or fp32, same dtype), w = d · q + m with q ∈ 0..15 (see the module docstring for the nibble order).
+    ``mins=None``: symmetric Q4_0 blocks, m = −8·d computed in fp32 wherever it is read (``symmetric_mins``)."""
 
     packed: Tensor
     scales: Tensor
-    mins: Tensor
+    mins: Tensor | None
     group_size: int = 32
 
     def __post_init__(self):
@@ -104,9 +117,11 @@ class Int4Weight:
         check_group_size(K, self.group_size, BLOCK)
         want = (N, K // self.group_size)
         for name, t in (("scales", self.scales), ("mins", self.mins)):
+            if t is None and name == "mins":
+                continue  # symmetric
             if t.shape != want or t.dtype not in (torch.float16, torch.float32) or t.dtype != self.scales.dtype:
-                raise ValueError(f"{name} must be fp16/fp32 {list(want)} (both the same dtype), got {t.dtype} "
-                                 f"{tuple(t.shape)}")
+                raise ValueError(f"{name} must be fp16/fp32 {list(want)} (both the same dtype; mins may be None for "
+                                 f"symmetric Q4_0 blocks), got {t.dtype} {tuple(t.shape)}")
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -115,23 +130,40 @@ class Int4Weight:
 
     @property
     def nbytes(self) -> int:
-        """Bytes stored (codes + scales + mins)."""
-        return self.packed.nbytes + self.scales.nbytes + self.mins.nbytes
+        """Bytes stored (codes + scales + mins, no mins when symmetric): what a GEMV streams from memory."""
+        return self.packed.nbytes + self.scales.nbytes + (0 if self.mins is None else self.mins.nbytes)
+
+    def mins_f32(self) -> Tensor:
+        """m [N, K // group_size] fp32: the stored mins, or −8·d for a symmetric weight."""
+        return symmetric_mins(self.scales) if self.mins is None else self.mins.float()
+
+    def with_mins(self) -> Int4Weight:
+        """This weight with its m stored (itself when it has mins): a symmetric weight's Q4_1 form, m = −8·d in the
+        scales' dtype — exact, except that −8·d overflows fp16 when |d| > 8188, and then d and m are fp32 for the
+        whole weight.  Same dequantized values and kernel results, 2 more bytes per fp16 group.  Cost: one pass over
+        the scales (for the dequantizing reference and tests; the kernels take the symmetric form as it is)."""
+        if self.mins is None:
+            m = symmetric_mins(self.scales)
+            fits = torch.isfinite(m.to(self.scales.dtype)[torch.isfinite(m)]).all()  # no finite m overflows
+            d = self.scales if fits else self.scales.float()
+            return Int4Weight(self.packed, d, m.to(d.dtype), self.group_size)
+        return self
 
     def codes(self) -> Tensor:
         """The unpacked codes q [N, K] uint8 in 0..15, in weight order."""
         return unpack_int4(self.packed)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> Tensor:
-        """[N, K] in ``dtype``: d · q + m in fp32 (bit for bit gguf's Q4_1 dequantization), then cast."""
+        """[N, K] in ``dtype``: d · q + m in fp32 (bit for bit gguf's Q4_1 and Q4_0 dequantization), then cast."""
         N, K = self.shape
         q = self.codes().float().view(N, K // self.group_size, self.group_size)
-        w = q * self.scales.float().unsqueeze(-1) + self.mins.float().unsqueeze(-1)
+        w = q * self.scales.float().unsqueeze(-1) + self.mins_f32().unsqueeze(-1)
         return w.view(N, K).to(dtype)
 
     def to(self, device: torch.device | str) -> Int4Weight:
         """The same weight on ``device``."""
-        return Int4Weight(self.packed.to(device), self.scales.to(device), self.mins.to(device), self.group_size)
+        return Int4Weight(self.packed.to(device), self.scales.to(device),
+                          None if self.mins is None else self.mins.to(device), self.group_size)
 
 
 def pack_int4(q: Tensor) -> Tensor:

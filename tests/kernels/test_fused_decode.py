@@ -12,8 +12,10 @@ from minillm.engine.model_runner import DecodeBatch, ModelRunner
 from minillm.engine.native_runner import NativeRunner
 from minillm.kernels.cpu import decode, native
 from minillm.kv.paged_cache import AttentionMetadata, PagedAttention, PagedKVCache, make_paged_kv_cache
+from minillm.layers.linear import QuantLinear
 from minillm.models.llama import Transformer
 from minillm.quant.apply import quantize_model
+from minillm.quant.weight import Int4Weight
 
 pytestmark = pytest.mark.skipif(not decode.available(), reason="the native decode library did not build here")
 
@@ -46,6 +48,15 @@ def make_model(name: str, scheme: str = "fp32", seed: int = 0) -> Transformer:
         ids = torch.randint(0, 97, (2, 12), generator=torch.Generator().manual_seed(seed))
         stats = activation_absmax(model, ids) if scheme == "w8a8-static" else None
         return quantize_model_w8a8(model, scheme, act_absmax=stats)
+    if scheme in ("q4_0", "q4_0-stored"):  # int4's codes and scales as Q4_0 blocks, m = −8·d (none stored, or stored)
+        model = quantize_model(model, "int4")
+        for name, m in list(model.named_modules()):
+            if isinstance(m, QuantLinear) and isinstance(m.packed_weight, Int4Weight):
+                w = Int4Weight(m.packed_weight.packed, m.packed_weight.scales, None, m.packed_weight.group_size)
+                parent, _, child = name.rpartition(".")
+                setattr(model.get_submodule(parent), child,
+                        QuantLinear(w if scheme == "q4_0" else w.with_mins(), m.bias))
+        return model
     return model if scheme == "fp32" else quantize_model(model, scheme)
 
 
@@ -79,7 +90,7 @@ def per_layer_hidden(model: Transformer, kv: PagedKVCache, batch: DecodeBatch) -
         return model.hidden_states(torch.tensor([batch.input_ids]), torch.tensor([batch.positions]), cache)[0]
 
 
-@pytest.mark.parametrize("scheme", ["fp32", "int8", "int4", "w8a8", "w8a8-static"])
+@pytest.mark.parametrize("scheme", ["fp32", "int8", "int4", "q4_0", "w8a8", "w8a8-static"])
 @pytest.mark.parametrize("name", list(CONFIGS))
 @pytest.mark.parametrize("lens", [[7], [1, 4, 5, 9, 17]], ids=["b1", "b5"])
 def test_one_fused_call_equals_the_per_layer_native_path_bit_for_bit(name, scheme, lens):
@@ -121,6 +132,20 @@ def test_a_quantized_rows_result_does_not_depend_on_the_rows_beside_it(scheme):
     assert torch.equal(together, alone)
 
 
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_q4_0_linears_without_mins_give_the_fused_bits_of_m_stored_as_minus_8_d(name):
+    """decode.c's linear_t carries a NULL mins pointer for a symmetric weight, and the step reads no mins for it: its
+    hidden states, K/V and logits equal those of the same weights with m = −8·d stored, bit for bit."""
+    sym, stored = make_model(name, "q4_0"), make_model(name, "q4_0-stored")
+    assert {type(m.packed_weight.mins) for m in sym.modules() if isinstance(m, QuantLinear)
+            and isinstance(m.packed_weight, Int4Weight)} == {type(None)}
+    batch = random_rows([1, 4, 5, 9, 17], 12)
+    (kv_sym, _), (kv_stored, _) = filled_caches(sym, 1), filled_caches(stored, 1)
+    got = fused.NativeDecodeStack(sym, kv_sym).logits(batch)
+    want = fused.NativeDecodeStack(stored, kv_stored).logits(batch)
+    assert torch.equal(got, want) and torch.equal(kv_sym.k, kv_stored.k) and torch.equal(kv_sym.v, kv_stored.v)
+
+
 @pytest.mark.parametrize("scheme", ["fp32", "int8", "int4"])
 def test_the_lm_head_in_the_same_call_gives_the_models_logits(scheme):
     model = make_model("mqa-d32-bias", scheme)
@@ -160,7 +185,7 @@ def greedy(model, prompts, max_tokens, **config):
     return [o.token_ids for o in eng.generate(prompts, params)], eng
 
 
-@pytest.mark.parametrize("scheme", ["fp32", "int8", "int4", "w8a8", "w8a8-static"])
+@pytest.mark.parametrize("scheme", ["fp32", "int8", "int4", "q4_0", "w8a8", "w8a8-static"])
 @pytest.mark.parametrize("name", ["gqa-d64", "mqa-d32-bias"])
 @pytest.mark.parametrize("batch", [1, 5])
 def test_the_engine_decodes_through_the_fused_step_with_the_per_layer_greedy_tokens(name, scheme, batch):

@@ -132,6 +132,34 @@ def test_minillm_runs_the_gguf_blocks_close_to_the_float_model(tiny, fmt):
     assert (a - b).abs().max() < LOGIT_ERROR[fmt] * b.abs().max()
 
 
+def test_a_q4_0_gguf_runs_without_mins_and_generates_the_greedy_tokens_of_m_stored_as_minus_8_d(tiny):
+    """Q4_0 loads as symmetric ``Int4Weight``s (18 bytes per block, as the file): the engine's greedy tokens and the
+    logits are those of the same blocks with m = −8·d stored (the Q4_1 form Q4_0 ran as before), bit for bit."""
+    from minillm import EngineConfig, LLMEngine, SamplingParams
+    from minillm.layers.linear import QuantLinear
+    from minillm.models.loader import load_config, resolve
+    from minillm.quant.apply import model_from_packed
+    from minillm.quant.gguf import read_gguf_weights
+    from minillm.quant.weight import Int4Weight
+
+    _, out = tiny
+    weights = read_gguf_weights(out / "tiny-Q4_0.gguf")
+    stored = {n: w.with_mins() if isinstance(w, Int4Weight) else w for n, w in weights.items()}
+    models = [model_from_packed(load_config(resolve(out)), ws, dtype=torch.float32, device="cpu")
+              for ws in (weights, stored)]
+    int4 = [[m.packed_weight for m in model.modules() if isinstance(m, QuantLinear)
+             and isinstance(m.packed_weight, Int4Weight)] for model in models]
+    assert int4[0] and all(w.mins is None for w in int4[0]) and all(w.mins is not None for w in int4[1])
+    assert sum(w.nbytes for w in int4[0]) * 20 == sum(w.nbytes for w in int4[1]) * 18  # 18 bytes a block, not 20
+    with torch.inference_mode():
+        assert torch.equal(models[0](IDS, POS), models[1](IDS, POS))
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    prompts = [[1, 2, 3, 400], [5000, 17, 49151, 9, 8, 7]]
+    tokens = [[o.token_ids for o in LLMEngine(m, config=EngineConfig()).generate(prompts, [params] * 2)]
+              for m in models]
+    assert tokens[0] == tokens[1] and len(tokens[0][0]) == 12
+
+
 def test_rejects_an_unknown_format_before_writing(tmp_path):
     with pytest.raises(ValueError, match="q5_k"):
         make_model("tiny", tmp_path / "x", gguf=("q5_k",))

@@ -176,3 +176,34 @@ def test_a_group_that_does_not_divide_k_is_a_value_error_naming_the_fix_and_leav
     with pytest.raises(ValueError, match=r"int4 group_size must be one of \(32, 64, 128\)"):
         quantize_model(model, "int4", 16)
     assert any(isinstance(m, Linear) for m in model.modules())
+
+
+def _symmetric(w: torch.Tensor) -> Int4Weight:
+    """A Q4_0-form weight (no mins) with quantize_int4's codes and scales."""
+    q = quantize_int4(w)
+    return Int4Weight(q.packed, q.scales, None, q.group_size)
+
+
+def test_symmetric_int4_weights_stack_without_mins_and_beside_stored_ones_with_m_materialised():
+    ws = [torch.randn(n, 64) for n in (8, 4, 4)]
+    sym = [_symmetric(w) for w in ws]
+    stacked = cat_rows(sym)
+    assert stacked.mins is None and torch.equal(stacked.dequantize(), torch.cat([s.dequantize() for s in sym]))
+    mixed = cat_rows([sym[0], quantize_int4(ws[1]), sym[2]])
+    assert mixed.mins is not None
+    assert torch.equal(mixed.dequantize(), torch.cat([sym[0].dequantize(), quantize_int4(ws[1]).dequantize(),
+                                                      sym[2].dequantize()]))
+
+
+def test_a_symmetric_quant_linear_and_embedding_run_and_round_trip_without_mins():
+    w4 = _symmetric(torch.randn(16, 64))
+    layer = QuantLinear(w4, torch.randn(16))
+    assert set(layer.state_dict()) == {"packed", "scales", "bias"} and layer.packed_weight.mins is None
+    x = torch.randn(3, 64)
+    ops = ops_for("torch", "cpu", torch.float32)
+    assert torch.equal(layer(x, ops), QuantLinear(w4.with_mins(), layer.bias)(x, ops))
+    moved = layer.to(torch.bfloat16)
+    assert moved.packed_weight.mins is None and moved.packed_weight.scales.dtype == torch.float16
+    emb = QuantEmbedding(w4)
+    ids = torch.tensor([[3, 0, 15], [7, 7, 1]])
+    assert torch.equal(emb(ids), w4.dequantize()[ids])

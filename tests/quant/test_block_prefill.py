@@ -23,9 +23,9 @@ def _target_or_skip(target):
 
 
 def _q4_0(N: int, K: int, g: torch.Generator, scale_dtype=torch.float16) -> Int4Weight:
-    """GGUF Q4_0 as minillm loads it: codes 0..15, d per block, m = -8 d (w = d (q - 8))."""
+    """GGUF Q4_0 as minillm loads it: codes 0..15, d per block, no mins (m = -8 d: w = d (q - 8))."""
     d = (torch.rand(N, K // 32, generator=g) * 0.1 + 0.01).to(scale_dtype)
-    return Int4Weight(pack_int4(torch.randint(0, 16, (N, K), generator=g)), d, -8 * d, 32)
+    return Int4Weight(pack_int4(torch.randint(0, 16, (N, K), generator=g)), d, None, 32)
 
 
 def _parts(w: Int8Weight | Int4Weight) -> tuple[torch.Tensor, torch.Tensor]:
@@ -36,7 +36,7 @@ def _parts(w: Int8Weight | Int4Weight) -> tuple[torch.Tensor, torch.Tensor]:
         exact = w.qweight.double() * s
         return exact, exact.abs()
     d = w.scales.double().repeat_interleave(w.group_size, dim=1)
-    m = w.mins.double().repeat_interleave(w.group_size, dim=1)
+    m = w.mins_f32().double().repeat_interleave(w.group_size, dim=1)
     q = w.codes().double()
     return d * q + m, (d * q).abs() + m.abs()
 
@@ -107,6 +107,22 @@ def test_prefill_equals_the_reference_on_block_rounded_activations(target):
             want, tol = _assert_within_rounding(got, x, wq)
             unrounded = x.double() @ _parts(wq)[0].T
             assert ((unrounded - want).abs() > tol).any()
+
+
+@native
+@pytest.mark.parametrize("target", TARGETS)
+def test_q4_0_without_mins_gives_the_bits_of_m_stored_as_minus_8_d(target):
+    """The panel copy takes m = −8·d for a symmetric weight: torch.equal to the same weight with m stored, over the
+    4-row tiles' and the 32-column panels' tails, fp16 and fp32 scales, fp32 and bf16 x."""
+    _target_or_skip(target)
+    g = torch.Generator().manual_seed(6)
+    for M, N, K, dtype in [(1, 37, 64, torch.float16), (7, 70, 256, torch.float32), (130, 45, 576, torch.float16)]:
+        x, sym = torch.randn(M, K, generator=g), _q4_0(N, K, g, dtype)
+        stored = sym.with_mins()
+        assert sym.mins is None and stored.mins is not None
+        for xi in (x, x.bfloat16()):
+            assert torch.equal(native_quant.block_prefill_linear(xi, sym, target=target),
+                               native_quant.block_prefill_linear(xi, stored, target=target))
 
 
 @native

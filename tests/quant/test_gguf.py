@@ -20,24 +20,24 @@ def test_gguf_blocks_load_as_packed_weights_that_dequantize_bit_for_bit_like_ggu
     assert torch.equal(mine.dequantize(), torch.from_numpy(gguf.quants.dequantize(raw, T[kind])))
 
 
-def test_q4_0_blocks_keep_their_codes_and_scales_and_take_m_as_minus_8_d():
+def test_q4_0_blocks_keep_their_codes_and_scales_and_store_no_mins():
     w = np.random.default_rng(1).standard_normal((4, 64)).astype(np.float32)
     raw = gguf.quants.quantize(w, T.Q4_0)
     mine = q4_0_to_int4(raw.copy(), 4, 64)
     blocks = raw.reshape(4, 2, 18)
-    assert mine.scales.dtype == torch.float16
+    assert mine.scales.dtype == torch.float16 and mine.mins is None  # symmetric: m = −8·d where it is read
     assert np.array_equal(mine.scales.numpy(), blocks[..., :2].copy().view(np.float16)[..., 0])
     assert np.array_equal(mine.packed.numpy(), blocks[..., 2:].reshape(4, 32))  # the nibbles as they are
-    assert torch.equal(mine.mins, -8 * mine.scales)
+    assert mine.nbytes == raw.nbytes == 4 * 2 * 18  # the file's own 18 bytes per block of 32
+    assert torch.equal(mine.mins_f32(), -8 * mine.scales.float())
 
 
-def test_q4_0_scales_whose_minimum_overflows_fp16_become_fp32_and_stay_exact():
+def test_q4_0_scales_whose_minimum_overflows_fp16_stay_fp16_and_exact():
     w = np.random.default_rng(2).standard_normal((2, 64)).astype(np.float32)
-    w[1, :32] *= 3e4  # d ≈ max|w| / 8 > 8188, so -8·d is beyond fp16's 65504
+    w[1, :32] *= 3e4  # d ≈ max|w| / 8 > 8188, so -8·d is beyond fp16's 65504 (but never stored)
     raw = gguf.quants.quantize(w, T.Q4_0)
     mine = q4_0_to_int4(raw.copy(), 2, 64)
-    assert mine.scales.dtype == mine.mins.dtype == torch.float32
-    assert torch.isfinite(mine.mins).all()
+    assert mine.scales.dtype == torch.float16 and mine.mins is None and float(mine.scales.abs().max()) > 8188
     assert torch.equal(mine.dequantize(), torch.from_numpy(gguf.quants.dequantize(raw, T.Q4_0)))
 
 

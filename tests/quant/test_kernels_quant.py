@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from minillm.kernels.cpu import quant as native_quant
-from minillm.quant.weight import Int8Weight, int4_linear_ref, int8_linear_ref, quantize_int4, quantize_int8
+from minillm.quant.weight import Int4Weight, Int8Weight, int4_linear_ref, int8_linear_ref, quantize_int4, quantize_int8
 
 native = pytest.mark.skipif(not native_quant.available(), reason="no C compiler: the native kernels are not built")
 
@@ -95,6 +95,36 @@ def test_int8_activation_kernels_equal_the_reference_on_block_rounded_activation
             _assert_sum_close(native_quant.int8_linear(x, w8, target=target), int8_linear_ref(xhat, w8), x, w)
 
 
+def _q4_0(w4: Int4Weight) -> Int4Weight:
+    """w4's codes and scales as a symmetric (Q4_0) weight: no mins, m = −8·d in every kernel."""
+    return Int4Weight(w4.packed, w4.scales, None, w4.group_size)
+
+
+@native
+@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("scale_dtype", [torch.float16, torch.float32])
+def test_symmetric_q4_0_weights_give_the_bits_of_the_same_weight_with_m_stored(scale_dtype, target):
+    """Every int4 GEMV path (exact and int8 activations; 1 to 8 rows; batch-1 4-row tiles and tails; groups of 32,
+    64 and 128) takes m = −8·d for a weight without mins: torch.equal to the stored m = −8·d.  A kernel that read
+    the NULL mins would crash, one that took m = 0 would be off by 8·d·Σx."""
+    _target_or_skip(target)
+    for M, _, _, group, w, x in _cases():
+        sym = _q4_0(quantize_int4(w, group, scale_dtype))
+        stored = sym.with_mins()
+        assert stored.mins is not None and not torch.equal(stored.mins, torch.zeros_like(stored.mins))
+        for rows in {M, 1, 3, 8}:
+            xr = x[:1].expand(rows, -1).contiguous() if rows > M else x[:rows]
+            xr = xr + 0.01 * torch.arange(rows)[:, None]  # distinct rows
+            for exact in (False, True):
+                got = native_quant.int4_linear(xr, sym, exact=exact, target=target)
+                assert torch.equal(got, native_quant.int4_linear(xr, stored, exact=exact, target=target))
+            xb = xr.bfloat16()
+            assert torch.equal(native_quant.int4_linear(xb, sym, target=target),
+                               native_quant.int4_linear(xb, stored, target=target))
+        _assert_sum_close(native_quant.int4_linear(x, sym, exact=True, target=target), int4_linear_ref(x, stored),
+                          x, w)
+
+
 @native
 @pytest.mark.parametrize("target", TARGETS)
 def test_int8_weights_at_the_code_extremes_give_exact_integer_sums(target):
@@ -178,6 +208,8 @@ def test_triton_dequant_gemv_matches_the_reference(dtype):
                                    int4_linear_ref(xd.float(), w4).to(dtype), **tol)
         torch.testing.assert_close(triton_gemv.int8_gemv_triton(xd, w8),
                                    int8_linear_ref(xd.float(), w8).to(dtype), **tol)
+        sym = _q4_0(w4)  # Q4_0: the program reads m = −8·d materialised for the call, the stored form's bits
+        assert torch.equal(triton_gemv.int4_gemv_triton(xd, sym), triton_gemv.int4_gemv_triton(xd, sym.with_mins()))
 
 
 # ---------------------------------------------------------------- W8A8: the native int8 × int8 GEMM (w8a8_gemm)

@@ -66,3 +66,45 @@ def test_packed_formats_reject_bad_shapes_with_the_fix():
         Int8Weight(torch.zeros(4, 16), torch.zeros(4, 1), 16)
     with pytest.raises(ValueError, match="K=64"):
         int4_linear_ref(torch.randn(2, 32), quantize_int4(torch.randn(4, 64)))
+
+
+# ------------------------------------------------------------------------------ symmetric (Q4_0) Int4Weight
+def _symmetric(N: int, K: int, group: int = 32, scale_dtype=torch.float16, seed: int = 0) -> Int4Weight:
+    g = torch.Generator().manual_seed(seed)
+    d = (torch.randn(N, K // group, generator=g) * 0.05).to(scale_dtype)
+    return Int4Weight(pack_int4(torch.randint(0, 16, (N, K), generator=g)), d, None, group)
+
+
+@pytest.mark.parametrize("scale_dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("group", [32, 128])
+def test_a_symmetric_int4_weight_is_w_equals_d_times_q_minus_8_and_stores_no_mins(group, scale_dtype):
+    w4 = _symmetric(6, 256, group, scale_dtype)
+    stored = w4.with_mins()
+    assert w4.mins is None and torch.equal(stored.mins, (-8 * w4.scales.float()).to(scale_dtype))
+    assert stored.scales is w4.scales and stored.packed is w4.packed and stored.with_mins() is stored
+    d = w4.scales.float().repeat_interleave(group, 1)
+    if scale_dtype == torch.float16:  # fp16 d: d·q and d·q − 8·d are exact in fp32, so this is d·(q − 8) exactly
+        assert torch.equal(w4.dequantize(), d * (w4.codes().float() - 8))
+    else:  # fp32 d: d·q rounds once
+        torch.testing.assert_close(w4.dequantize(), d * (w4.codes().float() - 8))
+    assert torch.equal(w4.dequantize(), stored.dequantize())  # bit for bit the stored-mins form
+    assert torch.equal(w4.dequantize(torch.bfloat16), stored.dequantize(torch.bfloat16))
+    assert torch.equal(w4.mins_f32(), stored.mins_f32())
+    assert w4.nbytes == 6 * 256 // 2 + w4.scales.nbytes == stored.nbytes - stored.mins.nbytes
+    assert w4.to("cpu").mins is None
+
+
+def test_a_symmetric_fp16_scale_past_8188_gets_fp32_mins_when_they_are_stored():
+    w4 = _symmetric(2, 64)
+    scales = w4.scales.clone()
+    scales[1, 0] = 3e4  # −8·d = −2.4e5: beyond fp16, fine in fp32
+    big = Int4Weight(w4.packed, scales, None, 32)
+    stored = big.with_mins()
+    assert stored.scales.dtype == stored.mins.dtype == torch.float32 and torch.isfinite(stored.mins).all()
+    assert torch.equal(big.dequantize(), stored.dequantize())
+    assert torch.equal(big.dequantize()[1, :32], 3e4 * (big.codes()[1, :32].float() - 8))
+
+
+def test_a_symmetric_weight_is_refused_with_scales_of_the_wrong_shape():
+    with pytest.raises(ValueError, match="mins may be None"):
+        Int4Weight(torch.zeros(4, 16, dtype=torch.uint8), torch.zeros(4, 2), None)

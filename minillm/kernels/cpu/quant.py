@@ -1,4 +1,5 @@
-"""Native int8 / int4 (Q4_1 layout) GEMV and small-batch GEMM on CPU, compiled on first use, called by ctypes.
+"""Native int8 / int4 (Q4_1 layout; Q4_0 without mins) GEMV and small-batch GEMM on CPU, compiled on first use,
+called by ctypes.
 
 Two paths per weight format (``csrc/quant.c`` explains both):
 
@@ -96,7 +97,7 @@ def simd_name(target: str | None = None) -> str:
 def supports(x: Tensor, w: Int8Weight | Int4Weight) -> bool:
     """Whether ``x @ w.T`` can take the native path: CPU, fp32/bf16 x with ≤ MAX_ROWS rows, library built."""
     tensors = (w.qweight, w.scales) if isinstance(w, Int8Weight) else (w.packed, w.scales, w.mins)
-    return (x.device.type == "cpu" and all(t.device.type == "cpu" for t in tensors) and x.dtype in _DTYPES
+    return (x.device.type == "cpu" and all(t is None or t.device.type == "cpu" for t in tensors) and x.dtype in _DTYPES
             and x.numel() // max(x.shape[-1], 1) <= MAX_ROWS and not (torch.is_grad_enabled() and x.requires_grad)
             and available())
 
@@ -123,13 +124,20 @@ def _prepare(x: Tensor, N: int, K: int, tensors: tuple[Tensor, ...],
     lib = _lib(target)
     if (lib is None or x.device.type != "cpu" or x.dtype not in _DTYPES
             or x.numel() > MAX_ROWS * K
-            or (x.requires_grad and torch.is_grad_enabled()) or any(t.device.type != "cpu" for t in tensors)):
+            or (x.requires_grad and torch.is_grad_enabled())
+            or any(t is not None and t.device.type != "cpu" for t in tensors)):
         raise ValueError(f"the native quantized GEMV needs CPU fp32/bf16 x with at most {MAX_ROWS} rows and a "
                          "compiled library; use minillm.quant.weight's *_linear_ref instead")
     x2 = x.reshape(-1, K)
     if not x2.is_contiguous():
         x2 = x2.contiguous()
     return lib, x2, x2.new_empty((x2.shape[0], N))
+
+
+def _mins_ptr(mins: Tensor | None) -> int | None:
+    """The C kernels' mins argument: the address of the contiguous m [N, K / G], or NULL for a symmetric (Q4_0)
+    weight, whose m = −8·d the kernels compute (csrc/quant.c ``q4_min``).  The caller keeps ``mins`` alive."""
+    return None if mins is None else mins.contiguous().data_ptr()
 
 
 def int8_linear(x: Tensor, w8: Int8Weight, exact: bool = False, target: str | None = None) -> Tensor:
@@ -151,7 +159,7 @@ def int4_linear(x: Tensor, w4: Int4Weight, exact: bool = False, target: str | No
     N, K = w4.shape
     lib, x2, y = _prepare(x, N, K, (p, s, mn), target)
     fn = lib.q4_gemm if exact else lib.q4_gemm_q8
-    fn(p.contiguous().data_ptr(), s.contiguous().data_ptr(), mn.contiguous().data_ptr(), s.dtype == torch.float16,
+    fn(p.contiguous().data_ptr(), s.contiguous().data_ptr(), _mins_ptr(mn), s.dtype == torch.float16,
        x2.data_ptr(), x.dtype == torch.bfloat16, y.data_ptr(), x2.shape[0], N, K, w4.group_size)
     return y.view(*x.shape[:-1], N)
 
@@ -171,8 +179,8 @@ def block_prefill_supports(x: Tensor, w: Int8Weight | Int4Weight) -> bool:
     else:
         tensors, G = (w.packed, w.scales, w.mins), w.group_size
     K = w.shape[1]
-    return (x.device.type == "cpu" and all(t.device.type == "cpu" for t in tensors) and x.dtype in _DTYPES
-            and K % BLOCK == 0 and G % BLOCK == 0 and x.shape[-1] == K
+    return (x.device.type == "cpu" and all(t is None or t.device.type == "cpu" for t in tensors)
+            and x.dtype in _DTYPES and K % BLOCK == 0 and G % BLOCK == 0 and x.shape[-1] == K
             and not (torch.is_grad_enabled() and x.requires_grad) and available())
 
 
@@ -200,7 +208,7 @@ def block_prefill_linear(x: Tensor, w: Int8Weight | Int4Weight, target: str | No
         lib.q8_gemm_prefill(w.qweight.contiguous().data_ptr(), s.data_ptr(), s.dtype == torch.float16, x2.data_ptr(),
                             bf16, y.data_ptr(), x2.shape[0], N, K, w.group_size)
     else:
-        lib.q4_gemm_prefill(w.packed.contiguous().data_ptr(), s.data_ptr(), w.mins.contiguous().data_ptr(),
+        lib.q4_gemm_prefill(w.packed.contiguous().data_ptr(), s.data_ptr(), _mins_ptr(w.mins),
                             s.dtype == torch.float16, x2.data_ptr(), bf16, y.data_ptr(), x2.shape[0], N, K,
                             w.group_size)
     return y.view(*x.shape[:-1], N)

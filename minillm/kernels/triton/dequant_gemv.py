@@ -102,8 +102,11 @@ def int4_gemv_triton(x: Tensor, w4: Int4Weight, *, program=None) -> Tensor:
     ``program`` replaces the kernel (``triton.jit`` of a function with ``int4_gemv_program``'s signature:
     notebook 07 runs the student's)."""
     N, K = w4.shape
-    x2, y, grid = _launch_args(x, K, N, (w4.packed, w4.scales, w4.mins))
-    (program or _int4_gemv_kernel)[grid](x2, w4.packed.contiguous(), w4.scales.contiguous(), w4.mins.contiguous(),
+    x2, y, grid = _launch_args(x, K, N, (w4.packed, w4.scales))
+    # a symmetric (Q4_0) weight: its m = −8·d materialised for the call (fp32 [N, K/G], the same values), as the
+    # program takes Mn in every case — K/G more fp32 reads per row than Q4_1 itself, not the 18-byte Q4_0 block
+    mins = w4.mins if w4.mins is not None else w4.mins_f32()
+    (program or _int4_gemv_kernel)[grid](x2, w4.packed.contiguous(), w4.scales.contiguous(), mins.contiguous(),
                                          y, N, K, w4.group_size, K // w4.group_size, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K)
     return y.view(*x.shape[:-1], N)
 

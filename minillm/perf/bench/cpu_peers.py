@@ -6,8 +6,8 @@ For each shape (``models.configs.SHAPES``; its checkpoint made once by ``models.
 
 - fp32, bf16: minillm (``load_model`` in that dtype) and transformers (``from_pretrained``) on the HF directory;
 - q8_0, q4_1, q4_0: minillm on the GGUF's own blocks (``quant.gguf.read_gguf_weights`` + ``model_from_packed``: no
-  float round trip; Q4_0 runs as Q4_1 blocks with m = −8·d; a format its reader lacks is reported as failed, with
-  the reader's message) and llama.cpp
+  float round trip; Q4_0 from its own 18-byte blocks, m = −8·d taken by the kernels; a format its reader lacks is
+  reported as failed, with the reader's message) and llama.cpp
   (``llama-cpp-python``, in its own process, ``perf.bench.llamacpp``: a SIGILL there is reported, not fatal) on
   the same file.
 

@@ -99,6 +99,22 @@ static int same_bits(const char *what, const float *together, const float *alone
     return bad;
 }
 
+/* Q4_0 (a NULL mins pointer: m = -8 d): the Q4_1 mins m = -8 d [n] materialised in the scales' format (fp16: the
+ * exponent + 3 and the sign set, exact for scales_rand's halves) — a NULL-mins call must give these bits. */
+static void *q4_0_mins(const void *sc, int64_t n, int f16) {
+    void *p = malloc(f16 ? 2 * n : 4 * n);
+    for (int64_t i = 0; i < n; i++)
+        if (f16) ((uint16_t *)p)[i] = (uint16_t)((((const uint16_t *)sc)[i] + (3u << 10)) | 0x8000u);
+        else ((float *)p)[i] = -8.f * ((const float *)sc)[i];
+    return p;
+}
+
+static int same_q4_0(const char *what, const float *null_mins, const float *stored, int64_t n) {
+    int bad = memcmp(null_mins, stored, sizeof(float) * n) != 0;
+    printf("%s %-44s Q4_0 (mins NULL) == m = -8 d stored, bit for bit\n", bad ? "FAIL" : "ok  ", what);
+    return bad;
+}
+
 /* ---------------------------------------------------------------- GEMV (native.c) */
 
 /* y [M, N] = x [M, K] @ W [N, K]^T + b (double), and each output's sum of |terms|. */
@@ -217,8 +233,15 @@ static int check_q4(uint64_t *s, int64_t M, int64_t N, int64_t K, int64_t G, int
         for (int64_t m = 0; m < M; m++) q4_gemm_q8(P, sc, mi, f16, x + m * K, 0, y1 + m * N, 1, N, K, G);
         bad |= same_bits(what, y, y1, M * N);
     }
-    free(d), free(mn), free(sc), free(mi), free(P), free(w), free(x), free(y), free(y1), free(xs), free(want),
-        free(mag);
+    void *m8 = q4_0_mins(sc, N * ng, f16); /* the same codes and scales as Q4_0: both paths */
+    q4_gemm(P, sc, m8, f16, x, 0, y, M, N, K, G);
+    q4_gemm(P, sc, NULL, f16, x, 0, y1, M, N, K, G);
+    bad |= same_q4_0("q4_gemm", y1, y, M * N);
+    q4_gemm_q8(P, sc, m8, f16, x, 0, y, M, N, K, G);
+    q4_gemm_q8(P, sc, NULL, f16, x, 0, y1, M, N, K, G);
+    bad |= same_q4_0(what, y1, y, M * N);
+    free(d), free(mn), free(sc), free(mi), free(m8), free(P), free(w), free(x), free(y), free(y1), free(xs),
+        free(want), free(mag);
     return bad;
 }
 
@@ -450,6 +473,13 @@ static int check_prefill(uint64_t *s, int64_t M, int64_t N, int64_t K, int64_t G
         else q8_gemm_prefill((const int8_t *)W, sc, f16, x + m * K, 0, y1 + m * N, 1, N, K, G);
     }
     bad |= same_bits(what, y, y1, M * N);
+    if (q4) { /* the same codes and scales as Q4_0 */
+        void *m8 = q4_0_mins(sc, N * ng, f16);
+        q4_gemm_prefill(W, sc, m8, f16, x, 0, y, M, N, K, G);
+        q4_gemm_prefill(W, sc, NULL, f16, x, 0, y1, M, N, K, G);
+        bad |= same_q4_0(what, y1, y, M * N);
+        free(m8);
+    }
     free(d), free(mn), free(sc), free(mi), free(W), free(w), free(x), free(y), free(y1), free(xs), free(want),
         free(mag);
     return bad;

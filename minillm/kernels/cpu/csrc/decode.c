@@ -27,10 +27,11 @@
 enum { LIN_F32 = 0, LIN_INT8 = 1, LIN_INT4 = 2, LIN_W8A8 = 3, LIN_BF16 = 4 };
 
 /* One linear layer y [M, N] = x [M, K] @ W^T (+ bias): fp32 W [N, K]; int8 codes [N, K] with scales [N, K/G];
- * Q4_1 packed [N, K/2] with scales and mins [N, K/G] (fp16 when scale_f16, else fp32); W8A8: int8 codes [N, K]
- * with per-channel scales [N] (G = K) and, in place of mins, the static input scale (one fp32) or NULL (dynamic,
- * per token: quant.c w8a8_gemm); bf16 W [N, K].  bias [N] in the activation dtype (fp32, or bf16 with a bf16 W)
- * or NULL.  fp32 activations take every kind but LIN_BF16; bf16 activations LIN_BF16 only (the caller checks). */
+ * Q4_1 packed [N, K/2] with scales and mins [N, K/G] (fp16 when scale_f16, else fp32), or Q4_0 with mins NULL
+ * (quant.c q4_min); W8A8: int8 codes [N, K] with per-channel scales [N] (G = K) and, in place of mins, the static
+ * input scale (one fp32) or NULL (dynamic, per token: quant.c w8a8_gemm); bf16 W [N, K].  bias [N] in the
+ * activation dtype (fp32, or bf16 with a bf16 W) or NULL.  fp32 activations take every kind but LIN_BF16; bf16
+ * activations LIN_BF16 only (the caller checks). */
 typedef struct {
     int64_t kind, scale_f16, N, K, G;
     const void *w, *scales, *mins;
@@ -147,7 +148,7 @@ static void linear_row_bytes(const linear_t *l, int64_t out[3]) {
     const int dense = l->kind == LIN_F32 || l->kind == LIN_BF16;
     out[0] = l->kind == LIN_F32 ? 4 * l->K : l->kind == LIN_BF16 ? 2 * l->K : l->kind == LIN_INT4 ? l->K / 2 : l->K;
     out[1] = dense ? 0 : ng * sb;
-    out[2] = l->kind == LIN_INT4 ? ng * sb : 0;
+    out[2] = l->kind == LIN_INT4 && l->mins ? ng * sb : 0; /* Q4_0 stores no mins */
 }
 
 /* The memory roof of linear_stack's access pattern (perf/bench/quant.py's "read-only" rows): every stored byte of

@@ -8,7 +8,8 @@
  * staying in L1 between tiles), so the weights are streamed once per batch.
  *
  * Formats (minillm/quant/weight.py).  int4 = Q4_1: per 32-weight block 16 bytes, byte j holds weight j (low nibble)
- * and weight j+16 (high nibble); d and m per group of G weights (G a multiple of 32), w = d*q + m.
+ * and weight j+16 (high nibble); d and m per group of G weights (G a multiple of 32), w = d*q + m.  Q4_0 (mins =
+ * NULL): the same blocks without m, w = d*(q - 8): every path takes m = -8*d (q4_min) where it reads m otherwise.
  * int8: w = s * q, s per group of G weights along K (G = K: per output channel; G = 32: GGUF Q8_0).
  *
  * Two paths per format:
@@ -112,6 +113,16 @@ static inline float scale_at(const void *s, int f16, int64_t i) {
     return f16 ? h2f(((const uint16_t *)s)[i]) : ((const float *)s)[i];
 }
 
+/* A Q4_0 block's min from its scale d: m = -8*d in fp32.  Exact (a power-of-two multiple, finite for any fp16 d), so
+ * each kernel computes with the value a stored m = -8*d would have given it, and its result is the same bits.  The
+ * one place that says "a NULL mins pointer is Q4_0" (minillm/quant/weight.py's symmetric_mins is its Python twin). */
+#define Q4_0_MIN(d) (-8.f * (d))
+
+/* m of group i: stored (Q4_1, mins != NULL) or Q4_0_MIN of its scale (mins == NULL). */
+static inline float q4_min(const void *mins, const void *scales, int f16, int64_t i) {
+    return mins ? scale_at(mins, f16, i) : Q4_0_MIN(scale_at(scales, f16, i));
+}
+
 /* x as fp32 (a copy only for bf16 input: M*K floats, tiny next to W). */
 static const float *x_f32(const void *x, int x_bf16, int64_t n, float **owned) {
     *owned = NULL;
@@ -159,7 +170,7 @@ INLINE void q4_exact_row(const uint8_t *restrict p, const void *sc, const void *
     float acc[QTILE][QB] = {{0.f}};
     const int64_t ng = K / G;
     for (int64_t g = 0; g < ng; g++) { /* no integer division in the loop: tens of cycles each, per block */
-        const float d = scale_at(sc, f16, row * ng + g), mn = scale_at(mi, f16, row * ng + g);
+        const float d = scale_at(sc, f16, row * ng + g), mn = q4_min(mi, sc, f16, row * ng + g);
         for (int64_t b = g * (G / QB); b < (g + 1) * (G / QB); b++) {
             const uint8_t *restrict pb = p + b * (QB / 2);
             float w[QB]; /* d*q + m as the reference computes it (one FMA when contracted) */
@@ -664,6 +675,16 @@ INLINE vf vf_pin(vf a) {
     return a;
 }
 
+/* n (1..16) mins of consecutive groups from off, zeros after: stored (vf_load_h), or for Q4_0 (mi == NULL) Q4_0_MIN
+ * of the same groups' scales d16 (already loaded by the caller, zeros after n), lane by lane. */
+INLINE vf vf_load_min(const void *mi, vf d16, int f16, int64_t off, int n) {
+    static const float unit[16] = {Q4_0_MIN(1.f), Q4_0_MIN(1.f), Q4_0_MIN(1.f), Q4_0_MIN(1.f), Q4_0_MIN(1.f),
+                                   Q4_0_MIN(1.f), Q4_0_MIN(1.f), Q4_0_MIN(1.f), Q4_0_MIN(1.f), Q4_0_MIN(1.f),
+                                   Q4_0_MIN(1.f), Q4_0_MIN(1.f), Q4_0_MIN(1.f), Q4_0_MIN(1.f), Q4_0_MIN(1.f),
+                                   Q4_0_MIN(1.f)}; /* -8 * d = d * -8 exactly */
+    return mi ? vf_load_h(mi, f16, off, n) : vf_mul(d16, vf_load(unit));
+}
+
 /* n consecutive scales (fp16 or fp32) -> fp32, 8 at a time with F16C. */
 static inline void to_f32(const void *s, int f16, int64_t off, int64_t n, float *restrict out) {
     int64_t i = 0;
@@ -775,7 +796,9 @@ INLINE void q4_q8_row(const uint8_t *restrict p, const void *sc, const void *mi,
         to_f32(sc, f16, n * ng, ng, dw);
         for (int64_t b = 0; b < nb; b++) dwb[b] = dw[b / (G / QB)];
         for (int64_t b = nb; b < nb + 4; b++) dwb[b] = 0.f; /* read by the last chunk */
-        to_f32(mi, f16, n * ng, ng, dw);
+        if (mi) to_f32(mi, f16, n * ng, ng, dw);
+        else /* Q4_0: dw holds this row's scales (above) */
+            for (int64_t g = 0; g < ng; g++) dw[g] = Q4_0_MIN(dw[g]);
         for (int m = 0; m < R; m++) {
             float t = 0.f;
             for (int64_t g = 0; g < ng; g++) t += dw[g] * x->xsg[(m0 + m) * x->sg + g];
@@ -799,7 +822,7 @@ INLINE void q4_q8_row(const uint8_t *restrict p, const void *sc, const void *mi,
     vf sw16 = vf_zero();                                                                                       \
     if (G32) {                                                                                                 \
         sw16 = vf_load_h(sc, f16, n * ng + g, nbg_);                                                           \
-        const vf mn16_ = vf_load_h(mi, f16, n * ng + g, nbg_);                                                 \
+        const vf mn16_ = vf_load_min(mi, sw16, f16, n * ng + g, nbg_);                                         \
         for (int m = 0; m < R; m++) am[m] = vf_fma(mn16_, vf_load(x->xsb + (m0 + m) * x->sb + g), am[m]);      \
     }
     int64_t g = 0;
@@ -856,9 +879,10 @@ INLINE void q4_q8_row4(const uint8_t *restrict p, const void *sc, const void *mi
     for (int r = 0; r < 4; r++) {                                                                              \
         const int64_t ahead_ = (n + r + 4 * PF_TILES) * ng + g; /* the scales and mins PF_TILES tiles ahead */ \
         __builtin_prefetch((const char *)sc + (f16 ? 2 : 4) * ahead_, 0, PF_LOC);                             \
-        __builtin_prefetch((const char *)mi + (f16 ? 2 : 4) * ahead_, 0, PF_LOC);                             \
-        sd[r] = vf_mul(vf_load_h(sc, f16, (n + r) * ng + g, nbg_), dx16_);                                     \
-        am[r] = vf_fma(vf_load_h(mi, f16, (n + r) * ng + g, nbg_), xs16_, am[r]);                              \
+        if (mi) __builtin_prefetch((const char *)mi + (f16 ? 2 : 4) * ahead_, 0, PF_LOC);                     \
+        const vf d16_ = vf_load_h(sc, f16, (n + r) * ng + g, nbg_);                                            \
+        sd[r] = vf_mul(d16_, dx16_);                                                                           \
+        am[r] = vf_fma(vf_load_min(mi, d16_, f16, (n + r) * ng + g, nbg_), xs16_, am[r]);                      \
     }
     int64_t g = 0;
     for (; g + 16 <= nb; g += 16) {
@@ -1567,7 +1591,7 @@ static void pf_pack(const void *W, const void *scales, const void *mins, int f16
     for (int c = 0; c < PF_NR; c++) /* by groups: no integer division per block */
         for (int64_t g = 0; g < ng; g++) {
             const float d = c < nv ? scale_at(scales, f16, (n0 + c) * ng + g) : 0.f;
-            const float m = c < nv && q4 ? scale_at(mins, f16, (n0 + c) * ng + g) : 0.f;
+            const float m = c < nv && q4 ? q4_min(mins, scales, f16, (n0 + c) * ng + g) : 0.f;
             for (int64_t b = g * bpg; b < (g + 1) * bpg; b++) {
                 sp[b * PF_NR + c] = d;
                 if (q4) mp[b * PF_NR + c] = m;
