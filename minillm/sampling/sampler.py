@@ -45,6 +45,54 @@ def top_k_top_p_mask(logits: Tensor, k: int, p: float) -> Tensor:
     ### END SOLUTION
 
 
+# How many of a row's most likely tokens ``filter_top_k_top_p`` tries, in turn, when only top-p is on: the nucleus of
+# an LLM's next-token distribution at p ≤ 0.95 and temperature ≤ 1 is mostly a few to a few hundred tokens; a row
+# whose candidates hold less than p tries the next size, and past the last is sorted whole.  A top-C selection costs
+# about the same for any C here; sorting the C candidates grows with C.
+TOP_P_CANDIDATES = (1024, 8192)
+
+
+def filter_top_k_top_p(logits: Tensor, k: int, p: float) -> Tensor:
+    """``top_k_top_p_mask``'s kept set, found among a row's most likely tokens instead of by sorting the whole
+    vocabulary (what ``probabilities`` runs).  [V] or [B, V] -> the same shape, kept logits unchanged, others -inf.
+
+    Every token top-k / top-p can keep is among the C largest logits — taken with every logit that ties the C-th, in
+    index order, so ties still go to the lower index — when top-k is on with C = k, or when top-k is off and those C
+    (each size of ``TOP_P_CANDIDATES`` in turn) hold at least p of the probability mass.  ``top_k_top_p_mask`` then
+    runs on that sub-row; with top-k off its p is rescaled by the candidates' share of the mass (a token's mass
+    before it over the whole row is its mass before it over the candidates times their share).  A row no candidate
+    size covers, or a vocabulary under 4·C, is filtered whole by ``top_k_top_p_mask``.  Same kept set as
+    ``top_k_top_p_mask`` on the whole row, up to the last bit of the mass compared with p.  Cost per row: top-C
+    selections and logsumexps, O(V), and a sort of C entries, instead of a sort of V — the sort is most of a sampled
+    decode step's sampling time at a 49k-128k vocabulary.
+    """
+    V = logits.shape[-1]
+    top_k_on = 0 < k < V
+    if not top_k_on and p >= 1.0:
+        return logits
+    sizes = [C for C in ((k,) if top_k_on else TOP_P_CANDIDATES) if 4 * C <= V]
+    if not sizes:
+        return top_k_top_p_mask(logits, k, p)
+    rows = logits.reshape(-1, V)
+    out = torch.full_like(rows, float("-inf"))
+    for r, row in enumerate(rows):
+        total = None if top_k_on else torch.logsumexp(row, 0)
+        for C in sizes:
+            t = row.topk(C, sorted=False).values.amin()
+            idx = ((row >= t) & (row > float("-inf"))).nonzero().squeeze(1)  # ascending token index
+            sub = row[idx]
+            if top_k_on:
+                out[r, idx] = top_k_top_p_mask(sub, k, p)
+                break
+            share = float(torch.exp(torch.logsumexp(sub, 0) - total)) if idx.numel() else 0.0
+            if share >= p:
+                out[r, idx] = top_k_top_p_mask(sub, 0, min(p / share, 1.0))
+                break
+        else:  # the nucleus reaches past every candidate size
+            out[r] = top_k_top_p_mask(row, k, p)
+    return out.reshape(logits.shape)
+
+
 def top_k_mask(logits: Tensor, k: int) -> Tensor:
     """Keep the k largest logits (exactly k; ties broken by index), set the rest to -inf.  [..., V] -> [..., V]."""
     return top_k_top_p_mask(logits, k, 1.0)
@@ -70,8 +118,21 @@ def probabilities(logits: Tensor, params: SamplingParams) -> Tensor:
     masked = x == float("-inf")  # stays -inf: a huge temperature (inf in fp32) would turn -inf / inf into nan
     x = ((x - x.amax(dim=-1, keepdim=True)) / max(params.temperature, MIN_TEMPERATURE)).masked_fill(masked, -torch.inf)
     x = min_p_mask(x, params.min_p)
-    x = top_k_top_p_mask(x, params.top_k, params.top_p)
+    x = filter_top_k_top_p(x, params.top_k, params.top_p)
     return x.softmax(dim=-1)
+
+
+def sample_from(weights: Tensor, generator: torch.Generator | None = None) -> int:
+    """One index drawn with probability weights[i] / sum(weights): where a uniform point of [0, sum) falls in the
+    cumulative sum (float64).  weights [V], non-negative with a positive sum; an index of weight 0 is never drawn.
+    One uniform variate from ``generator`` per draw, where ``torch.multinomial(weights, 1)`` draws V exponential
+    variates (its exponential race) — on CPU most of a sampled row's time at a 49k vocabulary."""
+    c = weights.double().cumsum(0)
+    u = torch.rand((), generator=generator, dtype=torch.float64, device=weights.device) * c[-1]
+    i = int(torch.searchsorted(c, u, right=True))
+    if i >= c.numel():  # u rounded up to the total: the last index that has weight
+        i = int(weights.nonzero()[-1, 0])
+    return i
 
 
 def sample_seed(seed: int, index: int) -> int:
@@ -100,5 +161,5 @@ def sample(logits: Tensor, params: list[SamplingParams], generators: list[torch.
     out = logits.argmax(dim=-1).tolist()  # one device sync for the whole batch
     for i, (p, g) in enumerate(zip(params, generators, strict=True)):
         if not p.greedy:
-            out[i] = int(torch.multinomial(probabilities(logits[i], p), 1, generator=g))
+            out[i] = sample_from(probabilities(logits[i], p), g)
     return out

@@ -31,7 +31,7 @@ from torch import Tensor
 from minillm.kv.block_manager import BlockManager, OutOfBlocks
 from minillm.kv.contiguous import KVCache
 from minillm.kv.paged_cache import AttentionMetadata, PagedAttention, PagedKVCache, PrefillChunk
-from minillm.sampling.sampler import probabilities
+from minillm.sampling.sampler import probabilities, sample_from
 from minillm.spec.proposer import Proposal, Proposer, TargetKV
 
 # catch-up rows above which a sequence prefills through the model's forward rather than as fused rows: a fused row
@@ -55,7 +55,7 @@ def draw(logits: Tensor, seq) -> tuple[int, Tensor | None]:
     if params.greedy:
         return int(logits.argmax()), None
     q = probabilities(logits, params)
-    return int(torch.multinomial(q, 1, generator=seq.generator)), q
+    return sample_from(q, seq.generator), q
 
 
 class DraftModelProposer(Proposer):

@@ -7,7 +7,17 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from minillm import ModelConfig, SamplingParams
 from minillm.engine.simple import generate
 from minillm.models.loader import build_model
-from minillm.sampling.sampler import probabilities, sample, top_k_mask, top_p_mask
+from minillm.sampling import sampler
+from minillm.sampling.sampler import (
+    TOP_P_CANDIDATES,
+    filter_top_k_top_p,
+    probabilities,
+    sample,
+    sample_from,
+    top_k_mask,
+    top_k_top_p_mask,
+    top_p_mask,
+)
 
 
 def test_top_k_keeps_exactly_the_k_largest():
@@ -34,6 +44,73 @@ def test_top_k_then_top_p_renormalise():
     torch.testing.assert_close(p, torch.tensor([0.0, 0.0, 3 / 7, 4 / 7]))
 
 
+def _vocab_rows(V=49152, seed=0):
+    """Rows shaped like an LLM's logits at several temperatures: peaked (a small nucleus) to flat (a nucleus past
+    the candidates), one with many ties (logits on a 0.25 grid), one with -inf entries (a grammar's mask)."""
+    g = torch.Generator().manual_seed(seed)
+    base = torch.randn(V, generator=g) * 2 + torch.linspace(8, 0, V)[torch.randperm(V, generator=g)]
+    rows = {f"T={t}": base / t for t in (0.3, 1.0, 3.0, 30.0)}
+    rows["ties"] = (base * 4).round() / 4
+    masked = base.clone()
+    masked[torch.randperm(V, generator=g)[: V - 700]] = float("-inf")
+    rows["masked"] = masked
+    return rows
+
+
+def _assert_same_kept_set(got, expected, row, k, p):
+    """The kept sets equal, except tokens at the nucleus boundary: where the exact (float64) mass before a token is
+    within rounding of p, an fp32 cumulative sum over thousands of probabilities may fall either side of p (the
+    candidates' sum and the whole row's sum round differently).  Kept logits are unchanged in both."""
+    kept_got, kept_exp = got.isfinite(), expected.isfinite()
+    assert torch.equal(got[kept_got], row[kept_got])
+    differ = (kept_got ^ kept_exp).nonzero().flatten()
+    if differ.numel() == 0:
+        return
+    assert k == 0, f"top-k on: kept {kept_got.sum()} tokens, the whole-row sort {kept_exp.sum()}"
+    x = row.double()
+    order = x.sort(descending=True, stable=True).indices
+    probs = x.softmax(0)[order]
+    mass_before = torch.empty_like(probs).scatter_(0, order, probs.cumsum(0) - probs)
+    assert (mass_before[differ] - p).abs().max() < 1e-4, (
+        f"kept {kept_got.sum()} vs {kept_exp.sum()}: tokens {differ.tolist()[:5]} differ away from the boundary")
+
+
+@pytest.mark.parametrize("k,p", [(0, 0.5), (0, 0.9), (0, 0.95), (0, 0.999), (40, 1.0), (40, 0.9), (1, 0.9),
+                                 (5000, 0.95), (20000, 0.8)])
+def test_candidate_filter_keeps_what_the_whole_row_sort_keeps(k, p):
+    rows = _vocab_rows()
+    for row in rows.values():
+        _assert_same_kept_set(filter_top_k_top_p(row, k, p), top_k_top_p_mask(row, k, p), row, k, p)
+    batch = torch.stack(list(rows.values()))
+    for got, expected, row in zip(filter_top_k_top_p(batch, k, p), top_k_top_p_mask(batch, k, p), batch, strict=True):
+        _assert_same_kept_set(got, expected, row, k, p)
+    peaked = rows["T=0.3"]  # a small nucleus: no boundary ambiguity, the same set exactly
+    assert torch.equal(filter_top_k_top_p(peaked, k, p), top_k_top_p_mask(peaked, k, p))
+
+
+def test_candidate_filter_sorts_only_the_candidates_unless_the_nucleus_reaches_past_them(monkeypatch):
+    sizes = []
+
+    def recording(logits, k, p):
+        sizes.append(logits.shape[-1])
+        return top_k_top_p_mask(logits, k, p)
+
+    monkeypatch.setattr(sampler, "top_k_top_p_mask", recording)
+    rows = _vocab_rows()
+    filter_top_k_top_p(rows["T=0.3"], 0, 0.9)  # peaked: the nucleus is among the first candidates
+    filter_top_k_top_p(rows["T=0.3"], 40, 0.9)  # top-k on: its k are the candidates
+    assert sizes[0] <= 2 * TOP_P_CANDIDATES[0] and sizes[1] == 40
+    sizes.clear()
+    filter_top_k_top_p(rows["T=1.0"], 0, 0.95)  # broader: past the first size, within the second
+    assert TOP_P_CANDIDATES[0] < sizes[0] <= 2 * TOP_P_CANDIDATES[1]
+    sizes.clear()
+    filter_top_k_top_p(rows["T=3.0"], 0, 0.9)  # flat: no candidate size holds p, the row is sorted whole
+    assert sizes == [49152]
+    sizes.clear()
+    filter_top_k_top_p(torch.randn(1000), 0, 0.9)  # a small vocabulary: sorted whole
+    assert sizes == [1000]
+
+
 def test_sampling_frequencies_follow_the_filtered_distribution():
     logits = torch.tensor([0.0, 1.0, 2.0, 3.0]).expand(1, 4)
     params = SamplingParams(temperature=0.7, top_k=3)
@@ -42,6 +119,24 @@ def test_sampling_frequencies_follow_the_filtered_distribution():
     freq = torch.bincount(draws, minlength=4).float() / len(draws)
     torch.testing.assert_close(freq, probabilities(logits[0], params), atol=0.03, rtol=0)
     assert freq[0] == 0  # removed by top-k
+
+
+def test_sample_from_follows_the_weights_and_never_draws_a_zero_weight():
+    from minillm.course.checks.speculative import _chi_square_failure
+
+    weights = torch.tensor([0.5, 0.0, 2.0, 1.0, 0.0, 0.25, 1e-3, 0.0])  # unnormalised, zeros inside and at the end
+    g = torch.Generator().manual_seed(3)
+    draws = [sample_from(weights, g) for _ in range(20000)]
+    counts = [draws.count(i) for i in range(len(weights))]
+    assert counts[1] == counts[4] == counts[7] == 0
+    assert _chi_square_failure(counts, (weights / weights.sum()).tolist()) is None
+    again = torch.Generator().manual_seed(3)
+    assert [sample_from(weights, again) for _ in range(50)] == draws[:50]  # the generator alone decides
+
+
+def test_sample_from_a_uniform_point_rounded_up_to_the_total_takes_the_last_weighted_index(monkeypatch):
+    monkeypatch.setattr(torch, "rand", lambda *a, **k: torch.tensor(1.0, dtype=torch.float64))
+    assert sample_from(torch.tensor([0.2, 0.0, 0.5, 0.0])) == 2
 
 
 @pytest.fixture(scope="module")

@@ -169,9 +169,9 @@ def check_read_bandwidth(read_bandwidth: Callable) -> None:
     """``read_bandwidth(buffer, repeats=, reduce=)`` with a stand-in ``reduce`` whose passes take known times
     (sleeps: exact on any machine, however busy): one warm-up then ``repeats`` passes, each over the whole buffer,
     the fastest pass kept, bytes (not elements) counted, in bytes/s; then a real sum over a 32 MiB buffer (and a
-    1 GiB one on a GPU) against the checker's own measurement in the same call, within 4× (noise, not speed, is
-    what the factor allows for: a rate in GB/s instead of bytes/s is 1e9× off, a CUDA timing without a sync
-    hundreds of times); ``repeats`` < 1 and an empty buffer → ValueError."""
+    1 GiB one on a GPU) against the checker's own measurement in the same call, within 4× in one of three tries
+    (noise, not speed, is what the factor and the tries allow for: a rate in GB/s instead of bytes/s is 1e9× off, a
+    CUDA timing without a sync hundreds of times); ``repeats`` < 1 and an empty buffer → ValueError."""
     cases = [  # buffer, repeats, seconds per call (warm-up first): the fastest pass appears twice (a late wake-up)
         ("float32 [250 000]", torch.ones(250_000), 5, [0.1, 0.09, 0.02, 0.09, 0.02, 0.09]),
         ("float64 [40, 500] (8 bytes per element)", torch.ones(40, 500, dtype=torch.float64), 3,
@@ -203,9 +203,12 @@ def check_read_bandwidth(read_bandwidth: Callable) -> None:
     for device in devices:  # a real measurement, the default reduce (a sum)
         n = (32 if device == "cpu" else 1024) * 2**20 // 4
         buffer = torch.ones(n, device=device)
-        before = _own_read_rate(buffer, 10)
-        got = read_bandwidth(buffer, repeats=10)
-        own = max(before, _own_read_rate(buffer, 10))
+        for _ in range(3):  # a busy machine (a grader's parallel workers) can slow every pass of one call: retry
+            before = _own_read_rate(buffer, 10)
+            got = read_bandwidth(buffer, repeats=10)
+            own = max(before, _own_read_rate(buffer, 10))
+            if isinstance(got, int | float) and own / 4 <= got <= 4 * own:
+                break
         assert isinstance(got, int | float) and own / 4 <= got <= 4 * own, (
             f"read_bandwidth(<{buffer.nbytes // 2**20} MiB of float32 on {device}>, repeats=10) with the default "
             f"reduce returned {got!r}, expected within 4× of the checker's own measurement just before and after, "
