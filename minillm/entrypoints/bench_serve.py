@@ -41,6 +41,8 @@ def bench_serve_parser() -> argparse.ArgumentParser:
     p.add_argument("--endpoint", choices=["chat", "completions"], default="chat")
     p.add_argument("--burstiness", type=float, default=1.0, help="1 = Poisson; < 1 burstier (gamma gaps)")
     p.add_argument("--ignore-eos", action="store_true", help="send ignore_eos (vLLM extension): fixed lengths")
+    p.add_argument("--temperature", type=float, default=0.0, help="every request's temperature (default 0: greedy)")
+    p.add_argument("--top-p", type=float, default=None, help="every request's top_p (default: not sent)")
     p.add_argument("--goodput", nargs="*", default=[], metavar="NAME:MS",
                    help="SLO for goodput, e.g. ttft:500 tpot:100 (default ttft:1000 tpot:200)")
     p.add_argument("--max-concurrency", type=int, default=None, help="cap on requests in flight (client side)")
@@ -98,7 +100,8 @@ def bench_serve_main(argv: Sequence[str]) -> int:
                     max_tokens=a.max_tokens, endpoint=a.endpoint, burstiness=a.burstiness, ignore_eos=a.ignore_eos,
                     ttft_slo_s=ttft, tpot_slo_s=tpot, api_key=a.api_key, max_concurrency=a.max_concurrency,
                     overload=a.overload, progress=not a.no_progress, save=not a.no_save,
-                    out_dir=Path(a.result_dir) if a.result_dir else None, json_schema=schema)
+                    out_dir=Path(a.result_dir) if a.result_dir else None, json_schema=schema,
+                    temperature=a.temperature, top_p=a.top_p)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -113,4 +116,4 @@ def _bench_serve_peers(a: argparse.Namespace, ttft_slo_s: float, tpot_slo_s: flo
                           out_dir=Path(a.result_dir) if a.result_dir else None, seed=a.seed, max_tokens=a.max_tokens,
                           endpoint=a.endpoint, burstiness=a.burstiness, ignore_eos=a.ignore_eos,
                           ttft_slo_s=ttft_slo_s, tpot_slo_s=tpot_slo_s, max_concurrency=a.max_concurrency,
-                          overload=a.overload, progress=not a.no_progress)
+                          overload=a.overload, progress=not a.no_progress, temperature=a.temperature, top_p=a.top_p)

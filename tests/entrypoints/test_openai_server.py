@@ -469,6 +469,22 @@ def test_load_generator_measures_a_live_server_and_saves_json(live, tmp_path):
     assert "machine" in saved and saved["runs"][0]["completed"] == 6
 
 
+def test_load_generator_samples_when_asked_and_refuses_bad_sampling_values(live):
+    from minillm.perf.bench.serve import bench_serve, request_body
+
+    greedy = request_body("chat", "m", "hi", 4, False)
+    sampled = request_body("chat", "m", "hi", 4, False, sampling={"temperature": 1.0, "top_p": 0.9})
+    assert greedy["temperature"] == 0.0 and "top_p" not in greedy
+    assert sampled["temperature"] == 1.0 and sampled["top_p"] == 0.9 and sampled["stream"] is True
+    result = bench_serve(live.url, [float("inf")], 3, seed=1, max_tokens=4, ignore_eos=True, temperature=1.0,
+                         top_p=0.9, progress=False, save=False)
+    assert (result["temperature"], result["top_p"]) == (1.0, 0.9) and result["runs"][0]["completed"] == 3
+    for bad, match in (({"temperature": -0.5}, "temperature"), ({"top_p": 0.0}, "top_p"), ({"top_p": 1.5}, "top_p")):
+        with pytest.raises(ValueError, match=match):
+            bench_serve(live.url, [1.0], 1, progress=False, save=False, **bad)
+    wait_until_idle(live)
+
+
 def test_each_swept_rate_has_its_own_trace_seed_and_a_bad_index_is_refused():
     from minillm.perf.bench.serve import sweep_seed
 

@@ -149,10 +149,11 @@ def make_trace(n: int, rate: float, max_tokens: int, seed: int = 0, burstiness: 
 
 # ---- one request -------------------------------------------------------------------------------------------------
 def request_body(endpoint: str, model: str, prompt: str, max_tokens: int, ignore_eos: bool,
-                 json_schema: dict | None = None) -> dict:
-    """One streamed request; ``json_schema``: constrain the answer (OpenAI's ``response_format`` json_schema)."""
+                 json_schema: dict | None = None, sampling: dict | None = None) -> dict:
+    """One streamed request; ``json_schema``: constrain the answer (OpenAI's ``response_format`` json_schema);
+    ``sampling``: fields that replace greedy decoding (``{"temperature": 1.0, "top_p": 0.9}``)."""
     body = {"model": model, "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
-            "stream_options": {"include_usage": True}}
+            "stream_options": {"include_usage": True}, **(sampling or {})}
     if json_schema is not None:
         body["response_format"] = {"type": "json_schema", "json_schema": {"name": "bench", "schema": json_schema}}
     if endpoint == "chat":
@@ -232,10 +233,11 @@ async def send_request(client, url: str, body: dict, headers: dict, *,
 async def run_trace(base_url: str, trace: Sequence[BenchRequest], *, model: str, endpoint: str = "chat",
                     api_key: str | None = None, ignore_eos: bool = False, max_concurrency: int | None = None,
                     timeout_s: float = 600.0, progress: bool = True, json_schema: dict | None = None,
+                    sampling: dict | None = None,
                     parse: Callable[..., RequestResult] = parse_stream) -> tuple[list[RequestResult], float]:
     """Send ``trace`` on its schedule; returns each request's result (trace order) and the wall time.
     ``parse`` turns a response's timed lines into its result (see ``parse_stream``); ``json_schema``: every
-    request's answer is constrained to it."""
+    request's answer is constrained to it; ``sampling``: every request's sampling fields (``request_body``)."""
     import httpx
     from tqdm.auto import tqdm
 
@@ -250,7 +252,7 @@ async def run_trace(base_url: str, trace: Sequence[BenchRequest], *, model: str,
         async def one(req: BenchRequest) -> RequestResult:
             await asyncio.sleep(max(0.0, start + req.arrival_s - time.perf_counter()))
             async with gate:
-                body = request_body(endpoint, model, req.prompt, req.max_tokens, ignore_eos, json_schema)
+                body = request_body(endpoint, model, req.prompt, req.max_tokens, ignore_eos, json_schema, sampling)
                 result = await send_request(client, path, body, headers, parse=parse)
             bar.update(1)
             return result
@@ -313,13 +315,15 @@ def bench_serve(base_url: str = "http://127.0.0.1:8000", request_rates: Sequence
                 endpoint: str = "chat", burstiness: float = 1.0, ignore_eos: bool = False,
                 ttft_slo_s: float = 1.0, tpot_slo_s: float = 0.2, api_key: str | None = None,
                 max_concurrency: int | None = None, overload: float | None = None, progress: bool = True,
-                save: bool = True, out_dir: Path | None = None, json_schema: dict | None = None) -> dict:
+                save: bool = True, out_dir: Path | None = None, json_schema: dict | None = None,
+                temperature: float = 0.0, top_p: float | None = None) -> dict:
     """Run the trace once per rate against ``base_url``; print a table, save JSON (with the machine) and return
     ``{"runs": [summary per rate], ...}``.  The trace (prompts, lengths, arrival pattern) depends only on
     ``seed``, ``num_prompts``, the rate and its place in the sweep, so two servers are measured on the same
     requests.  Each swept rate draws its own prompts (``sweep_seed``): a server that caches prefixes would
     otherwise answer the second rate's prompts from the first rate's KV blocks, and a sweep would measure its
-    cache, not its rate.
+    cache, not its rate.  Requests decode greedily unless ``temperature`` > 0 (then sampled, with ``top_p`` when
+    given): a sampled step pays for its sampler as well as its model.
 
     ``overload`` (e.g. 2.0): after the sweep, run once more at ``overload ×`` the capacity (``capacity_rate``:
     the highest swept rate that completed everything within the TTFT SLO) and report it as
@@ -341,6 +345,11 @@ def bench_serve(base_url: str = "http://127.0.0.1:8000", request_rates: Sequence
         raise ValueError(f"overload must be a factor > 0 (e.g. 2 for twice the capacity), got {overload!r}")
     if json_schema is not None and not isinstance(json_schema, dict):
         raise ValueError(f"json_schema must be a JSON schema object, got {json_schema!r}")
+    if not (isinstance(temperature, int | float) and 0 <= temperature <= 2):
+        raise ValueError(f"temperature must be a number in [0, 2] (OpenAI's range; 0 = greedy), got {temperature!r}")
+    if top_p is not None and not (isinstance(top_p, int | float) and 0 < top_p <= 1):
+        raise ValueError(f"top_p must be a number in (0, 1] (or None: not sent), got {top_p!r}")
+    sampling = {"temperature": float(temperature)} | ({} if top_p is None else {"top_p": float(top_p)})
     model = model or discover_model(base_url, api_key)
 
     def measure(rate: float, index: int, schema: dict | None = None, fixed_lengths: bool = ignore_eos) -> dict:
@@ -348,7 +357,7 @@ def bench_serve(base_url: str = "http://127.0.0.1:8000", request_rates: Sequence
         trace = make_trace(num_prompts, rate, max_tokens, trace_seed, burstiness)
         results, duration = asyncio.run(run_trace(base_url, trace, model=model, endpoint=endpoint, api_key=api_key,
                                                   ignore_eos=fixed_lengths, max_concurrency=max_concurrency,
-                                                  progress=progress, json_schema=schema))
+                                                  progress=progress, json_schema=schema, sampling=sampling))
         summary = summarize_run(results, duration, ttft_slo_s=ttft_slo_s, tpot_slo_s=tpot_slo_s)
         run = {"request_rate": rate, "num_prompts": num_prompts, "seed": trace_seed, **summary,
                "requests": [{k: v for k, v in asdict(r).items() if k != "itl_s"} for r in results]}
@@ -357,7 +366,8 @@ def bench_serve(base_url: str = "http://127.0.0.1:8000", request_rates: Sequence
 
     runs = [measure(rate, i) for i, rate in enumerate(request_rates)]
     payload = {"benchmark": "serve", "base_url": base_url, "model": model, "endpoint": endpoint, "seed": seed,
-               "max_tokens": max_tokens, "burstiness": burstiness, "ignore_eos": ignore_eos, "runs": runs}
+               "max_tokens": max_tokens, "burstiness": burstiness, "ignore_eos": ignore_eos, **sampling,
+               "runs": runs}
     if json_schema is not None:
         print("\nas served: the same trace, every answer constrained to the JSON schema:")
         payload["json_schema"] = json_schema
