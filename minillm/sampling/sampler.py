@@ -61,17 +61,17 @@ def filter_top_k_top_p(logits: Tensor, k: int, p: float) -> Tensor:
     (each size of ``TOP_P_CANDIDATES`` in turn) hold at least p of the probability mass.  ``top_k_top_p_mask`` then
     runs on that sub-row; with top-k off its p is rescaled by the candidates' share of the mass (a token's mass
     before it over the whole row is its mass before it over the candidates times their share).  A row no candidate
-    size covers, or a vocabulary under 4·C, is filtered whole by ``top_k_top_p_mask``.  Same kept set as
-    ``top_k_top_p_mask`` on the whole row, up to the last bit of the mass compared with p.  Cost per row: top-C
-    selections and logsumexps, O(V), and a sort of C entries, instead of a sort of V — the sort is most of a sampled
-    decode step's sampling time at a 49k-128k vocabulary.
+    size covers, a vocabulary under 4·C, or logits off the CPU, is filtered whole by ``top_k_top_p_mask``.  Same
+    kept set as ``top_k_top_p_mask`` on the whole row, up to the last bit of the mass compared with p.  Cost per
+    row: top-C selections and logsumexps, O(V), and a sort of C entries, instead of a sort of V — the sort is most
+    of a sampled decode step's sampling time at a 49k-128k vocabulary.
     """
     V = logits.shape[-1]
     top_k_on = 0 < k < V
     if not top_k_on and p >= 1.0:
         return logits
     sizes = [C for C in ((k,) if top_k_on else TOP_P_CANDIDATES) if 4 * C <= V]
-    if not sizes:
+    if not sizes or logits.device.type != "cpu":  # a GPU sorts a row in microseconds; the candidates' syncs cost more
         return top_k_top_p_mask(logits, k, p)
     rows = logits.reshape(-1, V)
     out = torch.full_like(rows, float("-inf"))
