@@ -139,6 +139,31 @@ def test_sample_from_a_uniform_point_rounded_up_to_the_total_takes_the_last_weig
     assert sample_from(torch.tensor([0.2, 0.0, 0.5, 0.0])) == 2
 
 
+def test_a_seeded_row_draws_the_same_token_alone_or_filtered_with_others():
+    logits = torch.randn(5, 4096, generator=torch.Generator().manual_seed(0)) * 3
+    params = [SamplingParams(temperature=0.8, top_p=0.9, seed=1), SamplingParams(temperature=0),
+              SamplingParams(temperature=0.8, top_p=0.9, seed=2), SamplingParams(temperature=1.3, top_k=50, seed=3),
+              SamplingParams(temperature=0.8, top_p=0.9, seed=4)]
+
+    def gens():
+        return [None if p.seed is None else torch.Generator().manual_seed(p.seed) for p in params]
+
+    together = [sample(logits, params, gens()) for _ in range(3)]
+    alone = [[sample(logits[i:i + 1], [params[i]], [g])[0] for i, g in enumerate(gens())] for _ in range(3)]
+    assert together[0] == alone[0] and together[0][1] == int(logits[1].argmax())
+    generators = gens()
+    rows = [sample(logits, params, generators) for _ in range(20)]  # the generators advance: new draws
+    assert len({tuple(r) for r in rows}) > 1
+
+
+def test_sample_from_draws_each_row_with_its_own_generator():
+    weights = torch.tensor([[0.0, 1.0, 0.0], [0.5, 0.0, 0.5]])
+    a, b = torch.Generator().manual_seed(5), torch.Generator().manual_seed(6)
+    assert sample_from(weights, [a, b])[0] == 1 and sample_from(weights, [a, None])[1] in (0, 2)
+    with pytest.raises(ValueError, match="2 rows of weights need as many generators, got 3"):
+        sample_from(weights, [a, b, a])
+
+
 @pytest.fixture(scope="module")
 def tiny():
     torch.manual_seed(0)
