@@ -44,6 +44,16 @@ def check_group_size(K: int, group_size: int, multiple: int = 1) -> None:
 _check_group = check_group_size  # former private name, kept for code written against it on other branches
 
 
+def _store_contiguous(weight, *names: str) -> None:
+    """Replace each named tensor field of a frozen weight by a contiguous copy where it is not contiguous: the native
+    kernels take raw pointers to these tensors, and a ``.contiguous()`` made at the call would be a temporary freed
+    before the kernel reads it.  Cost: a copy, once, of a field built as a view (a transpose, a strided slice)."""
+    for name in names:
+        t = getattr(weight, name)
+        if t is not None and not t.is_contiguous():
+            object.__setattr__(weight, name, t.contiguous())
+
+
 class CodesAndScales:
     """What a weight stored as ``qweight`` codes [N, K] (one byte each) and ``scales`` reports (``Int8Weight``,
     ``quant.activation.Fp8Weight``)."""
@@ -78,6 +88,7 @@ class Int8Weight(CodesAndScales):
         if self.scales.shape != (N, K // self.group_size) or self.scales.dtype not in (torch.float32, torch.float16):
             raise ValueError(f"scales must be fp32/fp16 [{N}, {K // self.group_size}], got {self.scales.dtype} "
                              f"{tuple(self.scales.shape)}")
+        _store_contiguous(self, "qweight", "scales")
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> Tensor:
         """[N, K] in ``dtype``, computed in fp32 (q · scale, as gguf's Q8_0 dequantization)."""
@@ -122,6 +133,7 @@ class Int4Weight:
             if t.shape != want or t.dtype not in (torch.float16, torch.float32) or t.dtype != self.scales.dtype:
                 raise ValueError(f"{name} must be fp16/fp32 {list(want)} (both the same dtype; mins may be None for "
                                  f"symmetric Q4_0 blocks), got {t.dtype} {tuple(t.shape)}")
+        _store_contiguous(self, "packed", "scales", "mins")
 
     @property
     def shape(self) -> tuple[int, int]:

@@ -108,3 +108,23 @@ def test_a_symmetric_fp16_scale_past_8188_gets_fp32_mins_when_they_are_stored():
 def test_a_symmetric_weight_is_refused_with_scales_of_the_wrong_shape():
     with pytest.raises(ValueError, match="mins may be None"):
         Int4Weight(torch.zeros(4, 16, dtype=torch.uint8), torch.zeros(4, 2), None)
+
+
+def test_weights_built_from_views_store_contiguous_tensors_the_kernels_can_point_at():
+    """A strided view (a column slice of a wider buffer) is copied once at construction: the native kernels take raw
+    pointers, and a contiguous copy made at the call would be freed before they read it."""
+    from minillm.kernels.cpu import quant as native_quant
+
+    g = torch.Generator().manual_seed(0)
+    wide = torch.randint(0, 256, (64, 128), dtype=torch.uint8, generator=g)
+    scales = (torch.rand(64, 4, generator=g) * 0.01 + 1e-3).half()
+    w4 = Int4Weight(wide[:, :64], scales, -8 * scales, 32)  # packed [64, 64] as every other 64-byte run: strided
+    codes = torch.randint(-127, 128, (128, 64), dtype=torch.int8, generator=g)
+    w8 = Int8Weight(codes.t(), torch.rand(64, 4, generator=g) * 0.01, 32)  # qweight [64, 128] as a transpose
+    for w in (w4, w8):
+        fields = (w.packed, w.scales, w.mins) if isinstance(w, Int4Weight) else (w.qweight, w.scales)
+        assert all(t.is_contiguous() for t in fields)
+    x = torch.randn(3, 128, generator=g)
+    if native_quant.available():
+        torch.testing.assert_close(native_quant.int4_linear(x, w4, exact=True), int4_linear_ref(x, w4))
+        torch.testing.assert_close(native_quant.int8_linear(x, w8, exact=True), int8_linear_ref(x, w8))
