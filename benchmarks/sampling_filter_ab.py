@@ -3,8 +3,7 @@
 
 1. Per row, on the default model's own logits (400 positions of README.md at temperature 1.0) and on rows of a
    128,256-token vocabulary (those logits' distribution tiled), top_p 0.9 / 0.95 and top_k 40: ms per row.
-2. The draw: ``sampler.sample`` of 32 rows at temperature 1 with ``torch.multinomial`` against ``sample_from``;
-   then the 32 rows sampled one call each against one call (rows with the same filters share their passes).
+2. The draw: ``sampler.sample`` of 32 rows at temperature 1 with ``torch.multinomial`` against ``sample_from``.
 3. End to end: ``LLM.generate`` of 32 prompts × 64 sampled tokens (temperature 1, then top_p 0.9; seeded), before
    (whole-row sort + multinomial) against after (candidates + sample_from), output tok/s.
 
@@ -63,17 +62,6 @@ for _ in range(rounds):
 sampler.sample_from = library_draw
 a, b = (statistics.median(per_step[d]) for d in draws)
 print(f"sample() of 32 rows, temperature 1: multinomial {a:.1f} ms, inverse cdf {b:.1f} ms, {a / b:.1f}x")
-for label, sp in (("temperature 1", SamplingParams(temperature=1.0)), ("top_p 0.9", SamplingParams(top_p=0.9))):
-    ways = {"row by row": lambda sp=sp: [sampler.sample(x[i:i + 1], [sp], [None]) for i in range(32)],
-            "grouped": lambda sp=sp: sampler.sample(x, [sp] * 32, [None] * 32)}
-    times = {w: [] for w in ways}
-    for _ in range(rounds):
-        for w, fn in ways.items():
-            t = time.perf_counter()
-            fn()
-            times[w].append((time.perf_counter() - t) * 1e3)
-    a, b = (statistics.median(times[w]) for w in ways)
-    print(f"sample() of 32 rows, {label}: row by row {a:.1f} ms, grouped {b:.1f} ms, {a / b:.2f}x")
 
 prompts = [f"Write a short story about the number {i}." for i in range(32)]
 library = sampler.filter_top_k_top_p

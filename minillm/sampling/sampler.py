@@ -122,24 +122,17 @@ def probabilities(logits: Tensor, params: SamplingParams) -> Tensor:
     return x.softmax(dim=-1)
 
 
-def sample_from(weights: Tensor, generator: torch.Generator | None | list = None) -> int | list[int]:
-    """An index drawn with probability weights[i] / sum(weights): where a uniform point of [0, sum) falls in the
-    cumulative sum (float64).  weights [V] -> one int, with ``generator``; or [B, V] -> B ints, row b drawn with
-    ``generator[b]`` (a list; None entries use the global RNG).  Each row non-negative with a positive sum; an index
-    of weight 0 is never drawn.  One uniform variate per draw from the row's generator, where
-    ``torch.multinomial(weights, 1)`` draws V exponential variates (its exponential race) — on CPU most of a sampled
-    row's time at a 49k vocabulary."""
-    rows = weights.reshape(-1, weights.shape[-1])
-    gens = generator if isinstance(generator, list) else [generator] * rows.shape[0]
-    if len(gens) != rows.shape[0]:
-        raise ValueError(f"{rows.shape[0]} rows of weights need as many generators, got {len(gens)}")
-    c = rows.double().cumsum(-1)
-    u = torch.stack([torch.rand((), generator=g, dtype=torch.float64, device=rows.device) for g in gens])
-    idx = torch.searchsorted(c, (u * c[:, -1]).unsqueeze(-1), right=True).squeeze(-1).tolist()
-    for b, i in enumerate(idx):
-        if i >= c.shape[-1]:  # u rounded up to the total: the last index that has weight
-            idx[b] = int(rows[b].nonzero()[-1, 0])
-    return idx if weights.dim() == 2 else idx[0]
+def sample_from(weights: Tensor, generator: torch.Generator | None = None) -> int:
+    """One index drawn with probability weights[i] / sum(weights): where a uniform point of [0, sum) falls in the
+    cumulative sum (float64).  weights [V], non-negative with a positive sum; an index of weight 0 is never drawn.
+    One uniform variate from ``generator`` per draw, where ``torch.multinomial(weights, 1)`` draws V exponential
+    variates (its exponential race) — on CPU most of a sampled row's time at a 49k vocabulary."""
+    c = weights.double().cumsum(0)
+    u = torch.rand((), generator=generator, dtype=torch.float64, device=weights.device) * c[-1]
+    i = int(torch.searchsorted(c, u, right=True))
+    if i >= c.numel():  # u rounded up to the total: the last index that has weight
+        i = int(weights.nonzero()[-1, 0])
+    return i
 
 
 def sample_seed(seed: int, index: int) -> int:
@@ -161,19 +154,12 @@ def make_generator(params: SamplingParams, device: torch.device | str = "cpu") -
 
 
 def sample(logits: Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]) -> list[int]:
-    """One token per row.  logits [B, V] -> B token ids.  Greedy rows take the argmax (first index on ties); the
-    others are filtered together where their temperature, min-p, top-k and top-p agree, and each row's token is drawn
-    with its own generator, so a seeded row's token does not depend on the rows beside it."""
+    """One token per row.  logits [B, V] -> B token ids.  Greedy rows take the argmax (first index on ties)."""
     if logits.dim() != 2 or logits.shape[0] != len(params) or len(params) != len(generators):
         raise ValueError(f"need logits [B, V] and B params/generators; got {tuple(logits.shape)}, "
                          f"{len(params)}, {len(generators)}")
     out = logits.argmax(dim=-1).tolist()  # one device sync for the whole batch
-    groups: dict[tuple, list[int]] = {}  # rows whose filters agree share one pass over [rows, V]
-    for i, p in enumerate(params):
+    for i, (p, g) in enumerate(zip(params, generators, strict=True)):
         if not p.greedy:
-            groups.setdefault((p.temperature, p.min_p, p.top_k, p.top_p), []).append(i)
-    for rows in groups.values():
-        tokens = sample_from(probabilities(logits[rows], params[rows[0]]), [generators[i] for i in rows])
-        for i, t in zip(rows, tokens, strict=True):
-            out[i] = t
+            out[i] = sample_from(probabilities(logits[i], p), g)
     return out

@@ -156,14 +156,6 @@ def test_a_seeded_row_draws_the_same_token_alone_or_filtered_with_others():
     assert len({tuple(r) for r in rows}) > 1
 
 
-def test_sample_from_draws_each_row_with_its_own_generator():
-    weights = torch.tensor([[0.0, 1.0, 0.0], [0.5, 0.0, 0.5]])
-    a, b = torch.Generator().manual_seed(5), torch.Generator().manual_seed(6)
-    assert sample_from(weights, [a, b])[0] == 1 and sample_from(weights, [a, None])[1] in (0, 2)
-    with pytest.raises(ValueError, match="2 rows of weights need as many generators, got 3"):
-        sample_from(weights, [a, b, a])
-
-
 @pytest.fixture(scope="module")
 def tiny():
     torch.manual_seed(0)
