@@ -17,7 +17,9 @@ repeat, with the same thread count, so a neighbour's load falls on all of them a
 its repeats and every run.  Two probes take their turn in each repeat as well, best of the repeats: the streaming
 read bandwidth (``perf.hardware.read_bandwidth``) and the matmul peak (``kernels.probe.matmul_flops``).  Decode is
 reported in GB/s — the bytes one step reads: every stored weight (the LM head included, the embedding's row lookup
-not) plus the K/V cache at the activations' width — and as a % of that read bandwidth; prefill in GFLOP/s
+not) plus the K/V cache at the activations' width — and as a % of that read bandwidth, and of the median read pass
+(``%med``: where the memory serves a rare pass far faster than most, the best pass is a roof no sustained stream
+meets, and the median decode is compared with the median read); prefill in GFLOP/s
 (``perf.roofline.prefill_cost``) and as a % of the matmul peak (bf16's for bf16, fp32's otherwise).  When the
 peers' weights would not fit in memory together, they run one after another instead (``"interleaved": false``).
 
@@ -184,6 +186,7 @@ class Probes:
     matmul_n: int
     dtypes: tuple[str, ...]
     read_bandwidth: float = 0.0
+    read_passes: list = field(default_factory=list)  # every timed read pass, bytes/s
     matmul_peak: dict = field(default_factory=dict)
 
     def take_turn(self) -> None:
@@ -195,7 +198,8 @@ class Probes:
 
         buf = torch.full((self.nbytes // 4,), 1.0)  # written, so every page is mapped before the timed reads
         reduce = native.read_sum if native.available() else torch.sum
-        self.read_bandwidth = max(self.read_bandwidth, read_bandwidth(buf, repeats=3, reduce=reduce))
+        self.read_passes += [read_bandwidth(buf, repeats=1, reduce=reduce) for _ in range(3)]
+        self.read_bandwidth = max(self.read_passes)
         for dt in self.dtypes:
             self.matmul_peak[dt] = max(self.matmul_peak.get(dt, 0.0), matmul_flops(dt, self.matmul_n))
 
@@ -298,6 +302,8 @@ def bench_cpu_peers(shapes: tuple[str, ...] = ("llama-3.2-1b",), formats: tuple[
                "prompt_lens": list(prompt_lens),
                "shapes": list(shapes), "formats": list(formats), "models_dir": str(models_dir),
                "read_bandwidth_gb_s": probes.read_bandwidth / 1e9,
+               "read_bandwidth_median_gb_s": statistics.median(probes.read_passes) / 1e9,
+               "read_passes_gb_s": [r / 1e9 for r in probes.read_passes],
                "matmul_peak_gflop_s": {k: v / 1e9 for k, v in probes.matmul_peak.items()},
                "rows": rows, "ratios": ratios(rows)}
     print_table(payload)
@@ -372,6 +378,7 @@ def _finish_rows(rows: list[dict], probes: Probes) -> None:
         gb_s = row["decode_bytes_per_token"] * row["decode_tok_s"]
         row["decode_gb_s"] = gb_s / 1e9
         row["decode_pct_read"] = 100 * gb_s / probes.read_bandwidth
+        row["decode_pct_read_median"] = 100 * gb_s / statistics.median(probes.read_passes)
         peak = probes.matmul_peak["bfloat16" if row["format"] == "bf16" else "float32"]
         for p in row["prefill"]:
             p["gflop_s"] = p["flops_per_prompt"] * p["tok_s"] / p["prompt_len"] / 1e9
@@ -397,11 +404,12 @@ def ratios(rows: list[dict]) -> list[dict]:
 def print_table(payload: dict) -> None:
     """One line per (shape, format, peer): decode tok/s, GB/s, % read; prefill tok/s and % peak per length."""
     print(f"\n{payload['cpu']['model']}, {payload['threads']} threads, {payload['repeats']} interleaved repeats; "
-          f"read {payload['read_bandwidth_gb_s']:.1f} GB/s, matmul peak "
+          f"read {payload['read_bandwidth_gb_s']:.1f} GB/s (median pass "
+          f"{payload.get('read_bandwidth_median_gb_s', float('nan')):.1f}), matmul peak "
           + ", ".join(f"{k} {v:.0f} GFLOP/s" for k, v in payload["matmul_peak_gflop_s"].items())
           + f"; neighbour: {describe_neighbour(payload.get('neighbour', {'kind': 'none'}))}")
     lens = payload["prompt_lens"]
-    print(f"{'shape':<14}{'fmt':<6}{'peer':<14}{'decode tok/s':>13}{'GB/s':>7}{'%read':>6}"
+    print(f"{'shape':<14}{'fmt':<6}{'peer':<14}{'decode tok/s':>13}{'GB/s':>7}{'%read':>6}{'%med':>6}"
           + "".join(f"{f'prefill {n}':>14}{'%peak':>6}" for n in lens))
     for r in payload["rows"]:
         head = f"{r['shape']:<14}{r['format']:<6}{r['peer']:<14}"
@@ -410,6 +418,7 @@ def print_table(payload: dict) -> None:
             continue
         pre = {p["prompt_len"]: p for p in r["prefill"]}
         print(head + f"{r['decode_tok_s']:>13.1f}{r['decode_gb_s']:>7.1f}{r['decode_pct_read']:>6.0f}"
+              f"{r.get('decode_pct_read_median', float('nan')):>6.0f}"
               + "".join(f"{pre[n]['tok_s']:>14.1f}{pre[n]['pct_matmul_peak']:>6.0f}" if n in pre else f"{'-':>20}"
                         for n in lens)
               + (f"  (then failed: {r['reason']})" if r["reason"] else ""))
