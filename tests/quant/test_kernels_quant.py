@@ -95,6 +95,29 @@ def test_int8_activation_kernels_equal_the_reference_on_block_rounded_activation
             _assert_sum_close(native_quant.int8_linear(x, w8, target=target), int8_linear_ref(xhat, w8), x, w)
 
 
+# A block whose max / 127 differs in its last bit from max · (1/127) (what -ffast-math makes of the division), and
+# one of whose quotients then rounds to the other integer: found by search over random blocks.
+_RECIPROCAL_BLOCK = [4.094889163970947, -4.90490198135376, 5.320767402648926, -6.078334808349609,
+                     -0.038030534982681274, -1.0210531949996948, -7.7422308921813965, -0.15778574347496033,
+                     -2.301698684692383, 1.5786678791046143, -2.3547494411468506, -4.770817756652832, -2.5009925365448,
+                     -0.8246437907218933, -1.5005569458007812, -3.9545722007751465, 4.148826599121094,
+                     -1.1672574281692505, 5.033764839172363, -0.8410863280296326, 0.9565284848213196,
+                     -0.8242532014846802, 2.7938809394836426, -3.0081329345703125, 5.185276985168457,
+                     3.3644447326660156, 5.334214210510254, 2.449690818786621, 1.0976537466049194, 1.901262879371643,
+                     -2.1764771938323975, 5.20334005355835]
+
+
+@native
+@pytest.mark.parametrize("target", TARGETS)
+def test_the_kernels_round_activations_bit_for_bit_as_the_reference(target):
+    """An identity weight (codes 1, scale 1) returns the rounded activations themselves, d · q: every element equal to
+    q8_activation_ref's, on a block where a fast-math reciprocal would change d and one q."""
+    _target_or_skip(target)
+    x = torch.tensor([_RECIPROCAL_BLOCK, [v * 0.37 for v in _RECIPROCAL_BLOCK]])
+    eye = Int8Weight(torch.eye(32, dtype=torch.int8), torch.ones(32, 1), 32)
+    assert torch.equal(native_quant.int8_linear(x, eye, target=target), native_quant.q8_activation_ref(x))
+
+
 def _q4_0(w4: Int4Weight) -> Int4Weight:
     """w4's codes and scales as a symmetric (Q4_0) weight: no mins, m = −8·d in every kernel."""
     return Int4Weight(w4.packed, w4.scales, None, w4.group_size)

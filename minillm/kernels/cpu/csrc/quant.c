@@ -730,6 +730,9 @@ static size_t xprep_bytes(int64_t M, int64_t K, int64_t G, int q4) {
     return (size_t)M * ((size_t)nc * CHUNK * (q4 ? 2 : 1) + sizeof(float) * (size_t)(floats + ints));
 }
 
+/* Precise math: under -ffast-math amax / 127.f becomes amax * (1/127.f), a different dx in ~4 % of blocks (and every
+ * code of such a block scaled by it), and a quotient near k + 1/2 may round the other way from the reference's. */
+PRECISE_MATH_BEGIN
 static xprep_t xprep(const void *xin, int x_bf16, int64_t M, int64_t K, int64_t G, int q4, void *buf,
                      size_t buf_bytes) {
     const int64_t nb = K / QB, bpc = q4 ? 4 : 2, nc = (nb + bpc - 1) / bpc, ng = K / G;
@@ -775,6 +778,7 @@ static xprep_t xprep(const void *xin, int x_bf16, int64_t M, int64_t K, int64_t 
         }
     return p;
 }
+PRECISE_MATH_END
 
 /* One Q4_1 weight row against R input rows (tile m0).  G32 (a compile-time 1 or 0) — groups of 32: the blocks are
  * taken 16 at a time (4 chunks): their 16 scales and 16 mins converted in one instruction each, the mins' term
