@@ -55,8 +55,9 @@ def default_backend(device: torch.device | str) -> str:
 
 
 def init_parallel(rank: int, world_size: int, *, host: str = "127.0.0.1", port: int, backend: str = "gloo",
-                  timeout_s: float = 60.0) -> ParallelContext:
+                  timeout_s: float = 60.0, store=None) -> ParallelContext:
     """Rendezvous ``world_size`` processes at ``host:port`` (rank 0 hosts the ``TCPStore``) and build their group.
+    ``store``: a store the processes already share (a launcher's), used instead of hosting one at ``host:port``.
 
     ``timeout_s`` bounds every wait: a rank that never arrives (or dies mid-collective) makes the others raise
     instead of hanging forever.  NCCL ranks compute on ``cuda:<rank % device count>``.
@@ -69,7 +70,8 @@ def init_parallel(rank: int, world_size: int, *, host: str = "127.0.0.1", port: 
     device = torch.device("cpu")
     if world_size == 1:
         return ParallelContext(0, 1, None, backend, device)
-    store = dist.TCPStore(host, port, world_size, rank == 0, timeout=timeout)
+    if store is None:
+        store = dist.TCPStore(host, port, world_size, rank == 0, timeout=timeout)
     if backend == "nccl":
         device = torch.device("cuda", rank % torch.cuda.device_count())
         torch.cuda.set_device(device)
@@ -80,12 +82,22 @@ def init_parallel(rank: int, world_size: int, *, host: str = "127.0.0.1", port: 
 
 
 def init_from_env(backend: str | None = None, timeout_s: float = 60.0) -> ParallelContext:
-    """The context of a process launched by ``torchrun`` (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT).
+    """The context of a process launched by ``torchrun`` or any launcher that sets RANK, WORLD_SIZE, MASTER_ADDR and
+    MASTER_PORT (torch's ``env://`` convention).
 
-    torchrun's MASTER_PORT is its own store's port, so the group's store listens on MASTER_PORT + 1.
+    torchrun's agent already serves a store at MASTER_PORT and says so (TORCHELASTIC_USE_AGENT_STORE=True): every
+    rank then joins it as a client, under a key prefix of its own, as torch's own ``env://`` rendezvous does — hosting
+    a second store on a guessed neighbouring port could find that port taken.  Otherwise rank 0 hosts the store at
+    MASTER_PORT.
     """
+    import torch.distributed as dist
+
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
-    return init_parallel(rank, world_size, host=os.environ.get("MASTER_ADDR", "127.0.0.1"),
-                         port=int(os.environ.get("MASTER_PORT", "29500")) + 1, backend=backend, timeout_s=timeout_s)
+    host, port = os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ.get("MASTER_PORT", "29500"))
+    store = None
+    if world_size > 1 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        agent = dist.TCPStore(host, port, world_size, False, timeout=datetime.timedelta(seconds=timeout_s))
+        store = dist.PrefixStore("minillm/", agent)
+    return init_parallel(rank, world_size, host=host, port=port, backend=backend, timeout_s=timeout_s, store=store)
