@@ -61,21 +61,120 @@ def release_thread_pool() -> bool:
     calls this when it hands the engine over (``EngineLoop.start``), leaving the loop thread's pool alone."""
     import ctypes
 
-    try:
-        with open("/proc/self/maps") as f:
-            maps = f.read()
-    except OSError:
-        return False
-    names = ("libgomp", "libiomp5", "libomp")
-    paths = {line.split()[-1] for line in maps.splitlines()
-             if any(os.path.basename(line.split()[-1]).startswith(n) for n in names)}
-    for path in sorted(paths):
+    for runtime in _runtimes():
         try:
-            runtime = ctypes.CDLL(path, mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
             pause = runtime.omp_pause_resource_all
-        except (OSError, AttributeError):
+        except AttributeError:
             continue
         pause.argtypes, pause.restype = [ctypes.c_int], ctypes.c_int
         if pause(1) == 0:  # omp_pause_soft
             return True
     return False
+
+
+def _runtimes() -> list:
+    """The OpenMP runtimes loaded in this process (libgomp, libiomp5, libomp), found in /proc/self/maps and opened
+    without loading anything new (RTLD_NOLOAD); [] without /proc."""
+    import ctypes
+
+    try:
+        with open("/proc/self/maps") as f:
+            maps = f.read()
+    except OSError:
+        return []
+    names = ("libgomp", "libiomp5", "libomp")
+    paths = {line.split()[-1] for line in maps.splitlines()
+             if any(os.path.basename(line.split()[-1]).startswith(n) for n in names)}
+    out = []
+    for path in sorted(paths):
+        try:
+            out.append(ctypes.CDLL(path, mode=os.RTLD_NOLOAD | os.RTLD_LAZY))
+        except OSError:
+            continue
+    return out
+
+
+class num_threads:
+    """``with num_threads(n):`` parallel regions the calling thread opens use ``n`` threads, then the previous
+    setting again (``omp_set_num_threads`` on every loaded OpenMP runtime: torch's and the native kernels' share
+    libgomp).  A no-op when ``n`` is already the setting or no runtime is found."""
+
+    def __init__(self, n: int):
+        self.n, self._restore = n, []
+
+    def __enter__(self):
+        import ctypes
+
+        for rt in _omp_setters():
+            before = rt.omp_get_max_threads()
+            if before != self.n:
+                rt.omp_set_num_threads(ctypes.c_int(self.n))
+                self._restore.append((rt, before))
+        return self
+
+    def __exit__(self, *exc):
+        import ctypes
+
+        for rt, before in self._restore:
+            rt.omp_set_num_threads(ctypes.c_int(before))
+        self._restore = []
+        return False
+
+
+_SETTERS: list | None = None
+
+
+def _omp_setters() -> list:
+    global _SETTERS
+    if _SETTERS is None:
+        _SETTERS = [rt for rt in _runtimes()
+                    if hasattr(rt, "omp_set_num_threads") and hasattr(rt, "omp_get_max_threads")]
+    return _SETTERS
+
+
+def busy_cpus() -> int:
+    """CPUs that other work is running on now: the kernel's count of runnable threads (/proc/stat procs_running)
+    less this process's own runnable threads (its OpenMP workers spin between regions).  0 without /proc."""
+    try:
+        with open("/proc/stat") as f:
+            running = next(int(line.split()[1]) for line in f if line.startswith("procs_running"))
+        own = 0
+        for task in os.listdir("/proc/self/task"):
+            try:
+                with open(f"/proc/self/task/{task}/stat") as f:
+                    own += f.read().rsplit(")", 1)[1].split()[0] == "R"
+            except OSError:
+                continue
+    except (OSError, StopIteration, ValueError):
+        return 0
+    return max(0, running - own)
+
+
+class DecodeThreads:
+    """How many threads a decode step should use beside what else is running: the CPUs this process may use less
+    the ones other work keeps busy, at least 1, at most the configured count.
+
+    Why: a decode step is hundreds of short parallel regions, each ending at a barrier.  When another process holds a
+    core, the thread sharing it is descheduled for whole time slices and every barrier waits for it; with one busy
+    neighbour on two cores one thread on the free core decodes faster than two threads, and with two neighbours, one
+    thread still beats two.  ``busy`` is sampled at most every ``interval_s`` and the smallest of the last ``window``
+    samples counts, so a process that runs for a moment does not take a thread away.  Decode results do not depend
+    on the thread count (every row and head is computed by one thread, whatever the split)."""
+
+    def __init__(self, interval_s: float = 0.25, window: int = 4, busy=busy_cpus, clock=None, cpus: int | None = None):
+        import collections
+        import time
+
+        self.interval_s, self.busy, self.clock = interval_s, busy, clock or time.monotonic
+        self.samples = collections.deque(maxlen=window)
+        self.cpus = cpus or (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
+        self._last = None
+
+    def threads(self, configured: int) -> int:
+        """The thread count for the next step, given the configured one (``torch.get_num_threads()``)."""
+        now = self.clock()
+        if self._last is None or now - self._last >= self.interval_s:
+            self.samples.append(self.busy())
+            self._last = now
+        busy = min(self.samples) if self.samples else 0
+        return max(1, min(configured, self.cpus - busy))

@@ -97,3 +97,64 @@ def test_the_server_frees_the_building_threads_pool_when_its_engine_loop_starts(
     loop.start()
     loop._thread.join()
     assert calls == [threading.current_thread()] and started == [calls]  # freed here, before the loop ran
+
+
+def test_decode_threads_leave_the_cpus_other_work_keeps_busy():
+    from minillm.openmp import DecodeThreads
+
+    t, busy = [0.0], [0]
+    gov = DecodeThreads(interval_s=0.25, window=3, busy=lambda: busy[0], clock=lambda: t[0], cpus=4)
+    assert gov.threads(4) == 4 and gov.threads(2) == 2  # quiet: the configured count
+    busy[0] = 3
+    for _ in range(3):  # a neighbour that stays: once the whole window has seen it
+        t[0] += 0.3
+        gov.threads(4)
+    assert gov.threads(4) == 1 and gov.threads(1) == 1
+    busy[0] = 9
+    t[0] += 0.3
+    assert gov.threads(4) == 1  # never fewer than one
+    busy[0] = 0
+    t[0] += 0.3
+    assert gov.threads(4) == 4  # the neighbour left: one quiet sample is enough to take the CPUs back
+
+
+def test_decode_threads_ignore_a_process_that_runs_for_a_moment():
+    from minillm.openmp import DecodeThreads
+
+    t, busy = [0.0], [0]
+    gov = DecodeThreads(interval_s=0.25, window=4, busy=lambda: busy[0], clock=lambda: t[0], cpus=2)
+    gov.threads(2)
+    busy[0] = 1
+    t[0] += 0.3
+    assert gov.threads(2) == 2  # one busy sample among quiet ones
+    calls = [0]
+    gov2 = DecodeThreads(interval_s=10.0, busy=lambda: calls.__setitem__(0, calls[0] + 1) or 0, clock=lambda: 0.0)
+    for _ in range(100):
+        gov2.threads(2)
+    assert calls[0] == 1  # sampled at most once per interval: a step pays a clock read
+
+
+def test_num_threads_sets_the_openmp_thread_count_for_the_block_and_restores_it():
+    if not openmp._omp_setters():
+        pytest.skip("no OpenMP runtime found in this process")
+    rt = openmp._omp_setters()[0]
+    before = rt.omp_get_max_threads()
+    with openmp.num_threads(1):
+        assert rt.omp_get_max_threads() == 1
+    assert rt.omp_get_max_threads() == before
+
+
+def test_busy_cpus_counts_other_processes_running_not_our_own_threads():
+    import time
+
+    from minillm.openmp import busy_cpus
+
+    if not os.path.exists("/proc/stat"):
+        pytest.skip("needs /proc")
+    spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        time.sleep(0.5)
+        assert max(busy_cpus() for _ in range(20)) >= 1
+    finally:
+        spinner.kill()
+        spinner.wait()

@@ -34,6 +34,7 @@ import ctypes
 import torch
 from torch import Tensor
 
+from minillm import openmp
 from minillm.engine.model_runner import ModelRunner, logit_rows
 from minillm.engine.scheduler import SchedulerOutput
 from minillm.kernels.cpu import decode, native
@@ -187,6 +188,7 @@ class NativeDecodeStack:
         self._tables(max_positions or c.max_position_embeddings)
         self._build()
         self.calls = 0  # steps run (tests and benchmarks read it)
+        self._threads = openmp.DecodeThreads()  # the step's thread count beside busy neighbours
 
     def _tables(self, n: int) -> None:
         """RoPE's cos/sin for positions 0..n-1, [n, D] each, in the model's dtype: the model's own rotary module on
@@ -272,13 +274,17 @@ class NativeDecodeStack:
         out = torch.empty(B, H, dtype=dtype)
         lg = torch.empty(B, self._vocab, dtype=dtype) if with_head else None
         step = getattr(decode.library(), _STEP[dtype])  # decode_stack (fp32) or decode_stack_bf16: one C body
+        with openmp.num_threads(self._threads.threads(torch.get_num_threads())):  # fewer beside busy neighbours
+            self._step(step, B, W, H, Hq, Hkv, D, F, x, batch, flat, with_head, out, lg)
+        self.calls += 1
+        return out, lg
+
+    def _step(self, step, B, W, H, Hq, Hkv, D, F, x, batch, flat, with_head, out, lg) -> None:
         step(self._layers, len(self.model.model.layers), x.data_ptr(), self._final.data_ptr(), self._cos.data_ptr(),
              self._sin.data_ptr(), (ctypes.c_int64 * B)(*batch.positions), (ctypes.c_int64 * B)(*batch.slot_mapping),
              (ctypes.c_int32 * (B * W))(*flat), (ctypes.c_int32 * B)(*batch.seq_lens), B, W, H, Hq, Hkv, D, F,
              self.kv.block_size, self._eps, self._scale, self._head if with_head else None, self._scratch.data_ptr(),
              out.data_ptr(), None if lg is None else lg.data_ptr())
-        self.calls += 1
-        return out, lg
 
 
 class NativeRunner(ModelRunner):

@@ -105,6 +105,21 @@ def test_one_fused_call_equals_the_per_layer_native_path_bit_for_bit(name, schem
     assert not torch.equal(kv_fused.k, filled_caches(model, 1)[0].k)  # the step did write its rows
 
 
+@pytest.mark.parametrize("scheme", ["fp32", "int4", "q4_0", "w8a8"])
+def test_the_fused_step_gives_the_same_bits_on_one_thread_as_on_several(scheme):
+    """The step's thread count follows the neighbours (``openmp.DecodeThreads``): the result must not."""
+    from minillm import openmp
+
+    model = make_model(list(CONFIGS)[-1], scheme)
+    batch = random_rows([1, 4, 5, 9, 17], 3)
+    kv_one, kv_many = filled_caches(model, 2)
+    with openmp.num_threads(1):
+        one = fused.NativeDecodeStack(model, kv_one).hidden(batch)
+    with openmp.num_threads(3):  # more threads than rows of some splits, on any host
+        many = fused.NativeDecodeStack(model, kv_many).hidden(batch)
+    assert torch.equal(one, many) and torch.equal(kv_one.k, kv_many.k)
+
+
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_fused_hidden_states_match_the_torch_reference_in_fp32(name):
     model = make_model(name)
