@@ -167,11 +167,18 @@ class DecodeThreads:
 
         self.interval_s, self.busy, self.clock = interval_s, busy, clock or time.monotonic
         self.samples = collections.deque(maxlen=window)
-        self.cpus = cpus or (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
+        online = os.cpu_count() or 1
+        mine = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else online
+        # the kernel's count of running threads covers every CPU: it says how busy ours are only when ours are all
+        # of them (a process pinned to some cores, or a cpuset container, keeps its configured count)
+        self.active = cpus is not None or mine == online
+        self.cpus = cpus or mine
         self._last = None
 
     def threads(self, configured: int) -> int:
         """The thread count for the next step, given the configured one (``torch.get_num_threads()``)."""
+        if not self.active:
+            return configured
         now = self.clock()
         if self._last is None or now - self._last >= self.interval_s:
             self.samples.append(self.busy())

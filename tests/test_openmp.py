@@ -158,3 +158,13 @@ def test_busy_cpus_counts_other_processes_running_not_our_own_threads():
     finally:
         spinner.kill()
         spinner.wait()
+
+
+def test_decode_threads_keep_the_configured_count_when_pinned_to_some_cpus(monkeypatch):
+    from minillm.openmp import DecodeThreads
+
+    if not hasattr(os, "sched_getaffinity"):
+        pytest.skip("no affinity on this platform")
+    monkeypatch.setattr(os, "cpu_count", lambda: len(os.sched_getaffinity(0)) + 8)  # other CPUs than ours exist
+    gov = DecodeThreads(busy=lambda: 5, clock=lambda: 0.0)
+    assert not gov.active and gov.threads(2) == 2  # host-wide running counts say nothing about our CPUs
