@@ -100,6 +100,8 @@ class num_threads:
     libgomp).  A no-op when ``n`` is already the setting or no runtime is found."""
 
     def __init__(self, n: int):
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise ValueError(f"num_threads needs an int >= 1 (the threads a parallel region uses), got {n!r}")
         self.n, self._restore = n, []
 
     def __enter__(self):

@@ -168,3 +168,9 @@ def test_decode_threads_keep_the_configured_count_when_pinned_to_some_cpus(monke
     monkeypatch.setattr(os, "cpu_count", lambda: len(os.sched_getaffinity(0)) + 8)  # other CPUs than ours exist
     gov = DecodeThreads(busy=lambda: 5, clock=lambda: 0.0)
     assert not gov.active and gov.threads(2) == 2  # host-wide running counts say nothing about our CPUs
+
+
+def test_num_threads_refuses_a_count_below_one():
+    for bad in (0, -2, 1.5, True):
+        with pytest.raises(ValueError, match="int >= 1"):
+            openmp.num_threads(bad)

@@ -127,7 +127,11 @@ def sample_from(weights: Tensor, generator: torch.Generator | None = None) -> in
     cumulative sum (float64).  weights [V], non-negative with a positive sum; an index of weight 0 is never drawn.
     One uniform variate from ``generator`` per draw, where ``torch.multinomial(weights, 1)`` draws V exponential
     variates (its exponential race) — on CPU most of a sampled row's time at a 49k vocabulary."""
-    c = weights.double().cumsum(0)
+    c = weights.double().reshape(-1).cumsum(0)
+    if weights.dim() != 1 or not c.numel() or not c[-1] > 0 or bool((weights < 0).any()):
+        raise ValueError(f"sample_from needs a 1-D tensor of non-negative weights with a positive sum, got shape "
+                         f"{tuple(weights.shape)} summing to {float(c[-1]) if c.numel() else 0.0}; pass one row's "
+                         "probabilities (softmax of its filtered logits)")
     u = torch.rand((), generator=generator, dtype=torch.float64, device=weights.device) * c[-1]
     i = int(torch.searchsorted(c, u, right=True))
     if i >= c.numel():  # u rounded up to the total: the last index that has weight

@@ -134,6 +134,12 @@ def test_sample_from_follows_the_weights_and_never_draws_a_zero_weight():
     assert [sample_from(weights, again) for _ in range(50)] == draws[:50]  # the generator alone decides
 
 
+def test_sample_from_refuses_weights_it_cannot_draw_from():
+    for bad in (torch.zeros(4), torch.tensor([0.5, -0.1, 0.6]), torch.ones(2, 3), torch.empty(0)):
+        with pytest.raises(ValueError, match="non-negative weights with a positive sum"):
+            sample_from(bad)
+
+
 def test_sample_from_a_uniform_point_rounded_up_to_the_total_takes_the_last_weighted_index(monkeypatch):
     monkeypatch.setattr(torch, "rand", lambda *a, **k: torch.tensor(1.0, dtype=torch.float64))
     assert sample_from(torch.tensor([0.2, 0.0, 0.5, 0.0])) == 2
