@@ -275,16 +275,14 @@ class NativeDecodeStack:
         lg = torch.empty(B, self._vocab, dtype=dtype) if with_head else None
         step = getattr(decode.library(), _STEP[dtype])  # decode_stack (fp32) or decode_stack_bf16: one C body
         with openmp.num_threads(self._threads.threads(torch.get_num_threads())):  # fewer beside busy neighbours
-            self._step(step, B, W, H, Hq, Hkv, D, F, x, batch, flat, with_head, out, lg)
+            step(self._layers, len(self.model.model.layers), x.data_ptr(), self._final.data_ptr(),
+                 self._cos.data_ptr(), self._sin.data_ptr(), (ctypes.c_int64 * B)(*batch.positions),
+                 (ctypes.c_int64 * B)(*batch.slot_mapping), (ctypes.c_int32 * (B * W))(*flat),
+                 (ctypes.c_int32 * B)(*batch.seq_lens), B, W, H, Hq, Hkv, D, F, self.kv.block_size, self._eps,
+                 self._scale, self._head if with_head else None, self._scratch.data_ptr(), out.data_ptr(),
+                 None if lg is None else lg.data_ptr())
         self.calls += 1
         return out, lg
-
-    def _step(self, step, B, W, H, Hq, Hkv, D, F, x, batch, flat, with_head, out, lg) -> None:
-        step(self._layers, len(self.model.model.layers), x.data_ptr(), self._final.data_ptr(), self._cos.data_ptr(),
-             self._sin.data_ptr(), (ctypes.c_int64 * B)(*batch.positions), (ctypes.c_int64 * B)(*batch.slot_mapping),
-             (ctypes.c_int32 * (B * W))(*flat), (ctypes.c_int32 * B)(*batch.seq_lens), B, W, H, Hq, Hkv, D, F,
-             self.kv.block_size, self._eps, self._scale, self._head if with_head else None, self._scratch.data_ptr(),
-             out.data_ptr(), None if lg is None else lg.data_ptr())
 
 
 class NativeRunner(ModelRunner):
