@@ -24,7 +24,7 @@ from minillm.entrypoints.openai.limits import (
     DEFAULT_TIMEOUT_KEEP_ALIVE_S,
 )
 from minillm.models.configs import SHAPES
-from minillm.models.synthetic import GGUF_FORMATS, HF_DTYPES
+from minillm.models.synthetic import GGUF_FORMATS, HF_DTYPES, LLAMA_QUANTIZED
 from minillm.sampling.params import SamplingParams
 
 # run_server's options that each ``serve --replicas`` replica gets too (the front's own: host, port, routing)
@@ -267,7 +267,8 @@ def cmd_bench(a) -> int:
 MAKE_MODEL_OPTIONS = (
     Option("shape", "the published model whose shape to copy (required)", choices=tuple(SHAPES)),
     Option("out", "directory to write (created): HF config.json + safetensors + tokenizer, and the GGUFs (required)"),
-    Option("gguf", f"comma-separated GGUF formats to write too: {', '.join(GGUF_FORMATS)} (default: none)"),
+    Option("gguf", f"comma-separated GGUF formats to write too: {', '.join(GGUF_FORMATS)}, or "
+                   f"{', '.join(LLAMA_QUANTIZED)} through llama.cpp's quantizer (llama-cpp-python) (default: none)"),
     Option("dtype", "the safetensors' dtype", choices=HF_DTYPES, default="bfloat16"),
     Option("seed", "seed of the random weights", type=int, default=0),
 )

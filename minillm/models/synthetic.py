@@ -8,7 +8,8 @@ model has them):
   ``model.safetensors.index.json`` when there are several) and the default model's tokenizer files;
 - one GGUF per asked format (``SHAPE-Q4_1.gguf`` ...) through the ``gguf`` package's writer and quantizers, with
   llama.cpp's metadata keys for the ``llama`` architecture, its Q/K row order, and the default model's tokenizer
-  embedded as llama.cpp reads it (``tokenizer.ggml.*`` copied from the default GGUF).
+  embedded as llama.cpp reads it (``tokenizer.ggml.*`` copied from the default GGUF); ``q4_k_m`` (K-quants, which
+  the gguf package does not quantize) by llama.cpp's own quantizer from the f16 file, written for it.
 
 Every engine (transformers, llama.cpp, vLLM, minillm) therefore loads the same weights and tokenizes identically.
 Two deliberate departures from the real models: the vocabulary is the default model's (SmolLM2's 49152 tokens, not
@@ -42,7 +43,10 @@ from minillm.config import ModelConfig, RopeScaling
 from minillm.dtypes import MODEL_DTYPES
 from minillm.models.configs import hf_config_dict, shape_config
 
-GGUF_FORMATS = ("q4_1", "q4_0", "q8_0", "f16")
+GGUF_FORMATS = ("q4_1", "q4_0", "q8_0", "f16")  # written here, through the gguf package's quantizers
+# written by llama.cpp's own quantizer from the f16 file (llama-cpp-python, the bench extra): format -> llama_ftype.
+# Q4_K_M is what most downloaded GGUFs are: Q4_K, with Q6_K for the embedding/LM head and some attn_v/ffn_down.
+LLAMA_QUANTIZED = {"q4_k_m": 15}
 HF_DTYPES = ("float32", "bfloat16")
 INIT_STD = 0.02  # transformers' LlamaConfig.initializer_range
 SHARD_BYTES = 2 << 30  # safetensors shard size (as save_pretrained's max_shard_size)
@@ -222,10 +226,16 @@ def gguf_file_name(shape: str, fmt: str) -> str:
 def check_formats(gguf: tuple[str, ...] | list[str], dtype: str) -> None:
     """ValueError naming a GGUF format or HF dtype that ``make_model`` does not write."""
     for fmt in gguf:
-        if fmt not in GGUF_FORMATS:
-            raise ValueError(f"--gguf format {fmt!r} is not one of {', '.join(GGUF_FORMATS)}")
+        if fmt not in GGUF_FORMATS and fmt not in LLAMA_QUANTIZED:
+            raise ValueError(f"--gguf format {fmt!r} is not one of {', '.join(GGUF_FORMATS + tuple(LLAMA_QUANTIZED))}")
     if dtype not in HF_DTYPES:
         raise ValueError(f"--dtype must be one of {', '.join(HF_DTYPES)}, got {dtype!r}")
+    if any(f in LLAMA_QUANTIZED for f in gguf):
+        from minillm.perf.bench.llamacpp import LlamaCppPeer
+
+        if (why := LlamaCppPeer.unavailable()) is not None:
+            raise ValueError(f"--gguf {', '.join(f for f in gguf if f in LLAMA_QUANTIZED)} is written by llama.cpp's "
+                             f"quantizer, but {why}")
 
 
 def make_model(shape: str, out: str | Path, gguf: tuple[str, ...] | list[str] = (), dtype: str = "bfloat16",
@@ -241,8 +251,10 @@ def make_model(shape: str, out: str | Path, gguf: tuple[str, ...] | list[str] = 
     torch_dtype = MODEL_DTYPES[dtype]
     plans = tensor_plan(config)
     _write_hf_files(out, config, dtype)
+    by_llama = [f for f in gguf if f in LLAMA_QUANTIZED]
+    written = [f for f in gguf if f in GGUF_FORMATS] + (["f16"] if by_llama and "f16" not in gguf else [])
     writers = {fmt: _gguf_writer(out / gguf_file_name(shape, fmt), config, fmt, plans,
-                                 f"minillm random {shape} {fmt}") for fmt in gguf}
+                                 f"minillm random {shape} {fmt}") for fmt in written}
     shards = _shards(plans, torch_dtype.itemsize)
     files = (["model.safetensors"] if len(shards) == 1 else
              [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
@@ -252,6 +264,10 @@ def make_model(shape: str, out: str | Path, gguf: tuple[str, ...] | list[str] = 
     finally:
         for w in writers.values():
             w.close()
+    for fmt in by_llama:  # from the f16 file, which holds the dtype-rounded weights exactly
+        from minillm.perf.bench.llamacpp import quantize
+
+        quantize(out / gguf_file_name(shape, "f16"), out / gguf_file_name(shape, fmt), LLAMA_QUANTIZED[fmt])
     if len(shards) > 1:
         index = {"metadata": {"total_size": sum(int(np.prod(p.shape)) * torch_dtype.itemsize for p in plans)},
                  "weight_map": {p.hf: f for group, f in zip(shards, files, strict=True) for p in group}}

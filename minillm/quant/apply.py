@@ -25,7 +25,15 @@ import torch
 from torch import Tensor, nn
 
 from minillm.layers.linear import Linear, PackedWeight, QuantEmbedding, QuantLinear
-from minillm.quant.weight import INT4_GROUP_SIZES, Int4Weight, Int8Weight, fit_group_size, quantize_int4, quantize_int8
+from minillm.quant.weight import (
+    INT4_GROUP_SIZES,
+    Int4Weight,
+    Int8Weight,
+    fit_group_size,
+    quantize_int4,
+    quantize_int8,
+    quantize_q8_0,
+)
 
 SCHEMES = ("int8", "int4")
 CALIBRATED_SCHEMES = ("awq", "gptq")
@@ -50,12 +58,18 @@ def quantize_weight(w: Tensor, scheme: str, group_size: int | None = None) -> Pa
 
 def cat_rows(weights: list[PackedWeight]) -> PackedWeight:
     """Stack packed weights along N (q;k;v -> qkv_proj, gate;up -> gate_up_proj) by concatenating codes, scales
-    and mins row-wise: exact, since every per-row quantity moves with its row.  Same type, K and group size.
+    and mins row-wise: exact, since every per-row quantity moves with its row.  Same K and group size.
     Symmetric (Q4_0) ``Int4Weight``s stack without mins; beside ones with mins they are stored with m = −8·d
-    (``Int4Weight.with_mins``: the same values)."""
+    (``Int4Weight.with_mins``: the same values).  Mixed fp16/fp32 scales stack as fp32 (exact).  Int4 groups of 32
+    beside int8 ones (a Q4_K_M file's Q6_K attn_v beside Q4_K q/k) stack as int8: the int4 parts re-quantized to
+    Q8_0 blocks (``quantize_q8_0``: each weight moves by at most half an 8-bit step, well under its 4-bit one)."""
     if any(isinstance(w, Int4Weight) and w.mins is None for w in weights) \
             and not all(isinstance(w, Int4Weight) and w.mins is None for w in weights):
         weights = [w.with_mins() if isinstance(w, Int4Weight) else w for w in weights]
+    if len({type(w) for w in weights}) > 1 and all(w.group_size == 32 for w in weights):
+        weights = [quantize_q8_0(w.dequantize()) if isinstance(w, Int4Weight) else w for w in weights]
+    if len({w.scales.dtype for w in weights}) > 1:
+        weights = [_with_fp32_scales(w) for w in weights]
     kinds = {(type(w), w.shape[1], w.group_size, w.scales.dtype) for w in weights}
     if len(kinds) != 1:
         raise ValueError(f"can only stack packed weights of one type, K, group size and scale dtype; got {kinds}")
@@ -65,6 +79,13 @@ def cat_rows(weights: list[PackedWeight]) -> PackedWeight:
                           weights[0].group_size)
     return Int8Weight(torch.cat([w.qweight for w in weights]), torch.cat([w.scales for w in weights]),
                       weights[0].group_size)
+
+
+def _with_fp32_scales(w: PackedWeight) -> PackedWeight:
+    """The same weight with fp32 scales (and mins): exact."""
+    if isinstance(w, Int4Weight):
+        return Int4Weight(w.packed, w.scales.float(), None if w.mins is None else w.mins.float(), w.group_size)
+    return Int8Weight(w.qweight, w.scales.float(), w.group_size)
 
 
 def swap_linears(model: nn.Module, make: Callable[[str, Linear], nn.Module]) -> nn.Module:

@@ -1,5 +1,6 @@
 """GGUF blocks straight into packed weights: Q4_1 and Q4_0 -> ``Int4Weight`` (group 32), Q8_0 -> ``Int8Weight``
-(group 32), F32/F16 -> plain tensors — no float round trip, so the model runs exactly the weights llama.cpp runs.
+(group 32), F32/F16 -> plain tensors — no float round trip, so the model runs exactly the weights llama.cpp runs
+(K-quants are re-blocked into the same forms, below).
 
 A Q4_1 row of K weights is K/32 blocks of 20 bytes: fp16 d, fp16 m, 16 bytes of nibbles (the ``Int4Weight``
 packing).  A Q4_0 row is K/32 blocks of 18 bytes: fp16 d, the same 16 bytes of nibbles, w = d · (q − 8) — a
@@ -12,6 +13,21 @@ llama.cpp's converter permutes the rows of q_proj and k_proj (per head, it inter
 ``w.reshape(H, 2, D/2, K).swapaxes(1, 2)``) for its RoPE kernel.  transformers undoes that when it loads a GGUF;
 ``_unpermute_rows`` applies the same inverse to whole packed rows (codes, scales and any mins move together, as a row
 permutation of W is a row permutation of every per-row quantity).
+
+**K-quants and 5-bit blocks** (what most downloaded files hold: ``Q4_K_M`` is Q4_K with Q6_K for the LM head and
+some ``attn_v``/``ffn_down``; tensors whose rows are not a multiple of 256 fall back to Q5_0/Q8_0) are re-blocked
+into the same two forms at load, so they run on the int4/int8 kernels instead of as fp32:
+- Q4_K (super-blocks of 256: fp16 d and dmin, eight 6-bit scales and mins, 4-bit codes) -> ``Int4Weight`` group 32:
+  each 32-weight sub-block becomes one Q4_1 block with its codes as they are, d = d_super · sc and
+  m = −dmin_super · mn taken in fp32 (gguf's own products) and stored in fp16, each rounded once by at most half
+  an fp16 ulp (2⁻¹¹ relative: a weight moves by (15·|d| + |m|) · 2⁻¹¹ at most, ~1 % of a code step), or kept fp32
+  for a tensor where a product would overflow fp16.  5 bits a weight against the file's 4.5.
+- Q5_0 (fp16 d, 5-bit codes, w = d · (q − 16)) -> ``Int8Weight`` group 32 with codes q − 16: exact.
+- Q6_K, Q5_K, Q5_1 -> ``Int8Weight`` group 32 (Q8_0's blocks) re-quantized from gguf's exact fp32 dequantization:
+  d = max|w| / 127 in fp16, codes rounded against that d, so each weight moves by at most half an 8-bit step
+  (1/254 of its block's largest) — a quarter or less of the file's own 6-bit step.  8.5 bits a weight against
+  Q6_K's 6.56.
+Lower-bit K-quants (Q2_K, Q3_K) and the IQ types are refused with the fix (convert, or load the original).
 """
 
 from __future__ import annotations
@@ -24,9 +40,11 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from minillm.quant.weight import Int4Weight, Int8Weight
+from minillm.quant.weight import Int4Weight, Int8Weight, quantize_q8_0
 
 GGUF_BLOCK = 32  # QK4_1 = QK4_0 = QK8_0 = 32 weights per block
+QK_K = 256  # weights per K-quant super-block
+FP16_MAX = 65504.0
 _LAYER_NAMES = {
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
@@ -87,6 +105,62 @@ def q8_0_to_int8(raw: np.ndarray, N: int, K: int) -> Int8Weight:
     return Int8Weight(q, d, GGUF_BLOCK)
 
 
+def _fp16_unless_overflow(*ts: Tensor) -> list[Tensor]:
+    """The fp32 tensors ``ts`` rounded to fp16 (scales and mins of one weight), or all kept fp32 when any value is
+    beyond fp16's range: a weight's d and m share one dtype."""
+    fits = all(bool((t.abs() <= FP16_MAX).all()) for t in ts)
+    return [t.half() if fits else t for t in ts]
+
+
+def q4_k_to_int4(raw: np.ndarray, N: int, K: int) -> Int4Weight:
+    """Q4_K bytes [N, K/256 · 144] -> ``Int4Weight`` (group 32, fp16 d and m; see the module docstring).
+
+    A super-block: fp16 d, fp16 dmin, 12 bytes of 6-bit scales sc and mins mn for its eight 32-weight sub-blocks,
+    128 bytes of codes — byte l of its j-th 32 holds sub-block 2j's weight l (low nibble) and sub-block 2j+1's weight
+    l (high nibble); w = d · sc · q − dmin · mn.  Cost: one pass over the bytes (nibbles re-paired as Q4_1's
+    weight l / l + 16, scales multiplied out)."""
+    from gguf.quants import Q4_K
+
+    if K % QK_K:
+        raise ValueError(f"a Q4_K row has a multiple of {QK_K} weights, got K={K}")
+    nb = N * (K // QK_K)
+    b = raw.reshape(nb, 144)
+    d = b[:, 0:2].copy().view(np.float16).astype(np.float32)  # [nb, 1]
+    dmin = b[:, 2:4].copy().view(np.float16).astype(np.float32)
+    sc, mn = Q4_K.get_scale_min(b[:, 4:16].copy())  # [nb, 8] each, 0..63
+    qs = b[:, 16:].reshape(nb, 4, 2, 16)  # [super-block, j, first/second 16 bytes, 16]
+    lo, hi = qs[:, :, 0], qs[:, :, 1]  # bytes 0..15 and 16..31 of each 32
+    even = (lo & 0x0F) | ((hi & 0x0F) << 4)  # sub-block 2j: weight l low, l + 16 high (Q4_1's pairing)
+    odd = (lo >> 4) | (hi & 0xF0)  # sub-block 2j + 1
+    packed = np.stack([even, odd], axis=2).reshape(N, K // 2)
+    scales = torch.from_numpy(d * sc.astype(np.float32)).reshape(N, K // GGUF_BLOCK)
+    mins = torch.from_numpy(-(dmin * mn.astype(np.float32))).reshape(N, K // GGUF_BLOCK)
+    scales, mins = _fp16_unless_overflow(scales, mins)
+    return Int4Weight(torch.from_numpy(np.ascontiguousarray(packed)), scales, mins, GGUF_BLOCK)
+
+
+def q5_0_to_int8(raw: np.ndarray, N: int, K: int) -> Int8Weight:
+    """Q5_0 bytes [N, K/32 · 22] -> ``Int8Weight`` (fp16 d, group 32, codes q − 16 in −16..15): exact.
+
+    A block: fp16 d, 4 bytes qh (bit l = weight l's fifth bit), 16 bytes of nibbles (weight l low, l + 16 high)."""
+    nb = N * (K // GGUF_BLOCK)
+    b = raw.reshape(nb, 22)
+    d = torch.from_numpy(b[:, 0:2].copy().view(np.float16)).reshape(N, K // GGUF_BLOCK)
+    qh = b[:, 2:6].copy().view(np.uint32)  # [nb, 1]
+    high = ((qh >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)  # [nb, 32]
+    qs = b[:, 6:]
+    low = np.concatenate([qs & 0x0F, qs >> 4], axis=1)  # [nb, 32] in weight order
+    q = ((low | (high << 4)).astype(np.int16) - 16).astype(np.int8)
+    return Int8Weight(torch.from_numpy(q.reshape(N, K)), d, GGUF_BLOCK)
+
+
+def _requantized(raw: np.ndarray, N: int, K: int, kind) -> Int8Weight:
+    """Q6_K / Q5_K / Q5_1 bytes -> gguf's exact fp32 dequantization -> Q8_0 blocks (``quantize_q8_0``)."""
+    from gguf.quants import dequantize
+
+    return quantize_q8_0(torch.from_numpy(np.asarray(dequantize(raw, kind), dtype=np.float32)).reshape(N, K))
+
+
 def _permute_rows(w: Tensor | Int4Weight | Int8Weight, index: Tensor):
     if isinstance(w, Int4Weight):
         mins = None if w.mins is None else w.mins[index].contiguous()
@@ -97,9 +171,9 @@ def _permute_rows(w: Tensor | Int4Weight | Int8Weight, index: Tensor):
 
 
 def read_gguf_weights(path: str | os.PathLike, unpermute: bool = True) -> dict[str, Tensor | Int4Weight | Int8Weight]:
-    """Every tensor of a Llama-family GGUF under its Hugging Face name: Q4_1 and Q4_0 (symmetric, no mins) as
-    ``Int4Weight``, Q8_0 as ``Int8Weight``, F32/F16/BF16 as tensors.  With ``unpermute`` q_proj/k_proj rows are in
-    Hugging Face order."""
+    """Every tensor of a Llama-family GGUF under its Hugging Face name: Q4_1, Q4_0 (symmetric, no mins) and Q4_K as
+    ``Int4Weight``, Q8_0, Q5_0 and (re-quantized) Q6_K/Q5_K/Q5_1 as ``Int8Weight``, F32/F16/BF16 as tensors.  With
+    ``unpermute`` q_proj/k_proj rows are in Hugging Face order."""
     from gguf import GGMLQuantizationType as T
     from gguf import GGUFReader
 
@@ -117,13 +191,20 @@ def read_gguf_weights(path: str | os.PathLike, unpermute: bool = True) -> dict[s
             w = q4_0_to_int4(*_rows(t))
         elif kind == T.Q8_0:
             w = q8_0_to_int8(*_rows(t))
+        elif kind == T.Q4_K:
+            w = q4_k_to_int4(*_rows(t))
+        elif kind == T.Q5_0:
+            w = q5_0_to_int8(*_rows(t))
+        elif kind in (T.Q6_K, T.Q5_K, T.Q5_1):
+            w = _requantized(*_rows(t), kind)
         elif kind in (T.F32, T.F16):
             w = torch.from_numpy(np.array(t.data)).reshape([int(s) for s in reversed(t.shape)])
         elif kind == T.BF16:
             w = torch.from_numpy(np.array(t.data)).view(torch.bfloat16).reshape([int(s) for s in reversed(t.shape)])
         else:
-            raise ValueError(f"{t.name}: GGUF type {kind.name} is not supported (Q4_1, Q4_0, Q8_0, F32, F16, BF16 "
-                             "are); convert the file with llama.cpp's llama-quantize or load the original checkpoint")
+            raise ValueError(f"{t.name}: GGUF type {kind.name} is not supported (Q4_1, Q4_0, Q8_0, Q4_K, Q5_K, Q6_K, "
+                             "Q5_0, Q5_1, F32, F16, BF16 are); convert the file with llama.cpp's llama-quantize (e.g. "
+                             "to Q4_K_M) or load the original checkpoint")
         if unpermute and (".q_proj." in name or ".k_proj." in name):
             heads = n_head if ".q_proj." in name else n_kv
             w = _permute_rows(w, unpermute_index(w.shape[0], heads))

@@ -211,6 +211,18 @@ def quantize_int8(w: Tensor, group_size: int | None = None) -> Int8Weight:
     return Int8Weight(q.reshape(N, K), scale, g)
 
 
+def quantize_q8_0(w: Tensor) -> Int8Weight:
+    """w [N, K] float (K a multiple of 32) -> ``Int8Weight`` in GGUF's Q8_0 blocks: per 32 weights d = max|w| / 127
+    rounded to fp16, codes round(w / d) against that stored d, clamped to ±127, so |w − d·q| ≤ d / 2."""
+    N, K = w.shape
+    check_group_size(K, BLOCK)
+    wb = w.float().view(N, K // BLOCK, BLOCK)
+    d = (wb.abs().amax(-1) / 127).half()  # [N, K/32]
+    inv = torch.where(d > 0, 1 / d.float(), torch.zeros((), dtype=torch.float32))
+    q = torch.clamp(torch.round(wb * inv.unsqueeze(-1)), -127, 127).to(torch.int8)
+    return Int8Weight(q.view(N, K), d, BLOCK)
+
+
 def quantize_int4(w: Tensor, group_size: int = 32, scale_dtype: torch.dtype = torch.float16) -> Int4Weight:
     """w [N, K] float -> ``Int4Weight``: asymmetric 4-bit groups in llama.cpp's Q4_1 layout.
 

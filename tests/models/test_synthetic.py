@@ -164,3 +164,22 @@ def test_rejects_an_unknown_format_before_writing(tmp_path):
     with pytest.raises(ValueError, match="q5_k"):
         make_model("tiny", tmp_path / "x", gguf=("q5_k",))
     assert not (tmp_path / "x").exists()
+
+
+def test_a_q4_k_m_file_from_llama_cpp_s_quantizer_runs_close_to_the_float_model(tmp_path):
+    """q4_k_m is written by llama.cpp's own quantizer (only where llama-cpp-python is installed); the tiny shape's
+    rows are not multiples of 256, so llama.cpp stores them in its fallbacks (Q5_0, Q8_0), which load exactly."""
+    pytest.importorskip("llama_cpp")
+    from minillm.models.loader import load_config, load_model, resolve
+    from minillm.quant.apply import model_from_packed
+    from minillm.quant.gguf import read_gguf_weights
+
+    out = tmp_path / "k"
+    report = make_model("tiny", out, gguf=("q4_k_m",), dtype="float32", seed=3)
+    assert {"tiny-Q4_K_M.gguf", "tiny-F16.gguf"} <= set(report["files"])  # the f16 file is its source
+    packed = model_from_packed(load_config(resolve(out)), read_gguf_weights(out / "tiny-Q4_K_M.gguf"),
+                               dtype=torch.float32, device="cpu")
+    full = load_model(out, dtype="float32", device="cpu")
+    with torch.inference_mode():
+        a, b = packed(IDS, POS), full(IDS, POS)
+    assert (a - b).abs().max() < LOGIT_ERROR["q8_0"] * 2 * b.abs().max()  # 5- and 8-bit blocks

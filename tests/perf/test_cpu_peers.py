@@ -133,3 +133,28 @@ def test_bench_quant_runs_its_llama_cpp_row_through_the_worker(fake_llama_cpp, t
     row = _llama_cpp_row(fake_llama_cpp, [1, 2, 3], 4, repeats=3)
     assert row["scheme"] == "llama.cpp Q4_1" and 0 < row["decode_b1_tok_s"] <= 1000
     assert "error" in _llama_cpp_row(tmp_path / "missing.gguf", [1, 2, 3], 4, repeats=1)
+
+
+def test_each_peer_counts_the_bytes_it_stores_which_for_a_gguf_s_own_blocks_are_the_plan(payload):
+    from pathlib import Path
+
+    from minillm.models.synthetic import synthetic_config
+    from minillm.perf.bench.cpu_peers import MinillmPeer, gguf_path, gguf_weight_bytes
+
+    models, c = Path(payload["models_dir"]) / "tiny", synthetic_config("tiny")
+    for fmt in ("q4_1", "q4_0"):
+        peer = MinillmPeer(models, "tiny", fmt)
+        peer.load()
+        assert peer.weight_bytes() == weight_bytes(c, fmt) == gguf_weight_bytes(gguf_path(models, "tiny", fmt))
+        peer.close()
+    rows = {(r["format"], r["peer"]): r for r in payload["rows"]}
+    assert rows[("q4_0", "minillm")]["decode_bytes_per_token"] < rows[("q4_1", "minillm")]["decode_bytes_per_token"]
+
+
+def test_a_q4_k_m_model_needs_llama_cpp_s_quantizer_and_says_so_before_writing_anything(tmp_path, monkeypatch):
+    from minillm.models.synthetic import make_model
+
+    monkeypatch.setattr(LlamaCppPeer, "unavailable", staticmethod(lambda: "llama-cpp-python is not installed"))
+    with pytest.raises(ValueError, match="q4_k_m is written by llama.cpp's quantizer, but llama-cpp-python is not"):
+        make_model("tiny", tmp_path / "m", gguf=("q4_k_m",))
+    assert not (tmp_path / "m").exists()

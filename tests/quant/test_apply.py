@@ -104,6 +104,22 @@ def test_cat_rows_stacks_packed_weights_exactly_and_refuses_mixed_groups():
         cat_rows([quantize_int4(ws[0], 32), quantize_int4(ws[1], 64)])
 
 
+def test_int4_beside_int8_stacks_as_q8_0_blocks_within_half_an_8_bit_step_and_mixed_scale_dtypes_as_fp32():
+    from minillm.quant.weight import quantize_q8_0
+
+    ws = [torch.randn(n, 64) for n in (8, 4, 4)]
+    q, k, v = quantize_int4(ws[0]), quantize_int4(ws[1], scale_dtype=torch.float32), quantize_q8_0(ws[2])
+    stacked = cat_rows([q, k, v])  # a Q4_K_M layer: Q4_K q and k, Q6_K v
+    assert isinstance(stacked, Int8Weight) and stacked.group_size == 32 and stacked.shape == (16, 64)
+    want = torch.cat([q.dequantize(), k.dequantize(), v.dequantize()])
+    step = stacked.scales.float().repeat_interleave(32, 1)
+    assert ((stacked.dequantize() - want).abs() <= step / 2 * 1.001).all()
+    assert torch.equal(stacked.dequantize()[12:], v.dequantize())  # the int8 part as it was
+    assert (stacked.dequantize()[:12] - want[:12]).abs().max() > 0  # the int4 parts re-quantized
+    both = cat_rows([q, k])  # fp16 and fp32 scales: fp32, exact
+    assert both.scales.dtype == torch.float32 and torch.equal(both.dequantize(), want[:12])
+
+
 # -------------------------------------------------------------------------------------------------- the swap
 def float_twin(model):
     """The quantized ``model``'s float twin: same architecture with every packed weight dequantized (fp32)."""

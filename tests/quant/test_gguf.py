@@ -93,3 +93,123 @@ def test_packed_default_model_equals_the_weights_minillm_loads(default_gguf, def
     for name, w in packed.items():  # q_proj / k_proj included: the row un-permutation matches transformers'
         dense = w if isinstance(w, torch.Tensor) else w.dequantize()
         assert torch.equal(dense, loaded[name]), name
+
+
+# ---- K-quants and 5-bit blocks, re-blocked into the int4/int8 forms -----------------------------------------------
+def kquant_blocks(kind: str, rows: int, K: int, seed: int, scale: float = 1e-2) -> np.ndarray:
+    """Random bytes [rows, K / block · bytes] laid out as ``kind``'s blocks, with every fp16 d (and dmin) set to a
+    finite value around ``scale``: any bytes are valid codes and sub-scales."""
+    from gguf.constants import GGML_QUANT_SIZES
+
+    rng = np.random.default_rng(seed)
+    qk, size = GGML_QUANT_SIZES[T[kind]]
+    raw = rng.integers(0, 256, (rows * K // qk, size), dtype=np.uint8)
+    where = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "Q5_0": (0,)}[kind]  # byte offsets of fp16 d (dmin)
+    for off in where:
+        d = (rng.uniform(0.5, 1.0, raw.shape[0]) * scale).astype(np.float16)
+        raw[:, off:off + 2] = d.view(np.uint8).reshape(-1, 2)
+    return raw.reshape(rows, -1)
+
+
+def gguf_dequant(raw: np.ndarray, kind: str) -> torch.Tensor:
+    return torch.from_numpy(np.asarray(gguf.quants.dequantize(raw, T[kind]), dtype=np.float32))
+
+
+def test_q4_k_blocks_with_exact_products_load_as_int4_that_dequantizes_bit_for_bit_like_gguf():
+    from minillm.quant.gguf import q4_k_to_int4
+
+    raw = kquant_blocks("Q4_K", 6, 512, seed=3)
+    raw.reshape(-1, 144)[:, 0:4] = np.array([2.0 ** -8, 2.0 ** -6], np.float16).view(np.uint8)  # d·sc exact in fp16
+    mine = q4_k_to_int4(raw.copy(), 6, 512)
+    assert isinstance(mine, Int4Weight) and mine.group_size == 32 and mine.scales.dtype == torch.float16
+    assert torch.equal(mine.dequantize(), gguf_dequant(raw, "Q4_K"))  # codes re-paired, d and m multiplied out
+    assert mine.nbytes * 45 == raw.nbytes * 50  # 5 bits a weight against the file's 4.5
+
+
+def test_q4_k_scales_round_to_fp16_within_half_an_ulp_and_stay_fp32_where_fp16_overflows():
+    from minillm.quant.gguf import q4_k_to_int4
+
+    raw = kquant_blocks("Q4_K", 4, 256 * 3, seed=4)
+    mine, ref = q4_k_to_int4(raw.copy(), 4, 768), gguf_dequant(raw, "Q4_K")
+    bound = (15 * mine.scales.float().abs() + mine.mins.float().abs()).repeat_interleave(32, 1) * 2.0 ** -11
+    err = (mine.dequantize() - ref).abs()
+    assert (err <= bound * 1.001).all() and err.max() > 0  # rounded (d·sc rarely fits fp16), never by more
+    big = raw.copy()
+    big.reshape(-1, 144)[:, 0:2] = np.array([6e4], np.float16).view(np.uint8)  # d·sc beyond 65504 for sc > 1
+    mine = q4_k_to_int4(big.copy(), 4, 768)
+    assert mine.scales.dtype == torch.float32 and torch.equal(mine.dequantize(), gguf_dequant(big, "Q4_K"))
+
+
+def test_q5_0_blocks_load_as_int8_codes_that_dequantize_bit_for_bit_like_gguf():
+    from minillm.quant.gguf import q5_0_to_int8
+
+    for raw in (kquant_blocks("Q5_0", 5, 128, seed=5),
+                gguf.quants.quantize(np.random.default_rng(6).standard_normal((5, 128)).astype(np.float32), T.Q5_0)):
+        mine = q5_0_to_int8(raw.copy(), 5, 128)
+        assert mine.group_size == 32 and int(mine.qweight.min()) >= -16 and int(mine.qweight.max()) <= 15
+        assert torch.equal(mine.dequantize(), gguf_dequant(raw, "Q5_0"))
+
+
+@pytest.mark.parametrize("kind", ["Q6_K", "Q5_K", "Q5_1"])
+def test_six_and_five_bit_blocks_requantize_to_q8_0_within_half_a_step(kind):
+    from minillm.quant.gguf import _requantized
+
+    K = 512
+    raw = (gguf.quants.quantize(np.random.default_rng(7).standard_normal((3, K)).astype(np.float32), T.Q5_1)
+           if kind == "Q5_1" else kquant_blocks(kind, 3, K, seed=8))
+    mine, ref = _requantized(raw.copy(), 3, K, T[kind]), gguf_dequant(raw, kind)
+    assert isinstance(mine, Int8Weight) and mine.group_size == 32 and mine.scales.dtype == torch.float16
+    step = mine.scales.float().repeat_interleave(32, 1)
+    assert ((mine.dequantize() - ref).abs() <= step / 2 * 1.001).all()
+    assert (mine.qweight.view(3, -1, 32).abs().amax(-1) >= 126).all()  # each block's largest weight near ±127
+
+
+def test_quantize_q8_0_keeps_zero_blocks_zero():
+    from minillm.quant.weight import quantize_q8_0
+
+    w = torch.zeros(2, 64)
+    w[1, 32:] = torch.linspace(-1, 1, 32)
+    q = quantize_q8_0(w)
+    assert torch.equal(q.qweight[0], torch.zeros(64, dtype=torch.int8)) and float(q.scales[0].abs().max()) == 0
+    assert int(q.qweight[1, 32:].abs().max()) == 127
+
+
+def write_llama_gguf(path, tensors: dict[str, tuple[np.ndarray, str]], n_head: int, n_kv: int) -> None:
+    """A GGUF with the llama head counts and raw ``(bytes [rows, ...], type name)`` tensors."""
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_head_count(n_head)
+    w.add_head_count_kv(n_kv)
+    for name, (raw, kind) in tensors.items():
+        w.add_tensor(name, raw, raw_dtype=T[kind])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def test_a_q4_k_m_style_file_reads_every_tensor_as_gguf_dequantizes_it_q_and_k_unpermuted(tmp_path):
+    K, n_head, n_kv = 256, 4, 2
+    tensors = {"blk.0.attn_q.weight": (kquant_blocks("Q4_K", 64, K, 10), "Q4_K"),
+               "blk.0.attn_k.weight": (kquant_blocks("Q4_K", 32, K, 11), "Q4_K"),
+               "blk.0.attn_v.weight": (kquant_blocks("Q6_K", 32, K, 12), "Q6_K"),
+               "blk.0.ffn_down.weight": (kquant_blocks("Q5_0", 16, K, 13), "Q5_0"),
+               "output.weight": (kquant_blocks("Q6_K", 48, K, 14), "Q6_K")}
+    write_llama_gguf(tmp_path / "m.gguf", tensors, n_head, n_kv)
+    got = read_gguf_weights(tmp_path / "m.gguf")
+    for name, (raw, kind) in tensors.items():
+        w = got[hf_name(name)]
+        ref = gguf_dequant(raw, kind)
+        if "attn_q" in name or "attn_k" in name:
+            ref = ref[unpermute_index(ref.shape[0], n_head if "attn_q" in name else n_kv)]
+        step = w.scales.float().abs().repeat_interleave(32, 1)
+        tol = (15 * step + w.mins.float().abs().repeat_interleave(32, 1)) * 2.0 ** -11 if kind == "Q4_K" else (
+            step / 2 if kind == "Q6_K" else 0)
+        assert isinstance(w, Int4Weight if kind == "Q4_K" else Int8Weight), name
+        assert ((w.dequantize() - ref).abs() <= tol * 1.001).all(), name
+
+
+def test_an_unsupported_block_type_names_the_conversion_that_fixes_it(tmp_path):
+    write_llama_gguf(tmp_path / "q3.gguf", {"blk.0.attn_v.weight": (kquant_blocks("Q4_K", 8, 256, 1)[:, :110], "Q3_K")},
+                     2, 2)
+    with pytest.raises(ValueError, match="Q3_K.*llama-quantize.*Q4_K_M"):
+        read_gguf_weights(tmp_path / "q3.gguf")

@@ -7,7 +7,9 @@ For each shape (``models.configs.SHAPES``; its checkpoint made once by ``models.
 - fp32, bf16: minillm (``load_model`` in that dtype) and transformers (``from_pretrained``) on the HF directory;
 - q8_0, q4_1, q4_0: minillm on the GGUF's own blocks (``quant.gguf.read_gguf_weights`` + ``model_from_packed``: no
   float round trip; Q4_0 from its own 18-byte blocks, m = −8·d taken by the kernels; a format its reader lacks is
-  reported as failed, with the reader's message) and llama.cpp
+  reported as failed, with the reader's message); q4_k_m (llama.cpp's quantizer made it) re-blocked into int4/int8
+  groups of 32 at load — more bytes than the file, so each peer's decode GB/s counts the bytes it stores
+  (``peer.weight_bytes``) — and llama.cpp
   (``llama-cpp-python``, in its own process, ``perf.bench.llamacpp``: a SIGILL there is reported, not fatal) on
   the same file.
 
@@ -45,7 +47,7 @@ from minillm.perf.bench.llamacpp import LlamaCppPeer
 from minillm.perf.bench.neighbour import COPY_BYTES, Neighbour, check_neighbour, describe_neighbour
 
 FLOAT_FORMATS = ("fp32", "bf16")
-GGUF_FORMATS = ("q8_0", "q4_1", "q4_0")  # the GGUF formats both minillm and llama.cpp are asked to run
+GGUF_FORMATS = ("q8_0", "q4_1", "q4_0", "q4_k_m")  # the GGUF formats both minillm and llama.cpp are asked to run
 FORMATS = FLOAT_FORMATS + GGUF_FORMATS
 PROMPT_LENS = (128, 512, 2048)
 DECODE_PROMPT_LEN = 32  # the prompt before the timed decode steps
@@ -96,6 +98,12 @@ class MinillmPeer:
             self.model = model_from_packed(config, read_gguf_weights(self.source), dtype=torch.float32, device="cpu")
         else:
             self.model = load_model(self.source, dtype="float32" if self.fmt == "fp32" else "bfloat16", device="cpu")
+
+    def weight_bytes(self) -> int:
+        """The bytes of weights its decode step reads, as loaded (``perf.bench.quant.weight_bytes_per_step``)."""
+        from minillm.perf.bench.quant import weight_bytes_per_step
+
+        return weight_bytes_per_step(self.model)
 
     def decode(self, prompt: list[int], n: int) -> float:
         from minillm.perf.bench.quant import decode_rate
@@ -159,16 +167,25 @@ def weight_bytes(config, fmt: str) -> int:
     return total
 
 
+def gguf_weight_bytes(path: Path) -> int:
+    """Bytes of the GGUF's tensors one decode step reads: all of them but an untied embedding (a row lookup)."""
+    from gguf import GGUFReader
+
+    tensors = {t.name: int(t.n_bytes) for t in GGUFReader(path).tensors}
+    return sum(n for name, n in tensors.items() if name != "token_embd.weight" or "output.weight" not in tensors)
+
+
 def _activation_dtype(fmt: str) -> torch.dtype:
     return torch.bfloat16 if fmt == "bf16" else torch.float32
 
 
-def decode_bytes(config, fmt: str, kv_len: int) -> float:
-    """Bytes of one batch-1 decode step at ``kv_len`` cached tokens: ``weight_bytes`` + the K/V read and written."""
+def decode_bytes(config, fmt: str, kv_len: int, weights: int | None = None) -> float:
+    """Bytes of one batch-1 decode step at ``kv_len`` cached tokens: the weights (``weights``, else
+    ``weight_bytes``) + the K/V read and written."""
     from minillm.perf.roofline import decode_step_cost
 
     kv = decode_step_cost(config, 1, kv_len, _activation_dtype(fmt)).breakdown["kv_cache"]
-    return weight_bytes(config, fmt) + kv
+    return (weight_bytes(config, fmt) if weights is None else weights) + kv
 
 
 def prefill_flops(config, prompt_len: int) -> float:
@@ -239,6 +256,7 @@ class _Record:
     """One peer's measurements at one (shape, format) as they accumulate over the repeats."""
 
     peer: object
+    weight_bytes: int | None = None  # what the peer's decode step reads, where it can say (else the format's plan)
     decode: list = field(default_factory=list)
     prefill: dict = field(default_factory=dict)  # prompt_len -> [tok/s, ...]
     error: str | None = None
@@ -259,6 +277,8 @@ def _load(record: _Record, decode_prompt: list[int], prompt: list[int]) -> None:
     """Load the peer and warm it up untimed (first-call costs: native libraries, allocations, thread pools)."""
     try:
         record.peer.load()
+        if hasattr(record.peer, "weight_bytes"):
+            record.weight_bytes = record.peer.weight_bytes()
         record.peer.decode(decode_prompt, 4)
         record.peer.prefill(prompt)
     except Exception as e:  # noqa: BLE001 - e.g. a format minillm's GGUF reader lacks, a SIGILL'd llama.cpp
@@ -330,8 +350,10 @@ def _measure_shape(shape: str, directory: Path, formats, prompt_lens, threads: i
     n_ctx = max(max(prompt_lens), DECODE_PROMPT_LEN + n_tokens) + 16
     for fmt in formats:
         peers, skipped = _peers(directory, shape, fmt, threads, n_ctx)
-        # a peer holds its weights plus, while loading a float format, the bf16 file's tensors (~1.5x)
-        need, free = 1.5 * weight_bytes(config, fmt), available_memory()
+        # a peer holds its weights plus, while loading a float format, the bf16 file's tensors (~1.5x); a GGUF's
+        # re-blocked K-quants take up to ~1.3x the file
+        stored = gguf_path(directory, shape, fmt).stat().st_size if fmt in GGUF_FORMATS else weight_bytes(config, fmt)
+        need, free = 1.5 * stored, available_memory()
         for p in [p for p in peers if need > 0.9 * free]:
             peers.remove(p)
             skipped[p.name] = f"needs ~{need / 1e9:.1f} GB of memory, {free / 1e9:.1f} GB available"
@@ -360,7 +382,7 @@ def _row(shape: str, fmt: str, r: _Record, config, kv_len: int, interleaved: boo
     """A peer's row: medians and every run; the roofline units are filled in by ``_finish_rows``."""
     row = {"shape": shape, "format": fmt, "peer": r.peer.name, "interleaved": interleaved,
            "status": "failed" if r.error and not r.decode else "ok", "reason": r.error,
-           "decode_bytes_per_token": decode_bytes(config, fmt, kv_len)}
+           "decode_bytes_per_token": decode_bytes(config, fmt, kv_len, r.weight_bytes)}
     if getattr(r.peer, "version", None):
         row["version"] = r.peer.version
     if r.decode:
@@ -409,10 +431,10 @@ def print_table(payload: dict) -> None:
           + ", ".join(f"{k} {v:.0f} GFLOP/s" for k, v in payload["matmul_peak_gflop_s"].items())
           + f"; neighbour: {describe_neighbour(payload.get('neighbour', {'kind': 'none'}))}")
     lens = payload["prompt_lens"]
-    print(f"{'shape':<14}{'fmt':<6}{'peer':<14}{'decode tok/s':>13}{'GB/s':>7}{'%read':>6}{'%med':>6}"
+    print(f"{'shape':<14}{'fmt':<8}{'peer':<14}{'decode tok/s':>13}{'GB/s':>7}{'%read':>6}{'%med':>6}"
           + "".join(f"{f'prefill {n}':>14}{'%peak':>6}" for n in lens))
     for r in payload["rows"]:
-        head = f"{r['shape']:<14}{r['format']:<6}{r['peer']:<14}"
+        head = f"{r['shape']:<14}{r['format']:<8}{r['peer']:<14}"
         if "decode_tok_s" not in r:
             print(head + f"{r['status']}: {r.get('reason')}")
             continue

@@ -50,6 +50,23 @@ def prefill_rate(llm, prompt: list[int]) -> float:
     return len(prompt) / (time.perf_counter() - start)
 
 
+def quantize(src: str | os.PathLike, dst: str | os.PathLike, ftype: int, threads: int = 0) -> None:
+    """llama.cpp's own quantizer (``llama_model_quantize``, what ``llama-quantize`` runs) from the GGUF ``src`` to
+    ``dst`` as ``ftype`` (a ``llama_ftype``: 15 is Q4_K_M), in a process of its own (a SIGILL is reported, not fatal).
+    RuntimeError naming the cause when it fails; ``LlamaCppPeer.unavailable()``'s reason when not installed."""
+    if (why := LlamaCppPeer.unavailable()) is not None:
+        raise RuntimeError(why)
+    code = ("import ctypes, sys, llama_cpp\n"
+            "p = llama_cpp.llama_model_quantize_default_params()\n"
+            "p.ftype, p.nthread = int(sys.argv[3]), int(sys.argv[4])\n"
+            "sys.exit(llama_cpp.llama_model_quantize(sys.argv[1].encode(), sys.argv[2].encode(), ctypes.byref(p)))")
+    done = subprocess.run([sys.executable, "-c", code, str(src), str(dst), str(ftype), str(threads)],
+                          capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"llama.cpp could not quantize {src} to {dst} (ftype {ftype}): "
+                           + describe_exit(done.returncode, done.stderr))
+
+
 class PeerDied(RuntimeError):
     """A peer's process ended before answering (a signal such as SIGILL, or an error it printed)."""
 
@@ -97,6 +114,12 @@ class LlamaCppPeer:
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True,
                                      env=env)
         self.version = self._answer().get("version")
+
+    def weight_bytes(self) -> int:
+        """The bytes of the GGUF's tensors its decode step reads (``cpu_peers.gguf_weight_bytes``)."""
+        from minillm.perf.bench.cpu_peers import gguf_weight_bytes
+
+        return gguf_weight_bytes(self.gguf)
 
     def _answer(self) -> dict:
         line = self.proc.stdout.readline()
