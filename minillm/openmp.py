@@ -134,22 +134,36 @@ def _omp_setters() -> list:
     return _SETTERS
 
 
-def busy_cpus() -> int:
-    """CPUs that other work is running on now: the kernel's count of runnable threads (/proc/stat procs_running)
-    less this process's own runnable threads (its OpenMP workers spin between regions).  0 without /proc."""
+def _own_running() -> int:
+    """This process's runnable threads now (/proc/self/task/*/stat state R)."""
+    own = 0
+    for task in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{task}/stat") as f:
+                own += f.read().rsplit(")", 1)[1].split()[0] == "R"
+        except OSError:
+            continue
+    return own
+
+
+def _procs_running() -> int:
+    """The kernel's count of runnable threads on every CPU now (/proc/stat procs_running)."""
+    with open("/proc/stat") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("procs_running"))
+
+
+def busy_cpus(running=_procs_running, own_running=_own_running) -> int:
+    """CPUs that other work is running on now: the kernel's count of runnable threads less this process's own
+    runnable threads (its OpenMP workers spin between regions).  Ours are counted just before and just after the
+    kernel's count and the larger taken: a worker that stops spinning (or wakes) while the files are read would
+    otherwise be counted as another process's, and a quiet host's decode would drop a thread.  0 without /proc."""
     try:
-        with open("/proc/stat") as f:
-            running = next(int(line.split()[1]) for line in f if line.startswith("procs_running"))
-        own = 0
-        for task in os.listdir("/proc/self/task"):
-            try:
-                with open(f"/proc/self/task/{task}/stat") as f:
-                    own += f.read().rsplit(")", 1)[1].split()[0] == "R"
-            except OSError:
-                continue
+        before = own_running()
+        total = running()
+        own = max(before, own_running())
     except (OSError, StopIteration, ValueError):
         return 0
-    return max(0, running - own)
+    return max(0, total - own)
 
 
 class DecodeThreads:

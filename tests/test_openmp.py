@@ -160,6 +160,18 @@ def test_busy_cpus_counts_other_processes_running_not_our_own_threads():
         spinner.wait()
 
 
+def test_busy_cpus_counts_our_thread_that_stops_spinning_while_it_reads_as_ours():
+    """Our OpenMP worker runnable when the kernel counts (2 running: it and the reader) but asleep by the second
+    look at our threads: it is ours, not another process's."""
+    from minillm.openmp import busy_cpus
+
+    looks = iter([2, 1])  # our runnable threads before and after the kernel's count
+    assert busy_cpus(running=lambda: 2, own_running=lambda: next(looks)) == 0
+    looks = iter([1, 2])  # ... and one that wakes while the files are read
+    assert busy_cpus(running=lambda: 2, own_running=lambda: next(looks)) == 0
+    assert busy_cpus(running=lambda: 3, own_running=lambda: 1) == 2  # two threads of other processes
+
+
 def test_decode_threads_keep_the_configured_count_when_pinned_to_some_cpus(monkeypatch):
     from minillm.openmp import DecodeThreads
 
