@@ -358,8 +358,9 @@ def load_model(model: str | os.PathLike | None = None, *, dtype: str | torch.dty
     (the default model included) uses the file's own blocks — Q4_1/Q4_0/Q8_0 as they are, K-quants (a Q4_K_M
     file) re-blocked into int4/int8 groups of 32 (``quant.gguf``); other checkpoints are quantized on load.
     "awq" / "gptq" quantize the float weights on load to int4 groups of 128 (64 where 128 does not divide K),
-    calibrated layer by layer on the calibration half of ``pydoc_data.topics`` with the model's tokenizer (minutes on a CPU even for SmolLM2-135M, GPTQ longer than AWQ); a GGUF (the default model's Q4_1
-    included) is first dequantized to fp32, so they re-quantize already 4-bit weights.
+    calibrated layer by layer on the calibration half of ``pydoc_data.topics`` with the model's tokenizer (minutes
+    on a CPU even for SmolLM2-135M, GPTQ longer than AWQ); a GGUF (the default model's Q4_1 included) is first
+    dequantized to fp32, so they re-quantize already 4-bit weights.
     "w8a8" | "w8a8-static" | "w8a8-smooth" | "fp8" quantize the activations too (``quant.smooth``): int8 weights
     per channel and int8 activations (per token, or static per tensor), integer GEMMs; "w8a8-smooth" folds
     SmoothQuant's factors (``quantization_config={"alpha": α}``, default 0.5) calibrated on the same split; "fp8"
