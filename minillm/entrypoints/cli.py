@@ -92,7 +92,9 @@ def _stream_reply(llm, prompt, params, out=sys.stdout):
 
 
 def _print_metrics(llm, m, out=sys.stderr) -> None:
-    """TTFT, TPOT and decode rate of one reply, and the memory bandwidth its decode achieved (MBU)."""
+    """TTFT, TPOT and decode rate of one reply, and the memory bandwidth its decode achieved (MBU): the bytes of one
+    decode step with the weights as the model stores them (packed when quantized, ``weight_bytes_per_step``)."""
+    from minillm.perf.bench.quant import weight_bytes_per_step
     from minillm.perf.machine import machine_spec
     from minillm.perf.roofline import decode_step_cost
 
@@ -103,7 +105,8 @@ def _print_metrics(llm, m, out=sys.stderr) -> None:
         bw = spec.memory_bandwidth
         step = decode_step_cost(llm.model.config, batch=1, kv_len=m.prompt_tokens + m.output_tokens // 2,
                                 dtype=llm.model.dtype)
-        achieved = step.bytes * m.decode_tokens_per_s
+        nbytes = step.bytes - step.breakdown["weights"] + weight_bytes_per_step(llm.model)
+        achieved = nbytes * m.decode_tokens_per_s
         line += f" | {achieved / 1e9:.1f} GB/s = MBU {achieved / bw:.0%} of {bw / 1e9:.1f} GB/s measured"
     print(line, file=out)
 

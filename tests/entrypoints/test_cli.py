@@ -26,6 +26,39 @@ def test_generate_streams_text_then_prints_ttft_tpot_and_mbu():
     assert "TTFT" in r.stderr and "TPOT" in r.stderr and "tok/s" in r.stderr and "MBU" in r.stderr
 
 
+def test_the_mbu_line_counts_the_weights_as_the_model_stores_them(monkeypatch, capsys):
+    """An int4 model's decode reads its packed bytes, not the fp32 weights its activations' dtype would give."""
+    import io
+    import re
+    import types
+
+    import torch
+
+    from minillm.models.loader import load_model
+    from minillm.outputs import RequestMetrics
+    from minillm.perf import machine
+    from minillm.perf.bench.quant import weight_bytes_per_step
+    from minillm.perf.roofline import decode_step_cost
+
+    monkeypatch.setattr(machine, "machine_spec", lambda device, quick=True: types.SimpleNamespace(
+        memory_bandwidth=100e9))
+    m = RequestMetrics(prompt_tokens=10, start_s=0.0)
+    for i in range(11):  # the first token at 0.1 s, then one every 0.1 s: 10 decode tok/s
+        m.record_token(0.1 * (i + 1))
+    m.finish_s = 1.1
+    reports = {}
+    for quant in (None, "int4"):
+        model = load_model(None, dtype="float32", device="cpu", quantization=quant)
+        out = io.StringIO()
+        cli._print_metrics(types.SimpleNamespace(model=model), m, out=out)
+        step = decode_step_cost(model.config, batch=1, kv_len=15, dtype=torch.float32)
+        want = (step.bytes - step.breakdown["weights"] + weight_bytes_per_step(model)) * m.decode_tokens_per_s
+        got = float(re.search(r"([\d.]+) GB/s = MBU", out.getvalue()).group(1)) * 1e9
+        assert abs(got - want) <= 0.06e9, (quant, out.getvalue())
+        reports[quant] = got
+    assert reports["int4"] < reports[None] / 4  # ~5.6x fewer bytes than fp32
+
+
 @pytest.mark.slow
 def test_chat_answers_and_exits():
     r = run("chat", "--max-tokens", "12", stdin="What is the capital of France?\n/exit\n")
