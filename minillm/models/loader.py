@@ -62,15 +62,18 @@ class Checkpoint:
     description: str  # what the user asked for, for messages
 
 
-def resolve(model: str | os.PathLike | None) -> Checkpoint:
-    """Turn ``model`` into a local directory of config.json + safetensors, converting GGUF once (cached)."""
+def resolve(model: str | os.PathLike | None, weights: bool = True) -> Checkpoint:
+    """Turn ``model`` into a local directory of config.json + safetensors, converting GGUF once (cached).
+    ``weights=False``: a GGUF's config and tokenizer only — what a caller that reads the file's blocks itself needs
+    (``load_model(..., quantization="int4")``, ``load_tokenizer``); its fp32 weights are written the first time a
+    caller asks for them."""
     if model is None:
-        return _from_gguf(default_model_path())
+        return _from_gguf(default_model_path(), weights)
     path = Path(model).expanduser()
     if path.suffix == ".gguf":
         if not path.is_file():
             raise FileNotFoundError(f"GGUF file {path} does not exist")
-        return _from_gguf(path)
+        return _from_gguf(path, weights)
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise FileNotFoundError(f"{path} has no config.json: a model directory needs config.json and "
@@ -152,28 +155,35 @@ def _prune(models: Path, keep: Path, days: float = CACHE_UNUSED_DAYS) -> None:
             continue
 
 
-def _from_gguf(path: Path) -> Checkpoint:
+def _from_gguf(path: Path, weights: bool = True) -> Checkpoint:
+    """The cached conversion of ``path``: config.json and the tokenizer, written once; with ``weights`` also
+    model.safetensors, the file dequantized to fp32 (the whole model in fp32: 4× a 8-bit file's bytes, 7× a 4-bit
+    one's — only the float path reads it)."""
     models = cache_root() / "models"
     out = models / f"{path.stem}-{_content_key(path, models)}"
     if (out / "complete").exists():
         os.utime(out)  # used now: pruning goes by the directory's mtime
-        return Checkpoint(out, str(path))
-    from safetensors.torch import save_file
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    else:
+        _convert_gguf_metadata(path, out)
+        _prune(models, keep=out)
+    if weights and not (out / "model.safetensors").exists():
+        _convert_gguf_weights(path, out)
+    return Checkpoint(out, str(path))
 
-    print(f"minillm: converting {path.name} once (dequantizing GGUF); cached in {out}", flush=True)
-    hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
-    # Written to a private directory, then renamed into place: processes converting at once (test workers, a
-    # notebook kernel) never read or write each other's half-written files; a crash leaves no half cache.
+
+def _convert_gguf_metadata(path: Path, out: Path) -> None:
+    """config.json (the checkpoint dtype fp32: what ``_convert_gguf_weights`` writes) and the tokenizer into ``out``.
+    Written to a private directory, then renamed into place: processes converting at once (test workers, a notebook
+    kernel) never read or write each other's half-written files; a crash leaves no half cache."""
+    from transformers import AutoConfig, AutoTokenizer
+
     work = out.with_name(f"{out.name}.tmp-{os.getpid()}")
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
-    config = hf.config.to_dict()
+    config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name).to_dict()
     config.pop("quantization_config", None)
+    config["dtype"] = "float32"
     (work / "config.json").write_text(json.dumps(config, indent=2, default=str))
-    state = {k: v.contiguous() for k, v in hf.state_dict().items() if k != "lm_head.weight" or
-             not hf.config.tie_word_embeddings}
-    save_file(state, work / "model.safetensors")
     AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name).save_pretrained(work)
     (work / "complete").write_text("ok\n")
     if out.exists() and not (out / "complete").exists():  # half written in place by an older minillm
@@ -184,8 +194,21 @@ def _from_gguf(path: Path) -> Checkpoint:
         shutil.rmtree(work, ignore_errors=True)
         if not (out / "complete").exists():
             raise
-    _prune(models, keep=out)
-    return Checkpoint(out, str(path))
+
+
+def _convert_gguf_weights(path: Path, out: Path) -> None:
+    """``out``/model.safetensors: every tensor of ``path`` dequantized to fp32 by transformers (the tied LM head
+    once), written under a private name and renamed into place (atomic; a concurrent writer writes the same)."""
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    print(f"minillm: converting {path.name} once (dequantizing GGUF); cached in {out}", flush=True)
+    hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    state = {k: v.contiguous() for k, v in hf.state_dict().items() if k != "lm_head.weight" or
+             not hf.config.tie_word_embeddings}
+    tmp = out / f"model.safetensors.tmp-{os.getpid()}"
+    save_file(state, tmp)
+    os.replace(tmp, out / "model.safetensors")
 
 
 def load_config(checkpoint: Checkpoint) -> ModelConfig:
@@ -367,15 +390,16 @@ def load_model(model: str | os.PathLike | None = None, *, dtype: str | torch.dty
     needs a CUDA GPU of compute capability ≥ 8.9 (ValueError elsewhere, before anything loads).
     """
     check_quantization(quantization, quantization_config)
-    ckpt = resolve(model)
+    gguf = default_model_path() if model is None else Path(model).expanduser()
+    packed = quantization == "int4" and gguf.suffix == ".gguf"  # the file's own blocks: no fp32 conversion
+    ckpt = resolve(model, weights=not packed)
     config = load_config(ckpt)
     raw = json.loads((ckpt.directory / "config.json").read_text())
     dev = resolve_device(device)
     if quantization == "fp8" and (why := fp8_supported(dev)) is not None:
         raise ValueError(why)
     dt = resolve_dtype(dtype, raw.get("torch_dtype") or raw.get("dtype"), dev)
-    gguf = default_model_path() if model is None else Path(model).expanduser()
-    if quantization == "int4" and gguf.suffix == ".gguf":
+    if packed:
         from minillm.quant.apply import model_from_packed
         from minillm.quant.gguf import read_gguf_weights
 
@@ -405,7 +429,7 @@ def load_tokenizer(model: str | os.PathLike | None = None):
     """The transformers tokenizer that belongs to ``model`` (same sources as ``load_model``)."""
     from transformers import AutoTokenizer
 
-    ckpt = resolve(model)
+    ckpt = resolve(model, weights=False)
     try:
         return AutoTokenizer.from_pretrained(ckpt.directory)
     except (OSError, ValueError) as e:

@@ -68,7 +68,7 @@ def synthetic_config(shape: str) -> ModelConfig:
     """``shape``'s config as ``make_model`` writes it: the default model's vocabulary and token ids, plain RoPE."""
     from minillm.models.loader import load_config, resolve
 
-    default = load_config(resolve(None))
+    default = load_config(resolve(None, weights=False))
     return replace(shape_config(shape), vocab_size=default.vocab_size, rope_scaling=RopeScaling(),
                    bos_token_id=default.bos_token_id, eos_token_ids=default.eos_token_ids)
 
@@ -207,9 +207,9 @@ def _write_hf_files(out: Path, config: ModelConfig, dtype: str) -> None:
     tokenizer files."""
     from minillm.models.loader import resolve
 
-    src = resolve(None).directory
+    src = resolve(None, weights=False).directory
     for f in src.iterdir():
-        if f.name not in ("config.json", "complete") and f.suffix != ".safetensors":
+        if f.name not in ("config.json", "complete") and ".safetensors" not in f.name:
             shutil.copyfile(f, out / f.name)
     pad = json.loads((src / "config.json").read_text()).get("pad_token_id")
     hf = hf_config_dict(config) | {"architectures": ["LlamaForCausalLM"], "model_type": "llama",

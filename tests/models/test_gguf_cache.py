@@ -76,3 +76,25 @@ def test_a_changed_file_gets_its_own_conversion_and_writing_it_removes_stale_one
     assert new != old and (new / "complete").exists() and old.exists()
     assert not stale.exists() and not dead.exists()  # unused for a month; a half conversion whose writer is gone
     assert recent.exists() and live.exists()  # used lately; a half conversion still being written
+
+
+def test_reading_a_gguf_s_own_blocks_writes_no_fp32_copy_until_the_float_path_asks(gguf, tmp_path, monkeypatch,
+                                                                                   capsys):
+    """``quantization="int4"`` and the tokenizer need the config and tokenizer only; the fp32 weights (7× a 4-bit
+    file) are written the first time a float load asks for them, once."""
+    import torch
+
+    monkeypatch.setenv("MINILLM_CACHE", str(tmp_path / "own-cache"))
+    packed = loader.load_model(gguf, dtype="float32", device="cpu", quantization="int4")
+    loader.load_tokenizer(gguf)
+    (conversion,) = (tmp_path / "own-cache" / "models").glob("tiny-*")
+    assert (conversion / "complete").exists() and (conversion / "config.json").exists()
+    assert not list(conversion.glob("*.safetensors*")) and "converting" not in capsys.readouterr().out
+    full = loader.load_model(gguf, dtype="float32", device="cpu")
+    assert (conversion / "model.safetensors").exists() and capsys.readouterr().out.count("converting") == 1
+    loader.load_model(gguf, dtype="float32", device="cpu")
+    assert "converting" not in capsys.readouterr().out
+    ids = torch.tensor([[1, 2, 3, 400]])
+    with torch.inference_mode():  # the same model both ways: Q8_0 blocks against their fp32 dequantization
+        a, b = packed(ids, torch.arange(4)[None]), full(ids, torch.arange(4)[None])
+    assert (a - b).abs().max() < 0.05 * b.abs().max()
