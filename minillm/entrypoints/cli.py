@@ -458,8 +458,8 @@ def _bench_parser(sub) -> None:
     peers = b.add_argument_group("cpu-peers (minillm beside llama.cpp and transformers at published shapes)")
     peers.add_argument("--shapes", default=None, help=f"comma-separated, of {', '.join(SHAPES)} (default: "
                                                       "llama-3.2-1b); made once by make-model under --models-dir")
-    peers.add_argument("--formats", default=None, help="comma-separated, of fp32, bf16, q8_0, q4_1, q4_0 (default: "
-                                                       "all)")
+    peers.add_argument("--formats", default=None, help="comma-separated, of fp32, bf16, q8_0, q4_1, q4_0, q4_k_m "
+                                                       "(default: all)")
     peers.add_argument("--prompt-lens", default=None, help="prefill prompt lengths (default: 128,512,2048)")
     peers.add_argument("--models-dir", default=None, help="where the shapes' checkpoints are made and kept "
                                                           "(default: the minillm cache's shapes/)")

@@ -61,10 +61,12 @@ def models_dir_default() -> Path:
 
 def ensure_checkpoint(shape: str, formats: tuple[str, ...], models_dir: Path) -> Path:
     """``models_dir/shape``: the shape's bf16 HF directory and the GGUFs ``formats`` need, made once (seed 0)."""
-    from minillm.models.synthetic import make_model, print_report
+    from minillm.models.synthetic import LLAMA_QUANTIZED, make_model, print_report
 
     out = Path(models_dir) / shape
     gguf = [f for f in formats if f in GGUF_FORMATS]
+    if LlamaCppPeer.unavailable() is not None:  # llama.cpp's quantizer writes these: their rows say so instead
+        gguf = [f for f in gguf if f not in LLAMA_QUANTIZED]
     if not (out / "config.json").exists() or any(not gguf_path(out, shape, f).exists() for f in gguf):
         print(f"[making the {shape} checkpoint in {out}]", flush=True)
         print_report(make_model(shape, out, gguf=gguf, dtype="bfloat16"))
@@ -349,6 +351,11 @@ def _measure_shape(shape: str, directory: Path, formats, prompt_lens, threads: i
     prompts = {n: torch.randint(100, config.vocab_size, (n,), generator=gen).tolist() for n in prompt_lens}
     n_ctx = max(max(prompt_lens), DECODE_PROMPT_LEN + n_tokens) + 16
     for fmt in formats:
+        if fmt in GGUF_FORMATS and not gguf_path(directory, shape, fmt).exists():
+            why = f"no {gguf_path(directory, shape, fmt).name}: {LlamaCppPeer.unavailable()}"
+            rows += [{"shape": shape, "format": fmt, "peer": name, "status": "skipped", "reason": why}
+                     for name in ("minillm", "llama.cpp")]
+            continue
         peers, skipped = _peers(directory, shape, fmt, threads, n_ctx)
         # a peer holds its weights plus, while loading a float format, the bf16 file's tensors (~1.5x); a GGUF's
         # re-blocked K-quants take up to ~1.3x the file
