@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import shlex
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -61,6 +62,9 @@ def bench_serve_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cpu", help="with --peers: the device every server runs on")
     p.add_argument("--dtype", default=None, help="with --peers: minillm's and vLLM's --dtype (default: minillm's "
                                                  "own; vLLM float32 on CPU, where it would run fp32 weights in bf16)")
+    p.add_argument("--minillm-args", default="", metavar="ARGS",
+                   help="with --peers: more options for minillm's server, one quoted string, e.g. "
+                        "'--ttft-slo-ms 2000' (its SLO admission)")
     p.add_argument("--json-schema", default=None, metavar="FILE",
                    help="also run the same trace with every answer constrained to this JSON schema "
                         "(response_format json_schema) and report the cost two ways: as served (natural answer "
@@ -93,6 +97,9 @@ def bench_serve_main(argv: Sequence[str]) -> int:
         schema = _json_schema(a.json_schema)
         if a.peers and schema is not None:
             raise ValueError("--json-schema measures one server (--base-url); drop --peers")
+        if a.minillm_args and not a.peers:
+            raise ValueError("--minillm-args are options for the minillm server --peers starts; with --base-url, "
+                             "pass them to that server yourself")
         if a.peers:
             _bench_serve_peers(a, ttft, tpot)
             return 0
@@ -112,7 +119,8 @@ def _bench_serve_peers(a: argparse.Namespace, ttft_slo_s: float, tpot_slo_s: flo
     from minillm.perf.bench import peers  # starts server processes: imported only for --peers
 
     peers.compare_servers([p.strip() for p in a.peers.split(",") if p.strip()], _rates(a.request_rate),
-                          a.num_prompts, device=a.device, dtype=a.dtype, save=not a.no_save,
+                          a.num_prompts, device=a.device, dtype=a.dtype, minillm_args=shlex.split(a.minillm_args),
+                          save=not a.no_save,
                           out_dir=Path(a.result_dir) if a.result_dir else None, seed=a.seed, max_tokens=a.max_tokens,
                           endpoint=a.endpoint, burstiness=a.burstiness, ignore_eos=a.ignore_eos,
                           ttft_slo_s=ttft_slo_s, tpot_slo_s=tpot_slo_s, max_concurrency=a.max_concurrency,

@@ -94,3 +94,15 @@ def test_the_overload_factor_reaches_every_peers_run_and_its_verdict_is_printed(
     assert bench_serve_main(["--peers", "minillm", "--request-rate", "1", "--overload", "2", "--no-save"]) == 0
     assert seen["overload"] == 2.0 and seen["names"] == ["minillm"]
     assert "minillm: overload 2x capacity" in capsys.readouterr().out
+
+
+def test_minillm_args_reach_the_server_peers_starts_and_are_refused_without_peers(monkeypatch, capsys):
+    seen = {}
+    monkeypatch.setattr(peers, "compare_servers", lambda names, rates, n, **options: seen.update(options) or {})
+    assert bench_serve_main(["--peers", "minillm,vllm", "--minillm-args", "--ttft-slo-ms 2000 --max-num-seqs 8",
+                             "--no-save"]) == 0
+    assert seen["minillm_args"] == ["--ttft-slo-ms", "2000", "--max-num-seqs", "8"]
+    peer = peers.make_peer("minillm", minillm_args=seen["minillm_args"])
+    assert peer.command[-4:] == ("--ttft-slo-ms", "2000", "--max-num-seqs", "8")
+    assert bench_serve_main(["--minillm-args", "--ttft-slo-ms 2000", "--no-save"]) == 2
+    assert "--minillm-args are options for the minillm server --peers starts" in capsys.readouterr().err

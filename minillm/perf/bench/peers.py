@@ -256,7 +256,9 @@ def compare_servers(peers: Sequence[str] = ("minillm", "transformers", "llamacpp
     if save:
         rates = "-".join(f"{r:g}" for r in request_rates)
         dtype_tag = f"-{dtype}" if dtype else ""  # an fp32 and a bf16 sweep of one device keep separate files
-        payload["path"] = str(save_results(f"serve-peers-{device}{dtype_tag}-rate{rates}", payload, out_dir))
+        args_tag = "".join(f"-{a.strip('-')}" for a in minillm_args)  # ... and a run with minillm's options
+        payload["path"] = str(save_results(f"serve-peers-{device}{dtype_tag}{args_tag}-rate{rates}", payload,
+                                           out_dir))
         print(f"saved {payload['path']}")
     return payload
 
