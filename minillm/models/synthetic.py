@@ -27,8 +27,12 @@ is held, never the model (an 8B shape is 16 GB in bf16, 32 GB in fp32).
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import shutil
+import signal
+import subprocess
+import sys
 import time
 import zlib
 from dataclasses import dataclass, replace
@@ -218,6 +222,34 @@ def _write_hf_files(out: Path, config: ModelConfig, dtype: str) -> None:
     (out / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
 
 
+def llama_cpp_unavailable() -> str | None:
+    """Why llama.cpp (``llama-cpp-python``) cannot run here, or None — found without importing it: a build that
+    faults on this CPU must not load into this process."""
+    if importlib.util.find_spec("llama_cpp") is None:
+        return "llama-cpp-python is not installed (the optional bench extra: pip install 'minillm[bench]')"
+    return None
+
+
+def llama_quantize(src: Path, dst: Path, ftype: int, threads: int = 0) -> None:
+    """llama.cpp's own quantizer (``llama_model_quantize``, what ``llama-quantize`` runs) from the GGUF ``src`` to
+    ``dst`` as ``ftype`` (a ``llama_ftype``: 15 is Q4_K_M), in a process of its own: a build that dies of SIGILL on
+    this CPU is reported, not fatal.  RuntimeError naming the cause when it fails."""
+    if (why := llama_cpp_unavailable()) is not None:
+        raise RuntimeError(why)
+    code = ("import ctypes, sys, llama_cpp\n"
+            "p = llama_cpp.llama_model_quantize_default_params()\n"
+            "p.ftype, p.nthread = int(sys.argv[3]), int(sys.argv[4])\n"
+            "sys.exit(llama_cpp.llama_model_quantize(sys.argv[1].encode(), sys.argv[2].encode(), ctypes.byref(p)))")
+    done = subprocess.run([sys.executable, "-c", code, str(src), str(dst), str(ftype), str(threads)],
+                          capture_output=True, text=True)
+    if done.returncode != 0:
+        how = (f"killed by {signal.Signals(-done.returncode).name}" if done.returncode < 0
+               else f"exit status {done.returncode}")
+        tail = " | ".join(done.stderr.strip().splitlines()[-3:])
+        raise RuntimeError(f"llama.cpp could not quantize {src} to {dst} (ftype {ftype}): {how}"
+                           + (f": {tail}" if tail else ""))
+
+
 def gguf_file_name(shape: str, fmt: str) -> str:
     """``llama-3.2-1b-Q4_1.gguf`` for ("llama-3.2-1b", "q4_1"): llama.cpp's naming, the format upper-case."""
     return f"{shape}-{fmt.upper()}.gguf"
@@ -231,9 +263,7 @@ def check_formats(gguf: tuple[str, ...] | list[str], dtype: str) -> None:
     if dtype not in HF_DTYPES:
         raise ValueError(f"--dtype must be one of {', '.join(HF_DTYPES)}, got {dtype!r}")
     if any(f in LLAMA_QUANTIZED for f in gguf):
-        from minillm.perf.bench.llamacpp import LlamaCppPeer
-
-        if (why := LlamaCppPeer.unavailable()) is not None:
+        if (why := llama_cpp_unavailable()) is not None:
             raise ValueError(f"--gguf {', '.join(f for f in gguf if f in LLAMA_QUANTIZED)} is written by llama.cpp's "
                              f"quantizer, but {why}")
 
@@ -265,9 +295,7 @@ def make_model(shape: str, out: str | Path, gguf: tuple[str, ...] | list[str] = 
         for w in writers.values():
             w.close()
     for fmt in by_llama:  # from the f16 file, which holds the dtype-rounded weights exactly
-        from minillm.perf.bench.llamacpp import quantize
-
-        quantize(out / gguf_file_name(shape, "f16"), out / gguf_file_name(shape, fmt), LLAMA_QUANTIZED[fmt])
+        llama_quantize(out / gguf_file_name(shape, "f16"), out / gguf_file_name(shape, fmt), LLAMA_QUANTIZED[fmt])
     if len(shards) > 1:
         index = {"metadata": {"total_size": sum(int(np.prod(p.shape)) * torch_dtype.itemsize for p in plans)},
                  "weight_map": {p.hf: f for group, f in zip(shards, files, strict=True) for p in group}}

@@ -152,16 +152,19 @@ def test_each_peer_counts_the_bytes_it_stores_which_for_a_gguf_s_own_blocks_are_
 
 
 def test_a_q4_k_m_model_needs_llama_cpp_s_quantizer_and_says_so_before_writing_anything(tmp_path, monkeypatch):
+    from minillm.models import synthetic
     from minillm.models.synthetic import make_model
 
-    monkeypatch.setattr(LlamaCppPeer, "unavailable", staticmethod(lambda: "llama-cpp-python is not installed"))
+    monkeypatch.setattr(synthetic, "llama_cpp_unavailable", lambda: "llama-cpp-python is not installed")
     with pytest.raises(ValueError, match="q4_k_m is written by llama.cpp's quantizer, but llama-cpp-python is not"):
         make_model("tiny", tmp_path / "m", gguf=("q4_k_m",))
     assert not (tmp_path / "m").exists()
 
 
 def test_without_llama_cpp_a_q4_k_m_row_says_why_and_the_other_formats_run(tmp_path, monkeypatch):
-    monkeypatch.setattr(LlamaCppPeer, "unavailable", staticmethod(lambda: "llama-cpp-python is not installed"))
+    from minillm.models import synthetic
+
+    monkeypatch.setattr(synthetic, "llama_cpp_unavailable", lambda: "llama-cpp-python is not installed")
     got = bench_cpu_peers(shapes=("tiny",), formats=("q4_0", "q4_k_m"), prompt_lens=(8,), threads=1, repeats=1,
                           n_tokens=4, models_dir=tmp_path, save=False, probe_bytes=8 << 20, matmul_n=64)
     rows = {(r["format"], r["peer"]): r for r in got["rows"]}

@@ -169,14 +169,6 @@ def weight_bytes(config, fmt: str) -> int:
     return total
 
 
-def gguf_weight_bytes(path: Path) -> int:
-    """Bytes of the GGUF's tensors one decode step reads: all of them but an untied embedding (a row lookup)."""
-    from gguf import GGUFReader
-
-    tensors = {t.name: int(t.n_bytes) for t in GGUFReader(path).tensors}
-    return sum(n for name, n in tensors.items() if name != "token_embd.weight" or "output.weight" not in tensors)
-
-
 def _activation_dtype(fmt: str) -> torch.dtype:
     return torch.bfloat16 if fmt == "bf16" else torch.float32
 

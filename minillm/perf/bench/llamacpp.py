@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import importlib.util
 import json
 import os
 import signal
@@ -50,21 +49,12 @@ def prefill_rate(llm, prompt: list[int]) -> float:
     return len(prompt) / (time.perf_counter() - start)
 
 
-def quantize(src: str | os.PathLike, dst: str | os.PathLike, ftype: int, threads: int = 0) -> None:
-    """llama.cpp's own quantizer (``llama_model_quantize``, what ``llama-quantize`` runs) from the GGUF ``src`` to
-    ``dst`` as ``ftype`` (a ``llama_ftype``: 15 is Q4_K_M), in a process of its own (a SIGILL is reported, not fatal).
-    RuntimeError naming the cause when it fails; ``LlamaCppPeer.unavailable()``'s reason when not installed."""
-    if (why := LlamaCppPeer.unavailable()) is not None:
-        raise RuntimeError(why)
-    code = ("import ctypes, sys, llama_cpp\n"
-            "p = llama_cpp.llama_model_quantize_default_params()\n"
-            "p.ftype, p.nthread = int(sys.argv[3]), int(sys.argv[4])\n"
-            "sys.exit(llama_cpp.llama_model_quantize(sys.argv[1].encode(), sys.argv[2].encode(), ctypes.byref(p)))")
-    done = subprocess.run([sys.executable, "-c", code, str(src), str(dst), str(ftype), str(threads)],
-                          capture_output=True, text=True)
-    if done.returncode != 0:
-        raise RuntimeError(f"llama.cpp could not quantize {src} to {dst} (ftype {ftype}): "
-                           + describe_exit(done.returncode, done.stderr))
+def gguf_weight_bytes(path: Path) -> int:
+    """Bytes of the GGUF's tensors one decode step reads: all of them but an untied embedding (a row lookup)."""
+    from gguf import GGUFReader
+
+    tensors = {t.name: int(t.n_bytes) for t in GGUFReader(path).tensors}
+    return sum(n for name, n in tensors.items() if name != "token_embd.weight" or "output.weight" not in tensors)
 
 
 class PeerDied(RuntimeError):
@@ -100,9 +90,9 @@ class LlamaCppPeer:
     @staticmethod
     def unavailable() -> str | None:
         """Why llama.cpp cannot run here, or None (found without importing it: a bad build must not load here)."""
-        if importlib.util.find_spec("llama_cpp") is None:
-            return "llama-cpp-python is not installed (the optional bench extra: pip install 'minillm[bench]')"
-        return None
+        from minillm.models.synthetic import llama_cpp_unavailable
+
+        return llama_cpp_unavailable()
 
     def load(self) -> None:
         import minillm
@@ -116,9 +106,7 @@ class LlamaCppPeer:
         self.version = self._answer().get("version")
 
     def weight_bytes(self) -> int:
-        """The bytes of the GGUF's tensors its decode step reads (``cpu_peers.gguf_weight_bytes``)."""
-        from minillm.perf.bench.cpu_peers import gguf_weight_bytes
-
+        """The bytes of the GGUF's tensors its decode step reads (``gguf_weight_bytes``)."""
         return gguf_weight_bytes(self.gguf)
 
     def _answer(self) -> dict:
