@@ -139,7 +139,8 @@ def test_each_peer_counts_the_bytes_it_stores_which_for_a_gguf_s_own_blocks_are_
     from pathlib import Path
 
     from minillm.models.synthetic import synthetic_config
-    from minillm.perf.bench.cpu_peers import MinillmPeer, gguf_path, gguf_weight_bytes
+    from minillm.perf.bench.cpu_peers import MinillmPeer, gguf_path
+    from minillm.perf.bench.llamacpp import gguf_weight_bytes
 
     models, c = Path(payload["models_dir"]) / "tiny", synthetic_config("tiny")
     for fmt in ("q4_1", "q4_0"):
