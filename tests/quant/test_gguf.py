@@ -228,3 +228,54 @@ def test_an_unsupported_block_type_names_the_conversion_that_fixes_it(tmp_path):
                      2, 2)
     with pytest.raises(ValueError, match="Q3_K.*llama-quantize.*Q4_K_M"):
         read_gguf_weights(tmp_path / "q3.gguf")
+
+
+def test_a_llama_of_q4_k_weights_runs_its_records_as_the_expanded_fp32_form_bit_for_bit():
+    """A tiny Llama whose every linear, tied head and embedding are Q4_K blocks (K = 256 and 512) loaded as K records:
+    its logits (per-layer path) and the engine's greedy tokens (the fused native decode step) equal those of the same
+    weights with d·sc and −dmin·mn expanded to fp32 — while it holds 20 bytes of scales per 256 weights, not 64."""
+    from minillm import EngineConfig, LLMEngine, ModelConfig, SamplingParams
+    from minillm.engine.native_runner import NativeRunner
+    from minillm.kernels.cpu import decode
+    from minillm.layers.linear import QuantLinear
+    from minillm.quant.apply import model_from_packed
+    from minillm.quant.gguf import q4_k_to_int4
+
+    cfg = ModelConfig(vocab_size=96, hidden_size=256, intermediate_size=512, num_layers=2, num_heads=4,
+                      num_kv_heads=2, head_dim=64, max_position_embeddings=64, tie_word_embeddings=True)
+    shapes = {"self_attn.q_proj": (256, 256), "self_attn.k_proj": (128, 256), "self_attn.v_proj": (128, 256),
+              "self_attn.o_proj": (256, 256), "mlp.gate_proj": (512, 256), "mlp.up_proj": (512, 256),
+              "mlp.down_proj": (256, 512)}
+    weights, seed = {"model.norm.weight": torch.ones(256)}, 20
+
+    def q4_k(N, K):  # random Q4_K blocks, their groups then centred (a random model with biased groups repeats
+        nonlocal seed  # one token): sub-scales 0..8, min = −d · round(7.5 · sc) ≈ the mean code's value
+        seed += 1
+        w = q4_k_to_int4(kquant_blocks("Q4_K", N, K, seed, scale=1e-2).copy(), N, K)
+        w.scales[..., 2:] %= 9
+        w.mins.copy_(w.scales)
+        w.mins[..., 1] |= 0x80  # −d: the fp16 sign bit
+        w.mins[..., 2:] = (w.scales[..., 2:].float() * 7.5).round().to(torch.uint8)
+        return w
+
+    weights["model.embed_tokens.weight"] = q4_k(96, 256)
+    for i in range(2):
+        weights.update({f"model.layers.{i}.{n}.weight": q4_k(*s) for n, s in shapes.items()})
+        weights.update({f"model.layers.{i}.{n}.weight": torch.ones(256)
+                        for n in ("input_layernorm", "post_attention_layernorm")})
+    wide = {n: w.expanded() if isinstance(w, Int4Weight) else w for n, w in weights.items()}
+    models = [model_from_packed(cfg, ws, dtype=torch.float32, device="cpu") for ws in (weights, wide)]
+    int4 = [[m.packed_weight for m in model.modules() if isinstance(m, QuantLinear)] for model in models]
+    assert all(w.k_records for w in int4[0]) and not any(w.k_records for w in int4[1])  # stacked as records
+    assert sum(w.nbytes for w in int4[0]) < sum(w.nbytes for w in int4[1])
+    ids = torch.tensor([[1, 2, 3, 40, 50, 17, 95]])
+    with torch.inference_mode():
+        logits = [m(ids, torch.arange(7)[None]) for m in models]
+    assert torch.isfinite(logits[0]).all() and torch.equal(logits[0], logits[1])
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    prompts = [[1, 2, 3, 40], [50, 17, 95, 9, 8, 7]]
+    engines = [LLMEngine(m, config=EngineConfig()) for m in models]
+    if decode.available():  # where the fused step builds, it is what decodes the records
+        assert all(isinstance(e.runner, NativeRunner) for e in engines)
+    tokens = [[o.token_ids for o in e.generate(prompts, [params] * 2)] for e in engines]
+    assert tokens[0] == tokens[1] and len(tokens[0][0]) == 10 and len(set(tokens[0][0] + tokens[0][1])) > 2
