@@ -390,7 +390,19 @@ INLINE vi q8_dot(q8w_t w, const int8_t *x, const int32_t *xc) { /* |w| * (x with
 INLINE vf vf_zero(void) { return _mm512_setzero_ps(); }
 INLINE vf vf_load(const float *p) { return _mm512_loadu_ps(p); }
 INLINE vf vf_load_h(const void *s, int fmt, int64_t off, int n) { /* n (1..16) scales from off, zeros after */
-    if (fmt == SF_KREC) { /* 16 products (2 records) per 512 weights */
+    if (fmt == SF_KREC && !(off & 7) && (n == 16 || n == 8)) { /* whole records: 8 sub-values to a super-value */
+        const uint8_t *r = (const uint8_t *)s + (off >> 3) * KREC_BYTES;
+        uint16_t h0, h1 = 0;
+        memcpy(&h0, r, 2);
+        __m128i sub = _mm_loadl_epi64((const __m128i *)(r + 2)); /* record 0's 8 sub-values; record 1's after */
+        if (n == 16) {
+            memcpy(&h1, r + KREC_BYTES, 2);
+            sub = _mm_unpacklo_epi64(sub, _mm_loadl_epi64((const __m128i *)(r + KREC_BYTES + 2)));
+        }
+        const __m512 sup = _mm512_cvtph_ps(_mm256_set_m128i(_mm_set1_epi16((short)h1), _mm_set1_epi16((short)h0)));
+        return _mm512_mul_ps(sup, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(sub))); /* exact, as krec_at */
+    }
+    if (fmt == SF_KREC) { /* anywhere else: one product per value */
         _Alignas(64) float b[16] = {0.f};
         for (int i = 0; i < n; i++) b[i] = krec_at(s, off + i);
         return _mm512_load_ps(b);
@@ -526,6 +538,20 @@ INLINE vf vf_load(const float *p) {
     return r;
 }
 INLINE vf vf_load_h(const void *s, int fmt, int64_t off, int n) { /* n (1..16) scales from off, zeros after */
+    if (fmt == SF_KREC && !(off & 7) && (n == 16 || n == 8)) { /* whole records, as the 512-bit path */
+        const uint8_t *r = (const uint8_t *)s + (off >> 3) * KREC_BYTES;
+        uint16_t h;
+        memcpy(&h, r, 2);
+        vf v = vf_zero();
+        v.a = _mm256_mul_ps(_mm256_set1_ps(h2f(h)),
+                            _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(r + 2)))));
+        if (n == 16) {
+            memcpy(&h, r + KREC_BYTES, 2);
+            v.b = _mm256_mul_ps(_mm256_set1_ps(h2f(h)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
+                                                            _mm_loadl_epi64((const __m128i *)(r + KREC_BYTES + 2)))));
+        }
+        return v;
+    }
     if (n == 16 && fmt == SF_F16) {
         vf r = {_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)s + off))),
                 _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)s + off + 8)))};
