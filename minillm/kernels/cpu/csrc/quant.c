@@ -119,11 +119,15 @@ static inline uint16_t f2bf(float f) { /* round to nearest even, as torch does *
 #define SF_F16 1
 #define SF_KREC 2
 #define KREC_BYTES 10
+/* The product is pinned (here and in the vector loads): -ffast-math could otherwise reassociate super * sub * dx into
+ * super * (sub * dx), whose rounding differs from the fp32 form's d * dx. */
 static inline float krec_at(const void *s, int64_t i) {
     const uint8_t *r = (const uint8_t *)s + (i >> 3) * KREC_BYTES;
     uint16_t h;
     memcpy(&h, r, 2);
-    return h2f(h) * (float)r[2 + (i & 7)];
+    float v = h2f(h) * (float)r[2 + (i & 7)];
+    __asm__("" : "+m"(v));
+    return v;
 }
 
 /* Byte offset of group i's scale in a scale array (for prefetches). */
@@ -400,7 +404,9 @@ INLINE vf vf_load_h(const void *s, int fmt, int64_t off, int n) { /* n (1..16) s
             sub = _mm_unpacklo_epi64(sub, _mm_loadl_epi64((const __m128i *)(r + KREC_BYTES + 2)));
         }
         const __m512 sup = _mm512_cvtph_ps(_mm256_set_m128i(_mm_set1_epi16((short)h1), _mm_set1_epi16((short)h0)));
-        return _mm512_mul_ps(sup, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(sub))); /* exact, as krec_at */
+        __m512 v = _mm512_mul_ps(sup, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(sub))); /* exact, as krec_at */
+        __asm__("" : "+v"(v)); /* pinned (krec_at says why) */
+        return v;
     }
     if (fmt == SF_KREC) { /* anywhere else: one product per value */
         _Alignas(64) float b[16] = {0.f};
@@ -550,6 +556,7 @@ INLINE vf vf_load_h(const void *s, int fmt, int64_t off, int n) { /* n (1..16) s
             v.b = _mm256_mul_ps(_mm256_set1_ps(h2f(h)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
                                                             _mm_loadl_epi64((const __m128i *)(r + KREC_BYTES + 2)))));
         }
+        __asm__("" : "+x"(v.a), "+x"(v.b)); /* pinned (krec_at says why) */
         return v;
     }
     if (n == 16 && fmt == SF_F16) {
