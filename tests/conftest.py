@@ -52,3 +52,25 @@ def solution_copy():
     it.  ``Exercise.answer()`` copies are marked and rejected by their checker (a notebook can import them, so they
     are not a student's work); tests that pass the solution itself take this one."""
     return lambda ex: ex._run(ex.code(student=False), "test copy")
+
+
+@pytest.fixture(scope="session")
+def k_record_weight():
+    """A factory ``make(N, K, seed) -> Int4Weight`` in K records (GGUF Q4_K's two levels; K a multiple of 256):
+    random codes, fp16 super-scales d in [0.5, 1) · ``scale`` and −dmin in −[0.5, 1) · ``scale``, random 6-bit
+    sub-values — what ``quant.gguf.q4_k_to_int4`` builds from a file, without the gguf package."""
+    from minillm.quant.weight import K_RECORD, QK_K, Int4Weight
+
+    def make(N: int, K: int, seed: int, scale: float = 1e-2) -> Int4Weight:
+        g = torch.Generator().manual_seed(seed)
+        S = K // QK_K
+
+        def records(sign: float) -> torch.Tensor:
+            sup = (sign * scale * (0.5 + 0.5 * torch.rand(N, S, 1, generator=g))).half().view(torch.uint8)  # [N,S,2]
+            sub = torch.randint(0, 64, (N, S, K_RECORD - 2), generator=g, dtype=torch.uint8)
+            return torch.cat([sup, sub], dim=-1)  # [N, S, 10]
+
+        packed = torch.randint(0, 256, (N, K // 2), generator=g, dtype=torch.uint8)
+        return Int4Weight(packed, records(1.0), records(-1.0), 32)
+
+    return make

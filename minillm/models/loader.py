@@ -378,8 +378,9 @@ def load_model(model: str | os.PathLike | None = None, *, dtype: str | torch.dty
     activations' dtype; None: ``choose_dtype``'s pick for the device).  ``device``: "cpu" | "cuda" | None (CUDA when
     present).  ``kernels``: "auto" | "torch" | "native" | "triton" (what each picks: ``minillm.kernels.select``).
     ``quantization``: None | "int8" | "int4" | "awq" | "gptq", weight-only (``minillm.quant.apply``): "int4" on a GGUF
-    (the default model included) uses the file's own blocks — Q4_1/Q4_0/Q8_0 as they are, K-quants (a Q4_K_M
-    file) re-blocked into int4/int8 groups of 32 (``quant.gguf``); other checkpoints are quantized on load.
+    (the default model included) uses the file's own blocks — Q4_1/Q4_0/Q8_0 as they are, Q4_K with its two-level
+    scales (exact), the other K-quants of a Q4_K_M file re-blocked into int8 groups of 32 (``quant.gguf``); other
+    checkpoints are quantized on load.
     "awq" / "gptq" quantize the float weights on load to int4 groups of 128 (64 where 128 does not divide K),
     calibrated layer by layer on the calibration half of ``pydoc_data.topics`` with the model's tokenizer (minutes
     on a CPU even for SmolLM2-135M, GPTQ longer than AWQ); a GGUF (the default model's Q4_1 included) is first

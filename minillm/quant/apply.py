@@ -60,7 +60,8 @@ def cat_rows(weights: list[PackedWeight]) -> PackedWeight:
     """Stack packed weights along N (q;k;v -> qkv_proj, gate;up -> gate_up_proj) by concatenating codes, scales
     and mins row-wise: exact, since every per-row quantity moves with its row.  Same K and group size.
     Symmetric (Q4_0) ``Int4Weight``s stack without mins; beside ones with mins they are stored with m = −8·d
-    (``Int4Weight.with_mins``: the same values).  Mixed fp16/fp32 scales stack as fp32 (exact).  Int4 groups of 32
+    (``Int4Weight.with_mins``: the same values).  Mixed fp16/fp32 scales stack as fp32 (exact), as do K records
+beside another form; K records beside K records stack as they are (a record belongs to one row).  Int4 groups of 32
     beside int8 ones (a Q4_K_M file's Q6_K attn_v beside Q4_K q/k) stack as int8: the int4 parts re-quantized to
     Q8_0 blocks (``quantize_q8_0``: each weight moves by at most half an 8-bit step, well under its 4-bit one)."""
     if any(isinstance(w, Int4Weight) and w.mins is None for w in weights) \
@@ -82,9 +83,9 @@ def cat_rows(weights: list[PackedWeight]) -> PackedWeight:
 
 
 def _with_fp32_scales(w: PackedWeight) -> PackedWeight:
-    """The same weight with fp32 scales (and mins): exact."""
+    """The same weight with fp32 scales (and mins; K records expanded): exact."""
     if isinstance(w, Int4Weight):
-        return Int4Weight(w.packed, w.scales.float(), None if w.mins is None else w.mins.float(), w.group_size)
+        return Int4Weight(w.packed, w.scales_f32(), None if w.mins is None else w.mins_f32(), w.group_size)
     return Int8Weight(w.qweight, w.scales.float(), w.group_size)
 
 

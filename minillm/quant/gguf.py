@@ -17,11 +17,11 @@ permutation of W is a row permutation of every per-row quantity).
 **K-quants and 5-bit blocks** (what most downloaded files hold: ``Q4_K_M`` is Q4_K with Q6_K for the LM head and
 some ``attn_v``/``ffn_down``; tensors whose rows are not a multiple of 256 fall back to Q5_0/Q8_0) are re-blocked
 into the same two forms at load, so they run on the int4/int8 kernels instead of as fp32:
-- Q4_K (super-blocks of 256: fp16 d and dmin, eight 6-bit scales and mins, 4-bit codes) -> ``Int4Weight`` group 32:
-  each 32-weight sub-block becomes one Q4_1 block with its codes as they are, d = d_super · sc and
-  m = −dmin_super · mn taken in fp32 (gguf's own products) and stored in fp16, each rounded once by at most half
-  an fp16 ulp (2⁻¹¹ relative: a weight moves by (15·|d| + |m|) · 2⁻¹¹ at most, ~1 % of a code step), or kept fp32
-  for a tensor where a product would overflow fp16.  5 bits a weight against the file's 4.5.
+- Q4_K (super-blocks of 256: fp16 d and dmin, eight 6-bit scales and mins, 4-bit codes) -> ``Int4Weight`` group 32
+  in K records (``quant.weight``'s module docstring): each 32-weight sub-block's codes as they are (re-paired as
+  Q4_1's), the two levels kept — per row and super-block (d, sc[0..7]) and (−dmin, mn[0..7]), a byte per sub-value
+  — so every reader computes d · sc and −dmin · mn in fp32 as gguf does: exact, 4.625 bits a weight against the
+  file's 4.5.
 - Q5_0 (fp16 d, 5-bit codes, w = d · (q − 16)) -> ``Int8Weight`` group 32 with codes q − 16: exact.
 - Q6_K, Q5_K, Q5_1 -> ``Int8Weight`` group 32 (Q8_0's blocks) re-quantized from gguf's exact fp32 dequantization:
   d = max|w| / 127 in fp16, codes rounded against that d, so each weight moves by at most half an 8-bit step
@@ -40,11 +40,9 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from minillm.quant.weight import Int4Weight, Int8Weight, quantize_q8_0
+from minillm.quant.weight import K_RECORD, QK_K, Int4Weight, Int8Weight, quantize_q8_0
 
 GGUF_BLOCK = 32  # QK4_1 = QK4_0 = QK8_0 = 32 weights per block
-QK_K = 256  # weights per K-quant super-block
-FP16_MAX = 65504.0
 _LAYER_NAMES = {
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
@@ -105,38 +103,31 @@ def q8_0_to_int8(raw: np.ndarray, N: int, K: int) -> Int8Weight:
     return Int8Weight(q, d, GGUF_BLOCK)
 
 
-def _fp16_unless_overflow(*ts: Tensor) -> list[Tensor]:
-    """The fp32 tensors ``ts`` rounded to fp16 (scales and mins of one weight), or all kept fp32 when any value is
-    beyond fp16's range: a weight's d and m share one dtype."""
-    fits = all(bool((t.abs() <= FP16_MAX).all()) for t in ts)
-    return [t.half() if fits else t for t in ts]
-
-
 def q4_k_to_int4(raw: np.ndarray, N: int, K: int) -> Int4Weight:
-    """Q4_K bytes [N, K/256 · 144] -> ``Int4Weight`` (group 32, fp16 d and m; see the module docstring).
+    """Q4_K bytes [N, K/256 · 144] -> ``Int4Weight`` in K records (group 32; see the module docstring): exact.
 
     A super-block: fp16 d, fp16 dmin, 12 bytes of 6-bit scales sc and mins mn for its eight 32-weight sub-blocks,
     128 bytes of codes — byte l of its j-th 32 holds sub-block 2j's weight l (low nibble) and sub-block 2j+1's weight
-    l (high nibble); w = d · sc · q − dmin · mn.  Cost: one pass over the bytes (nibbles re-paired as Q4_1's
-    weight l / l + 16, scales multiplied out)."""
+    l (high nibble); w = d · sc · q − dmin · mn.  Its records: scales (d, sc[0..7]), mins (−dmin, mn[0..7]) — the
+    fp16 sign flipped, exact.  Cost: one pass over the bytes (nibbles re-paired as Q4_1's weight l / l + 16, the
+    6-bit values unpacked to a byte each), no arithmetic on the scales."""
     from gguf.quants import Q4_K
 
     if K % QK_K:
         raise ValueError(f"a Q4_K row has a multiple of {QK_K} weights, got K={K}")
     nb = N * (K // QK_K)
     b = raw.reshape(nb, 144)
-    d = b[:, 0:2].copy().view(np.float16).astype(np.float32)  # [nb, 1]
-    dmin = b[:, 2:4].copy().view(np.float16).astype(np.float32)
     sc, mn = Q4_K.get_scale_min(b[:, 4:16].copy())  # [nb, 8] each, 0..63
     qs = b[:, 16:].reshape(nb, 4, 2, 16)  # [super-block, j, first/second 16 bytes, 16]
     lo, hi = qs[:, :, 0], qs[:, :, 1]  # bytes 0..15 and 16..31 of each 32
     even = (lo & 0x0F) | ((hi & 0x0F) << 4)  # sub-block 2j: weight l low, l + 16 high (Q4_1's pairing)
     odd = (lo >> 4) | (hi & 0xF0)  # sub-block 2j + 1
     packed = np.stack([even, odd], axis=2).reshape(N, K // 2)
-    scales = torch.from_numpy(d * sc.astype(np.float32)).reshape(N, K // GGUF_BLOCK)
-    mins = torch.from_numpy(-(dmin * mn.astype(np.float32))).reshape(N, K // GGUF_BLOCK)
-    scales, mins = _fp16_unless_overflow(scales, mins)
-    return Int4Weight(torch.from_numpy(np.ascontiguousarray(packed)), scales, mins, GGUF_BLOCK)
+    neg_dmin = b[:, 2:4] ^ np.array([0, 0x80], np.uint8)  # −dmin: the fp16 sign bit (little-endian high byte)
+    scales = np.concatenate([b[:, 0:2], sc.astype(np.uint8)], axis=1).reshape(N, K // QK_K, K_RECORD)
+    mins = np.concatenate([neg_dmin, mn.astype(np.uint8)], axis=1).reshape(N, K // QK_K, K_RECORD)
+    return Int4Weight(torch.from_numpy(np.ascontiguousarray(packed)), torch.from_numpy(scales),
+                      torch.from_numpy(mins), GGUF_BLOCK)
 
 
 def q5_0_to_int8(raw: np.ndarray, N: int, K: int) -> Int8Weight:

@@ -12,6 +12,13 @@ over two/four such blocks.  Bytes (fp16 d, m, group 32): N·K/2 + 4·N·K/32 = 5
 ``mins=None`` is the symmetric form, llama.cpp's Q4_0 block (fp16 d, 16 bytes of codes, w = d · (q − 8)): no m is
 stored and every reader takes m = −8·d in fp32 (``symmetric_mins``), exact for any fp16/fp32 d, so it computes the
 bits the same weight with m = −8·d stored gives.  Bytes (fp16 d, group 32): N·K/2 + 2·N·K/32 = 4.5 bits a weight.
+A third scale format keeps GGUF's Q4_K two-level scales (group 32 only, K a multiple of 256): **K records**,
+``scales`` and ``mins`` uint8 [N, K/256, 10], per row and 256 weights one record of an fp16 super-value (2 bytes,
+little-endian) then 8 uint8 sub-values — (d, sc[0..7]) for the scales, (−dmin, mn[0..7]) for the mins.  Group i of
+the row-major [N, K/32] grid (record i // 8, sub-value i % 8) has d_i = float(fp16) · float(sub) in fp32: exactly
+gguf's product (an 11-bit mantissa times a 6-bit integer fits fp32's 24 bits, for any finite fp16 including
+subnormals), and m_i = (−dmin) · mn = −(dmin · mn) exactly, so readers need no sign logic.  Bytes: N·K/2 + 20·N·K/256
+= 4.625 bits a weight (Q4_K's own file is 4.5: its 6-bit sub-values are packed, ours are a byte each for the kernels).
 
 The reference matmuls (``int8_linear_ref``, ``int4_linear_ref``) dequantize then call ``F.linear``: the exact
 W8A16/W4A16 result every kernel is tested against.
@@ -28,6 +35,8 @@ from torch import Tensor
 from minillm.quant.formats import Granularity, QuantSpec, group_view
 
 BLOCK = 32  # weights per packing block (Q4_1's QK4_1): one byte pairs weight j with weight j + 16
+QK_K = 256  # weights per K-quant super-block (ggml's QK_K): one K record per row and super-block
+K_RECORD = 10  # bytes per K record: an fp16 super-value, then 8 uint8 sub-values (one per group of 32)
 INT4_GROUP_SIZES = (32, 64, 128)
 
 
@@ -110,11 +119,21 @@ def symmetric_mins(scales: Tensor) -> Tensor:
     return scales.float() * -SYMMETRIC_ZERO
 
 
+def expand_k_records(records: Tensor) -> Tensor:
+    """K records uint8 [N, K/256, 10] -> the per-group values fp32 [N, K/32]: fp16 super-value · uint8 sub-value,
+    one fp32 product each (exact; see the module docstring).  Cost: one pass over 10 bytes per 256 weights."""
+    N, S, _ = records.shape
+    sup = records[..., :2].contiguous().view(torch.float16).float()  # [N, S, 1]
+    return (sup * records[..., 2:].float()).reshape(N, S * (K_RECORD - 2))  # [N, S, 8] -> [N, K/32]
+
+
 @dataclass(frozen=True)
 class Int4Weight:
     """W4A16 weight in Q4_1 layout: ``packed`` uint8 [N, K/2], ``scales`` d and ``mins`` m [N, K // group_size]
     (fp16 or fp32, same dtype), w = d · q + m with q ∈ 0..15 (see the module docstring for the nibble order).
-    ``mins=None``: symmetric Q4_0 blocks, m = −8·d computed in fp32 wherever it is read (``symmetric_mins``)."""
+    ``mins=None``: symmetric Q4_0 blocks, m = −8·d computed in fp32 wherever it is read (``symmetric_mins``).
+    K records (Q4_K's two levels, group 32): ``scales`` and ``mins`` both uint8 [N, K/256, 10] (module docstring);
+    read them as fp32 [N, K/32] through ``scales_f32`` / ``mins_f32``."""
 
     packed: Tensor
     scales: Tensor
@@ -126,14 +145,28 @@ class Int4Weight:
             raise ValueError(f"packed must be uint8 [N, K/2], got {self.packed.dtype} {tuple(self.packed.shape)}")
         N, K = self.shape
         check_group_size(K, self.group_size, BLOCK)
-        want = (N, K // self.group_size)
-        for name, t in (("scales", self.scales), ("mins", self.mins)):
-            if t is None and name == "mins":
-                continue  # symmetric
-            if t.shape != want or t.dtype not in (torch.float16, torch.float32) or t.dtype != self.scales.dtype:
-                raise ValueError(f"{name} must be fp16/fp32 {list(want)} (both the same dtype; mins may be None for "
-                                 f"symmetric Q4_0 blocks), got {t.dtype} {tuple(t.shape)}")
+        if self.k_records:
+            self._check_k_records(N, K)
+        else:
+            want = (N, K // self.group_size)
+            for name, t in (("scales", self.scales), ("mins", self.mins)):
+                if t is None and name == "mins":
+                    continue  # symmetric
+                if t.shape != want or t.dtype not in (torch.float16, torch.float32) or t.dtype != self.scales.dtype:
+                    raise ValueError(f"{name} must be fp16/fp32 {list(want)} (both the same dtype; mins may be None "
+                                     f"for symmetric Q4_0 blocks), or uint8 K records, got {t.dtype} "
+                                     f"{tuple(t.shape)}")
         _store_contiguous(self, "packed", "scales", "mins")
+
+    def _check_k_records(self, N: int, K: int) -> None:
+        want = [N, K // QK_K, K_RECORD]
+        if self.group_size != BLOCK or K % QK_K:
+            raise ValueError(f"K records need group_size={BLOCK} and K a multiple of {QK_K}, got group_size="
+                             f"{self.group_size}, K={K}: expand them (scales_f32(), mins_f32()) for other shapes")
+        for name, t in (("scales", self.scales), ("mins", self.mins)):
+            if t is None or t.dtype != torch.uint8 or list(t.shape) != want:
+                got = "None" if t is None else f"{t.dtype} {tuple(t.shape)}"
+                raise ValueError(f"K-record {name} must be uint8 {want} (mins are stored in this form), got {got}")
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -141,13 +174,30 @@ class Int4Weight:
         return self.packed.shape[0], self.packed.shape[1] * 2
 
     @property
+    def k_records(self) -> bool:
+        """Whether d and m are stored as K records (uint8 [N, K/256, 10]) rather than fp16/fp32 [N, K // g]."""
+        return self.scales.dtype == torch.uint8
+
+    @property
     def nbytes(self) -> int:
         """Bytes stored (codes + scales + mins, no mins when symmetric): what a GEMV streams from memory."""
         return self.packed.nbytes + self.scales.nbytes + (0 if self.mins is None else self.mins.nbytes)
 
+    def scales_f32(self) -> Tensor:
+        """d [N, K // group_size] fp32: the stored scales, or the K records' products."""
+        return expand_k_records(self.scales) if self.k_records else self.scales.float()
+
     def mins_f32(self) -> Tensor:
-        """m [N, K // group_size] fp32: the stored mins, or −8·d for a symmetric weight."""
-        return symmetric_mins(self.scales) if self.mins is None else self.mins.float()
+        """m [N, K // group_size] fp32: the stored mins (or the K records' products), or −8·d for a symmetric
+        weight."""
+        if self.mins is None:
+            return symmetric_mins(self.scales)
+        return expand_k_records(self.mins) if self.k_records else self.mins.float()
+
+    def expanded(self) -> Int4Weight:
+        """This weight with fp32 d and m [N, K/32] where it holds K records (itself otherwise): the same values, for
+        readers that take only fp16/fp32 scales (GPU kernels).  Cost: 8 bytes per 32 weights instead of 20 per 256."""
+        return Int4Weight(self.packed, self.scales_f32(), self.mins_f32(), self.group_size) if self.k_records else self
 
     def with_mins(self) -> Int4Weight:
         """This weight with its m stored (itself when it has mins): a symmetric weight's Q4_1 form, m = −8·d in the
@@ -166,16 +216,19 @@ class Int4Weight:
         return unpack_int4(self.packed)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> Tensor:
-        """[N, K] in ``dtype``: d · q + m in fp32 (bit for bit gguf's Q4_1 and Q4_0 dequantization), then cast."""
+        """[N, K] in ``dtype``: d · q + m in fp32 (bit for bit gguf's Q4_1, Q4_0 and Q4_K dequantization), then
+        cast."""
         N, K = self.shape
         q = self.codes().float().view(N, K // self.group_size, self.group_size)
-        w = q * self.scales.float().unsqueeze(-1) + self.mins_f32().unsqueeze(-1)
+        w = q * self.scales_f32().unsqueeze(-1) + self.mins_f32().unsqueeze(-1)
         return w.view(N, K).to(dtype)
 
     def to(self, device: torch.device | str) -> Int4Weight:
-        """The same weight on ``device``."""
-        return Int4Weight(self.packed.to(device), self.scales.to(device),
-                          None if self.mins is None else self.mins.to(device), self.group_size)
+        """The same weight on ``device``; K records moved off the CPU are expanded to fp32 d and m (``expanded``:
+        only the CPU kernels read records)."""
+        w = self.expanded() if torch.device(device).type != "cpu" else self
+        return Int4Weight(w.packed.to(device), w.scales.to(device),
+                          None if w.mins is None else w.mins.to(device), w.group_size)
 
 
 def pack_int4(q: Tensor) -> Tensor:
@@ -272,7 +325,7 @@ def int4_linear_ref(x: Tensor, w4: Int4Weight, bias: Tensor | None = None) -> Te
     """x [..., K] @ dequantized(w4).T (+ bias) -> [..., N] in x's dtype: the exact W4A16 reference.
 
     Contract: unpack the nibbles of ``w4.packed`` [N, K/2] (per 32-weight block, byte j holds weight j low and
-    j + 16 high), dequantize per group in fp32 (w = d · q + m with d, m = ``w4.scales``, ``w4.mins`` [N, K // g]),
+    j + 16 high), dequantize per group in fp32 (w = d · q + m with d, m = ``w4.scales_f32()``, ``w4.mins_f32()``),
     then y = x · wᵀ (+ bias) with w cast to x's dtype.  x's last dim must be K (else ValueError).  Bytes: the
     packed weight (K/2 + 4·K/g per row) is read, an [N, K] float weight is written and read back per call — what
     the native and Triton kernels avoid by dequantizing in registers.
@@ -284,7 +337,7 @@ def int4_linear_ref(x: Tensor, w4: Int4Weight, bias: Tensor | None = None) -> Te
     blocks = w4.packed.view(N, K // BLOCK, BLOCK // 2)  # [N, blocks, 16]
     q = torch.cat([blocks & 0x0F, blocks >> 4], dim=-1)  # [N, blocks, 32] in weight order: low nibbles first
     q = q.view(N, K // g, g).float()
-    w = q * w4.scales.float().unsqueeze(-1) + w4.mins.float().unsqueeze(-1)  # [N, K/g, g] fp32, as gguf computes
+    w = q * w4.scales_f32().unsqueeze(-1) + w4.mins_f32().unsqueeze(-1)  # [N, K/g, g] fp32, as gguf computes
     return F.linear(x, w.view(N, K).to(x.dtype), bias)
     ### END SOLUTION
 

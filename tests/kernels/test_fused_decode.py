@@ -161,6 +161,33 @@ def test_q4_0_linears_without_mins_give_the_fused_bits_of_m_stored_as_minus_8_d(
     assert torch.equal(got, want) and torch.equal(kv_sym.k, kv_stored.k) and torch.equal(kv_sym.v, kv_stored.v)
 
 
+def test_k_record_linears_give_the_fused_bits_of_their_expanded_fp32_form(k_record_weight):
+    """decode.c's linear_t carries the scale format: GGUF Q4_K's K records (every linear and the head, K = 256 and
+    512) give the hidden states, K/V and logits of the same weights with fp32 d and m, bit for bit, and the logits
+    of the per-layer path."""
+    cfg = ModelConfig(vocab_size=97, hidden_size=256, intermediate_size=512, num_layers=2, num_heads=4,
+                      num_kv_heads=2, head_dim=64, max_position_embeddings=64, rms_norm_eps=1e-5)
+    models = []
+    for _ in range(2):  # the same norms and embedding in both
+        torch.manual_seed(0)
+        models.append(quantize_model(Transformer(cfg).requires_grad_(False), "int4"))
+    for i, (name, m) in enumerate(list(models[0].named_modules())):
+        if isinstance(m, QuantLinear):
+            w = k_record_weight(*m.packed_weight.shape, seed=i, scale=1e-3)
+            parent, _, child = name.rpartition(".")
+            for model, wi in zip(models, (w, w.expanded()), strict=True):
+                setattr(model.get_submodule(parent), child, QuantLinear(wi, m.bias))
+    assert models[0].lm_head.packed_weight.k_records and not models[1].lm_head.packed_weight.k_records
+    batch = random_rows([1, 4, 5, 9, 17], 12)
+    (kv_rec, kv_ref), (kv_wide, _) = filled_caches(models[0], 1), filled_caches(models[1], 1)
+    got = fused.NativeDecodeStack(models[0], kv_rec).logits(batch)
+    want = fused.NativeDecodeStack(models[1], kv_wide).logits(batch)
+    assert torch.isfinite(got).all() and torch.equal(got, want)
+    assert torch.equal(kv_rec.k, kv_wide.k) and torch.equal(kv_rec.v, kv_wide.v)
+    with torch.inference_mode():
+        assert torch.equal(got, models[0].compute_logits(per_layer_hidden(models[0], kv_ref, batch)))
+
+
 @pytest.mark.parametrize("scheme", ["fp32", "int8", "int4"])
 def test_the_lm_head_in_the_same_call_gives_the_models_logits(scheme):
     model = make_model("mqa-d32-bias", scheme)

@@ -126,6 +126,20 @@ def test_q4_0_without_mins_gives_the_bits_of_m_stored_as_minus_8_d(target):
 
 
 @native
+@pytest.mark.parametrize("target", TARGETS)
+def test_k_record_weights_give_the_bits_of_their_expanded_fp32_form(target, k_record_weight):
+    """The panel copy reads Q4_K's K records (scale_at): torch.equal to the same weight with fp32 d and m, over the
+    tiles' and panels' tails, fp32 and bf16 x."""
+    _target_or_skip(target)
+    g = torch.Generator().manual_seed(7)
+    for M, N, K in [(1, 37, 256), (7, 70, 512), (130, 45, 768)]:
+        w, x = k_record_weight(N, K, seed=M), torch.randn(M, K, generator=g)
+        for xi in (x, x.bfloat16()):
+            assert torch.equal(native_quant.block_prefill_linear(xi, w, target=target),
+                               native_quant.block_prefill_linear(xi, w.expanded(), target=target))
+
+
+@native
 def test_prefill_rows_do_not_depend_on_the_rows_beside_them_and_bf16_rounds_the_fp32_result():
     """Each row alone (a 1-row tile) is the bits it gets among 4-row tiles; bf16 x gives the fp32 result on
     x.float(), rounded to bf16 once."""

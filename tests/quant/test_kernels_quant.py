@@ -150,6 +150,30 @@ def test_symmetric_q4_0_weights_give_the_bits_of_the_same_weight_with_m_stored(s
 
 @native
 @pytest.mark.parametrize("target", TARGETS)
+def test_k_record_weights_give_the_bits_of_the_same_weight_with_expanded_fp32_scales(target, k_record_weight):
+    """Q4_K's two-level scales (K records: an fp16 super-value and 8 uint8 sub-values per row and 256 weights) read
+    by every int4 GEMV path — exact and int8 activations, 1 to 8 rows, batch-1 4-row tiles and their tails, K/32 a
+    multiple of 16 or not, fp32 and bf16 x — torch.equal to the expanded fp32 form (d·sc, −dmin·mn per group), which
+    the kernels read as fp32 scales.  A kernel that read the records as fp16 or fp32 scales gives other numbers."""
+    _target_or_skip(target)
+    g = torch.Generator().manual_seed(9)
+    for N, K, seed in [(37, 256, 0), (6, 768, 1), (13, 2304, 2)]:
+        w = k_record_weight(N, K, seed)
+        wide = w.expanded()
+        assert wide.scales.dtype == torch.float32 and wide.nbytes > w.nbytes
+        for rows in (1, 3, 8):
+            x = torch.randn(rows, K, generator=g)
+            for exact in (False, True):
+                got = native_quant.int4_linear(x, w, exact=exact, target=target)
+                assert torch.equal(got, native_quant.int4_linear(x, wide, exact=exact, target=target))
+            assert torch.equal(native_quant.int4_linear(x.bfloat16(), w, target=target),
+                               native_quant.int4_linear(x.bfloat16(), wide, target=target))
+        _assert_sum_close(native_quant.int4_linear(x, w, exact=True, target=target), int4_linear_ref(x, w), x,
+                          w.dequantize())
+
+
+@native
+@pytest.mark.parametrize("target", TARGETS)
 def test_int8_weights_at_the_code_extremes_give_exact_integer_sums(target):
     # Every code from -128 to 127 against activations at +-127 steps: the VNNI kernels feed w + 128 (0..255) and
     # start each lane at -128 * sum(x), the others move w's sign onto x; either way the block sums are exact
@@ -233,6 +257,21 @@ def test_triton_dequant_gemv_matches_the_reference(dtype):
                                    int8_linear_ref(xd.float(), w8).to(dtype), **tol)
         sym = _q4_0(w4)  # Q4_0: the program reads m = −8·d materialised for the call, the stored form's bits
         assert torch.equal(triton_gemv.int4_gemv_triton(xd, sym), triton_gemv.int4_gemv_triton(xd, sym.with_mins()))
+
+
+
+def test_triton_dequant_gemv_reads_k_records_as_their_expanded_form(k_record_weight):
+    """K records moved to a GPU are expanded (``Int4Weight.to``); on CPU tensors (the interpreter) the GEMV expands
+    them for the call: the expanded weight's result either way."""
+    triton_gemv = pytest.importorskip("minillm.kernels.triton.dequant_gemv")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    w = k_record_weight(24, 512, seed=3)
+    x = torch.randn(2, 512, generator=torch.Generator().manual_seed(4), device="cpu").to(device)
+    wd = w.to(device)
+    assert wd.k_records == (device == "cpu")
+    want = triton_gemv.int4_gemv_triton(x, w.expanded().to(device))
+    assert torch.equal(triton_gemv.int4_gemv_triton(x, wd), want)
+    torch.testing.assert_close(want, int4_linear_ref(x, wd), rtol=1e-4, atol=1e-4)  # fp32: another summation order
 
 
 # ---------------------------------------------------------------- W8A8: the native int8 × int8 GEMM (w8a8_gemm)

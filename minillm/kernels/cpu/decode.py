@@ -31,9 +31,10 @@ i64, vp = ctypes.c_int64, ctypes.c_void_p
 
 
 class LinearT(ctypes.Structure):
-    """csrc/decode.c ``linear_t``: kind, scale_f16, N, K, G, then weight, scales, mins, bias pointers."""
+    """csrc/decode.c ``linear_t``: kind, scale_fmt (``quant.scale_format``), N, K, G, then weight, scales, mins, bias
+    pointers."""
 
-    _fields_ = [("kind", i64), ("scale_f16", i64), ("N", i64), ("K", i64), ("G", i64),
+    _fields_ = [("kind", i64), ("scale_fmt", i64), ("N", i64), ("K", i64), ("G", i64),
                 ("w", vp), ("scales", vp), ("mins", vp), ("bias", vp)]
 
 
@@ -95,6 +96,7 @@ def weight_struct(w, bias: Tensor | None, keep: list[Tensor], *, w8a8: bool = Fa
     ``decode_stack`` and ``linear_stack`` (fp32 activations).  ``w8a8``: a per-channel
     ``Int8Weight`` whose activations are rounded to int8 too (``layers.linear.W8A8Linear``), per token, or with
     ``input_scale`` (a 0-dim fp32 tensor: the static scale), which the struct carries in its ``mins`` slot."""
+    from minillm.kernels.cpu.quant import scale_format
     from minillm.quant.weight import Int4Weight, Int8Weight
 
     if w8a8:
@@ -105,20 +107,20 @@ def weight_struct(w, bias: Tensor | None, keep: list[Tensor], *, w8a8: bool = Fa
         bias = None if bias is None else bias.detach().contiguous()
         keep += [t for t in (w.qweight, w.scales, scale, bias) if t is not None]
         ptr = [None if t is None else t.data_ptr() for t in (w.qweight, w.scales, scale, bias)]
-        return LinearT(_KINDS["w8a8"], int(w.scales.dtype == torch.float16), N, K, K, *ptr)
+        return LinearT(_KINDS["w8a8"], scale_format(w), N, K, K, *ptr)
     if isinstance(w, Tensor):
         if w.dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"a dense weight must be fp32 or bf16, got {w.dtype}")
         kind, (N, K) = "fp32" if w.dtype == torch.float32 else "bf16", w.shape
-        tensors, G, f16 = (w.detach(), None, None), K, 0
+        tensors, G, fmt = (w.detach(), None, None), K, 0  # dense: no scales
     else:
         kind = "int4" if isinstance(w, Int4Weight) else "int8" if isinstance(w, Int8Weight) else None
         if kind is None:
             raise ValueError(f"not an fp32/bf16 tensor, Int8Weight or Int4Weight: {type(w).__name__}")
         N, K = w.shape
         tensors = (w.packed, w.scales, w.mins) if kind == "int4" else (w.qweight, w.scales, None)
-        G, f16 = w.group_size, int(w.scales.dtype == torch.float16)
+        G, fmt = w.group_size, scale_format(w)
     bias = None if bias is None else bias.detach().contiguous()
     keep += [t for t in (*tensors, bias) if t is not None]
     ptr = [None if t is None else t.data_ptr() for t in (*tensors, bias)]
-    return LinearT(_KINDS[kind], f16, N, K, G, *ptr)
+    return LinearT(_KINDS[kind], fmt, N, K, G, *ptr)

@@ -17,7 +17,8 @@ rounding, register-tiled over 32-column panels of the weights (AVX-512 VNNI; a p
 or with a static scale, exact int32 sums, the scales in the epilogue): the bits of ``w8a8_linear_int_mm``, any rows.
 
 x [..., K] has 1..``MAX_ROWS`` rows in fp32 or bf16 (the output has x's dtype).  The packed weights are read as
-stored — no float copy is made.  The library is cached beside ``native.c``'s (same directory and CPU key).
+stored — no float copy is made; scales and mins in fp32, fp16 or K records (``scale_format``).  The library is
+cached beside ``native.c``'s (same directory and CPU key).
 ``target`` (None: ``-march=native`` / ``-mcpu=native``) compiles for another ``-march``, e.g. ``"x86-64"`` builds
 the portable C path (no AVX2): how the tests check the code an AVX2-only or ARM machine runs.
 """
@@ -134,6 +135,17 @@ def _prepare(x: Tensor, N: int, K: int, tensors: tuple[Tensor, ...],
     return lib, x2, x2.new_empty((x2.shape[0], N))
 
 
+SCALE_F32, SCALE_F16, SCALE_K_RECORDS = 0, 1, 2  # csrc/quant.c's SF_*: the kernels' scale_fmt argument
+
+
+def scale_format(w: Int8Weight | Int4Weight) -> int:
+    """The C kernels' scale-format flag for a packed weight's scales and mins: fp32, fp16, or K records
+    (``Int4Weight.k_records``: GGUF Q4_K's fp16 super-value and 8 uint8 sub-values per row and 256 weights)."""
+    if isinstance(w, Int4Weight) and w.k_records:
+        return SCALE_K_RECORDS
+    return SCALE_F16 if w.scales.dtype == torch.float16 else SCALE_F32
+
+
 def _mins_ptr(mins: Tensor | None) -> int | None:
     """The C kernels' mins argument: the address of the contiguous m [N, K / G], or NULL for a symmetric (Q4_0)
     weight, whose m = −8·d the kernels compute (csrc/quant.c ``q4_min``).  The caller keeps ``mins`` alive."""
@@ -147,7 +159,7 @@ def int8_linear(x: Tensor, w8: Int8Weight, exact: bool = False, target: str | No
     N, K = q.shape
     lib, x2, y = _prepare(x, N, K, (q, s), target)
     fn = lib.q8_gemm if exact or K % BLOCK or G % BLOCK else lib.q8_gemm_q8
-    fn(q.contiguous().data_ptr(), s.contiguous().data_ptr(), s.dtype == torch.float16, x2.data_ptr(),
+    fn(q.contiguous().data_ptr(), s.contiguous().data_ptr(), scale_format(w8), x2.data_ptr(),
        x.dtype == torch.bfloat16, y.data_ptr(), x2.shape[0], N, K, G)
     return y.view(*x.shape[:-1], N)
 
@@ -159,7 +171,7 @@ def int4_linear(x: Tensor, w4: Int4Weight, exact: bool = False, target: str | No
     N, K = w4.shape
     lib, x2, y = _prepare(x, N, K, (p, s, mn), target)
     fn = lib.q4_gemm if exact else lib.q4_gemm_q8
-    fn(p.contiguous().data_ptr(), s.contiguous().data_ptr(), _mins_ptr(mn), s.dtype == torch.float16,
+    fn(p.contiguous().data_ptr(), s.contiguous().data_ptr(), _mins_ptr(mn), scale_format(w4),
        x2.data_ptr(), x.dtype == torch.bfloat16, y.data_ptr(), x2.shape[0], N, K, w4.group_size)
     return y.view(*x.shape[:-1], N)
 
@@ -205,11 +217,11 @@ def block_prefill_linear(x: Tensor, w: Int8Weight | Int4Weight, target: str | No
     y = x2.new_empty((x2.shape[0], N))
     lib, bf16, s = _lib(target), x.dtype == torch.bfloat16, w.scales.contiguous()
     if isinstance(w, Int8Weight):
-        lib.q8_gemm_prefill(w.qweight.contiguous().data_ptr(), s.data_ptr(), s.dtype == torch.float16, x2.data_ptr(),
+        lib.q8_gemm_prefill(w.qweight.contiguous().data_ptr(), s.data_ptr(), scale_format(w), x2.data_ptr(),
                             bf16, y.data_ptr(), x2.shape[0], N, K, w.group_size)
     else:
         lib.q4_gemm_prefill(w.packed.contiguous().data_ptr(), s.data_ptr(), _mins_ptr(w.mins),
-                            s.dtype == torch.float16, x2.data_ptr(), bf16, y.data_ptr(), x2.shape[0], N, K,
+                            scale_format(w), x2.data_ptr(), bf16, y.data_ptr(), x2.shape[0], N, K,
                             w.group_size)
     return y.view(*x.shape[:-1], N)
 
@@ -254,7 +266,7 @@ def w8a8_linear(x: Tensor, w8: Int8Weight, input_scale: Tensor | None = None, bi
         x2 = x2.contiguous()
     y = x2.new_empty((x2.shape[0], N))
     sc = None if input_scale is None else input_scale.contiguous()
-    _lib(target).w8a8_gemm(q.contiguous().data_ptr(), s.contiguous().data_ptr(), s.dtype == torch.float16,
+    _lib(target).w8a8_gemm(q.contiguous().data_ptr(), s.contiguous().data_ptr(), scale_format(w8),
                            None if sc is None else sc.data_ptr(), x2.data_ptr(), y.data_ptr(), x2.shape[0], N, K)
     if bias is not None:
         y = y + bias.float()

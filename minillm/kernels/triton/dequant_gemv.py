@@ -102,6 +102,7 @@ def int4_gemv_triton(x: Tensor, w4: Int4Weight, *, program=None) -> Tensor:
     ``program`` replaces the kernel (``triton.jit`` of a function with ``int4_gemv_program``'s signature:
     notebook 07 runs the student's)."""
     N, K = w4.shape
+    w4 = w4.expanded()  # K records (Q4_K's two levels, CPU tensors under TRITON_INTERPRET): fp32 d and m, same values
     x2, y, grid = _launch_args(x, K, N, (w4.packed, w4.scales))
     # a symmetric (Q4_0) weight: its m = −8·d materialised for the call (fp32 [N, K/G], the same values), as the
     # program takes Mn in every case — K/G more fp32 reads per row than Q4_1 itself, not the 18-byte Q4_0 block

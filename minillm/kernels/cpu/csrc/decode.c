@@ -27,13 +27,13 @@
 enum { LIN_F32 = 0, LIN_INT8 = 1, LIN_INT4 = 2, LIN_W8A8 = 3, LIN_BF16 = 4 };
 
 /* One linear layer y [M, N] = x [M, K] @ W^T (+ bias): fp32 W [N, K]; int8 codes [N, K] with scales [N, K/G];
- * Q4_1 packed [N, K/2] with scales and mins [N, K/G] (fp16 when scale_f16, else fp32), or Q4_0 with mins NULL
+ * Q4_1 packed [N, K/2] with scales and mins in scale format scale_fmt (quant.c SF_*), or Q4_0 with mins NULL
  * (quant.c q4_min); W8A8: int8 codes [N, K] with per-channel scales [N] (G = K) and, in place of mins, the static
  * input scale (one fp32) or NULL (dynamic, per token: quant.c w8a8_gemm); bf16 W [N, K].  bias [N] in the
  * activation dtype (fp32, or bf16 with a bf16 W) or NULL.  fp32 activations take every kind but LIN_BF16; bf16
  * activations LIN_BF16 only (the caller checks). */
 typedef struct {
-    int64_t kind, scale_f16, N, K, G;
+    int64_t kind, scale_fmt, N, K, G;
     const void *w, *scales, *mins;
     const void *bias;
 } linear_t;
@@ -59,14 +59,14 @@ static void linear_run_f32(const linear_t *l, const float *x, float *y, int64_t 
         return;
     }
     if (l->kind == LIN_W8A8) {
-        w8a8_gemm((const int8_t *)l->w, l->scales, (int)l->scale_f16, (const float *)l->mins, x, y, M, l->N, l->K);
+        w8a8_gemm((const int8_t *)l->w, l->scales, (int)l->scale_fmt, (const float *)l->mins, x, y, M, l->N, l->K);
     } else if (l->kind == LIN_INT8) {
         if (l->K % QB || l->G % QB)
-            q8_gemm((const int8_t *)l->w, l->scales, (int)l->scale_f16, x, 0, y, M, l->N, l->K, l->G);
+            q8_gemm((const int8_t *)l->w, l->scales, (int)l->scale_fmt, x, 0, y, M, l->N, l->K, l->G);
         else
-            q8_gemm_q8((const int8_t *)l->w, l->scales, (int)l->scale_f16, x, 0, y, M, l->N, l->K, l->G);
+            q8_gemm_q8((const int8_t *)l->w, l->scales, (int)l->scale_fmt, x, 0, y, M, l->N, l->K, l->G);
     } else {
-        q4_gemm_q8((const uint8_t *)l->w, l->scales, l->mins, (int)l->scale_f16, x, 0, y, M, l->N, l->K, l->G);
+        q4_gemm_q8((const uint8_t *)l->w, l->scales, l->mins, (int)l->scale_fmt, x, 0, y, M, l->N, l->K, l->G);
     }
     if (bias) /* the per-layer path adds the bias after the quantized GEMV: y + bias */
         for (int64_t m = 0; m < M; m++)
@@ -84,11 +84,11 @@ static void linear_run_bf16(const linear_t *l, const uint16_t *x, uint16_t *y, i
 static void linear_rows(const linear_t *l, const xprep_t *xp, const float *x, float *y, int64_t M, int64_t n0,
                         int64_t n1) {
     if (l->kind == LIN_INT8 && (l->K % QB || l->G % QB))
-        q8_exact_rows((const int8_t *)l->w, l->scales, (int)l->scale_f16, x, 0, y, M, l->N, l->K, l->G, n0, n1);
+        q8_exact_rows((const int8_t *)l->w, l->scales, (int)l->scale_fmt, x, 0, y, M, l->N, l->K, l->G, n0, n1);
     else if (l->kind == LIN_INT8)
-        q8_q8_rows((const int8_t *)l->w, l->scales, (int)l->scale_f16, xp, 0, y, M, l->N, l->K, l->G, n0, n1);
+        q8_q8_rows((const int8_t *)l->w, l->scales, (int)l->scale_fmt, xp, 0, y, M, l->N, l->K, l->G, n0, n1);
     else
-        q4_q8_rows((const uint8_t *)l->w, l->scales, l->mins, (int)l->scale_f16, xp, 0, y, M, l->N, l->K, l->G, n0,
+        q4_q8_rows((const uint8_t *)l->w, l->scales, l->mins, (int)l->scale_fmt, xp, 0, y, M, l->N, l->K, l->G, n0,
                    n1);
     const float *bias = (const float *)l->bias;
     if (bias)
@@ -144,11 +144,11 @@ void linear_stack(const linear_t *lins, int64_t n, const float *const *xs, float
 
 /* Bytes of one stored weight, scales and mins included, read per row: [row bytes of w, of scales, of mins]. */
 static void linear_row_bytes(const linear_t *l, int64_t out[3]) {
-    const int64_t ng = l->G ? l->K / l->G : 0, sb = l->scale_f16 ? 2 : 4;
+    const int64_t ng = l->G ? l->K / l->G : 0, sb = ng ? scale_byte((int)l->scale_fmt, ng) : 0; /* a row's */
     const int dense = l->kind == LIN_F32 || l->kind == LIN_BF16;
     out[0] = l->kind == LIN_F32 ? 4 * l->K : l->kind == LIN_BF16 ? 2 * l->K : l->kind == LIN_INT4 ? l->K / 2 : l->K;
-    out[1] = dense ? 0 : ng * sb;
-    out[2] = l->kind == LIN_INT4 && l->mins ? ng * sb : 0; /* Q4_0 stores no mins */
+    out[1] = dense ? 0 : sb;
+    out[2] = l->kind == LIN_INT4 && l->mins ? sb : 0; /* Q4_0 stores no mins */
 }
 
 /* The memory roof of linear_stack's access pattern (perf/bench/quant.py's "read-only" rows): every stored byte of

@@ -27,7 +27,8 @@
  * activation loads shared, the tile PF_TILES ahead prefetched; a row's result is the same bits whichever kernel and
  * tile computes it and however many rows share the call (tests/kernels/test_linear_stack.py and test_native_
  * portability.py check it; vf_pin and TILE_Q8 below say why it needs care under -ffast-math).
- * Scales/mins are fp32 or fp16 (scale_f16 = 1); activations fp32 or bf16 (x_bf16 = 1; then y is bf16 too).
+ * Scales/mins come in three formats (scale_fmt, SF_* below): fp32, fp16, or K records (GGUF Q4_K's two levels, int4
+ * with G = 32 only); activations fp32 or bf16 (x_bf16 = 1; then y is bf16 too).
  * Past one tile of rows: q8_q8_rows takes the weight rows in L2-sized blocks, every tile of input rows over a block
  * (a row's 1-row bits); the prefill GEMM for Q8_0 / Q4_x blocks (q8_gemm_prefill, q4_gemm_prefill, at the end)
  * tiles the same arithmetic over 32-column weight panels, 4 x 32 outputs in registers.
@@ -109,8 +110,33 @@ static inline uint16_t f2bf(float f) { /* round to nearest even, as torch does *
     return (uint16_t)(u >> 16);
 }
 
-static inline float scale_at(const void *s, int f16, int64_t i) {
-    return f16 ? h2f(((const uint16_t *)s)[i]) : ((const float *)s)[i];
+/* Scale formats, the kernels' scale_fmt argument (minillm/kernels/cpu/quant.py's scale_format maps a weight to it):
+ * fp32 or fp16 per group, or K records — per row and 256 weights (8 groups of 32) a 10-byte record, an fp16
+ * super-value then 8 uint8 sub-values, group i's value = super * sub in fp32 (exact: an 11-bit mantissa times a
+ * 6-bit integer; minillm/quant/weight.py's expand_k_records is the Python twin).  Group i is in record i >> 3 because
+ * a row's K / 32 groups are a multiple of 8: records never straddle rows. */
+#define SF_F32 0
+#define SF_F16 1
+#define SF_KREC 2
+#define KREC_BYTES 10
+/* The product is pinned (here and in the vector loads): -ffast-math could otherwise reassociate super * sub * dx into
+ * super * (sub * dx), whose rounding differs from the fp32 form's d * dx. */
+static inline float krec_at(const void *s, int64_t i) {
+    const uint8_t *r = (const uint8_t *)s + (i >> 3) * KREC_BYTES;
+    uint16_t h;
+    memcpy(&h, r, 2);
+    float v = h2f(h) * (float)r[2 + (i & 7)];
+    __asm__("" : "+m"(v));
+    return v;
+}
+
+/* Byte offset of group i's scale in a scale array (for prefetches). */
+static inline int64_t scale_byte(int fmt, int64_t i) {
+    return fmt == SF_KREC ? (i >> 3) * KREC_BYTES : fmt == SF_F16 ? 2 * i : 4 * i;
+}
+
+static inline float scale_at(const void *s, int fmt, int64_t i) {
+    return fmt == SF_KREC ? krec_at(s, i) : fmt == SF_F16 ? h2f(((const uint16_t *)s)[i]) : ((const float *)s)[i];
 }
 
 /* A Q4_0 block's min from its scale d: m = -8*d in fp32.  Exact (a power-of-two multiple, finite for any fp16 d), so
@@ -119,8 +145,8 @@ static inline float scale_at(const void *s, int f16, int64_t i) {
 #define Q4_0_MIN(d) (-8.f * (d))
 
 /* m of group i: stored (Q4_1, mins != NULL) or Q4_0_MIN of its scale (mins == NULL). */
-static inline float q4_min(const void *mins, const void *scales, int f16, int64_t i) {
-    return mins ? scale_at(mins, f16, i) : Q4_0_MIN(scale_at(scales, f16, i));
+static inline float q4_min(const void *mins, const void *scales, int fmt, int64_t i) {
+    return mins ? scale_at(mins, fmt, i) : Q4_0_MIN(scale_at(scales, fmt, i));
 }
 
 /* x as fp32 (a copy only for bf16 input: M*K floats, tiny next to W). */
@@ -165,12 +191,12 @@ static inline void store_y(void *y, int x_bf16, int64_t i, float v) {
 /* ---------------------------------------------------------------- exact paths (fp32 activations) */
 
 /* One weight row n against R input rows: 32 dequantized weights per block, shared by the R rows. */
-INLINE void q4_exact_row(const uint8_t *restrict p, const void *sc, const void *mi, int f16, int64_t row,
+INLINE void q4_exact_row(const uint8_t *restrict p, const void *sc, const void *mi, int fmt, int64_t row,
                          const float *restrict x, float *restrict out, int64_t K, int64_t G, const int R) {
     float acc[QTILE][QB] = {{0.f}};
     const int64_t ng = K / G;
     for (int64_t g = 0; g < ng; g++) { /* no integer division in the loop: tens of cycles each, per block */
-        const float d = scale_at(sc, f16, row * ng + g), mn = q4_min(mi, sc, f16, row * ng + g);
+        const float d = scale_at(sc, fmt, row * ng + g), mn = q4_min(mi, sc, fmt, row * ng + g);
         for (int64_t b = g * (G / QB); b < (g + 1) * (G / QB); b++) {
             const uint8_t *restrict pb = p + b * (QB / 2);
             float w[QB]; /* d*q + m as the reference computes it (one FMA when contracted) */
@@ -191,13 +217,13 @@ INLINE void q4_exact_row(const uint8_t *restrict p, const void *sc, const void *
 }
 
 /* Any group size G dividing K (per-channel int8 with K not a multiple of 32 lands here with G = K). */
-INLINE void q8_exact_row(const int8_t *restrict w, const void *sc, int f16, int64_t row, const float *restrict x,
+INLINE void q8_exact_row(const int8_t *restrict w, const void *sc, int fmt, int64_t row, const float *restrict x,
                          float *restrict out, int64_t K, int64_t G, const int R) {
     const int64_t ng = K / G;
     if (G % QB == 0) { /* 32 lanes per input row, the group's scale folded into the block's 32 floats */
         float acc[QTILE][QB] = {{0.f}};
         for (int64_t g = 0; g < ng; g++) {
-            const float s = scale_at(sc, f16, row * ng + g);
+            const float s = scale_at(sc, fmt, row * ng + g);
             for (int64_t b = g * (G / QB); b < (g + 1) * (G / QB); b++) {
                 float q[QB];
 #pragma omp simd
@@ -224,55 +250,55 @@ INLINE void q8_exact_row(const int8_t *restrict w, const void *sc, int f16, int6
             const int8_t *restrict wg = w + g * G;
 #pragma omp simd reduction(+ : a)
             for (int64_t k = 0; k < G; k++) a += (float)wg[k] * xg[k];
-            s += scale_at(sc, f16, row * ng + g) * a;
+            s += scale_at(sc, fmt, row * ng + g) * a;
         }
         out[m] = s;
     }
 }
 
 /* Rows n0..n1 of y for one thread (no OpenMP inside: the caller splits the rows), x already fp32. */
-static void q4_exact_rows(const uint8_t *restrict P, const void *scales, const void *mins, int scale_f16,
+static void q4_exact_rows(const uint8_t *restrict P, const void *scales, const void *mins, int scale_fmt,
                           const float *restrict x, int x_bf16, void *y, int64_t M, int64_t N, int64_t K, int64_t G,
                           int64_t n0, int64_t n1) {
     for (int64_t n = n0; n < n1; n++)
         for (int64_t m0 = 0; m0 < M; m0 += QTILE) {
             float out[QTILE];
             const int64_t mr = M - m0 < QTILE ? M - m0 : QTILE;
-#define Q4_EXACT(R) q4_exact_row(P + n * (K / 2), scales, mins, scale_f16, n, x + m0 * K, out, K, G, R)
+#define Q4_EXACT(R) q4_exact_row(P + n * (K / 2), scales, mins, scale_fmt, n, x + m0 * K, out, K, G, R)
             FOR_TILE(mr, Q4_EXACT)
 #undef Q4_EXACT
             for (int64_t m = 0; m < mr; m++) store_y(y, x_bf16, (m0 + m) * N + n, out[m]);
         }
 }
 
-static void q8_exact_rows(const int8_t *restrict W, const void *scales, int scale_f16, const float *restrict x,
+static void q8_exact_rows(const int8_t *restrict W, const void *scales, int scale_fmt, const float *restrict x,
                           int x_bf16, void *y, int64_t M, int64_t N, int64_t K, int64_t G, int64_t n0, int64_t n1) {
     for (int64_t n = n0; n < n1; n++)
         for (int64_t m0 = 0; m0 < M; m0 += QTILE) {
             float out[QTILE];
             const int64_t mr = M - m0 < QTILE ? M - m0 : QTILE;
-#define Q8_EXACT(R) q8_exact_row(W + n * K, scales, scale_f16, n, x + m0 * K, out, K, G, R)
+#define Q8_EXACT(R) q8_exact_row(W + n * K, scales, scale_fmt, n, x + m0 * K, out, K, G, R)
             FOR_TILE(mr, Q8_EXACT)
 #undef Q8_EXACT
             for (int64_t m = 0; m < mr; m++) store_y(y, x_bf16, (m0 + m) * N + n, out[m]);
         }
 }
 
-void q4_gemm(const uint8_t *restrict P, const void *scales, const void *mins, int scale_f16, const void *xin,
+void q4_gemm(const uint8_t *restrict P, const void *scales, const void *mins, int scale_fmt, const void *xin,
              int x_bf16, void *y, int64_t M, int64_t N, int64_t K, int64_t G) {
     float *owned;
     const float *restrict x = x_f32(xin, x_bf16, M * K, &owned);
-#define Q4_EXACT_ROWS(n0, n1) q4_exact_rows(P, scales, mins, scale_f16, x, x_bf16, y, M, N, K, G, n0, n1)
+#define Q4_EXACT_ROWS(n0, n1) q4_exact_rows(P, scales, mins, scale_fmt, x, x_bf16, y, M, N, K, G, n0, n1)
     SPLIT_ROWS(N, K, Q4_EXACT_ROWS);
 #undef Q4_EXACT_ROWS
     free(owned);
 }
 
-void q8_gemm(const int8_t *restrict W, const void *scales, int scale_f16, const void *xin, int x_bf16, void *y,
+void q8_gemm(const int8_t *restrict W, const void *scales, int scale_fmt, const void *xin, int x_bf16, void *y,
              int64_t M, int64_t N, int64_t K, int64_t G) {
     float *owned;
     const float *restrict x = x_f32(xin, x_bf16, M * K, &owned);
-#define Q8_EXACT_ROWS(n0, n1) q8_exact_rows(W, scales, scale_f16, x, x_bf16, y, M, N, K, G, n0, n1)
+#define Q8_EXACT_ROWS(n0, n1) q8_exact_rows(W, scales, scale_fmt, x, x_bf16, y, M, N, K, G, n0, n1)
     SPLIT_ROWS(N, K, Q8_EXACT_ROWS);
 #undef Q8_EXACT_ROWS
     free(owned);
@@ -321,11 +347,16 @@ typedef struct { __m512i u; __mmask64 neg; } q8w_t; /* |w| (the unsigned operand
 typedef __m128 f4;  /* 4 scales, one per Q4_1 block of a chunk */
 INLINE vb vb_load(const void *p) { return _mm512_loadu_si512(p); }
 INLINE vb vb_load_part(const void *p, int n) { return _mm512_maskz_loadu_epi8((1ULL << n) - 1, p); } /* n < 64 */
-INLINE f4 f4_load(const void *s, int f16, int64_t off, int n) { /* n (1..4) scales from off, zeros after */
-    if (n == 4) return f16 ? _mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)((const uint16_t *)s + off)))
+INLINE f4 f4_load(const void *s, int fmt, int64_t off, int n) { /* n (1..4) scales from off, zeros after */
+    if (fmt == SF_KREC) { /* one product per scale (int8 weights never come in records; kept general) */
+        float b[4] = {0.f, 0.f, 0.f, 0.f};
+        for (int i = 0; i < n; i++) b[i] = krec_at(s, off + i);
+        return _mm_loadu_ps(b);
+    }
+    if (n == 4) return fmt ? _mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)((const uint16_t *)s + off)))
                            : _mm_loadu_ps((const float *)s + off);
     const __mmask8 k = (__mmask8)((1u << n) - 1); /* masked: no read past the row's last scale */
-    return f16 ? _mm_cvtph_ps(_mm_maskz_loadu_epi16(k, (const uint16_t *)s + off))
+    return fmt ? _mm_cvtph_ps(_mm_maskz_loadu_epi16(k, (const uint16_t *)s + off))
                : _mm_maskz_loadu_ps(k, (const float *)s + off);
 }
 INLINE vb vb_nib_lo(vb w) { return _mm512_and_si512(w, _mm512_set1_epi8(0x0F)); }
@@ -362,11 +393,30 @@ INLINE vi q8_dot(q8w_t w, const int8_t *x, const int32_t *xc) { /* |w| * (x with
 #endif
 INLINE vf vf_zero(void) { return _mm512_setzero_ps(); }
 INLINE vf vf_load(const float *p) { return _mm512_loadu_ps(p); }
-INLINE vf vf_load_h(const void *s, int f16, int64_t off, int n) { /* n (1..16) scales from off, zeros after */
-    if (n == 16) return f16 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)s + off)))
+INLINE vf vf_load_h(const void *s, int fmt, int64_t off, int n) { /* n (1..16) scales from off, zeros after */
+    if (fmt == SF_KREC && !(off & 7) && (n == 16 || n == 8)) { /* whole records: 8 sub-values to a super-value */
+        const uint8_t *r = (const uint8_t *)s + (off >> 3) * KREC_BYTES;
+        uint16_t h0, h1 = 0;
+        memcpy(&h0, r, 2);
+        __m128i sub = _mm_loadl_epi64((const __m128i *)(r + 2)); /* record 0's 8 sub-values; record 1's after */
+        if (n == 16) {
+            memcpy(&h1, r + KREC_BYTES, 2);
+            sub = _mm_unpacklo_epi64(sub, _mm_loadl_epi64((const __m128i *)(r + KREC_BYTES + 2)));
+        }
+        const __m512 sup = _mm512_cvtph_ps(_mm256_set_m128i(_mm_set1_epi16((short)h1), _mm_set1_epi16((short)h0)));
+        __m512 v = _mm512_mul_ps(sup, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(sub))); /* exact, as krec_at */
+        __asm__("" : "+v"(v)); /* pinned (krec_at says why) */
+        return v;
+    }
+    if (fmt == SF_KREC) { /* anywhere else: one product per value */
+        _Alignas(64) float b[16] = {0.f};
+        for (int i = 0; i < n; i++) b[i] = krec_at(s, off + i);
+        return _mm512_load_ps(b);
+    }
+    if (n == 16) return fmt ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)s + off)))
                             : _mm512_loadu_ps((const float *)s + off);
     const __mmask16 k = (__mmask16)((1u << n) - 1); /* masked: no read past the row's last scale */
-    return f16 ? _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, (const uint16_t *)s + off))
+    return fmt ? _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, (const uint16_t *)s + off))
                : _mm512_maskz_loadu_ps(k, (const float *)s + off);
 }
 INLINE vf vf_cvt(vi a) { return _mm512_cvtepi32_ps(a); }
@@ -418,11 +468,11 @@ INLINE vb vb_load_part(const void *p, int n) { /* a row's last chunk: a copy, ze
     memcpy(buf, p, n);
     return vb_load(buf);
 }
-INLINE f4 f4_load(const void *s, int f16, int64_t off, int n) {
-    if (n == 4) return f16 ? _mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)((const uint16_t *)s + off)))
-                           : _mm_loadu_ps((const float *)s + off);
+INLINE f4 f4_load(const void *s, int fmt, int64_t off, int n) {
+    if (n == 4 && fmt == SF_F16) return _mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)((const uint16_t *)s + off)));
+    if (n == 4 && fmt == SF_F32) return _mm_loadu_ps((const float *)s + off);
     float b[4] = {0.f, 0.f, 0.f, 0.f};
-    for (int i = 0; i < n; i++) b[i] = scale_at(s, f16, off + i);
+    for (int i = 0; i < n; i++) b[i] = scale_at(s, fmt, off + i);
     return _mm_loadu_ps(b);
 }
 INLINE vb vb_nib_lo(vb w) {
@@ -493,15 +543,30 @@ INLINE vf vf_load(const float *p) {
     vf r = {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)};
     return r;
 }
-INLINE vf vf_load_h(const void *s, int f16, int64_t off, int n) { /* n (1..16) scales from off, zeros after */
-    if (n == 16 && f16) {
+INLINE vf vf_load_h(const void *s, int fmt, int64_t off, int n) { /* n (1..16) scales from off, zeros after */
+    if (fmt == SF_KREC && !(off & 7) && (n == 16 || n == 8)) { /* whole records, as the 512-bit path */
+        const uint8_t *r = (const uint8_t *)s + (off >> 3) * KREC_BYTES;
+        uint16_t h;
+        memcpy(&h, r, 2);
+        vf v = vf_zero();
+        v.a = _mm256_mul_ps(_mm256_set1_ps(h2f(h)),
+                            _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(r + 2)))));
+        if (n == 16) {
+            memcpy(&h, r + KREC_BYTES, 2);
+            v.b = _mm256_mul_ps(_mm256_set1_ps(h2f(h)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
+                                                            _mm_loadl_epi64((const __m128i *)(r + KREC_BYTES + 2)))));
+        }
+        __asm__("" : "+x"(v.a), "+x"(v.b)); /* pinned (krec_at says why) */
+        return v;
+    }
+    if (n == 16 && fmt == SF_F16) {
         vf r = {_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)s + off))),
                 _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)s + off + 8)))};
         return r;
     }
-    if (n == 16) return vf_load((const float *)s + off);
+    if (n == 16 && fmt == SF_F32) return vf_load((const float *)s + off);
     float b[16] = {0.f};
-    for (int i = 0; i < n; i++) b[i] = scale_at(s, f16, off + i);
+    for (int i = 0; i < n; i++) b[i] = scale_at(s, fmt, off + i);
     return vf_load(b);
 }
 INLINE vf vf_cvt(vi a) {
@@ -570,9 +635,9 @@ INLINE vb vb_load_part(const void *p, int n) {
     memcpy(r.v, p, n);
     return r;
 }
-INLINE f4 f4_load(const void *s, int f16, int64_t off, int n) {
+INLINE f4 f4_load(const void *s, int fmt, int64_t off, int n) {
     f4 r = {{0.f}};
-    for (int i = 0; i < n; i++) r.v[i] = scale_at(s, f16, off + i);
+    for (int i = 0; i < n; i++) r.v[i] = scale_at(s, fmt, off + i);
     return r;
 }
 INLINE f4 f4_loadf(const float *p) {
@@ -617,9 +682,9 @@ INLINE vf vf_load(const float *p) {
     memcpy(r.v, p, sizeof r.v);
     return r;
 }
-INLINE vf vf_load_h(const void *s, int f16, int64_t off, int n) {
+INLINE vf vf_load_h(const void *s, int fmt, int64_t off, int n) {
     vf r = {{0.f}};
-    for (int i = 0; i < n; i++) r.v[i] = scale_at(s, f16, off + i);
+    for (int i = 0; i < n; i++) r.v[i] = scale_at(s, fmt, off + i);
     return r;
 }
 INLINE vf vf_cvt(vi a) {
@@ -677,23 +742,23 @@ INLINE vf vf_pin(vf a) {
 
 /* n (1..16) mins of consecutive groups from off, zeros after: stored (vf_load_h), or for Q4_0 (mi == NULL) Q4_0_MIN
  * of the same groups' scales d16 (already loaded by the caller, zeros after n), lane by lane. */
-INLINE vf vf_load_min(const void *mi, vf d16, int f16, int64_t off, int n) {
+INLINE vf vf_load_min(const void *mi, vf d16, int fmt, int64_t off, int n) {
     static const float unit[16] = {Q4_0_MIN(1.f), Q4_0_MIN(1.f), Q4_0_MIN(1.f), Q4_0_MIN(1.f), Q4_0_MIN(1.f),
                                    Q4_0_MIN(1.f), Q4_0_MIN(1.f), Q4_0_MIN(1.f), Q4_0_MIN(1.f), Q4_0_MIN(1.f),
                                    Q4_0_MIN(1.f), Q4_0_MIN(1.f), Q4_0_MIN(1.f), Q4_0_MIN(1.f), Q4_0_MIN(1.f),
                                    Q4_0_MIN(1.f)}; /* -8 * d = d * -8 exactly */
-    return mi ? vf_load_h(mi, f16, off, n) : vf_mul(d16, vf_load(unit));
+    return mi ? vf_load_h(mi, fmt, off, n) : vf_mul(d16, vf_load(unit));
 }
 
-/* n consecutive scales (fp16 or fp32) -> fp32, 8 at a time with F16C. */
-static inline void to_f32(const void *s, int f16, int64_t off, int64_t n, float *restrict out) {
+/* n consecutive scales (any format) -> fp32, fp16 8 at a time with F16C. */
+static inline void to_f32(const void *s, int fmt, int64_t off, int64_t n, float *restrict out) {
     int64_t i = 0;
 #if defined(__F16C__)
-    if (f16)
+    if (fmt == SF_F16)
         for (; i + 8 <= n; i += 8)
             _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)s + off + i))));
 #endif
-    for (; i < n; i++) out[i] = scale_at(s, f16, off + i);
+    for (; i < n; i++) out[i] = scale_at(s, fmt, off + i);
 }
 
 /* The activations' int8 blocks in the chunk layout (once per call, before the threads split the rows;
@@ -788,7 +853,7 @@ PRECISE_MATH_END
  * on its latency every chunk — at every R: a row's sums must not depend on how many rows share the call
  * (speculative verification runs γ + 1 rows where plain decode runs one; greedy output must be identical), so the
  * products, the accumulation order, the tail and the reduction are the same at every R and in q4_q8_row4 below. */
-INLINE void q4_q8_row(const uint8_t *restrict p, const void *sc, const void *mi, int f16, int64_t n,
+INLINE void q4_q8_row(const uint8_t *restrict p, const void *sc, const void *mi, int fmt, int64_t n,
                       const xprep_t *x, int64_t m0, float *restrict out, int64_t K, int64_t G,
                       float *restrict dwb, const int R, const int G32) {
     const int64_t nb = K / QB, ng = K / G;
@@ -797,10 +862,10 @@ INLINE void q4_q8_row(const uint8_t *restrict p, const void *sc, const void *mi,
     for (int m = 0; m < R; m++) a0[m] = vf_zero(), a1[m] = vf_zero(), am[m] = vf_zero(), mt[m] = 0.f;
     if (!G32) {
         float dw[ng];
-        to_f32(sc, f16, n * ng, ng, dw);
+        to_f32(sc, fmt, n * ng, ng, dw);
         for (int64_t b = 0; b < nb; b++) dwb[b] = dw[b / (G / QB)];
         for (int64_t b = nb; b < nb + 4; b++) dwb[b] = 0.f; /* read by the last chunk */
-        if (mi) to_f32(mi, f16, n * ng, ng, dw);
+        if (mi) to_f32(mi, fmt, n * ng, ng, dw);
         else /* Q4_0: dw holds this row's scales (above) */
             for (int64_t g = 0; g < ng; g++) dw[g] = Q4_0_MIN(dw[g]);
         for (int m = 0; m < R; m++) {
@@ -825,8 +890,8 @@ INLINE void q4_q8_row(const uint8_t *restrict p, const void *sc, const void *mi,
     const int nbg_ = nb - g < 16 ? (int)(nb - g) : 16;                                                         \
     vf sw16 = vf_zero();                                                                                       \
     if (G32) {                                                                                                 \
-        sw16 = vf_load_h(sc, f16, n * ng + g, nbg_);                                                           \
-        const vf mn16_ = vf_load_min(mi, sw16, f16, n * ng + g, nbg_);                                         \
+        sw16 = vf_load_h(sc, fmt, n * ng + g, nbg_);                                                           \
+        const vf mn16_ = vf_load_min(mi, sw16, fmt, n * ng + g, nbg_);                                         \
         for (int m = 0; m < R; m++) am[m] = vf_fma(mn16_, vf_load(x->xsb + (m0 + m) * x->sb + g), am[m]);      \
     }
     int64_t g = 0;
@@ -860,7 +925,7 @@ INLINE void q4_q8_row(const uint8_t *restrict p, const void *sc, const void *mi,
  * follow: each chunk step prefetches 4 lines of the tile PF_TILES ahead in address order, so a tile's lines are all
  * requested early (SmolLM2 stack, 1 thread, streamed: 4.6 -> 3.5 ms with 2 tiles; the same row 1 tile ahead, as
  * this did before, ~4.6; no prefetch ~7). */
-INLINE void q4_q8_row4(const uint8_t *restrict p, const void *sc, const void *mi, int f16, int64_t n,
+INLINE void q4_q8_row4(const uint8_t *restrict p, const void *sc, const void *mi, int fmt, int64_t n,
                        const xprep_t *x, float out[4], int64_t K) {
     const int64_t nb = K / QB, ng = nb, rowb = K / 2;
     vf a0[4], a1[4], am[4], sd[4];
@@ -882,11 +947,11 @@ INLINE void q4_q8_row4(const uint8_t *restrict p, const void *sc, const void *mi
     const vf dx16_ = vf_load(x->dxb + g), xs16_ = vf_load(x->xsb + g);                                         \
     for (int r = 0; r < 4; r++) {                                                                              \
         const int64_t ahead_ = (n + r + 4 * PF_TILES) * ng + g; /* the scales and mins PF_TILES tiles ahead */ \
-        __builtin_prefetch((const char *)sc + (f16 ? 2 : 4) * ahead_, 0, PF_LOC);                             \
-        if (mi) __builtin_prefetch((const char *)mi + (f16 ? 2 : 4) * ahead_, 0, PF_LOC);                     \
-        const vf d16_ = vf_load_h(sc, f16, (n + r) * ng + g, nbg_);                                            \
+        __builtin_prefetch((const char *)sc + scale_byte(fmt, ahead_), 0, PF_LOC);                            \
+        if (mi) __builtin_prefetch((const char *)mi + scale_byte(fmt, ahead_), 0, PF_LOC);                    \
+        const vf d16_ = vf_load_h(sc, fmt, (n + r) * ng + g, nbg_);                                            \
         sd[r] = vf_mul(d16_, dx16_);                                                                           \
-        am[r] = vf_fma(vf_load_min(mi, d16_, f16, (n + r) * ng + g, nbg_), xs16_, am[r]);                      \
+        am[r] = vf_fma(vf_load_min(mi, d16_, fmt, (n + r) * ng + g, nbg_), xs16_, am[r]);                      \
     }
     int64_t g = 0;
     for (; g + 16 <= nb; g += 16) {
@@ -912,7 +977,7 @@ INLINE void q4_q8_row4(const uint8_t *restrict p, const void *sc, const void *mi
 
 /* int8 weights against R input rows.  MODE (compile-time): 0 per output channel (G = K: the row's one scale
  * multiplies the sum at the end), 1 groups of 32 (GGUF Q8_0: 2 scales per chunk), 2 other groups (dwb, as above). */
-INLINE void q8_q8_row(const int8_t *restrict w, const void *sc, int f16, int64_t n, const xprep_t *x, int64_t m0,
+INLINE void q8_q8_row(const int8_t *restrict w, const void *sc, int fmt, int64_t n, const xprep_t *x, int64_t m0,
                       float *restrict out, int64_t K, int64_t G, float *restrict dwb, const int R, const int MODE) {
     const int64_t nb = K / QB, ng = K / G, nc = nb / 2;
     const int rem = (int)(nb % 2);
@@ -920,7 +985,7 @@ INLINE void q8_q8_row(const int8_t *restrict w, const void *sc, int f16, int64_t
     for (int m = 0; m < R; m++) a0[m] = vf_zero(), a1[m] = vf_zero();
     if (MODE == 2) {
         float dw[ng];
-        to_f32(sc, f16, n * ng, ng, dw);
+        to_f32(sc, fmt, n * ng, ng, dw);
         for (int64_t b = 0; b < nb; b++) dwb[b] = dw[b / (G / QB)];
         for (int64_t b = nb; b < nb + 4; b++) dwb[b] = 0.f; /* read by the last chunk */
     }
@@ -928,7 +993,7 @@ INLINE void q8_q8_row(const int8_t *restrict w, const void *sc, int f16, int64_t
     do {                                                                                                       \
         const q8w_t wp_ = q8_prep(NBLK == 2 ? vb_load(w + (CI) * CHUNK) : vb_load_part(w + (CI) * CHUNK, QB));       \
         vf sw_ = vf_zero();                                                                                    \
-        if (MODE) sw_ = vf_expand2(MODE == 1 ? f4_load(sc, f16, n * ng + 2 * (CI), NBLK) : f4_loadf(dwb + 2 * (CI))); \
+        if (MODE) sw_ = vf_expand2(MODE == 1 ? f4_load(sc, fmt, n * ng + 2 * (CI), NBLK) : f4_loadf(dwb + 2 * (CI))); \
         for (int m = 0; m < R; m++) {                                                                          \
             const vf d_ = vf_cvt(q8_dot(wp_, x->xq + (m0 + m) * x->sq + (CI) * CHUNK,                              \
                                         x->xc + (m0 + m) * x->sc + (CI) * 16));                                   \
@@ -947,7 +1012,7 @@ INLINE void q8_q8_row(const int8_t *restrict w, const void *sc, int f16, int64_t
     }
     if (rem) Q8_CHUNK(a1, 1, c); /* the last block, zero-padded */
 #undef Q8_CHUNK
-    const float s = MODE == 0 ? scale_at(sc, f16, n) : 1.f;
+    const float s = MODE == 0 ? scale_at(sc, fmt, n) : 1.f;
     for (int m = 0; m < R; m++) out[m] = s * vf_sum(vf_add(a0[m], a1[m]));
 }
 
@@ -956,7 +1021,7 @@ INLINE void q8_q8_row(const int8_t *restrict w, const void *sc, int f16, int64_t
  * Each row's products, chunk order and reduction are q8_q8_row's, so its result is the same bits.  The 4 rows are 4
  * interleaved streams the hardware prefetchers do not follow; as in q4_q8_row4, each chunk step prefetches 4 lines
  * of the tile PF_TILES ahead in address order. */
-INLINE void q8_q8_row4(const int8_t *restrict w, const void *sc, int f16, int64_t n, const xprep_t *x, float out[4],
+INLINE void q8_q8_row4(const int8_t *restrict w, const void *sc, int fmt, int64_t n, const xprep_t *x, float out[4],
                        int64_t K, const int MODE) {
     const int64_t nb = K / QB, ng = MODE ? nb : 1, nc = nb / 2;
     const int rem = (int)(nb % 2);
@@ -972,7 +1037,7 @@ INLINE void q8_q8_row4(const int8_t *restrict w, const void *sc, int f16, int64_
             __builtin_prefetch(w + 4 * PF_TILES * K + ((CI) * 4 + r) * CHUNK, 0, PF_LOC);                      \
             const q8w_t wp_ = q8_prep(NBLK == 2 ? vb_load(wr_) : vb_load_part(wr_, QB));                       \
             const vf d_ = vf_cvt(q8_dot(wp_, xr_, xc_));                                                       \
-            const vf s_ = MODE ? vf_expand2(f4_load(sc, f16, (n + r) * ng + 2 * (CI), NBLK)) : dx_;           \
+            const vf s_ = MODE ? vf_expand2(f4_load(sc, fmt, (n + r) * ng + 2 * (CI), NBLK)) : dx_;           \
             if (MODE) ACC[r] = vf_fma(d_, vf_mul(s_, dx_), ACC[r]);                                            \
             else ACC[r] = vf_fma(d_, dx_, ACC[r]);                                                             \
         }                                                                                                      \
@@ -990,11 +1055,11 @@ INLINE void q8_q8_row4(const int8_t *restrict w, const void *sc, int f16, int64_
 #undef Q8_CHUNK4
     vf_sum4(vf_add(a0[0], a1[0]), vf_add(a0[1], a1[1]), vf_add(a0[2], a1[2]), vf_add(a0[3], a1[3]), out);
     if (MODE == 0)
-        for (int r = 0; r < 4; r++) out[r] *= scale_at(sc, f16, n + r);
+        for (int r = 0; r < 4; r++) out[r] *= scale_at(sc, fmt, n + r);
 }
 
 /* Rows n0..n1 of y for one thread; dwb: a row's scale per block (groups other than 32). */
-static void q4_q8_rows(const uint8_t *restrict P, const void *scales, const void *mins, int scale_f16,
+static void q4_q8_rows(const uint8_t *restrict P, const void *scales, const void *mins, int scale_fmt,
                        const xprep_t *x, int x_bf16, void *y, int64_t M, int64_t N, int64_t K, int64_t G, int64_t n0,
                        int64_t n1) {
     float dwb[K / QB + 4];
@@ -1002,7 +1067,7 @@ static void q4_q8_rows(const uint8_t *restrict P, const void *scales, const void
     if (QSIMD && M == 1 && G == QB) /* portable C: every row through q4_q8_row (TILE_Q8) */
         for (; n + 4 <= n1; n += 4) {
             float out[4];
-            q4_q8_row4(P + n * (K / 2), scales, mins, scale_f16, n, x, out, K);
+            q4_q8_row4(P + n * (K / 2), scales, mins, scale_fmt, n, x, out, K);
             for (int r = 0; r < 4; r++) store_y(y, x_bf16, n + r, out[r]);
         }
     for (; n < n1; n++)
@@ -1010,15 +1075,15 @@ static void q4_q8_rows(const uint8_t *restrict P, const void *scales, const void
             float out[QTILE];
             const int64_t mr = M - m0 < QTILE ? M - m0 : QTILE;
 #define Q4_Q8(R)                                                                                               \
-    if (G == QB) q4_q8_row(P + n * (K / 2), scales, mins, scale_f16, n, x, m0, out, K, G, dwb, R, 1);          \
-    else q4_q8_row(P + n * (K / 2), scales, mins, scale_f16, n, x, m0, out, K, G, dwb, R, 0)
+    if (G == QB) q4_q8_row(P + n * (K / 2), scales, mins, scale_fmt, n, x, m0, out, K, G, dwb, R, 1);          \
+    else q4_q8_row(P + n * (K / 2), scales, mins, scale_fmt, n, x, m0, out, K, G, dwb, R, 0)
             TILE_Q8(mr, Q4_Q8)
 #undef Q4_Q8
             for (int64_t m = 0; m < mr; m++) store_y(y, x_bf16, (m0 + m) * N + n, out[m]);
         }
 }
 
-static void q8_q8_rows(const int8_t *restrict W, const void *scales, int scale_f16, const xprep_t *x, int x_bf16,
+static void q8_q8_rows(const int8_t *restrict W, const void *scales, int scale_fmt, const xprep_t *x, int x_bf16,
                        void *y, int64_t M, int64_t N, int64_t K, int64_t G, int64_t n0, int64_t n1) {
     float dwb[K / QB + 4];
     /* Batch 1: 4-row tiles (q8_q8_row4).  Alone they are faster in L2 but slower streamed, the 4 interleaved
@@ -1028,8 +1093,8 @@ static void q8_q8_rows(const int8_t *restrict W, const void *scales, int scale_f
     if (QSIMD && M == 1 && (G == K || G == QB)) /* portable C: every row through q8_q8_row (TILE_Q8) */
         for (; n + 4 <= n1; n += 4) {
             float out[4];
-            if (G == K) q8_q8_row4(W + n * K, scales, scale_f16, n, x, out, K, 0);
-            else q8_q8_row4(W + n * K, scales, scale_f16, n, x, out, K, 1);
+            if (G == K) q8_q8_row4(W + n * K, scales, scale_fmt, n, x, out, K, 0);
+            else q8_q8_row4(W + n * K, scales, scale_fmt, n, x, out, K, 1);
             for (int r = 0; r < 4; r++) store_y(y, x_bf16, n + r, out[r]);
         }
     /* Past one tile of input rows (decode.c's stacks take up to 32 rows): weight rows in blocks of L2_BLOCK bytes,
@@ -1044,9 +1109,9 @@ static void q8_q8_rows(const int8_t *restrict W, const void *scales, int scale_f
             for (int64_t r = b0; r < b1; r++) {
                 float out[QTILE];
 #define Q8_Q8(R)                                                                                               \
-    if (G == K) q8_q8_row(W + r * K, scales, scale_f16, r, x, m0, out, K, G, dwb, R, 0);                       \
-    else if (G == QB) q8_q8_row(W + r * K, scales, scale_f16, r, x, m0, out, K, G, dwb, R, 1);                 \
-    else q8_q8_row(W + r * K, scales, scale_f16, r, x, m0, out, K, G, dwb, R, 2)
+    if (G == K) q8_q8_row(W + r * K, scales, scale_fmt, r, x, m0, out, K, G, dwb, R, 0);                       \
+    else if (G == QB) q8_q8_row(W + r * K, scales, scale_fmt, r, x, m0, out, K, G, dwb, R, 1);                 \
+    else q8_q8_row(W + r * K, scales, scale_fmt, r, x, m0, out, K, G, dwb, R, 2)
                 TILE_Q8(mr, Q8_Q8)
 #undef Q8_Q8
                 for (int64_t m = 0; m < mr; m++) store_y(y, x_bf16, (m0 + m) * N + r, out[m]);
@@ -1058,21 +1123,21 @@ static void q8_q8_rows(const int8_t *restrict W, const void *scales, int scale_f
 #define XPREP_STACK 32768 /* activations prepared on the stack up to this many bytes (M = 8, K = 1536 takes 22 KB) */
 
 /* Needs K % 32 == 0 and G % 32 == 0 (always so for Q4_1; the wrapper sends other int8 shapes to q8_gemm). */
-void q4_gemm_q8(const uint8_t *restrict P, const void *scales, const void *mins, int scale_f16, const void *xin,
+void q4_gemm_q8(const uint8_t *restrict P, const void *scales, const void *mins, int scale_fmt, const void *xin,
                 int x_bf16, void *y, int64_t M, int64_t N, int64_t K, int64_t G) {
     _Alignas(64) unsigned char buf[XPREP_STACK];
     const xprep_t x = xprep(xin, x_bf16, M, K, G, 1, buf, sizeof buf);
-#define Q4_Q8_ROWS(n0, n1) q4_q8_rows(P, scales, mins, scale_f16, &x, x_bf16, y, M, N, K, G, n0, n1)
+#define Q4_Q8_ROWS(n0, n1) q4_q8_rows(P, scales, mins, scale_fmt, &x, x_bf16, y, M, N, K, G, n0, n1)
     SPLIT_ROWS(N, K, Q4_Q8_ROWS);
 #undef Q4_Q8_ROWS
     if (x.mem != buf) free(x.mem);
 }
 
-void q8_gemm_q8(const int8_t *restrict W, const void *scales, int scale_f16, const void *xin, int x_bf16, void *y,
+void q8_gemm_q8(const int8_t *restrict W, const void *scales, int scale_fmt, const void *xin, int x_bf16, void *y,
                 int64_t M, int64_t N, int64_t K, int64_t G) {
     _Alignas(64) unsigned char buf[XPREP_STACK];
     const xprep_t x = xprep(xin, x_bf16, M, K, G, 0, buf, sizeof buf);
-#define Q8_Q8_ROWS(n0, n1) q8_q8_rows(W, scales, scale_f16, &x, x_bf16, y, M, N, K, G, n0, n1)
+#define Q8_Q8_ROWS(n0, n1) q8_q8_rows(W, scales, scale_fmt, &x, x_bf16, y, M, N, K, G, n0, n1)
     SPLIT_ROWS(N, K, Q8_Q8_ROWS);
 #undef Q8_Q8_ROWS
     if (x.mem != buf) free(x.mem);
@@ -1263,7 +1328,7 @@ INLINE void a8_tile(const int8_t *restrict w, int64_t K, const a8_t *a, int64_t 
 #define A8_FEW_ROWS 4 /* up to this many rows (one tile of activation rows): the streaming few-row path */
 
 /* Weight rows n0..n1 of y for one thread (no OpenMP inside). */
-static void a8_rows(const int8_t *restrict W, const void *scales, int scale_f16, const a8_t *a, float *restrict y,
+static void a8_rows(const int8_t *restrict W, const void *scales, int scale_fmt, const a8_t *a, float *restrict y,
                     int64_t M, int64_t N, int64_t K, int64_t n0, int64_t n1) {
     /* Few rows (decode, M <= A8_FEW_ROWS: one tile of activation rows): each weight byte is used by one tile only,
      * so no L2 blocking; the weights stream once, 4 interleaved rows at a time, which the hardware prefetchers do
@@ -1297,7 +1362,7 @@ static void a8_rows(const int8_t *restrict W, const void *scales, int scale_f16,
                     }
                 for (int64_t r = 0; r < mr; r++)
                     for (int64_t c = 0; c < nr; c++) {
-                        const float s = f_pin(a->sx[m0 + r] * scale_at(scales, scale_f16, n + c));
+                        const float s = f_pin(a->sx[m0 + r] * scale_at(scales, scale_fmt, n + c));
                         y[(m0 + r) * N + n + c] = (float)acc[r][c] * s;
                     }
             }
@@ -1384,7 +1449,7 @@ static void a8_pack_panel(const int8_t *restrict W, int64_t K, int64_t kp, int64
 
 /* R activation rows (m0..) x P panels (pan, kp * 16 bytes apart, output channels n..; nv valid in the last) -> y. */
 INLINE void a8_panel_tile(const int8_t *restrict pan, int64_t kp, int64_t K, const a8_t *a, int64_t m0,
-                          const void *scales, int scale_f16, float *restrict y, int64_t N, int64_t n, int nv,
+                          const void *scales, int scale_fmt, float *restrict y, int64_t N, int64_t n, int nv,
                           const int R, const int P) {
     __m512i acc[A8P_MR][A8P_NP];
     for (int r = 0; r < R; r++)
@@ -1404,7 +1469,7 @@ INLINE void a8_panel_tile(const int8_t *restrict pan, int64_t kp, int64_t K, con
     for (int q = 0; q < P; q++) {
         const int cnt = q == P - 1 ? nv : 16;
         const __mmask16 km = (__mmask16)(cnt >= 16 ? 0xFFFFu : (1u << cnt) - 1);
-        const __m512 sw = vf_load_h(scales, scale_f16, n + 16 * q, cnt);
+        const __m512 sw = vf_load_h(scales, scale_fmt, n + 16 * q, cnt);
         for (int r = 0; r < R; r++) {
             __m512 s = _mm512_mul_ps(_mm512_set1_ps(a->sx[m0 + r]), sw);
             __asm__("" : "+v"(s)); /* sx * sw rounded first, as the reference (see f_pin) */
@@ -1415,18 +1480,18 @@ INLINE void a8_panel_tile(const int8_t *restrict pan, int64_t kp, int64_t K, con
 
 #define A8P_R(R, P)                                                                                         \
     switch (R) {                                                                                             \
-    case 1: a8_panel_tile(pan, kp, K, a, m0, scales, scale_f16, y, N, n, nv, 1, P); break;                   \
-    case 2: a8_panel_tile(pan, kp, K, a, m0, scales, scale_f16, y, N, n, nv, 2, P); break;                   \
-    case 3: a8_panel_tile(pan, kp, K, a, m0, scales, scale_f16, y, N, n, nv, 3, P); break;                   \
-    case 4: a8_panel_tile(pan, kp, K, a, m0, scales, scale_f16, y, N, n, nv, 4, P); break;                   \
-    case 5: a8_panel_tile(pan, kp, K, a, m0, scales, scale_f16, y, N, n, nv, 5, P); break;                   \
-    case 6: a8_panel_tile(pan, kp, K, a, m0, scales, scale_f16, y, N, n, nv, 6, P); break;                   \
-    case 7: a8_panel_tile(pan, kp, K, a, m0, scales, scale_f16, y, N, n, nv, 7, P); break;                   \
-    default: a8_panel_tile(pan, kp, K, a, m0, scales, scale_f16, y, N, n, nv, 8, P); break;                  \
+    case 1: a8_panel_tile(pan, kp, K, a, m0, scales, scale_fmt, y, N, n, nv, 1, P); break;                   \
+    case 2: a8_panel_tile(pan, kp, K, a, m0, scales, scale_fmt, y, N, n, nv, 2, P); break;                   \
+    case 3: a8_panel_tile(pan, kp, K, a, m0, scales, scale_fmt, y, N, n, nv, 3, P); break;                   \
+    case 4: a8_panel_tile(pan, kp, K, a, m0, scales, scale_fmt, y, N, n, nv, 4, P); break;                   \
+    case 5: a8_panel_tile(pan, kp, K, a, m0, scales, scale_fmt, y, N, n, nv, 5, P); break;                   \
+    case 6: a8_panel_tile(pan, kp, K, a, m0, scales, scale_fmt, y, N, n, nv, 6, P); break;                   \
+    case 7: a8_panel_tile(pan, kp, K, a, m0, scales, scale_fmt, y, N, n, nv, 7, P); break;                   \
+    default: a8_panel_tile(pan, kp, K, a, m0, scales, scale_fmt, y, N, n, nv, 8, P); break;                  \
     }
 
 /* Weight rows n0..n1 of y for one thread (no OpenMP inside), through panels; 0 when the buffer cannot be had. */
-static int a8_rows_panel(const int8_t *restrict W, const void *scales, int scale_f16, const a8_t *a,
+static int a8_rows_panel(const int8_t *restrict W, const void *scales, int scale_fmt, const a8_t *a,
                          float *restrict y, int64_t M, int64_t N, int64_t K, int64_t n0, int64_t n1) {
     const int64_t kp = a->kp;
     int64_t nb = L2_BLOCK / kp / 16 * 16;
@@ -1461,17 +1526,17 @@ static int a8_rows_panel(const int8_t *restrict W, const void *scales, int scale
 #endif
 
 /* y [M, N] fp32 = W8A8(x [M, K] fp32, W [N, K] int8, sw [N]); input_scale: one fp32 (static) or NULL (per token). */
-void w8a8_gemm(const int8_t *restrict W, const void *scales, int scale_f16, const float *input_scale,
+void w8a8_gemm(const int8_t *restrict W, const void *scales, int scale_fmt, const float *input_scale,
                const float *x, float *y, int64_t M, int64_t N, int64_t K) {
     _Alignas(64) unsigned char buf[XPREP_STACK];
     const a8_t a = a8_prep(x, input_scale, M, K, buf, sizeof buf);
     const a8_t *ap = &a;
 #if QSIMD == 512 && defined(Q8_BIAS)
 #define A8_ROWS(n0, n1)                                                                                      \
-    if (M <= A8_FEW_ROWS || !a8_rows_panel(W, scales, scale_f16, ap, y, M, N, K, n0, n1))               \
-    a8_rows(W, scales, scale_f16, ap, y, M, N, K, n0, n1)
+    if (M <= A8_FEW_ROWS || !a8_rows_panel(W, scales, scale_fmt, ap, y, M, N, K, n0, n1))               \
+    a8_rows(W, scales, scale_fmt, ap, y, M, N, K, n0, n1)
 #else
-#define A8_ROWS(n0, n1) a8_rows(W, scales, scale_f16, ap, y, M, N, K, n0, n1)
+#define A8_ROWS(n0, n1) a8_rows(W, scales, scale_fmt, ap, y, M, N, K, n0, n1)
 #endif
     SPLIT_ROWS(N, M * K, A8_ROWS);
 #undef A8_ROWS
@@ -1578,7 +1643,7 @@ PRECISE_MATH_END
 /* Panel n0 .. n0 + 32 (nv real columns, the rest zero weights and scales) into the tiled copy.  Q8_0 (q4 = 0):
  * wp[b][i][v] = 64 bytes, byte 4c + t = q[n0 + 16v + c, 32b + 4i + t] + 128 (i < 8).  Q4 (q4 = 1): wp[b][i][v] = 64
  * bytes, byte 4c + t = packed byte 16b + 4i + t of row n0 + 16v + c (i < 4).  sp / mp [nb][32]: d and m per block. */
-static void pf_pack(const void *W, const void *scales, const void *mins, int f16, int q4, int64_t n0, int nv,
+static void pf_pack(const void *W, const void *scales, const void *mins, int fmt, int q4, int64_t n0, int nv,
                     int64_t K, int64_t G, uint8_t *restrict wp, float *restrict sp, float *restrict mp) {
     const int64_t nb = K / QB, ng = K / G, bpg = G / QB, rowb = q4 ? K / 2 : K, steps = q4 ? 4 : 8;
     for (int c = 0; c < PF_NR; c++) {
@@ -1594,8 +1659,8 @@ static void pf_pack(const void *W, const void *scales, const void *mins, int f16
     }
     for (int c = 0; c < PF_NR; c++) /* by groups: no integer division per block */
         for (int64_t g = 0; g < ng; g++) {
-            const float d = c < nv ? scale_at(scales, f16, (n0 + c) * ng + g) : 0.f;
-            const float m = c < nv && q4 ? q4_min(mins, scales, f16, (n0 + c) * ng + g) : 0.f;
+            const float d = c < nv ? scale_at(scales, fmt, (n0 + c) * ng + g) : 0.f;
+            const float m = c < nv && q4 ? q4_min(mins, scales, fmt, (n0 + c) * ng + g) : 0.f;
             for (int64_t b = g * bpg; b < (g + 1) * bpg; b++) {
                 sp[b * PF_NR + c] = d;
                 if (q4) mp[b * PF_NR + c] = m;
@@ -1690,7 +1755,7 @@ static void pf_tile_c(const uint8_t *restrict wp, const float *restrict sp, cons
 #endif
 
 /* Panels p0 .. p1 of one thread: copy, then every tile of activation rows over it. */
-static void pf_panels(const void *W, const void *scales, const void *mins, int f16, const pfx_t *x, int x_bf16,
+static void pf_panels(const void *W, const void *scales, const void *mins, int fmt, const pfx_t *x, int x_bf16,
                       void *y, int64_t M, int64_t N, int64_t K, int64_t G, int64_t p0, int64_t p1, const int Q4) {
     const int64_t nb = K / QB;
     uint8_t *wp = aligned_alloc(64, (size_t)(nb * (Q4 ? 512 : 1024) + 2 * nb * PF_NR * sizeof(float)));
@@ -1698,7 +1763,7 @@ static void pf_panels(const void *W, const void *scales, const void *mins, int f
     for (int64_t p = p0; p < p1; p++) {
         const int64_t n0 = p * PF_NR;
         const int nv = N - n0 < PF_NR ? (int)(N - n0) : PF_NR;
-        pf_pack(W, scales, mins, f16, Q4, n0, nv, K, G, wp, sp, mp);
+        pf_pack(W, scales, mins, fmt, Q4, n0, nv, K, G, wp, sp, mp);
         for (int64_t m0 = 0; m0 < M; m0 += PF_MR) {
             _Alignas(64) float out[PF_MR][PF_NR];
             const int64_t mr = M - m0 < PF_MR ? M - m0 : PF_MR;
@@ -1724,7 +1789,7 @@ static void pf_panels(const void *W, const void *scales, const void *mins, int f
  * Q4_1 packing [N, K / 2], scales and mins [N, K / G]); K and G multiples of 32.  Rounding x, then the panels, in
  * one parallel region (a barrier between); the panels are split as split.h splits GEMV rows (a late thread's taken
  * over). */
-static void pf_gemm(const void *W, const void *scales, const void *mins, int f16, const void *xin, int x_bf16,
+static void pf_gemm(const void *W, const void *scales, const void *mins, int fmt, const void *xin, int x_bf16,
                     void *y, int64_t M, int64_t N, int64_t K, int64_t G, int q4) {
     const int64_t nb = K / QB, np = (N + PF_NR - 1) / PF_NR;
     void *mem = malloc((size_t)(M * K + M * nb * 12));
@@ -1732,8 +1797,8 @@ static void pf_gemm(const void *W, const void *scales, const void *mins, int f16
     SPLIT_DECLARE(np, 1)
 #define PF_PANELS(p0, p1)                                                                                      \
     do {                                                                                                       \
-        if (q4) pf_panels(W, scales, mins, f16, &x, x_bf16, y, M, N, K, G, p0, p1, 1);                        \
-        else pf_panels(W, scales, mins, f16, &x, x_bf16, y, M, N, K, G, p0, p1, 0);                           \
+        if (q4) pf_panels(W, scales, mins, fmt, &x, x_bf16, y, M, N, K, G, p0, p1, 1);                        \
+        else pf_panels(W, scales, mins, fmt, &x, x_bf16, y, M, N, K, G, p0, p1, 0);                           \
     } while (0)
 #pragma omp parallel num_threads(T_) if (M * N * K >= (1 << 22))
     {
@@ -1746,14 +1811,14 @@ static void pf_gemm(const void *W, const void *scales, const void *mins, int f16
     free(mem);
 }
 
-void q8_gemm_prefill(const int8_t *W, const void *scales, int scale_f16, const void *xin, int x_bf16, void *y,
+void q8_gemm_prefill(const int8_t *W, const void *scales, int scale_fmt, const void *xin, int x_bf16, void *y,
                      int64_t M, int64_t N, int64_t K, int64_t G) {
-    pf_gemm(W, scales, NULL, scale_f16, xin, x_bf16, y, M, N, K, G, 0);
+    pf_gemm(W, scales, NULL, scale_fmt, xin, x_bf16, y, M, N, K, G, 0);
 }
 
-void q4_gemm_prefill(const uint8_t *P, const void *scales, const void *mins, int scale_f16, const void *xin,
+void q4_gemm_prefill(const uint8_t *P, const void *scales, const void *mins, int scale_fmt, const void *xin,
                      int x_bf16, void *y, int64_t M, int64_t N, int64_t K, int64_t G) {
-    pf_gemm(P, scales, mins, scale_f16, xin, x_bf16, y, M, N, K, G, 1);
+    pf_gemm(P, scales, mins, scale_fmt, xin, x_bf16, y, M, N, K, G, 1);
 }
 
 /* The prefill GEMM's rounding of x alone: codes [M, K] int8, dx [M, K / 32] (to test against the reference). */
