@@ -245,6 +245,41 @@ static int check_q4(uint64_t *s, int64_t M, int64_t N, int64_t K, int64_t G, int
     return bad;
 }
 
+/* Q4_K's two scale levels as K records (fmt 2): per row and 256 weights a 10-byte record, an fp16 super-value then
+ * 8 sub-values (0..63), for d (d, sc) and for m (-dmin, mn); group g's value is super * sub in fp32, exact.  Both
+ * GEMV paths must give the bits of the same weight with those products stored as fp32 scales and mins (fmt 0). */
+static int check_q4_krec(uint64_t *s, int64_t M, int64_t N, int64_t K) {
+    const int64_t ng = K / QB, nr = K / 256;
+    uint8_t *rs = malloc(N * nr * 10), *rm = malloc(N * nr * 10), *P = malloc(N * K / 2);
+    float *d = malloc(sizeof(float) * N * ng), *mn = malloc(sizeof(float) * N * ng);
+    for (int64_t r = 0; r < N * nr; r++) {
+        uint16_t hd = half_rand(s, 0), hm = (uint16_t)(half_rand(s, 0) | 0x8000u); /* d > 0, -dmin < 0 */
+        memcpy(rs + 10 * r, &hd, 2), memcpy(rm + 10 * r, &hm, 2);
+        for (int j = 0; j < 8; j++) {
+            rs[10 * r + 2 + j] = (uint8_t)irand(s, 64), rm[10 * r + 2 + j] = (uint8_t)irand(s, 64);
+            d[8 * r + j] = (float)half_value(hd) * (float)rs[10 * r + 2 + j];
+            mn[8 * r + j] = (float)half_value(hm) * (float)rm[10 * r + 2 + j];
+        }
+    }
+    for (int64_t i = 0; i < N * K / 2; i++) P[i] = (uint8_t)irand(s, 256);
+    float *x = frand(s, M * K), *y = malloc(sizeof(float) * M * N), *y1 = malloc(sizeof(float) * M * N);
+    char what[96];
+    int bad = 0;
+    for (int path = 0; path < 2; path++) {
+        void (*gemv)(const uint8_t *, const void *, const void *, int, const void *, int, void *, int64_t, int64_t,
+                     int64_t, int64_t) = path ? q4_gemm_q8 : q4_gemm;
+        gemv(P, rs, rm, SF_KREC, x, 0, y, M, N, K, QB);
+        gemv(P, d, mn, SF_F32, x, 0, y1, M, N, K, QB);
+        snprintf(what, sizeof what, "%s M=%lld N=%lld K=%lld", path ? "q4_gemm_q8" : "q4_gemm", (long long)M,
+                 (long long)N, (long long)K);
+        const int differ = memcmp(y, y1, sizeof(float) * M * N) != 0;
+        printf("%s %-44s K records == their fp32 products, bit for bit\n", differ ? "FAIL" : "ok  ", what);
+        bad |= differ;
+    }
+    free(rs), free(rm), free(P), free(d), free(mn), free(x), free(y), free(y1);
+    return bad;
+}
+
 /* int8 [N, K], w = s * q with s per group of G along K (G = K: per output channel).  q8_gemm takes any G dividing
  * K; q8_gemm_q8 needs K and G multiples of 32 (its wrapper sends other shapes to q8_gemm). */
 static int check_q8(uint64_t *s, int64_t M, int64_t N, int64_t K, int64_t G, int f16) {
@@ -545,6 +580,9 @@ int main(void) {
     bad |= check_q4(&s, 3, 9, 256, 64, 1);
     bad |= check_q4(&s, 9, 5, 128, 128, 0);
     bad |= check_q4(&s, 2, 512, 576, 32, 1);
+    bad |= check_q4_krec(&s, 1, 6, 256);
+    bad |= check_q4_krec(&s, 3, 9, 512);
+    bad |= check_q4_krec(&s, 2, 512, 768);
     /* int8: per channel with K not in blocks of 32 (exact path only), Q8_0 groups of 32, groups of 64, a partial
      * 2-block chunk (K = 96), 9 rows, and a split over the threads. */
     bad |= check_q8(&s, 1, 7, 100, 100, 0);
