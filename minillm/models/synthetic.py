@@ -104,7 +104,11 @@ def gguf_type(plan: TensorPlan, fmt: str):
         return T.F32
     if fmt in ("q4_0", "q4_1") and plan.gguf.split(".")[0] in ("token_embd", "output"):
         return T.Q8_0
-    return {"f16": T.F16, "q8_0": T.Q8_0, "q4_0": T.Q4_0, "q4_1": T.Q4_1}[fmt]
+    types = {"f16": T.F16, "q8_0": T.Q8_0, "q4_0": T.Q4_0, "q4_1": T.Q4_1}
+    if fmt not in types:  # q4_k_m's types are llama.cpp's choice, per tensor: read them from the file
+        raise ValueError(f"{fmt!r} is not written here through gguf's quantizers ({', '.join(types)} are); "
+                         "a llama.cpp-quantized file's types and bytes are in the file (GGUFReader)")
+    return types[fmt]
 
 
 def gguf_nbytes(plan: TensorPlan, fmt: str) -> int:

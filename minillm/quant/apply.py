@@ -61,7 +61,7 @@ def cat_rows(weights: list[PackedWeight]) -> PackedWeight:
     and mins row-wise: exact, since every per-row quantity moves with its row.  Same K and group size.
     Symmetric (Q4_0) ``Int4Weight``s stack without mins; beside ones with mins they are stored with m = −8·d
     (``Int4Weight.with_mins``: the same values).  Mixed fp16/fp32 scales stack as fp32 (exact), as do K records
-beside another form; K records beside K records stack as they are (a record belongs to one row).  Int4 groups of 32
+    beside another form; K records beside K records stack as they are (a record belongs to one row).  Int4 groups of 32
     beside int8 ones (a Q4_K_M file's Q6_K attn_v beside Q4_K q/k) stack as int8: the int4 parts re-quantized to
     Q8_0 blocks (``quantize_q8_0``: each weight moves by at most half an 8-bit step, well under its 4-bit one)."""
     if any(isinstance(w, Int4Weight) and w.mins is None for w in weights) \

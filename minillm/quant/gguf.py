@@ -103,6 +103,16 @@ def q8_0_to_int8(raw: np.ndarray, N: int, K: int) -> Int8Weight:
     return Int8Weight(q, d, GGUF_BLOCK)
 
 
+def _blocks(raw: np.ndarray, N: int, K: int, qk: int, size: int, kind: str) -> np.ndarray:
+    """``raw`` as [N · K / qk, size] blocks of ``kind``, or ValueError when K or the byte count does not fit."""
+    if K % qk:
+        raise ValueError(f"a {kind} row has a multiple of {qk} weights, got K={K}")
+    if raw.size != N * (K // qk) * size:
+        raise ValueError(f"{kind} has {size} bytes per {qk} weights: {N} rows of K={K} need "
+                         f"{N * (K // qk) * size} bytes, got {raw.size}")
+    return raw.reshape(N * (K // qk), size)
+
+
 def q4_k_to_int4(raw: np.ndarray, N: int, K: int) -> Int4Weight:
     """Q4_K bytes [N, K/256 · 144] -> ``Int4Weight`` in K records (group 32; see the module docstring): exact.
 
@@ -113,10 +123,8 @@ def q4_k_to_int4(raw: np.ndarray, N: int, K: int) -> Int4Weight:
     6-bit values unpacked to a byte each), no arithmetic on the scales."""
     from gguf.quants import Q4_K
 
-    if K % QK_K:
-        raise ValueError(f"a Q4_K row has a multiple of {QK_K} weights, got K={K}")
-    nb = N * (K // QK_K)
-    b = raw.reshape(nb, 144)
+    b = _blocks(raw, N, K, QK_K, 144, "Q4_K")
+    nb = b.shape[0]
     sc, mn = Q4_K.get_scale_min(b[:, 4:16].copy())  # [nb, 8] each, 0..63
     qs = b[:, 16:].reshape(nb, 4, 2, 16)  # [super-block, j, first/second 16 bytes, 16]
     lo, hi = qs[:, :, 0], qs[:, :, 1]  # bytes 0..15 and 16..31 of each 32
@@ -134,8 +142,7 @@ def q5_0_to_int8(raw: np.ndarray, N: int, K: int) -> Int8Weight:
     """Q5_0 bytes [N, K/32 · 22] -> ``Int8Weight`` (fp16 d, group 32, codes q − 16 in −16..15): exact.
 
     A block: fp16 d, 4 bytes qh (bit l = weight l's fifth bit), 16 bytes of nibbles (weight l low, l + 16 high)."""
-    nb = N * (K // GGUF_BLOCK)
-    b = raw.reshape(nb, 22)
+    b = _blocks(raw, N, K, GGUF_BLOCK, 22, "Q5_0")
     d = torch.from_numpy(b[:, 0:2].copy().view(np.float16)).reshape(N, K // GGUF_BLOCK)
     qh = b[:, 2:6].copy().view(np.uint32)  # [nb, 1]
     high = ((qh >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)  # [nb, 32]

@@ -267,6 +267,8 @@ def quantize_int8(w: Tensor, group_size: int | None = None) -> Int8Weight:
 def quantize_q8_0(w: Tensor) -> Int8Weight:
     """w [N, K] float (K a multiple of 32) -> ``Int8Weight`` in GGUF's Q8_0 blocks: per 32 weights d = max|w| / 127
     rounded to fp16, codes round(w / d) against that stored d, clamped to ±127, so |w − d·q| ≤ d / 2."""
+    if w.dim() != 2 or not w.is_floating_point():
+        raise ValueError(f"quantize_q8_0 needs a float [N, K] weight, got {w.dtype} {tuple(w.shape)}")
     N, K = w.shape
     check_group_size(K, BLOCK)
     wb = w.float().view(N, K // BLOCK, BLOCK)

@@ -279,3 +279,20 @@ def test_a_llama_of_q4_k_weights_runs_its_records_as_the_expanded_fp32_form_bit_
         assert all(isinstance(e.runner, NativeRunner) for e in engines)
     tokens = [[o.token_ids for o in e.generate(prompts, [params] * 2)] for e in engines]
     assert tokens[0] == tokens[1] and len(tokens[0][0]) == 10 and len(set(tokens[0][0] + tokens[0][1])) > 2
+
+
+def test_block_readers_and_q8_0_refuse_shapes_that_do_not_fit_naming_them():
+    from minillm.models.synthetic import gguf_type, synthetic_config, tensor_plan
+    from minillm.quant.gguf import q4_k_to_int4, q5_0_to_int8
+    from minillm.quant.weight import quantize_q8_0
+
+    with pytest.raises(ValueError, match="a Q4_K row has a multiple of 256 weights, got K=320"):
+        q4_k_to_int4(kquant_blocks("Q4_K", 2, 256, 1), 2, 320)
+    with pytest.raises(ValueError, match="Q5_0 has 22 bytes per 32 weights: 2 rows of K=64 need 88 bytes, got 86"):
+        q5_0_to_int8(kquant_blocks("Q5_0", 2, 64, 1)[:, :-1].copy(), 2, 64)
+    with pytest.raises(ValueError, match=r"quantize_q8_0 needs a float \[N, K\]"):
+        quantize_q8_0(torch.zeros(64))
+    with pytest.raises(ValueError, match="multiple of 32"):
+        quantize_q8_0(torch.zeros(2, 48))
+    with pytest.raises(ValueError, match="'q4_k_m' is not written here"):
+        gguf_type(tensor_plan(synthetic_config("tiny"))[0], "q4_k_m")  # the embedding: a matrix
