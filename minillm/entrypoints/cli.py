@@ -24,7 +24,7 @@ from minillm.entrypoints.openai.limits import (
     DEFAULT_TIMEOUT_KEEP_ALIVE_S,
 )
 from minillm.models.configs import SHAPES
-from minillm.models.synthetic import GGUF_FORMATS, HF_DTYPES, LLAMA_QUANTIZED
+from minillm.models.synthetic import GGUF_FORMATS, HF_DTYPES, LLAMA_QUANTIZED, VOCABS
 from minillm.sampling.params import SamplingParams
 
 # run_server's options that each ``serve --replicas`` replica gets too (the front's own: host, port, routing)
@@ -256,7 +256,7 @@ def cmd_bench(a) -> int:
         bench_cpu_peers(shapes=_csv(a.shapes) or ("llama-3.2-1b",), formats=_csv(a.formats) or FORMATS,
                         prompt_lens=tuple(_ints(a.prompt_lens, "--prompt-lens")) or PROMPT_LENS, threads=a.threads,
                         repeats=a.repeats, n_tokens=a.tokens, models_dir=a.models_dir, out=a.out,
-                        neighbour=a.neighbour)
+                        neighbour=a.neighbour, vocab=a.vocab)
     elif a.what == "quant":
         from minillm.perf.bench.quant import SCHEMES, bench_quant
 
@@ -274,6 +274,8 @@ MAKE_MODEL_OPTIONS = (
                    f"{', '.join(LLAMA_QUANTIZED)} through llama.cpp's quantizer (llama-cpp-python) (default: none)"),
     Option("dtype", "the safetensors' dtype", choices=HF_DTYPES, default="bfloat16"),
     Option("seed", "seed of the random weights", type=int, default=0),
+    Option("vocab", "the vocabulary's size: the default tokenizer's (49152) or the shape's own (Llama-3's 128256: "
+                    "the default tokenizer padded with reserved special tokens)", choices=VOCABS, default="default"),
 )
 
 
@@ -284,7 +286,7 @@ def cmd_make_model(a) -> int:
         if getattr(a, o.dest) is None:
             raise ValueError(f"make-model needs {o.flag} (e.g. make-model --shape llama-3.2-1b --out DIR)")
     formats = tuple(f.strip().lower() for f in a.gguf.split(",") if f.strip()) if a.gguf else ()
-    print_report(make_model(a.shape, a.out, gguf=formats, dtype=a.dtype, seed=a.seed))
+    print_report(make_model(a.shape, a.out, gguf=formats, dtype=a.dtype, seed=a.seed, vocab=a.vocab))
     return 0
 
 
@@ -461,6 +463,9 @@ def _bench_parser(sub) -> None:
     peers.add_argument("--formats", default=None, help="comma-separated, of fp32, bf16, q8_0, q4_1, q4_0, q4_k_m "
                                                        "(default: all)")
     peers.add_argument("--prompt-lens", default=None, help="prefill prompt lengths (default: 128,512,2048)")
+    peers.add_argument("--vocab", default="default", choices=VOCABS,
+                       help="the checkpoints' vocabulary: the default tokenizer's 49152 tokens or each shape's own "
+                            "(Llama-3's 128256, kept in SHAPE-vocabN/ beside the default ones) (default: default)")
     peers.add_argument("--models-dir", default=None, help="where the shapes' checkpoints are made and kept "
                                                           "(default: the minillm cache's shapes/)")
     peers.add_argument("--out", default=None, help="the JSON file to write (default: "

@@ -12,9 +12,12 @@ model has them):
   the gguf package does not quantize) by llama.cpp's own quantizer from the f16 file, written for it.
 
 Every engine (transformers, llama.cpp, vLLM, minillm) therefore loads the same weights and tokenizes identically.
-Two deliberate departures from the real models: the vocabulary is the default model's (SmolLM2's 49152 tokens, not
-Llama-3's 128256: the LM head is smaller than the real one), and RoPE is unscaled (llama3 scaling needs a
-``rope_freqs`` tensor in a GGUF; it changes frequencies, not cost, and the benchmarks stay far below 8192 tokens).
+Two departures from the real models: the vocabulary is the default model's (SmolLM2's 49152 tokens), unless
+``vocab="shape"`` (``--vocab shape``) asks for the shape's own count — Llama-3's 128256, whose embedding and LM head
+are a fifth of a 1B model's weights — and then the default tokenizer gains reserved special tokens
+(``<|reserved_special_token_N|>``, as Llama-3 reserves its last 256) up to that count, in the HF tokenizer and the
+GGUFs alike; and RoPE is unscaled (llama3 scaling needs a ``rope_freqs`` tensor in a GGUF; it changes frequencies,
+not cost, and the benchmarks stay far below 8192 tokens).
 
 Weights: normal(0, 0.02) — transformers' ``initializer_range`` — for every linear and the embedding, RMSNorm weights
 1.  Each sub-layer then adds a small update to the residual stream, so activations stay finite through every
@@ -52,6 +55,9 @@ GGUF_FORMATS = ("q4_1", "q4_0", "q8_0", "f16")  # written here, through the gguf
 # Q4_K_M is what most downloaded GGUFs are: Q4_K, with Q6_K for the embedding/LM head and some attn_v/ffn_down.
 LLAMA_QUANTIZED = {"q4_k_m": 15}
 HF_DTYPES = ("float32", "bfloat16")
+# the vocabulary's size: the default tokenizer's own (49152), or the shape's (reserved special tokens added up to it)
+VOCABS = ("default", "shape")
+GGUF_CONTROL = 3  # tokenizer.ggml.token_type of a control (special) token, llama.cpp's LLAMA_TOKEN_TYPE_CONTROL
 INIT_STD = 0.02  # transformers' LlamaConfig.initializer_range
 SHARD_BYTES = 2 << 30  # safetensors shard size (as save_pretrained's max_shard_size)
 # llama.cpp's tensor names in a decoder layer, in its converter's order
@@ -68,13 +74,22 @@ class TensorPlan:
     shape: tuple[int, ...]
 
 
-def synthetic_config(shape: str) -> ModelConfig:
-    """``shape``'s config as ``make_model`` writes it: the default model's vocabulary and token ids, plain RoPE."""
+def synthetic_config(shape: str, vocab: str = "default") -> ModelConfig:
+    """``shape``'s config as ``make_model`` writes it: the default model's token ids, plain RoPE, and the default
+    vocabulary's size (``vocab="default"``) or the shape's own (``"shape"``; never fewer than the default's)."""
     from minillm.models.loader import load_config, resolve
 
-    default = load_config(resolve(None, weights=False))
-    return replace(shape_config(shape), vocab_size=default.vocab_size, rope_scaling=RopeScaling(),
+    if vocab not in VOCABS:
+        raise ValueError(f"vocab must be one of {', '.join(VOCABS)}, got {vocab!r}")
+    default, own = load_config(resolve(None, weights=False)), shape_config(shape)
+    size = default.vocab_size if vocab == "default" else max(own.vocab_size, default.vocab_size)
+    return replace(own, vocab_size=size, rope_scaling=RopeScaling(),
                    bos_token_id=default.bos_token_id, eos_token_ids=default.eos_token_ids)
+
+
+def reserved_tokens(start: int, stop: int) -> list[str]:
+    """The names of the special tokens that pad the default tokenizer from id ``start`` up to ``stop``."""
+    return [f"<|reserved_special_token_{i}|>" for i in range(stop - start)]
 
 
 def tensor_plan(config: ModelConfig) -> list[TensorPlan]:
@@ -179,6 +194,9 @@ def _gguf_writer(path: Path, config: ModelConfig, fmt: str, plans: list[TensorPl
                      "q4_0": LlamaFileType.MOSTLY_Q4_0, "q4_1": LlamaFileType.MOSTLY_Q4_1}[fmt])
     w.add_quantization_version(2)  # GGML_QNT_VERSION
     for key, value, vtype, sub in default_tokenizer_fields():
+        if key in ("tokenizer.ggml.tokens", "tokenizer.ggml.token_type") and c.vocab_size > len(value):
+            pad = reserved_tokens(len(value), c.vocab_size)  # control tokens: never produced by tokenizing text
+            value = list(value) + (pad if key == "tokenizer.ggml.tokens" else [GGUF_CONTROL] * len(pad))
         w.add_key_value(key, value, vtype, sub_type=sub)
     for p in plans:
         kind = gguf_type(p, fmt)
@@ -219,6 +237,13 @@ def _write_hf_files(out: Path, config: ModelConfig, dtype: str) -> None:
     for f in src.iterdir():
         if f.name not in ("config.json", "complete") and ".safetensors" not in f.name:
             shutil.copyfile(f, out / f.name)
+    tokenizer = json.loads((src / "tokenizer.json").read_text())
+    start = len(tokenizer["model"]["vocab"])
+    if config.vocab_size > start:  # reserved special tokens up to the vocabulary's size (ids start .. size-1)
+        tokenizer["added_tokens"] += [{"id": start + i, "content": name, "single_word": False, "lstrip": False,
+                                       "rstrip": False, "normalized": False, "special": True}
+                                      for i, name in enumerate(reserved_tokens(start, config.vocab_size))]
+        (out / "tokenizer.json").write_text(json.dumps(tokenizer, ensure_ascii=False))
     pad = json.loads((src / "config.json").read_text()).get("pad_token_id")
     hf = hf_config_dict(config) | {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
                                    "hidden_act": "silu", "torch_dtype": dtype, "pad_token_id": pad,
@@ -273,12 +298,13 @@ def check_formats(gguf: tuple[str, ...] | list[str], dtype: str) -> None:
 
 
 def make_model(shape: str, out: str | Path, gguf: tuple[str, ...] | list[str] = (), dtype: str = "bfloat16",
-               seed: int = 0) -> dict:
+               seed: int = 0, vocab: str = "default") -> dict:
     """Write ``shape``'s checkpoint into ``out`` (see the module docstring): the HF directory in ``dtype`` and a
-    GGUF per format in ``gguf``.  Returns ``{"shape", "out", "parameters", "seconds", "files": {name: bytes}}``.
-    The GGUFs quantize the ``dtype``-rounded weights, so they encode exactly what the HF files hold."""
+    GGUF per format in ``gguf``, with the default vocabulary or the shape's (``vocab``: one of ``VOCABS``).  Returns
+    ``{"shape", "out", "parameters", "vocab_size", "seconds", "files": {name: bytes}}``.  The GGUFs quantize the
+    ``dtype``-rounded weights, so they encode exactly what the HF files hold."""
     check_formats(tuple(gguf), dtype)
-    config = synthetic_config(shape)
+    config = synthetic_config(shape, vocab)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
@@ -304,7 +330,7 @@ def make_model(shape: str, out: str | Path, gguf: tuple[str, ...] | list[str] = 
         index = {"metadata": {"total_size": sum(int(np.prod(p.shape)) * torch_dtype.itemsize for p in plans)},
                  "weight_map": {p.hf: f for group, f in zip(shards, files, strict=True) for p in group}}
         (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
-    report = {"shape": shape, "out": str(out), "dtype": dtype, "seed": seed,
+    report = {"shape": shape, "out": str(out), "dtype": dtype, "seed": seed, "vocab_size": config.vocab_size,
               "parameters": config.num_parameters(), "seconds": time.perf_counter() - start,
               "files": {f.name: f.stat().st_size for f in sorted(out.iterdir()) if f.is_file()}}
     return report
@@ -330,6 +356,7 @@ def _write_shard(path: Path, group: list[TensorPlan], config: ModelConfig, seed:
 def print_report(report: dict) -> None:
     """What was written, how big, how long it took."""
     print(f"{report['shape']}: {report['parameters'] / 1e6:,.0f}M parameters ({report['dtype']}, seed "
-          f"{report['seed']}) written to {report['out']} in {report['seconds']:.1f} s")
+          f"{report['seed']}, vocabulary {report['vocab_size']}) written to {report['out']} in "
+          f"{report['seconds']:.1f} s")
     for name, size in report["files"].items():
         print(f"  {name:<40} {size / 1e6:>10.1f} MB")

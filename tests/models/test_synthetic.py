@@ -42,6 +42,9 @@ def test_published_shapes_keep_their_bodies_and_take_the_default_vocabulary():
         (32, 4096, 14336, 32, 8, 128)
     assert not c.tie_word_embeddings and synthetic_config("llama-3.2-1b").tie_word_embeddings
     assert c.vocab_size == 49152 and c.rope_theta == 500000.0
+    assert synthetic_config("llama-3.1-8b", vocab="shape").vocab_size == 128256  # the shape's own, on request
+    with pytest.raises(ValueError, match="vocab must be one of default, shape"):
+        synthetic_config("llama-3.2-1b", vocab="128k")
     assert [p.gguf for p in tensor_plan(c)][-1] == "output.weight"  # untied: the head is its own tensor
     with pytest.raises(ValueError, match="shape must be one of"):
         shape_config("llama-4")
@@ -183,3 +186,44 @@ def test_a_q4_k_m_file_from_llama_cpp_s_quantizer_runs_close_to_the_float_model(
     with torch.inference_mode():
         a, b = packed(IDS, POS), full(IDS, POS)
     assert (a - b).abs().max() < LOGIT_ERROR["q8_0"] * 2 * b.abs().max()  # 5- and 8-bit blocks
+
+
+def test_the_shape_s_vocabulary_pads_the_tokenizer_with_reserved_special_tokens_in_every_file(tmp_path, monkeypatch):
+    """``vocab="shape"``: a vocabulary larger than the default tokenizer's (Llama-3's 128256; here the tiny shape with
+    40 more) gets reserved special tokens at the new ids, in the HF tokenizer and the GGUF's alike, so transformers,
+    llama.cpp and minillm still tokenize identically; ordinary text tokenizes as before; the embedding and LM head
+    have a row for every id, and the GGUF's blocks give minillm the HF model's logits there too."""
+    from dataclasses import replace
+
+    from gguf import GGUFReader
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from minillm.models import synthetic
+    from minillm.models.loader import load_model, load_tokenizer
+
+    tiny = synthetic.shape_config("tiny")
+    monkeypatch.setattr(synthetic, "shape_config", lambda name: replace(tiny, vocab_size=49192))
+    out = tmp_path / "v"
+    report = make_model("tiny", out, gguf=("q8_0",), dtype="float32", seed=3, vocab="shape")
+    assert report["vocab_size"] == 49192 and json.loads((out / "config.json").read_text())["vocab_size"] == 49192
+    hf_tok, default = AutoTokenizer.from_pretrained(out), load_tokenizer(None)
+    assert len(hf_tok) == 49192
+    text = "Hello world <|reserved_special_token_3|> again"
+    ids = hf_tok(text).input_ids
+    assert 49155 in ids and hf_tok.decode([49191]) == "<|reserved_special_token_39|>"
+    assert hf_tok("Hello world").input_ids == default("Hello world").input_ids
+    reader = GGUFReader(out / "tiny-Q8_0.gguf")
+    tokens, types = reader.fields["tokenizer.ggml.tokens"].contents(), reader.fields["tokenizer.ggml.token_type"]
+    assert len(tokens) == 49192 and tokens[49152] == "<|reserved_special_token_0|>"
+    assert list(types.contents()[49152:]) == [synthetic.GGUF_CONTROL] * 40
+    gguf_tok = load_tokenizer(out / "tiny-Q8_0.gguf")
+    assert gguf_tok(text).input_ids == ids  # minillm's tokenizer from the GGUF's metadata
+    big = torch.tensor([[1, 400, 49151, 49152, 49191]])  # ids past the default vocabulary
+    pos = torch.arange(big.shape[1])[None]
+    hf = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    quant = load_model(out / "tiny-Q8_0.gguf", dtype="float32", device="cpu", quantization="int8")
+    with torch.inference_mode():
+        expected = hf(big).logits
+        got = quant(big, pos)
+    assert expected.shape[-1] == got.shape[-1] == 49192
+    assert (got - expected).abs().max() < LOGIT_ERROR["q8_0"] * expected.abs().max()

@@ -59,17 +59,19 @@ def models_dir_default() -> Path:
     return cache_root() / "shapes"
 
 
-def ensure_checkpoint(shape: str, formats: tuple[str, ...], models_dir: Path) -> Path:
-    """``models_dir/shape``: the shape's bf16 HF directory and the GGUFs ``formats`` need, made once (seed 0)."""
-    from minillm.models.synthetic import LLAMA_QUANTIZED, make_model, print_report
+def ensure_checkpoint(shape: str, formats: tuple[str, ...], models_dir: Path, vocab: str = "default") -> Path:
+    """``models_dir/shape`` (``models_dir/shape-vocabN`` with the shape's own vocabulary of N tokens, ``vocab=
+    "shape"``): the shape's bf16 HF directory and the GGUFs ``formats`` need, made once (seed 0)."""
+    from minillm.models.synthetic import LLAMA_QUANTIZED, make_model, print_report, synthetic_config
 
-    out = Path(models_dir) / shape
+    size = synthetic_config(shape, vocab).vocab_size
+    out = Path(models_dir) / (shape if size == synthetic_config(shape).vocab_size else f"{shape}-vocab{size}")
     gguf = [f for f in formats if f in GGUF_FORMATS]
     if LlamaCppPeer.unavailable() is not None:  # llama.cpp's quantizer writes these: their rows say so instead
         gguf = [f for f in gguf if f not in LLAMA_QUANTIZED]
     if not (out / "config.json").exists() or any(not gguf_path(out, shape, f).exists() for f in gguf):
         print(f"[making the {shape} checkpoint in {out}]", flush=True)
-        print_report(make_model(shape, out, gguf=gguf, dtype="bfloat16"))
+        print_report(make_model(shape, out, gguf=gguf, dtype="bfloat16", vocab=vocab))
     return out
 
 
@@ -284,11 +286,12 @@ def bench_cpu_peers(shapes: tuple[str, ...] = ("llama-3.2-1b",), formats: tuple[
                     prompt_lens: tuple[int, ...] = PROMPT_LENS, threads: int | None = None, repeats: int = 3,
                     n_tokens: int = 64, models_dir: Path | None = None, out: Path | None = None,
                     probe_bytes: int = 256 << 20, matmul_n: int = 1024, save: bool = True, neighbour: str = "none",
-                    neighbour_bytes: int = COPY_BYTES) -> dict:
+                    neighbour_bytes: int = COPY_BYTES, vocab: str = "default") -> dict:
     """Measure every (shape, format, peer) as the module docstring says; print the table; save the JSON to ``out``
     (default ``benchmarks/results/cpu-peers.json``).  ``threads``: torch's (and so minillm's native kernels') and
     llama.cpp's thread count (default: torch's).  ``neighbour``: the process beside the measurement (none, copy,
-    compute; a copy streams over two arrays of ``neighbour_bytes``).  Returns the payload."""
+    compute; a copy streams over two arrays of ``neighbour_bytes``).  ``vocab``: the checkpoints' vocabulary
+    (``models.synthetic.VOCABS``).  Returns the payload."""
     from minillm.models.configs import shape_config
 
     for s in shapes:
@@ -304,7 +307,7 @@ def bench_cpu_peers(shapes: tuple[str, ...] = ("llama-3.2-1b",), formats: tuple[
     torch.set_num_threads(threads)
     probes = Probes(probe_bytes, matmul_n, tuple(sorted({"float32"} | ({"bfloat16"} if "bf16" in formats else set()))))
     rows, models_dir = [], Path(models_dir or models_dir_default())
-    directories = {shape: ensure_checkpoint(shape, tuple(formats), models_dir) for shape in shapes}
+    directories = {shape: ensure_checkpoint(shape, tuple(formats), models_dir, vocab) for shape in shapes}
     with Neighbour(neighbour, neighbour_bytes) as beside:
         if neighbour != "none":
             print(f"[a {neighbour} neighbour beside the measurement: pid {beside.proc.pid}]", flush=True)
@@ -314,7 +317,7 @@ def bench_cpu_peers(shapes: tuple[str, ...] = ("llama-3.2-1b",), formats: tuple[
     payload = {"benchmark": "cpu-peers", "cpu": cpu_info(), "threads": threads, "repeats": repeats,
                "neighbour": beside.record, "n_tokens": n_tokens, "decode_prompt_len": DECODE_PROMPT_LEN,
                "prompt_lens": list(prompt_lens),
-               "shapes": list(shapes), "formats": list(formats), "models_dir": str(models_dir),
+               "shapes": list(shapes), "formats": list(formats), "vocab": vocab, "models_dir": str(models_dir),
                "read_bandwidth_gb_s": probes.read_bandwidth / 1e9,
                "read_bandwidth_median_gb_s": statistics.median(probes.read_passes) / 1e9,
                "read_passes_gb_s": [r / 1e9 for r in probes.read_passes],
