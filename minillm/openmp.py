@@ -134,36 +134,47 @@ def _omp_setters() -> list:
     return _SETTERS
 
 
-def _own_running() -> int:
-    """This process's runnable threads now (/proc/self/task/*/stat state R)."""
-    own = 0
-    for task in os.listdir("/proc/self/task"):
-        try:
-            with open(f"/proc/self/task/{task}/stat") as f:
-                own += f.read().rsplit(")", 1)[1].split()[0] == "R"
-        except OSError:
-            continue
-    return own
-
-
-def _procs_running() -> int:
-    """The kernel's count of runnable threads on every CPU now (/proc/stat procs_running)."""
+def _cpu_seconds() -> tuple[float, float]:
+    """(CPU-seconds every CPU of the host has spent running anything since boot, this process's CPU-seconds):
+    /proc/stat's first line (user, nice, system, irq, softirq — not idle, iowait or a hypervisor's steal) and
+    ``os.times()`` (every thread of ours).  Both count in clock ticks (10 ms)."""
     with open("/proc/stat") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("procs_running"))
+        fields = f.readline().split()
+    if fields[0] != "cpu":
+        raise ValueError("/proc/stat does not start with the all-CPU line")
+    user, nice, system, _idle, _iowait, irq, softirq = (int(v) for v in fields[1:8])
+    ours = os.times()
+    return (user + nice + system + irq + softirq) / os.sysconf("SC_CLK_TCK"), ours.user + ours.system
 
 
-def busy_cpus(running=_procs_running, own_running=_own_running) -> int:
-    """CPUs that other work is running on now: the kernel's count of runnable threads less this process's own
-    runnable threads (its OpenMP workers spin between regions).  Ours are counted just before and just after the
-    kernel's count and the larger taken: a worker that stops spinning (or wakes) while the files are read would
-    otherwise be counted as another process's, and a quiet host's decode would drop a thread.  0 without /proc."""
-    try:
-        before = own_running()
-        total = running()
-        own = max(before, own_running())
-    except (OSError, StopIteration, ValueError):
-        return 0
-    return max(0, total - own)
+class OtherCpuUse:
+    """Each call: how many CPUs other processes kept busy, on average, since the previous call — the host's
+    CPU-seconds less this process's over the wall time between the two, rounded (a neighbour that ran half the
+    time or more is a CPU).  The first call (no interval yet) and a host without /proc say 0.
+
+    An average, not a snapshot: a thread count chosen from the processes running at one instant follows whatever
+    runs at that instant, and the instant a decode step starts is when a streaming client reads the tokens the
+    previous step sent — a benchmark client idle 95 % of the time took a thread from half of a served run's decode
+    steps when the count was read then.  Our own threads (OpenMP workers, a server's event loop) are ours whenever
+    they run.  ``read`` and ``clock`` are injectable for tests."""
+
+    def __init__(self, read=_cpu_seconds, clock=None):
+        import time
+
+        self.read, self.clock = read, clock or time.monotonic
+        self._last: tuple[float, float, float] | None = None
+
+    def __call__(self) -> int:
+        try:
+            host, own = self.read()
+        except (OSError, ValueError, IndexError):
+            return 0
+        now = self.clock()
+        last, self._last = self._last, (now, host, own)
+        if last is None or now <= last[0]:
+            return 0
+        share = ((host - last[1]) - (own - last[2])) / (now - last[0])
+        return max(0, int(share + 0.5))
 
 
 class DecodeThreads:
@@ -173,20 +184,22 @@ class DecodeThreads:
     Why: a decode step is hundreds of short parallel regions, each ending at a barrier.  When another process holds a
     core, the thread sharing it is descheduled for whole time slices and every barrier waits for it; with one busy
     neighbour on two cores one thread on the free core decodes faster than two threads, and with two neighbours, one
-    thread still beats two.  ``busy`` is sampled at most every ``interval_s`` and the smallest of the last ``window``
-    samples counts, so a process that runs for a moment does not take a thread away.  Decode results do not depend
+    thread still beats two.  ``busy`` (default: an ``OtherCpuUse``, the CPUs others used on average since its last
+    call) is sampled at most every ``interval_s`` and the smallest of the last ``window`` samples counts, so a process
+    that runs for a moment does not take a thread away.  Decode results do not depend
     on the thread count (every row and head is computed by one thread, whatever the split)."""
 
-    def __init__(self, interval_s: float = 0.25, window: int = 4, busy=busy_cpus, clock=None, cpus: int | None = None):
+    def __init__(self, interval_s: float = 0.25, window: int = 4, busy=None, clock=None, cpus: int | None = None):
         import collections
         import time
 
-        self.interval_s, self.busy, self.clock = interval_s, busy, clock or time.monotonic
+        self.interval_s, self.clock = interval_s, clock or time.monotonic
+        self.busy = busy if busy is not None else OtherCpuUse()
         self.samples = collections.deque(maxlen=window)
         online = os.cpu_count() or 1
         mine = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else online
-        # the kernel's count of running threads covers every CPU: it says how busy ours are only when ours are all
-        # of them (a process pinned to some cores, or a cpuset container, keeps its configured count)
+        # the host's CPU time covers every CPU: it says how busy ours are only when ours are all of them (a
+        # process pinned to some cores, or a cpuset container, keeps its configured count)
         self.active = cpus is not None or mine == online
         self.cpus = cpus or mine
         self._last = None

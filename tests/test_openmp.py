@@ -144,32 +144,45 @@ def test_num_threads_sets_the_openmp_thread_count_for_the_block_and_restores_it(
     assert rt.omp_get_max_threads() == before
 
 
-def test_busy_cpus_counts_other_processes_running_not_our_own_threads():
+def test_other_cpu_use_counts_a_busy_process_beside_us():
     import time
 
-    from minillm.openmp import busy_cpus
+    from minillm.openmp import DecodeThreads, OtherCpuUse
 
     if not os.path.exists("/proc/stat"):
         pytest.skip("needs /proc")
+    assert isinstance(DecodeThreads().busy, OtherCpuUse)  # the governor's default measure
+    use = OtherCpuUse()
     spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
     try:
-        time.sleep(0.5)
-        assert max(busy_cpus() for _ in range(20)) >= 1
+        time.sleep(0.3)
+        use()
+        time.sleep(0.6)
+        assert use() >= 1
     finally:
         spinner.kill()
         spinner.wait()
 
 
-def test_busy_cpus_counts_our_thread_that_stops_spinning_while_it_reads_as_ours():
-    """Our OpenMP worker runnable when the kernel counts (2 running: it and the reader) but asleep by the second
-    look at our threads: it is ours, not another process's."""
-    from minillm.openmp import busy_cpus
+def test_other_cpu_use_is_the_average_since_the_last_call_less_our_own_time():
+    """Host CPU-seconds less ours, over the wall time between calls, rounded: our own threads never count, and a
+    process that ran for a moment of the interval (a client reading streamed tokens) is no CPU."""
+    from minillm.openmp import OtherCpuUse
 
-    looks = iter([2, 1])  # our runnable threads before and after the kernel's count
-    assert busy_cpus(running=lambda: 2, own_running=lambda: next(looks)) == 0
-    looks = iter([1, 2])  # ... and one that wakes while the files are read
-    assert busy_cpus(running=lambda: 2, own_running=lambda: next(looks)) == 0
-    assert busy_cpus(running=lambda: 3, own_running=lambda: 1) == 2  # two threads of other processes
+    t = [0.0]
+    reads = iter([(100.0, 10.0), (101.5, 10.9), (103.4, 12.8), (103.5, 12.85), (104.0, 13.1)])
+    use = OtherCpuUse(read=lambda: next(reads), clock=lambda: t[0])
+    assert use() == 0  # no interval yet
+    t[0] = 1.0
+    assert use() == 1  # 1.5 host CPU-s, 0.9 ours: 0.6 of a CPU another process used
+    t[0] = 2.0
+    assert use() == 0  # 1.9 host CPU-s, all of them ours (two busy threads of this process)
+    t[0] = 3.0
+    assert use() == 0  # 0.05 CPU-s of others in a second: a moment, not a neighbour
+    t[0] = 3.5
+    assert use() == 1  # 0.25 CPU-s of others in half a second: half a CPU
+    gone = OtherCpuUse(read=lambda: (_ for _ in ()).throw(OSError("no /proc")), clock=lambda: t[0])
+    assert gone() == 0 and gone() == 0
 
 
 def test_decode_threads_keep_the_configured_count_when_pinned_to_some_cpus(monkeypatch):
