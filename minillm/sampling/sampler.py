@@ -3,11 +3,15 @@
 Meanings follow vLLM's ``SamplingParams``: temperature 0 is greedy; top_k 0 or -1 is off; top_p 1.0 is off.
 Filters apply in the order temperature → min-p → top-k → top-p, each on the result of the previous one (the
 history-dependent processors — penalties, logit_bias, min_tokens — run before, in ``processors.py``).
+Rows that only scale by a temperature (what an OpenAI client sends by default) are drawn on CPU by a native kernel
+(``kernels.cpu.native.sample_temperature``) from the same distribution with the same uniform; ``probabilities`` and
+``sample_from`` here are the reference every other row takes.
 """
 
 from __future__ import annotations
 
 import hashlib
+import math
 
 import torch
 from torch import Tensor
@@ -127,13 +131,23 @@ def sample_from(weights: Tensor, generator: torch.Generator | None = None) -> in
     cumulative sum (float64).  weights [V], non-negative with a positive sum; an index of weight 0 is never drawn.
     One uniform variate from ``generator`` per draw, where ``torch.multinomial(weights, 1)`` draws V exponential
     variates (its exponential race) — on CPU most of a sampled row's time at a 49k vocabulary."""
+    c = _cumulative(weights)
+    return _draw(weights, c, torch.rand((), generator=generator, dtype=torch.float64, device=weights.device))
+
+
+def _cumulative(weights: Tensor) -> Tensor:
+    """weights [V] -> their float64 cumulative sum; ValueError unless non-negative with a positive sum."""
     c = weights.double().reshape(-1).cumsum(0)
     if weights.dim() != 1 or not c.numel() or not c[-1] > 0 or bool((weights < 0).any()):
         raise ValueError(f"sample_from needs a 1-D tensor of non-negative weights with a positive sum, got shape "
                          f"{tuple(weights.shape)} summing to {float(c[-1]) if c.numel() else 0.0}; pass one row's "
                          "probabilities (softmax of its filtered logits)")
-    u = torch.rand((), generator=generator, dtype=torch.float64, device=weights.device) * c[-1]
-    i = int(torch.searchsorted(c, u, right=True))
+    return c
+
+
+def _draw(weights: Tensor, c: Tensor, u: Tensor) -> int:
+    """The index where ``u`` (uniform in [0, 1), float64) times the total falls in ``c``, weights' cumulative sum."""
+    i = int(torch.searchsorted(c, u * c[-1], right=True))
     if i >= c.numel():  # u rounded up to the total: the last index that has weight
         i = int(weights.nonzero()[-1, 0])
     return i
@@ -162,8 +176,39 @@ def sample(logits: Tensor, params: list[SamplingParams], generators: list[torch.
     if logits.dim() != 2 or logits.shape[0] != len(params) or len(params) != len(generators):
         raise ValueError(f"need logits [B, V] and B params/generators; got {tuple(logits.shape)}, "
                          f"{len(params)}, {len(generators)}")
-    out = logits.argmax(dim=-1).tolist()  # one device sync for the whole batch
-    for i, (p, g) in enumerate(zip(params, generators, strict=True)):
-        if not p.greedy:
-            out[i] = sample_from(probabilities(logits[i], p), g)
+    drawn = [i for i, p in enumerate(params) if not p.greedy]
+    # the greedy rows' argmax: one device sync for the whole batch (none when every row samples)
+    out = logits.argmax(dim=-1).tolist() if len(drawn) < len(params) else [0] * len(params)
+    # one uniform per sampled row, in row order, from its own generator (the global one when unseeded): the draws a
+    # row-by-row loop makes, so a seeded request's tokens do not depend on what it is batched with
+    u = {i: torch.rand((), generator=generators[i], dtype=torch.float64, device=logits.device) for i in drawn}
+    taken = _native_plain_rows(logits, params, drawn, u)
+    for i in drawn:
+        if i in taken:
+            out[i] = taken[i]
+        else:
+            q = probabilities(logits[i], params[i])
+            out[i] = _draw(q, _cumulative(q), u[i])
     return out
+
+
+def plain_temperature(params: SamplingParams, vocab_size: int) -> bool:
+    """Whether a sampled request's distribution is softmax(logits / T) alone: no min-p, top-k or top-p filter."""
+    return params.min_p <= 0 and not 0 < params.top_k < vocab_size and params.top_p >= 1.0 \
+        and math.isfinite(params.temperature)
+
+
+def _native_plain_rows(logits: Tensor, params: list[SamplingParams], drawn: list[int], u: dict) -> dict[int, int]:
+    """{row: token} for the plain-temperature rows the native sampler takes (CPU logits, the library built;
+    ``kernels.cpu.native.sample_temperature``: two passes over the row, no row-sized temporaries), drawn with the
+    same uniforms; rows with a non-finite logit, or any row when it cannot run, are left to the reference."""
+    from minillm.kernels.cpu import native
+
+    V = logits.shape[-1]
+    rows = [i for i in drawn if plain_temperature(params[i], V)]
+    if not rows or logits.device.type != "cpu" or not native.available():
+        return {}
+    x = logits if logits.dtype == torch.float32 and logits.is_contiguous() else logits.float().contiguous()
+    tokens = native.sample_temperature(x, rows, [max(params[i].temperature, MIN_TEMPERATURE) for i in rows],
+                                       torch.stack([u[i] for i in rows]))
+    return {i: t for i, t in zip(rows, tokens, strict=True) if t >= 0}

@@ -194,3 +194,82 @@ def test_invalid_sampling_values_name_the_parameter(kwargs, name):
 
 def test_stop_accepts_a_single_string():
     assert SamplingParams(stop="\n").stop == ("\n",)
+
+
+native_sampler = pytest.mark.skipif(not __import__("minillm.kernels.cpu.native", fromlist=["available"]).available(),
+                                    reason="native CPU kernels unavailable (no compiler)")
+
+
+def _reference_draw(row, params, u):
+    """The reference's token for ``row`` with uniform ``u``, and the target's distance to the nearest boundary of
+    its cumulative sum (where an fp32-normalised and an unnormalised sum may round to different sides)."""
+    from minillm.sampling.sampler import _cumulative, _draw
+
+    q = probabilities(row, params)
+    c = _cumulative(q)
+    i = _draw(q, c, u)
+    target = float(u * c[-1])
+    edges = [float(c[i]) - target] + ([target - float(c[i - 1])] if i else [])
+    return i, min(abs(e) for e in edges)
+
+
+@native_sampler
+@pytest.mark.parametrize("V", [7, 256, 257, 5000, 49152, 128256])
+def test_native_temperature_rows_draw_the_reference_s_token_from_the_same_uniform(V):
+    """``kernels.cpu.native.sample_temperature`` against the reference (softmax, float64 cumulative sum, search): the
+    same token for the same uniform, unless the target lies within rounding of a boundary between two tokens."""
+    from minillm.kernels.cpu import native
+
+    g = torch.Generator().manual_seed(V)
+    logits = torch.randn(12, V, generator=g) * 4
+    logits[3] = 0.0  # a flat row
+    logits[4, V // 2] = 60.0  # one token takes all the mass
+    temps = [0.05, 0.3, 0.7, 1.0, 1.0, 1.5, 2.0, 1.0, 0.9, 1.2, 0.5, 1.0]
+    u = torch.rand(12, generator=g, dtype=torch.float64)
+    u[0], u[1] = 0.0, 1.0 - 2 ** -53  # the ends of [0, 1)
+    rows = list(range(12))[::-1]  # any order of rows, each with its own temperature and uniform
+    got = native.sample_temperature(logits, rows, [temps[r] for r in rows], u[rows])
+    for r, token in zip(rows, got, strict=True):
+        expected, margin = _reference_draw(logits[r], SamplingParams(temperature=temps[r]), u[r])
+        assert token == expected or margin < 1e-6, (r, token, expected, margin)
+    assert got[rows.index(4)] == V // 2
+
+
+@native_sampler
+def test_sample_takes_plain_temperature_rows_natively_and_leaves_the_rest_to_the_reference(monkeypatch):
+    """Plain-temperature rows go to the native sampler, filtered ones and rows with a -inf logit (a grammar mask) to
+    the reference, each with the uniform its own generator gives in row order; with the native sampler off every
+    row takes the reference, drawing the same tokens (no row of this batch lies near a boundary)."""
+    from minillm.kernels.cpu import native
+
+    logits = torch.randn(6, 3000, generator=torch.Generator().manual_seed(5)) * 3
+    logits[2, 100:] = float("-inf")
+    params = [SamplingParams(temperature=0.8, seed=1), SamplingParams(temperature=0.8, top_p=0.9, seed=2),
+              SamplingParams(temperature=1.0, seed=3), SamplingParams(temperature=0), SamplingParams(temperature=1.3),
+              SamplingParams(temperature=0.8, min_p=0.1, seed=4)]
+
+    def gens():
+        return [None if p.seed is None else torch.Generator().manual_seed(p.seed) for p in params]
+
+    calls = []
+    real = native.sample_temperature
+    monkeypatch.setattr(native, "sample_temperature", lambda x, rows, *a: calls.append(rows) or real(x, rows, *a))
+    torch.manual_seed(7)  # row 4 is unseeded: the global generator
+    fast = sample(logits, params, gens())
+    assert calls == [[0, 2, 4]]  # plain temperature; row 2's -inf sends it back (the kernel answers -1)
+    monkeypatch.setattr(native, "available", lambda: False)
+    torch.manual_seed(7)
+    assert sample(logits, params, gens()) == fast
+    assert fast[3] == int(logits[3].argmax()) and fast[2] < 100
+
+
+@native_sampler
+def test_native_temperature_sampling_follows_the_softmax():
+    from minillm.course.checks.speculative import _chi_square_failure
+
+    logits = torch.tensor([[1.2, 0.3, 2.0, -0.5, 1.9, 0.0, 2.0, -2.0, 0.8, 1.0]])
+    params = SamplingParams(temperature=0.7, seed=11)
+    g = torch.Generator().manual_seed(11)
+    draws = sample(logits.expand(4000, -1).contiguous(), [params] * 4000, [g] * 4000)
+    counts = [draws.count(t) for t in range(10)]
+    assert _chi_square_failure(counts, probabilities(logits[0], params).tolist()) is None

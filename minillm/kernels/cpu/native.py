@@ -149,6 +149,8 @@ def _lib() -> ctypes.CDLL | None:
     for name in ("rms_norm_f32", "rms_norm_bf16"):
         getattr(lib, name).argtypes = [vp, vp, vp, i64, i64, ctypes.c_float]
         getattr(lib, name).restype = None
+    lib.sample_temperature.argtypes = [vp, vp, vp, vp, i64, i64, vp]
+    lib.sample_temperature.restype = None
     lib.read_sum_f32.argtypes = [vp, i64]
     lib.read_sum_f32.restype = ctypes.c_double
     lib.built_with_openmp.argtypes = []
@@ -298,6 +300,27 @@ def read_sum(a: torch.Tensor) -> float:
     if not available():
         return float(a.sum())
     return _lib().read_sum_f32(a.data_ptr(), a.numel())
+
+
+def sample_temperature(logits: torch.Tensor, rows: list[int], temperature: list[float], u: torch.Tensor) -> list[int]:
+    """One token for each of ``rows`` of ``logits`` drawn from softmax(row / its temperature): where its ``u`` times
+    the row's total falls in its cumulative weights (``csrc/native.c``'s ``sample_temperature``; ``sampling.sampler``
+    keeps the reference).  logits [B, V] contiguous fp32 CPU, rows and temperature (finite, > 0) of one length R, u
+    [R] float64 in [0, 1) -> R token ids, -1 for a row with a non-finite logit (the caller samples it the reference
+    way).  Cost: about two passes over each row (one exponential a logit), no copies of it; rows split across the
+    threads."""
+    R = len(rows)
+    if not (logits.dim() == 2 and logits.dtype == torch.float32 and logits.device.type == "cpu"
+            and logits.is_contiguous() and len(temperature) == R and u.dtype == torch.float64 and u.shape == (R,)
+            and all(0 <= r < logits.shape[0] for r in rows)):
+        raise ValueError(f"sample_temperature needs contiguous CPU logits [B, V] fp32, R row indices < B, R "
+                         f"temperatures and u [R] float64; got {logits.dtype} {tuple(logits.shape)}, {R} rows, "
+                         f"{len(temperature)} temperatures, {u.dtype} {tuple(u.shape)}")
+    index, temps = torch.tensor(rows, dtype=torch.int64), torch.tensor(temperature, dtype=torch.float32)
+    u, out = u.contiguous(), torch.empty(R, dtype=torch.int64)
+    _lib().sample_temperature(logits.data_ptr(), index.data_ptr(), temps.data_ptr(), u.data_ptr(), R,
+                              logits.shape[1], out.data_ptr())
+    return out.tolist()
 
 
 # ---------------------------------------------------------------- decode-step fusions (csrc/native.c, second half)

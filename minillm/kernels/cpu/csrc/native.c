@@ -672,3 +672,75 @@ void write_kv(const char *restrict k, const char *restrict v, char *restrict kc,
         memcpy(vc + slots[t] * HD * es, v + t * sv * es, HD * es);
     }
 }
+
+/* ---- sampling: one token per row from softmax(logits / T)
+ *
+ * minillm/sampling/sampler.py's plain-temperature rows (no min-p, top-k or top-p filter) without the PyTorch path's
+ * V-sized temporaries per row (the fp32 copy, the -inf mask, the softmax, its float64 cumulative sum: at a 49k-128k
+ * vocabulary most of a sampled decode step's sampling time).  Per row: the max m; then blocks of SAMPLE_BLOCK
+ * exponentials e_j = exp((x_j - m) / T) (m's own e is 1, so the total is >= 1), each block summed in double; then the
+ * block where u * total falls, walking the block sums, and in it the first index where the running sum exceeds
+ * u * total — that block's exponentials recomputed by the same (never inlined) function, so the walk meets exactly
+ * the values the total summed.  A draw from the same distribution as the reference (which normalises in fp32 before
+ * its cumulative sum): the two differ only where u * total lies within rounding of a boundary between two tokens.
+ * A row with a non-finite logit (-inf from a grammar mask or a logit bias; the build's -ffast-math assumes none) is
+ * left to the reference: its out is -1.  logits [*, V] fp32; for b < B, row index[b] of it with temperature[b]
+ * (finite, > 0) and u[b] in [0, 1) -> out[b], a token id.  Rows are split across the threads. */
+#define SAMPLE_BLOCK 256
+
+__attribute__((noinline)) static void sample_block_exp(const float *restrict x, int64_t n, float m, float t,
+                                                        float *restrict e) {
+    for (int64_t j = 0; j < n; j++) e[j] = expf((x[j] - m) / t);
+}
+
+static double sample_block_sum(const float *e, int64_t n) {
+    double s = 0.0;
+    for (int64_t j = 0; j < n; j++) s += e[j];
+    return s;
+}
+
+void sample_temperature(const float *logits, const int64_t *index, const float *temperature, const double *u,
+                        int64_t B, int64_t V, int64_t *out) {
+    int64_t nb = (V + SAMPLE_BLOCK - 1) / SAMPLE_BLOCK;
+#pragma omp parallel for schedule(dynamic, 1)
+    for (int64_t b = 0; b < B; b++) {
+        const float *x = logits + index[b] * V;
+        float t = temperature[b], m = -FLT_MAX, e[SAMPLE_BLOCK];
+        uint32_t nonfinite = 0;
+        for (int64_t j = 0; j < V; j++) { /* a bit test: -ffast-math lets the compiler assume isfinite() */
+            uint32_t bits;
+            memcpy(&bits, x + j, 4);
+            nonfinite |= (bits & 0x7f800000u) == 0x7f800000u;
+            m = x[j] > m ? x[j] : m;
+        }
+        double *sums = nonfinite || V < 1 ? NULL : malloc((size_t)nb * sizeof(double));
+        if (sums == NULL) {
+            out[b] = -1;
+            continue;
+        }
+        double total = 0.0;
+        for (int64_t k = 0; k < nb; k++) {
+            int64_t n = k < nb - 1 ? SAMPLE_BLOCK : V - k * SAMPLE_BLOCK;
+            sample_block_exp(x + k * SAMPLE_BLOCK, n, m, t, e);
+            sums[k] = sample_block_sum(e, n);
+            total += sums[k];
+        }
+        double target = u[b] * total, acc = 0.0;
+        int64_t k = 0;
+        while (k < nb - 1 && acc + sums[k] <= target) acc += sums[k++];
+        while (k > 0 && sums[k] == 0.0) acc -= sums[--k]; /* u * total rounded past the end: the last block with weight */
+        int64_t n = k < nb - 1 ? SAMPLE_BLOCK : V - k * SAMPLE_BLOCK, pick = -1;
+        sample_block_exp(x + k * SAMPLE_BLOCK, n, m, t, e);
+        for (int64_t j = 0; j < n; j++) {
+            acc += e[j];
+            if (acc > target) {
+                pick = j;
+                break;
+            }
+        }
+        if (pick < 0) /* the block's sum passed the target and its running sum rounded short: its last weighted index */
+            for (pick = n - 1; pick > 0 && e[pick] == 0.f; pick--) {}
+        out[b] = k * SAMPLE_BLOCK + pick;
+        free(sums);
+    }
+}
