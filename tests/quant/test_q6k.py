@@ -6,10 +6,16 @@ import numpy as np
 import pytest
 import torch
 
+# Every build of csrc/quant.c this CPU runs (VNNI / AVX2 / AVX-512BW / portable C), and the tolerance for another
+# fp32 summation order, as the other native quantized kernels are tested (pytest puts this directory on sys.path).
+from test_kernels_quant import TARGETS, _assert_sum_close, _target_or_skip
+
+from minillm.kernels.cpu import quant as native_quant
 from minillm.quant.gguf import q6_k_blocks
 from minillm.quant.weight import Int8Weight, Q6KWeight, int8_linear_ref, q6k_linear_ref
 
 gguf = pytest.importorskip("gguf")
+native = pytest.mark.skipif(not native_quant.available(), reason="no C compiler: the native kernels are not built")
 
 # fp16 d values the random blocks must cover besides random finite ones: the largest finite, the smallest subnormal,
 # a mid subnormal, zero, negative zero, one.
@@ -118,3 +124,79 @@ def test_int8_weights_of_group_16_run_the_int8_reference():
     x = torch.randn(1, 256)
     want = x @ (w8.qweight.float().view(2, 16, 16) * w8.scales.unsqueeze(-1)).view(2, 256).T
     torch.testing.assert_close(int8_linear_ref(x, w8), want)
+
+
+# ------------------------------------------------------------------ the native GEMV (csrc/quant.c q6k_gemm_q8)
+
+
+def q6_k_weight(N: int, K: int, seed: int) -> Q6KWeight:
+    """Random Q6_K blocks whose d are random fp16 in ±[0.5, 1) · 2⁻⁸, the magnitudes of a real model's: every row's
+    sum then matters to the tolerance (``random_q6_k``'s d span fp16's whole range, up to 65504)."""
+    raw = random_q6_k(N, K, seed)
+    rng = np.random.default_rng(seed)
+    d = ((rng.random(N * K // 256) * 0.5 + 0.5) * rng.choice([-1, 1], N * K // 256) / 256).astype(np.float16)
+    raw.reshape(-1, 210)[:, 208:210] = d.view(np.uint8).reshape(-1, 2)
+    return q6_k_blocks(raw, N, K)
+
+
+@native
+@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("M,N,K", [(1, 37, 256), (1, 6, 2048), (3, 70, 512), (8, 5, 1024), (2, 9, 256), (5, 4, 768),
+                                   (1, 259, 1024)])
+def test_q6k_gemv_equals_the_reference_on_block_rounded_activations(M, N, K, target):
+    """N not a multiple of the 4-row split, M over the 8-row tile's sizes, N · K ≥ 2¹⁸ (rows split over the OpenMP
+    team where it has more than one thread): the integer path multiplies
+    xhat = q8_activation_ref(x) exactly, so against the reference on xhat only fp32 summation order differs."""
+    _target_or_skip(target)
+    w = q6_k_weight(N, K, seed=M * N + K)
+    x = torch.randn(M, K, generator=torch.Generator().manual_seed(K))
+    got = native_quant.q6k_linear(x, w, target=target)
+    _assert_sum_close(got, q6k_linear_ref(native_quant.q8_activation_ref(x), w), x, w.dequantize())
+
+
+@native
+@pytest.mark.parametrize("target", TARGETS)
+def test_q6k_gemv_is_exact_per_row_for_extreme_and_subnormal_scales(target):
+    """``random_q6_k``'s d: fp16's largest (±65504), subnormals, zeros and random finite ones — each row against the
+    reference within its own summation tolerance."""
+    _target_or_skip(target)
+    N, K = 12, 512
+    raw = random_q6_k(N, K, seed=7)
+    w = q6_k_blocks(raw, N, K)
+    x = torch.randn(2, K, generator=torch.Generator().manual_seed(1))
+    got = native_quant.q6k_linear(x, w, target=target)
+    want = q6k_linear_ref(native_quant.q8_activation_ref(x), w)
+    deq = w.dequantize()
+    for n in range(N):
+        _assert_sum_close(got[:, n:n + 1], want[:, n:n + 1], x, deq[n:n + 1])
+
+
+@native
+@pytest.mark.parametrize("target", TARGETS)
+def test_q6k_gemv_rows_do_not_depend_on_the_rows_beside_them(target):
+    """A row's result is the same bits alone and in a batch of up to 8 (speculative verification runs γ + 1 rows
+    where plain decode runs one, and greedy output must be identical)."""
+    _target_or_skip(target)
+    w = q6_k_weight(9, 1024, seed=2)
+    x = torch.randn(8, 1024, generator=torch.Generator().manual_seed(3))
+    batch = native_quant.q6k_linear(x, w, target=target)
+    for m in range(8):
+        assert torch.equal(native_quant.q6k_linear(x[m:m + 1], w, target=target), batch[m:m + 1]), m
+
+
+@native
+def test_q6k_gemv_takes_bf16_activations_and_keeps_leading_dims():
+    w = q6_k_weight(7, 512, seed=4)
+    x = torch.randn(2, 3, 512).bfloat16()
+    got = native_quant.q6k_linear(x, w)
+    assert got.dtype == torch.bfloat16 and got.shape == (2, 3, 7)
+    assert torch.equal(got, native_quant.q6k_linear(x.float(), w).bfloat16())  # same codes, one rounding at the end
+
+
+@native
+def test_q6k_gemv_refuses_a_wrong_k_and_too_many_rows():
+    w = q6_k_weight(3, 256, seed=5)
+    with pytest.raises(ValueError, match="K=256"):
+        native_quant.q6k_linear(torch.randn(1, 512), w)
+    with pytest.raises(ValueError, match="at most 8 rows"):
+        native_quant.q6k_linear(torch.randn(9, 256), w)
