@@ -1160,8 +1160,7 @@ void q8_gemm_q8(const int8_t *restrict W, const void *scales, int scale_fmt, con
  * made once per call), so it ends exactly at sum q * xq.  Then per lane acc += sum * ((d * sc) * dx) in fp32:
  * the reference on xhat (quant.q8_activation_ref) up to fp32 summation order.  d * sc is exact in fp32 (an 11-bit
  * mantissa times an 8-bit integer) and pinned, so -ffast-math cannot regroup it with dx.  A row is one sequential
- * stream of 210 bytes per 256 weights, which the hardware prefetchers follow (no 4-row tile: rows here are K >= 256
- * long, and the 4-row tiles of the int8 / int4 paths exist for SmolLM2's short rows). */
+ * stream of 210 bytes per 256 weights; at batch 1 four rows share the activation loads (q6k_q8_row4). */
 #define QK_K 256       /* weights per K-quant super-block */
 #define Q6K_BYTES 210  /* bytes per Q6_K super-block */
 
@@ -1262,13 +1261,57 @@ INLINE void q6k_q8_row(const uint8_t *restrict w, const xprep_t *x, const int32_
         Q6_CHUNK(a1, ql1, 3);
 #undef Q6_CHUNK
     }
-    for (int m = 0; m < R; m++) out[m] = vf_sum(vf_add(a0[m], a1[m]));
+    for (int m = 0; m < R; m++) out[m] = vf_sum(vf_pin(vf_add(a0[m], a1[m]))); /* pinned: the sum as q6k_q8_row4's */
+}
+
+/* Batch 1: 4 weight rows at a time against the one input row, the activation loads (codes, x32 lanes, dx lanes)
+ * shared by the 4 rows — alone, a row re-reads 3 activation bytes per weight from L2 (K = 8192: 72 KB of them per
+ * row), which made it slower than the int8 path's 4-row tile.  Each row's products, chunk order and reduction are
+ * q6k_q8_row's (vf_sum4 sums as vf_sum does): the same bits.  As in q8_q8_row4 the 4 rows are 4 interleaved streams,
+ * so each chunk step prefetches a line of each row of the tile PF_TILES ahead. */
+INLINE void q6k_q8_row4(const uint8_t *restrict w, const xprep_t *x, const int32_t *restrict x32, float out[4],
+                        int64_t K) {
+    const int64_t rowb = K / QK_K * Q6K_BYTES;
+    vf a0[4], a1[4], sd[4];
+    for (int r = 0; r < 4; r++) a0[r] = vf_zero(), a1[r] = vf_zero();
+    for (int64_t s = 0; s < K / QK_K; s++) {
+        const uint8_t *restrict blk = w + s * Q6K_BYTES; /* row r's super-block s is at blk + r * rowb */
+        for (int r = 0; r < 4; r++) sd[r] = vf_pin(q6_scales(blk + r * rowb));
+#define Q6_CHUNK4(ACC, C)                                                                                      \
+    do {                                                                                                       \
+        const int64_t c_ = s * 4 + (C);                                                                        \
+        const int8_t *xr_ = x->xq + c_ * CHUNK;                                                                \
+        const int32_t *xc_ = x32 + c_ * 16;                                                                    \
+        const vf dx_ = vf_load(x->dxl + c_ * 16);                                                              \
+        for (int r = 0; r < 4; r++) {                                                                          \
+            const uint8_t *br_ = blk + r * rowb;                                                               \
+            __builtin_prefetch(br_ + 4 * PF_TILES * rowb + (C) * CHUNK, 0, PF_LOC);                            \
+            const vb ql_ = vb_load(br_ + ((C) / 2) * CHUNK);                                                   \
+            const vb u_ = q6_u((C) % 2 ? vb_nib_hi(ql_) : vb_nib_lo(ql_), br_ + 2 * CHUNK + ((C) / 2) * 32, (C) % 2); \
+            ACC[r] = vf_fma(vf_cvt(q6_dot(u_, xr_, xc_)), vf_mul(vf_spread4(sd[r], C), dx_), ACC[r]);          \
+        }                                                                                                      \
+    } while (0)
+        Q6_CHUNK4(a0, 0);
+        Q6_CHUNK4(a1, 1);
+        Q6_CHUNK4(a0, 2);
+        Q6_CHUNK4(a1, 3);
+#undef Q6_CHUNK4
+    }
+    vf_sum4(vf_pin(vf_add(a0[0], a1[0])), vf_pin(vf_add(a0[1], a1[1])), vf_pin(vf_add(a0[2], a1[2])),
+            vf_pin(vf_add(a0[3], a1[3])), out);
 }
 
 static void q6k_q8_rows(const uint8_t *restrict W, const xprep_t *x, const int32_t *x32, int x_bf16, void *y,
                         int64_t M, int64_t N, int64_t K, int64_t n0, int64_t n1) {
     const int64_t rowb = K / QK_K * Q6K_BYTES;
-    for (int64_t n = n0; n < n1; n++)
+    int64_t n = n0;
+    if (QSIMD && M == 1) /* portable C: every row through q6k_q8_row (TILE_Q8 says why) */
+        for (; n + 4 <= n1; n += 4) {
+            float out[4];
+            q6k_q8_row4(W + n * rowb, x, x32, out, K);
+            for (int r = 0; r < 4; r++) store_y(y, x_bf16, n + r, out[r]);
+        }
+    for (; n < n1; n++)
         for (int64_t m0 = 0; m0 < M; m0 += QTILE) { /* more than QTILE rows: tiles over the (L1-resident) row */
             float out[QTILE];
             const int64_t mr = M - m0 < QTILE ? M - m0 : QTILE;
