@@ -11,6 +11,8 @@
  * and weight j+16 (high nibble); d and m per group of G weights (G a multiple of 32), w = d*q + m.  Q4_0 (mins =
  * NULL): the same blocks without m, w = d*(q - 8): every path takes m = -8*d (q4_min) where it reads m otherwise.
  * int8: w = s * q, s per group of G weights along K (G = K: per output channel; G = 32: GGUF Q8_0).
+ * Q6_K (q6k_gemm_q8, int8-activation path only): GGUF's 210-byte super-blocks of 256 weights as the file stores
+ * them, w = d * sc * q per 16 weights (its own section, before W8A8, says how the 6-bit codes are read).
  *
  * Two paths per format:
  *  - exact (q4_gemm, q8_gemm): fp32 activations.  Each block is dequantized to 32 floats exactly as the reference
@@ -1170,7 +1172,8 @@ void q8_gemm_q8(const int8_t *restrict W, const void *scales, int scale_fmt, con
  * across the two bytes of its lane; the 0x30 mask keeps only the byte's own. */
 INLINE vb q6_u(vb nib, const uint8_t *qh, const int upper) {
     const __m256i h = _mm256_loadu_si256((const __m256i *)qh);
-    const __m256i a = upper ? h : _mm256_slli_epi16(h, 4), b = upper ? _mm256_srli_epi16(h, 2) : _mm256_slli_epi16(h, 2);
+    const __m256i a = upper ? h : _mm256_slli_epi16(h, 4);
+    const __m256i b = upper ? _mm256_srli_epi16(h, 2) : _mm256_slli_epi16(h, 2);
     const __m512i hi = _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1);
     return _mm512_or_si512(nib, _mm512_and_si512(hi, _mm512_set1_epi8(0x30)));
 }
@@ -1186,7 +1189,8 @@ INLINE vf q6_scales(const uint8_t *blk) { /* the 16 d * sc of a super-block */
 #elif QSIMD == 256
 INLINE vb q6_u(vb nib, const uint8_t *qh, const int upper) { /* as the 512-bit path, in two halves */
     const __m256i h = _mm256_loadu_si256((const __m256i *)qh), m = _mm256_set1_epi8(0x30);
-    const __m256i a = upper ? h : _mm256_slli_epi16(h, 4), b = upper ? _mm256_srli_epi16(h, 2) : _mm256_slli_epi16(h, 2);
+    const __m256i a = upper ? h : _mm256_slli_epi16(h, 4);
+    const __m256i b = upper ? _mm256_srli_epi16(h, 2) : _mm256_slli_epi16(h, 2);
     vb r = {_mm256_or_si256(nib.a, _mm256_and_si256(a, m)), _mm256_or_si256(nib.b, _mm256_and_si256(b, m))};
     return r;
 }
@@ -1334,7 +1338,8 @@ void q6k_gemm_q8(const uint8_t *restrict W, const void *xin, int x_bf16, void *y
     int32_t *x32 = M * nl <= X32_STACK ? stk : (int32_t *)malloc(sizeof(int32_t) * M * nl);
     for (int64_t m = 0; m < M; m++) {
         const int8_t *q = x.xq + m * x.sq;
-        for (int64_t l = 0; l < nl; l++) x32[m * nl + l] = -32 * (q[4 * l] + q[4 * l + 1] + q[4 * l + 2] + q[4 * l + 3]);
+        for (int64_t l = 0; l < nl; l++)
+            x32[m * nl + l] = -32 * (q[4 * l] + q[4 * l + 1] + q[4 * l + 2] + q[4 * l + 3]);
     }
 #define Q6K_ROWS(n0, n1) q6k_q8_rows(W, &x, x32, x_bf16, y, M, N, K, n0, n1)
     SPLIT_ROWS(N, K, Q6K_ROWS);
