@@ -1152,8 +1152,9 @@ void q8_gemm_q8(const int8_t *restrict W, const void *scales, int scale_fmt, con
  * w = (d * sc) * q, q = (low | high << 4) - 32.  Half h of a super-block (weights 128h..128h+127) owns ql bytes
  * 64h.. and qh bytes 32h..: weight i of a half takes ql byte i % 64 (low nibble for i < 64, high after) and qh byte
  * i % 32, bits 2 * (i / 32).  So one 64-byte load of a half's ql is two chunks of 64 weights in order: its low
- * nibbles (i 0..63, high bits from qh shifted 0 and 2) and its high nibbles (i 64..127, shifted 4 and 6) — no
- * shuffles, only shifts of the half's 32 qh bytes.
+ * nibbles (i 0..63, high bits: qh's fields 0 and 1) and its high nibbles (i 64..127, fields 2 and 3) — no
+ * shuffles.  The half's 32 qh bytes become once H = [qh, qh >> 2] (64 bytes, q6_h): then bits 4-5 of H hold the
+ * high nibbles' fields and bits 4-5 of H << 4 the low nibbles' fields, in chunk order.
  * x is rounded per block of 32 by xprep, as for int8 weights (the same codes, dx lanes and chunk order), and per
  * 16 weights with scale s = d * sc
  *     sum_j s * q_j * xhat_j = s * dx * sum_j (u_j - 32) * xq_j,   u = q + 32 in 0..63 (unsigned bytes)
@@ -1167,15 +1168,18 @@ void q8_gemm_q8(const int8_t *restrict W, const void *scales, int scale_fmt, con
 #define Q6K_BYTES 210  /* bytes per Q6_K super-block */
 
 #if QSIMD == 512
-/* The 64 u bytes of one chunk: its low bits nib (0..15) or'ed with qh's 2-bit fields (32 bytes at qh) moved to bits
- * 4-5 — bytes 0..31 from field 0 and bytes 32..63 from field 1 (upper: fields 2 and 3).  A 16-bit shift moves bits
- * across the two bytes of its lane; the 0x30 mask keeps only the byte's own. */
-INLINE vb q6_u(vb nib, const uint8_t *qh, const int upper) {
+/* H of a half's 32 qh bytes; u of its low-nibble chunk, (ql & 15) | ((H << 4) & 0x30), and of its high-nibble
+ * chunk, (ql >> 4) | (H & 0x30), one vpternlogd each (a | (b & c)).  The 16-bit shifts move bits across the two
+ * bytes of a lane; the 0x30 mask keeps only the byte's own. */
+INLINE vb q6_h(const uint8_t *qh) {
     const __m256i h = _mm256_loadu_si256((const __m256i *)qh);
-    const __m256i a = upper ? h : _mm256_slli_epi16(h, 4);
-    const __m256i b = upper ? _mm256_srli_epi16(h, 2) : _mm256_slli_epi16(h, 2);
-    const __m512i hi = _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1);
-    return _mm512_or_si512(nib, _mm512_and_si512(hi, _mm512_set1_epi8(0x30)));
+    return _mm512_inserti64x4(_mm512_castsi256_si512(h), _mm256_srli_epi16(h, 2), 1);
+}
+INLINE vb q6_u_lo(vb ql, vb h) {
+    return _mm512_ternarylogic_epi32(vb_nib_lo(ql), _mm512_slli_epi16(h, 4), _mm512_set1_epi8(0x30), 0xF8);
+}
+INLINE vb q6_u_hi(vb ql, vb h) {
+    return _mm512_ternarylogic_epi32(vb_nib_hi(ql), h, _mm512_set1_epi8(0x30), 0xF8);
 }
 INLINE vi q6_dot(vb u, const int8_t *x, const int32_t *x32) { /* lane l: x32[l] + sum of bytes 4l..4l+3 of u * x */
     return dot_u8s8(_mm512_loadu_si512(x32), u, vb_load(x));
@@ -1187,11 +1191,22 @@ INLINE vf q6_scales(const uint8_t *blk) { /* the 16 d * sc of a super-block */
     return _mm512_mul_ps(_mm512_set1_ps(h2f(h)), sc);
 }
 #elif QSIMD == 256
-INLINE vb q6_u(vb nib, const uint8_t *qh, const int upper) { /* as the 512-bit path, in two halves */
-    const __m256i h = _mm256_loadu_si256((const __m256i *)qh), m = _mm256_set1_epi8(0x30);
-    const __m256i a = upper ? h : _mm256_slli_epi16(h, 4);
-    const __m256i b = upper ? _mm256_srli_epi16(h, 2) : _mm256_slli_epi16(h, 2);
-    vb r = {_mm256_or_si256(nib.a, _mm256_and_si256(a, m)), _mm256_or_si256(nib.b, _mm256_and_si256(b, m))};
+INLINE vb q6_h(const uint8_t *qh) { /* as the 512-bit path, in two halves */
+    const __m256i h = _mm256_loadu_si256((const __m256i *)qh);
+    vb r = {h, _mm256_srli_epi16(h, 2)};
+    return r;
+}
+INLINE vb q6_u_lo(vb ql, vb h) {
+    const __m256i m = _mm256_set1_epi8(0x30);
+    const vb n = vb_nib_lo(ql);
+    vb r = {_mm256_or_si256(n.a, _mm256_and_si256(_mm256_slli_epi16(h.a, 4), m)),
+            _mm256_or_si256(n.b, _mm256_and_si256(_mm256_slli_epi16(h.b, 4), m))};
+    return r;
+}
+INLINE vb q6_u_hi(vb ql, vb h) {
+    const __m256i m = _mm256_set1_epi8(0x30);
+    const vb n = vb_nib_hi(ql);
+    vb r = {_mm256_or_si256(n.a, _mm256_and_si256(h.a, m)), _mm256_or_si256(n.b, _mm256_and_si256(h.b, m))};
     return r;
 }
 INLINE __m256i q6_dot8(__m256i u, const int8_t *x, const int32_t *x32) {
@@ -1215,9 +1230,18 @@ INLINE vf q6_scales(const uint8_t *blk) {
     return r;
 }
 #else
-INLINE vb q6_u(vb nib, const uint8_t *qh, const int upper) {
-    for (int j = 0; j < CHUNK; j++) nib.v[j] |= ((qh[j % 32] >> (4 * upper + 2 * (j / 32))) & 3) << 4;
-    return nib;
+INLINE vb q6_h(const uint8_t *qh) {
+    vb r;
+    for (int j = 0; j < 32; j++) r.v[j] = qh[j], r.v[32 + j] = qh[j] >> 2;
+    return r;
+}
+INLINE vb q6_u_lo(vb ql, vb h) {
+    for (int j = 0; j < CHUNK; j++) ql.v[j] = (ql.v[j] & 15) | ((h.v[j] << 4) & 0x30);
+    return ql;
+}
+INLINE vb q6_u_hi(vb ql, vb h) {
+    for (int j = 0; j < CHUNK; j++) ql.v[j] = (ql.v[j] >> 4) | (h.v[j] & 0x30);
+    return ql;
 }
 INLINE vi q6_dot(vb u, const int8_t *x, const int32_t *x32) {
     vi r;
@@ -1248,9 +1272,9 @@ INLINE void q6k_q8_row(const uint8_t *restrict w, const xprep_t *x, const int32_
         const uint8_t *restrict blk = w + s * Q6K_BYTES;
         const vf sd = vf_pin(q6_scales(blk));
         /* chunk C (0..3) of the super-block: half C / 2, its ql's low (C even) or high nibbles */
-#define Q6_CHUNK(ACC, QL, C)                                                                                   \
+#define Q6_CHUNK(ACC, U, C)                                                                                    \
     do {                                                                                                       \
-        const vb u_ = q6_u((C) % 2 ? vb_nib_hi(QL) : vb_nib_lo(QL), blk + 2 * CHUNK + ((C) / 2) * 32, (C) % 2); \
+        const vb u_ = (U);                                                                                     \
         const vf sw_ = vf_spread4(sd, C);                                                                      \
         const int64_t c_ = s * 4 + (C);                                                                        \
         for (int m = 0; m < R; m++) {                                                                          \
@@ -1259,10 +1283,11 @@ INLINE void q6k_q8_row(const uint8_t *restrict w, const xprep_t *x, const int32_
         }                                                                                                      \
     } while (0)
         const vb ql0 = vb_load(blk), ql1 = vb_load(blk + CHUNK);
-        Q6_CHUNK(a0, ql0, 0);
-        Q6_CHUNK(a1, ql0, 1);
-        Q6_CHUNK(a0, ql1, 2);
-        Q6_CHUNK(a1, ql1, 3);
+        const vb h0 = q6_h(blk + 2 * CHUNK), h1 = q6_h(blk + 2 * CHUNK + 32);
+        Q6_CHUNK(a0, q6_u_lo(ql0, h0), 0);
+        Q6_CHUNK(a1, q6_u_hi(ql0, h0), 1);
+        Q6_CHUNK(a0, q6_u_lo(ql1, h1), 2);
+        Q6_CHUNK(a1, q6_u_hi(ql1, h1), 3);
 #undef Q6_CHUNK
     }
     for (int m = 0; m < R; m++) out[m] = vf_sum(vf_pin(vf_add(a0[m], a1[m]))); /* pinned: the sum as q6k_q8_row4's */
@@ -1272,7 +1297,7 @@ INLINE void q6k_q8_row(const uint8_t *restrict w, const xprep_t *x, const int32_
  * shared by the 4 rows — alone, a row re-reads 3 activation bytes per weight from L2 (K = 8192: 72 KB of them per
  * row), which made it slower than the int8 path's 4-row tile.  Each row's products, chunk order and reduction are
  * q6k_q8_row's (vf_sum4 sums as vf_sum does): the same bits.  As in q8_q8_row4 the 4 rows are 4 interleaved streams,
- * so each chunk step prefetches a line of each row of the tile PF_TILES ahead. */
+ * so each step prefetches lines of each row of the tile PF_TILES ahead (a line per chunk). */
 INLINE void q6k_q8_row4(const uint8_t *restrict w, const xprep_t *x, const int32_t *restrict x32, float out[4],
                         int64_t K) {
     const int64_t rowb = K / QK_K * Q6K_BYTES;
@@ -1281,25 +1306,27 @@ INLINE void q6k_q8_row4(const uint8_t *restrict w, const xprep_t *x, const int32
     for (int64_t s = 0; s < K / QK_K; s++) {
         const uint8_t *restrict blk = w + s * Q6K_BYTES; /* row r's super-block s is at blk + r * rowb */
         for (int r = 0; r < 4; r++) sd[r] = vf_pin(q6_scales(blk + r * rowb));
-#define Q6_CHUNK4(ACC, C)                                                                                      \
+        /* half HF of the super-block: chunk 2 HF (its ql's low nibbles) into a0, chunk 2 HF + 1 (high) into a1 */
+#define Q6_HALF4(HF)                                                                                           \
     do {                                                                                                       \
-        const int64_t c_ = s * 4 + (C);                                                                        \
+        const int64_t c_ = s * 4 + 2 * (HF);                                                                   \
         const int8_t *xr_ = x->xq + c_ * CHUNK;                                                                \
         const int32_t *xc_ = x32 + c_ * 16;                                                                    \
-        const vf dx_ = vf_load(x->dxl + c_ * 16);                                                              \
+        const vf dx0_ = vf_load(x->dxl + c_ * 16), dx1_ = vf_load(x->dxl + c_ * 16 + 16);                      \
         for (int r = 0; r < 4; r++) {                                                                          \
             const uint8_t *br_ = blk + r * rowb;                                                               \
-            __builtin_prefetch(br_ + 4 * PF_TILES * rowb + (C) * CHUNK, 0, PF_LOC);                            \
-            const vb ql_ = vb_load(br_ + ((C) / 2) * CHUNK);                                                   \
-            const vb u_ = q6_u((C) % 2 ? vb_nib_hi(ql_) : vb_nib_lo(ql_), br_ + 2 * CHUNK + ((C) / 2) * 32, (C) % 2); \
-            ACC[r] = vf_fma(vf_cvt(q6_dot(u_, xr_, xc_)), vf_mul(vf_spread4(sd[r], C), dx_), ACC[r]);          \
+            __builtin_prefetch(br_ + 4 * PF_TILES * rowb + 2 * (HF) * CHUNK, 0, PF_LOC);                       \
+            __builtin_prefetch(br_ + 4 * PF_TILES * rowb + (2 * (HF) + 1) * CHUNK, 0, PF_LOC);                 \
+            const vb ql_ = vb_load(br_ + (HF) * CHUNK), h_ = q6_h(br_ + 2 * CHUNK + (HF) * 32);                \
+            a0[r] = vf_fma(vf_cvt(q6_dot(q6_u_lo(ql_, h_), xr_, xc_)), vf_mul(vf_spread4(sd[r], 2 * (HF)), dx0_), \
+                           a0[r]);                                                                             \
+            a1[r] = vf_fma(vf_cvt(q6_dot(q6_u_hi(ql_, h_), xr_ + CHUNK, xc_ + 16)),                           \
+                           vf_mul(vf_spread4(sd[r], 2 * (HF) + 1), dx1_), a1[r]);                              \
         }                                                                                                      \
     } while (0)
-        Q6_CHUNK4(a0, 0);
-        Q6_CHUNK4(a1, 1);
-        Q6_CHUNK4(a0, 2);
-        Q6_CHUNK4(a1, 3);
-#undef Q6_CHUNK4
+        Q6_HALF4(0);
+        Q6_HALF4(1);
+#undef Q6_HALF4
     }
     vf_sum4(vf_pin(vf_add(a0[0], a1[0])), vf_pin(vf_add(a0[1], a1[1])), vf_pin(vf_add(a0[2], a1[2])),
             vf_pin(vf_add(a0[3], a1[3])), out);
