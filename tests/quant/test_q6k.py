@@ -200,3 +200,11 @@ def test_q6k_gemv_refuses_a_wrong_k_and_too_many_rows():
         native_quant.q6k_linear(torch.randn(1, 512), w)
     with pytest.raises(ValueError, match="at most 8 rows"):
         native_quant.q6k_linear(torch.randn(9, 256), w)
+
+
+@native
+def test_native_supports_names_q6_k_weights_on_the_cpu_and_refuses_them_elsewhere():
+    w = q6_k_weight(4, 256, seed=6)
+    assert native_quant.supports(torch.randn(1, 256), w)
+    assert not native_quant.supports(torch.randn(9, 256), w)  # past MAX_ROWS
+    assert not native_quant.supports(torch.randn(1, 256), Q6KWeight(w.blocks.to("meta")))

@@ -97,9 +97,12 @@ def simd_name(target: str | None = None) -> str:
     return SIMD_NAMES[_lib(target).quant_simd_level()] if available(target) else "not built"
 
 
-def supports(x: Tensor, w: Int8Weight | Int4Weight) -> bool:
+def supports(x: Tensor, w: Int8Weight | Int4Weight | Q6KWeight) -> bool:
     """Whether ``x @ w.T`` can take the native path: CPU, fp32/bf16 x with ≤ MAX_ROWS rows, library built."""
-    tensors = (w.qweight, w.scales) if isinstance(w, Int8Weight) else (w.packed, w.scales, w.mins)
+    if isinstance(w, Q6KWeight):
+        tensors = (w.blocks,)
+    else:
+        tensors = (w.qweight, w.scales) if isinstance(w, Int8Weight) else (w.packed, w.scales, w.mins)
     return (x.device.type == "cpu" and all(t is None or t.device.type == "cpu" for t in tensors) and x.dtype in _DTYPES
             and x.numel() // max(x.shape[-1], 1) <= MAX_ROWS and not (torch.is_grad_enabled() and x.requires_grad)
             and available())
