@@ -40,7 +40,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from minillm.quant.weight import K_RECORD, QK_K, Int4Weight, Int8Weight, quantize_q8_0
+from minillm.quant.weight import K_RECORD, Q6K_BYTES, QK_K, Int4Weight, Int8Weight, Q6KWeight, quantize_q8_0
 
 GGUF_BLOCK = 32  # QK4_1 = QK4_0 = QK8_0 = 32 weights per block
 _LAYER_NAMES = {
@@ -136,6 +136,14 @@ def q4_k_to_int4(raw: np.ndarray, N: int, K: int) -> Int4Weight:
     mins = np.concatenate([neg_dmin, mn.astype(np.uint8)], axis=1).reshape(N, K // QK_K, K_RECORD)
     return Int4Weight(torch.from_numpy(np.ascontiguousarray(packed)), torch.from_numpy(scales),
                       torch.from_numpy(mins), GGUF_BLOCK)
+
+
+def q6_k_blocks(raw: np.ndarray, N: int, K: int) -> Q6KWeight:
+    """Q6_K bytes [N, K/256 · 210] (any uint8 array, a reader's read-only memory map too) -> ``Q6KWeight``: the
+    super-blocks as the file has them, 6.5625 bits a weight.  ValueError unless K is a multiple of 256 and the byte
+    count fits.  Cost: one copy of the bytes, no arithmetic."""
+    b = _blocks(raw, N, K, QK_K, Q6K_BYTES, "Q6_K")
+    return Q6KWeight(torch.from_numpy(np.array(b).reshape(N, K // QK_K, Q6K_BYTES)))  # a copy: raw may be read-only
 
 
 def q5_0_to_int8(raw: np.ndarray, N: int, K: int) -> Int8Weight:

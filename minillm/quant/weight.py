@@ -20,8 +20,14 @@ gguf's product (an 11-bit mantissa times a 6-bit integer fits fp32's 24 bits, fo
 subnormals), and m_i = (−dmin) · mn = −(dmin · mn) exactly, so readers need no sign logic.  Bytes: N·K/2 + 20·N·K/256
 = 4.625 bits a weight (Q4_K's own file is 4.5: its 6-bit sub-values are packed, ours are a byte each for the kernels).
 
-The reference matmuls (``int8_linear_ref``, ``int4_linear_ref``) dequantize then call ``F.linear``: the exact
-W8A16/W4A16 result every kernel is tested against.
+``Q6KWeight`` keeps GGUF's Q6_K super-blocks as the file has them: per row and 256 weights 210 bytes — ``ql`` 128
+(low 4 bits), ``qh`` 64 (high 2 bits), 16 int8 sub-scales sc (one per 16 weights), fp16 d — w = (d · sc) · q with
+q = (low | high << 4) − 32 ∈ [−32, 31], both products in fp32 as gguf computes them (d · sc is exact: an 11-bit
+mantissa times an 8-bit integer).  6.5625 bits a weight; ``expanded()`` is the same weight as an ``Int8Weight`` with
+group 16 (codes q, fp32 scales d · sc: 10 bits a weight), for readers that do not unpack the blocks.
+
+The reference matmuls (``int8_linear_ref``, ``int4_linear_ref``, ``q6k_linear_ref``) dequantize then call
+``F.linear``: the exact W8A16/W4A16 result every kernel is tested against.
 """
 
 from __future__ import annotations
@@ -37,6 +43,8 @@ from minillm.quant.formats import Granularity, QuantSpec, group_view
 BLOCK = 32  # weights per packing block (Q4_1's QK4_1): one byte pairs weight j with weight j + 16
 QK_K = 256  # weights per K-quant super-block (ggml's QK_K): one K record per row and super-block
 K_RECORD = 10  # bytes per K record: an fp16 super-value, then 8 uint8 sub-values (one per group of 32)
+Q6K_BYTES = 210  # bytes per Q6_K super-block of 256 weights (ggml's block_q6_K): ql 128, qh 64, scales 16, d 2
+Q6K_GROUP = 16  # weights per Q6_K sub-scale
 INT4_GROUP_SIZES = (32, 64, 128)
 
 
@@ -342,6 +350,73 @@ def int4_linear_ref(x: Tensor, w4: Int4Weight, bias: Tensor | None = None) -> Te
     w = q * w4.scales_f32().unsqueeze(-1) + w4.mins_f32().unsqueeze(-1)  # [N, K/g, g] fp32, as gguf computes
     return F.linear(x, w.view(N, K).to(x.dtype), bias)
     ### END SOLUTION
+
+
+@dataclass(frozen=True)
+class Q6KWeight:
+    """GGUF Q6_K weight as stored: ``blocks`` uint8 [N, K/256, 210], per row and 256 weights ``ql`` (bytes 0..127),
+    ``qh`` (128..191), 16 int8 sub-scales (192..207), fp16 d (208..209, little-endian); see the module docstring.
+
+    Bit layout (gguf's ``Q6_K.dequantize_blocks``): a super-block is two halves of 128 weights, half h owning
+    ``ql[64h : 64h + 64]`` and ``qh[32h : 32h + 32]``; weight i of a half takes its low 4 bits from ``ql`` byte
+    i % 64 (low nibble for i < 64, high nibble after) and its high 2 bits from ``qh`` byte i % 32, bits 2·(i // 32)
+    and up.  Bytes: 210 per 256 weights (``nbytes``), what a GEMV over it streams."""
+
+    blocks: Tensor
+
+    def __post_init__(self):
+        b = self.blocks
+        if b.dtype != torch.uint8 or b.dim() != 3 or b.shape[2] != Q6K_BYTES:
+            raise ValueError(f"blocks must be uint8 [N, K/{QK_K}, {Q6K_BYTES}] (Q6_K super-blocks), got {b.dtype} "
+                             f"{tuple(b.shape)}: build them from a GGUF tensor's bytes with quant.gguf.q6_k_blocks")
+        _store_contiguous(self, "blocks")
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """(N, K) of the weight it stands for."""
+        return self.blocks.shape[0], self.blocks.shape[1] * QK_K
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes stored (210 per 256 weights): what a GEMV streams from memory."""
+        return self.blocks.nbytes
+
+    def codes(self) -> Tensor:
+        """q int8 [N, K] in −32..31, in weight order.  Cost: one pass over the 192 code bytes per 256 weights."""
+        N, K = self.shape
+        S = K // QK_K
+        ql = self.blocks[..., :128].reshape(N, S, 2, 64)  # [N, S, half, 64]
+        qh = self.blocks[..., 128:192].reshape(N, S, 2, 32)  # [N, S, half, 32]
+        low = torch.stack([ql & 0x0F, ql >> 4], dim=3).reshape(N, S, 2, 128)  # weight i of a half: ql byte i % 64
+        high = torch.stack([(qh >> s) & 0x03 for s in (0, 2, 4, 6)], dim=3).reshape(N, S, 2, 128)  # qh byte i % 32
+        return ((low | (high << 4)).view(torch.int8) - 32).reshape(N, K)  # 0..63 fits int8: no wrap
+
+    def scales_f32(self) -> Tensor:
+        """d · sc fp32 [N, K/16], one per 16 weights: the fp16 d times each int8 sub-scale, exact in fp32."""
+        N, K = self.shape
+        d = self.blocks[..., 208:210].contiguous().view(torch.float16).float()  # [N, S, 1]
+        sc = self.blocks[..., 192:208].contiguous().view(torch.int8).float()  # [N, S, 16]
+        return (d * sc).reshape(N, K // Q6K_GROUP)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> Tensor:
+        """[N, K] in ``dtype``: (d · sc) · q in fp32 (bit for bit gguf's Q6_K dequantization), then cast."""
+        return self.expanded().dequantize(dtype)
+
+    def expanded(self) -> Int8Weight:
+        """The same weight as an ``Int8Weight`` with group 16: codes q, fp32 scales d · sc [N, K/16] — the same
+        dequantized bits, for readers that take only int8 codes (GPU kernels).  Cost: 10 bits a weight (vs 6.56)."""
+        return Int8Weight(self.codes(), self.scales_f32(), Q6K_GROUP)
+
+    def to(self, device: torch.device | str) -> Q6KWeight | Int8Weight:
+        """The same weight on ``device``: itself on the CPU (whose kernel reads the blocks), elsewhere the expanded
+        ``Int8Weight`` moved there."""
+        return self if torch.device(device).type == "cpu" else self.expanded().to(device)
+
+
+def q6k_linear_ref(x: Tensor, w: Q6KWeight, bias: Tensor | None = None) -> Tensor:
+    """x [..., K] @ dequantized(w).T (+ bias) -> [..., N] in x's dtype: the exact Q6_K reference (the expanded
+    ``Int8Weight`` through ``int8_linear_ref``).  Cost: an [N, K] float weight written and read back per call."""
+    return int8_linear_ref(x, w.expanded(), bias)
 
 
 def fit_group_size(K: int, group_size: int) -> int:

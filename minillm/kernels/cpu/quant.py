@@ -1,5 +1,5 @@
-"""Native int8 / int4 (Q4_1 layout; Q4_0 without mins) GEMV and small-batch GEMM on CPU, compiled on first use,
-called by ctypes.
+"""Native int8 / int4 (Q4_1 layout; Q4_0 without mins) / GGUF Q6_K GEMV and small-batch GEMM on CPU, compiled on
+first use, called by ctypes.
 
 Two paths per weight format (``csrc/quant.c`` explains both):
 
@@ -35,7 +35,7 @@ from torch import Tensor
 
 from minillm.kernels.cpu import native
 from minillm.kernels.cpu.native import _cpu_key, cache_dir, source_digest
-from minillm.quant.weight import BLOCK, Int4Weight, Int8Weight
+from minillm.quant.weight import BLOCK, Int4Weight, Int8Weight, Q6KWeight
 
 MAX_ROWS = 8  # decode batches; csrc/quant.c tiles any M in 8s, the weight row staying in L1 between tiles
 _SRC = Path(__file__).parent / "csrc" / "quant.c"
@@ -73,6 +73,8 @@ def _lib(target: str | None = None) -> ctypes.CDLL | None:
     for name in ("q8_gemm", "q8_gemm_q8", "q8_gemm_prefill"):
         getattr(lib, name).argtypes = [vp, vp, c_int, vp, c_int, vp, i64, i64, i64, i64]
         getattr(lib, name).restype = None
+    lib.q6k_gemm_q8.argtypes = [vp, vp, c_int, vp, i64, i64, i64]
+    lib.q6k_gemm_q8.restype = None
     lib.q8_prefill_round.argtypes = [vp, c_int, i64, i64, vp, vp]
     lib.q8_prefill_round.restype = None
     lib.quant_prefill_tiled.restype = c_int
@@ -95,9 +97,12 @@ def simd_name(target: str | None = None) -> str:
     return SIMD_NAMES[_lib(target).quant_simd_level()] if available(target) else "not built"
 
 
-def supports(x: Tensor, w: Int8Weight | Int4Weight) -> bool:
+def supports(x: Tensor, w: Int8Weight | Int4Weight | Q6KWeight) -> bool:
     """Whether ``x @ w.T`` can take the native path: CPU, fp32/bf16 x with ≤ MAX_ROWS rows, library built."""
-    tensors = (w.qweight, w.scales) if isinstance(w, Int8Weight) else (w.packed, w.scales, w.mins)
+    if isinstance(w, Q6KWeight):
+        tensors = (w.blocks,)
+    else:
+        tensors = (w.qweight, w.scales) if isinstance(w, Int8Weight) else (w.packed, w.scales, w.mins)
     return (x.device.type == "cpu" and all(t is None or t.device.type == "cpu" for t in tensors) and x.dtype in _DTYPES
             and x.numel() // max(x.shape[-1], 1) <= MAX_ROWS and not (torch.is_grad_enabled() and x.requires_grad)
             and available())
@@ -173,6 +178,17 @@ def int4_linear(x: Tensor, w4: Int4Weight, exact: bool = False, target: str | No
     fn = lib.q4_gemm if exact else lib.q4_gemm_q8
     fn(p.contiguous().data_ptr(), s.contiguous().data_ptr(), _mins_ptr(mn), scale_format(w4),
        x2.data_ptr(), x.dtype == torch.bfloat16, y.data_ptr(), x2.shape[0], N, K, w4.group_size)
+    return y.view(*x.shape[:-1], N)
+
+
+def q6k_linear(x: Tensor, w: Q6KWeight, target: str | None = None) -> Tensor:
+    """x [..., K] (≤ MAX_ROWS rows, fp32/bf16) @ dequant(w).T -> [..., N] in x's dtype, from GGUF Q6_K blocks as they
+    are (210 bytes per 256 weights streamed, nothing expanded).  x is rounded to int8 blocks of 32 first, as
+    ``int8_linear``'s default path rounds it: the result is ``q6k_linear_ref(q8_activation_ref(x), w)`` up to fp32
+    summation order (``csrc/quant.c`` q6k_gemm_q8 says how the 6-bit codes meet the int8 activations)."""
+    N, K = w.shape
+    lib, x2, y = _prepare(x, N, K, (w.blocks,), target)
+    lib.q6k_gemm_q8(w.blocks.data_ptr(), x2.data_ptr(), x.dtype == torch.bfloat16, y.data_ptr(), x2.shape[0], N, K)
     return y.view(*x.shape[:-1], N)
 
 

@@ -316,6 +316,43 @@ static int check_q8(uint64_t *s, int64_t M, int64_t N, int64_t K, int64_t G, int
     return bad;
 }
 
+/* GGUF Q6_K blocks (q6k_gemm_q8): random ql, qh and sub-scale bytes, a signed fp16 d per 256 weights, dequantized
+ * here from gguf's layout (weight i of half h: ql byte 64h + i % 64, low nibble below 64; qh byte 32h + i % 32, bits
+ * 2 (i / 32)), x rounded as q8_activation_ref; and the rows of one call equal each row alone (batch 1 takes 4 weight
+ * rows at a time, more input rows the tiles). */
+static int check_q6k(uint64_t *s, int64_t M, int64_t N, int64_t K) {
+    const int64_t nsb = N * K / 256;
+    uint8_t *W = malloc(nsb * 210);
+    double *w = malloc(sizeof(double) * N * K);
+    for (int64_t b = 0; b < nsb; b++) {
+        uint8_t *blk = W + b * 210;
+        for (int j = 0; j < 208; j++) blk[j] = (uint8_t)irand(s, 256);
+        const uint16_t hd = half_rand(s, 1);
+        memcpy(blk + 208, &hd, 2);
+        for (int i = 0; i < 256; i++) {
+            const int h = i / 128, l = i % 128;
+            const int lo = (blk[64 * h + l % 64] >> (l < 64 ? 0 : 4)) & 15;
+            const int hi = (blk[128 + 32 * h + l % 32] >> (2 * (l / 32))) & 3;
+            w[b * 256 + i] = half_value(hd) * (int8_t)blk[192 + i / 16] * ((lo | hi << 4) - 32);
+        }
+    }
+    float *x = frand(s, M * K), *y = malloc(sizeof(float) * M * N), *alone = malloc(sizeof(float) * M * N);
+    double *xs = malloc(sizeof(double) * M * K), *want = malloc(sizeof(double) * M * N),
+           *mag = malloc(sizeof(double) * M * N);
+    char what[96];
+    q6k_gemm_q8(W, x, 0, y, M, N, K);
+    q8_activation_ref(x, M, K, xs);
+    dot_ref(w, xs, M, N, K, want, mag);
+    snprintf(what, sizeof what, "q6k_gemm_q8 M=%lld N=%lld K=%lld", (long long)M, (long long)N, (long long)K);
+    int bad = compare(what, y, want, mag, M * N, SUM_RTOL);
+    if (M > 1) {
+        for (int64_t m = 0; m < M; m++) q6k_gemm_q8(W, x + m * K, 0, alone + m * N, 1, N, K);
+        bad |= same_bits(what, y, alone, M * N);
+    }
+    free(W), free(w), free(x), free(y), free(alone), free(xs), free(want), free(mag);
+    return bad;
+}
+
 /* W8A8 (w8a8_gemm): per-channel int8 weights, activations rounded to int8 per row (dynamic) or with one static
  * scale (codes clamped to +-127).  Reference: the codes and scales computed here in double (x / s rounded half to
  * even), their exact integer sums times s_x s_w: the kernel's float epilogue is one product away (rtol 1e-6 of
@@ -591,6 +628,12 @@ int main(void) {
     bad |= check_q8(&s, 4, 6, 128, 64, 0);
     bad |= check_q8(&s, 9, 3, 64, 32, 0);
     bad |= check_q8(&s, 2, 512, 576, 576, 1);
+    /* Q6_K: one row (4-row tiles, a tail of 3), a tile with a tail, two tiles of input rows, a split over the
+     * threads. */
+    bad |= check_q6k(&s, 1, 7, 256);
+    bad |= check_q6k(&s, 3, 9, 512);
+    bad |= check_q6k(&s, 9, 5, 256);
+    bad |= check_q6k(&s, 1, 514, 768);
     /* W8A8: 4x4 tiles with row and column tails, K with a partial 64-byte chunk (96, 100), K in whole chunks,
      * M = 70 past the parallel rounding's threshold, 512 x 576 weights split over the threads. */
     bad |= check_w8a8(&s, 1, 7, 96, 0, 0.f);

@@ -11,6 +11,8 @@
  * and weight j+16 (high nibble); d and m per group of G weights (G a multiple of 32), w = d*q + m.  Q4_0 (mins =
  * NULL): the same blocks without m, w = d*(q - 8): every path takes m = -8*d (q4_min) where it reads m otherwise.
  * int8: w = s * q, s per group of G weights along K (G = K: per output channel; G = 32: GGUF Q8_0).
+ * Q6_K (q6k_gemm_q8, int8-activation path only): GGUF's 210-byte super-blocks of 256 weights as the file stores
+ * them, w = d * sc * q per 16 weights (its own section, before W8A8, says how the 6-bit codes are read).
  *
  * Two paths per format:
  *  - exact (q4_gemm, q8_gemm): fp32 activations.  Each block is dequantized to 32 floats exactly as the reference
@@ -1140,6 +1142,236 @@ void q8_gemm_q8(const int8_t *restrict W, const void *scales, int scale_fmt, con
 #define Q8_Q8_ROWS(n0, n1) q8_q8_rows(W, scales, scale_fmt, &x, x_bf16, y, M, N, K, G, n0, n1)
     SPLIT_ROWS(N, K, Q8_Q8_ROWS);
 #undef Q8_Q8_ROWS
+    if (x.mem != buf) free(x.mem);
+}
+
+/* ---------------------------------------------------------------- Q6_K weights x int8 activations (decode) */
+
+/* GGUF Q6_K as the file stores it (minillm/quant/weight.py Q6KWeight): per row and 256 weights a 210-byte
+ * super-block, ql 128 bytes (low 4 bits), qh 64 (high 2 bits), 16 int8 sub-scales sc (one per 16 weights), fp16 d;
+ * w = (d * sc) * q, q = (low | high << 4) - 32.  Half h of a super-block (weights 128h..128h+127) owns ql bytes
+ * 64h.. and qh bytes 32h..: weight i of a half takes ql byte i % 64 (low nibble for i < 64, high after) and qh byte
+ * i % 32, bits 2 * (i / 32).  So one 64-byte load of a half's ql is two chunks of 64 weights in order: its low
+ * nibbles (i 0..63, high bits: qh's fields 0 and 1) and its high nibbles (i 64..127, fields 2 and 3) — no
+ * shuffles.  The half's 32 qh bytes become once H = [qh, qh >> 2] (64 bytes, q6_h): then bits 4-5 of H hold the
+ * high nibbles' fields and bits 4-5 of H << 4 the low nibbles' fields, in chunk order.
+ * x is rounded per block of 32 by xprep, as for int8 weights (the same codes, dx lanes and chunk order), and per
+ * 16 weights with scale s = d * sc
+ *     sum_j s * q_j * xhat_j = s * dx * sum_j (u_j - 32) * xq_j,   u = q + 32 in 0..63 (unsigned bytes)
+ * with the integer sum taken lane by lane (4 weights a lane, 4 lanes per 16) by vpdpbusd, or vpmaddubsw + vpmaddwd
+ * (pairs <= 2 * 63 * 127: no saturation), or plain C, each lane starting from -32 times its 4 codes' sum (x32,
+ * made once per call), so it ends exactly at sum q * xq.  Then per lane acc += sum * ((d * sc) * dx) in fp32:
+ * the reference on xhat (quant.q8_activation_ref) up to fp32 summation order.  d * sc is exact in fp32 (an 11-bit
+ * mantissa times an 8-bit integer) and pinned, so -ffast-math cannot regroup it with dx.  A row is one sequential
+ * stream of 210 bytes per 256 weights; at batch 1 four rows share the activation loads (q6k_q8_row4). */
+#define QK_K 256       /* weights per K-quant super-block */
+#define Q6K_BYTES 210  /* bytes per Q6_K super-block */
+
+#if QSIMD == 512
+/* H of a half's 32 qh bytes; u of its low-nibble chunk, (ql & 15) | ((H << 4) & 0x30), and of its high-nibble
+ * chunk, (ql >> 4) | (H & 0x30), one vpternlogd each (a | (b & c)).  The 16-bit shifts move bits across the two
+ * bytes of a lane; the 0x30 mask keeps only the byte's own. */
+INLINE vb q6_h(const uint8_t *qh) {
+    const __m256i h = _mm256_loadu_si256((const __m256i *)qh);
+    return _mm512_inserti64x4(_mm512_castsi256_si512(h), _mm256_srli_epi16(h, 2), 1);
+}
+INLINE vb q6_u_lo(vb ql, vb h) {
+    return _mm512_ternarylogic_epi32(vb_nib_lo(ql), _mm512_slli_epi16(h, 4), _mm512_set1_epi8(0x30), 0xF8);
+}
+INLINE vb q6_u_hi(vb ql, vb h) {
+    return _mm512_ternarylogic_epi32(vb_nib_hi(ql), h, _mm512_set1_epi8(0x30), 0xF8);
+}
+INLINE vi q6_dot(vb u, const int8_t *x, const int32_t *x32) { /* lane l: x32[l] + sum of bytes 4l..4l+3 of u * x */
+    return dot_u8s8(_mm512_loadu_si512(x32), u, vb_load(x));
+}
+INLINE vf q6_scales(const uint8_t *blk) { /* the 16 d * sc of a super-block */
+    uint16_t h;
+    memcpy(&h, blk + 208, 2);
+    const __m512 sc = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 192))));
+    return _mm512_mul_ps(_mm512_set1_ps(h2f(h)), sc);
+}
+#elif QSIMD == 256
+INLINE vb q6_h(const uint8_t *qh) { /* as the 512-bit path, in two halves */
+    const __m256i h = _mm256_loadu_si256((const __m256i *)qh);
+    vb r = {h, _mm256_srli_epi16(h, 2)};
+    return r;
+}
+INLINE vb q6_u_lo(vb ql, vb h) {
+    const __m256i m = _mm256_set1_epi8(0x30);
+    const vb n = vb_nib_lo(ql);
+    vb r = {_mm256_or_si256(n.a, _mm256_and_si256(_mm256_slli_epi16(h.a, 4), m)),
+            _mm256_or_si256(n.b, _mm256_and_si256(_mm256_slli_epi16(h.b, 4), m))};
+    return r;
+}
+INLINE vb q6_u_hi(vb ql, vb h) {
+    const __m256i m = _mm256_set1_epi8(0x30);
+    const vb n = vb_nib_hi(ql);
+    vb r = {_mm256_or_si256(n.a, _mm256_and_si256(h.a, m)), _mm256_or_si256(n.b, _mm256_and_si256(h.b, m))};
+    return r;
+}
+INLINE __m256i q6_dot8(__m256i u, const int8_t *x, const int32_t *x32) {
+    const __m256i xv = _mm256_loadu_si256((const __m256i *)x), c = _mm256_loadu_si256((const __m256i *)x32);
+#ifdef DPBUSD
+    return DPBUSD(c, u, xv);
+#else
+    return _mm256_add_epi32(c, _mm256_madd_epi16(_mm256_maddubs_epi16(u, xv), _mm256_set1_epi16(1)));
+#endif
+}
+INLINE vi q6_dot(vb u, const int8_t *x, const int32_t *x32) {
+    vi r = {q6_dot8(u.a, x, x32), q6_dot8(u.b, x + 32, x32 + 8)};
+    return r;
+}
+INLINE vf q6_scales(const uint8_t *blk) {
+    uint16_t h;
+    memcpy(&h, blk + 208, 2);
+    const __m256 d = _mm256_set1_ps(h2f(h));
+    vf r = {_mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(blk + 192))))),
+            _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(blk + 200)))))};
+    return r;
+}
+#else
+INLINE vb q6_h(const uint8_t *qh) {
+    vb r;
+    for (int j = 0; j < 32; j++) r.v[j] = qh[j], r.v[32 + j] = qh[j] >> 2;
+    return r;
+}
+INLINE vb q6_u_lo(vb ql, vb h) {
+    for (int j = 0; j < CHUNK; j++) ql.v[j] = (ql.v[j] & 15) | ((h.v[j] << 4) & 0x30);
+    return ql;
+}
+INLINE vb q6_u_hi(vb ql, vb h) {
+    for (int j = 0; j < CHUNK; j++) ql.v[j] = (ql.v[j] >> 4) | (h.v[j] & 0x30);
+    return ql;
+}
+INLINE vi q6_dot(vb u, const int8_t *x, const int32_t *x32) {
+    vi r;
+    for (int l = 0; l < 16; l++) {
+        int32_t s = x32[l];
+        for (int j = 4 * l; j < 4 * l + 4; j++) s += (int32_t)u.v[j] * x[j];
+        r.v[l] = s;
+    }
+    return r;
+}
+INLINE vf q6_scales(const uint8_t *blk) {
+    uint16_t h;
+    memcpy(&h, blk + 208, 2);
+    const float d = h2f(h);
+    vf r;
+    for (int i = 0; i < 16; i++) r.v[i] = d * (float)(int8_t)blk[192 + i];
+    return r;
+}
+#endif
+
+/* One Q6_K weight row against R input rows (tile m0): per super-block its 16 scales once, then its 4 chunks of 64
+ * weights, even chunks into a0 and odd into a1 (two FMA chains), the same order at every R. */
+INLINE void q6k_q8_row(const uint8_t *restrict w, const xprep_t *x, const int32_t *restrict x32, int64_t m0,
+                       float *restrict out, int64_t K, const int R) {
+    vf a0[QTILE], a1[QTILE];
+    for (int m = 0; m < R; m++) a0[m] = vf_zero(), a1[m] = vf_zero();
+    for (int64_t s = 0; s < K / QK_K; s++) {
+        const uint8_t *restrict blk = w + s * Q6K_BYTES;
+        const vf sd = vf_pin(q6_scales(blk));
+        /* chunk C (0..3) of the super-block: half C / 2, its ql's low (C even) or high nibbles */
+#define Q6_CHUNK(ACC, U, C)                                                                                    \
+    do {                                                                                                       \
+        const vb u_ = (U);                                                                                     \
+        const vf sw_ = vf_spread4(sd, C);                                                                      \
+        const int64_t c_ = s * 4 + (C);                                                                        \
+        for (int m = 0; m < R; m++) {                                                                          \
+            const vi d_ = q6_dot(u_, x->xq + (m0 + m) * x->sq + c_ * CHUNK, x32 + (m0 + m) * (K / 4) + c_ * 16);  \
+            ACC[m] = vf_fma(vf_cvt(d_), vf_mul(sw_, vf_load(x->dxl + (m0 + m) * x->sl + c_ * 16)), ACC[m]);    \
+        }                                                                                                      \
+    } while (0)
+        const vb ql0 = vb_load(blk), ql1 = vb_load(blk + CHUNK);
+        const vb h0 = q6_h(blk + 2 * CHUNK), h1 = q6_h(blk + 2 * CHUNK + 32);
+        Q6_CHUNK(a0, q6_u_lo(ql0, h0), 0);
+        Q6_CHUNK(a1, q6_u_hi(ql0, h0), 1);
+        Q6_CHUNK(a0, q6_u_lo(ql1, h1), 2);
+        Q6_CHUNK(a1, q6_u_hi(ql1, h1), 3);
+#undef Q6_CHUNK
+    }
+    for (int m = 0; m < R; m++) out[m] = vf_sum(vf_pin(vf_add(a0[m], a1[m]))); /* pinned: the sum as q6k_q8_row4's */
+}
+
+/* Batch 1: 4 weight rows at a time against the one input row, the activation loads (codes, x32 lanes, dx lanes)
+ * shared by the 4 rows — alone, a row re-reads 3 activation bytes per weight from L2 (K = 8192: 72 KB of them per
+ * row), which made it slower than the int8 path's 4-row tile.  Each row's products, chunk order and reduction are
+ * q6k_q8_row's (vf_sum4 sums as vf_sum does): the same bits.  As in q8_q8_row4 the 4 rows are 4 interleaved streams,
+ * so each step prefetches lines of each row of the tile PF_TILES ahead (a line per chunk). */
+INLINE void q6k_q8_row4(const uint8_t *restrict w, const xprep_t *x, const int32_t *restrict x32, float out[4],
+                        int64_t K) {
+    const int64_t rowb = K / QK_K * Q6K_BYTES;
+    vf a0[4], a1[4], sd[4];
+    for (int r = 0; r < 4; r++) a0[r] = vf_zero(), a1[r] = vf_zero();
+    for (int64_t s = 0; s < K / QK_K; s++) {
+        const uint8_t *restrict blk = w + s * Q6K_BYTES; /* row r's super-block s is at blk + r * rowb */
+        for (int r = 0; r < 4; r++) sd[r] = vf_pin(q6_scales(blk + r * rowb));
+        /* half HF of the super-block: chunk 2 HF (its ql's low nibbles) into a0, chunk 2 HF + 1 (high) into a1 */
+#define Q6_HALF4(HF)                                                                                           \
+    do {                                                                                                       \
+        const int64_t c_ = s * 4 + 2 * (HF);                                                                   \
+        const int8_t *xr_ = x->xq + c_ * CHUNK;                                                                \
+        const int32_t *xc_ = x32 + c_ * 16;                                                                    \
+        const vf dx0_ = vf_load(x->dxl + c_ * 16), dx1_ = vf_load(x->dxl + c_ * 16 + 16);                      \
+        for (int r = 0; r < 4; r++) {                                                                          \
+            const uint8_t *br_ = blk + r * rowb;                                                               \
+            __builtin_prefetch(br_ + 4 * PF_TILES * rowb + 2 * (HF) * CHUNK, 0, PF_LOC);                       \
+            __builtin_prefetch(br_ + 4 * PF_TILES * rowb + (2 * (HF) + 1) * CHUNK, 0, PF_LOC);                 \
+            const vb ql_ = vb_load(br_ + (HF) * CHUNK), h_ = q6_h(br_ + 2 * CHUNK + (HF) * 32);                \
+            a0[r] = vf_fma(vf_cvt(q6_dot(q6_u_lo(ql_, h_), xr_, xc_)), vf_mul(vf_spread4(sd[r], 2 * (HF)), dx0_), \
+                           a0[r]);                                                                             \
+            a1[r] = vf_fma(vf_cvt(q6_dot(q6_u_hi(ql_, h_), xr_ + CHUNK, xc_ + 16)),                           \
+                           vf_mul(vf_spread4(sd[r], 2 * (HF) + 1), dx1_), a1[r]);                              \
+        }                                                                                                      \
+    } while (0)
+        Q6_HALF4(0);
+        Q6_HALF4(1);
+#undef Q6_HALF4
+    }
+    vf_sum4(vf_pin(vf_add(a0[0], a1[0])), vf_pin(vf_add(a0[1], a1[1])), vf_pin(vf_add(a0[2], a1[2])),
+            vf_pin(vf_add(a0[3], a1[3])), out);
+}
+
+static void q6k_q8_rows(const uint8_t *restrict W, const xprep_t *x, const int32_t *x32, int x_bf16, void *y,
+                        int64_t M, int64_t N, int64_t K, int64_t n0, int64_t n1) {
+    const int64_t rowb = K / QK_K * Q6K_BYTES;
+    int64_t n = n0;
+    if (QSIMD && M == 1) /* portable C: every row through q6k_q8_row (TILE_Q8 says why) */
+        for (; n + 4 <= n1; n += 4) {
+            float out[4];
+            q6k_q8_row4(W + n * rowb, x, x32, out, K);
+            for (int r = 0; r < 4; r++) store_y(y, x_bf16, n + r, out[r]);
+        }
+    for (; n < n1; n++)
+        for (int64_t m0 = 0; m0 < M; m0 += QTILE) { /* more than QTILE rows: tiles over the (L1-resident) row */
+            float out[QTILE];
+            const int64_t mr = M - m0 < QTILE ? M - m0 : QTILE;
+#define Q6K_Q8(R) q6k_q8_row(W + n * rowb, x, x32, m0, out, K, R)
+            TILE_Q8(mr, Q6K_Q8)
+#undef Q6K_Q8
+            for (int64_t m = 0; m < mr; m++) store_y(y, x_bf16, (m0 + m) * N + n, out[m]);
+        }
+}
+
+#define X32_STACK 2048 /* lanes of x32 kept on the stack (M = 1, K = 8192) */
+
+/* y[M, N] = x[M, K] @ dequant(W)^T for Q6_K blocks W [N, K / 256, 210] (K a multiple of 256), x rounded to int8
+ * blocks of 32 (xprep, as q8_gemm_q8); y in x's dtype (fp32, or bf16 when x_bf16). */
+void q6k_gemm_q8(const uint8_t *restrict W, const void *xin, int x_bf16, void *y, int64_t M, int64_t N, int64_t K) {
+    _Alignas(64) unsigned char buf[XPREP_STACK];
+    const xprep_t x = xprep(xin, x_bf16, M, K, QB, 0, buf, sizeof buf);
+    int32_t stk[X32_STACK];
+    const int64_t nl = K / 4; /* lanes per input row: 16 per chunk of 64 codes */
+    int32_t *x32 = M * nl <= X32_STACK ? stk : (int32_t *)malloc(sizeof(int32_t) * M * nl);
+    for (int64_t m = 0; m < M; m++) {
+        const int8_t *q = x.xq + m * x.sq;
+        for (int64_t l = 0; l < nl; l++)
+            x32[m * nl + l] = -32 * (q[4 * l] + q[4 * l + 1] + q[4 * l + 2] + q[4 * l + 3]);
+    }
+#define Q6K_ROWS(n0, n1) q6k_q8_rows(W, &x, x32, x_bf16, y, M, N, K, n0, n1)
+    SPLIT_ROWS(N, K, Q6K_ROWS);
+#undef Q6K_ROWS
+    if (x32 != stk) free(x32);
     if (x.mem != buf) free(x.mem);
 }
 
