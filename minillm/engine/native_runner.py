@@ -42,15 +42,16 @@ from minillm.kernels.cpu import quant as native_quant
 
 NATIVE_CHOICES = ("auto", "native")  # the model kernel choices under which the fused step may run
 # The linear kinds (``_linear_kind``) the C table runs for each activation dtype, and its entry point for that dtype.
-TABLE_KINDS = {torch.float32: ("fp32", "int8", "int4", "w8a8"), torch.bfloat16: ("bf16",)}
+TABLE_KINDS = {torch.float32: ("fp32", "int8", "int4", "w8a8", "q6k"), torch.bfloat16: ("bf16",)}
 _STEP = {torch.float32: "decode_stack", torch.bfloat16: "decode_stack_bf16"}
 
 
 def _linear_kind(module) -> str | None:
-    """"fp32" / "bf16" / "int8" / "int4" / "w8a8" for a plain ``Linear`` (fp32 or bf16, its bias of its dtype),
-    ``QuantLinear`` or ``W8A8Linear`` on CPU the C table can point at (which activations run it: ``TABLE_KINDS``)."""
+    """"fp32" / "bf16" / "int8" / "int4" / "q6k" / "w8a8" for a plain ``Linear`` (fp32 or bf16, its bias of its
+    dtype), ``QuantLinear`` or ``W8A8Linear`` on CPU the C table can point at (which activations run it:
+    ``TABLE_KINDS``)."""
     from minillm.layers.linear import Linear, QuantLinear, W8A8Linear
-    from minillm.quant.weight import Int4Weight
+    from minillm.quant.weight import Int4Weight, Q6KWeight
 
     if type(module) is W8A8Linear:
         pw, b, s = module.packed_weight, module.bias, module.input_scale
@@ -65,11 +66,13 @@ def _linear_kind(module) -> str | None:
         return ("fp32" if w.dtype == torch.float32 else "bf16") if ok else None
     if type(module) is QuantLinear:
         pw = module.packed_weight
-        tensors = [getattr(pw, f) for f in ("packed", "scales", "mins", "qweight") if getattr(pw, f, None) is not None]
+        tensors = [getattr(pw, f) for f in ("packed", "scales", "mins", "qweight", "blocks")
+                   if getattr(pw, f, None) is not None]
         b = module.bias
         ok = all(t.device.type == "cpu" and t.is_contiguous() for t in tensors) \
             and (b is None or (b.dtype == torch.float32 and b.device.type == "cpu"))
-        return ("int4" if isinstance(pw, Int4Weight) else "int8") if ok else None
+        kind = "int4" if isinstance(pw, Int4Weight) else "q6k" if isinstance(pw, Q6KWeight) else "int8"
+        return kind if ok else None
     return None
 
 

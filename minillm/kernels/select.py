@@ -71,7 +71,7 @@ from minillm.kernels.cpu import quant as native_quant
 from minillm.kernels.cpu.prefill import tiled_prefill_attention
 from minillm.layers.rotary import apply_rope  # imports only the config: no cycle
 from minillm.quant.activation import fp8_linear_ref, fp8_linear_scaled_mm, w8a8_linear_int_mm, w8a8_linear_ref
-from minillm.quant.weight import Int4Weight, int4_linear_ref, int8_linear_ref
+from minillm.quant.weight import Int4Weight, Q6KWeight, int4_linear_ref, int8_linear_ref, q6k_linear_ref
 
 CHOICES = ("auto", "torch", "native", "triton", "compiled")
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -93,7 +93,7 @@ class KernelOps:
       (``window`` > 0: the query at position seq_lens - 1 sees only its last ``window`` keys and the first
       ``sinks``, as ``reference.kept_keys``; blocks holding none of them are not read)
     - ``int4_linear(x [..., K], w: Int4Weight [N, K], bias [N] | None) -> [..., N]`` and
-      ``int8_linear(x [..., K], w: Int8Weight [N, K], bias [N] | None) -> [..., N]``: weight-only quantized
+      ``int8_linear(x [..., K], w: Int8Weight | Q6KWeight [N, K], bias [N] | None) -> [..., N]``: weight-only quantized
       linears (``layers.linear.QuantLinear``); x's dtype is the one resolved for, the weight stays packed.
     - ``w8a8_linear(x [..., K], w: Int8Weight [N, K] per channel, input_scale 0-dim | None, bias [N] | None)
       -> [..., N]``: x rounded to int8 too (per token, or with the static ``input_scale``), an int8 × int8 -> int32
@@ -294,7 +294,17 @@ def _native_int4(x, w, bias=None):
     return int4_ref(x, w, bias)
 
 
+def int8_ref(x, w, bias=None):
+    """The int8_linear reference for any int8-coded weight: ``int8_linear_ref``, or for GGUF Q6_K blocks
+    (``Q6KWeight``: 6-bit codes, an int8 sub-scale per 16) ``q6k_linear_ref`` (the same on its expanded form)."""
+    return (q6k_linear_ref if isinstance(w, Q6KWeight) else int8_linear_ref)(x, w, bias)
+
+
 def _native_int8(x, w, bias=None):
+    if isinstance(w, Q6KWeight):  # the blocks as stored: decode rows in registers, prefill rows cache-blocked
+        if native_quant.supports(x, w):
+            return _add_bias(native_quant.q6k_linear(x, w), bias)
+        return q6k_linear_ref(x, w, bias)
     if native_quant.supports(x, w):
         return _add_bias(native_quant.int8_linear(x, w), bias)
     if int8_prefill_through_int8_activations(w) and native_quant.block_prefill_supports(x, w):
@@ -332,8 +342,8 @@ def _triton_int4(x, w, bias=None):
 
 
 def _triton_int8(x, w, bias=None):
-    if x.numel() // max(x.shape[-1], 1) > TRITON_GEMV_MAX_ROWS:
-        return int8_linear_ref(x, w, bias)
+    if x.numel() // max(x.shape[-1], 1) > TRITON_GEMV_MAX_ROWS or isinstance(w, Q6KWeight):
+        return int8_ref(x, w, bias)
     return _add_bias(_import("minillm.kernels.triton.dequant_gemv:int8_gemv_triton")(x, w), bias)
 
 
@@ -359,7 +369,7 @@ KERNELS: tuple[Kernel, ...] = (
     Kernel("int4_linear", "torch", int4_ref),
     Kernel("int4_linear", "native", _native_int4, **_NATIVE),
     Kernel("int4_linear", "triton", _triton_int4, **_TRITON),
-    Kernel("int8_linear", "torch", int8_linear_ref),
+    Kernel("int8_linear", "torch", int8_ref),
     Kernel("int8_linear", "native", _native_int8, **_NATIVE),
     Kernel("int8_linear", "triton", _triton_int8, **_TRITON),
     # W8A8 / FP8: the reference dequantizes both operands; the fast rows are integer / fp8 GEMMs: on CPU minillm's

@@ -19,9 +19,9 @@ from torch import Tensor, nn
 
 from minillm.kernels.select import KernelOps
 from minillm.quant.activation import Fp8Weight, check_w8a8_weight
-from minillm.quant.weight import Int4Weight, Int8Weight
+from minillm.quant.weight import Int4Weight, Int8Weight, Q6KWeight
 
-PackedWeight = Int4Weight | Int8Weight
+PackedWeight = Int4Weight | Int8Weight | Q6KWeight
 # a float buffer seen as same-width integers (see _PackedModule._apply); 1 byte: fp8 codes
 _INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
 
@@ -41,17 +41,19 @@ class Linear(nn.Module):
 
 class _PackedModule(nn.Module):
     """Holds one packed weight: its tensors are buffers (so ``.to(device)``, ``state_dict`` and ``load_state_dict``
-    see them) and ``packed_weight`` is the ``Int4Weight``/``Int8Weight`` over those same tensors."""
+    see them) and ``packed_weight`` is the ``Int4Weight``/``Int8Weight``/``Q6KWeight`` over those same tensors."""
 
     _kept: tuple[str, ...] = ()  # further buffers that keep their dtype through .to(dtype) (a static input scale)
 
     def __init__(self, weight: PackedWeight | Fp8Weight):
         super().__init__()
-        if not isinstance(weight, (Int4Weight, Int8Weight, Fp8Weight)):
-            raise TypeError(f"expected an Int4Weight, Int8Weight or Fp8Weight, got {type(weight).__name__}")
+        if not isinstance(weight, (Int4Weight, Int8Weight, Q6KWeight, Fp8Weight)):
+            raise TypeError(f"expected an Int4Weight, Int8Weight, Q6KWeight or Fp8Weight, got {type(weight).__name__}")
         self._kind = type(weight)
         self.group_size = weight.group_size
-        self._names = tuple(f.name for f in dataclasses.fields(weight) if f.name != "group_size")
+        fields = [f.name for f in dataclasses.fields(weight)]
+        self._grouped = "group_size" in fields  # a constructor argument (Q6K's groups of 16 are its format's)
+        self._names = tuple(n for n in fields if n != "group_size")
         for name in self._names:
             self.register_buffer(name, getattr(weight, name))
         self._rebuild()
@@ -62,7 +64,11 @@ class _PackedModule(nn.Module):
         return self._packed
 
     def _rebuild(self) -> None:
-        self._packed = self._kind(**{n: getattr(self, n) for n in self._names}, group_size=self.group_size)
+        self._packed = self._make({n: getattr(self, n) for n in self._names})
+
+    def _make(self, tensors: dict[str, Tensor | None]):
+        """A packed weight of this module's kind over ``tensors`` (its fields by name)."""
+        return self._kind(**tensors, **({"group_size": self.group_size} if self._grouped else {}))
 
     def _apply(self, fn, recurse=True):
         # The packed format fixes its storage dtypes (Q4_1 keeps fp16 d and m), so a model-wide .to(bfloat16)
@@ -88,9 +94,10 @@ class _PackedModule(nn.Module):
 
 
 class QuantLinear(_PackedModule):
-    """y = x @ dequant(W).T + bias with W stored packed (``Int4Weight`` or ``Int8Weight``; no float copy is kept or
-    rebuilt here: the kernel dequantizes in registers, the reference per call).  Computed by ``ops.int4_linear`` or
-    ``ops.int8_linear`` (``kernels.select`` picks native C on CPU, Triton on CUDA, else the reference)."""
+    """y = x @ dequant(W).T + bias with W stored packed (``Int4Weight``, or ``Int8Weight`` / GGUF Q6_K blocks
+    ``Q6KWeight``, int8-coded; no float copy is kept or rebuilt here: the kernel dequantizes in registers, the
+    reference per call).  Computed by ``ops.int4_linear`` or ``ops.int8_linear`` (``kernels.select`` picks native C
+    on CPU, Triton on CUDA, else the reference)."""
 
     def __init__(self, weight: PackedWeight, bias: Tensor | None = None):
         super().__init__(weight)
@@ -165,8 +172,8 @@ class QuantEmbedding(_PackedModule):
     def forward(self, input_ids: Tensor) -> Tensor:
         """input_ids [...] int -> [..., hidden] in ``self.dtype``."""
         flat = input_ids.reshape(-1)
-        rows = self._kind(**{n: None if (t := getattr(self, n)) is None else t[flat] for n in self._names},
-                          group_size=self.group_size)  # a symmetric Int4Weight has no mins
+        # a symmetric Int4Weight has no mins; a Q6K row is its row of super-blocks
+        rows = self._make({n: None if (t := getattr(self, n)) is None else t[flat] for n in self._names})
         return rows.dequantize(self.dtype).view(*input_ids.shape, self.embedding_dim)
 
     def extra_repr(self) -> str:

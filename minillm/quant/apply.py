@@ -29,6 +29,7 @@ from minillm.quant.weight import (
     INT4_GROUP_SIZES,
     Int4Weight,
     Int8Weight,
+    Q6KWeight,
     fit_group_size,
     quantize_int4,
     quantize_int8,
@@ -63,7 +64,12 @@ def cat_rows(weights: list[PackedWeight]) -> PackedWeight:
     (``Int4Weight.with_mins``: the same values).  Mixed fp16/fp32 scales stack as fp32 (exact), as do K records
     beside another form; K records beside K records stack as they are (a record belongs to one row).  Int4 groups of 32
     beside int8 ones (a Q4_K_M file's Q6_K attn_v beside Q4_K q/k) stack as int8: the int4 parts re-quantized to
-    Q8_0 blocks (``quantize_q8_0``: each weight moves by at most half an 8-bit step, well under its 4-bit one)."""
+    Q8_0 blocks (``quantize_q8_0``: each weight moves by at most half an 8-bit step, well under its 4-bit one).
+    GGUF Q6_K blocks (``Q6KWeight``) stack as they are beside each other, and beside other types as Q8_0 blocks (the
+    same re-quantization, well under their 6-bit step)."""
+    if all(isinstance(w, Q6KWeight) for w in weights):
+        return Q6KWeight(torch.cat([w.blocks for w in weights]))
+    weights = [quantize_q8_0(w.dequantize()) if isinstance(w, Q6KWeight) else w for w in weights]
     if any(isinstance(w, Int4Weight) and w.mins is None for w in weights) \
             and not all(isinstance(w, Int4Weight) and w.mins is None for w in weights):
         weights = [w.with_mins() if isinstance(w, Int4Weight) else w for w in weights]

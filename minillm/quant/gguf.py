@@ -23,10 +23,12 @@ into the same two forms at load, so they run on the int4/int8 kernels instead of
   — so every reader computes d · sc and −dmin · mn in fp32 as gguf does: exact, 4.625 bits a weight against the
   file's 4.5.
 - Q5_0 (fp16 d, 5-bit codes, w = d · (q − 16)) -> ``Int8Weight`` group 32 with codes q − 16: exact.
-- Q6_K, Q5_K, Q5_1 -> ``Int8Weight`` group 32 (Q8_0's blocks) re-quantized from gguf's exact fp32 dequantization:
+- Q6_K -> ``Q6KWeight``: the super-blocks as the file has them (6.5625 bits a weight), read by their own kernels
+  (``kernels/cpu/quant.py``'s ``q6k_linear``; elsewhere its expanded ``Int8Weight`` of group 16): exact.  Stacked
+  beside another type (a Q4_K_M layer's Q6_K attn_v beside Q4_K q/k) it becomes Q8_0 blocks, as below.
+- Q5_K, Q5_1 -> ``Int8Weight`` group 32 (Q8_0's blocks) re-quantized from gguf's exact fp32 dequantization:
   d = max|w| / 127 in fp16, codes rounded against that d, so each weight moves by at most half an 8-bit step
-  (1/254 of its block's largest) — a quarter or less of the file's own 6-bit step.  8.5 bits a weight against
-  Q6_K's 6.56.
+  (1/254 of its block's largest) — a quarter or less of the file's own 5-bit step.
 Lower-bit K-quants (Q2_K, Q3_K) and the IQ types are refused with the fix (convert, or load the original).
 """
 
@@ -161,13 +163,15 @@ def q5_0_to_int8(raw: np.ndarray, N: int, K: int) -> Int8Weight:
 
 
 def _requantized(raw: np.ndarray, N: int, K: int, kind) -> Int8Weight:
-    """Q6_K / Q5_K / Q5_1 bytes -> gguf's exact fp32 dequantization -> Q8_0 blocks (``quantize_q8_0``)."""
+    """Q5_K / Q5_1 bytes -> gguf's exact fp32 dequantization -> Q8_0 blocks (``quantize_q8_0``)."""
     from gguf.quants import dequantize
 
     return quantize_q8_0(torch.from_numpy(np.asarray(dequantize(raw, kind), dtype=np.float32)).reshape(N, K))
 
 
-def _permute_rows(w: Tensor | Int4Weight | Int8Weight, index: Tensor):
+def _permute_rows(w: Tensor | Int4Weight | Int8Weight | Q6KWeight, index: Tensor):
+    if isinstance(w, Q6KWeight):
+        return Q6KWeight(w.blocks[index].contiguous())
     if isinstance(w, Int4Weight):
         mins = None if w.mins is None else w.mins[index].contiguous()
         return Int4Weight(w.packed[index].contiguous(), w.scales[index].contiguous(), mins, w.group_size)
@@ -176,10 +180,11 @@ def _permute_rows(w: Tensor | Int4Weight | Int8Weight, index: Tensor):
     return w[index].contiguous()
 
 
-def read_gguf_weights(path: str | os.PathLike, unpermute: bool = True) -> dict[str, Tensor | Int4Weight | Int8Weight]:
+def read_gguf_weights(path: str | os.PathLike,
+                      unpermute: bool = True) -> dict[str, Tensor | Int4Weight | Int8Weight | Q6KWeight]:
     """Every tensor of a Llama-family GGUF under its Hugging Face name: Q4_1, Q4_0 (symmetric, no mins) and Q4_K as
-    ``Int4Weight``, Q8_0, Q5_0 and (re-quantized) Q6_K/Q5_K/Q5_1 as ``Int8Weight``, F32/F16/BF16 as tensors.  With
-    ``unpermute`` q_proj/k_proj rows are in Hugging Face order."""
+    ``Int4Weight``, Q6_K as ``Q6KWeight``, Q8_0, Q5_0 and (re-quantized) Q5_K/Q5_1 as ``Int8Weight``, F32/F16/BF16 as
+    tensors.  With ``unpermute`` q_proj/k_proj rows are in Hugging Face order."""
     from gguf import GGMLQuantizationType as T
     from gguf import GGUFReader
 
@@ -187,7 +192,7 @@ def read_gguf_weights(path: str | os.PathLike, unpermute: bool = True) -> dict[s
     n_head = int(reader.fields["llama.attention.head_count"].parts[-1][0])
     kv_field = reader.fields.get("llama.attention.head_count_kv")
     n_kv = int(kv_field.parts[-1][0]) if kv_field is not None else n_head
-    out: dict[str, Tensor | Int4Weight | Int8Weight] = {}
+    out: dict[str, Tensor | Int4Weight | Int8Weight | Q6KWeight] = {}
     for t in reader.tensors:
         name = hf_name(t.name)
         kind = t.tensor_type
@@ -201,7 +206,9 @@ def read_gguf_weights(path: str | os.PathLike, unpermute: bool = True) -> dict[s
             w = q4_k_to_int4(*_rows(t))
         elif kind == T.Q5_0:
             w = q5_0_to_int8(*_rows(t))
-        elif kind in (T.Q6_K, T.Q5_K, T.Q5_1):
+        elif kind == T.Q6_K:
+            w = q6_k_blocks(*_rows(t))
+        elif kind in (T.Q5_K, T.Q5_1):
             w = _requantized(*_rows(t), kind)
         elif kind in (T.F32, T.F16):
             w = torch.from_numpy(np.array(t.data)).reshape([int(s) for s in reversed(t.shape)])

@@ -381,6 +381,11 @@ class Q6KWeight:
         """Bytes stored (210 per 256 weights): what a GEMV streams from memory."""
         return self.blocks.nbytes
 
+    @property
+    def group_size(self) -> int:
+        """Weights per scale (d · sc per 16): the format's, not a choice."""
+        return Q6K_GROUP
+
     def codes(self) -> Tensor:
         """q int8 [N, K] in −32..31, in weight order.  Cost: one pass over the 192 code bytes per 256 weights."""
         N, K = self.shape

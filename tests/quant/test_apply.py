@@ -81,7 +81,7 @@ def test_quant_linear_keeps_its_packed_dtypes_through_a_model_dtype_change_and_r
 
 
 def test_quant_linear_rejects_a_float_weight_and_a_bias_of_the_wrong_size():
-    with pytest.raises(TypeError, match="Int4Weight, Int8Weight or Fp8Weight"):
+    with pytest.raises(TypeError, match="Int4Weight, Int8Weight, Q6KWeight or Fp8Weight"):
         QuantLinear(torch.randn(4, 32))
     with pytest.raises(ValueError, match=r"bias must be \[4\]"):
         QuantLinear(quantize_int4(torch.randn(4, 32)), torch.zeros(5))

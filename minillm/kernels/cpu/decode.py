@@ -25,7 +25,7 @@ MAX_ROWS = 32  # rows per call: native.c's GEMV tiles and the engine's decode ba
 _CSRC = Path(__file__).parent / "csrc"
 _SRC = _CSRC / "decode.c"
 _INCLUDED = ("quant.c", "native.c")  # decode.c #includes these: part of the cache key
-_KINDS = {"fp32": 0, "int8": 1, "int4": 2, "w8a8": 3, "bf16": 4}
+_KINDS = {"fp32": 0, "int8": 1, "int4": 2, "w8a8": 3, "bf16": 4, "q6k": 5}
 
 i64, vp = ctypes.c_int64, ctypes.c_void_p
 
@@ -90,14 +90,14 @@ def available() -> bool:
 
 def weight_struct(w, bias: Tensor | None, keep: list[Tensor], *, w8a8: bool = False,
                   input_scale: Tensor | None = None) -> LinearT:
-    """The ``linear_t`` of a weight: an fp32 or bf16 [N, K] tensor, an ``Int8Weight`` or an ``Int4Weight``
+    """The ``linear_t`` of a weight: an fp32 or bf16 [N, K] tensor, an ``Int8Weight``, ``Int4Weight`` or ``Q6KWeight``
     (contiguous, on CPU), and an optional bias [N] (bf16 with a bf16 weight, else fp32); the tensors it points at are
     appended to ``keep``.  A bf16 weight is for ``decode_stack_bf16`` only (bf16 activations), every other kind for
     ``decode_stack`` and ``linear_stack`` (fp32 activations).  ``w8a8``: a per-channel
     ``Int8Weight`` whose activations are rounded to int8 too (``layers.linear.W8A8Linear``), per token, or with
     ``input_scale`` (a 0-dim fp32 tensor: the static scale), which the struct carries in its ``mins`` slot."""
     from minillm.kernels.cpu.quant import scale_format
-    from minillm.quant.weight import Int4Weight, Int8Weight
+    from minillm.quant.weight import Int4Weight, Int8Weight, Q6KWeight
 
     if w8a8:
         if not isinstance(w, Int8Weight) or w.group_size != w.shape[1]:
@@ -113,10 +113,12 @@ def weight_struct(w, bias: Tensor | None, keep: list[Tensor], *, w8a8: bool = Fa
             raise ValueError(f"a dense weight must be fp32 or bf16, got {w.dtype}")
         kind, (N, K) = "fp32" if w.dtype == torch.float32 else "bf16", w.shape
         tensors, G, fmt = (w.detach(), None, None), K, 0  # dense: no scales
+    elif isinstance(w, Q6KWeight):  # the super-blocks hold their scales
+        kind, (N, K), tensors, G, fmt = "q6k", w.shape, (w.blocks, None, None), w.group_size, 0
     else:
         kind = "int4" if isinstance(w, Int4Weight) else "int8" if isinstance(w, Int8Weight) else None
         if kind is None:
-            raise ValueError(f"not an fp32/bf16 tensor, Int8Weight or Int4Weight: {type(w).__name__}")
+            raise ValueError(f"not an fp32/bf16 tensor, Int8Weight, Int4Weight or Q6KWeight: {type(w).__name__}")
         N, K = w.shape
         tensors = (w.packed, w.scales, w.mins) if kind == "int4" else (w.qweight, w.scales, None)
         G, fmt = w.group_size, scale_format(w)

@@ -24,12 +24,13 @@
 #include "quant.c"
 #include "native.c"
 
-enum { LIN_F32 = 0, LIN_INT8 = 1, LIN_INT4 = 2, LIN_W8A8 = 3, LIN_BF16 = 4 };
+enum { LIN_F32 = 0, LIN_INT8 = 1, LIN_INT4 = 2, LIN_W8A8 = 3, LIN_BF16 = 4, LIN_Q6K = 5 };
 
 /* One linear layer y [M, N] = x [M, K] @ W^T (+ bias): fp32 W [N, K]; int8 codes [N, K] with scales [N, K/G];
  * Q4_1 packed [N, K/2] with scales and mins in scale format scale_fmt (quant.c SF_*), or Q4_0 with mins NULL
  * (quant.c q4_min); W8A8: int8 codes [N, K] with per-channel scales [N] (G = K) and, in place of mins, the static
- * input scale (one fp32) or NULL (dynamic, per token: quant.c w8a8_gemm); bf16 W [N, K].  bias [N] in the
+ * input scale (one fp32) or NULL (dynamic, per token: quant.c w8a8_gemm); GGUF Q6_K super-blocks [N, K/256, 210]
+ * (quant.c q6k_gemm_q8: their scales are inside them; scales, mins NULL); bf16 W [N, K].  bias [N] in the
  * activation dtype (fp32, or bf16 with a bf16 W) or NULL.  fp32 activations take every kind but LIN_BF16; bf16
  * activations LIN_BF16 only (the caller checks). */
 typedef struct {
@@ -60,6 +61,8 @@ static void linear_run_f32(const linear_t *l, const float *x, float *y, int64_t 
     }
     if (l->kind == LIN_W8A8) {
         w8a8_gemm((const int8_t *)l->w, l->scales, (int)l->scale_fmt, (const float *)l->mins, x, y, M, l->N, l->K);
+    } else if (l->kind == LIN_Q6K) {
+        q6k_gemm_q8((const uint8_t *)l->w, x, 0, y, M, l->N, l->K);
     } else if (l->kind == LIN_INT8) {
         if (l->K % QB || l->G % QB)
             q8_gemm((const int8_t *)l->w, l->scales, (int)l->scale_fmt, x, 0, y, M, l->N, l->K, l->G);
@@ -132,9 +135,9 @@ void linear_stack(const linear_t *lins, int64_t n, const float *const *xs, float
 #pragma omp barrier
             const int64_t q = (l->N + 3) / 4; /* 4-row tiles */
             const int64_t n0 = q * t / T * 4, n1 = q * (t + 1) / T * 4;
-            if (l->kind != LIN_F32 && l->kind != LIN_W8A8)
+            if (l->kind != LIN_F32 && l->kind != LIN_W8A8 && l->kind != LIN_Q6K)
                 linear_rows(l, &xp, xs[i], ys[i], M, n0 < l->N ? n0 : l->N, n1 < l->N ? n1 : l->N);
-            else if (t == 0) /* no row-range fp32 / W8A8 GEMM here: theirs open a region, one thread inside a team */
+            else if (t == 0) /* no row-range fp32 / W8A8 / Q6_K GEMM here: theirs open a region, one thread inside */
                 linear_run_f32(l, xs[i], ys[i], M);
 #pragma omp barrier
         }
@@ -146,8 +149,12 @@ void linear_stack(const linear_t *lins, int64_t n, const float *const *xs, float
 static void linear_row_bytes(const linear_t *l, int64_t out[3]) {
     const int64_t ng = l->G ? l->K / l->G : 0, sb = ng ? scale_byte((int)l->scale_fmt, ng) : 0; /* a row's */
     const int dense = l->kind == LIN_F32 || l->kind == LIN_BF16;
-    out[0] = l->kind == LIN_F32 ? 4 * l->K : l->kind == LIN_BF16 ? 2 * l->K : l->kind == LIN_INT4 ? l->K / 2 : l->K;
-    out[1] = dense ? 0 : sb;
+    out[0] = l->kind == LIN_F32  ? 4 * l->K
+             : l->kind == LIN_BF16 ? 2 * l->K
+             : l->kind == LIN_INT4 ? l->K / 2
+             : l->kind == LIN_Q6K  ? l->K / 256 * 210 /* scales inside the blocks */
+                                   : l->K;
+    out[1] = dense || l->kind == LIN_Q6K ? 0 : sb;
     out[2] = l->kind == LIN_INT4 && l->mins ? sb : 0; /* Q4_0 stores no mins */
 }
 
