@@ -319,7 +319,7 @@ static int check_q8(uint64_t *s, int64_t M, int64_t N, int64_t K, int64_t G, int
 /* GGUF Q6_K blocks (q6k_gemm_q8): random ql, qh and sub-scale bytes, a signed fp16 d per 256 weights, dequantized
  * here from gguf's layout (weight i of half h: ql byte 64h + i % 64, low nibble below 64; qh byte 32h + i % 32, bits
  * 2 (i / 32)), x rounded as q8_activation_ref; and the rows of one call equal each row alone (batch 1 takes 4 weight
- * rows at a time, more input rows the tiles). */
+ * rows at a time, past 8 input rows weight rows unpacked per L2 block). */
 static int check_q6k(uint64_t *s, int64_t M, int64_t N, int64_t K) {
     const int64_t nsb = N * K / 256;
     uint8_t *W = malloc(nsb * 210);
@@ -634,6 +634,7 @@ int main(void) {
     bad |= check_q6k(&s, 3, 9, 512);
     bad |= check_q6k(&s, 9, 5, 256);
     bad |= check_q6k(&s, 1, 514, 768);
+    bad |= check_q6k(&s, 20, 701, 256); /* past one tile: weight rows unpacked in 2 L2 blocks (614 + 87) */
     /* W8A8: 4x4 tiles with row and column tails, K with a partial 64-byte chunk (96, 100), K in whole chunks,
      * M = 70 past the parallel rounding's threshold, 512 x 576 weights split over the threads. */
     bad |= check_w8a8(&s, 1, 7, 96, 0, 0.f);

@@ -1145,7 +1145,26 @@ void q8_gemm_q8(const int8_t *restrict W, const void *scales, int scale_fmt, con
     if (x.mem != buf) free(x.mem);
 }
 
-/* ---------------------------------------------------------------- Q6_K weights x int8 activations (decode) */
+/* A per-thread scratch buffer for weight rows repacked per L2 block (q6k_q8_rows' unpacked rows, a8_rows_panel's
+ * panels): one per thread that has asked for one, reused by its later calls and never freed.  It is bounded: it
+ * only grows to the largest block asked for, and each caller sizes its blocks to about L2_BLOCK bytes (at least a few
+ * rows of the widest K seen); the threads that hold one are the OpenMP team and the callers, which normally live as
+ * long as the process (a thread that ends leaves its one buffer behind).  Kept rather than allocated per call: a
+ * buffer this size comes from mmap, and an mmap, its page faults and a munmap on every GEMM would be pure overhead.
+ * NULL when the allocation fails (the caller falls back to a path without it). */
+static __thread void *block_sbuf;
+static __thread size_t block_scap;
+
+static void *block_buf(size_t bytes) {
+    if (bytes > block_scap) {
+        free(block_sbuf);
+        block_sbuf = aligned_alloc(64, (bytes + 63) / 64 * 64);
+        block_scap = block_sbuf ? bytes : 0;
+    }
+    return block_sbuf;
+}
+
+/* ---------------------------------------------------------------- Q6_K weights x int8 activations (any M) */
 
 /* GGUF Q6_K as the file stores it (minillm/quant/weight.py Q6KWeight): per row and 256 weights a 210-byte
  * super-block, ql 128 bytes (low 4 bits), qh 64 (high 2 bits), 16 int8 sub-scales sc (one per 16 weights), fp16 d;
@@ -1262,15 +1281,41 @@ INLINE vf q6_scales(const uint8_t *blk) {
 }
 #endif
 
+/* Many input rows (prefill) re-read every weight row once per tile of QTILE input rows; unpacking its 6-bit codes
+ * each time would cost as much as the products.  So past one tile (q6k_q8_rows) the weight rows are taken in
+ * blocks of about L2_BLOCK bytes, each row unpacked once per call into Q6U_BYTES(K) bytes of a per-thread buffer
+ * (block_buf): its u codes in chunk order (K bytes, 64 per chunk: exactly the vectors q6_u_lo / q6_u_hi return),
+ * then its 16 scales d * sc per super-block (K / 16 floats, q6_scales' vectors).  Every tile of input rows then runs
+ * over the block with the same row kernel reading those vectors instead of making them: the same integers, the same
+ * fp32 operations in the same order, so on the SIMD builds a row's bits are the decode kernel's (the portable C
+ * build compiles the two forms separately and may sum a row's 16 lanes in another order under -ffast-math). */
+#define Q6U_BYTES(K) ((K) + (K) / 16 * (int64_t)sizeof(float))
+
+/* Row w (Q6K_BYTES per super-block) -> u [K] then sd [K / 16] at dst (Q6U_BYTES(K) bytes, 64-aligned). */
+static void q6k_unpack_row(const uint8_t *restrict w, int64_t K, uint8_t *restrict dst) {
+    float *sd = (float *)(dst + K);
+    for (int64_t s = 0; s < K / QK_K; s++) {
+        const uint8_t *restrict blk = w + s * Q6K_BYTES;
+        const vb ql0 = vb_load(blk), ql1 = vb_load(blk + CHUNK);
+        const vb h0 = q6_h(blk + 2 * CHUNK), h1 = q6_h(blk + 2 * CHUNK + 32);
+        const vb u[4] = {q6_u_lo(ql0, h0), q6_u_hi(ql0, h0), q6_u_lo(ql1, h1), q6_u_hi(ql1, h1)};
+        const vf sc = q6_scales(blk);
+        memcpy(dst + s * 4 * CHUNK, u, sizeof u);
+        memcpy(sd + s * 16, &sc, sizeof sc);
+    }
+}
+
 /* One Q6_K weight row against R input rows (tile m0): per super-block its 16 scales once, then its 4 chunks of 64
- * weights, even chunks into a0 and odd into a1 (two FMA chains), the same order at every R. */
+ * weights, even chunks into a0 and odd into a1 (two FMA chains), the same order at every R.  UNP (a compile-time 0
+ * or 1): w is the row as stored (0) or as q6k_unpack_row left it (1). */
 INLINE void q6k_q8_row(const uint8_t *restrict w, const xprep_t *x, const int32_t *restrict x32, int64_t m0,
-                       float *restrict out, int64_t K, const int R) {
+                       float *restrict out, int64_t K, const int R, const int UNP) {
     vf a0[QTILE], a1[QTILE];
     for (int m = 0; m < R; m++) a0[m] = vf_zero(), a1[m] = vf_zero();
     for (int64_t s = 0; s < K / QK_K; s++) {
         const uint8_t *restrict blk = w + s * Q6K_BYTES;
-        const vf sd = vf_pin(q6_scales(blk));
+        const uint8_t *restrict uc = w + s * 4 * CHUNK; /* UNP: the super-block's 4 chunks of u */
+        const vf sd = vf_pin(UNP ? vf_load((const float *)(w + K) + s * 16) : q6_scales(blk));
         /* chunk C (0..3) of the super-block: half C / 2, its ql's low (C even) or high nibbles */
 #define Q6_CHUNK(ACC, U, C)                                                                                    \
     do {                                                                                                       \
@@ -1282,12 +1327,19 @@ INLINE void q6k_q8_row(const uint8_t *restrict w, const xprep_t *x, const int32_
             ACC[m] = vf_fma(vf_cvt(d_), vf_mul(sw_, vf_load(x->dxl + (m0 + m) * x->sl + c_ * 16)), ACC[m]);    \
         }                                                                                                      \
     } while (0)
-        const vb ql0 = vb_load(blk), ql1 = vb_load(blk + CHUNK);
-        const vb h0 = q6_h(blk + 2 * CHUNK), h1 = q6_h(blk + 2 * CHUNK + 32);
-        Q6_CHUNK(a0, q6_u_lo(ql0, h0), 0);
-        Q6_CHUNK(a1, q6_u_hi(ql0, h0), 1);
-        Q6_CHUNK(a0, q6_u_lo(ql1, h1), 2);
-        Q6_CHUNK(a1, q6_u_hi(ql1, h1), 3);
+        if (UNP) {
+            Q6_CHUNK(a0, vb_load(uc), 0);
+            Q6_CHUNK(a1, vb_load(uc + CHUNK), 1);
+            Q6_CHUNK(a0, vb_load(uc + 2 * CHUNK), 2);
+            Q6_CHUNK(a1, vb_load(uc + 3 * CHUNK), 3);
+        } else {
+            const vb ql0 = vb_load(blk), ql1 = vb_load(blk + CHUNK);
+            const vb h0 = q6_h(blk + 2 * CHUNK), h1 = q6_h(blk + 2 * CHUNK + 32);
+            Q6_CHUNK(a0, q6_u_lo(ql0, h0), 0);
+            Q6_CHUNK(a1, q6_u_hi(ql0, h0), 1);
+            Q6_CHUNK(a0, q6_u_lo(ql1, h1), 2);
+            Q6_CHUNK(a1, q6_u_hi(ql1, h1), 3);
+        }
 #undef Q6_CHUNK
     }
     for (int m = 0; m < R; m++) out[m] = vf_sum(vf_pin(vf_add(a0[m], a1[m]))); /* pinned: the sum as q6k_q8_row4's */
@@ -1342,15 +1394,37 @@ static void q6k_q8_rows(const uint8_t *restrict W, const xprep_t *x, const int32
             q6k_q8_row4(W + n * rowb, x, x32, out, K);
             for (int r = 0; r < 4; r++) store_y(y, x_bf16, n + r, out[r]);
         }
-    for (; n < n1; n++)
-        for (int64_t m0 = 0; m0 < M; m0 += QTILE) { /* more than QTILE rows: tiles over the (L1-resident) row */
-            float out[QTILE];
-            const int64_t mr = M - m0 < QTILE ? M - m0 : QTILE;
-#define Q6K_Q8(R) q6k_q8_row(W + n * rowb, x, x32, m0, out, K, R)
-            TILE_Q8(mr, Q6K_Q8)
-#undef Q6K_Q8
-            for (int64_t m = 0; m < mr; m++) store_y(y, x_bf16, (m0 + m) * N + n, out[m]);
+    /* Past one tile of input rows: blocks of nb weight rows, each row unpacked once (the comment above
+     * q6k_unpack_row), every tile over the block before the next; the tile's activations stay in cache across the
+     * block's rows.  Without the buffer (allocation failed), the stored rows as at decode: the same bits. */
+    const int64_t ub = Q6U_BYTES(K);
+    const int64_t nb = L2_BLOCK / ub > 4 ? L2_BLOCK / ub : 4;
+    uint8_t *buf = M > QTILE && n < n1 ? (uint8_t *)block_buf((size_t)(nb * ub)) : NULL;
+    if (buf)
+        for (int64_t b0 = n; b0 < n1; b0 += nb) {
+            const int64_t b1 = b0 + nb < n1 ? b0 + nb : n1;
+            for (int64_t r = b0; r < b1; r++) q6k_unpack_row(W + r * rowb, K, buf + (r - b0) * ub);
+            for (int64_t m0 = 0; m0 < M; m0 += QTILE) {
+                const int64_t mr = M - m0 < QTILE ? M - m0 : QTILE;
+                for (int64_t r = b0; r < b1; r++) {
+                    float out[QTILE];
+#define Q6K_Q8U(R) q6k_q8_row(buf + (r - b0) * ub, x, x32, m0, out, K, R, 1)
+                    TILE_Q8(mr, Q6K_Q8U)
+#undef Q6K_Q8U
+                    for (int64_t m = 0; m < mr; m++) store_y(y, x_bf16, (m0 + m) * N + r, out[m]);
+                }
+            }
         }
+    else
+        for (; n < n1; n++)
+            for (int64_t m0 = 0; m0 < M; m0 += QTILE) { /* tiles over the (L1-resident) row */
+                float out[QTILE];
+                const int64_t mr = M - m0 < QTILE ? M - m0 : QTILE;
+#define Q6K_Q8(R) q6k_q8_row(W + n * rowb, x, x32, m0, out, K, R, 0)
+                TILE_Q8(mr, Q6K_Q8)
+#undef Q6K_Q8
+                for (int64_t m = 0; m < mr; m++) store_y(y, x_bf16, (m0 + m) * N + n, out[m]);
+            }
 }
 
 #define X32_STACK 2048 /* lanes of x32 kept on the stack (M = 1, K = 8192) */
@@ -1623,24 +1697,6 @@ static void a8_rows(const int8_t *restrict W, const void *scales, int scale_fmt,
 #define A8P_NP 2
 #endif
 
-/* The panel buffer: one per thread that has run the panel path, reused by its later calls and never freed.  It is
- * bounded: it only grows to the largest block asked for, and a block is nb * kp bytes with nb = max(16, L2_BLOCK /
- * kp rounded down to 16 rows), so at most max(L2_BLOCK, 16 * kp) bytes (192 KiB, or 16 rows of the widest K seen);
- * the threads that hold one are the OpenMP team and the callers, which normally live as long as the process (a
- * thread that ends leaves its one buffer behind).  Kept rather than allocated per call: a buffer this size comes
- * from mmap, and an mmap, its page faults and a munmap on every GEMM would be pure overhead. */
-static __thread int8_t *a8_pbuf;
-static __thread size_t a8_pcap;
-
-static int8_t *a8_panel_buf(size_t bytes) {
-    if (bytes > a8_pcap) {
-        free(a8_pbuf);
-        a8_pbuf = (int8_t *)aligned_alloc(64, (bytes + 63) / 64 * 64);
-        a8_pcap = a8_pbuf ? bytes : 0;
-    }
-    return a8_pbuf;
-}
-
 /* Rows r0..r1 (r1 - r0 <= 16; missing rows are zeros) of W [., K] -> one panel: kp / 4 vectors of 16 lanes x 4 bytes,
  * each byte + 128.  K's tail past the last whole 64 bytes is read masked (padding: 128, met by zero activations). */
 static void a8_pack_panel(const int8_t *restrict W, int64_t K, int64_t kp, int64_t r0, int64_t r1,
@@ -1728,7 +1784,7 @@ static int a8_rows_panel(const int8_t *restrict W, const void *scales, int scale
     const int64_t kp = a->kp;
     int64_t nb = L2_BLOCK / kp / 16 * 16;
     nb = nb < 16 ? 16 : nb;
-    int8_t *buf = a8_panel_buf((size_t)nb * kp);
+    int8_t *buf = (int8_t *)block_buf((size_t)nb * kp); /* nb = max(16, L2_BLOCK / kp rounded down to 16 rows) */
     if (!buf) return 0;
     for (int64_t b0 = n0; b0 < n1; b0 += nb) {
         const int64_t b1 = b0 + nb < n1 ? b0 + nb : n1;
