@@ -202,10 +202,11 @@ def test_q6k_gemv_refuses_a_wrong_k_and_a_wrong_dtype_naming_them():
         native_quant.q6k_linear(torch.randn(9, 256, dtype=torch.float64), w)
 
 
-# Past 8 rows (prefill) csrc/quant.c q6k_q8_rows takes the weight rows in blocks of L2_BLOCK / Q6U_BYTES(K) rows
-# (K = 256: 614, K = 2048: 76), unpacked once per call.  N · K < 2¹⁸ keeps every row in one thread's range whatever
-# the OpenMP team, so these N span 2 blocks (K = 256: 614 + 87, K = 2048: 76 + 25): a block that starts, ends or is
-# unpacked at the wrong row moves rows of the second block.
+# Past 8 rows (prefill) csrc/quant.c runs the AVX-512 VNNI builds' register tiles (pf_tile_q6: panels of 32 weight
+# rows, 4 input rows a tile; N off both) and elsewhere q6k_q8_rows, which takes the weight rows in blocks of
+# L2_BLOCK / Q6U_BYTES(K) rows (K = 256: 614, K = 2048: 76), unpacked once per call.  N · K < 2¹⁸ keeps every row
+# in one thread's range whatever the OpenMP team, so these N span 2 blocks (K = 256: 614 + 87, K = 2048: 76 + 25): a
+# block that starts, ends or is unpacked at the wrong row moves rows of the second block.
 PREFILL_N = {256: 701, 2048: 101}
 
 
@@ -215,8 +216,8 @@ PREFILL_N = {256: 701, 2048: 101}
 @pytest.mark.parametrize("M", [9, 33, 300])
 def test_q6k_gemm_past_one_tile_equals_the_reference_and_each_rows_own_result(M, K, target):
     """Many rows (M not a multiple of the 8-row tile, N across weight-row blocks and off the 4-row split): against the
-    reference on the rounded activations; each row the same bits as that row alone (the decode kernel's); bf16 x
-    the same codes, so its result is the fp32 result of x.float() rounded once."""
+    reference on the rounded activations; where no register tiles are built, each row the same bits as that row
+    alone (the decode kernel's); bf16 x the same codes, so its result is the fp32 result of x.float() rounded once."""
     _target_or_skip(target)
     N = PREFILL_N[K]
     w = q6_k_weight(N, K, seed=M + K)
@@ -224,7 +225,11 @@ def test_q6k_gemm_past_one_tile_equals_the_reference_and_each_rows_own_result(M,
     got = native_quant.q6k_linear(x, w, target=target)
     _assert_sum_close(got, q6k_linear_ref(native_quant.q8_activation_ref(x), w), x, w.dequantize())
     for m in sorted({0, 7, 8, M // 2, M - 1}):
-        assert torch.equal(native_quant.q6k_linear(x[m:m + 1], w, target=target), got[m:m + 1]), m
+        alone = native_quant.q6k_linear(x[m:m + 1], w, target=target)
+        if native_quant.prefill_tiled(target):  # another summation order than the decode kernel's
+            _assert_sum_close(alone, got[m:m + 1], x[m:m + 1], w.dequantize())
+        else:
+            assert torch.equal(alone, got[m:m + 1]), m
     xb = x.bfloat16()
     got_b = native_quant.q6k_linear(xb, w, target=target)
     assert got_b.dtype == torch.bfloat16
@@ -233,8 +238,8 @@ def test_q6k_gemm_past_one_tile_equals_the_reference_and_each_rows_own_result(M,
 
 @native
 def test_q6k_gemm_past_one_tile_splits_rows_over_the_threads_like_one_thread():
-    """N · K ≥ 2¹⁸: the rows split over the OpenMP team (where it has more than one thread) in ranges that end
-    mid-block; every row still its own 1-row bits and the reference's value."""
+    """N · K ≥ 2¹⁸: the rows (panels) split over the OpenMP team (where it has more than one thread) in ranges that
+    end mid-block; every row the reference's value, and the same bits as in a call of the same path alone."""
     N, K, M = 1301, 256, 20
     w = q6_k_weight(N, K, seed=11)
     x = torch.randn(2, M // 2, K, generator=torch.Generator().manual_seed(12))
@@ -242,7 +247,8 @@ def test_q6k_gemm_past_one_tile_splits_rows_over_the_threads_like_one_thread():
     assert got.shape == (2, M // 2, N)
     want = q6k_linear_ref(native_quant.q8_activation_ref(x.view(M, K)), w)
     _assert_sum_close(got.view(M, N), want, x, w.dequantize())
-    assert torch.equal(native_quant.q6k_linear(x[1, 3:4], w), got[1, 3:4])
+    nine = slice(5, 14)  # 9 rows: the same path, its tiles of input rows starting elsewhere
+    assert torch.equal(native_quant.q6k_linear(x.view(M, K)[nine], w), got.view(M, N)[nine])
 
 
 @native

@@ -190,13 +190,13 @@ def q6k_linear(x: Tensor, w: Q6KWeight, target: str | None = None) -> Tensor:
     they are (210 bytes per 256 weights streamed, nothing expanded).  x is rounded to int8 blocks of 32 first, as
     ``int8_linear``'s default path rounds it: the result is ``q6k_linear_ref(q8_activation_ref(x), w)`` up to fp32
     summation order (``csrc/quant.c`` q6k_gemm_q8 says how the 6-bit codes meet the int8 activations).
-    Up to 8 rows (decode) each weight row streams past every input row; past 8 (prefill) the weight rows are taken in
-    L2-sized blocks, each row's codes unpacked once per call into a per-thread buffer and every tile of 8 input rows
-    run over the block, so the M·K activation bytes are re-read once per block rather than once per weight row.
-    Either way a row's result is the same bits, whatever rows share the call, on the SIMD builds (AVX2 / AVX-512 /
-    VNNI); the portable C build may differ past 8 rows by fp32 summation order.  Cost: 2·M·N·K integer multiply-adds,
-    N·K·210/256 weight bytes read once; past 8 rows N·K·5/4 unpacked bytes written once and read from L2 once per
-    tile of 8 input rows."""
+    Up to 8 rows (decode) each weight row streams past every input row, and a row's result is the same bits whatever
+    rows share the call.  Past 8 (prefill), on AVX-512 VNNI builds (``prefill_tiled()``), ``block_prefill_linear``'s
+    register-tiled GEMM: 32-row weight panels unpacked once per call, 4 × 32 outputs in registers, one fp32 term per
+    16 weights — another summation order, so not the ≤ 8-row bits.  Elsewhere the weight rows in L2-sized blocks, each
+    row unpacked once per call into a per-thread buffer and every tile of 8 input rows run over the block with the
+    decode row kernel: the same bits as the ≤ 8-row kernel.  Cost: 2·M·N·K integer multiply-adds, N·K·210/256 weight
+    bytes read once; past 8 rows the unpacked copy (N·K·5/4 bytes) read from L2 once per tile of input rows."""
     N, K = w.shape
     lib, x2, y = _prepare(x, N, K, (w.blocks,), target, max_rows=None)
     lib.q6k_gemm_q8(w.blocks.data_ptr(), x2.data_ptr(), x.dtype == torch.bfloat16, y.data_ptr(), x2.shape[0], N, K)
