@@ -13,9 +13,9 @@ from memory as decode does.  The Q8_0 form is ``quantize_q8_0`` of gguf's exact 
 bytes, times and GB/s of each form (from its own bytes) and the ratio.
 
 ``--prefill``: x [rows, K] through the file's first Q6_K ``ffn_down`` instead (``blk.0`` in Llama 3.2 1B's Q4_K_M:
-[2048, 8192]), ``q6k_linear`` (past 8 rows: weight rows unpacked per L2 block) against the same Q8_0 re-quantization
-through ``block_prefill_linear`` (the register-tiled Q8_0 prefill GEMM), interleaved; prints the times, the integer
-multiply-add rate of each and the ratio.
+[2048, 8192]), ``q6k_linear`` (past 8 rows: the register-tiled prefill GEMM on AVX-512 VNNI, else weight rows
+unpacked per L2 block) against the same Q8_0 re-quantization through ``block_prefill_linear`` (the register-tiled
+Q8_0 prefill GEMM), interleaved; prints the times, the integer operation rate of each and the ratio.
 """
 
 from __future__ import annotations
