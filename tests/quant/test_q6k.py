@@ -12,7 +12,7 @@ from test_kernels_quant import TARGETS, _assert_sum_close, _target_or_skip
 
 from minillm.kernels.cpu import quant as native_quant
 from minillm.quant.gguf import q6_k_blocks
-from minillm.quant.weight import Int8Weight, Q6KWeight, int8_linear_ref, q6k_linear_ref
+from minillm.quant.weight import Int8Weight, Q6KWeight, int8_linear_ref, q6k_linear_ref, quantize_int8
 
 gguf = pytest.importorskip("gguf")
 native = pytest.mark.skipif(not native_quant.available(), reason="no C compiler: the native kernels are not built")
@@ -194,17 +194,67 @@ def test_q6k_gemv_takes_bf16_activations_and_keeps_leading_dims():
 
 
 @native
-def test_q6k_gemv_refuses_a_wrong_k_and_too_many_rows():
+def test_q6k_gemv_refuses_a_wrong_k_and_a_wrong_dtype_naming_them():
     w = q6_k_weight(3, 256, seed=5)
     with pytest.raises(ValueError, match="K=256"):
         native_quant.q6k_linear(torch.randn(1, 512), w)
-    with pytest.raises(ValueError, match="at most 8 rows"):
-        native_quant.q6k_linear(torch.randn(9, 256), w)
+    with pytest.raises(ValueError, match=r"fp32/bf16 x and .*torch.float64 \(9, 256\)"):
+        native_quant.q6k_linear(torch.randn(9, 256, dtype=torch.float64), w)
+
+
+# Past 8 rows (prefill) csrc/quant.c runs the AVX-512 VNNI builds' register tiles (pf_tile_q6: panels of 32 weight
+# rows, 4 input rows a tile; N off both) and elsewhere q6k_q8_rows, which takes the weight rows in blocks of
+# L2_BLOCK / Q6U_BYTES(K) rows (K = 256: 614, K = 2048: 76), unpacked once per call.  N · K < 2¹⁸ keeps every row
+# in one thread's range whatever the OpenMP team, so these N span 2 blocks (K = 256: 614 + 87, K = 2048: 76 + 25): a
+# block that starts, ends or is unpacked at the wrong row moves rows of the second block.
+PREFILL_N = {256: 701, 2048: 101}
+
+
+@native
+@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("K", [256, 2048])
+@pytest.mark.parametrize("M", [9, 33, 300])
+def test_q6k_gemm_past_one_tile_equals_the_reference_and_each_rows_own_result(M, K, target):
+    """Many rows (M not a multiple of the 8-row tile, N across weight-row blocks and off the 4-row split): against the
+    reference on the rounded activations; where no register tiles are built, each row the same bits as that row
+    alone (the decode kernel's); bf16 x the same codes, so its result is the fp32 result of x.float() rounded once."""
+    _target_or_skip(target)
+    N = PREFILL_N[K]
+    w = q6_k_weight(N, K, seed=M + K)
+    x = torch.randn(M, K, generator=torch.Generator().manual_seed(M))
+    got = native_quant.q6k_linear(x, w, target=target)
+    _assert_sum_close(got, q6k_linear_ref(native_quant.q8_activation_ref(x), w), x, w.dequantize())
+    for m in sorted({0, 7, 8, M // 2, M - 1}):
+        alone = native_quant.q6k_linear(x[m:m + 1], w, target=target)
+        if native_quant.prefill_tiled(target):  # another summation order than the decode kernel's
+            _assert_sum_close(alone, got[m:m + 1], x[m:m + 1], w.dequantize())
+        else:
+            assert torch.equal(alone, got[m:m + 1]), m
+    xb = x.bfloat16()
+    got_b = native_quant.q6k_linear(xb, w, target=target)
+    assert got_b.dtype == torch.bfloat16
+    assert torch.equal(got_b, native_quant.q6k_linear(xb.float(), w, target=target).bfloat16())
+
+
+@native
+def test_q6k_gemm_past_one_tile_splits_rows_over_the_threads_like_one_thread():
+    """N · K ≥ 2¹⁸: the rows (panels) split over the OpenMP team (where it has more than one thread) in ranges that
+    end mid-block; every row the reference's value, and the same bits as in a call of the same path alone."""
+    N, K, M = 1301, 256, 20
+    w = q6_k_weight(N, K, seed=11)
+    x = torch.randn(2, M // 2, K, generator=torch.Generator().manual_seed(12))
+    got = native_quant.q6k_linear(x, w)
+    assert got.shape == (2, M // 2, N)
+    want = q6k_linear_ref(native_quant.q8_activation_ref(x.view(M, K)), w)
+    _assert_sum_close(got.view(M, N), want, x, w.dequantize())
+    nine = slice(5, 14)  # 9 rows: the same path, its tiles of input rows starting elsewhere
+    assert torch.equal(native_quant.q6k_linear(x.view(M, K)[nine], w), got.view(M, N)[nine])
 
 
 @native
 def test_native_supports_names_q6_k_weights_on_the_cpu_and_refuses_them_elsewhere():
     w = q6_k_weight(4, 256, seed=6)
     assert native_quant.supports(torch.randn(1, 256), w)
-    assert not native_quant.supports(torch.randn(9, 256), w)  # past MAX_ROWS
+    assert native_quant.supports(torch.randn(300, 256), w)  # Q6_K takes any rows (past MAX_ROWS: blocked)
+    assert not native_quant.supports(torch.randn(9, 256), quantize_int8(torch.randn(4, 256)))  # others: MAX_ROWS
     assert not native_quant.supports(torch.randn(1, 256), Q6KWeight(w.blocks.to("meta")))

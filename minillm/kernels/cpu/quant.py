@@ -16,9 +16,9 @@ rounding, register-tiled over 32-column panels of the weights (AVX-512 VNNI; a p
 ``w8a8_linear`` is W8A8's integer GEMM (``quant.activation``: per-channel int8 weights, int8 activations per token
 or with a static scale, exact int32 sums, the scales in the epilogue): the bits of ``w8a8_linear_int_mm``, any rows.
 
-x [..., K] has 1..``MAX_ROWS`` rows in fp32 or bf16 (the output has x's dtype).  The packed weights are read as
-stored — no float copy is made; scales and mins in fp32, fp16 or K records (``scale_format``).  The library is
-cached beside ``native.c``'s (same directory and CPU key).
+x [..., K] has 1..``MAX_ROWS`` rows (``q6k_linear``: any number) in fp32 or bf16 (the output has x's dtype).  The
+packed weights are read as stored — no float copy is made; scales and mins in fp32, fp16 or K records
+(``scale_format``).  The library is cached beside ``native.c``'s (same directory and CPU key).
 ``target`` (None: ``-march=native`` / ``-mcpu=native``) compiles for another ``-march``, e.g. ``"x86-64"`` builds
 the portable C path (no AVX2): how the tests check the code an AVX2-only or ARM machine runs.
 """
@@ -98,14 +98,15 @@ def simd_name(target: str | None = None) -> str:
 
 
 def supports(x: Tensor, w: Int8Weight | Int4Weight | Q6KWeight) -> bool:
-    """Whether ``x @ w.T`` can take the native path: CPU, fp32/bf16 x with ≤ MAX_ROWS rows, library built."""
+    """Whether ``x @ w.T`` can take the native path: CPU, fp32/bf16 x with ≤ MAX_ROWS rows (a ``Q6KWeight``: any
+    number, ``q6k_linear`` blocks many rows), library built."""
     if isinstance(w, Q6KWeight):
         tensors = (w.blocks,)
     else:
         tensors = (w.qweight, w.scales) if isinstance(w, Int8Weight) else (w.packed, w.scales, w.mins)
     return (x.device.type == "cpu" and all(t is None or t.device.type == "cpu" for t in tensors) and x.dtype in _DTYPES
-            and x.numel() // max(x.shape[-1], 1) <= MAX_ROWS and not (torch.is_grad_enabled() and x.requires_grad)
-            and available())
+            and (isinstance(w, Q6KWeight) or x.numel() // max(x.shape[-1], 1) <= MAX_ROWS)
+            and not (torch.is_grad_enabled() and x.requires_grad) and available())
 
 
 def q8_activation_ref(x: Tensor) -> Tensor:
@@ -120,20 +121,23 @@ def q8_activation_ref(x: Tensor) -> Tensor:
     return (torch.round(xb * inv) * d).view(x.shape)
 
 
-def _prepare(x: Tensor, N: int, K: int, tensors: tuple[Tensor, ...],
-             target: str | None) -> tuple[ctypes.CDLL, Tensor, Tensor]:
-    """(library, x as a contiguous [M, K], y [M, N] for the kernel to fill), or ValueError naming what is missing.
+def _prepare(x: Tensor, N: int, K: int, tensors: tuple[Tensor, ...], target: str | None,
+             max_rows: int | None = MAX_ROWS) -> tuple[ctypes.CDLL, Tensor, Tensor]:
+    """(library, x as a contiguous [M, K] with M ≤ ``max_rows`` (None: any), y [M, N] for the kernel to fill), or
+    ValueError naming what is missing.
     Plain attribute tests only: at decode a SmolLM2 layer stack makes 120 of these calls per token, and each
     microsecond here is a visible share of an int4 decode stack (``supports`` is the same test for callers)."""
     if x.shape[-1] != K:
         raise ValueError(f"x has {x.shape[-1]} features but the weight expects K={K}")
     lib = _lib(target)
     if (lib is None or x.device.type != "cpu" or x.dtype not in _DTYPES
-            or x.numel() > MAX_ROWS * K
+            or (max_rows is not None and x.numel() > max_rows * K)
             or (x.requires_grad and torch.is_grad_enabled())
             or any(t is not None and t.device.type != "cpu" for t in tensors)):
-        raise ValueError(f"the native quantized GEMV needs CPU fp32/bf16 x with at most {MAX_ROWS} rows and a "
-                         "compiled library; use minillm.quant.weight's *_linear_ref instead")
+        rows = "" if max_rows is None else f" with at most {max_rows} rows"
+        raise ValueError(f"the native quantized GEMV needs CPU fp32/bf16 x{rows} and a compiled library, got x "
+                         f"{x.dtype} {tuple(x.shape)} on {x.device.type}; use minillm.quant.weight's *_linear_ref "
+                         "instead")
     x2 = x.reshape(-1, K)
     if not x2.is_contiguous():
         x2 = x2.contiguous()
@@ -182,12 +186,19 @@ def int4_linear(x: Tensor, w4: Int4Weight, exact: bool = False, target: str | No
 
 
 def q6k_linear(x: Tensor, w: Q6KWeight, target: str | None = None) -> Tensor:
-    """x [..., K] (≤ MAX_ROWS rows, fp32/bf16) @ dequant(w).T -> [..., N] in x's dtype, from GGUF Q6_K blocks as they
-    are (210 bytes per 256 weights streamed, nothing expanded).  x is rounded to int8 blocks of 32 first, as
+    """x [..., K] (any number of rows, fp32/bf16) @ dequant(w).T -> [..., N] in x's dtype, from GGUF Q6_K blocks as
+    they are (210 bytes per 256 weights streamed, nothing expanded).  x is rounded to int8 blocks of 32 first, as
     ``int8_linear``'s default path rounds it: the result is ``q6k_linear_ref(q8_activation_ref(x), w)`` up to fp32
-    summation order (``csrc/quant.c`` q6k_gemm_q8 says how the 6-bit codes meet the int8 activations)."""
+    summation order (``csrc/quant.c`` q6k_gemm_q8 says how the 6-bit codes meet the int8 activations).
+    Up to 8 rows (decode) each weight row streams past every input row, and a row's result is the same bits whatever
+    rows share the call.  Past 8 (prefill), on AVX-512 VNNI builds (``prefill_tiled()``), ``block_prefill_linear``'s
+    register-tiled GEMM: 32-row weight panels unpacked once per call, 4 × 32 outputs in registers, one fp32 term per
+    16 weights — another summation order, so not the ≤ 8-row bits.  Elsewhere the weight rows in L2-sized blocks, each
+    row unpacked once per call into a per-thread buffer and every tile of 8 input rows run over the block with the
+    decode row kernel: the same bits as the ≤ 8-row kernel.  Cost: 2·M·N·K integer multiply-adds, N·K·210/256 weight
+    bytes read once; past 8 rows the unpacked copy (N·K·5/4 bytes) read from L2 once per tile of input rows."""
     N, K = w.shape
-    lib, x2, y = _prepare(x, N, K, (w.blocks,), target)
+    lib, x2, y = _prepare(x, N, K, (w.blocks,), target, max_rows=None)
     lib.q6k_gemm_q8(w.blocks.data_ptr(), x2.data_ptr(), x.dtype == torch.bfloat16, y.data_ptr(), x2.shape[0], N, K)
     return y.view(*x.shape[:-1], N)
 

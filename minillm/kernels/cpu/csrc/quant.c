@@ -33,7 +33,8 @@
  * with G = 32 only); activations fp32 or bf16 (x_bf16 = 1; then y is bf16 too).
  * Past one tile of rows: q8_q8_rows takes the weight rows in L2-sized blocks, every tile of input rows over a block
  * (a row's 1-row bits); the prefill GEMM for Q8_0 / Q4_x blocks (q8_gemm_prefill, q4_gemm_prefill, at the end)
- * tiles the same arithmetic over 32-column weight panels, 4 x 32 outputs in registers.
+ * tiles the same arithmetic over 32-column weight panels, 4 x 32 outputs in registers, and so does q6k_gemm_q8 past
+ * 8 rows on AVX-512 VNNI builds (its L2-blocked rows elsewhere).
  * W8A8 (w8a8_gemm, at the end): int8 weights per channel times int8 activations rounded per token, exact int32 sums.
  * Build: cc -O3 -march=native -ffast-math -fopenmp -shared -fPIC on first use, cached.  Without AVX2 (or on ARM)
  * the integer path is plain C loops, correct everywhere and vectorised where the compiler can.
@@ -1145,7 +1146,26 @@ void q8_gemm_q8(const int8_t *restrict W, const void *scales, int scale_fmt, con
     if (x.mem != buf) free(x.mem);
 }
 
-/* ---------------------------------------------------------------- Q6_K weights x int8 activations (decode) */
+/* A per-thread scratch buffer for weight rows repacked per L2 block (q6k_q8_rows' unpacked rows, a8_rows_panel's
+ * panels): one per thread that has asked for one, reused by its later calls and never freed.  It is bounded: it
+ * only grows to the largest block asked for, and each caller sizes its blocks to about L2_BLOCK bytes (at least a few
+ * rows of the widest K seen); the threads that hold one are the OpenMP team and the callers, which normally live as
+ * long as the process (a thread that ends leaves its one buffer behind).  Kept rather than allocated per call: a
+ * buffer this size comes from mmap, and an mmap, its page faults and a munmap on every GEMM would be pure overhead.
+ * NULL when the allocation fails (the caller falls back to a path without it). */
+static __thread void *block_sbuf;
+static __thread size_t block_scap;
+
+static void *block_buf(size_t bytes) {
+    if (bytes > block_scap) {
+        free(block_sbuf);
+        block_sbuf = aligned_alloc(64, (bytes + 63) / 64 * 64);
+        block_scap = block_sbuf ? bytes : 0;
+    }
+    return block_sbuf;
+}
+
+/* ---------------------------------------------------------------- Q6_K weights x int8 activations (any M) */
 
 /* GGUF Q6_K as the file stores it (minillm/quant/weight.py Q6KWeight): per row and 256 weights a 210-byte
  * super-block, ql 128 bytes (low 4 bits), qh 64 (high 2 bits), 16 int8 sub-scales sc (one per 16 weights), fp16 d;
@@ -1262,15 +1282,42 @@ INLINE vf q6_scales(const uint8_t *blk) {
 }
 #endif
 
+/* Many input rows (prefill): on AVX-512 VNNI builds q6k_gemm_q8 hands them to the prefill GEMM's register tiles
+ * (pf_pack_q6, pf_tile_q6 at the end; another summation order).  Elsewhere q6k_q8_rows, where a weight row would be
+ * re-read once per tile of QTILE input rows and its 6-bit codes unpacked each time, at a cost like the products'.
+ * So past one tile the weight rows are taken in blocks of about L2_BLOCK bytes, each row unpacked once per call into
+ * Q6U_BYTES(K) bytes of a per-thread buffer (block_buf): its u codes in chunk order (K bytes, 64 per chunk: exactly
+ * the vectors q6_u_lo / q6_u_hi return), then its 16 scales d * sc per super-block (K / 16 floats, q6_scales'
+ * vectors).  Every tile of input rows then runs over the block with the same row kernel reading those vectors
+ * instead of making them: the same integers and the same fp32 operations in the same order, so a row's bits are the
+ * decode kernel's (tests/quant/test_q6k.py and check_kernels.c check it on every build they run). */
+#define Q6U_BYTES(K) ((K) + (K) / 16 * (int64_t)sizeof(float))
+
+/* Row w (Q6K_BYTES per super-block) -> u [K] then sd [K / 16] at dst (Q6U_BYTES(K) bytes, 64-aligned). */
+static void q6k_unpack_row(const uint8_t *restrict w, int64_t K, uint8_t *restrict dst) {
+    float *sd = (float *)(dst + K);
+    for (int64_t s = 0; s < K / QK_K; s++) {
+        const uint8_t *restrict blk = w + s * Q6K_BYTES;
+        const vb ql0 = vb_load(blk), ql1 = vb_load(blk + CHUNK);
+        const vb h0 = q6_h(blk + 2 * CHUNK), h1 = q6_h(blk + 2 * CHUNK + 32);
+        const vb u[4] = {q6_u_lo(ql0, h0), q6_u_hi(ql0, h0), q6_u_lo(ql1, h1), q6_u_hi(ql1, h1)};
+        const vf sc = q6_scales(blk);
+        memcpy(dst + s * 4 * CHUNK, u, sizeof u);
+        memcpy(sd + s * 16, &sc, sizeof sc);
+    }
+}
+
 /* One Q6_K weight row against R input rows (tile m0): per super-block its 16 scales once, then its 4 chunks of 64
- * weights, even chunks into a0 and odd into a1 (two FMA chains), the same order at every R. */
+ * weights, even chunks into a0 and odd into a1 (two FMA chains), the same order at every R.  UNP (a compile-time 0
+ * or 1): w is the row as stored (0) or as q6k_unpack_row left it (1). */
 INLINE void q6k_q8_row(const uint8_t *restrict w, const xprep_t *x, const int32_t *restrict x32, int64_t m0,
-                       float *restrict out, int64_t K, const int R) {
+                       float *restrict out, int64_t K, const int R, const int UNP) {
     vf a0[QTILE], a1[QTILE];
     for (int m = 0; m < R; m++) a0[m] = vf_zero(), a1[m] = vf_zero();
     for (int64_t s = 0; s < K / QK_K; s++) {
         const uint8_t *restrict blk = w + s * Q6K_BYTES;
-        const vf sd = vf_pin(q6_scales(blk));
+        const uint8_t *restrict uc = w + s * 4 * CHUNK; /* UNP: the super-block's 4 chunks of u */
+        const vf sd = vf_pin(UNP ? vf_load((const float *)(w + K) + s * 16) : q6_scales(blk));
         /* chunk C (0..3) of the super-block: half C / 2, its ql's low (C even) or high nibbles */
 #define Q6_CHUNK(ACC, U, C)                                                                                    \
     do {                                                                                                       \
@@ -1282,12 +1329,19 @@ INLINE void q6k_q8_row(const uint8_t *restrict w, const xprep_t *x, const int32_
             ACC[m] = vf_fma(vf_cvt(d_), vf_mul(sw_, vf_load(x->dxl + (m0 + m) * x->sl + c_ * 16)), ACC[m]);    \
         }                                                                                                      \
     } while (0)
-        const vb ql0 = vb_load(blk), ql1 = vb_load(blk + CHUNK);
-        const vb h0 = q6_h(blk + 2 * CHUNK), h1 = q6_h(blk + 2 * CHUNK + 32);
-        Q6_CHUNK(a0, q6_u_lo(ql0, h0), 0);
-        Q6_CHUNK(a1, q6_u_hi(ql0, h0), 1);
-        Q6_CHUNK(a0, q6_u_lo(ql1, h1), 2);
-        Q6_CHUNK(a1, q6_u_hi(ql1, h1), 3);
+        if (UNP) {
+            Q6_CHUNK(a0, vb_load(uc), 0);
+            Q6_CHUNK(a1, vb_load(uc + CHUNK), 1);
+            Q6_CHUNK(a0, vb_load(uc + 2 * CHUNK), 2);
+            Q6_CHUNK(a1, vb_load(uc + 3 * CHUNK), 3);
+        } else {
+            const vb ql0 = vb_load(blk), ql1 = vb_load(blk + CHUNK);
+            const vb h0 = q6_h(blk + 2 * CHUNK), h1 = q6_h(blk + 2 * CHUNK + 32);
+            Q6_CHUNK(a0, q6_u_lo(ql0, h0), 0);
+            Q6_CHUNK(a1, q6_u_hi(ql0, h0), 1);
+            Q6_CHUNK(a0, q6_u_lo(ql1, h1), 2);
+            Q6_CHUNK(a1, q6_u_hi(ql1, h1), 3);
+        }
 #undef Q6_CHUNK
     }
     for (int m = 0; m < R; m++) out[m] = vf_sum(vf_pin(vf_add(a0[m], a1[m]))); /* pinned: the sum as q6k_q8_row4's */
@@ -1342,22 +1396,52 @@ static void q6k_q8_rows(const uint8_t *restrict W, const xprep_t *x, const int32
             q6k_q8_row4(W + n * rowb, x, x32, out, K);
             for (int r = 0; r < 4; r++) store_y(y, x_bf16, n + r, out[r]);
         }
-    for (; n < n1; n++)
-        for (int64_t m0 = 0; m0 < M; m0 += QTILE) { /* more than QTILE rows: tiles over the (L1-resident) row */
-            float out[QTILE];
-            const int64_t mr = M - m0 < QTILE ? M - m0 : QTILE;
-#define Q6K_Q8(R) q6k_q8_row(W + n * rowb, x, x32, m0, out, K, R)
-            TILE_Q8(mr, Q6K_Q8)
-#undef Q6K_Q8
-            for (int64_t m = 0; m < mr; m++) store_y(y, x_bf16, (m0 + m) * N + n, out[m]);
+    /* Past one tile of input rows: blocks of nb weight rows, each row unpacked once (the comment above
+     * q6k_unpack_row), every tile over the block before the next; the tile's activations stay in cache across the
+     * block's rows.  Without the buffer (allocation failed), the stored rows as at decode: the same bits. */
+    const int64_t ub = Q6U_BYTES(K);
+    const int64_t nb = L2_BLOCK / ub > 4 ? L2_BLOCK / ub : 4;
+    uint8_t *buf = M > QTILE && n < n1 ? (uint8_t *)block_buf((size_t)(nb * ub)) : NULL;
+    if (buf)
+        for (int64_t b0 = n; b0 < n1; b0 += nb) {
+            const int64_t b1 = b0 + nb < n1 ? b0 + nb : n1;
+            for (int64_t r = b0; r < b1; r++) q6k_unpack_row(W + r * rowb, K, buf + (r - b0) * ub);
+            for (int64_t m0 = 0; m0 < M; m0 += QTILE) {
+                const int64_t mr = M - m0 < QTILE ? M - m0 : QTILE;
+                for (int64_t r = b0; r < b1; r++) {
+                    float out[QTILE];
+#define Q6K_Q8U(R) q6k_q8_row(buf + (r - b0) * ub, x, x32, m0, out, K, R, 1)
+                    TILE_Q8(mr, Q6K_Q8U)
+#undef Q6K_Q8U
+                    for (int64_t m = 0; m < mr; m++) store_y(y, x_bf16, (m0 + m) * N + r, out[m]);
+                }
+            }
         }
+    else
+        for (; n < n1; n++)
+            for (int64_t m0 = 0; m0 < M; m0 += QTILE) { /* tiles over the (L1-resident) row */
+                float out[QTILE];
+                const int64_t mr = M - m0 < QTILE ? M - m0 : QTILE;
+#define Q6K_Q8(R) q6k_q8_row(W + n * rowb, x, x32, m0, out, K, R, 0)
+                TILE_Q8(mr, Q6K_Q8)
+#undef Q6K_Q8
+                for (int64_t m = 0; m < mr; m++) store_y(y, x_bf16, (m0 + m) * N + n, out[m]);
+            }
 }
 
 #define X32_STACK 2048 /* lanes of x32 kept on the stack (M = 1, K = 8192) */
 
 /* y[M, N] = x[M, K] @ dequant(W)^T for Q6_K blocks W [N, K / 256, 210] (K a multiple of 256), x rounded to int8
  * blocks of 32 (xprep, as q8_gemm_q8); y in x's dtype (fp32, or bf16 when x_bf16). */
+static void pf_gemm(const void *W, const void *scales, const void *mins, int fmt, const void *xin, int x_bf16,
+                    void *y, int64_t M, int64_t N, int64_t K, int64_t G, int q4, int q6);
+static int pf_tiled_q6(void);
+
 void q6k_gemm_q8(const uint8_t *restrict W, const void *xin, int x_bf16, void *y, int64_t M, int64_t N, int64_t K) {
+    if (M > QTILE && pf_tiled_q6()) { /* AVX-512 VNNI: the prefill GEMM's register tiles (pf_pack_q6) */
+        pf_gemm(W, NULL, NULL, SF_F32, xin, x_bf16, y, M, N, K, QB, 0, 1);
+        return;
+    }
     _Alignas(64) unsigned char buf[XPREP_STACK];
     const xprep_t x = xprep(xin, x_bf16, M, K, QB, 0, buf, sizeof buf);
     int32_t stk[X32_STACK];
@@ -1623,24 +1707,6 @@ static void a8_rows(const int8_t *restrict W, const void *scales, int scale_fmt,
 #define A8P_NP 2
 #endif
 
-/* The panel buffer: one per thread that has run the panel path, reused by its later calls and never freed.  It is
- * bounded: it only grows to the largest block asked for, and a block is nb * kp bytes with nb = max(16, L2_BLOCK /
- * kp rounded down to 16 rows), so at most max(L2_BLOCK, 16 * kp) bytes (192 KiB, or 16 rows of the widest K seen);
- * the threads that hold one are the OpenMP team and the callers, which normally live as long as the process (a
- * thread that ends leaves its one buffer behind).  Kept rather than allocated per call: a buffer this size comes
- * from mmap, and an mmap, its page faults and a munmap on every GEMM would be pure overhead. */
-static __thread int8_t *a8_pbuf;
-static __thread size_t a8_pcap;
-
-static int8_t *a8_panel_buf(size_t bytes) {
-    if (bytes > a8_pcap) {
-        free(a8_pbuf);
-        a8_pbuf = (int8_t *)aligned_alloc(64, (bytes + 63) / 64 * 64);
-        a8_pcap = a8_pbuf ? bytes : 0;
-    }
-    return a8_pbuf;
-}
-
 /* Rows r0..r1 (r1 - r0 <= 16; missing rows are zeros) of W [., K] -> one panel: kp / 4 vectors of 16 lanes x 4 bytes,
  * each byte + 128.  K's tail past the last whole 64 bytes is read masked (padding: 128, met by zero activations). */
 static void a8_pack_panel(const int8_t *restrict W, int64_t K, int64_t kp, int64_t r0, int64_t r1,
@@ -1728,7 +1794,7 @@ static int a8_rows_panel(const int8_t *restrict W, const void *scales, int scale
     const int64_t kp = a->kp;
     int64_t nb = L2_BLOCK / kp / 16 * 16;
     nb = nb < 16 ? 16 : nb;
-    int8_t *buf = a8_panel_buf((size_t)nb * kp);
+    int8_t *buf = (int8_t *)block_buf((size_t)nb * kp); /* nb = max(16, L2_BLOCK / kp rounded down to 16 rows) */
     if (!buf) return 0;
     for (int64_t b0 = n0; b0 < n1; b0 += nb) {
         const int64_t b1 = b0 + nb < n1 ? b0 + nb : n1;
@@ -1806,7 +1872,7 @@ int quant_simd_level(void) {
 #endif
 }
 
-/* ---------------------------------------------------------------- prefill: x in Q8 blocks x Q8_0 / Q4_x, tiled */
+/* ------------------------------------------------------------ prefill: x in Q8 blocks x Q8_0 / Q4_x / Q6_K, tiled */
 
 /* Many rows (prefill, M in the hundreds) of block-quantized weights: llama.cpp's Q8_0 x Q8_0 / Q4_x x Q8_0 scheme as
  * a register-tiled GEMM.  x is rounded per row and block of 32 (pf_round_row: dx = max|x| / 127, xq = rint(x / dx)
@@ -1845,6 +1911,7 @@ typedef struct {
     float *dx;   /* [M, nb] block steps */
     float *xs;   /* [M, nb] dx * sum of the block's codes (the term a Q4 min multiplies) */
     int32_t *xc; /* [M, nb] -128 * sum of the block's codes (Q8_0: the bias of the weights' unsigned operand) */
+    int32_t *xc16; /* [M, 2 nb] or NULL: -32 * sum of each 16 codes (Q6_K: the bias of its unsigned u = q + 32) */
 } pfx_t;
 
 /* One row's blocks rounded, without the fast-math licence (as a8_row: a reciprocal estimate or a hoisted division
@@ -1868,6 +1935,12 @@ static void pf_round_row(const void *xin, int x_bf16, int64_t m, int64_t K, cons
             s += q;
         }
         p->dx[m * nb + b] = d, p->xs[m * nb + b] = d * (float)s, p->xc[m * nb + b] = -128 * s;
+        if (p->xc16)
+            for (int h = 0; h < 2; h++) {
+                int32_t s16 = 0;
+                for (int j = 16 * h; j < 16 * h + 16; j++) s16 += p->xq[m * K + b * QB + j];
+                p->xc16[(m * nb + b) * 2 + h] = -32 * s16;
+            }
     }
 }
 PRECISE_MATH_END
@@ -1957,7 +2030,62 @@ INLINE void pf_tile(const uint8_t *restrict wp, const float *restrict sp, const 
     }
     for (int r = 0; r < R; r++) _mm512_storeu_ps(out[r], f0[r]), _mm512_storeu_ps(out[r] + 16, f1[r]);
 }
-#define PF_TILE(R) pf_tile(wp, sp, mp, x, m0, K, out, R, Q4)
+
+/* GGUF Q6_K (q6k_gemm_q8 past one tile of rows, on these builds): each panel column is unpacked (q6k_unpack_row:
+ * u = q + 32 in 0..63, and d * sc per 16 weights) and laid out as the Q8_0 copy is, u unsigned as it is: wp[b][i][v]
+ * 64 bytes, byte 4c + t = u[n0 + 16v + c, 32b + 4i + t]; sp [2 nb][32] the d * sc of each 16 weights.  Per block
+ * of 32 and row, each half of 16 (its own weight scale) sums in int32 from -32 * sum of its 16 codes (xc16), so it
+ * ends at sum q * xq exactly; then f += (float)sum * (s * dx): the reference on xhat up to fp32 summation order (one
+ * rounding per 16-weight term), not the decode kernel's order.  tmp: Q6U_BYTES(K) bytes. */
+static void pf_pack_q6(const uint8_t *W, int64_t n0, int nv, int64_t K, uint8_t *restrict wp, float *restrict sp,
+                       uint8_t *restrict tmp) {
+    const int64_t nb = K / QB, rowb = K / QK_K * Q6K_BYTES;
+    const float *sd = (const float *)(tmp + K);
+    for (int c = 0; c < PF_NR; c++) {
+        const int v = c / 16, l = c % 16;
+        if (c < nv) q6k_unpack_row(W + (n0 + c) * rowb, K, tmp);
+        else memset(tmp, 0, (size_t)Q6U_BYTES(K)); /* a padding column: u = 0, scale 0 */
+        for (int64_t b = 0; b < nb; b++)
+            for (int i = 0; i < 8; i++) memcpy(wp + b * 1024 + i * 128 + v * 64 + 4 * l, tmp + b * QB + 4 * i, 4);
+        for (int64_t g = 0; g < 2 * nb; g++) sp[g * PF_NR + c] = sd[g];
+    }
+}
+
+INLINE void pf_tile_q6(const uint8_t *restrict wp, const float *restrict sp, const pfx_t *x, int64_t m0, int64_t K,
+                       float out[PF_MR][PF_NR], const int R) {
+    const int64_t nb = K / QB;
+    __m512 f0[PF_MR], f1[PF_MR];
+    for (int r = 0; r < R; r++) f0[r] = _mm512_setzero_ps(), f1[r] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const int8_t *xb = x->xq + m0 * K + b * QB;
+        for (int h = 0; h < 2; h++) {
+            __m512i a0[PF_MR], a1[PF_MR];
+            for (int r = 0; r < R; r++) a0[r] = a1[r] = _mm512_set1_epi32(x->xc16[((m0 + r) * nb + b) * 2 + h]);
+            const uint8_t *wb = wp + b * 1024 + h * 512;
+            for (int i = 0; i < 4; i++) {
+                const __m512i w0 = _mm512_loadu_si512(wb + i * 128), w1 = _mm512_loadu_si512(wb + i * 128 + 64);
+                for (int r = 0; r < R; r++) {
+                    const __m512i xv = pf_bcast(xb + r * K + 16 * h + 4 * i);
+                    a0[r] = _mm512_dpbusd_epi32(a0[r], w0, xv);
+                    a1[r] = _mm512_dpbusd_epi32(a1[r], w1, xv);
+                }
+            }
+            const float *sh = sp + (2 * b + h) * PF_NR;
+            const __m512 s0 = _mm512_loadu_ps(sh), s1 = _mm512_loadu_ps(sh + 16);
+            for (int r = 0; r < R; r++) {
+                const __m512 dx = _mm512_set1_ps(x->dx[(m0 + r) * nb + b]);
+                f0[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a0[r]), _mm512_mul_ps(s0, dx), f0[r]);
+                f1[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a1[r]), _mm512_mul_ps(s1, dx), f1[r]);
+            }
+        }
+    }
+    for (int r = 0; r < R; r++) _mm512_storeu_ps(out[r], f0[r]), _mm512_storeu_ps(out[r] + 16, f1[r]);
+}
+#define PF_TILE(R)                                                                                             \
+    do {                                                                                                       \
+        if (Q6) pf_tile_q6(wp, sp, x, m0, K, out, R);                                                          \
+        else pf_tile(wp, sp, mp, x, m0, K, out, R, Q4);                                                        \
+    } while (0)
 #else
 /* The portable twin: the same products, block sums and per-block scaling, one column at a time. */
 static void pf_tile_c(const uint8_t *restrict wp, const float *restrict sp, const float *restrict mp, const pfx_t *x,
@@ -1986,15 +2114,22 @@ static void pf_tile_c(const uint8_t *restrict wp, const float *restrict sp, cons
 #define PF_TILE(R) pf_tile_c(wp, sp, mp, x, m0, K, out, R, Q4)
 #endif
 
-/* Panels p0 .. p1 of one thread: copy, then every tile of activation rows over it. */
+/* Panels p0 .. p1 of one thread: copy, then every tile of activation rows over it.  Q6 (tiled builds only): W is
+ * Q6_K blocks (sp then spans sp and mp: 2 nb x 32 scales). */
 static void pf_panels(const void *W, const void *scales, const void *mins, int fmt, const pfx_t *x, int x_bf16,
-                      void *y, int64_t M, int64_t N, int64_t K, int64_t G, int64_t p0, int64_t p1, const int Q4) {
+                      void *y, int64_t M, int64_t N, int64_t K, int64_t G, int64_t p0, int64_t p1, const int Q4,
+                      const int Q6) {
     const int64_t nb = K / QB;
-    uint8_t *wp = aligned_alloc(64, (size_t)(nb * (Q4 ? 512 : 1024) + 2 * nb * PF_NR * sizeof(float)));
+    const size_t wbytes = (size_t)(nb * (Q4 ? 512 : 1024) + 2 * nb * PF_NR * sizeof(float));
+    uint8_t *wp = aligned_alloc(64, wbytes + (Q6 ? (size_t)Q6U_BYTES(K) : 0));
     float *sp = (float *)(wp + nb * (Q4 ? 512 : 1024)), *mp = sp + nb * PF_NR;
     for (int64_t p = p0; p < p1; p++) {
         const int64_t n0 = p * PF_NR;
         const int nv = N - n0 < PF_NR ? (int)(N - n0) : PF_NR;
+#if PF_TILED
+        if (Q6) pf_pack_q6((const uint8_t *)W, n0, nv, K, wp, sp, wp + wbytes);
+        else
+#endif
         pf_pack(W, scales, mins, fmt, Q4, n0, nv, K, G, wp, sp, mp);
         for (int64_t m0 = 0; m0 < M; m0 += PF_MR) {
             _Alignas(64) float out[PF_MR][PF_NR];
@@ -2022,15 +2157,17 @@ static void pf_panels(const void *W, const void *scales, const void *mins, int f
  * one parallel region (a barrier between); the panels are split as split.h splits GEMV rows (a late thread's taken
  * over). */
 static void pf_gemm(const void *W, const void *scales, const void *mins, int fmt, const void *xin, int x_bf16,
-                    void *y, int64_t M, int64_t N, int64_t K, int64_t G, int q4) {
-    const int64_t nb = K / QB, np = (N + PF_NR - 1) / PF_NR;
-    void *mem = malloc((size_t)(M * K + M * nb * 12));
-    const pfx_t x = {(int8_t *)mem + M * nb * 12, (float *)mem, (float *)mem + M * nb, (int32_t *)mem + 2 * M * nb};
+                    void *y, int64_t M, int64_t N, int64_t K, int64_t G, int q4, int q6) {
+    const int64_t nb = K / QB, np = (N + PF_NR - 1) / PF_NR, ex = q6 ? 20 : 12; /* per row and block: dx xs xc xc16 */
+    void *mem = malloc((size_t)(M * K + M * nb * ex));
+    const pfx_t x = {(int8_t *)mem + M * nb * ex, (float *)mem, (float *)mem + M * nb, (int32_t *)mem + 2 * M * nb,
+                     q6 ? (int32_t *)mem + 3 * M * nb : NULL};
     SPLIT_DECLARE(np, 1)
 #define PF_PANELS(p0, p1)                                                                                      \
     do {                                                                                                       \
-        if (q4) pf_panels(W, scales, mins, fmt, &x, x_bf16, y, M, N, K, G, p0, p1, 1);                        \
-        else pf_panels(W, scales, mins, fmt, &x, x_bf16, y, M, N, K, G, p0, p1, 0);                           \
+        if (q6) pf_panels(W, scales, mins, fmt, &x, x_bf16, y, M, N, K, G, p0, p1, 0, 1);                     \
+        else if (q4) pf_panels(W, scales, mins, fmt, &x, x_bf16, y, M, N, K, G, p0, p1, 1, 0);                \
+        else pf_panels(W, scales, mins, fmt, &x, x_bf16, y, M, N, K, G, p0, p1, 0, 0);                        \
     } while (0)
 #pragma omp parallel num_threads(T_) if (M * N * K >= (1 << 22))
     {
@@ -2045,12 +2182,12 @@ static void pf_gemm(const void *W, const void *scales, const void *mins, int fmt
 
 void q8_gemm_prefill(const int8_t *W, const void *scales, int scale_fmt, const void *xin, int x_bf16, void *y,
                      int64_t M, int64_t N, int64_t K, int64_t G) {
-    pf_gemm(W, scales, NULL, scale_fmt, xin, x_bf16, y, M, N, K, G, 0);
+    pf_gemm(W, scales, NULL, scale_fmt, xin, x_bf16, y, M, N, K, G, 0, 0);
 }
 
 void q4_gemm_prefill(const uint8_t *P, const void *scales, const void *mins, int scale_fmt, const void *xin,
                      int x_bf16, void *y, int64_t M, int64_t N, int64_t K, int64_t G) {
-    pf_gemm(P, scales, mins, scale_fmt, xin, x_bf16, y, M, N, K, G, 1);
+    pf_gemm(P, scales, mins, scale_fmt, xin, x_bf16, y, M, N, K, G, 1, 0);
 }
 
 /* The prefill GEMM's rounding of x alone: codes [M, K] int8, dx [M, K / 32] (to test against the reference). */
@@ -2058,10 +2195,11 @@ void q8_prefill_round(const void *xin, int x_bf16, int64_t M, int64_t K, int8_t 
     const int64_t nb = K / QB;
     float *xs = malloc(sizeof(float) * M * nb);
     int32_t *xc = malloc(sizeof(int32_t) * M * nb);
-    const pfx_t x = {codes, dx, xs, xc};
+    const pfx_t x = {codes, dx, xs, xc, NULL};
     for (int64_t m = 0; m < M; m++) pf_round_row(xin, x_bf16, m, K, &x);
     free(xs), free(xc);
 }
 
 /* 1 when the prefill GEMM runs on its AVX-512 VNNI register tiles, 0 when on the portable C twin. */
 int quant_prefill_tiled(void) { return PF_TILED; }
+static int pf_tiled_q6(void) { return PF_TILED; }
