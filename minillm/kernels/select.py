@@ -33,7 +33,7 @@ pass pays one dictionary lookup, not a decision per layer.
 Quantized linears (``int4_linear``, ``int8_linear``: packed ``Int4Weight``/``Int8Weight``, ``quant/weight.py``):
 the reference dequantizes then ``F.linear``; "native" (and "auto" on CPU) runs ``kernels/cpu/quant.py`` for decode
 rows (``native_quant.supports``: ≤ 8 rows, fp32/bf16) and, past that, for block-quantized weights (GGUF's Q8_0,
-Q4_0, Q4_1) the prefill GEMM on int8 blocks of x (``block_prefill_linear``) where ``INT8_PREFILL`` allows it,
+Q4_0, Q4_1, Q6_K) the prefill GEMM on int8 blocks of x (``block_prefill_linear``) where ``INT8_PREFILL`` allows it,
 else the reference (the rule: ``int8_prefill_through_int8_activations``); "triton" (and "auto" on CUDA)
 the dequant GEMV of ``kernels/triton/dequant_gemv.py`` up to ``TRITON_GEMV_MAX_ROWS`` rows.
 
@@ -269,10 +269,11 @@ if INT8_PREFILL not in ("auto", "exact", "int8"):
 
 
 def int8_prefill_through_int8_activations(w) -> bool:
-    """Whether a weight-only linear's rows past decode (prefill) take ``native_quant.block_prefill_linear`` instead
-    of the exact dequantize + GEMM: Q4_x ``Int4Weight`` and Q8_0 ``Int8Weight`` (groups of 32) under
+    """Whether a weight-only linear's rows past decode (prefill) take the int8-activation GEMM
+    (``native_quant.block_prefill_linear``; GGUF Q6_K blocks: ``native_quant.q6k_linear``, the same tiles) instead
+    of the exact dequantize + GEMM: Q4_x ``Int4Weight``, Q8_0 ``Int8Weight`` (groups of 32) and ``Q6KWeight`` under
     ``INT8_PREFILL`` (see there).  The one rule."""
-    if INT8_PREFILL == "exact" or not (isinstance(w, Int4Weight) or w.group_size == 32):
+    if INT8_PREFILL == "exact" or not (isinstance(w, (Int4Weight, Q6KWeight)) or w.group_size == 32):
         return False
     return INT8_PREFILL == "int8" or native_quant.prefill_tiled()
 
@@ -301,8 +302,9 @@ def int8_ref(x, w, bias=None):
 
 
 def _native_int8(x, w, bias=None):
-    if isinstance(w, Q6KWeight):  # the blocks as stored: decode rows in registers, prefill rows cache-blocked
-        if native_quant.supports(x, w):
+    if isinstance(w, Q6KWeight):  # the blocks as stored: decode rows in registers, prefill rows where the rule says
+        rows = x.numel() // max(x.shape[-1], 1)
+        if native_quant.supports(x, w) and (rows <= native_quant.MAX_ROWS or int8_prefill_through_int8_activations(w)):
             return _add_bias(native_quant.q6k_linear(x, w), bias)
         return q6k_linear_ref(x, w, bias)
     if native_quant.supports(x, w):
