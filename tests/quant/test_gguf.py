@@ -303,7 +303,7 @@ def test_a_llama_of_q6_k_blocks_decodes_in_the_fused_step_as_its_layers_do_and_n
     the same order), and the native logits are the exact reference's (``kernels="torch"``: the blocks dequantized,
     fp32 activations) up to the int8 rounding of the activations."""
     from minillm import EngineConfig, LLMEngine, ModelConfig, SamplingParams
-    from minillm.engine.native_runner import NativeRunner
+    from minillm.engine.native_runner import NativeDecodeStack, NativeRunner
     from minillm.kernels.cpu import decode
     from minillm.layers.linear import QuantEmbedding, QuantLinear
     from minillm.quant.apply import model_from_packed
@@ -353,3 +353,21 @@ def test_a_llama_of_q6_k_blocks_decodes_in_the_fused_step_as_its_layers_do_and_n
     assert not isinstance(layered.runner, NativeRunner)
     got, want = decode_logits(fused), decode_logits(layered)
     assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True)) and got[0].shape == (6, 96)
+    if decode.available():  # 12 rows in one fused call: each row's logits as 12 one-row calls give them (past 8
+        from minillm.engine.model_runner import DecodeBatch  # rows the GEMM tiles would sum another way)
+        from minillm.kv.paged_cache import PagedKVCache
+
+        caches = [PagedKVCache(cfg, 8 * 13, 4, dtype=torch.float32, device="cpu") for _ in range(2)]
+        g = torch.Generator().manual_seed(3)
+        for c in caches:
+            c.k.copy_(torch.randn(c.k.shape, generator=torch.Generator().manual_seed(3)))
+            c.v.copy_(torch.randn(c.v.shape, generator=g.manual_seed(4)))
+        lens = [3 + i for i in range(12)]
+        tables = [[8 * i + j for j in range(-(-L // 4))] for i, L in enumerate(lens)]
+        rows = DecodeBatch([(7 * i) % 96 for i in range(12)], [L - 1 for L in lens],
+                           [t[(L - 1) // 4] * 4 + (L - 1) % 4 for t, L in zip(tables, lens, strict=True)], tables, lens)
+        together = NativeDecodeStack(model, caches[0]).logits(rows)
+        one = NativeDecodeStack(model, caches[1])
+        fields = (rows.input_ids, rows.positions, rows.slot_mapping, rows.block_tables, rows.seq_lens)
+        alone = torch.cat([one.logits(DecodeBatch(*([f[i]] for f in fields))) for i in range(12)])
+        assert torch.equal(together, alone)

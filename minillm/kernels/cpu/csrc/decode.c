@@ -30,7 +30,7 @@ enum { LIN_F32 = 0, LIN_INT8 = 1, LIN_INT4 = 2, LIN_W8A8 = 3, LIN_BF16 = 4, LIN_
  * Q4_1 packed [N, K/2] with scales and mins in scale format scale_fmt (quant.c SF_*), or Q4_0 with mins NULL
  * (quant.c q4_min); W8A8: int8 codes [N, K] with per-channel scales [N] (G = K) and, in place of mins, the static
  * input scale (one fp32) or NULL (dynamic, per token: quant.c w8a8_gemm); GGUF Q6_K super-blocks [N, K/256, 210]
- * (quant.c q6k_gemm_q8: their scales are inside them; scales, mins NULL); bf16 W [N, K].  bias [N] in the
+ * (quant.c q6k_gemm_q8_rows: their scales are inside them; scales, mins NULL); bf16 W [N, K].  bias [N] in the
  * activation dtype (fp32, or bf16 with a bf16 W) or NULL.  fp32 activations take every kind but LIN_BF16; bf16
  * activations LIN_BF16 only (the caller checks). */
 typedef struct {
@@ -62,7 +62,7 @@ static void linear_run_f32(const linear_t *l, const float *x, float *y, int64_t 
     if (l->kind == LIN_W8A8) {
         w8a8_gemm((const int8_t *)l->w, l->scales, (int)l->scale_fmt, (const float *)l->mins, x, y, M, l->N, l->K);
     } else if (l->kind == LIN_Q6K) {
-        q6k_gemm_q8((const uint8_t *)l->w, x, 0, y, M, l->N, l->K);
+        q6k_gemm_q8_rows((const uint8_t *)l->w, x, 0, y, M, l->N, l->K);
     } else if (l->kind == LIN_INT8) {
         if (l->K % QB || l->G % QB)
             q8_gemm((const int8_t *)l->w, l->scales, (int)l->scale_fmt, x, 0, y, M, l->N, l->K, l->G);

@@ -1437,11 +1437,11 @@ static void pf_gemm(const void *W, const void *scales, const void *mins, int fmt
                     void *y, int64_t M, int64_t N, int64_t K, int64_t G, int q4, int q6);
 static int pf_tiled_q6(void);
 
-void q6k_gemm_q8(const uint8_t *restrict W, const void *xin, int x_bf16, void *y, int64_t M, int64_t N, int64_t K) {
-    if (M > QTILE && pf_tiled_q6()) { /* AVX-512 VNNI: the prefill GEMM's register tiles (pf_pack_q6) */
-        pf_gemm(W, NULL, NULL, SF_F32, xin, x_bf16, y, M, N, K, QB, 0, 1);
-        return;
-    }
+/* The row kernel for any M: every row's result the same bits whatever rows share the call (decode.c's fused step
+ * takes it for all its rows, as it takes q8_gemm_q8 / q4_gemm_q8, so speculative verification rows equal plain decode
+ * rows); q6k_gemm_q8 below switches past QTILE rows to the prefill tiles where they are built. */
+void q6k_gemm_q8_rows(const uint8_t *restrict W, const void *xin, int x_bf16, void *y, int64_t M, int64_t N,
+                      int64_t K) {
     _Alignas(64) unsigned char buf[XPREP_STACK];
     const xprep_t x = xprep(xin, x_bf16, M, K, QB, 0, buf, sizeof buf);
     int32_t stk[X32_STACK];
@@ -1457,6 +1457,14 @@ void q6k_gemm_q8(const uint8_t *restrict W, const void *xin, int x_bf16, void *y
 #undef Q6K_ROWS
     if (x32 != stk) free(x32);
     if (x.mem != buf) free(x.mem);
+}
+
+void q6k_gemm_q8(const uint8_t *restrict W, const void *xin, int x_bf16, void *y, int64_t M, int64_t N, int64_t K) {
+    if (M > QTILE && pf_tiled_q6()) { /* AVX-512 VNNI: the prefill GEMM's register tiles (pf_pack_q6) */
+        pf_gemm(W, NULL, NULL, SF_F32, xin, x_bf16, y, M, N, K, QB, 0, 1);
+        return;
+    }
+    q6k_gemm_q8_rows(W, xin, x_bf16, y, M, N, K);
 }
 
 /* ---------------------------------------------------------------- W8A8: int8 x int8 -> int32 GEMM, any M */
