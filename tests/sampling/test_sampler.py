@@ -233,6 +233,9 @@ def test_native_temperature_rows_draw_the_reference_s_token_from_the_same_unifor
         expected, margin = _reference_draw(logits[r], SamplingParams(temperature=temps[r]), u[r])
         assert token == expected or margin < 1e-6, (r, token, expected, margin)
     assert got[rows.index(4)] == V // 2
+    for bad in (([0], [0.0]), ([12], [1.0]), ([0, 1], [1.0])):  # a zero temperature, a row past B, lengths differ
+        with pytest.raises(ValueError, match="finite temperatures > 0"):
+            native.sample_temperature(logits, bad[0], bad[1], u[: len(bad[0])])
 
 
 @native_sampler

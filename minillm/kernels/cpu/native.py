@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import math
 import os
 import platform
 import shutil
@@ -312,10 +313,11 @@ def sample_temperature(logits: torch.Tensor, rows: list[int], temperature: list[
     R = len(rows)
     if not (logits.dim() == 2 and logits.dtype == torch.float32 and logits.device.type == "cpu"
             and logits.is_contiguous() and len(temperature) == R and u.dtype == torch.float64 and u.shape == (R,)
-            and all(0 <= r < logits.shape[0] for r in rows)):
-        raise ValueError(f"sample_temperature needs contiguous CPU logits [B, V] fp32, R row indices < B, R "
-                         f"temperatures and u [R] float64; got {logits.dtype} {tuple(logits.shape)}, {R} rows, "
-                         f"{len(temperature)} temperatures, {u.dtype} {tuple(u.shape)}")
+            and all(0 <= r < logits.shape[0] for r in rows)
+            and all(math.isfinite(t) and t > 0 for t in temperature)):
+        raise ValueError(f"sample_temperature needs contiguous CPU logits [B, V] fp32, R row indices < B, R finite "
+                         f"temperatures > 0 and u [R] float64; got {logits.dtype} {tuple(logits.shape)}, rows {rows}, "
+                         f"temperatures {temperature}, u {u.dtype} {tuple(u.shape)} (greedy rows take the argmax)")
     index, temps = torch.tensor(rows, dtype=torch.int64), torch.tensor(temperature, dtype=torch.float32)
     u, out = u.contiguous(), torch.empty(R, dtype=torch.int64)
     _lib().sample_temperature(logits.data_ptr(), index.data_ptr(), temps.data_ptr(), u.data_ptr(), R,
